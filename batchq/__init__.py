@@ -1,0 +1,37 @@
+"""batchq: feed a deep-learning trainer from many data-preparation processes via Redis.
+
+The shared core: the wire codec, the Redis key layout and Lua scripts, connections, the
+embedded redis-server, the errors and the CLI. The producer side lives in ``producer``,
+the trainer side in ``consumer``.
+"""
+
+from batchq.errors import (
+    BatchQueueError,
+    ConfigError,
+    ConnectionLost,
+    FrameError,
+    PipelineMismatch,
+    ProducerFailed,
+    ProducersLost,
+    RunChanged,
+    RunFinished,
+    StateLost,
+    TrainerConflict,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchQueueError",
+    "ConfigError",
+    "ConnectionLost",
+    "FrameError",
+    "PipelineMismatch",
+    "ProducerFailed",
+    "ProducersLost",
+    "RunChanged",
+    "RunFinished",
+    "StateLost",
+    "TrainerConflict",
+    "__version__",
+]

@@ -1,0 +1,111 @@
+"""The exceptions of batchq: one root, specific subclasses.
+
+Every error batchq raises derives from :class:`BatchQueueError`. Where Fuel raises a
+builtin (``ValueError``, ``TypeError``, ...), the batchq error subclasses both, so
+ported code that catches Fuel's errors keeps working. redis-py errors are converted at
+the boundary (``raise ConnectionLost(...) from e``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BatchQueueError(Exception):
+    """Root of every error raised by batchq."""
+
+
+class ConfigError(BatchQueueError, ValueError):
+    """A setting or argument has a value batchq cannot use; the message names it."""
+
+
+class ConnectionLost(BatchQueueError, ConnectionError):
+    """Redis could not be reached, or the connection dropped mid-command."""
+
+
+class FrameError(BatchQueueError, ValueError):
+    """A list element failed validation: it is not a frame this version can decode.
+
+    Attributes:
+        reason: a short machine-readable reason (``bad_magic``, ``truncated``, ...),
+            used as the dead list's reason and the counter's label.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"bad frame ({reason}): {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class ProducerFailed(BatchQueueError):
+    """A producer's pipeline raised while building a shard.
+
+    Attributes:
+        epoch: the epoch of the failing shard.
+        shard: the shard's index inside its epoch.
+        producer: the producer's id.
+        remote_traceback: the traceback text as the producer formatted it.
+    """
+
+    def __init__(
+        self, epoch: int, shard: int, producer: str, remote_traceback: str, message: str = ""
+    ) -> None:
+        text = message or "the producer's pipeline raised"
+        super().__init__(
+            f"{text} (epoch {epoch}, shard {shard}, producer {producer})\n"
+            f"--- remote traceback ---\n{remote_traceback}"
+        )
+        self.epoch = epoch
+        self.shard = shard
+        self.producer = producer
+        self.remote_traceback = remote_traceback
+
+
+class ProducersLost(BatchQueueError, TimeoutError):
+    """No producer was alive for ``timeout_s`` while the trainer waited for data.
+
+    Attributes:
+        epoch: the epoch the trainer was waiting in.
+        missing_shards: the shards of that epoch that were not complete.
+        timeout_s: how long the trainer waited.
+    """
+
+    def __init__(self, epoch: int, missing_shards: list[int], timeout_s: float) -> None:
+        shown = ", ".join(str(s) for s in missing_shards[:20])
+        more = f" (+{len(missing_shards) - 20} more)" if len(missing_shards) > 20 else ""
+        super().__init__(
+            f"no producer alive for {timeout_s:g} s while waiting for epoch {epoch}; "
+            f"missing shards: [{shown}]{more}"
+        )
+        self.epoch = epoch
+        self.missing_shards = missing_shards
+        self.timeout_s = timeout_s
+
+
+class TrainerConflict(BatchQueueError):
+    """Another trainer holds the queue's run (its claim is live)."""
+
+
+class PipelineMismatch(BatchQueueError):
+    """A producer's pipeline differs from the run's (fingerprint, hwm or shard count)."""
+
+    def __init__(self, what: str, expected: Any, got: Any) -> None:
+        super().__init__(
+            f"pipeline mismatch: the run's {what} is {expected!r}, this producer has {got!r}; "
+            "start it with the run's pipeline, or reset the queue"
+        )
+        self.what = what
+        self.expected = expected
+        self.got = got
+
+
+class StateLost(BatchQueueError):
+    """Redis lost the queue's state (its incarnation key is gone or changed)."""
+
+
+class RunFinished(BatchQueueError):
+    """The trainer ended the run with ``close(finished=True)``."""
+
+
+class RunChanged(BatchQueueError):
+    """The queue moved on to another run; this client's run is over."""

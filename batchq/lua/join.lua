@@ -1,0 +1,66 @@
+-- join.lua: a producer joins the queue's run, creating the queue and the run if needed.
+-- KEYS[1] meta          HASH   bq:{Q}:meta
+-- KEYS[2] incarnation   STRING bq:{Q}:incarnation
+-- KEYS[3] producers     ZSET   bq:{Q}:producers
+-- KEYS[4] lease         LIST   bq:{Q}:lease:<p>  (this producer's)
+-- KEYS[5] work          LIST   bq:{Q}:work
+-- KEYS[6] data          LIST   bq:{Q}:data
+-- ARGV[1] producer id         ARGV[2] pipeline fingerprint
+-- ARGV[3] hwm                 ARGV[4] shards per epoch (S)
+-- ARGV[5] window (shards)     ARGV[6] run id to use if a run must be created
+-- ARGV[7] incarnation to use if the queue must be created
+-- ARGV[8] heartbeat ttl (ms)  ARGV[9] protocol version
+-- ARGV[10] batches per epoch ('' if unknown)
+-- ARGV[11] the run this producer served before ('' if none)
+-- Returns {'OK', incarnation, run, hwm, S, window, created}
+--      or {'MISMATCH', what, expected}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local inc = redis.call('GET', KEYS[2])
+if not inc then
+  inc = ARGV[7]
+  redis.call('SET', KEYS[2], inc)
+  redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
+end
+
+local run = redis.call('HGET', KEYS[1], 'run')
+local created = 0
+if (not run) or redis.call('HGET', KEYS[1], 'finished') == '1' then
+  -- No run yet, or the last one finished: this producer starts the next run.
+  redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
+  run = ARGV[6]
+  redis.call('HSET', KEYS[1], 'version', ARGV[9], 'run', run, 'next', 0, 'floor', 0)
+  created = 1
+end
+
+local fp = redis.call('HGET', KEYS[1], 'fingerprint')
+if not fp then
+  redis.call('HSET', KEYS[1], 'fingerprint', ARGV[2], 'hwm', ARGV[3], 'shards', ARGV[4],
+    'window', ARGV[5])
+  if ARGV[10] ~= '' then
+    redis.call('HSET', KEYS[1], 'epoch_batches', ARGV[10])
+  end
+else
+  if fp ~= ARGV[2] then
+    return {'MISMATCH', 'fingerprint', fp}
+  end
+  local hwm = redis.call('HGET', KEYS[1], 'hwm')
+  if hwm ~= ARGV[3] then
+    return {'MISMATCH', 'hwm', hwm}
+  end
+end
+
+-- Leases this producer id still holds from an earlier life go back to the front of the
+-- work list when they belong to this run; leases of an older run are simply dropped.
+local held = redis.call('LRANGE', KEYS[4], 0, -1)
+if ARGV[11] == run then
+  for i = #held, 1, -1 do
+    local g = string.match(held[i], '^(%d+):')
+    if g then redis.call('LPUSH', KEYS[5], g) end
+  end
+end
+redis.call('DEL', KEYS[4])
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[8]), ARGV[1])
+local m = redis.call('HMGET', KEYS[1], 'hwm', 'shards', 'window')
+return {'OK', inc, run, m[1], m[2], m[3], created}

@@ -1,0 +1,48 @@
+-- pop.lua: the trainer pops up to N frames; pops first, then wakes producers.
+-- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] wake  KEYS[5] stats
+-- KEYS[6] producers
+-- ARGV[1] incarnation  ARGV[2] run  ARGV[3] claim token  ARGV[4] max frames to pop
+-- ARGV[5] the trainer's floor (oldest incomplete global shard)
+-- ARGV[6] claim ttl (ms)
+-- ARGV[7] frames popped outside this script since the last call (BRPOP)
+-- ARGV[8] bytes received since the last call  ARGV[9] ms spent waiting for data
+-- Returns {'OK', producers alive, depth before the pop, {elements...}}
+--      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'}
+-- At maxmemory Redis refuses a script whose first write may grow memory, so the pop
+-- comes first and the bookkeeping after it; with nothing to pop the bookkeeping goes
+-- through pcall, so a full server cannot make an empty poll fail.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
+local m = redis.call('HMGET', KEYS[1], 'run', 'claim', 'hwm', 'floor')
+if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
+if m[2] ~= ARGV[3] then return {'CLAIM_LOST'} end
+
+local depth = redis.call('LLEN', KEYS[3])
+local items = {}
+if depth > 0 then
+  items = redis.call('RPOP', KEYS[3], math.min(tonumber(ARGV[4]), depth))
+end
+local call = redis.call
+if #items == 0 then call = redis.pcall end
+
+local wake = 0
+if #items > 0 and m[3] and depth >= tonumber(m[3]) then wake = #items end
+local floor = tonumber(ARGV[5])
+if m[4] and floor > tonumber(m[4]) then
+  call('HSET', KEYS[1], 'floor', floor)
+  wake = wake + 1
+end
+if wake > 0 then
+  for _ = 1, math.min(wake, 8) do call('LPUSH', KEYS[4], '1') end
+  call('LTRIM', KEYS[4], 0, 7)
+end
+call('HSET', KEYS[1], 'claim_deadline', now + tonumber(ARGV[6]))
+local popped = #items + tonumber(ARGV[7])
+if popped > 0 then call('HINCRBY', KEYS[5], 'popped', popped) end
+local nbytes = tonumber(ARGV[8])
+if nbytes > 0 then call('HINCRBY', KEYS[5], 'popped_bytes', nbytes) end
+local waited = tonumber(ARGV[9])
+if waited > 0 then call('HINCRBY', KEYS[5], 'trainer_wait_ms', waited) end
+local alive = redis.call('ZCOUNT', KEYS[6], now, '+inf')
+return {'OK', alive, depth, items}

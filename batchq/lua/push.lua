@@ -1,0 +1,36 @@
+-- push.lua: push one frame below the hwm (the capped push).
+-- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] stats  KEYS[5] producers
+-- KEYS[6] lease (this producer's)
+-- KEYS[7] (only for a frame stored by reference) the frame's own key
+-- ARGV[1] incarnation  ARGV[2] run  ARGV[3] producer id
+-- ARGV[4] lease entry '<g>:<token>' the frame belongs to
+-- ARGV[5] list element: the frame itself, or a reference to KEYS[7]
+-- ARGV[6] 1 if this is the shard's last frame (the lease is released), else 0
+-- ARGV[7] heartbeat ttl (ms)  ARGV[8] frame bytes  ARGV[9] ms spent blocked at the hwm
+-- Returns {'OK', depth} or {'FULL', depth}, {'GONE'} (the referenced frame expired:
+-- store it again), {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'},
+-- {'FINISHED'}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
+local m = redis.call('HMGET', KEYS[1], 'run', 'finished', 'hwm')
+if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
+if m[2] == '1' then return {'FINISHED'} end
+if not redis.call('ZSCORE', KEYS[5], ARGV[3]) then return {'REAPED'} end
+redis.call('ZADD', KEYS[5], now + tonumber(ARGV[7]), ARGV[3])
+if not redis.call('LPOS', KEYS[6], ARGV[4]) then return {'LEASE_LOST'} end
+local blocked = tonumber(ARGV[9])
+if blocked > 0 then redis.call('HINCRBY', KEYS[4], 'producer_blocked_ms', blocked) end
+if #KEYS == 7 and redis.call('EXISTS', KEYS[7]) == 0 then return {'GONE'} end
+
+local depth = redis.call('LLEN', KEYS[3])
+if depth >= tonumber(m[3]) then return {'FULL', depth} end
+redis.call('LPUSH', KEYS[3], ARGV[5])
+if #KEYS == 7 then redis.call('PERSIST', KEYS[7]) end
+redis.call('HINCRBY', KEYS[4], 'pushed', 1)
+redis.call('HINCRBY', KEYS[4], 'pushed_bytes', tonumber(ARGV[8]))
+if ARGV[6] == '1' then
+  redis.call('LREM', KEYS[6], 1, ARGV[4])
+  redis.call('HINCRBY', KEYS[4], 'shards_done', 1)
+end
+return {'OK', depth + 1}

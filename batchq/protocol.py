@@ -1,0 +1,43 @@
+"""What the Lua scripts answer: status words and reply decoding, shared by both sides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PROTOCOL_VERSION", "Status", "decode_reply"]
+
+# Written into meta by whoever creates a run; bump on any incompatible change of the
+# key layout, the scripts' replies or the frame header.
+PROTOCOL_VERSION = "1"
+
+
+class Status:
+    """The first element of every script reply."""
+
+    OK = "OK"
+    WAIT = "WAIT"
+    FULL = "FULL"
+    GONE = "GONE"
+    EMPTY = "EMPTY"
+    MISMATCH = "MISMATCH"
+    CONFLICT = "CONFLICT"
+    STATE_LOST = "STATE_LOST"
+    RUN_CHANGED = "RUN_CHANGED"
+    FINISHED = "FINISHED"
+    REAPED = "REAPED"
+    LEASE_LOST = "LEASE_LOST"
+    CLAIM_LOST = "CLAIM_LOST"
+
+
+def decode_reply(reply: Any) -> list[Any]:
+    """Decode a script's reply: bytes become str, nested tables stay lists of bytes.
+
+    The elements of a nested list (popped frames) are left as bytes: they are data.
+    """
+    out: list[Any] = []
+    for item in reply:
+        if isinstance(item, bytes):
+            out.append(item.decode("utf-8", "replace"))
+        else:
+            out.append(item)
+    return out

@@ -1,0 +1,201 @@
+"""The Lua scripts on the real redis-server: join, lease, push, pop, claim, reap."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from batchq.connection import make_client
+from batchq.keys import QueueKeys
+from batchq.protocol import decode_reply
+from batchq.scripts import SCRIPTS
+
+TTL_MS = 10_000
+
+
+class Q:
+    """Drives the scripts of one queue the way producers and the trainer do."""
+
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        self.c = client
+        self.k = QueueKeys(queue)
+        self.inc = ""
+        self.run = ""
+
+    def join(self, p: str, fp: str = "fp", hwm: int = 3, shards: int = 4, window: int = 6) -> list:
+        k = self.k
+        reply = decode_reply(
+            SCRIPTS["join"](
+                self.c,
+                [k.meta, k.incarnation, k.producers, k.lease(p), k.work, k.data],
+                [p, fp, hwm, shards, window, "run1", "inc1", TTL_MS, "1", shards, self.run],
+            )
+        )
+        if reply[0] == "OK":
+            self.inc, self.run = reply[1], reply[2]
+        return reply
+
+    def lease(self, p: str, token: str) -> list:
+        k = self.k
+        return decode_reply(
+            SCRIPTS["lease"](
+                self.c,
+                [k.meta, k.incarnation, k.work, k.lease(p), k.producers],
+                [self.inc, self.run, p, token, TTL_MS],
+            )
+        )
+
+    def push(self, p: str, entry: str, element: bytes, last: bool = False) -> list:
+        k = self.k
+        return decode_reply(
+            SCRIPTS["push"](
+                self.c,
+                [k.meta, k.incarnation, k.data, k.stats, k.producers, k.lease(p)],
+                [self.inc, self.run, p, entry, element, int(last), TTL_MS, len(element), 0],
+            )
+        )
+
+    def claim(self, token: str, op: str = "acquire", takeover: str = "") -> list:
+        k = self.k
+        return decode_reply(
+            SCRIPTS["claim"](
+                self.c,
+                [k.meta, k.incarnation, k.data, k.work, k.wake],
+                [token, TTL_MS, op, "run2", "inc2", takeover, "1"],
+            )
+        )
+
+    def pop(self, token: str, n: int = 10, floor: int = 0) -> Any:
+        k = self.k
+        return SCRIPTS["pop"](
+            self.c,
+            [k.meta, k.incarnation, k.data, k.wake, k.stats, k.producers],
+            [self.inc, self.run, token, n, floor, TTL_MS, 0, 0, 0],
+        )
+
+
+@pytest.fixture
+def q(redis_url: str, queue_name: str) -> Any:
+    client = make_client(redis_url)
+    yield Q(client, queue_name)
+    client.close()
+
+
+def test_join_creates_the_queue_and_refuses_another_pipeline(q: Q) -> None:
+    assert q.join("p1")[:2] == ["OK", "inc1"]
+    meta = q.c.hgetall(q.k.meta)
+    assert meta[b"fingerprint"] == b"fp" and meta[b"hwm"] == b"3" and meta[b"shards"] == b"4"
+    assert q.c.get(q.k.incarnation) == b"inc1"
+    assert q.join("p2", fp="other") == ["MISMATCH", "fingerprint", "fp"]
+    assert q.join("p2", hwm=5) == ["MISMATCH", "hwm", "3"]
+
+
+def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:
+    q.join("p1")
+    assert q.lease("p1", "t1") == ["OK", "0"]
+    assert q.lease("p1", "t1") == ["OK", "0"]  # a retried request: the same shard
+    got = [q.lease("p1", f"t{i}")[1] for i in range(2, 7)]
+    assert got == ["1", "2", "3", "4", "5"]
+    assert q.lease("p1", "t7") == ["WAIT"]  # window 6 past floor 0
+    assert q.c.lrange(q.k.lease("p1"), 0, -1)[0] == b"0:t1"
+
+
+def test_push_never_exceeds_the_hwm_and_pop_wakes_producers(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    for i in range(3):
+        assert q.push("p1", "0:t1", b"f%d" % i)[0] == "OK"
+    assert q.push("p1", "0:t1", b"f3") == ["FULL", 3]
+    assert q.claim("tok")[0] == "OK"
+    reply = q.pop("tok", n=1)
+    assert reply[0] == b"OK" and reply[3] == [b"f0"]  # oldest first
+    assert q.c.llen(q.k.wake) == 1  # the list was at the cap: one token
+    assert q.push("p1", "0:t1", b"f3", last=True)[0] == "OK"
+    assert q.c.llen(q.k.lease("p1")) == 0  # the last frame released the lease
+    stats = q.c.hgetall(q.k.stats)
+    assert stats[b"pushed"] == b"4" and stats[b"popped"] == b"1" and stats[b"shards_done"] == b"1"
+
+
+def test_racing_pushes_at_hwm_minus_one_admit_exactly_one(q: Q, redis_url: str) -> None:
+    q.join("p1", hwm=5)
+    q.lease("p1", "t1")
+    for i in range(4):
+        q.push("p1", "0:t1", b"x%d" % i)
+    barrier = threading.Barrier(8)
+    results: list[str] = []
+
+    def racer(i: int) -> None:
+        client = make_client(redis_url)
+        mine = Q(client, q.k.queue)
+        mine.inc, mine.run = q.inc, q.run
+        barrier.wait(timeout=10)
+        results.append(mine.push("p1", "0:t1", b"r%d" % i)[0])
+        client.close()
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(results) == ["FULL"] * 7 + ["OK"]
+    assert q.c.llen(q.k.data) == 5
+
+
+def test_lease_lost_after_reap_and_returned_shards_go_first(q: Q) -> None:
+    q.join("p1")
+    q.join("p2")
+    assert q.lease("p1", "a")[1] == "0"
+    assert q.lease("p1", "b")[1] == "1"
+    k = q.k
+    reply = SCRIPTS["reap"](
+        q.c, [k.incarnation, k.producers, k.work, k.lease("p1")], [q.inc, "leave", "p1"]
+    )
+    assert decode_reply(reply) == ["OK", 1, 2]
+    assert q.lease("p2", "c")[1] == "0"  # the returned shards, in order, before fresh ones
+    assert q.lease("p2", "d")[1] == "1"
+    assert q.lease("p2", "e")[1] == "2"
+    assert q.push("p1", "0:a", b"late") == ["REAPED"]
+
+
+def test_dead_reap_spares_live_producers(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "a")
+    k = q.k
+    reply = SCRIPTS["reap"](
+        q.c, [k.incarnation, k.producers, k.work, k.lease("p1")], [q.inc, "dead", "p1"]
+    )
+    assert decode_reply(reply) == ["OK", 0, 0]
+    assert q.c.llen(k.lease("p1")) == 1
+
+
+def test_claim_conflict_takeover_and_new_run(q: Q) -> None:
+    q.join("p1")
+    assert q.claim("t1") == ["OK", "inc1", "run1", 0, 1]  # adopts the producers' run
+    assert q.claim("t2")[0] == "CONFLICT"
+    assert q.claim("t2", takeover="run1")[:4] == ["OK", "inc1", "run1", 0]
+    assert q.pop("t1")[0] == b"CLAIM_LOST"  # the fenced-out trainer cannot pop
+    assert q.claim("t2", op="release") == ["OK"]
+    # A trainer arriving after the last one left, with no state, starts a new run.
+    assert q.claim("t3")[:4] == ["OK", "inc1", "run2", 1]
+    assert q.lease("p1", "z") == ["RUN_CHANGED"]
+
+
+def test_finish_tells_producers(q: Q) -> None:
+    q.join("p1")
+    q.claim("t1")
+    assert q.claim("t1", op="finish") == ["OK"]
+    assert q.lease("p1", "a") == ["FINISHED"]
+    assert q.push("p1", "0:a", b"x") == ["FINISHED"]
+
+
+def test_every_script_notices_a_lost_incarnation(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "a")
+    q.claim("t1")
+    q.c.delete(q.k.incarnation)
+    assert q.lease("p1", "b") == ["STATE_LOST"]
+    assert q.push("p1", "0:a", b"x") == ["STATE_LOST"]
+    assert q.pop("t1")[0] == b"STATE_LOST"

@@ -1,0 +1,137 @@
+"""Fixtures for the whole suite: one real redis-server per session, fakeredis, processes.
+
+The real server is a private :class:`~batchq.embedded.EmbeddedRedis` on a free loopback
+port (never 6379); tests share it, so a test only ever deletes its own queue's keys
+(never FLUSHALL/FLUSHDB). Processes started through ``spawn_proc`` are stopped, with
+their whole process group, when the test ends, even when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from uuid import uuid4
+
+import fakeredis
+import pytest
+import redis
+
+from batchq.embedded import EmbeddedRedis
+from batchq.errors import ConfigError
+from batchq.procs import StdSpec, spawn, stop_group
+
+SpawnFn = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture(autouse=True)
+def _no_batchq_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the user's ``BATCHQ_URL`` out of the tests (and out of their children)."""
+    monkeypatch.delenv("BATCHQ_URL", raising=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """The session's redis-server (started on first use, stopped at the session's end)."""
+    server, missing = EmbeddedRedis(), ""
+    try:
+        server.start()
+    except ConfigError as e:
+        missing = str(e)
+    if missing:  # outside the except block: no chained traceback, just the message
+        pytest.fail(f"the tests need a redis-server: {missing}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """The URL of the session's redis-server, ``redis://127.0.0.1:<port>/0``."""
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the session's server (bytes replies), closed after the test."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _delete_queue_keys(url: str, queue: str) -> None:
+    pattern = "bq:\\{" + queue + "\\}:*"  # glob-escaped hash tag: bq:\{q\}:*
+    client = redis.Redis.from_url(url)
+    try:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                client.delete(*batch)
+                batch.clear()
+        if batch:
+            client.delete(*batch)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def queue_name(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A queue name no other test uses; its ``bq:{name}:*`` keys are deleted afterwards.
+
+    The keys are deleted from the session's server only when the test used that server,
+    so fakeredis-only tests do not need a redis-server.
+    """
+    name = f"t{uuid4().hex[:12]}"
+    yield name
+    if "redis_server" in request.fixturenames:
+        server: EmbeddedRedis = request.getfixturevalue("redis_server")
+        if server.running:
+            _delete_queue_keys(server.url, name)
+
+
+@pytest.fixture
+def fake_redis() -> Iterator[fakeredis.FakeRedis]:
+    """A fresh, private fakeredis (emulating Redis 6.2, like the embedded server).
+
+    A private ``FakeServer`` is needed: ``FakeRedis()`` alone shares one server between
+    all instances created with the same arguments, so data would leak between tests.
+    """
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer(version=(6, 2)))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def spawn_proc() -> Iterator[SpawnFn]:
+    """A :func:`batchq.procs.spawn` that stops every group it started when the test ends.
+
+    Yields:
+        ``spawn_proc(argv, *, env=None, cwd=None, stdout=None, stderr=None) -> Popen``.
+    """
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def _spawn(
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stdout: StdSpec = None,
+        stderr: StdSpec = None,
+    ) -> subprocess.Popen[bytes]:
+        proc = spawn(argv, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+        procs.append(proc)
+        return proc
+
+    yield _spawn
+    for proc in reversed(procs):
+        stop_group(proc, timeout_s=5.0, sig=signal.SIGTERM)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
