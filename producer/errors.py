@@ -1,0 +1,86 @@
+"""Errors raised by the producer-side pipeline (datasets, schemes, streams, transformers).
+
+Every class derives from :class:`batchq.errors.BatchQueueError` and from the builtin
+Fuel raises in the same situation, so code ported from Fuel that catches ``ValueError``,
+``KeyError`` or ``IndexError`` keeps working.
+"""
+
+from __future__ import annotations
+
+from batchq.errors import BatchQueueError, ConfigError
+
+__all__ = [
+    "BatchSizeError",
+    "ConfigError",
+    "IncompleteBatchError",
+    "InvalidRequestError",
+    "MissingDependencyError",
+    "RequestError",
+    "RngError",
+    "SchemeError",
+    "ShapeError",
+    "SourceError",
+    "StreamError",
+    "StreamMismatchError",
+    "UnsupportedInputError",
+]
+
+
+class BatchSizeError(BatchQueueError, ValueError):
+    """A batch size is not a positive integer; the message names the value."""
+
+
+class RequestError(BatchQueueError, IndexError):
+    """A request asks for examples outside the dataset; names the index and the size."""
+
+
+class InvalidRequestError(BatchQueueError, ValueError):
+    """A request has the wrong kind: ``None`` where one is needed, or the reverse."""
+
+
+class SourceError(BatchQueueError, KeyError, ValueError):
+    """A source name does not exist; the message names it and lists those that do.
+
+    Fuel raises ``KeyError`` in some places (``Rename``) and ``ValueError`` in others
+    (``FilterSources``, ``Dataset(sources=...)``): this class is both.
+    """
+
+    def __str__(self) -> str:
+        # KeyError's __str__ would wrap the message in quotes.
+        return str(self.args[0]) if self.args else ""
+
+
+class StreamError(BatchQueueError, ValueError):
+    """A stream cannot be built or used as asked (e.g. its kind cannot be inferred)."""
+
+
+class StreamMismatchError(StreamError):
+    """A transformer needs examples and its child gives batches, or the reverse."""
+
+
+class UnsupportedInputError(StreamMismatchError, NotImplementedError):
+    """A transformer got examples (or batches), which it has no method for.
+
+    Fuel raises ``NotImplementedError`` here; this class is that and a
+    :class:`StreamMismatchError`.
+    """
+
+
+class SchemeError(BatchQueueError, ValueError):
+    """An iteration scheme of the wrong kind was given (e.g. ``Cache`` needs batch sizes)."""
+
+
+class IncompleteBatchError(BatchQueueError, ValueError):
+    """``Batch(strictness=2)`` could not fill a batch of the requested size."""
+
+
+class ShapeError(BatchQueueError, ValueError):
+    """Arrays do not have the shapes a transformer needs; the message gives them."""
+
+
+class RngError(BatchQueueError, TypeError):
+    """``rng`` is not ``None``, an int seed, a numpy ``Generator`` or ``RandomState``."""
+
+
+class MissingDependencyError(BatchQueueError, ImportError):
+    """An optional dependency (e.g. ``h5py``) is needed and is not installed."""

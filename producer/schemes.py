@@ -1,0 +1,475 @@
+"""Iteration schemes: which requests (indices, slices, batch sizes) make up an epoch.
+
+Same names, arguments and request formats as ``fuel.schemes``, with one addition that
+batchq relies on: **every scheme is deterministic per epoch**.
+``get_request_iterator(epoch=e)`` returns the requests of epoch ``e`` as a pure function
+of ``(scheme.seed, e)`` and the constructor arguments, whatever this process iterated
+before, so any producer can rebuild any part of any epoch. Called with no argument (as
+Fuel code and :class:`~producer.streams.DataStream` do), each call returns the next
+epoch of this object: 0, 1, 2, ...
+
+Shuffled schemes draw epoch ``e``'s permutation from
+``numpy.random.default_rng([seed, e])``; ``rng`` may be ``None`` (seed
+:data:`DEFAULT_SEED`, like Fuel's ``config.default_seed``), an int seed, or a numpy
+``Generator`` / ``RandomState`` from which one seed is drawn at construction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import math
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from producer.errors import BatchSizeError, ConfigError, RngError, SchemeError
+
+__all__ = [
+    "DEFAULT_SEED",
+    "BatchScheme",
+    "BatchSizeScheme",
+    "ConcatenatedScheme",
+    "ConstantScheme",
+    "IndexScheme",
+    "IterationScheme",
+    "SequentialExampleScheme",
+    "SequentialScheme",
+    "ShuffledExampleScheme",
+    "ShuffledScheme",
+    "cross_validation",
+    "seed_from_rng",
+]
+
+log = logging.getLogger(__name__)
+
+#: The seed used when ``rng`` is None (Fuel's ``config.default_seed``).
+DEFAULT_SEED = 1
+# Seeds drawn from a generator lie in [0, 2**32): valid for every numpy seeding API.
+_SEED_BOUND = 2**32
+
+RngLike = int | np.integer | np.random.Generator | np.random.RandomState | None
+
+
+def seed_from_rng(rng: RngLike) -> int:
+    """Turn an ``rng`` argument into one non-negative int seed.
+
+    Args:
+        rng: ``None`` (:data:`DEFAULT_SEED`), an int seed >= 0, or a numpy ``Generator``
+            / ``RandomState`` from which one integer is drawn (so the caller's object is
+            advanced once, and everything built from the seed is deterministic).
+
+    Returns:
+        The seed.
+
+    Raises:
+        RngError: ``rng`` has another type.
+        ConfigError: ``rng`` is a negative int.
+    """
+    if rng is None:
+        return DEFAULT_SEED
+    if isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
+        if int(rng) < 0:
+            raise ConfigError(f"rng={rng!r} is not valid: an int seed must be >= 0")
+        return int(rng)
+    if isinstance(rng, np.random.Generator):
+        return int(rng.integers(0, _SEED_BOUND))
+    if isinstance(rng, np.random.RandomState):
+        return int(rng.randint(0, _SEED_BOUND, dtype=np.int64))
+    raise RngError(
+        f"rng={rng!r} (type {type(rng).__name__}) is not valid: expected None, an int "
+        "seed >= 0, a numpy.random.Generator or a numpy.random.RandomState"
+    )
+
+
+def _check_int(name: str, value: Any, minimum: int = 0, error: type = ConfigError) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise error(f"{name}={value!r} is not valid: expected an int >= {minimum}")
+    return int(value)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    return _check_int("batch_size", batch_size, 1, BatchSizeError)
+
+
+def _check_count(name: str, value: Any) -> int:
+    return _check_int(name, value)
+
+
+def _check_epoch(epoch: Any) -> int:
+    return _check_int("epoch", epoch)
+
+
+def _permutation(indices: range | list[int], seed: int, epoch: int) -> np.ndarray:
+    """Epoch ``epoch``'s order of ``indices``: a pure function of (seed, epoch)."""
+    perm = np.random.default_rng([seed, _check_epoch(epoch)]).permutation(len(indices))
+    if isinstance(indices, range) and indices.start == 0 and indices.step == 1:
+        return perm
+    return np.asarray(indices, dtype=np.int64)[perm]
+
+
+def _normalize_examples(examples: Any) -> range | list[int]:
+    """Fuel's ``examples``: an int n means ``range(n)``, an iterable lists the indices."""
+    if isinstance(examples, numbers.Integral) and not isinstance(examples, bool):
+        return range(_check_count("examples", examples))
+    if isinstance(examples, range):
+        return examples
+    if not isinstance(examples, Iterable) or isinstance(examples, (str, bytes)):
+        raise ConfigError(
+            f"examples={examples!r} is not valid: expected an int (the number of "
+            "examples) or an iterable of example indices"
+        )
+    indices = examples if isinstance(examples, np.ndarray) else np.asarray(list(examples))
+    if indices.size and (indices.ndim != 1 or indices.dtype.kind not in "iu"):
+        raise ConfigError(
+            f"examples is not valid: expected integer indices, got an array of dtype "
+            f"{indices.dtype} and shape {indices.shape}"
+        )
+    if indices.size and int(indices.min()) < 0:
+        raise ConfigError(f"examples contains the negative index {int(indices.min())}")
+    return [int(i) for i in indices.tolist()]  # Python ints: requests stay JSON-able
+
+
+def _accepts_epoch(scheme: Any) -> bool:
+    """Whether ``scheme.get_request_iterator`` takes ``epoch`` (Fuel-era schemes do not)."""
+    try:
+        return "epoch" in inspect.signature(scheme.get_request_iterator).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class IterationScheme:
+    """Base of all iteration schemes.
+
+    Subclasses implement :meth:`_epoch_requests` (a pure function of the epoch);
+    Fuel-style subclasses that override :meth:`get_request_iterator` directly keep
+    working, without the per-epoch determinism.
+
+    Attributes:
+        requests_examples: whether a request is one example (True) or a batch (False).
+        seed: the int the scheme's randomness derives from, or None if it has none.
+    """
+
+    requests_examples: bool
+    seed: int | None = None
+
+    def get_request_iterator(self, epoch: int | None = None) -> Iterator[Any]:
+        """Return an iterator over the requests of one epoch.
+
+        Args:
+            epoch: which epoch (>= 0). ``None`` means the next epoch of this object
+                (0 on the first such call, then 1, 2, ...); explicit epochs do not
+                move that counter.
+
+        Returns:
+            An iterator over the epoch's requests.
+        """
+        if epoch is None:
+            epoch = getattr(self, "_next_epoch", 0)
+            self._next_epoch = epoch + 1
+        return self._epoch_requests(_check_epoch(epoch))
+
+    def _epoch_requests(self, epoch: int) -> Iterator[Any]:
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither _epoch_requests nor get_request_iterator"
+        )
+
+    def num_requests(self, epoch: int = 0) -> int | None:
+        """How many requests epoch ``epoch`` has, computed without iterating.
+
+        Returns:
+            The count, or None when it is unknown or infinite (e.g. a
+            :class:`ConstantScheme` without ``times`` or ``num_examples``).
+        """
+        return None
+
+
+class BatchSizeScheme(IterationScheme):
+    """A scheme whose requests are batch sizes (ints), for datasets without indices."""
+
+    requests_examples = False
+
+
+class BatchScheme(IterationScheme):
+    """A scheme whose requests are lists of example indices, one list per batch.
+
+    Args:
+        examples: an int n (the examples ``0 .. n-1``) or an iterable of indices.
+        batch_size: the number of indices per request; the last one may be smaller.
+
+    Raises:
+        BatchSizeError: ``batch_size`` is not an int > 0.
+        ConfigError: ``examples`` is neither a count nor integer indices.
+    """
+
+    requests_examples = False
+
+    def __init__(self, examples: int | Iterable[int], batch_size: int) -> None:
+        self.indices = _normalize_examples(examples)
+        self.batch_size = _check_batch_size(batch_size)
+
+    @property
+    def num_examples(self) -> int:
+        """How many examples one epoch covers."""
+        return len(self.indices)
+
+    def num_requests(self, epoch: int = 0) -> int:
+        """``ceil(num_examples / batch_size)``, the same for every epoch."""
+        return math.ceil(len(self.indices) / self.batch_size)
+
+    def _batches(self, order: Sequence[int] | np.ndarray) -> Iterator[list[int]]:
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            yield chunk.tolist() if isinstance(chunk, np.ndarray) else list(chunk)
+
+
+class IndexScheme(IterationScheme):
+    """A scheme whose requests are single example indices (ints).
+
+    Args:
+        examples: an int n (the examples ``0 .. n-1``) or an iterable of indices.
+    """
+
+    requests_examples = True
+
+    def __init__(self, examples: int | Iterable[int]) -> None:
+        self.indices = _normalize_examples(examples)
+
+    @property
+    def num_examples(self) -> int:
+        """How many examples one epoch covers."""
+        return len(self.indices)
+
+    def num_requests(self, epoch: int = 0) -> int:
+        """``num_examples``: one request per example."""
+        return len(self.indices)
+
+
+class ConstantScheme(BatchSizeScheme):
+    """Requests the same batch size, a fixed number of times or forever.
+
+    Args:
+        batch_size: the batch size to request.
+        num_examples: if given, request ``batch_size`` until the sizes sum to
+            ``num_examples`` (the last request may be smaller).
+        times: if given, request ``batch_size`` exactly ``times`` times.
+
+    Raises:
+        BatchSizeError: ``batch_size`` is not an int > 0.
+        ConfigError: both ``num_examples`` and ``times`` are given, or one is negative.
+    """
+
+    def __init__(
+        self, batch_size: int, num_examples: int | None = None, times: int | None = None
+    ) -> None:
+        if num_examples is not None and times is not None:
+            raise ConfigError(
+                f"num_examples={num_examples!r} and times={times!r} were both given: "
+                "expected at most one of them"
+            )
+        self.batch_size = _check_batch_size(batch_size)
+        self.num_examples = (
+            None if num_examples is None else _check_count("num_examples", num_examples)
+        )
+        self.times = None if times is None else _check_count("times", times)
+
+    def num_requests(self, epoch: int = 0) -> int | None:
+        """``times``, or ``ceil(num_examples / batch_size)``, or None (infinite)."""
+        if self.times is not None:
+            return self.times
+        if self.num_examples is not None:
+            return math.ceil(self.num_examples / self.batch_size)
+        return None
+
+    def _epoch_requests(self, epoch: int) -> Iterator[int]:
+        if self.times is not None:
+            return itertools.repeat(self.batch_size, self.times)
+        if self.num_examples is not None:
+            full, rest = divmod(self.num_examples, self.batch_size)
+            return itertools.chain(itertools.repeat(self.batch_size, full), [rest] if rest else [])
+        return itertools.repeat(self.batch_size)
+
+
+class SequentialScheme(BatchScheme):
+    """Batches of consecutive examples, in order; the last batch may be smaller."""
+
+    def _epoch_requests(self, epoch: int) -> Iterator[list[int]]:
+        return self._batches(self.indices)
+
+
+class ShuffledScheme(BatchScheme):
+    """Batches of examples in a new random order every epoch.
+
+    Args:
+        examples: an int n (the examples ``0 .. n-1``) or an iterable of indices.
+        batch_size: the number of indices per request; the last one may be smaller.
+        rng: None, an int seed, or a numpy Generator/RandomState (see
+            :func:`seed_from_rng`).
+        sorted_indices: sort the indices inside each batch (reads stay local).
+    """
+
+    def __init__(
+        self,
+        examples: int | Iterable[int],
+        batch_size: int,
+        rng: RngLike = None,
+        sorted_indices: bool = False,
+    ) -> None:
+        super().__init__(examples, batch_size)
+        self.seed: int = seed_from_rng(rng)
+        self.sorted_indices = bool(sorted_indices)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The example order of epoch ``epoch``: a pure function of (seed, epoch)."""
+        return _permutation(self.indices, self.seed, epoch)
+
+    def _epoch_requests(self, epoch: int) -> Iterator[list[int]]:
+        order = self.permutation(epoch)
+        if not self.sorted_indices:
+            return self._batches(order)
+        return (sorted(batch) for batch in self._batches(order))
+
+
+class SequentialExampleScheme(IndexScheme):
+    """Single examples, in order."""
+
+    def _epoch_requests(self, epoch: int) -> Iterator[int]:
+        return iter(self.indices)
+
+
+class ShuffledExampleScheme(IndexScheme):
+    """Single examples, in a new random order every epoch.
+
+    Args:
+        examples: an int n (the examples ``0 .. n-1``) or an iterable of indices.
+        rng: None, an int seed, or a numpy Generator/RandomState (see
+            :func:`seed_from_rng`).
+    """
+
+    def __init__(self, examples: int | Iterable[int], rng: RngLike = None) -> None:
+        super().__init__(examples)
+        self.seed: int = seed_from_rng(rng)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The example order of epoch ``epoch``: a pure function of (seed, epoch)."""
+        return _permutation(self.indices, self.seed, epoch)
+
+    def _epoch_requests(self, epoch: int) -> Iterator[int]:
+        return iter(self.permutation(epoch).tolist())
+
+
+class ConcatenatedScheme(IterationScheme):
+    """The requests of several schemes, one after the other, every epoch.
+
+    Epoch e of the concatenation is epoch e of each child scheme, so it stays a pure
+    function of the epoch when the children are.
+
+    Args:
+        schemes: the schemes, all requesting examples or all requesting batches.
+
+    Raises:
+        SchemeError: ``schemes`` is empty or mixes example and batch schemes.
+    """
+
+    def __init__(self, schemes: Sequence[IterationScheme]) -> None:
+        self.schemes = list(schemes)
+        kinds = {bool(s.requests_examples) for s in self.schemes}
+        if len(kinds) != 1:
+            found = [f"{type(s).__name__}({s.requests_examples})" for s in self.schemes]
+            raise SchemeError(
+                "all schemes must produce the same type of requests (examples or "
+                f"batches); got requests_examples {found or 'of no scheme'}"
+            )
+
+    @property
+    def requests_examples(self) -> bool:  # type: ignore[override]
+        """The children's kind of request."""
+        return bool(self.schemes[0].requests_examples)
+
+    @property
+    def seed(self) -> int | None:  # type: ignore[override]
+        """None if no child is random, else an int derived from the children's seeds."""
+        seeds = [int(seed) for s in self.schemes if (seed := getattr(s, "seed", None)) is not None]
+        if not seeds:
+            return None
+        return int(np.random.SeedSequence(seeds).generate_state(1)[0])
+
+    def num_requests(self, epoch: int = 0) -> int | None:
+        """The children's counts summed, or None if one is unknown."""
+        total = 0
+        for scheme in self.schemes:
+            count = scheme.num_requests(epoch) if hasattr(scheme, "num_requests") else None
+            if count is None:
+                return None
+            total += count
+        return total
+
+    def _epoch_requests(self, epoch: int) -> Iterator[Any]:
+        # Fuel-era children (no ``epoch`` parameter) just give their next epoch.
+        iterators = [
+            s.get_request_iterator(epoch=epoch) if _accepts_epoch(s) else s.get_request_iterator()
+            for s in self.schemes
+        ]
+        return itertools.chain.from_iterable(iterators)
+
+
+def cross_validation(
+    scheme_class: type[IterationScheme],
+    num_examples: int,
+    num_folds: int,
+    which_fold: int | None = None,
+    strict: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Build (train, valid) scheme pairs for k-fold cross-validation.
+
+    Fold i validates on examples ``[num_examples*i//num_folds, num_examples*(i+1)//num_folds)``
+    and trains on the others, as in Fuel.
+
+    Args:
+        scheme_class: an :class:`IndexScheme` or :class:`BatchScheme` subclass; it is
+            called as ``scheme_class(indices, **kwargs)``.
+        num_examples: the number of examples in the data.
+        num_folds: the number of folds (1 <= num_folds <= num_examples).
+        which_fold: if given, only that fold's tuple is returned (not an iterator).
+        strict: require ``num_examples`` divisible by ``num_folds``; when False each
+            tuple has a third element, the size of the validation set.
+        **kwargs: passed to ``scheme_class`` (e.g. ``batch_size``, ``rng``).
+
+    Returns:
+        An iterator over the ``num_folds`` tuples ``(train, valid)`` (or ``(train,
+        valid, valid_size)`` when not strict), or one such tuple if ``which_fold`` is given.
+
+    Raises:
+        ConfigError: the counts are invalid, or not divisible while ``strict``.
+    """
+    num_examples = _check_count("num_examples", num_examples)
+    num_folds = _check_count("num_folds", num_folds)
+    if not 1 <= num_folds <= max(num_examples, 1):
+        raise ConfigError(
+            f"num_folds={num_folds} is not valid: expected 1 <= num_folds <= "
+            f"num_examples ({num_examples})"
+        )
+    if strict and num_examples % num_folds:
+        raise ConfigError(
+            f"{num_examples} examples are not divisible into {num_folds} evenly-sized "
+            "folds; pass strict=False to allow folds of different sizes"
+        )
+    if which_fold is not None and not 0 <= _check_count("which_fold", which_fold) < num_folds:
+        raise ConfigError(
+            f"which_fold={which_fold!r} is not valid: expected 0 <= which_fold < {num_folds}"
+        )
+
+    def fold(i: int) -> tuple[Any, ...]:
+        begin = num_examples * i // num_folds
+        end = num_examples * (i + 1) // num_folds
+        train = scheme_class([*range(begin), *range(end, num_examples)], **kwargs)  # type: ignore[call-arg]
+        valid = scheme_class(list(range(begin, end)), **kwargs)  # type: ignore[call-arg]
+        return (train, valid) if strict else (train, valid, end - begin)
+
+    if which_fold is not None:
+        return fold(int(which_fold))
+    return (fold(i) for i in range(num_folds))

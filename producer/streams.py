@@ -1,0 +1,193 @@
+"""Data streams: a dataset (or another stream) read epoch by epoch (``fuel.streams``).
+
+Sharding contract: :meth:`DataStream.get_epoch_iterator` reads ``self.iteration_scheme``
+when it is called and calls ``self.iteration_scheme.get_request_iterator()`` with no
+argument, right away. A sharding plan may therefore swap the root stream's scheme for
+an object whose ``get_request_iterator()`` returns a fixed list of requests, for the
+duration of that call only. Such an object need not have ``requests_examples``: the
+stream then keeps the kind (examples or batches) it had when it was built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from producer.errors import StreamError
+from producer.iterator import DataIterator
+
+__all__ = ["AbstractDataStream", "DataIterator", "DataStream"]
+
+log = logging.getLogger(__name__)
+
+
+class AbstractDataStream:
+    """A stream of data separated into epochs.
+
+    Args:
+        iteration_scheme: the scheme whose requests drive each epoch, or None.
+        axis_labels: maps source names to tuples naming each axis, or None.
+
+    Attributes:
+        iteration_scheme: as given; may be replaced between epochs.
+        axis_labels: as given.
+        sources: the names of the sources, in the order data tuples use.
+        produces_examples: True for a stream of single examples, False for batches.
+    """
+
+    def __init__(self, iteration_scheme: Any = None, axis_labels: dict[str, Any] | None = None):
+        self.iteration_scheme = iteration_scheme
+        self.axis_labels = axis_labels
+        # The kind the scheme gave at construction: the fallback when a replacement
+        # scheme (e.g. a shard's fixed requests) does not say.
+        self._produces_examples: bool | None = self._scheme_kind(iteration_scheme)
+
+    @staticmethod
+    def _scheme_kind(scheme: Any) -> bool | None:
+        value = getattr(scheme, "requests_examples", None) if scheme is not None else None
+        return None if value is None else bool(value)
+
+    @property
+    def produces_examples(self) -> bool:
+        """Whether this stream yields single examples (True) or batches (False).
+
+        Taken from the iteration scheme's ``requests_examples`` when there is one;
+        otherwise it must have been set.
+
+        Raises:
+            StreamError: it cannot be inferred and was not set.
+        """
+        kind = self._scheme_kind(self.iteration_scheme)
+        if kind is not None:
+            return kind
+        if self._produces_examples is None:
+            return self._default_produces_examples()
+        return self._produces_examples
+
+    @produces_examples.setter
+    def produces_examples(self, value: bool) -> None:
+        if self._scheme_kind(self.iteration_scheme) is not None:
+            raise StreamError(
+                f"cannot set produces_examples on the {type(self).__name__} instance: it "
+                f"is determined by its iteration scheme {self.iteration_scheme!r}"
+            )
+        self._produces_examples = bool(value)
+
+    def _default_produces_examples(self) -> bool:
+        """The kind when neither the scheme nor the user says; a transformer's child's."""
+        raise StreamError(
+            f"cannot infer whether the {type(self).__name__} instance produces examples "
+            "or batches: set its produces_examples attribute to True (examples) or "
+            "False (batches)"
+        )
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The names of the sources, in the order of the data tuples."""
+        return getattr(self, "_sources", ())
+
+    @sources.setter
+    def sources(self, value: tuple[str, ...]) -> None:
+        self._sources = tuple(value)
+
+    def get_data(self, request: Any = None) -> Any:
+        """Return the data for one request (a tuple in :attr:`sources` order)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement get_data")
+
+    def reset(self) -> None:
+        """Reset the stream to the start of an epoch."""
+
+    def close(self) -> None:
+        """Release what the stream holds (e.g. file handles)."""
+
+    def next_epoch(self) -> None:
+        """Switch the stream to the next epoch."""
+
+    def get_epoch_iterator(self, as_dict: bool = False) -> Iterator[Any]:
+        """Return an iterator over one epoch.
+
+        Args:
+            as_dict: yield ``{source: value}`` dicts instead of tuples.
+        """
+        scheme = self.iteration_scheme
+        requests = scheme.get_request_iterator() if scheme is not None else None
+        return DataIterator(self, requests, as_dict=as_dict)
+
+    def iterate_epochs(self, as_dict: bool = False) -> Iterator[Iterator[Any]]:
+        """Yield one epoch iterator after the other, forever."""
+        while True:
+            yield self.get_epoch_iterator(as_dict=as_dict)
+
+
+class DataStream(AbstractDataStream):
+    """A stream of data from a dataset.
+
+    Args:
+        dataset: the dataset to read.
+        iteration_scheme: the scheme whose requests are passed to
+            ``dataset.get_data``; None for datasets that take no request (e.g.
+            :class:`~producer.datasets.IterableDataset`), which then give examples.
+        **kwargs: ``axis_labels`` (defaults to a copy of the dataset's).
+    """
+
+    def __init__(self, dataset: Any, iteration_scheme: Any = None, **kwargs: Any) -> None:
+        if getattr(dataset, "axis_labels", None):
+            kwargs.setdefault("axis_labels", dict(dataset.axis_labels))
+        super().__init__(iteration_scheme=iteration_scheme, **kwargs)
+        if iteration_scheme is None:
+            # A stream without a scheme gives examples, as in Fuel.
+            self.produces_examples = True
+        if self.produces_examples and self.axis_labels:
+            self.axis_labels = {
+                source: None if labels is None else tuple(x for x in labels if x != "batch")
+                for source, labels in self.axis_labels.items()
+            }
+        self.dataset = dataset
+        self.data_state = self.dataset.open()
+        self._fresh_state = True
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The dataset's sources, unless set on the stream."""
+        if hasattr(self, "_sources"):
+            return self._sources
+        return tuple(self.dataset.sources)
+
+    @sources.setter
+    def sources(self, value: tuple[str, ...]) -> None:
+        self._sources = tuple(value)
+
+    def close(self) -> None:
+        """Close the dataset's state."""
+        self.data_state = self.dataset.close(self.data_state)
+
+    def reset(self) -> None:
+        """Reset the dataset's state; the next epoch iterator starts from it."""
+        self.data_state = self.dataset.reset(self.data_state)
+        self._fresh_state = True
+
+    def next_epoch(self) -> None:
+        """Move the dataset's state to the next epoch."""
+        self.data_state = self.dataset.next_epoch(self.data_state)
+
+    def get_data(self, request: Any = None) -> Any:
+        """Return ``dataset.get_data(state, request)``."""
+        return self.dataset.get_data(self.data_state, request)
+
+    def get_epoch_iterator(self, as_dict: bool = False) -> Iterator[Any]:
+        """Return an iterator over the next epoch (the first one uses the fresh state).
+
+        Reads ``self.iteration_scheme`` now and calls its ``get_request_iterator()``
+        with no argument before returning (see the module's sharding contract).
+        """
+        if not self._fresh_state:
+            self.next_epoch()
+        else:
+            self._fresh_state = False
+        return super().get_epoch_iterator(as_dict=as_dict)
+
+    @classmethod
+    def default_stream(cls, dataset: Any, **kwargs: Any) -> Any:
+        """Build ``cls(dataset, **kwargs)`` and wrap it in the dataset's default transformers."""
+        return dataset.apply_default_transformers(cls(dataset, **kwargs))
