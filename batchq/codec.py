@@ -1,0 +1,432 @@
+"""The wire codec: one Redis list element is one *frame*.
+
+Layout (offsets from the start of the frame)::
+
+    0   b"BQF"              magic
+    3   u8                  format version (1)
+    4   u8                  kind: 1 BATCH, 2 END, 3 ERROR
+    5   3 bytes             reserved, zero
+    8   u32 little-endian   H, the header's length
+    12  H bytes             msgpack header (a map)
+        zero padding        up to the next multiple of 64: the *buffer region* starts here
+        array buffers       each at a 64-aligned offset, C order, in the dtype's byte order
+
+A frame without array bytes ends right after its header (no padding).
+
+Header keys (short, to keep small frames small):
+
+=========  ===============================================================================
+``run``    run id (str)
+``ep``     epoch (int >= 0)
+``sh``     shard index inside the epoch (int >= 0)
+``k``      position of the batch in its shard (int >= 0)
+``g``      global batch index in plan order (int >= -1; -1: unknown)
+``pid``    producer id (str)
+``last``   bool: this is the shard's last frame (END frames are last, with no data)
+``n``      number of batches in the shard; present exactly when ``last``
+``src``    source names (list of str)
+``items``  one entry per source, in ``src`` order (see below)
+``err``    traceback text (ERROR frames only)
+``ename``  exception class name (ERROR frames only, optional)
+``crc``    optional zlib.crc32 of the buffer region (written as a fixed-width uint32)
+``t``      optional producer wall time (float, seconds since the epoch) at encoding
+=========  ===============================================================================
+
+An item entry is one of:
+
+* an array: ``{"dtype": dtype.str, "shape": [int, ...], "off": int, "len": int}`` plus
+  ``"sc": true`` when the value was a numpy scalar (it decodes to a numpy scalar);
+* a Python value: ``{"v": value}`` (None, bool, int, float, str, bytes, lists, dicts);
+* an object array (ragged data): ``{"obj": shape, "items": [...]}``, its elements in C
+  order, each an array entry or a value entry. Object bytes never travel.
+
+Allowed dtype kinds: ``b i u f c S U M m``, either byte order. Decoding validates the
+whole header before touching numpy, never copies array bytes (arrays are read-only
+``np.frombuffer`` views unless ``writable=True``), never unpickles, and turns every
+malformation into :class:`~batchq.errors.FrameError`.
+
+Large frames may live under their own Redis key; the list then holds a *reference*
+element, ``REF_MAGIC + key`` (see :func:`encode_ref`, :func:`decode_ref`).
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batchq._codec_values import (
+    PREFIX,
+    Copy,
+    align,
+    build_item,
+    describe,
+    encode_item,
+    layout,
+    pack_header,
+    parse_item,
+    unpack_header,
+)
+from batchq.errors import ConfigError, FrameError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "REF_MAGIC",
+    "Frame",
+    "FrameKind",
+    "decode_frame",
+    "decode_ref",
+    "encode_frame",
+    "encode_ref",
+    "is_frame",
+    "is_ref",
+]
+
+MAGIC = b"BQF"
+FORMAT_VERSION = 1
+REF_MAGIC = b"BQR\x01"
+
+_RESERVED = b"\x00\x00\x00"
+_MAX_REF_KEY = 1024  # bytes; a reference names a Redis key, not a payload
+
+
+class FrameKind(enum.IntEnum):
+    """What a frame carries."""
+
+    BATCH = 1
+    END = 2
+    ERROR = 3
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: data holds arrays, whose == is elementwise
+class Frame:
+    """A decoded frame.
+
+    Attributes:
+        kind: BATCH, END or ERROR.
+        run: the run id.
+        epoch: the epoch.
+        shard: the shard's index inside the epoch.
+        k: the batch's position in its shard.
+        g: the global batch index in plan order, -1 when unknown.
+        producer: the producer's id.
+        last: whether this is the shard's last frame.
+        count: the number of batches in the shard when ``last``, else None.
+        sources: the source names.
+        data: the decoded values, in ``sources`` order.
+        error: the producer's traceback text (ERROR frames), else None.
+        error_name: the exception's class name (ERROR frames), else None.
+        nbytes: the encoded frame's length.
+        produced_at: the producer's wall time at encoding, if it sent one.
+    """
+
+    kind: FrameKind
+    run: str
+    epoch: int
+    shard: int
+    k: int
+    g: int
+    producer: str
+    last: bool
+    count: int | None
+    sources: tuple[str, ...]
+    data: tuple[Any, ...]
+    error: str | None
+    error_name: str | None
+    nbytes: int
+    produced_at: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the data as a dict from source name to value."""
+        return dict(zip(self.sources, self.data, strict=True))
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return type(value) is int and value >= low
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_frame(
+    kind: FrameKind,
+    *,
+    run: str,
+    epoch: int,
+    shard: int,
+    k: int,
+    producer: str,
+    sources: Sequence[str] = (),
+    data: Sequence[Any] = (),
+    g: int = -1,
+    last: bool = False,
+    count: int | None = None,
+    error: str | None = None,
+    error_name: str | None = None,
+    checksum: bool = False,
+    max_frame_bytes: int | None = None,
+    produced_at: float | None = None,
+) -> bytearray:
+    """Encode one frame into a single freshly allocated buffer.
+
+    The frame's size is computed first; each array's bytes are then copied once, straight
+    into their place (non-contiguous arrays are gathered by that same copy).
+
+    Args:
+        kind: BATCH, END or ERROR. END implies ``last=True``; END and ERROR carry no data.
+        run: the run id.
+        epoch: the epoch (>= 0).
+        shard: the shard's index (>= 0).
+        k: the batch's position in its shard (>= 0).
+        producer: the producer's id.
+        sources: the source names, unique.
+        data: one value per source: an ``np.ndarray`` of an allowed dtype, a numpy scalar,
+            an object array of such arrays or values (ragged data), or a plain Python value.
+        g: the global batch index, -1 when unknown.
+        last: whether this is the shard's last frame; then ``count`` is required.
+        count: the number of batches in the shard (only with ``last``).
+        error: the traceback text (ERROR frames; required there).
+        error_name: the exception's class name (ERROR frames).
+        checksum: store a crc32 of the buffer region.
+        max_frame_bytes: refuse (before allocating) frames larger than this.
+        produced_at: the producer's wall time, for monitoring.
+
+    Returns:
+        The encoded frame.
+
+    Raises:
+        ConfigError: an argument is invalid, a value cannot be encoded, or the frame
+            would exceed ``max_frame_bytes``.
+    """
+    kind = _check_kind(kind)
+    sources, data = tuple(sources), tuple(data)
+    if len(sources) != len(data):
+        raise ConfigError(f"{len(sources)} sources but {len(data)} data values")
+    header: dict[str, Any] = {
+        "run": run, "ep": epoch, "sh": shard, "k": k, "g": g, "pid": producer,
+        "last": True if kind is FrameKind.END else last, "src": list(sources),
+    }  # fmt: skip
+    optional = {"n": count, "err": error, "ename": error_name, "t": produced_at}
+    header.update((key, value) for key, value in optional.items() if value is not None)
+    problem = _header_problem(kind, header)
+    if problem:
+        raise ConfigError(f"cannot encode the frame: {problem}")
+    if produced_at is not None:
+        header["t"] = float(produced_at)
+    copies: list[Copy] = []
+    header["items"] = [encode_item(s, v, copies) for s, v in zip(sources, data, strict=True)]
+
+    packed, data_start, total = layout(header, copies, checksum)
+    if max_frame_bytes is not None and total > max_frame_bytes:
+        raise ConfigError(
+            f"frame of {total} bytes exceeds max_frame_bytes={max_frame_bytes} "
+            f"(run {run!r}, epoch {epoch}, shard {shard}, k {k})"
+        )
+    out = bytearray(total)  # zero-filled: the padding needs no writes
+    PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
+    for arr, desc in copies:
+        if desc["len"]:
+            dst = np.ndarray(arr.shape, dtype=arr.dtype, buffer=out, offset=desc["off"])
+            np.copyto(dst, arr, casting="no")
+            del dst  # drop the export so that the caller may resize the bytearray
+    if checksum:
+        with memoryview(out) as region:
+            crc = zlib.crc32(region[data_start:])
+        packed = pack_header(header, crc)
+    out[PREFIX.size : PREFIX.size + len(packed)] = packed
+    return out
+
+
+def _check_kind(kind: Any) -> FrameKind:
+    try:
+        return FrameKind(kind)
+    except ValueError:
+        raise ConfigError(f"kind {kind!r}: expected a FrameKind (1, 2 or 3)") from None
+
+
+_FIELDS: dict[str, tuple[str, type]] = {
+    "run": ("run id", str), "ep": ("epoch", int), "sh": ("shard", int), "k": ("k", int),
+    "g": ("g", int), "pid": ("producer", str), "last": ("last", bool), "src": ("sources", list),
+}  # fmt: skip
+_LOW = {"ep": 0, "sh": 0, "k": 0, "g": -1}
+
+
+def _header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
+    """Say what is wrong with a header's fields (not its items), or None.
+
+    Shared by the encoder (which raises ConfigError) and the decoder (FrameError), so
+    that both sides hold the same rules.
+    """
+    for key, (name, typ) in _FIELDS.items():
+        value = header.get(key)
+        # bool is an int subclass: only "last" may be one.
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            return f"{key!r} ({name}) is {value!r}, expected a {typ.__name__}"
+        if key in _LOW and header[key] < _LOW[key]:
+            return f"{key!r} ({name}) is {value}, expected >= {_LOW[key]}"
+    src = header["src"]
+    if not all(isinstance(s, str) for s in src) or len(set(src)) != len(src):
+        return f"'src' (sources) is {src!r}, expected unique strs"
+    last, count = header["last"], header.get("n")
+    if last != ("n" in header) or (last and not _is_int(count, 0)):
+        return f"'n' (count) is {count!r} with last={last}; expected an int >= 0 exactly when last"
+    if kind is not FrameKind.BATCH and src:
+        return f"{kind.name} frames carry no data, got sources {src!r}"
+    err, ename = header.get("err"), header.get("ename")
+    if kind is FrameKind.ERROR and not isinstance(err, str):
+        return f"'err' (error) is {err!r}; ERROR frames need the traceback text"
+    if kind is not FrameKind.ERROR and (err is not None or ename is not None):
+        return f"'err'/'ename' (error, error_name) belong to ERROR frames, not {kind.name}"
+    if ename is not None and not isinstance(ename, str):
+        return f"'ename' (error_name) is {ename!r}, expected a str"
+    t = header.get("t")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
+        return f"'t' (produced_at) is {t!r}, expected a float"
+    return None
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decode_frame(
+    buf: bytes | bytearray | memoryview,
+    *,
+    writable: bool = False,
+    max_frame_bytes: int | None = None,
+    verify_checksum: bool = True,
+) -> Frame:
+    """Decode and validate one frame.
+
+    Args:
+        buf: the list element. Arrays are views over it, so it stays alive with them.
+        writable: return writable copies instead of read-only views.
+        max_frame_bytes: reject larger frames (``too_large``) before parsing anything.
+        verify_checksum: check the crc when the frame has one.
+
+    Returns:
+        The frame.
+
+    Raises:
+        FrameError: the element is not a valid frame; ``reason`` says why.
+        ConfigError: ``buf`` is not bytes-like (a str: was the Redis client created
+            with ``decode_responses=True``?).
+    """
+    try:
+        view = memoryview(buf).cast("B")
+    except TypeError as e:
+        raise ConfigError(
+            f"decode_frame needs bytes, got {type(buf).__name__} "
+            "(is the Redis client created with decode_responses=True?)"
+        ) from e
+    size = len(view)
+    if max_frame_bytes is not None and size > max_frame_bytes:
+        raise FrameError("too_large", f"frame of {size} bytes exceeds max {max_frame_bytes}")
+    if size < PREFIX.size:
+        raise FrameError("too_short", f"{size} bytes, a frame has at least {PREFIX.size}")
+    magic, version, kind, reserved, hlen = PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise FrameError("bad_magic", f"starts with {bytes(view[:4])!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise FrameError("bad_version", f"format version {version}, expected {FORMAT_VERSION}")
+    if kind not in FrameKind._value2member_map_:
+        raise FrameError("bad_kind", f"kind {kind}, expected 1 (BATCH), 2 (END) or 3 (ERROR)")
+    if reserved != _RESERVED:
+        raise FrameError("bad_header", f"reserved bytes {reserved!r}, expected zeros")
+    if PREFIX.size + hlen > size:
+        raise FrameError("too_short", f"header of {hlen} bytes ends past the frame's {size} bytes")
+    header = unpack_header(view[PREFIX.size : PREFIX.size + hlen])
+    frame_kind = FrameKind(kind)
+    problem = _header_problem(frame_kind, header)
+    if problem:
+        raise FrameError("bad_header", problem)
+    sources, items = header["src"], header.get("items")
+    if not isinstance(items, list) or len(items) != len(sources):
+        raise FrameError("bad_header", f"'items' is {describe(items)}, expected {len(sources)}")
+    data_start = align(PREFIX.size + hlen)
+    specs = [
+        parse_item(entry, f"source {src!r}", data_start, size)
+        for src, entry in zip(sources, items, strict=True)
+    ]
+    crc = header.get("crc")
+    if crc is not None:
+        if not _is_int(crc, 0) or crc > 0xFFFFFFFF:
+            raise FrameError("bad_header", f"'crc' is {crc!r}, expected a uint32")
+        if verify_checksum and zlib.crc32(view[data_start:]) != crc:
+            raise FrameError("bad_checksum", f"buffer region crc32 differs from {crc:#010x}")
+    source = buf if isinstance(buf, bytes | bytearray) else view
+    t = header.get("t")
+    return Frame(
+        kind=frame_kind, run=header["run"], epoch=header["ep"], shard=header["sh"],
+        k=header["k"], g=header["g"], producer=header["pid"], last=header["last"],
+        count=header.get("n"), sources=tuple(sources),
+        data=tuple(build_item(spec, source, writable) for spec in specs),
+        error=header.get("err"), error_name=header.get("ename"), nbytes=size,
+        produced_at=None if t is None else float(t),
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- references
+
+
+def encode_ref(key: str) -> bytes:
+    """Encode a reference element that points at the Redis key holding a large frame.
+
+    Raises:
+        ConfigError: the key is empty, too long, or contains whitespace/control chars.
+    """
+    if not isinstance(key, str) or not _key_ok(key):
+        raise ConfigError(f"reference key {key!r}: expected a printable str without spaces")
+    encoded = key.encode("utf-8")
+    if len(encoded) > _MAX_REF_KEY:
+        raise ConfigError(f"reference key of {len(encoded)} bytes, at most {_MAX_REF_KEY}")
+    return REF_MAGIC + encoded
+
+
+def decode_ref(elem: bytes | bytearray | memoryview, key_prefix: str) -> str:
+    """Decode a reference element and check that it names a key of this queue.
+
+    Args:
+        elem: the list element.
+        key_prefix: the prefix every frame key of this queue starts with.
+
+    Returns:
+        The key.
+
+    Raises:
+        FrameError: ``bad_ref`` when the element is not a valid reference under
+            ``key_prefix``.
+    """
+    if not is_ref(elem):
+        raise FrameError("bad_ref", f"starts with {bytes(elem[:4])!r}, expected {REF_MAGIC!r}")
+    raw = bytes(elem[len(REF_MAGIC) :])
+    if len(raw) > _MAX_REF_KEY:
+        raise FrameError("bad_ref", f"key of {len(raw)} bytes, at most {_MAX_REF_KEY}")
+    try:
+        key = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FrameError("bad_ref", f"key {raw[:64]!r} is not utf-8") from None
+    if not _key_ok(key) or not key.startswith(key_prefix):
+        raise FrameError(
+            "bad_ref", f"key {key[:200]!r}: expected a printable key starting with {key_prefix!r}"
+        )
+    return key
+
+
+def _key_ok(key: str) -> bool:
+    # isprintable() is False for control, format and separator characters except " ".
+    return bool(key) and key.isprintable() and " " not in key
+
+
+def is_ref(elem: Any) -> bool:
+    """Whether ``elem`` looks like a reference element (a cheap prefix check)."""
+    return isinstance(elem, bytes | bytearray | memoryview) and bytes(elem[:4]) == REF_MAGIC
+
+
+def is_frame(elem: Any) -> bool:
+    """Whether ``elem`` looks like a frame (a cheap prefix check; decode to validate)."""
+    return isinstance(elem, bytes | bytearray | memoryview) and bytes(elem[:3]) == MAGIC
