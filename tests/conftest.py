@@ -11,7 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import fakeredis
@@ -21,6 +24,13 @@ import redis
 from batchq.embedded import EmbeddedRedis
 from batchq.errors import ConfigError
 from batchq.procs import StdSpec, spawn, stop_group
+
+TESTS_DIR = Path(__file__).resolve().parent
+# Modules the tests and their producer processes import (tests/support/pipelines.py);
+# a folder of its own, so that tests/producer and tests/consumer never shadow the
+# packages of the same names.
+SUPPORT_DIR = TESTS_DIR / "support"
+sys.path.insert(0, str(SUPPORT_DIR))
 
 SpawnFn = Callable[..., subprocess.Popen[bytes]]
 
@@ -135,3 +145,39 @@ def spawn_proc() -> Iterator[SpawnFn]:
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+@pytest.fixture
+def serve_argv(redis_url: str, queue_name: str) -> Callable[..., list[str]]:
+    """The argv of `batchq serve tests.pipelines:numbered` for this test's queue."""
+
+    def argv(*extra: str, factory: str = "pipelines:numbered") -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "batchq.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            factory,
+            "--url",
+            redis_url,
+            "--queue",
+            queue_name,
+            *extra,
+        ]
+
+    return argv
+
+
+@pytest.fixture
+def serve_env() -> Callable[..., dict[str, str]]:
+    """An environment for producer processes that can import tests/pipelines.py."""
+
+    def env(**test_vars: Any) -> dict[str, str]:
+        out = dict(os.environ)
+        out["PYTHONPATH"] = os.pathsep.join([str(SUPPORT_DIR), out.get("PYTHONPATH", "")])
+        out.update({f"TEST_{k.upper()}": str(v) for k, v in test_vars.items()})
+        return out
+
+    return env

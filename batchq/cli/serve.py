@@ -1,0 +1,107 @@
+"""``batchq serve MODULE:FACTORY``: run producers for the stream FACTORY() returns."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from batchq.connection import resolve_url
+from batchq.errors import ConfigError
+from batchq.procs import spawn, stop_group
+
+__all__ = ["load_factory", "run_serve"]
+
+log = logging.getLogger(__name__)
+
+
+def load_factory(spec: str) -> Any:
+    """Import ``MODULE:FACTORY`` and return the callable.
+
+    Raises:
+        ConfigError: the spec is malformed, the module cannot be imported, or it has no
+            such callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"factory {spec!r} is not valid: expected MODULE:FACTORY")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"factory {spec!r}: cannot import module {module_name!r}: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"factory {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve in this process, or supervise ``--workers`` producer processes."""
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers!r} is not valid: expected >= 1")
+    url = resolve_url(args.url)
+    if args.workers > 1:
+        return _supervise(args, url)
+    from producer import start_server
+
+    stream = load_factory(args.factory)()
+    return start_server(
+        stream,
+        hwm=args.hwm,
+        queue=args.queue,
+        url=url,
+        requests_per_shard=args.requests_per_shard,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+    )
+
+
+def _supervise(args: argparse.Namespace, url: str) -> int:
+    # Each worker is a plain `batchq serve` in its own process group; SIGTERM/SIGINT to
+    # the supervisor is passed on, so its workers hand their leases back.
+    load_factory(args.factory)  # fail early, in the parent, on a bad spec
+    argv = [
+        sys.executable,
+        "-m",
+        "batchq.cli",
+        "--log-level",
+        str(args.log_level),
+        "serve",
+        args.factory,
+        "--url",
+        url,
+        "--queue",
+        args.queue,
+        "--hwm",
+        str(args.hwm),
+        "--requests-per-shard",
+        str(args.requests_per_shard),
+        "--heartbeat-ttl-s",
+        str(args.heartbeat_ttl_s),
+    ]
+    procs = [spawn(argv) for _ in range(args.workers)]
+    stopping = threading.Event()
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    codes: list[int] = []
+    try:
+        for proc in procs:
+            while proc.poll() is None and not stopping.is_set():
+                stopping.wait(0.2)
+            if stopping.is_set():
+                break
+            codes.append(proc.returncode)
+    finally:
+        for proc in procs:
+            code = stop_group(proc, timeout_s=10.0)
+            if stopping.is_set() and code is not None:
+                codes.append(code)
+    log.info("workers exited with %s", codes)
+    return max((abs(c) for c in codes), default=0)

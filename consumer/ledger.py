@@ -1,0 +1,172 @@
+"""The trainer's ledger: which batches of which shards it has, and what comes next.
+
+Frames arrive in any order, possibly twice (a redone shard), possibly from an older run;
+the ledger keeps one copy of each address (epoch, shard, k), knows when a shard is
+complete (its last frame says how many batches it has, and all of them arrived) and
+when an epoch is complete (all S shards are), and hands the frames out in plan order
+(``ordered=True``) or in arrival order.
+
+It is plain data, used under the reader's lock; it never touches Redis.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchq.codec import Frame, FrameKind
+
+__all__ = ["Ledger", "ShardState"]
+
+
+@dataclass
+class ShardState:
+    """What the trainer has of one shard."""
+
+    frames: dict[int, Frame] = field(default_factory=dict)
+    received: set[int] = field(default_factory=set)
+    count: int | None = None  # batches in the shard, once its last frame arrived
+    error: Frame | None = None
+
+    @property
+    def complete(self) -> bool:
+        """True once the last frame and every batch before it arrived."""
+        return self.count is not None and len(self.received) >= self.count
+
+
+class Ledger:
+    """Assembles epochs from frames.
+
+    Args:
+        shards: S, the number of shards per epoch.
+        ordered: hand frames out in plan order (else in arrival order).
+        first_epoch: the first epoch the trainer will ask for.
+    """
+
+    def __init__(self, shards: int, *, ordered: bool = True, first_epoch: int = 0) -> None:
+        self.shards = shards
+        self.ordered = ordered
+        self.epoch = first_epoch  # the epoch being handed out
+        self._epochs: dict[int, dict[int, ShardState]] = {}
+        self._cursor = (0, 0)  # ordered mode: next (shard, k) to hand out
+        self._arrived: deque[Frame] = deque()  # arrival mode: frames of self.epoch
+        self.buffered = 0  # frames held and not handed out
+        self.duplicates = 0
+        self.stale = 0
+
+    def _shard(self, epoch: int, shard: int) -> ShardState:
+        return self._epochs.setdefault(epoch, {}).setdefault(shard, ShardState())
+
+    def add(self, frame: Frame) -> bool:
+        """Take one frame; False if it was dropped (duplicate, old epoch, bad address)."""
+        if frame.epoch < self.epoch or not 0 <= frame.shard < self.shards:
+            self.stale += 1
+            return False
+        state = self._shard(frame.epoch, frame.shard)
+        if frame.kind == FrameKind.ERROR:
+            if state.error is None and not state.complete:
+                state.error = frame
+                return True
+            self.duplicates += 1
+            return False
+        if frame.last and frame.count is not None:
+            state.count = frame.count
+        if frame.kind == FrameKind.END:
+            return True
+        if frame.k in state.received:
+            self.duplicates += 1
+            return False
+        state.received.add(frame.k)
+        state.frames[frame.k] = frame
+        self.buffered += 1
+        if not self.ordered and frame.epoch == self.epoch:
+            self._arrived.append(frame)
+        return True
+
+    def start_epoch(self, epoch: int) -> None:
+        """Begin handing out ``epoch``; frames of earlier epochs are dropped."""
+        for e in [e for e in self._epochs if e < epoch]:
+            for state in self._epochs.pop(e).values():
+                self.buffered -= len(state.frames)
+        self.epoch = epoch
+        self._cursor = (0, 0)
+        self._arrived.clear()
+        if not self.ordered:
+            for s in range(self.shards):
+                held = self._epochs.get(epoch, {}).get(s)
+                if held is not None:
+                    self._arrived.extend(held.frames[k] for k in sorted(held.frames))
+
+    def next_frame(self) -> Frame | None:
+        """The next frame to hand out in the current epoch, or None if it has not arrived.
+
+        An ERROR frame is returned when the failing shard is reached (ordered) or at once
+        (arrival order); the caller raises it. Call :meth:`epoch_done` to tell the end.
+        """
+        return self._find(take=True)
+
+    def next_frame_ready(self) -> bool:
+        """True if :meth:`next_frame` would return a frame now."""
+        return self._find(take=False) is not None
+
+    def _find(self, *, take: bool) -> Frame | None:
+        states = self._epochs.get(self.epoch, {})
+        if not self.ordered:
+            for state in states.values():
+                if state.error is not None:
+                    return state.error
+            if not self._arrived:
+                return None
+            frame = self._arrived[0]
+            if take:
+                self._arrived.popleft()
+                self._take(states[frame.shard], frame.k)
+            return frame
+        shard, k = self._cursor
+        while shard < self.shards:
+            current = states.get(shard)
+            if current is None:
+                return None
+            if current.error is not None and k >= (current.error.count or 0):
+                return current.error
+            if current.count is not None and k >= current.count:
+                shard, k = shard + 1, 0
+                self._cursor = (shard, k)
+                continue
+            found = current.frames.get(k)
+            if found is None:
+                return None
+            if take:
+                self._take(current, k)
+                self._cursor = (shard, k + 1)
+            return found
+        return None
+
+    def _take(self, state: ShardState, k: int) -> None:
+        del state.frames[k]
+        self.buffered -= 1
+
+    def epoch_done(self) -> bool:
+        """True when every shard of the current epoch is complete and handed out."""
+        states = self._epochs.get(self.epoch, {})
+        if len(states) < self.shards:
+            return False
+        return all(s.complete and not s.frames and s.error is None for s in states.values())
+
+    def missing_shards(self, epoch: int | None = None) -> list[int]:
+        """The shards of ``epoch`` (default: the current one) that are not complete."""
+        states = self._epochs.get(self.epoch if epoch is None else epoch, {})
+        return [s for s in range(self.shards) if s not in states or not states[s].complete]
+
+    def floor(self) -> int:
+        """The oldest incomplete shard, as a global shard number (epoch * S + shard)."""
+        epoch = self.epoch
+        while True:
+            missing = self.missing_shards(epoch)
+            if missing:
+                return epoch * self.shards + missing[0]
+            epoch += 1
+
+    def needs_more(self) -> bool:
+        """True if the next frame to hand out has not arrived (pop even past the hwm)."""
+        return self._find(take=False) is None and not self.epoch_done()

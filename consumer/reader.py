@@ -1,0 +1,266 @@
+"""The trainer's prefetching reader: a thread that pops, fetches and decodes frames.
+
+While the caller trains on one batch, this thread pops the next frames (up to the
+trainer's hwm, more only when the next batch in order is still missing), fetches frames
+stored by reference in the same round trip pattern, decodes them (zero-copy) and files
+them in the ledger. It also keeps the trainer's claim alive, publishes the trainer's
+floor (the look-ahead window's base) and notices when no producer is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgpack
+import redis
+
+from batchq import codec
+from batchq.errors import (
+    BatchQueueError,
+    ConnectionLost,
+    FrameError,
+    ProducersLost,
+    RunChanged,
+    StateLost,
+    TrainerConflict,
+)
+from batchq.keys import QueueKeys
+from batchq.protocol import Status, decode_reply
+from batchq.scripts import SCRIPTS, execute_pipeline
+from consumer.ledger import Ledger
+
+__all__ = ["DEAD_LIST_MAX", "Reader"]
+
+log = logging.getLogger(__name__)
+
+# When the list is empty the reader blocks on BRPOP this long at most, so that the claim
+# is refreshed and a lost producer is noticed; well below the socket timeout.
+BLOCK_S = 0.2
+DEAD_LIST_MAX = 1000
+
+
+class Reader(threading.Thread):
+    """Pops frames for one trainer into a :class:`Ledger`.
+
+    Args:
+        client: a client from :func:`batchq.connection.make_client` (owned by the reader).
+        keys: the queue's keys.
+        session: the trainer's claim: incarnation, run, token, claim_ttl_ms.
+        ledger: where frames go.
+        hwm: the trainer's prefetch bound (frames held but not handed out).
+        timeout_s: raise ProducersLost after this long with no producer alive.
+        writable: decode into writable copies instead of read-only views.
+        max_frame_bytes: frames above this go to the dead list without being decoded.
+        on_bad_frame: 'raise' (the iterator raises FrameError) or 'skip'.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: QueueKeys,
+        session: dict[str, Any],
+        ledger: Ledger,
+        *,
+        hwm: int,
+        timeout_s: float,
+        writable: bool = False,
+        max_frame_bytes: int | None = None,
+        on_bad_frame: str = "raise",
+    ) -> None:
+        super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
+        self.client = client
+        self.keys = keys
+        self.session = session
+        self.ledger = ledger
+        self.hwm = hwm
+        self.timeout_s = timeout_s
+        self.writable = writable
+        self.max_frame_bytes = max_frame_bytes
+        self.on_bad_frame = on_bad_frame
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.waiting_since: float | None = None  # set by the iterator while it waits
+        self._halt = threading.Event()
+        self._extra_popped = 0
+        self._bytes = 0
+        self._wait_ms = 0
+        self._last_alive = time.monotonic()
+        self.bad_frames = 0
+
+    # -- called by the iterator (other thread) -----------------------------------------
+
+    def stop(self) -> None:
+        """Ask the thread to stop and wait for it (bounded)."""
+        self._halt.set()
+        with self.cond:
+            self.cond.notify_all()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=BLOCK_S * 10)
+
+    def add_wait(self, seconds: float) -> None:
+        """Account time the trainer spent waiting for data (sent with the next pop)."""
+        self._wait_ms += int(seconds * 1000)
+
+    # -- the thread --------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                with self.cond:
+                    idle = self.ledger.buffered >= self.hwm and not self.ledger.needs_more()
+                    if idle:
+                        self.cond.wait(timeout=self.session["claim_ttl_ms"] / 3000)
+                if self._halt.is_set():
+                    break
+                if idle:
+                    self._refresh_claim()
+                    continue
+                self._pop_round()
+        except BaseException as e:  # handed to the iterator, which raises it
+            log.debug("reader stopped by %r", e)
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _refresh_claim(self) -> None:
+        keys = [
+            self.keys.meta,
+            self.keys.incarnation,
+            self.keys.data,
+            self.keys.work,
+            self.keys.wake,
+        ]
+        args = [self.session["token"], self.session["claim_ttl_ms"], "refresh", "", "", "", ""]
+        reply = decode_reply(SCRIPTS["claim"](self.client, keys, args))
+        if reply[0] != Status.OK:
+            raise TrainerConflict(
+                f"queue {self.keys.queue}: this trainer's claim was taken over by another"
+            )
+
+    def _pop_round(self) -> None:
+        with self.cond:
+            room = max(1, self.hwm - self.ledger.buffered)
+            floor = self.ledger.floor()
+        keys = [
+            self.keys.meta,
+            self.keys.incarnation,
+            self.keys.data,
+            self.keys.wake,
+            self.keys.stats,
+            self.keys.producers,
+        ]
+        args = [
+            self.session["incarnation"],
+            self.session["run"],
+            self.session["token"],
+            room,
+            floor,
+            self.session["claim_ttl_ms"],
+            self._extra_popped,
+            self._bytes,
+            self._wait_ms,
+        ]
+        reply = SCRIPTS["pop"](self.client, keys, args)
+        self._extra_popped = self._bytes = self._wait_ms = 0
+        status = reply[0].decode()
+        if status != Status.OK:
+            self._raise_status(status)
+        alive, elements = int(reply[1]), list(reply[3])
+        if alive:
+            self._last_alive = time.monotonic()
+        if not elements:
+            self._check_producers()
+            popped = self.client.brpop([self.keys.data], timeout=BLOCK_S)
+            if popped is None:
+                return
+            self._extra_popped = 1
+            elements = [popped[1]]
+        self._file(self._fetch(elements))
+
+    def _raise_status(self, status: str) -> None:
+        if status == Status.STATE_LOST:
+            raise StateLost(f"queue {self.keys.queue}: Redis lost the queue's state")
+        if status == Status.RUN_CHANGED:
+            raise RunChanged(f"queue {self.keys.queue}: the run changed under this trainer")
+        if status == Status.CLAIM_LOST:
+            raise TrainerConflict(
+                f"queue {self.keys.queue}: this trainer's claim was taken over by another"
+            )
+        raise BatchQueueError(f"queue {self.keys.queue}: unexpected reply {status!r}")
+
+    def _check_producers(self) -> None:
+        with self.cond:
+            waiting = self.waiting_since is not None
+        if waiting and time.monotonic() - self._last_alive > self.timeout_s:
+            with self.cond:
+                raise ProducersLost(self.ledger.epoch, self.ledger.missing_shards(), self.timeout_s)
+
+    def _fetch(self, elements: list[bytes]) -> list[tuple[bytes | None, bytes, str]]:
+        """Resolve references: (frame or None, the list element, the ref key or '')."""
+        refs: list[tuple[int, str]] = []
+        out: list[tuple[bytes | None, bytes, str]] = []
+        for i, element in enumerate(elements):
+            if codec.is_ref(element):
+                try:
+                    key = codec.decode_ref(element, self.keys.frame_prefix)
+                except FrameError as e:
+                    self._dead(element, e)
+                    out.append((None, element, ""))
+                    continue
+                refs.append((i, key))
+                out.append((None, element, key))
+            else:
+                out.append((element, element, ""))
+        if refs:
+            replies = execute_pipeline(
+                self.client, lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs]
+            )
+            for (i, key), value in zip(refs, replies, strict=True):
+                if value is None:
+                    element = out[i][1]
+                    self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
+                out[i] = (value, out[i][1], key)
+        return out
+
+    def _file(self, fetched: list[tuple[bytes | None, bytes, str]]) -> None:
+        frames = []
+        for raw, _element, _key in fetched:
+            if raw is None:
+                continue
+            self._bytes += len(raw)
+            try:
+                frame = codec.decode_frame(
+                    raw, writable=self.writable, max_frame_bytes=self.max_frame_bytes
+                )
+            except FrameError as e:
+                self._dead(raw if len(raw) <= 4096 else raw[:4096], e)
+                continue
+            if frame.run != self.session["run"]:
+                self.ledger.stale += 1
+                continue
+            frames.append(frame)
+        with self.cond:
+            for frame in frames:
+                self.ledger.add(frame)
+            self.cond.notify_all()
+
+    def _dead(self, element: bytes, error: FrameError) -> None:
+        """Move a bad element to the dead list with its reason, count it, apply the policy."""
+        self.bad_frames += 1
+        record = msgpack.packb(
+            {"reason": error.reason, "detail": error.detail, "element": bytes(element[:4096])}
+        )
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.lpush(self.keys.dead, record)
+            pipe.ltrim(self.keys.dead, 0, DEAD_LIST_MAX - 1)
+            pipe.hincrby(self.keys.stats, f"dead:{error.reason}", 1)
+            pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise ConnectionLost(f"Redis connection lost while recording a bad frame: {e}") from e
+        log.warning("queue %s: bad frame moved to the dead list: %s", self.keys.queue, error)
+        if self.on_bad_frame == "raise":
+            raise error

@@ -1,0 +1,460 @@
+"""The producer: lease shards, build their batches, push them under the hwm.
+
+``start_server(stream, ...)`` is Fuel's ``fuel.server.start_server`` on Redis: it blocks,
+serving epoch after epoch, until the trainer finishes the run (then it returns 0) or the
+process is asked to stop (SIGINT/SIGTERM: its leases go back to the work list first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+import uuid
+from typing import Any
+
+import redis
+
+from batchq import codec
+from batchq.connection import make_client, resolve_url, tune_malloc
+from batchq.errors import (
+    BatchQueueError,
+    ConfigError,
+    ConnectionLost,
+    PipelineMismatch,
+    RunFinished,
+)
+from batchq.keys import QueueKeys, check_name
+from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
+from batchq.scripts import SCRIPTS, execute_pipeline
+from producer.sharding import ShardPlan
+
+__all__ = ["Producer", "start_server"]
+
+log = logging.getLogger(__name__)
+
+# A producer at the hwm waits on the wake list this long between tries: 2 commands per
+# try keeps a waiting producer under 20 commands/s with its heartbeat.
+WAIT_S = 0.15
+# Large frames travel by reference (plain SET + a small script argument): measured, a
+# 1.57 MB frame as a Lua argument makes the capped push 2-3x slower than a plain LPUSH.
+INLINE_MAX_BYTES = 64 * 1024
+# A frame stored by reference but not yet in the list expires after this long, so a
+# producer killed at the hwm leaves nothing behind; in the list it never expires.
+PENDING_FRAME_TTL_MS = 10 * 60 * 1000
+
+
+def _default_producer_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    return f"{host[:40] or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Producer:
+    """Serves one stream into one queue.
+
+    Args:
+        stream: a DataStream or transformer chain (Fuel's API).
+        url: the Redis URL (see :func:`batchq.connection.resolve_url`).
+        queue: the queue's name.
+        hwm: the most elements the queue's data list may hold.
+        producer_id: this producer's id (default: host-pid-random).
+        window: look-ahead in shards past the trainer's oldest incomplete shard
+            (default 2 x hwm).
+        requests_per_shard: how many consecutive requests make a shard.
+        heartbeat_ttl_s: a producer silent for this long is declared dead.
+        inline_max_bytes: frames larger than this travel by reference.
+        max_frame_bytes: refuse to push a batch larger than this.
+        checksum: add a CRC32 of the buffers to every frame.
+    """
+
+    def __init__(
+        self,
+        stream: Any,
+        url: str,
+        queue: str = "default",
+        hwm: int = 10,
+        *,
+        producer_id: str | None = None,
+        window: int | None = None,
+        requests_per_shard: int = 1,
+        heartbeat_ttl_s: float = 10.0,
+        inline_max_bytes: int = INLINE_MAX_BYTES,
+        max_frame_bytes: int | None = None,
+        checksum: bool = False,
+    ) -> None:
+        if not isinstance(hwm, int) or hwm < 1:
+            raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ConfigError(f"window {window!r} is not valid: expected an integer >= 1")
+        if heartbeat_ttl_s <= 0:
+            raise ConfigError(f"heartbeat_ttl_s {heartbeat_ttl_s!r} is not valid: expected > 0")
+        self.stream = stream
+        self.url = url
+        self.keys = QueueKeys(queue)
+        self.hwm = hwm
+        self.window = window or 2 * hwm
+        self.id = check_name(producer_id or _default_producer_id(), "producer id")
+        self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        self.inline_max_bytes = inline_max_bytes
+        self.max_frame_bytes = max_frame_bytes
+        self.checksum = checksum
+        self.plan = ShardPlan(stream, requests_per_shard)
+        self.sources = tuple(stream.sources)
+        self.client = make_client(url)
+        self._stop = threading.Event()
+        self._incarnation = ""
+        self._run = ""
+        self._frame_seq = 0
+        self._lease_seq = 0
+        self._pending_ref: str | None = None
+        self._heartbeat: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the serving loop to stop after the current step (thread- and signal-safe)."""
+        self._stop.set()
+
+    def serve(self) -> int:
+        """Serve until the run finishes (returns 0) or :meth:`stop` is called (returns 0).
+
+        Raises:
+            PipelineMismatch: the run was created by a different pipeline.
+            ConnectionLost: Redis could not be reached.
+        """
+        tune_malloc()
+        self._join()
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="batchq-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+        try:
+            while not self._stop.is_set():
+                g = self._lease()
+                if g is None:
+                    continue
+                epoch, shard = divmod(g, self.plan.shards)
+                self._serve_shard(epoch, shard, f"{g}:{self._lease_token}")
+        except RunFinished:
+            log.info("producer %s: the trainer finished the run", self.id)
+        finally:
+            self._stop.set()
+            self._leave()
+        return 0
+
+    def _heartbeat_loop(self) -> None:
+        client = make_client(self.url)
+        interval_s = self.heartbeat_ttl_ms / 3000
+        while not self._stop.wait(interval_s):
+            try:
+                # XX: a producer already declared dead must join again, not revive.
+                client.zadd(self.keys.producers, {self.id: self._deadline_ms(client)}, xx=True)
+                self._reap(client)
+            except (redis.RedisError, OSError, BatchQueueError) as e:
+                log.warning("producer %s: heartbeat failed: %s", self.id, e)
+        client.close()
+
+    def _deadline_ms(self, client: redis.Redis) -> int:
+        sec, usec = client.time()
+        return int(sec) * 1000 + int(usec) // 1000 + self.heartbeat_ttl_ms
+
+    def _reap(self, client: redis.Redis) -> None:
+        # Any live producer reaps: hand the leases of producers whose deadline passed
+        # back to the work list. The script re-checks each deadline atomically.
+        sec, usec = client.time()
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        found: list[bytes] = client.zrangebyscore(self.keys.producers, "-inf", now_ms)  # type: ignore[assignment]
+        dead = [p.decode() for p in found]
+        if dead:
+            keys = [self.keys.incarnation, self.keys.producers, self.keys.work]
+            keys += [self.keys.lease(p) for p in dead]
+            reply = SCRIPTS["reap"](client, keys, [self._incarnation, "dead", *dead])
+            log.info("producer %s: reaped %s", self.id, decode_reply(reply))
+
+    def _join(self) -> None:
+        reply = decode_reply(
+            SCRIPTS["join"](
+                self.client,
+                [
+                    self.keys.meta,
+                    self.keys.incarnation,
+                    self.keys.producers,
+                    self.keys.lease(self.id),
+                    self.keys.work,
+                    self.keys.data,
+                ],
+                [
+                    self.id,
+                    self.plan.fingerprint,
+                    self.hwm,
+                    self.plan.shards,
+                    self.window,
+                    uuid.uuid4().hex[:16],
+                    uuid.uuid4().hex,
+                    self.heartbeat_ttl_ms,
+                    PROTOCOL_VERSION,
+                    "" if self.plan.epoch_batches is None else self.plan.epoch_batches,
+                    self._run,
+                ],
+            )
+        )
+        if reply[0] == Status.MISMATCH:
+            what, expected = reply[1], reply[2]
+            got = self.plan.fingerprint if what == "fingerprint" else str(self.hwm)
+            raise PipelineMismatch(what, expected, got)
+        self._incarnation, self._run = reply[1], reply[2]
+        log.info(
+            "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
+            self.id,
+            self.keys.queue,
+            self._run,
+            self.plan.shards,
+            reply[3],
+        )
+
+    def _leave(self) -> None:
+        try:
+            if self._pending_ref:
+                self.client.delete(self._pending_ref)
+            keys = [self.keys.incarnation, self.keys.producers, self.keys.work]
+            keys.append(self.keys.lease(self.id))
+            SCRIPTS["reap"](self.client, keys, [self._incarnation, "leave", self.id])
+        except (redis.RedisError, OSError, BatchQueueError) as e:
+            log.warning("producer %s: could not hand back its leases: %s", self.id, e)
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        self.client.close()
+
+    # -- leasing -----------------------------------------------------------------------
+
+    def _lease(self) -> int | None:
+        """Lease the next shard; None when there is nothing to do yet."""
+        self._lease_seq += 1
+        self._lease_token = f"{self.id}.{self._lease_seq}"
+        args: list[Any] = [
+            self._incarnation,
+            self._run,
+            self.id,
+            self._lease_token,
+            self.heartbeat_ttl_ms,
+        ]
+        keys = [
+            self.keys.meta,
+            self.keys.incarnation,
+            self.keys.work,
+            self.keys.lease(self.id),
+            self.keys.producers,
+        ]
+        try:
+            reply = decode_reply(SCRIPTS["lease"](self.client, keys, args))
+        except ConnectionLost as e:
+            # The same token makes a retried lease idempotent.
+            log.warning("producer %s: lease failed (%s); retrying", self.id, e)
+            self._lease_seq -= 1
+            self._stop.wait(0.5)
+            return None
+        status = reply[0]
+        if status == Status.OK:
+            return int(reply[1])
+        if status == Status.WAIT:
+            self._wait_for_room()
+            return None
+        self._handle_status(status)
+        return None
+
+    def _handle_status(self, status: str) -> None:
+        if status == Status.FINISHED:
+            raise RunFinished(f"queue {self.keys.queue}: the trainer finished the run")
+        if status in (Status.RUN_CHANGED, Status.REAPED, Status.STATE_LOST):
+            log.info("producer %s: %s; joining again", self.id, status)
+            self._join()
+            return
+        raise BatchQueueError(f"producer {self.id}: unexpected reply {status!r}")
+
+    def _wait_for_room(self) -> None:
+        # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
+        self.client.blpop([self.keys.wake], timeout=WAIT_S)
+
+    # -- building and pushing a shard --------------------------------------------------
+
+    def _serve_shard(self, epoch: int, shard: int, entry: str) -> None:
+        k = 0
+        batches = self.plan.iter_shard_marked(epoch, shard)
+        try:
+            for batch, last in batches:
+                if not self._push_batch(epoch, shard, k, batch, last, entry):
+                    return
+                k += 1
+        except (ConnectionLost, RunFinished, PipelineMismatch):
+            raise
+        except Exception as e:  # the user's pipeline raised: tell the trainer
+            log.exception(
+                "producer %s: pipeline raised in epoch %d shard %d", self.id, epoch, shard
+            )
+            frame = codec.encode_frame(
+                codec.FrameKind.ERROR,
+                run=self._run,
+                epoch=epoch,
+                shard=shard,
+                k=k,
+                producer=self.id,
+                last=True,
+                count=k,
+                error="".join(traceback.format_exception(e)),
+                error_name=type(e).__name__,
+            )
+            self._push(frame, entry, last=True)
+            return
+        if k == 0:  # a shard without batches still says that it ended
+            frame = codec.encode_frame(
+                codec.FrameKind.END,
+                run=self._run,
+                epoch=epoch,
+                shard=shard,
+                k=0,
+                producer=self.id,
+                last=True,
+                count=0,
+            )
+            self._push(frame, entry, last=True)
+
+    def _push_batch(
+        self, epoch: int, shard: int, k: int, batch: Any, last: bool, entry: str
+    ) -> bool:
+        data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
+        frame = codec.encode_frame(
+            codec.FrameKind.BATCH,
+            run=self._run,
+            epoch=epoch,
+            shard=shard,
+            k=k,
+            g=(self.plan.requests_per_shard * shard + k) if self.plan.shardable else k,
+            producer=self.id,
+            sources=self.sources,
+            data=data,
+            last=last,
+            count=k + 1 if last else None,
+            checksum=self.checksum,
+            max_frame_bytes=self.max_frame_bytes,
+            produced_at=time.time(),
+        )
+        return self._push(frame, entry, last=last)
+
+    def _push(self, frame: bytearray, entry: str, *, last: bool) -> bool:
+        """Push one frame, waiting at the hwm; False if the shard was taken from us."""
+        ref = None
+        if len(frame) > self.inline_max_bytes:
+            self._frame_seq += 1
+            ref = self.keys.frame(self.id, self._frame_seq)
+        keys = [
+            self.keys.meta,
+            self.keys.incarnation,
+            self.keys.data,
+            self.keys.stats,
+            self.keys.producers,
+            self.keys.lease(self.id),
+        ]
+        element: bytes | bytearray = frame if ref is None else codec.encode_ref(ref)
+        if ref is not None:
+            keys.append(ref)
+        stored = False
+        blocked_since: float | None = None
+        while True:
+            if self._stop.is_set():
+                return False
+            blocked_ms = 0
+            if blocked_since is not None:
+                blocked_ms = int((time.monotonic() - blocked_since) * 1000)
+            args = [
+                self._incarnation,
+                self._run,
+                self.id,
+                entry,
+                element,
+                int(last),
+                self.heartbeat_ttl_ms,
+                len(frame),
+                blocked_ms,
+            ]
+            store = frame if ref is not None and not stored else None
+            replies = self._send(ref, store, keys, args)
+            if ref is not None:
+                stored = True
+                self._pending_ref = ref
+            reply = decode_reply(replies[-1])
+            status = reply[0]
+            if status == Status.OK:
+                self._pending_ref = None
+                return True
+            if status == Status.FULL:
+                if blocked_since is None:
+                    blocked_since = time.monotonic()
+                self._wait_for_room()
+                continue
+            if blocked_since is not None:
+                blocked_since = time.monotonic()
+            if status == Status.GONE:
+                stored = False
+                continue
+            if ref is not None:
+                self.client.delete(ref)
+                self._pending_ref = None
+            if status == Status.LEASE_LOST:
+                log.info("producer %s: lease %s was taken back; dropping it", self.id, entry)
+                return False
+            self._handle_status(status)
+            return False
+
+    def _send(
+        self, ref: str | None, store: bytearray | None, keys: list[str], args: list[Any]
+    ) -> list[Any]:
+        """One round trip: store the frame under its key if asked, then the capped push."""
+
+        def build(pipe: Any) -> None:
+            if store is not None:
+                pipe.set(ref, store, px=PENDING_FRAME_TTL_MS)
+            SCRIPTS["push"].queue(pipe, keys, args)
+
+        return execute_pipeline(self.client, build)
+
+
+def start_server(
+    data_stream: Any,
+    port: int | None = None,
+    hwm: int = 10,
+    *,
+    host: str | None = None,
+    queue: str = "default",
+    url: str | None = None,
+    handle_signals: bool = True,
+    **options: Any,
+) -> int:
+    """Serve ``data_stream`` into a Redis queue, epoch after epoch (Fuel's start_server).
+
+    Args:
+        data_stream: the stream to serve.
+        port: Redis port (default 6379; see the connection order in the README).
+        hwm: the most elements the queue may hold (the run's cap).
+        host: Redis host (default localhost).
+        queue: the queue's name.
+        url: a redis:// or rediss:// URL; wins over host/port.
+        handle_signals: stop cleanly on SIGINT/SIGTERM (main thread only).
+        **options: passed to :class:`Producer` (window, requests_per_shard, ...).
+
+    Returns:
+        0 once the trainer finished the run or a stop was requested.
+    """
+    producer = Producer(data_stream, resolve_url(url, host, port), queue, hwm, **options)
+    installed: dict[signal.Signals, Any] = {}
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            installed[sig] = signal.signal(sig, lambda *_: producer.stop())
+    try:
+        return producer.serve()
+    finally:
+        for sig, handler in installed.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,32 @@
+"""Fixtures for the trainer-side tests: producers in threads or in processes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from producer import Producer
+
+
+@pytest.fixture
+def producer_thread(redis_url: str, queue_name: str) -> Iterator[Callable[..., Producer]]:
+    """Start Producers serving in threads; each is stopped when the test ends."""
+    started: list[tuple[Producer, threading.Thread]] = []
+
+    def start(stream: Any, **options: Any) -> Producer:
+        options.setdefault("hwm", 4)
+        producer = Producer(stream, redis_url, queue_name, **options)
+        thread = threading.Thread(target=producer.serve, daemon=True)
+        thread.start()
+        started.append((producer, thread))
+        return producer
+
+    yield start
+    for producer, thread in started:
+        producer.stop()
+        thread.join(timeout=10)
+        if thread.is_alive():
+            pytest.fail("a producer thread did not stop within 10 s")

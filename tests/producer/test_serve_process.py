@@ -1,0 +1,99 @@
+"""Producers as processes (`batchq serve`): exit 0 when finished, SIGTERM, SIGKILL."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from batchq.errors import ProducersLost
+from batchq.keys import QueueKeys
+from batchq.procs import group_alive
+from consumer import ServerDataStream
+
+
+def wait_until(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:
+    """Poll a condition (bounded); fail with `what` if it never holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_finished_run_makes_every_producer_exit_0(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    proc = spawn_proc(serve_argv("--workers", "2"), env=serve_env(examples=100, batch_size=10))
+    with ServerDataStream(("features", "targets"), url=redis_url, queue=queue_name) as stream:
+        assert sum(1 for _ in stream.get_epoch_iterator()) == 10
+        stream.close(finished=True)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_hands_leases_back_and_leaves_no_process(
+    redis_url: str,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    redis_client: Any,
+) -> None:
+    keys = QueueKeys(queue_name)
+    proc = spawn_proc(serve_argv("--workers", "2", "--hwm", "2"), env=serve_env(examples=400))
+    # No trainer: the list fills to the hwm and both producers block holding a lease.
+    wait_until(lambda: redis_client.zcard(keys.producers) == 2, what="two producers")
+    producers = [p.decode() for p in redis_client.zrange(keys.producers, 0, -1)]
+    # With the list at the cap and no trainer, a held lease stays held: stable state.
+    wait_until(
+        lambda: (
+            redis_client.llen(keys.data) == 2
+            and all(redis_client.llen(keys.lease(p)) for p in producers)
+        ),
+        what="a full list and both producers holding a lease",
+    )
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert redis_client.zcard(keys.producers) == 0
+    assert all(redis_client.llen(keys.lease(p)) == 0 for p in producers)
+    assert redis_client.llen(keys.work) >= 2  # the held shards, back for someone else
+    wait_until(lambda: not group_alive(proc.pid), what="the process group to exit")
+
+
+def test_killed_producer_becomes_producers_lost(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    proc: subprocess.Popen[bytes] = spawn_proc(
+        serve_argv("--hwm", "2", "--heartbeat-ttl-s", "1"), env=serve_env(examples=400)
+    )
+    stream = ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, timeout_s=1.0, hwm=2
+    )
+    it = stream.get_epoch_iterator()
+    next(it)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    with pytest.raises(ProducersLost) as info:
+        for _ in it:
+            pass
+    assert info.value.epoch == 0
+    assert info.value.missing_shards and info.value.missing_shards[-1] == 19
+    stream.close()
+
+
+def test_bad_factory_is_a_clear_error(serve_argv: Any, serve_env: Any) -> None:
+    done = subprocess.run(
+        serve_argv(factory="pipelines:no_such_factory"),
+        env=serve_env(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert b"has no callable 'no_such_factory'" in done.stderr

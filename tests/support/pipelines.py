@@ -1,0 +1,81 @@
+"""Pipelines the tests serve, importable by producer processes (``batchq serve``).
+
+Each example's features are ``index * FEATURES + arange(FEATURES)``, so a batch tells
+which examples it holds: ``batch[:, 0] // FEATURES``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from producer.datasets import IndexableDataset
+from producer.schemes import SequentialScheme, ShuffledScheme
+from producer.streams import DataStream
+from producer.transformers import Transformer
+
+FEATURES = 8
+
+
+def examples_of(batch: np.ndarray) -> list[int]:
+    """The example indices a batch of ``features`` holds."""
+    return [int(v) // FEATURES for v in batch[:, 0]]
+
+
+class Slow(Transformer):
+    """The tutorial's Bottleneck: a fixed delay per batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.slowdown = kwargs.pop("slowdown", 0)
+        super().__init__(*args, **kwargs)
+
+    def get_data(self, request: Any = None) -> Any:
+        if request is not None:
+            raise ValueError
+        time.sleep(self.slowdown)
+        return next(self.child_epoch_iterator)
+
+
+class FailOnExample(Transformer):
+    """Raises RuntimeError when a batch holds example ``bad``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.bad = kwargs.pop("bad")
+        super().__init__(*args, **kwargs)
+
+    def get_data(self, request: Any = None) -> Any:
+        batch = next(self.child_epoch_iterator)
+        if self.bad in examples_of(batch[0]):
+            raise RuntimeError(f"example {self.bad} is poisoned")
+        return batch
+
+
+def numbered(
+    examples: int | None = None,
+    batch_size: int | None = None,
+    shuffled: bool = True,
+    seed: int | None = None,
+) -> Any:
+    """A stream of numbered examples; unset arguments come from TEST_* variables."""
+    examples = examples or int(os.environ.get("TEST_EXAMPLES", "200"))
+    batch_size = batch_size or int(os.environ.get("TEST_BATCH_SIZE", "20"))
+    if seed is None:
+        seed = int(os.environ.get("TEST_SEED", "1"))
+    features = np.arange(examples * FEATURES, dtype=np.int64).reshape(examples, FEATURES)
+    dataset = IndexableDataset({"features": features, "targets": np.arange(examples)})
+    scheme: Any
+    if shuffled:
+        scheme = ShuffledScheme(examples=examples, batch_size=batch_size, rng=seed)
+    else:
+        scheme = SequentialScheme(examples=examples, batch_size=batch_size)
+    stream: Any = DataStream.default_stream(dataset, iteration_scheme=scheme)
+    slow_ms = float(os.environ.get("TEST_SLOW_MS", "0"))
+    if slow_ms:
+        stream = Slow(stream, slowdown=slow_ms / 1000)
+    bad = os.environ.get("TEST_BAD_EXAMPLE")
+    if bad is not None:
+        stream = FailOnExample(stream, bad=int(bad))
+    return stream
