@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+LINTED := batchq producer consumer tests $(wildcard bench)
 
 .PHONY: demo test lint typecheck check bench clean
 
@@ -16,14 +17,14 @@ demo: $(STAMP)
 	$(BIN)/batchq demo $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(BIN)/ruff check batchq producer consumer tests bench
-	$(BIN)/ruff format --check batchq producer consumer tests bench
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy batchq
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check batchq producer consumer tests bench
-	$(BIN)/ruff format --check batchq producer consumer tests bench
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
