@@ -143,9 +143,12 @@ def layout(header: dict[str, Any], copies: list[Copy], checksum: bool) -> tuple[
     return packed, data_start, total
 
 
-def describe(value: Any) -> str:
-    """Describe a header value briefly for an error message."""
-    return f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:80]
+def short(value: Any, limit: int = 80) -> str:
+    """Return ``repr(value)``, cut to ``limit`` characters: frames may hold huge values."""
+    if isinstance(value, list | dict) and len(value) > limit:
+        return f"a {type(value).__name__} of {len(value)} entries"  # skip a huge repr
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -239,7 +242,14 @@ def check_value(value: Any, where: str, depth: int = 0) -> None:
     Raises:
         ConfigError: naming the offending type and where it sits.
     """
-    if value is None or isinstance(value, bool | float | str | bytes | bytearray):
+    if isinstance(value, str):
+        if not value.isascii():  # isascii is a flag check; only lone surrogates fail here
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{where}: str {short(value)} is not valid unicode: {e}") from e
+        return
+    if value is None or isinstance(value, bool | float | bytes | bytearray):
         return
     if isinstance(value, int):
         if not -(2**63) <= value < 2**64:
@@ -289,12 +299,16 @@ def _parse_dtype(text: str) -> np.dtype[Any] | None:
 
 def _parse_shape(raw: Any, itemsize: int, where: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_NDIM:
-        raise _bad("bad_shape", where, f"shape {raw!r}: expected a list of at most {MAX_NDIM} ints")
+        raise _bad(
+            "bad_shape", where, f"shape {short(raw)}: expected a list of at most {MAX_NDIM} ints"
+        )
     for d in raw:
         if type(d) is not int or d < 0:
-            raise _bad("bad_shape", where, f"shape {raw!r}: entry {d!r} is not an int >= 0")
+            raise _bad(
+                "bad_shape", where, f"shape {short(raw)}: entry {short(d)} is not an int >= 0"
+            )
     if math.prod(max(d, 1) for d in raw) * itemsize > _MAX_EXTENT:
-        raise _bad("bad_shape", where, f"shape {raw!r} is too large")
+        raise _bad("bad_shape", where, f"shape {short(raw)} is too large")
     return tuple(raw)
 
 
@@ -319,7 +333,7 @@ def parse_item(entry: Any, where: str, data_start: int, size: int) -> Spec:
                 "bad_shape",
                 where,
                 f"object array of shape {list(shape)} needs "
-                f"{math.prod(shape)} items, got {describe(elems)}",
+                f"{math.prod(shape)} items, got {short(elems)}",
             )
         parsed = tuple(
             _parse_elem(e, f"{where} element {i}", data_start, size) for i, e in enumerate(elems)
@@ -347,7 +361,7 @@ def _parse_elem(entry: Any, where: str, data_start: int, size: int) -> ArraySpec
         raise _bad(
             "bad_dtype",
             where,
-            f"dtype {text!r}: expected a numpy dtype string of kind "
+            f"dtype {short(text)}: expected a numpy dtype string of kind "
             f"{''.join(sorted(ALLOWED_KINDS))} (no object, void or structured dtypes)",
         )
     shape = _parse_shape(entry["shape"], dt.itemsize, where)
@@ -356,16 +370,16 @@ def _parse_elem(entry: Any, where: str, data_start: int, size: int) -> ArraySpec
         raise _bad(
             "bad_shape",
             where,
-            f"len {length!r} != {math.prod(shape)} elements of shape "
+            f"len {short(length)} != {math.prod(shape)} elements of shape "
             f"{list(shape)} x itemsize {dt.itemsize}",
         )
     if (scalar is not True and scalar is not False) or (scalar and shape):
-        raise _bad("bad_header", where, f"sc {scalar!r}: expected true on a 0-d array")
+        raise _bad("bad_header", where, f"sc {short(scalar)}: expected true on a 0-d array")
     if type(off) is not int or off % ALIGN or off < data_start or off + length > size:
         raise _bad(
             "bad_range",
             where,
-            f"bytes [{off!r}, +{length}) are not a 64-aligned range inside "
+            f"bytes [{short(off)}, +{length}) are not a 64-aligned range inside "
             f"the buffer region [{data_start}, {size})",
         )
     return ArraySpec(dt, shape, off, length, scalar)

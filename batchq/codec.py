@@ -40,6 +40,10 @@ An item entry is one of:
 * an object array (ragged data): ``{"obj": shape, "items": [...]}``, its elements in C
   order, each an array entry or a value entry. Object bytes never travel.
 
+Unknown header keys are ignored (room for optional additions within version 1); item
+entries must have exactly the keys above. Limits: 32 dimensions, values nested at most
+64 deep, reference keys of at most 1024 bytes.
+
 Allowed dtype kinds: ``b i u f c S U M m``, either byte order. Decoding validates the
 whole header before touching numpy, never copies array bytes (arrays are read-only
 ``np.frombuffer`` views unless ``writable=True``), never unpickles, and turns every
@@ -64,11 +68,11 @@ from batchq._codec_values import (
     Copy,
     align,
     build_item,
-    describe,
     encode_item,
     layout,
     pack_header,
     parse_item,
+    short,
     unpack_header,
 )
 from batchq.errors import ConfigError, FrameError
@@ -101,6 +105,9 @@ class FrameKind(enum.IntEnum):
     BATCH = 1
     END = 2
     ERROR = 3
+
+
+_KINDS = frozenset(FrameKind)  # IntEnum members hash like their ints: `byte in _KINDS`
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: data holds arrays, whose == is elementwise
@@ -208,10 +215,10 @@ def encode_frame(
     if len(sources) != len(data):
         raise ConfigError(f"{len(sources)} sources but {len(data)} data values")
     header: dict[str, Any] = {
-        "run": run, "ep": epoch, "sh": shard, "k": k, "g": g, "pid": producer,
-        "last": True if kind is FrameKind.END else last, "src": list(sources),
+        "run": run, "ep": _plain(epoch), "sh": _plain(shard), "k": _plain(k), "g": _plain(g),
+        "pid": producer, "last": True if kind is FrameKind.END else last, "src": list(sources),
     }  # fmt: skip
-    optional = {"n": count, "err": error, "ename": error_name, "t": produced_at}
+    optional = {"n": _plain(count), "err": error, "ename": error_name, "t": produced_at}
     header.update((key, value) for key, value in optional.items() if value is not None)
     problem = _header_problem(kind, header)
     if problem:
@@ -242,10 +249,15 @@ def encode_frame(
     return out
 
 
+def _plain(value: Any) -> Any:
+    # Coordinates often come out of numpy arithmetic; msgpack only packs Python ints.
+    return int(value) if isinstance(value, np.integer) else value
+
+
 def _check_kind(kind: Any) -> FrameKind:
     try:
         return FrameKind(kind)
-    except ValueError:
+    except (TypeError, ValueError):
         raise ConfigError(f"kind {kind!r}: expected a FrameKind (1, 2 or 3)") from None
 
 
@@ -266,27 +278,27 @@ def _header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
         value = header.get(key)
         # bool is an int subclass: only "last" may be one.
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            return f"{key!r} ({name}) is {value!r}, expected a {typ.__name__}"
+            return f"{key!r} ({name}) is {short(value)}, expected a {typ.__name__}"
         if key in _LOW and header[key] < _LOW[key]:
             return f"{key!r} ({name}) is {value}, expected >= {_LOW[key]}"
     src = header["src"]
     if not all(isinstance(s, str) for s in src) or len(set(src)) != len(src):
-        return f"'src' (sources) is {src!r}, expected unique strs"
+        return f"'src' (sources) is {short(src)}, expected unique strs"
     last, count = header["last"], header.get("n")
     if last != ("n" in header) or (last and not _is_int(count, 0)):
-        return f"'n' (count) is {count!r} with last={last}; expected an int >= 0 exactly when last"
+        return f"'n' (count) is {short(count)} with last={last}; expected an int >= 0 iff last"
     if kind is not FrameKind.BATCH and src:
-        return f"{kind.name} frames carry no data, got sources {src!r}"
+        return f"{kind.name} frames carry no data, got sources {short(src)}"
     err, ename = header.get("err"), header.get("ename")
     if kind is FrameKind.ERROR and not isinstance(err, str):
-        return f"'err' (error) is {err!r}; ERROR frames need the traceback text"
+        return f"'err' (error) is {short(err)}; ERROR frames need the traceback text"
     if kind is not FrameKind.ERROR and (err is not None or ename is not None):
         return f"'err'/'ename' (error, error_name) belong to ERROR frames, not {kind.name}"
     if ename is not None and not isinstance(ename, str):
-        return f"'ename' (error_name) is {ename!r}, expected a str"
+        return f"'ename' (error_name) is {short(ename)}, expected a str"
     t = header.get("t")
     if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
-        return f"'t' (produced_at) is {t!r}, expected a float"
+        return f"'t' (produced_at) is {short(t)}, expected a float"
     return None
 
 
@@ -333,7 +345,7 @@ def decode_frame(
         raise FrameError("bad_magic", f"starts with {bytes(view[:4])!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise FrameError("bad_version", f"format version {version}, expected {FORMAT_VERSION}")
-    if kind not in FrameKind._value2member_map_:
+    if kind not in _KINDS:
         raise FrameError("bad_kind", f"kind {kind}, expected 1 (BATCH), 2 (END) or 3 (ERROR)")
     if reserved != _RESERVED:
         raise FrameError("bad_header", f"reserved bytes {reserved!r}, expected zeros")
@@ -346,16 +358,18 @@ def decode_frame(
         raise FrameError("bad_header", problem)
     sources, items = header["src"], header.get("items")
     if not isinstance(items, list) or len(items) != len(sources):
-        raise FrameError("bad_header", f"'items' is {describe(items)}, expected {len(sources)}")
+        raise FrameError(
+            "bad_header", f"'items' is {short(items)}, expected a list of {len(sources)}"
+        )
     data_start = align(PREFIX.size + hlen)
     specs = [
-        parse_item(entry, f"source {src!r}", data_start, size)
+        parse_item(entry, f"source {short(src)}", data_start, size)
         for src, entry in zip(sources, items, strict=True)
     ]
     crc = header.get("crc")
     if crc is not None:
         if not _is_int(crc, 0) or crc > 0xFFFFFFFF:
-            raise FrameError("bad_header", f"'crc' is {crc!r}, expected a uint32")
+            raise FrameError("bad_header", f"'crc' is {short(crc)}, expected a uint32")
         if verify_checksum and zlib.crc32(view[data_start:]) != crc:
             raise FrameError("bad_checksum", f"buffer region crc32 differs from {crc:#010x}")
     source = buf if isinstance(buf, bytes | bytearray) else view

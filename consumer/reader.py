@@ -18,6 +18,7 @@ import msgpack
 import redis
 
 from batchq import codec
+from batchq.connection import call
 from batchq.errors import (
     BatchQueueError,
     ConnectionLost,
@@ -173,7 +174,9 @@ class Reader(threading.Thread):
             self._last_alive = time.monotonic()
         if not elements:
             self._check_producers()
-            popped = self.client.brpop([self.keys.data], timeout=BLOCK_S)
+            popped = call(
+                lambda: self.client.brpop([self.keys.data], timeout=BLOCK_S), "waiting for data"
+            )
             if popped is None:
                 return
             self._extra_popped = 1

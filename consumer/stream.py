@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from batchq.codec import FrameKind
-from batchq.connection import make_client, resolve_url, tune_malloc
+from batchq.connection import call, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -125,13 +125,13 @@ class ServerDataStream:
         self._connect()
         deadline = time.monotonic() + self.timeout_s
         while True:
-            value = self._client.hget(self.keys.meta, "epoch_batches")
+            value = call(lambda: self._client.hget(self.keys.meta, "epoch_batches"), "reading")
             if value is not None:
                 return int(value)
             if time.monotonic() > deadline:
                 raise ProducersLost(max(self.epoch, 0), [], self.timeout_s)
             # No producer has joined yet: wait for one (bounded, a few checks a second).
-            self._client.blpop([self.keys.wake], timeout=BLOCK_S)
+            call(lambda: self._client.blpop([self.keys.wake], timeout=BLOCK_S), "waiting")
 
     def close(self, finished: bool = False) -> None:
         """Stop reading and release the queue.
@@ -228,7 +228,9 @@ class ServerDataStream:
         # S comes from the first producer that joins the run.
         deadline = time.monotonic() + self.timeout_s
         while True:
-            run, shards = self._client.hmget(self.keys.meta, ["run", "shards"])
+            run, shards = call(
+                lambda: self._client.hmget(self.keys.meta, ["run", "shards"]), "reading meta"
+            )
             if run is not None and run.decode() != self._session["run"]:
                 raise BatchQueueError(f"queue {self.keys.queue}: the run changed while starting")
             if shards is not None:
@@ -236,7 +238,7 @@ class ServerDataStream:
             if time.monotonic() > deadline:
                 raise ProducersLost(0, [], self.timeout_s)
             SCRIPTS["claim"](self._client, self._claim_keys(), self._claim_args("refresh"))
-            self._client.blpop([self.keys.wake], timeout=BLOCK_S)
+            call(lambda: self._client.blpop([self.keys.wake], timeout=BLOCK_S), "waiting")
 
     def _delete_frames(self) -> None:
         # Frames stored by reference by an older run: nobody will pop their names.

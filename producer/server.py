@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from batchq import codec
-from batchq.connection import make_client, resolve_url, tune_malloc
+from batchq.connection import call, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -43,6 +43,9 @@ WAIT_S = 0.15
 # Large frames travel by reference (plain SET + a small script argument): measured, a
 # 1.57 MB frame as a Lua argument makes the capped push 2-3x slower than a plain LPUSH.
 INLINE_MAX_BYTES = 64 * 1024
+# A producer that joins a run finished less than this long ago exits (a late replica of
+# the same job); after it, a producer starts the queue's next run.
+FINISHED_GRACE_S = 60.0
 # A frame stored by reference but not yet in the list expires after this long, so a
 # producer killed at the hwm leaves nothing behind; in the list it never expires.
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
@@ -69,6 +72,7 @@ class Producer:
         inline_max_bytes: frames larger than this travel by reference.
         max_frame_bytes: refuse to push a batch larger than this.
         checksum: add a CRC32 of the buffers to every frame.
+        reconnect_timeout_s: how long to keep trying when Redis is unreachable.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Producer:
         inline_max_bytes: int = INLINE_MAX_BYTES,
         max_frame_bytes: int | None = None,
         checksum: bool = False,
+        reconnect_timeout_s: float = 60.0,
     ) -> None:
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
@@ -102,6 +107,7 @@ class Producer:
         self.inline_max_bytes = inline_max_bytes
         self.max_frame_bytes = max_frame_bytes
         self.checksum = checksum
+        self.reconnect_timeout_s = reconnect_timeout_s
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
         self.client = make_client(url)
@@ -127,24 +133,54 @@ class Producer:
             ConnectionLost: Redis could not be reached.
         """
         tune_malloc()
-        self._join()
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name="batchq-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
         try:
+            self._join()
+            self._heartbeat = threading.Thread(
+                target=self._heartbeat_loop, name="batchq-heartbeat", daemon=True
+            )
+            self._heartbeat.start()
             while not self._stop.is_set():
-                g = self._lease()
-                if g is None:
-                    continue
-                epoch, shard = divmod(g, self.plan.shards)
-                self._serve_shard(epoch, shard, f"{g}:{self._lease_token}")
-        except RunFinished:
-            log.info("producer %s: the trainer finished the run", self.id)
+                try:
+                    g = self._lease()
+                    if g is None:
+                        continue
+                    epoch, shard = divmod(g, self.plan.shards)
+                    self._serve_shard(epoch, shard, f"{g}:{self._lease_token}")
+                except ConnectionLost as e:
+                    self._reconnect(e)
+        except RunFinished as e:
+            log.info("producer %s: %s", self.id, e)
         finally:
             self._stop.set()
             self._leave()
         return 0
+
+    def _reconnect(self, error: ConnectionLost) -> None:
+        """Wait for Redis to come back (bounded backoff), then join the run again.
+
+        Raises:
+            ConnectionLost: Redis stayed unreachable for reconnect_timeout_s.
+        """
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay_s = 0.1
+        log.warning("producer %s: %s; reconnecting", self.id, error)
+        while not self._stop.is_set():
+            try:
+                self.client.ping()
+                self._join()
+                log.warning("producer %s: reconnected", self.id)
+                return
+            except (redis.ConnectionError, redis.TimeoutError, ConnectionLost) as e:
+                if time.monotonic() + delay_s > deadline:
+                    raise ConnectionLost(
+                        f"producer {self.id}: Redis unreachable for "
+                        f"{self.reconnect_timeout_s:g} s: {e}"
+                    ) from e
+                log.warning(
+                    "producer %s: still no Redis (%s); retrying in %.1f s", self.id, e, delay_s
+                )
+                self._stop.wait(delay_s)
+                delay_s = min(delay_s * 2, 2.0)
 
     def _heartbeat_loop(self) -> None:
         client = make_client(self.url)
@@ -199,9 +235,12 @@ class Producer:
                     PROTOCOL_VERSION,
                     "" if self.plan.epoch_batches is None else self.plan.epoch_batches,
                     self._run,
+                    int(FINISHED_GRACE_S * 1000),
                 ],
             )
         )
+        if reply[0] == Status.FINISHED:
+            raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
         if reply[0] == Status.MISMATCH:
             what, expected = reply[1], reply[2]
             got = self.plan.fingerprint if what == "fingerprint" else str(self.hwm)
@@ -277,7 +316,7 @@ class Producer:
 
     def _wait_for_room(self) -> None:
         # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
-        self.client.blpop([self.keys.wake], timeout=WAIT_S)
+        call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
 
     # -- building and pushing a shard --------------------------------------------------
 

@@ -22,7 +22,7 @@ if op ~= 'acquire' then
   elseif op == 'finish' then
     -- Producers see 'finished' on their next call and exit; the frames left are useless.
     redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
-    redis.call('HSET', KEYS[1], 'finished', 1)
+    redis.call('HSET', KEYS[1], 'finished', 1, 'finished_at', now)
     redis.call('HDEL', KEYS[1], 'claim', 'claim_deadline')
   end
   return {'OK'}

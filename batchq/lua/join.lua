@@ -12,8 +12,10 @@
 -- ARGV[8] heartbeat ttl (ms)  ARGV[9] protocol version
 -- ARGV[10] batches per epoch ('' if unknown)
 -- ARGV[11] the run this producer served before ('' if none)
+-- ARGV[12] grace (ms): a run that finished less than this long ago is over for late
+--          producers too (they exit); after it, a producer starts the next run
 -- Returns {'OK', incarnation, run, hwm, S, window, created}
---      or {'MISMATCH', what, expected}
+--      or {'MISMATCH', what, expected}, {'FINISHED'}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -26,7 +28,11 @@ end
 
 local run = redis.call('HGET', KEYS[1], 'run')
 local created = 0
-if (not run) or redis.call('HGET', KEYS[1], 'finished') == '1' then
+local finished_at = tonumber(redis.call('HGET', KEYS[1], 'finished_at') or '')
+if finished_at and now - finished_at < tonumber(ARGV[12]) then
+  return {'FINISHED'}
+end
+if (not run) or finished_at then
   -- No run yet, or the last one finished: this producer starts the next run.
   redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
   run = ARGV[6]

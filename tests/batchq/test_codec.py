@@ -202,7 +202,8 @@ def test_array_round_trip_is_a_read_only_view(arr: np.ndarray) -> None:
     _, header, ds, _ = split(buf)
     (desc,) = descriptors(header)
     assert desc["off"] % 64 == 0 and desc["off"] >= ds
-    assert buf[12 + len(msgpack.packb(header)) : ds] == bytes(ds - 12 - len(msgpack.packb(header)))
+    hlen = struct.unpack_from("<I", buf, 8)[0]
+    assert buf[12 + hlen : ds] == bytes(ds - 12 - hlen)  # zero padding
 
 
 @FAST
@@ -744,6 +745,11 @@ class _Opaque:
     pass
 
 
+# numpy >= 2 has a variable-width string dtype (kind "T"), whose bytes are pointers.
+_STRING_DTYPE = getattr(getattr(np, "dtypes", None), "StringDType", None)
+_STRING_DTYPE_CASE = [(np.array(["a"], dtype=_STRING_DTYPE()), "T")] if _STRING_DTYPE else []
+
+
 @pytest.mark.parametrize(
     ("value", "named"),
     [
@@ -758,29 +764,30 @@ class _Opaque:
         (np.zeros(2, dtype="i4,f4"), "V"),
         (np.zeros(2, dtype="V8"), "V"),
         (np.void(b"ab"), "V"),
-        (np.array(["a"], dtype=np.dtypes.StringDType()), "T"),
+        *_STRING_DTYPE_CASE,
     ],
 )
 def test_unencodable_values_raise_config_error(value: Any, named: str) -> None:
     with pytest.raises(ConfigError, match=named) as info:
         enc(("src_name", value))
-    assert "src_name" in str(info.value) or named == "surrogates"
+    assert "src_name" in str(info.value)
 
 
 @pytest.mark.parametrize(
-    "element", [{1, 2}, _Opaque(), np.zeros(1, dtype="V2"), np.empty(1, dtype=object)]
+    ("element", "named"),
+    [
+        ({1, 2}, "set"),
+        (_Opaque(), "_Opaque"),
+        (np.zeros(1, dtype="V2"), "V2"),
+        (np.empty(1, dtype=object), "nested object arrays"),
+    ],
 )
-def test_unencodable_object_array_elements(element: Any) -> None:
+def test_unencodable_object_array_elements(element: Any, named: str) -> None:
     obj = np.empty(2, dtype=object)
     obj[0] = np.arange(2)
     obj[1] = element
-    with pytest.raises(ConfigError, match="'feats' element 1") as info:
+    with pytest.raises(ConfigError, match=f"'feats' element 1.*{named}"):
         enc(("feats", obj))
-    assert (
-        type(element).__name__ in str(info.value)
-        or "object" in str(info.value)
-        or "V" in str(info.value)
-    )
 
 
 def test_deep_values_are_refused() -> None:
@@ -833,6 +840,12 @@ def test_max_frame_bytes_on_encode() -> None:
     assert len(enc(("x", arr), max_frame_bytes=size)) == size
     with pytest.raises(ConfigError, match=rf"{size} bytes exceeds max_frame_bytes={size - 1}"):
         enc(("x", arr), max_frame_bytes=size - 1)
+
+
+def test_numpy_integers_are_accepted_as_coordinates() -> None:
+    frame = decode_frame(enc(epoch=np.int64(1), shard=np.uint8(2), k=np.int32(3), g=np.int64(4)))
+    assert (frame.epoch, frame.shard, frame.k, frame.g) == (1, 2, 3, 4)
+    assert type(frame.epoch) is int
 
 
 def test_end_frames_are_always_last() -> None:

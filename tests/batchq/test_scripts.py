@@ -25,13 +25,21 @@ class Q:
         self.inc = ""
         self.run = ""
 
-    def join(self, p: str, fp: str = "fp", hwm: int = 3, shards: int = 4, window: int = 6) -> list:
+    def join(
+        self,
+        p: str,
+        fp: str = "fp",
+        hwm: int = 3,
+        shards: int = 4,
+        window: int = 6,
+        grace: int = 60_000,
+    ) -> list:
         k = self.k
         reply = decode_reply(
             SCRIPTS["join"](
                 self.c,
                 [k.meta, k.incarnation, k.producers, k.lease(p), k.work, k.data],
-                [p, fp, hwm, shards, window, "run1", "inc1", TTL_MS, "1", shards, self.run],
+                [p, fp, hwm, shards, window, "run1", "inc1", TTL_MS, "1", shards, self.run, grace],
             )
         )
         if reply[0] == "OK":
@@ -189,6 +197,9 @@ def test_finish_tells_producers(q: Q) -> None:
     assert q.claim("t1", op="finish") == ["OK"]
     assert q.lease("p1", "a") == ["FINISHED"]
     assert q.push("p1", "0:a", b"x") == ["FINISHED"]
+    assert q.join("p2") == ["FINISHED"]  # a late replica of the same job
+    reply = q.join("p2", grace=0)  # long after: the next job's first producer
+    assert reply[0] == "OK" and reply[-1] == 1
 
 
 def test_every_script_notices_a_lost_incarnation(q: Q) -> None:

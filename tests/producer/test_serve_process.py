@@ -67,11 +67,18 @@ def test_sigterm_hands_leases_back_and_leaves_no_process(
 
 
 def test_killed_producer_becomes_producers_lost(
-    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+    redis_url: str,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    redis_client: Any,
 ) -> None:
     proc: subprocess.Popen[bytes] = spawn_proc(
         serve_argv("--hwm", "2", "--heartbeat-ttl-s", "1"), env=serve_env(examples=400)
     )
+    keys = QueueKeys(queue_name)
+    wait_until(lambda: redis_client.zcard(keys.producers) == 1, what="the producer to join")
     stream = ServerDataStream(
         ("features", "targets"), url=redis_url, queue=queue_name, timeout_s=1.0, hwm=2
     )
