@@ -67,7 +67,8 @@ class Producer:
         producer_id: this producer's id (default: host-pid-random).
         window: look-ahead in shards past the trainer's oldest incomplete shard
             (default 2 x hwm).
-        requests_per_shard: how many consecutive requests make a shard.
+        requests_per_shard: how many consecutive requests make a shard (default: the
+            smallest exact cut of the pipeline, see :mod:`producer.sharding`).
         heartbeat_ttl_s: a producer silent for this long is declared dead.
         inline_max_bytes: frames larger than this travel by reference.
         max_frame_bytes: refuse to push a batch larger than this.
@@ -84,7 +85,7 @@ class Producer:
         *,
         producer_id: str | None = None,
         window: int | None = None,
-        requests_per_shard: int = 1,
+        requests_per_shard: int | None = None,
         heartbeat_ttl_s: float = 10.0,
         inline_max_bytes: int = INLINE_MAX_BYTES,
         max_frame_bytes: int | None = None,
@@ -371,7 +372,7 @@ class Producer:
             epoch=epoch,
             shard=shard,
             k=k,
-            g=(self.plan.requests_per_shard * shard + k) if self.plan.shardable else k,
+            g=-1 if self.plan.shard_batches is None else self.plan.shard_batches * shard + k,
             producer=self.id,
             sources=self.sources,
             data=data,

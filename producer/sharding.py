@@ -4,15 +4,17 @@ The requests of epoch e are a pure function of (pipeline, seed, e): every produc
 computes the same plan, so any shard can be built (and built again) anywhere.
 
 An epoch's requests (the root DataStream's iteration scheme's requests, in order) are
-cut into S shards of ``requests_per_shard`` consecutive requests. For a map-style chain
-(a DataStream, and transformers that turn each child batch into one batch, like the
-tutorial's ``Bottleneck``), building shard s yields exactly the batches the in-process
-stream yields for those requests, in the same order; plan order is the in-process order.
+cut into S shards of ``requests_per_shard`` consecutive requests. The default is the
+smallest run of requests at which the chain can be cut exactly (see
+:mod:`producer.alignment`): one request for a map-style chain (like the tutorial's), k
+example requests for ``Batch(ConstantScheme(k))`` over an example scheme, and so on.
+Built shard by shard, an epoch yields exactly the batches the in-process stream yields,
+in the same order: plan order is the in-process order.
 
-Chains that aggregate across requests (Batch, Filter, Cache, Unpack, Merge, or a stream
-without an iteration scheme) cannot be cut between arbitrary requests; until the
-pipeline learns to say where it can be cut, such an epoch is one shard (S = 1), which is
-correct, only less parallel.
+A chain that cannot be cut exactly (a Batch over a Filter, a Merge, a stream without an
+iteration scheme) is served as one shard per epoch, unless ``requests_per_shard`` is
+given: then batches near shard boundaries may be grouped differently than in-process
+(every example still comes exactly once).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,11 +30,12 @@ from typing import Any
 import numpy as np
 
 from batchq.errors import ConfigError
+from producer.alignment import analyse
 
 __all__ = ["ShardPlan", "find_root", "iter_chain"]
 
-# Transformers that consume several child items per item they yield, or buffer them.
-_AGGREGATING = frozenset({"Batch", "Filter", "Cache", "Unpack", "Merge"})
+log = logging.getLogger(__name__)
+
 # How many epochs' plans go into the fingerprint: enough to tell seeds apart.
 _FINGERPRINT_EPOCHS = 2
 
@@ -84,41 +88,72 @@ class ShardPlan:
 
     Args:
         stream: the stream to serve (a DataStream or a transformer chain over one).
-        requests_per_shard: how many consecutive requests make a shard.
+        requests_per_shard: how many consecutive requests make a shard; None picks the
+            smallest exact cut (see the module docstring).
+
+    Attributes:
+        shards: S, shards per epoch.
+        requests_per_shard: requests per shard (the last one may have fewer).
+        exact: shard by shard equals in-process, batch for batch.
+        map_only: each request yields exactly one batch.
+        epoch_batches: batches per epoch, when the chain lets it be computed.
+        shard_batches: batches per full shard, when computable.
+        fingerprint: a hash of what must be equal for producers to share a run.
 
     Raises:
-        ConfigError: requests_per_shard is not a positive integer, or the scheme gives
-            epochs of different lengths (S must be the same for every epoch).
+        ConfigError: requests_per_shard is not a positive integer or not a multiple of
+            the chain's cut unit, or the scheme gives epochs of different lengths.
     """
 
-    def __init__(self, stream: Any, requests_per_shard: int = 1) -> None:
-        if not isinstance(requests_per_shard, int) or requests_per_shard < 1:
+    def __init__(self, stream: Any, requests_per_shard: int | None = None) -> None:
+        if requests_per_shard is not None and (
+            not isinstance(requests_per_shard, int) or requests_per_shard < 1
+        ):
             raise ConfigError(
                 f"requests_per_shard {requests_per_shard!r} is not valid: expected an integer >= 1"
             )
         self.stream = stream
         self.root = find_root(stream)
         self.scheme = getattr(self.root, "iteration_scheme", None)
-        chain = list(iter_chain(stream))
-        aggregating = [type(n).__name__ for n in chain if type(n).__name__ in _AGGREGATING]
-        self.shardable = self.scheme is not None and not aggregating and len(chain) >= 1
         self._plans: dict[int, list[Any]] = {}
-        if self.shardable:
-            n0 = len(self.requests(0))
-            n1 = len(self.requests(1))
-            if n0 != n1:
+        self.map_only = False
+        self.exact = True
+        self.epoch_batches: int | None = None
+        self.shard_batches: int | None = None
+        n0 = len(self.requests(0))
+        if self.scheme is not None and n0 != len(self.requests(1)):
+            raise ConfigError(
+                f"the iteration scheme gives {n0} requests in epoch 0 and "
+                f"{len(self.requests(1))} in epoch 1: expected the same number every epoch"
+            )
+        alignment = analyse(stream, self.requests(0)) if self.scheme is not None else None
+        if alignment is not None and alignment.unit is not None:
+            unit = alignment.unit
+            rps = requests_per_shard or unit
+            if rps % unit:
                 raise ConfigError(
-                    f"the iteration scheme gives {n0} requests in epoch 0 and {n1} in epoch "
-                    "1: expected the same number every epoch"
+                    f"requests_per_shard {rps} is not valid for this pipeline: expected a "
+                    f"multiple of {unit} (the fewest requests it can be cut after exactly)"
                 )
-            self.requests_per_shard = requests_per_shard
-            self.shards = max(1, math.ceil(n0 / requests_per_shard))
-            self.epoch_batches: int | None = n0
+            self.map_only = alignment.map_only
+            self.epoch_batches = alignment.epoch_batches
+            if alignment.batches_per_unit is not None:
+                self.shard_batches = alignment.batches_per_unit * (rps // unit)
+        elif self.scheme is not None and requests_per_shard is not None:
+            why = alignment.reason if alignment else ""
+            log.warning(
+                "this pipeline cannot be cut exactly (%s): with requests_per_shard=%d, "
+                "batches at shard boundaries may be grouped differently than in-process",
+                why,
+                requests_per_shard,
+            )
+            rps = requests_per_shard
+            self.exact = False
         else:
-            self.requests_per_shard = 0
-            self.shards = 1
-            self.epoch_batches = None
-        self.fingerprint = self._fingerprint(chain)
+            rps = max(n0, 1)  # one shard per epoch
+        self.requests_per_shard = rps
+        self.shards = max(1, math.ceil(n0 / rps)) if self.scheme is not None else 1
+        self.fingerprint = self._fingerprint(list(iter_chain(stream)))
 
     def requests(self, epoch: int) -> list[Any]:
         """The requests of ``epoch``, in plan order (cached for the last few epochs)."""
@@ -163,8 +198,8 @@ class ShardPlan:
             reseed = getattr(node, "reseed", None)
             if callable(reseed):
                 reseed(seed)
-        if not self.shardable:
-            yield from self._iter_whole_epoch(epoch)
+        if self.scheme is None:
+            yield from self.stream.get_epoch_iterator()
             return
         with self._restricted(self.shard_requests(epoch, shard)):
             iterator = self.stream.get_epoch_iterator()
@@ -179,7 +214,7 @@ class ShardPlan:
         read one batch ahead.
         """
         batches = self.iter_shard(epoch, shard)
-        if self.shardable:
+        if self.map_only:
             expected = len(self.shard_requests(epoch, shard))
             for k, batch in enumerate(batches):
                 yield batch, k == expected - 1
@@ -195,14 +230,6 @@ class ShardPlan:
             yield prev, False
             prev = item
         yield prev, True
-
-    def _iter_whole_epoch(self, epoch: int) -> Iterator[tuple[Any, ...]]:
-        if self.scheme is None:
-            yield from self.stream.get_epoch_iterator()
-            return
-        with self._restricted(self.requests(epoch)):
-            iterator = self.stream.get_epoch_iterator()
-        yield from iterator
 
     @contextlib.contextmanager
     def _restricted(self, requests: Sequence[Any]) -> Iterator[None]:

@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--workers", type=int, default=1, help="producer processes to run")
     serve.add_argument(
-        "--requests-per-shard", type=int, default=1, help="consecutive requests per shard"
+        "--requests-per-shard",
+        type=int,
+        default=None,
+        help="consecutive requests per shard (default: the smallest exact cut)",
     )
     serve.add_argument(
         "--heartbeat-ttl-s",

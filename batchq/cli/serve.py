@@ -77,11 +77,11 @@ def _supervise(args: argparse.Namespace, url: str) -> int:
         args.queue,
         "--hwm",
         str(args.hwm),
-        "--requests-per-shard",
-        str(args.requests_per_shard),
         "--heartbeat-ttl-s",
         str(args.heartbeat_ttl_s),
     ]
+    if args.requests_per_shard is not None:
+        argv += ["--requests-per-shard", str(args.requests_per_shard)]
     procs = [spawn(argv) for _ in range(args.workers)]
     stopping = threading.Event()
 

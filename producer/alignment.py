@@ -1,0 +1,138 @@
+"""Where a pipeline can be cut: the shard alignment of a transformer chain.
+
+A shard is a run of consecutive requests of the root stream's scheme. Cutting an epoch
+between two requests is exact (the shards' batches, concatenated, are the in-process
+epoch's batches) only at points where no transformer holds items across the cut. This
+module walks the chain from the root up and works that out:
+
+* one-to-one transformers (Mapping, Cast, Padding, the tutorial's Bottleneck, any
+  user transformer that yields one item per child item) change nothing;
+* ``Batch(ConstantScheme(k))`` over examples groups k of them: a cut must fall after a
+  multiple of k examples, so the unit grows to the fewest requests giving a multiple
+  of k examples;
+* ``Cache(ConstantScheme(k))`` re-cuts batches into batches of k examples: the same,
+  counted in examples;
+* ``Unpack`` turns each batch into its examples (known when the root's scheme tells the
+  batch size);
+* ``Filter`` drops an unknown number of items: fine at any cut on its own, but nothing
+  above it can count, so a Batch or Cache above a Filter cannot be aligned;
+* ``Merge`` zips several streams with their own schemes: never aligned.
+
+A user transformer can say it is not one-to-one with a class attribute
+``one_to_one = False`` (it is then treated like Filter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Alignment", "analyse", "request_size"]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What the chain allows.
+
+    Attributes:
+        unit: the fewest consecutive root requests after which a cut is exact; None if
+            no cut is (the chain regroups items it cannot count).
+        map_only: every root request yields exactly one top-level batch.
+        epoch_batches: batches the top stream yields per epoch, when computable.
+        batches_per_unit: batches the top stream yields per full unit, when computable.
+        reason: why the chain cannot be cut ('' when it can).
+    """
+
+    unit: int | None
+    map_only: bool
+    epoch_batches: int | None
+    batches_per_unit: int | None
+    reason: str = ""
+
+
+def request_size(request: Any) -> int:
+    """The number of examples a request asks for (1 for a single index)."""
+    if isinstance(request, slice):
+        start, stop, step = request.start or 0, request.stop, request.step or 1
+        return max(0, math.ceil((stop - start) / step)) if stop is not None else 0
+    if isinstance(request, (list, tuple)) or hasattr(request, "__len__"):
+        return len(request)
+    return 1
+
+
+def _scheme_batch_size(scheme: Any) -> int | None:
+    """k for an endless ConstantScheme(k); None for anything else."""
+    if type(scheme).__name__ != "ConstantScheme":
+        return None
+    if getattr(scheme, "times", None) is not None or getattr(scheme, "num_examples", None):
+        return None
+    size = getattr(scheme, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _chain_from_root(stream: Any) -> list[Any] | None:
+    chain = []
+    node = stream
+    while node is not None:
+        if getattr(node, "data_streams", None):
+            return None  # Merge: several roots
+        chain.append(node)
+        node = getattr(node, "data_stream", None)
+    chain.reverse()
+    return chain
+
+
+def analyse(stream: Any, requests: list[Any]) -> Alignment:
+    """Work out the alignment of ``stream`` given one epoch's root requests.
+
+    Args:
+        stream: the top of the chain.
+        requests: the root scheme's requests of one epoch.
+    """
+    chain = _chain_from_root(stream)
+    if chain is None:
+        return Alignment(None, False, None, None, "Merge zips streams with their own schemes")
+    root, above = chain[0], chain[1:]
+    per_example = bool(getattr(root.iteration_scheme, "requests_examples", False))
+    # State while walking up: root requests per unit, items per unit, examples per item,
+    # and for the whole epoch: items and examples.
+    unit = 1
+    ipu: int | None = 1
+    isz: int | None = 1 if per_example else None
+    if not per_example and requests:
+        sizes = {request_size(r) for r in requests[:-1]} or {request_size(requests[0])}
+        isz = sizes.pop() if len(sizes) == 1 else None
+    items: int | None = len(requests)
+    examples: int | None = sum(request_size(r) for r in requests) if not per_example else items
+    map_only = True
+    for node in above:
+        name = type(node).__name__
+        if name in ("Batch", "Cache"):
+            k = _scheme_batch_size(node.iteration_scheme)
+            per_unit = ipu if name == "Batch" else (ipu * isz if ipu and isz else None)
+            if k is None or per_unit is None:
+                why = "its scheme is not an endless ConstantScheme" if k is None else ""
+                return Alignment(
+                    None,
+                    False,
+                    None,
+                    None,
+                    f"{name} regroups items it cannot count {why}".strip(),
+                )
+            m = k // math.gcd(per_unit, k)
+            unit, ipu, isz = unit * m, per_unit * m // k, k
+            total = items if name == "Batch" else examples
+            strict = getattr(node, "strictness", 0)
+            if total is None:
+                items = None
+            else:
+                examples = total
+                items = math.ceil(total / k) if strict == 0 else total // k
+            map_only = False
+        elif name == "Unpack":
+            ipu = ipu * isz if ipu is not None and isz is not None else None
+            items, isz, map_only = examples, 1, False
+        elif name == "Filter" or getattr(node, "one_to_one", True) is False:
+            ipu, items, examples, map_only = None, None, None, False
+    return Alignment(unit, map_only, items, ipu)
