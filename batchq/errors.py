@@ -82,6 +82,10 @@ class ProducersLost(BatchQueueError, TimeoutError):
         self.timeout_s = timeout_s
 
 
+class LengthUnknown(BatchQueueError, TypeError):
+    """``len()`` of a stream whose pipeline cannot tell its batches per epoch."""
+
+
 class TrainerConflict(BatchQueueError):
     """Another trainer holds the queue's run (its claim is live)."""
 

@@ -21,6 +21,7 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 lost the queue's state
     bq:{Q}:stats        HASH    counters for monitoring, updated inside the scripts
     bq:{Q}:dead         LIST    frames that failed validation, with their reason (capped)
+    bq:{Q}:failures     HASH    global shard -> attempts whose pipeline raised (poison)
     bq:{Q}:frame:<p>:<n> STRING a large frame stored by reference (the data list holds
                                 its name); no TTL once it is in the data list
     reserved: bq:{Q}:data:<rank> and a ledger per rank, for data-parallel trainers
@@ -94,6 +95,7 @@ class QueueKeys:
         self.incarnation = f"{self.base}:incarnation"
         self.stats = f"{self.base}:stats"
         self.dead = f"{self.base}:dead"
+        self.failures = f"{self.base}:failures"
         self.frame_prefix = f"{self.base}:frame:"
 
     def lease(self, producer: str) -> str:

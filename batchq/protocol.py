@@ -27,6 +27,8 @@ class Status:
     REAPED = "REAPED"
     LEASE_LOST = "LEASE_LOST"
     CLAIM_LOST = "CLAIM_LOST"
+    RETRY = "RETRY"
+    GIVE_UP = "GIVE_UP"
 
 
 def decode_reply(reply: Any) -> list[Any]:

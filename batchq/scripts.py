@@ -58,7 +58,8 @@ class Script:
 
 
 SCRIPTS: dict[str, Script] = {
-    name: Script(name) for name in ("claim", "join", "lease", "pop", "push", "reap")
+    name: Script(name)
+    for name in ("claim", "fail", "join", "lease", "pop", "push", "reap", "requeue")
 }
 
 

@@ -53,6 +53,7 @@ class Ledger:
         self.buffered = 0  # frames held and not handed out
         self.duplicates = 0
         self.stale = 0
+        self.skipped = 0  # shards given up on (ERROR frames under the skip policy)
 
     def _shard(self, epoch: int, shard: int) -> ShardState:
         return self._epochs.setdefault(epoch, {}).setdefault(shard, ShardState())
@@ -82,6 +83,19 @@ class Ledger:
         if not self.ordered and frame.epoch == self.epoch:
             self._arrived.append(frame)
         return True
+
+    def skip_error(self, frame: Frame) -> None:
+        """Treat an ERROR frame as its shard's end: the batches before it are all it has."""
+        state = self._shard(frame.epoch, frame.shard)
+        if state.error is frame:
+            state.error = None
+            state.count = frame.count or 0
+            # Batches past the failure point (from another attempt) are not part of it.
+            for k in [k for k in state.frames if k >= state.count]:
+                del state.frames[k]
+                self.buffered -= 1
+            state.received = {k for k in state.received if k < state.count}
+            self.skipped += 1
 
     def start_epoch(self, epoch: int) -> None:
         """Begin handing out ``epoch``; frames of earlier epochs are dropped."""
@@ -152,6 +166,16 @@ class Ledger:
         if len(states) < self.shards:
             return False
         return all(s.complete and not s.frames and s.error is None for s in states.values())
+
+    def incomplete(self, first: int, count: int) -> list[int]:
+        """Global shard numbers in [first, first + count) not complete in the ledger."""
+        out = []
+        for g in range(first, first + count):
+            epoch, shard = divmod(g, self.shards)
+            state = self._epochs.get(epoch, {}).get(shard)
+            if epoch >= self.epoch and (state is None or not state.complete):
+                out.append(g)
+        return out
 
     def missing_shards(self, epoch: int | None = None) -> list[int]:
         """The shards of ``epoch`` (default: the current one) that are not complete."""

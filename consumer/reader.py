@@ -30,6 +30,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
+from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
 from consumer.ledger import Ledger
 
@@ -56,6 +57,8 @@ class Reader(threading.Thread):
         writable: decode into writable copies instead of read-only views.
         max_frame_bytes: frames above this go to the dead list without being decoded.
         on_bad_frame: 'raise' (the iterator raises FrameError) or 'skip'.
+        stall_s: after this long without a frame while the trainer waits, reap dead
+            producers and hand shards with a gap back to the work list.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class Reader(threading.Thread):
         writable: bool = False,
         max_frame_bytes: int | None = None,
         on_bad_frame: str = "raise",
+        stall_s: float = 5.0,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -90,6 +94,9 @@ class Reader(threading.Thread):
         self._wait_ms = 0
         self._last_alive = time.monotonic()
         self.bad_frames = 0
+        self.stall_s = stall_s
+        self._last_frame = time.monotonic()
+        self._last_repair = 0.0
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -127,13 +134,8 @@ class Reader(threading.Thread):
                 self.cond.notify_all()
 
     def _refresh_claim(self) -> None:
-        keys = [
-            self.keys.meta,
-            self.keys.incarnation,
-            self.keys.data,
-            self.keys.work,
-            self.keys.wake,
-        ]
+        k = self.keys
+        keys = [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures]
         args = [self.session["token"], self.session["claim_ttl_ms"], "refresh", "", "", "", ""]
         reply = decode_reply(SCRIPTS["claim"](self.client, keys, args))
         if reply[0] != Status.OK:
@@ -197,9 +199,25 @@ class Reader(threading.Thread):
     def _check_producers(self) -> None:
         with self.cond:
             waiting = self.waiting_since is not None
-        if waiting and time.monotonic() - self._last_alive > self.timeout_s:
+        if not waiting:
+            return
+        now = time.monotonic()
+        if now - self._last_alive > self.timeout_s:
             with self.cond:
                 raise ProducersLost(self.ledger.epoch, self.ledger.missing_shards(), self.timeout_s)
+        if now - self._last_frame > self.stall_s and now - self._last_repair > self.stall_s:
+            self._repair()
+
+    def _repair(self) -> None:
+        """After a stall: reap dead producers, then requeue shards nobody will deliver."""
+        self._last_repair = time.monotonic()
+        reap_dead(self.client, self.keys, self.session["incarnation"])
+        with self.cond:
+            first = self.ledger.floor()
+            candidates = self.ledger.incomplete(first, self.session.get("window", 1))
+        requeue_gaps(
+            self.client, self.keys, self.session["incarnation"], self.session["run"], candidates
+        )
 
     def _fetch(self, elements: list[bytes]) -> list[tuple[bytes | None, bytes, str]]:
         """Resolve references: (frame or None, the list element, the ref key or '')."""
@@ -245,6 +263,8 @@ class Reader(threading.Thread):
                 self.ledger.stale += 1
                 continue
             frames.append(frame)
+        if frames:
+            self._last_frame = time.monotonic()
         with self.cond:
             for frame in frames:
                 self.ledger.add(frame)

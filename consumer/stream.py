@@ -20,6 +20,7 @@ from batchq.errors import (
     BatchQueueError,
     ConfigError,
     ConnectionLost,
+    LengthUnknown,
     ProducerFailed,
     ProducersLost,
     TrainerConflict,
@@ -55,6 +56,11 @@ class ServerDataStream:
         claim_ttl_s: the trainer's claim lapses this long after its last heartbeat.
         max_frame_bytes: frames larger than this are refused (dead list).
         on_bad_frame: 'raise' a FrameError for a frame that fails validation, or 'skip'.
+        on_producer_error: 'raise' ProducerFailed when a shard's pipeline kept raising
+            (after the producers' retries), or 'skip' the rest of that shard and count
+            it (``skipped_shards``).
+        stall_s: after this long without a frame while waiting, reap dead producers
+            and hand shards with a gap back to the work list.
     """
 
     def __init__(
@@ -73,6 +79,8 @@ class ServerDataStream:
         claim_ttl_s: float = 10.0,
         max_frame_bytes: int | None = None,
         on_bad_frame: str = "raise",
+        on_producer_error: str = "raise",
+        stall_s: float = 5.0,
     ) -> None:
         if isinstance(sources, str) or not all(isinstance(s, str) for s in sources):
             raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of names")
@@ -93,6 +101,12 @@ class ServerDataStream:
         self.claim_ttl_ms = int(claim_ttl_s * 1000)
         self.max_frame_bytes = max_frame_bytes
         self.on_bad_frame = on_bad_frame
+        if on_producer_error not in ("raise", "skip"):
+            raise ConfigError(
+                f"on_producer_error {on_producer_error!r} is not valid: 'raise' or 'skip'"
+            )
+        self.on_producer_error = on_producer_error
+        self.stall_s = stall_s
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
         self._reader: Reader | None = None
@@ -126,8 +140,13 @@ class ServerDataStream:
         deadline = time.monotonic() + self.timeout_s
         while True:
             value = call(lambda: self._client.hget(self.keys.meta, "epoch_batches"), "reading")
-            if value is not None:
+            if value is not None and int(value) >= 0:
                 return int(value)
+            if value is not None:
+                raise LengthUnknown(
+                    f"queue {self.keys.queue}: this pipeline cannot tell its batches per "
+                    "epoch in advance (it filters or regroups examples)"
+                )
             if time.monotonic() > deadline:
                 raise ProducersLost(max(self.epoch, 0), [], self.timeout_s)
             # No producer has joined yet: wait for one (bounded, a few checks a second).
@@ -171,6 +190,11 @@ class ServerDataStream:
     ) -> None:
         self.close()
 
+    @property
+    def skipped_shards(self) -> int:
+        """Shards skipped under ``on_producer_error='skip'``."""
+        return self._ledger.skipped if self._ledger is not None else 0
+
     def __repr__(self) -> str:
         return f"ServerDataStream(sources={self.sources!r}, queue={self.keys.queue!r})"
 
@@ -183,7 +207,7 @@ class ServerDataStream:
 
     def _claim_keys(self) -> list[str]:
         k = self.keys
-        return [k.meta, k.incarnation, k.data, k.work, k.wake]
+        return [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures]
 
     def _claim_args(self, op: str, takeover: str = "") -> list[Any]:
         token = self._session.get("token") or uuid.uuid4().hex
@@ -221,6 +245,7 @@ class ServerDataStream:
             writable=self.writable,
             max_frame_bytes=self.max_frame_bytes,
             on_bad_frame=self.on_bad_frame,
+            stall_s=self.stall_s,
         )
         self._reader.start()
 
@@ -228,12 +253,14 @@ class ServerDataStream:
         # S comes from the first producer that joins the run.
         deadline = time.monotonic() + self.timeout_s
         while True:
-            run, shards = call(
-                lambda: self._client.hmget(self.keys.meta, ["run", "shards"]), "reading meta"
+            run, shards, window = call(
+                lambda: self._client.hmget(self.keys.meta, ["run", "shards", "window"]),
+                "reading meta",
             )
             if run is not None and run.decode() != self._session["run"]:
                 raise BatchQueueError(f"queue {self.keys.queue}: the run changed while starting")
             if shards is not None:
+                self._session["window"] = int(window or 1)
                 return int(shards)
             if time.monotonic() > deadline:
                 raise ProducersLost(0, [], self.timeout_s)
@@ -264,6 +291,17 @@ class ServerDataStream:
                     reader.add_wait(waited)
                     continue
                 reader.cond.notify_all()  # room in the prefetch buffer
+            if frame.kind == FrameKind.ERROR and self.on_producer_error == "skip":
+                log.warning(
+                    "queue %s: skipping epoch %d shard %d, whose pipeline raised %s",
+                    self.keys.queue,
+                    frame.epoch,
+                    frame.shard,
+                    frame.error_name,
+                )
+                with reader.cond:
+                    ledger.skip_error(frame)
+                continue
             if frame.kind == FrameKind.ERROR:
                 raise ProducerFailed(
                     frame.epoch,

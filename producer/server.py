@@ -30,6 +30,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys, check_name
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
+from batchq.reaper import reap_dead, server_ms
 from batchq.scripts import SCRIPTS, execute_pipeline
 from producer.sharding import ShardPlan
 
@@ -74,6 +75,8 @@ class Producer:
         max_frame_bytes: refuse to push a batch larger than this.
         checksum: add a CRC32 of the buffers to every frame.
         reconnect_timeout_s: how long to keep trying when Redis is unreachable.
+        max_attempts: a shard whose pipeline raised this many times (on any producer)
+            is reported to the trainer as ProducerFailed; before that it is retried.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Producer:
         max_frame_bytes: int | None = None,
         checksum: bool = False,
         reconnect_timeout_s: float = 60.0,
+        max_attempts: int = 3,
     ) -> None:
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
@@ -109,6 +113,9 @@ class Producer:
         self.max_frame_bytes = max_frame_bytes
         self.checksum = checksum
         self.reconnect_timeout_s = reconnect_timeout_s
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ConfigError(f"max_attempts {max_attempts!r} is not valid: expected >= 1")
+        self.max_attempts = max_attempts
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
         self.client = make_client(url)
@@ -190,27 +197,13 @@ class Producer:
             try:
                 # XX: a producer already declared dead must join again, not revive.
                 client.zadd(self.keys.producers, {self.id: self._deadline_ms(client)}, xx=True)
-                self._reap(client)
+                reap_dead(client, self.keys, self._incarnation)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 log.warning("producer %s: heartbeat failed: %s", self.id, e)
         client.close()
 
     def _deadline_ms(self, client: redis.Redis) -> int:
-        sec, usec = client.time()
-        return int(sec) * 1000 + int(usec) // 1000 + self.heartbeat_ttl_ms
-
-    def _reap(self, client: redis.Redis) -> None:
-        # Any live producer reaps: hand the leases of producers whose deadline passed
-        # back to the work list. The script re-checks each deadline atomically.
-        sec, usec = client.time()
-        now_ms = int(sec) * 1000 + int(usec) // 1000
-        found: list[bytes] = client.zrangebyscore(self.keys.producers, "-inf", now_ms)  # type: ignore[assignment]
-        dead = [p.decode() for p in found]
-        if dead:
-            keys = [self.keys.incarnation, self.keys.producers, self.keys.work]
-            keys += [self.keys.lease(p) for p in dead]
-            reply = SCRIPTS["reap"](client, keys, [self._incarnation, "dead", *dead])
-            log.info("producer %s: reaped %s", self.id, decode_reply(reply))
+        return server_ms(client) + self.heartbeat_ttl_ms
 
     def _join(self) -> None:
         reply = decode_reply(
@@ -223,6 +216,7 @@ class Producer:
                     self.keys.lease(self.id),
                     self.keys.work,
                     self.keys.data,
+                    self.keys.failures,
                 ],
                 [
                     self.id,
@@ -234,7 +228,7 @@ class Producer:
                     uuid.uuid4().hex,
                     self.heartbeat_ttl_ms,
                     PROTOCOL_VERSION,
-                    "" if self.plan.epoch_batches is None else self.plan.epoch_batches,
+                    -1 if self.plan.epoch_batches is None else self.plan.epoch_batches,
                     self._run,
                     int(FINISHED_GRACE_S * 1000),
                 ],
@@ -331,10 +325,12 @@ class Producer:
                 k += 1
         except (ConnectionLost, RunFinished, PipelineMismatch):
             raise
-        except Exception as e:  # the user's pipeline raised: tell the trainer
+        except Exception as e:  # the user's pipeline raised
             log.exception(
                 "producer %s: pipeline raised in epoch %d shard %d", self.id, epoch, shard
             )
+            if self._retry_elsewhere(epoch, shard, entry):
+                return
             frame = codec.encode_frame(
                 codec.FrameKind.ERROR,
                 run=self._run,
@@ -361,6 +357,32 @@ class Producer:
                 count=0,
             )
             self._push(frame, entry, last=True)
+
+    def _retry_elsewhere(self, epoch: int, shard: int, entry: str) -> bool:
+        """Count the failure; True if the shard went back to the work list for a retry."""
+        k = self.keys
+        reply = decode_reply(
+            SCRIPTS["fail"](
+                self.client,
+                [k.meta, k.incarnation, k.work, k.lease(self.id), k.failures],
+                [self._incarnation, self._run, entry, entry.split(":")[0], self.max_attempts],
+            )
+        )
+        if reply[0] == Status.RETRY:
+            log.warning(
+                "producer %s: epoch %d shard %d failed (attempt %d of %d); handed back",
+                self.id,
+                epoch,
+                shard,
+                reply[1],
+                self.max_attempts,
+            )
+            return True
+        if reply[0] == Status.GIVE_UP:
+            return False
+        if reply[0] != Status.LEASE_LOST:
+            self._handle_status(reply[0])
+        return True
 
     def _push_batch(
         self, epoch: int, shard: int, k: int, batch: Any, last: bool, entry: str

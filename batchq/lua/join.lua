@@ -5,12 +5,13 @@
 -- KEYS[4] lease         LIST   bq:{Q}:lease:<p>  (this producer's)
 -- KEYS[5] work          LIST   bq:{Q}:work
 -- KEYS[6] data          LIST   bq:{Q}:data
+-- KEYS[7] failures      HASH   bq:{Q}:failures
 -- ARGV[1] producer id         ARGV[2] pipeline fingerprint
 -- ARGV[3] hwm                 ARGV[4] shards per epoch (S)
 -- ARGV[5] window (shards)     ARGV[6] run id to use if a run must be created
 -- ARGV[7] incarnation to use if the queue must be created
 -- ARGV[8] heartbeat ttl (ms)  ARGV[9] protocol version
--- ARGV[10] batches per epoch ('' if unknown)
+-- ARGV[10] batches per epoch (-1 if the pipeline cannot tell)
 -- ARGV[11] the run this producer served before ('' if none)
 -- ARGV[12] grace (ms): a run that finished less than this long ago is over for late
 --          producers too (they exit); after it, a producer starts the next run
@@ -23,7 +24,7 @@ local inc = redis.call('GET', KEYS[2])
 if not inc then
   inc = ARGV[7]
   redis.call('SET', KEYS[2], inc)
-  redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
+  redis.call('DEL', KEYS[1], KEYS[5], KEYS[6], KEYS[7])
 end
 
 local run = redis.call('HGET', KEYS[1], 'run')
@@ -34,7 +35,7 @@ if finished_at and now - finished_at < tonumber(ARGV[12]) then
 end
 if (not run) or finished_at then
   -- No run yet, or the last one finished: this producer starts the next run.
-  redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
+  redis.call('DEL', KEYS[1], KEYS[5], KEYS[6], KEYS[7])
   run = ARGV[6]
   redis.call('HSET', KEYS[1], 'version', ARGV[9], 'run', run, 'next', 0, 'floor', 0)
   created = 1
@@ -44,9 +45,7 @@ local fp = redis.call('HGET', KEYS[1], 'fingerprint')
 if not fp then
   redis.call('HSET', KEYS[1], 'fingerprint', ARGV[2], 'hwm', ARGV[3], 'shards', ARGV[4],
     'window', ARGV[5])
-  if ARGV[10] ~= '' then
-    redis.call('HSET', KEYS[1], 'epoch_batches', ARGV[10])
-  end
+  redis.call('HSET', KEYS[1], 'epoch_batches', ARGV[10])
 else
   if fp ~= ARGV[2] then
     return {'MISMATCH', 'fingerprint', fp}

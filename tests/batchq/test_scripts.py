@@ -38,7 +38,7 @@ class Q:
         reply = decode_reply(
             SCRIPTS["join"](
                 self.c,
-                [k.meta, k.incarnation, k.producers, k.lease(p), k.work, k.data],
+                [k.meta, k.incarnation, k.producers, k.lease(p), k.work, k.data, k.failures],
                 [p, fp, hwm, shards, window, "run1", "inc1", TTL_MS, "1", shards, self.run, grace],
             )
         )
@@ -71,7 +71,7 @@ class Q:
         return decode_reply(
             SCRIPTS["claim"](
                 self.c,
-                [k.meta, k.incarnation, k.data, k.work, k.wake],
+                [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures],
                 [token, TTL_MS, op, "run2", "inc2", takeover, "1"],
             )
         )

@@ -1,0 +1,84 @@
+"""Recovering work: dead producers' leases, and shards with a gap after a stall.
+
+Both producers (on their heartbeat) and the trainer (when it stalls) call these; the
+scripts re-check everything atomically, so calling them too often is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from batchq.connection import call
+from batchq.keys import QueueKeys
+from batchq.protocol import Status, decode_reply
+from batchq.scripts import SCRIPTS
+
+__all__ = ["reap_dead", "requeue_gaps", "server_ms"]
+
+log = logging.getLogger(__name__)
+
+
+def server_ms(client: redis.Redis) -> int:
+    """Redis' clock in milliseconds (deadlines use it, never a host's clock)."""
+    sec, usec = call(client.time, "reading the server's clock")
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def _members(client: redis.Redis, keys: QueueKeys, low: int | str, high: int | str) -> list[str]:
+    """Producer ids whose heartbeat deadline lies in [low, high]."""
+    found: list[bytes] = call(
+        lambda: client.zrangebyscore(keys.producers, low, high),  # type: ignore[arg-type,return-value]
+        "listing producers",
+    )
+    return [p.decode() for p in found]
+
+
+def reap_dead(client: redis.Redis, keys: QueueKeys, incarnation: str) -> tuple[int, int]:
+    """Hand the leases of producers whose heartbeat deadline passed back to the work list.
+
+    Returns:
+        (producers reaped, shards returned).
+    """
+    now_ms = server_ms(client)
+    dead = _members(client, keys, "-inf", now_ms)
+    if not dead:
+        return 0, 0
+    script_keys = [keys.incarnation, keys.producers, keys.work]
+    script_keys += [keys.lease(p) for p in dead]
+    reply = decode_reply(SCRIPTS["reap"](client, script_keys, [incarnation, "dead", *dead]))
+    if reply[0] != Status.OK:
+        return 0, 0
+    if reply[1]:
+        log.info("queue %s: reaped %d dead producer(s), %d shard(s) back", keys.queue, *reply[1:])
+    return int(reply[1]), int(reply[2])
+
+
+def requeue_gaps(
+    client: redis.Redis, keys: QueueKeys, incarnation: str, run: str, shards: Sequence[int]
+) -> list[int]:
+    """Return shards with a gap to the work list, if nobody can still deliver them.
+
+    Args:
+        shards: candidate global shard numbers (incomplete in the trainer's ledger).
+
+    Returns:
+        The shards requeued.
+    """
+    if not shards:
+        return []
+    now_ms = server_ms(client)
+    alive = _members(client, keys, now_ms, "+inf")
+    script_keys = [keys.meta, keys.incarnation, keys.work, keys.data, keys.producers]
+    script_keys += [keys.lease(p) for p in alive]
+    args: list[Any] = [incarnation, run, len(shards), *shards, *alive]
+    reply = decode_reply(SCRIPTS["requeue"](client, script_keys, args))
+    if reply[0] != Status.OK:
+        return []
+    requeued = [int(g) for g in reply[1:]]
+    if requeued:
+        log.warning("queue %s: shards with a gap handed back: %s", keys.queue, requeued)
+    return requeued
