@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -113,6 +114,9 @@ class ServerDataStream:
         self._ledger: Ledger | None = None
         self._session: dict[str, Any] = {}
         self._closed = False
+        # Batches handed out, by the producer that made them (monitoring, tests).
+        self.producers_seen: Counter[str] = Counter()
+        self.max_buffered = 0  # the most frames the reader held at once
 
     # -- Fuel's interface --------------------------------------------------------------
 
@@ -282,6 +286,7 @@ class ServerDataStream:
             reader.cond.notify_all()
         while True:
             with reader.cond:
+                self.max_buffered = max(self.max_buffered, ledger.buffered)
                 frame = ledger.next_frame()
                 if frame is None:
                     if ledger.epoch_done():
@@ -310,6 +315,7 @@ class ServerDataStream:
                     frame.error or "",
                     f"the producer's pipeline raised {frame.error_name or 'an exception'}",
                 )
+            self.producers_seen[frame.producer] += 1
             yield frame.as_dict() if as_dict else frame.data
 
     def _wait(self, reader: Reader, ledger: Ledger) -> float:

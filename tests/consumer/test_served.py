@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import redis
 from pipelines import FEATURES, FailOnExample, examples_of, numbered
+from waiting import wait_until
 
 from batchq import codec
 from batchq.errors import FrameError, ProducerFailed, ProducersLost, TrainerConflict
@@ -17,17 +18,6 @@ from batchq.keys import QueueKeys
 from consumer import ServerDataStream
 
 EPOCHS = 5
-
-
-def wait_until(cond: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
-    """Poll a condition (bounded); fail with `what` if it never holds."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.01)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what or cond}")
 
 
 def flat(lists: Any) -> list[int]:

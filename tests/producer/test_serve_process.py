@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from batchq.errors import ProducersLost
 from batchq.keys import QueueKeys
 from batchq.procs import group_alive
 from consumer import ServerDataStream
-
-
-def wait_until(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:
-    """Poll a condition (bounded); fail with `what` if it never holds."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_finished_run_makes_every_producer_exit_0(
