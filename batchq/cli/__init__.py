@@ -74,12 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
         "a private redis-server on a free loopback port and stops it at the end.",
     )
     _add_url(demo)
-    demo.add_argument("--producers", type=int, default=1, help="producer processes")
+    demo.add_argument(
+        "--producers",
+        type=int,
+        default=1,
+        help="with N > 1, run 1 and N producers side by side",
+    )
     demo.add_argument("--epochs", type=int, default=5)
     demo.add_argument("--examples", type=int, default=1000)
     demo.add_argument("--features", type=int, default=128)
     demo.add_argument("--batch-size", type=int, default=100)
-    demo.add_argument("--load-ms", type=float, default=5.0, help="loading time per batch")
+    demo.add_argument(
+        "--load-ms",
+        type=float,
+        default=None,
+        help="loading time per batch (default 5; 25 with --producers > 1: data-bound)",
+    )
     demo.add_argument("--train-ms", type=float, default=10.0, help="training time per batch")
     demo.add_argument("--hwm", type=int, default=10)
     demo.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -87,10 +87,14 @@ def test_demo_runs_end_to_end_on_its_embedded_redis() -> None:
         "1",
         "--train-ms",
         "2",
+        "--producers",
+        "2",
         "--json",
     )
     assert done.returncode == 0, done.stderr
     assert "embedded redis-server" in done.stdout
     result = json.loads(done.stdout[done.stdout.index("{") :])
-    assert result["producer_exit_codes"] == [0]
-    assert result["served_s"] > 0 and result["floor_s"] > 0
+    assert result["producer_exit_codes"] == [0, 0, 0]
+    assert set(result["runs"]) == {"in-process", "served (1 producer)", "served (2 producers)"}
+    assert all(r["batches"] == 8 for r in result["runs"].values())
+    assert result["floor_s"] > 0
