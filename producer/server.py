@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 # A producer at the hwm waits on the wake list this long between tries: 2 commands per
 # try keeps a waiting producer under 20 commands/s with its heartbeat.
 WAIT_S = 0.15
-# Large frames travel by reference (plain SET + a small script argument): measured, a
-# 1.57 MB frame as a Lua argument makes the capped push 2-3x slower than a plain LPUSH.
-INLINE_MAX_BYTES = 64 * 1024
+# Large frames travel by reference (a plain SET, then the capped-push script gets only the
+# key's name): a value passed through Lua is copied twice more. bench/frame_path.py, push
+# + pop against plain LPUSH/RPOP: inline 0.81/0.88/0.72/0.76 and by reference
+# 0.61/0.76/0.71/0.91 of raw at 64 KiB/256 KiB/512 KiB/1.5 MiB (docs/design.md).
+INLINE_MAX_BYTES = 256 * 1024
 # A producer that joins a run finished less than this long ago exits (a late replica of
 # the same job); after it, a producer starts the queue's next run.
 FINISHED_GRACE_S = 60.0
