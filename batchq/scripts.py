@@ -59,7 +59,7 @@ class Script:
 
 SCRIPTS: dict[str, Script] = {
     name: Script(name)
-    for name in ("claim", "fail", "join", "lease", "pop", "push", "reap", "requeue")
+    for name in ("claim", "fail", "join", "lease", "pop", "push", "reap", "requeue", "resume")
 }
 
 

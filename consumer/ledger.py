@@ -27,6 +27,16 @@ class ShardState:
     received: set[int] = field(default_factory=set)
     count: int | None = None  # batches in the shard, once its last frame arrived
     error: Frame | None = None
+    skip: int = 0  # batches handed out before a resume (a prefix of the shard)
+    given: int = 0  # batches handed out since
+
+    @property
+    def prefix(self) -> int:
+        """How many leading batches (k = 0, 1, ...) have arrived."""
+        n = 0
+        while n in self.received:
+            n += 1
+        return n
 
     @property
     def complete(self) -> bool:
@@ -83,6 +93,52 @@ class Ledger:
         if not self.ordered and frame.epoch == self.epoch:
             self._arrived.append(frame)
         return True
+
+    def preload(self, epoch: int, shard: int, had: int, *, done: bool) -> None:
+        """Mark the first ``had`` batches of a shard as handed out already (a resume).
+
+        Args:
+            done: the shard had exactly ``had`` batches: it is complete.
+        """
+        state = self._shard(epoch, shard)
+        state.skip = had
+        state.received.update(range(had))
+        if done:
+            state.count = had
+
+    def consumed(self) -> tuple[int, dict[int, int], list[int]]:
+        """What the caller has been handed: (epoch, batches per shard, shards done).
+
+        If the current epoch was handed out completely, that is the next epoch, empty.
+        """
+        if self.epoch_done():
+            return self.epoch + 1, {}, []
+        counts: dict[int, int] = {}
+        done: list[int] = []
+        for shard, state in sorted(self._epochs.get(self.epoch, {}).items()):
+            n = state.skip + state.given
+            if n:
+                counts[shard] = n
+            if state.count is not None and n >= state.count and state.error is None:
+                counts[shard] = state.count
+                done.append(shard)
+        return self.epoch, counts, done
+
+    def received_pairs(self) -> list[tuple[str, str]]:
+        """What has arrived, for every epoch from the current one on, as ledger pairs.
+
+        Each shard reads ``'<epoch>:<shard>'`` -> ``'d'`` (complete) or the number of
+        leading batches that arrived. Handed to Redis when it lost the queue's state, so
+        producers build only what is missing.
+        """
+        pairs = []
+        for epoch in sorted(e for e in self._epochs if e >= self.epoch):
+            for shard, state in sorted(self._epochs[epoch].items()):
+                if state.complete and state.error is None:
+                    pairs.append((f"{epoch}:{shard}", "d"))
+                elif state.prefix:
+                    pairs.append((f"{epoch}:{shard}", str(state.prefix)))
+        return pairs
 
     def skip_error(self, frame: Frame) -> None:
         """Treat an ERROR frame as its shard's end: the batches before it are all it has."""
@@ -141,6 +197,7 @@ class Ledger:
             current = states.get(shard)
             if current is None:
                 return None
+            k = max(k, current.skip)
             if current.error is not None and k >= (current.error.count or 0):
                 return current.error
             if current.count is not None and k >= current.count:
@@ -158,6 +215,7 @@ class Ledger:
 
     def _take(self, state: ShardState, k: int) -> None:
         del state.frames[k]
+        state.given += 1
         self.buffered -= 1
 
     def epoch_done(self) -> bool:

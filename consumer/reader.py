@@ -29,10 +29,11 @@ from batchq.errors import (
     TrainerConflict,
 )
 from batchq.keys import QueueKeys
-from batchq.protocol import Status, decode_reply
+from batchq.protocol import Status
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
 from consumer.ledger import Ledger
+from consumer.session import Session
 
 __all__ = ["DEAD_LIST_MAX", "Reader"]
 
@@ -50,7 +51,7 @@ class Reader(threading.Thread):
     Args:
         client: a client from :func:`batchq.connection.make_client` (owned by the reader).
         keys: the queue's keys.
-        session: the trainer's claim: incarnation, run, token, claim_ttl_ms.
+        session: the trainer's claim on the queue (shared with the stream).
         ledger: where frames go.
         hwm: the trainer's prefetch bound (frames held but not handed out).
         timeout_s: raise ProducersLost after this long with no producer alive.
@@ -65,7 +66,7 @@ class Reader(threading.Thread):
         self,
         client: redis.Redis,
         keys: QueueKeys,
-        session: dict[str, Any],
+        session: Session,
         ledger: Ledger,
         *,
         hwm: int,
@@ -120,13 +121,18 @@ class Reader(threading.Thread):
                 with self.cond:
                     idle = self.ledger.buffered >= self.hwm and not self.ledger.needs_more()
                     if idle:
-                        self.cond.wait(timeout=self.session["claim_ttl_ms"] / 3000)
+                        self.cond.wait(timeout=self.session.claim_ttl_ms / 3000)
                 if self._halt.is_set():
                     break
-                if idle:
-                    self._refresh_claim()
-                    continue
-                self._pop_round()
+                try:
+                    if idle:
+                        self._refresh_claim()
+                    else:
+                        self._pop_round()
+                except ConnectionLost as e:
+                    self._reconnect(e)
+                except StateLost as e:
+                    self._recover(e)
         except BaseException as e:  # handed to the iterator, which raises it
             log.debug("reader stopped by %r", e)
             with self.cond:
@@ -134,14 +140,43 @@ class Reader(threading.Thread):
                 self.cond.notify_all()
 
     def _refresh_claim(self) -> None:
-        k = self.keys
-        keys = [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures]
-        args = [self.session["token"], self.session["claim_ttl_ms"], "refresh", "", "", "", ""]
-        reply = decode_reply(SCRIPTS["claim"](self.client, keys, args))
-        if reply[0] != Status.OK:
-            raise TrainerConflict(
-                f"queue {self.keys.queue}: this trainer's claim was taken over by another"
-            )
+        self.session.refresh(self.client)
+
+    def _reconnect(self, error: ConnectionLost) -> None:
+        """Wait for Redis to answer again: bounded backoff, logged.
+
+        Raises:
+            ConnectionLost: no answer for timeout_s.
+        """
+        log.warning("queue %s: %s; reconnecting", self.keys.queue, error)
+        deadline = time.monotonic() + self.timeout_s
+        delay_s = 0.05
+        while not self._halt.is_set():
+            try:
+                self.client.ping()
+                log.warning("queue %s: reconnected", self.keys.queue)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if time.monotonic() + delay_s > deadline:
+                    raise ConnectionLost(
+                        f"queue {self.keys.queue}: Redis unreachable for {self.timeout_s:g} s"
+                    ) from e
+                self._halt.wait(delay_s)
+                delay_s = min(2 * delay_s, 1.0)
+
+    def _recover(self, error: StateLost) -> None:
+        """Redis lost the queue: re-create the run from what this trainer has received.
+
+        The producers (waiting for this) join the new run and build only the shards, or
+        the tails of shards, that the republished ledger does not have.
+        """
+        log.warning("queue %s: %s; republishing the ledger", self.keys.queue, error)
+        self.session.acquire()
+        with self.cond:
+            first = self.ledger.epoch * self.ledger.shards
+            pairs = self.ledger.received_pairs()
+        plan = self.session.plan
+        self.session.resume(self.client, first, plan.fingerprint if plan else "", pairs)
 
     def _pop_round(self) -> None:
         with self.cond:
@@ -155,13 +190,13 @@ class Reader(threading.Thread):
             self.keys.stats,
             self.keys.producers,
         ]
-        args = [
-            self.session["incarnation"],
-            self.session["run"],
-            self.session["token"],
+        args: list[Any] = [
+            self.session.incarnation,
+            self.session.run,
+            self.session.token,
             room,
             floor,
-            self.session["claim_ttl_ms"],
+            self.session.claim_ttl_ms,
             self._extra_popped,
             self._bytes,
             self._wait_ms,
@@ -211,13 +246,13 @@ class Reader(threading.Thread):
     def _repair(self) -> None:
         """After a stall: reap dead producers, then requeue shards nobody will deliver."""
         self._last_repair = time.monotonic()
-        reap_dead(self.client, self.keys, self.session["incarnation"])
+        reap_dead(self.client, self.keys, self.session.incarnation)
         with self.cond:
             first = self.ledger.floor()
-            candidates = self.ledger.incomplete(first, self.session.get("window", 1))
-        requeue_gaps(
-            self.client, self.keys, self.session["incarnation"], self.session["run"], candidates
-        )
+            candidates = self.ledger.incomplete(
+                first, self.session.plan.window if self.session.plan else 1
+            )
+        requeue_gaps(self.client, self.keys, self.session.incarnation, self.session.run, candidates)
 
     def _fetch(self, elements: list[bytes]) -> list[tuple[bytes | None, bytes, str]]:
         """Resolve references: (frame or None, the list element, the ref key or '')."""
@@ -259,7 +294,7 @@ class Reader(threading.Thread):
             except FrameError as e:
                 self._dead(raw if len(raw) <= 4096 else raw[:4096], e)
                 continue
-            if frame.run != self.session["run"]:
+            if frame.run != self.session.run:
                 self.ledger.stale += 1
                 continue
             frames.append(frame)

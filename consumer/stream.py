@@ -7,9 +7,9 @@ popped before the first iteration.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -24,13 +24,11 @@ from batchq.errors import (
     LengthUnknown,
     ProducerFailed,
     ProducersLost,
-    TrainerConflict,
 )
 from batchq.keys import QueueKeys
-from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
-from batchq.scripts import SCRIPTS
 from consumer.ledger import Ledger
 from consumer.reader import BLOCK_S, Reader
+from consumer.session import Plan, Session
 
 __all__ = ["ServerDataStream"]
 
@@ -112,7 +110,8 @@ class ServerDataStream:
         self._client: Any = None
         self._reader: Reader | None = None
         self._ledger: Ledger | None = None
-        self._session: dict[str, Any] = {}
+        self._session: Session | None = None
+        self._resume: dict[str, Any] | None = None
         self._closed = False
         # Batches handed out, by the producer that made them (monitoring, tests).
         self.producers_seen: Counter[str] = Counter()
@@ -170,9 +169,8 @@ class ServerDataStream:
         if self._client is None:
             return
         try:
-            if self._session.get("run"):
-                op = "finish" if finished else "release"
-                SCRIPTS["claim"](self._client, self._claim_keys(), self._claim_args(op))
+            if self._session is not None:
+                self._session.release(finished)
                 if finished:
                     self._delete_frames()
         except ConnectionLost as e:
@@ -182,6 +180,49 @@ class ServerDataStream:
                 raise
         finally:
             self._client.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the caller is: a small JSON-serialisable dict for checkpoints.
+
+        It reflects what the iterators have yielded to the caller, not what was
+        prefetched: ``epoch`` (the epoch in progress, or the next one if the last was
+        yielded completely), ``consumed`` (shard -> batches yielded in that epoch, as
+        strings for JSON), ``done`` (shards yielded completely), the run id, the
+        pipeline's fingerprint and S.
+        """
+        if self._ledger is None or self._session is None:
+            if self._resume is not None:
+                return dict(self._resume)
+            return {"version": 1, "queue": self.keys.queue, "run": "", "fingerprint": ""}
+        with self._reader_cond():
+            epoch, counts, done = self._ledger.consumed()
+        plan = self._session.plan
+        return {
+            "version": 1,
+            "queue": self.keys.queue,
+            "run": self._session.run,
+            "fingerprint": plan.fingerprint if plan else "",
+            "shards": self._ledger.shards,
+            "epoch": epoch,
+            "consumed": {str(s): n for s, n in counts.items()},
+            "done": done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a :meth:`state_dict`; call before iterating.
+
+        The queue's stale contents are discarded, the producers re-plan the saved epoch
+        from it, and the next batches are exactly those after the saved position (in
+        the same order with ordered=True). With the queue's current run id this takes
+        over at once, even from a killed trainer whose claim has not lapsed yet.
+
+        Raises:
+            ConfigError: the state is malformed, or the stream has started already.
+        """
+        if self._reader is not None or self._closed:
+            raise ConfigError("load_state_dict must be called before the first iteration")
+        self._resume = _check_state(state, self.keys.queue)
+        self.epoch = self._resume.get("epoch", 0) - 1 if self._resume.get("run") else -1
 
     def __enter__(self) -> ServerDataStream:
         return self
@@ -209,41 +250,44 @@ class ServerDataStream:
             tune_malloc()
             self._client = make_client(self.url)
 
-    def _claim_keys(self) -> list[str]:
-        k = self.keys
-        return [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures]
-
-    def _claim_args(self, op: str, takeover: str = "") -> list[Any]:
-        token = self._session.get("token") or uuid.uuid4().hex
-        self._session["token"] = token
-        new_run, new_inc = uuid.uuid4().hex[:16], uuid.uuid4().hex
-        return [token, self.claim_ttl_ms, op, new_run, new_inc, takeover, PROTOCOL_VERSION]
+    def _reader_cond(self) -> Any:
+        return self._reader.cond if self._reader is not None else contextlib.nullcontext()
 
     def _start(self) -> None:
         if self._reader is not None:
             return
         self._connect()
-        reply = decode_reply(
-            SCRIPTS["claim"](self._client, self._claim_keys(), self._claim_args("acquire"))
-        )
-        if reply[0] == Status.CONFLICT:
-            self._session = {}
-            raise TrainerConflict(
-                f"queue {self.keys.queue} is held by another trainer (its claim lapses in "
-                f"{int(reply[1]) / 1000:.1f} s unless it is alive); use another queue"
-            )
-        self._session.update(
-            incarnation=reply[1], run=reply[2], claim_ttl_ms=self.claim_ttl_ms, fence=reply[4]
-        )
-        if int(reply[3]):
+        session = Session(self._client, self.keys, self.claim_ttl_ms)
+        resume = self._resume if self._resume and self._resume.get("run") else None
+        new_run = session.acquire(takeover=resume["run"] if resume else "")
+        self._session = session
+        if new_run:
             self._delete_frames()
-        shards = self._wait_for_shards()
-        self._ledger = Ledger(shards, ordered=self.ordered, first_epoch=0)
+        if resume is None:
+            plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
+            ledger = Ledger(plan.shards, ordered=self.ordered, first_epoch=0)
+        else:
+            # A producer may never have joined this Redis (it restarted): the plan's
+            # shape comes from the checkpoint then.
+            meta = call(lambda: self._client.hgetall(self.keys.meta), "reading meta")
+            session.plan = Plan(meta) if b"shards" in meta else None
+            shards, epoch = int(resume["shards"]), int(resume["epoch"])
+            ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
+            done = set(resume["done"])
+            pairs = []
+            for shard_text, had in resume["consumed"].items():
+                shard = int(shard_text)
+                ledger.preload(epoch, shard, had, done=shard in done)
+                pairs.append((f"{epoch}:{shard}", "d" if shard in done else str(had)))
+            session.resume(self._client, epoch * shards, resume["fingerprint"], pairs)
+            if session.plan is None:
+                session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
+        self._ledger = ledger
         self._reader = Reader(
             make_client(self.url),
             self.keys,
-            self._session,
-            self._ledger,
+            session,
+            ledger,
             hwm=self.hwm,
             timeout_s=self.timeout_s,
             writable=self.writable,
@@ -252,24 +296,6 @@ class ServerDataStream:
             stall_s=self.stall_s,
         )
         self._reader.start()
-
-    def _wait_for_shards(self) -> int:
-        # S comes from the first producer that joins the run.
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            run, shards, window = call(
-                lambda: self._client.hmget(self.keys.meta, ["run", "shards", "window"]),
-                "reading meta",
-            )
-            if run is not None and run.decode() != self._session["run"]:
-                raise BatchQueueError(f"queue {self.keys.queue}: the run changed while starting")
-            if shards is not None:
-                self._session["window"] = int(window or 1)
-                return int(shards)
-            if time.monotonic() > deadline:
-                raise ProducersLost(0, [], self.timeout_s)
-            SCRIPTS["claim"](self._client, self._claim_keys(), self._claim_args("refresh"))
-            call(lambda: self._client.blpop([self.keys.wake], timeout=BLOCK_S), "waiting")
 
     def _delete_frames(self) -> None:
         # Frames stored by reference by an older run: nobody will pop their names.
@@ -332,3 +358,30 @@ class ServerDataStream:
         finally:
             reader.waiting_since = None
         return time.monotonic() - start
+
+
+def _check_state(state: Any, queue: str) -> dict[str, Any]:
+    """Validate a state dict, naming what is wrong (it comes from a file)."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"state {state!r} is not valid: expected a dict from state_dict()")
+    if state.get("version") != 1:
+        raise ConfigError(f"state version {state.get('version')!r} is not valid: expected 1")
+    if state.get("queue") not in (None, queue):
+        raise ConfigError(f"state is of queue {state.get('queue')!r}, this stream reads {queue!r}")
+    if not state.get("run"):
+        return dict(state)  # taken before the first iteration: nothing to resume
+    for name, kind in (("run", str), ("fingerprint", str), ("shards", int), ("epoch", int)):
+        if not isinstance(state.get(name), kind):
+            raise ConfigError(
+                f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
+            )
+    consumed, done = state.get("consumed"), state.get("done")
+    if not isinstance(consumed, dict) or not all(
+        str(k).isdigit() and isinstance(v, int) and v >= 0 for k, v in consumed.items()
+    ):
+        raise ConfigError(
+            f"state['consumed'] = {consumed!r} is not valid: expected shard -> batches"
+        )
+    if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
+        raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")
+    return dict(state)

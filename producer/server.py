@@ -79,6 +79,8 @@ class Producer:
         reconnect_timeout_s: how long to keep trying when Redis is unreachable.
         max_attempts: a shard whose pipeline raised this many times (on any producer)
             is reported to the trainer as ProducerFailed; before that it is retried.
+        orphan_wait_s: after Redis lost the queue's state, how long to wait for the
+            trainer to re-create the run from its ledger before starting afresh.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class Producer:
         checksum: bool = False,
         reconnect_timeout_s: float = 60.0,
         max_attempts: int = 3,
+        orphan_wait_s: float = 30.0,
     ) -> None:
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
@@ -118,6 +121,7 @@ class Producer:
         if not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigError(f"max_attempts {max_attempts!r} is not valid: expected >= 1")
         self.max_attempts = max_attempts
+        self.orphan_wait_s = orphan_wait_s
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
         self.client = make_client(url)
@@ -151,11 +155,12 @@ class Producer:
             self._heartbeat.start()
             while not self._stop.is_set():
                 try:
-                    g = self._lease()
-                    if g is None:
+                    leased = self._lease()
+                    if leased is None:
                         continue
+                    g, skip = leased
                     epoch, shard = divmod(g, self.plan.shards)
-                    self._serve_shard(epoch, shard, f"{g}:{self._lease_token}")
+                    self._serve_shard(epoch, shard, f"{g}:{self._lease_token}", skip)
                 except ConnectionLost as e:
                     self._reconnect(e)
         except RunFinished as e:
@@ -208,34 +213,17 @@ class Producer:
         return server_ms(client) + self.heartbeat_ttl_ms
 
     def _join(self) -> None:
-        reply = decode_reply(
-            SCRIPTS["join"](
-                self.client,
-                [
-                    self.keys.meta,
-                    self.keys.incarnation,
-                    self.keys.producers,
-                    self.keys.lease(self.id),
-                    self.keys.work,
-                    self.keys.data,
-                    self.keys.failures,
-                ],
-                [
-                    self.id,
-                    self.plan.fingerprint,
-                    self.hwm,
-                    self.plan.shards,
-                    self.window,
-                    uuid.uuid4().hex[:16],
-                    uuid.uuid4().hex,
-                    self.heartbeat_ttl_ms,
-                    PROTOCOL_VERSION,
-                    -1 if self.plan.epoch_batches is None else self.plan.epoch_batches,
-                    self._run,
-                    int(FINISHED_GRACE_S * 1000),
-                ],
-            )
-        )
+        # After Redis lost the queue's state the trainer re-creates the run from its
+        # ledger: a producer that had joined before waits for that (bounded) instead of
+        # creating a fresh run that would re-plan from scratch.
+        deadline = time.monotonic() + (self.orphan_wait_s if self._incarnation else 0.0)
+        while True:
+            wait = time.monotonic() < deadline
+            reply = self._join_once(no_create=wait)
+            if reply[0] != Status.WAIT:
+                break
+            if self._stop.wait(0.25):
+                return
         if reply[0] == Status.FINISHED:
             raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
         if reply[0] == Status.MISMATCH:
@@ -243,6 +231,7 @@ class Producer:
             got = self.plan.fingerprint if what == "fingerprint" else str(self.hwm)
             raise PipelineMismatch(what, expected, got)
         self._incarnation, self._run = reply[1], reply[2]
+        self._lease_seq = 0
         log.info(
             "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
             self.id,
@@ -251,6 +240,27 @@ class Producer:
             self.plan.shards,
             reply[3],
         )
+
+    def _join_once(self, *, no_create: bool) -> list[Any]:
+        k = self.keys
+        keys = [k.meta, k.incarnation, k.producers, k.lease(self.id), k.work, k.data]
+        keys += [k.failures, k.ledger]
+        args: list[Any] = [
+            self.id,
+            self.plan.fingerprint,
+            self.hwm,
+            self.plan.shards,
+            self.window,
+            uuid.uuid4().hex[:16],
+            uuid.uuid4().hex,
+            self.heartbeat_ttl_ms,
+            PROTOCOL_VERSION,
+            -1 if self.plan.epoch_batches is None else self.plan.epoch_batches,
+            self._run,
+            int(FINISHED_GRACE_S * 1000),
+            "1" if no_create else "0",
+        ]
+        return decode_reply(SCRIPTS["join"](self.client, keys, args))
 
     def _leave(self) -> None:
         try:
@@ -267,8 +277,8 @@ class Producer:
 
     # -- leasing -----------------------------------------------------------------------
 
-    def _lease(self) -> int | None:
-        """Lease the next shard; None when there is nothing to do yet."""
+    def _lease(self) -> tuple[int, int] | None:
+        """Lease the next shard: (g, batches the trainer already has), or None."""
         self._lease_seq += 1
         self._lease_token = f"{self.id}.{self._lease_seq}"
         args: list[Any] = [
@@ -284,6 +294,7 @@ class Producer:
             self.keys.work,
             self.keys.lease(self.id),
             self.keys.producers,
+            self.keys.ledger,
         ]
         try:
             reply = decode_reply(SCRIPTS["lease"](self.client, keys, args))
@@ -295,7 +306,7 @@ class Producer:
             return None
         status = reply[0]
         if status == Status.OK:
-            return int(reply[1])
+            return int(reply[1]), int(reply[2])
         if status == Status.WAIT:
             self._wait_for_room()
             return None
@@ -317,11 +328,19 @@ class Producer:
 
     # -- building and pushing a shard --------------------------------------------------
 
-    def _serve_shard(self, epoch: int, shard: int, entry: str) -> None:
+    def _serve_shard(self, epoch: int, shard: int, entry: str, skip: int = 0) -> None:
+        """Build a shard and push its batches from batch ``skip`` on (the trainer has the
+        ones before: a resumed checkpoint)."""
         k = 0
         batches = self.plan.iter_shard_marked(epoch, shard)
         try:
             for batch, last in batches:
+                if k < skip and not last:
+                    k += 1
+                    continue
+                if k < skip:  # the trainer has every batch: only the count is news
+                    self._push_end(epoch, shard, k + 1, entry)
+                    return
                 if not self._push_batch(epoch, shard, k, batch, last, entry):
                     return
                 k += 1
@@ -348,17 +367,20 @@ class Producer:
             self._push(frame, entry, last=True)
             return
         if k == 0:  # a shard without batches still says that it ended
-            frame = codec.encode_frame(
-                codec.FrameKind.END,
-                run=self._run,
-                epoch=epoch,
-                shard=shard,
-                k=0,
-                producer=self.id,
-                last=True,
-                count=0,
-            )
-            self._push(frame, entry, last=True)
+            self._push_end(epoch, shard, 0, entry)
+
+    def _push_end(self, epoch: int, shard: int, count: int, entry: str) -> None:
+        frame = codec.encode_frame(
+            codec.FrameKind.END,
+            run=self._run,
+            epoch=epoch,
+            shard=shard,
+            k=count,
+            producer=self.id,
+            last=True,
+            count=count,
+        )
+        self._push(frame, entry, last=True)
 
     def _retry_elsewhere(self, epoch: int, shard: int, entry: str) -> bool:
         """Count the failure; True if the shard went back to the work list for a retry."""

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -121,6 +122,14 @@ def _redis(url: str | None) -> Iterator[str]:
         yield server.url
 
 
+def _wait_exit(proc: Any, timeout_s: float) -> int | None:
+    """The exit code of a producer that should exit on its own; stopped if it does not."""
+    try:
+        return int(proc.wait(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        return stop_group(proc, timeout_s=5.0)
+
+
 def _wait_for_producers(url: str, queue: str, count: int, timeout_s: float = 60.0) -> None:
     """Wait (bounded) until `count` producers have joined the queue."""
     client = make_client(url)
@@ -162,7 +171,8 @@ def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) 
             _wait_for_producers(url, queue, producers)
             result = _train(args.epochs, stream.get_epoch_iterator, args.train_ms / 1000, label)
             stream.close(finished=True)
-        result["exit_codes"] = [stop_group(p, timeout_s=10.0) for p in procs]
+        # The finished run makes each producer exit 0 by itself.
+        result["exit_codes"] = [_wait_exit(p, timeout_s=30.0) for p in procs]
     finally:
         for p in procs:
             stop_group(p, timeout_s=5.0)

@@ -1,6 +1,6 @@
 -- claim.lua: the trainer acquires, refreshes, releases or finishes its claim on the run.
 -- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] work  KEYS[5] wake
--- KEYS[6] failures
+-- KEYS[6] failures  KEYS[7] ledger
 -- ARGV[1] claim token  ARGV[2] claim ttl (ms)
 -- ARGV[3] 'acquire' | 'refresh' | 'release' | 'finish'
 -- ARGV[4] run id to use if a new run starts  ARGV[5] incarnation to use if the queue
@@ -45,7 +45,7 @@ if (not m[1]) or m[5] == '1' or (m[4] == '1' and not takeover) then
   -- No run, a finished run, or one that an earlier trainer held: start a new run. The
   -- producers see RUN_CHANGED and join it; frames of the old run are dropped here and,
   -- should any still arrive, by the trainer (the run id is in every frame).
-  redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
   redis.call('HSET', KEYS[1], 'version', ARGV[7], 'run', ARGV[4], 'next', 0, 'floor', 0)
   m[1] = ARGV[4]
   new_run = 1

@@ -38,8 +38,31 @@ class Q:
         reply = decode_reply(
             SCRIPTS["join"](
                 self.c,
-                [k.meta, k.incarnation, k.producers, k.lease(p), k.work, k.data, k.failures],
-                [p, fp, hwm, shards, window, "run1", "inc1", TTL_MS, "1", shards, self.run, grace],
+                [
+                    k.meta,
+                    k.incarnation,
+                    k.producers,
+                    k.lease(p),
+                    k.work,
+                    k.data,
+                    k.failures,
+                    k.ledger,
+                ],
+                [
+                    p,
+                    fp,
+                    hwm,
+                    shards,
+                    window,
+                    "run1",
+                    "inc1",
+                    TTL_MS,
+                    "1",
+                    shards,
+                    self.run,
+                    grace,
+                    "0",
+                ],
             )
         )
         if reply[0] == "OK":
@@ -51,7 +74,7 @@ class Q:
         return decode_reply(
             SCRIPTS["lease"](
                 self.c,
-                [k.meta, k.incarnation, k.work, k.lease(p), k.producers],
+                [k.meta, k.incarnation, k.work, k.lease(p), k.producers, k.ledger],
                 [self.inc, self.run, p, token, TTL_MS],
             )
         )
@@ -71,7 +94,7 @@ class Q:
         return decode_reply(
             SCRIPTS["claim"](
                 self.c,
-                [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures],
+                [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures, k.ledger],
                 [token, TTL_MS, op, "run2", "inc2", takeover, "1"],
             )
         )
@@ -103,8 +126,8 @@ def test_join_creates_the_queue_and_refuses_another_pipeline(q: Q) -> None:
 
 def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:
     q.join("p1")
-    assert q.lease("p1", "t1") == ["OK", "0"]
-    assert q.lease("p1", "t1") == ["OK", "0"]  # a retried request: the same shard
+    assert q.lease("p1", "t1") == ["OK", "0", 0]
+    assert q.lease("p1", "t1") == ["OK", "0", 0]  # a retried request: the same shard
     got = [q.lease("p1", f"t{i}")[1] for i in range(2, 7)]
     assert got == ["1", "2", "3", "4", "5"]
     assert q.lease("p1", "t7") == ["WAIT"]  # window 6 past floor 0

@@ -183,20 +183,34 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
         reply = decode_reply(
             SCRIPTS["join"](
                 setup,
-                [*keys_for_join, keys.lease(f"p{p}"), keys.work, keys.data, keys.failures],
-                [f"p{p}", "fp", hwm, 1000, 1000, "r", "i", 60_000, "1", 1000, "", 60_000],
+                [
+                    *keys_for_join,
+                    keys.lease(f"p{p}"),
+                    keys.work,
+                    keys.data,
+                    keys.failures,
+                    keys.ledger,
+                ],
+                [f"p{p}", "fp", hwm, 1000, 1000, "r", "i", 60_000, "1", 1000, "", 60_000, "0"],
             )
         )
         inc, run = reply[1], reply[2]
         SCRIPTS["lease"](
             setup,
-            [keys.meta, keys.incarnation, keys.work, keys.lease(f"p{p}"), keys.producers],
+            [
+                keys.meta,
+                keys.incarnation,
+                keys.work,
+                keys.lease(f"p{p}"),
+                keys.producers,
+                keys.ledger,
+            ],
             [inc, run, f"p{p}", "t", 60_000],
         )
     token = "trainer"
     SCRIPTS["claim"](
         setup,
-        [keys.meta, keys.incarnation, keys.data, keys.work, keys.wake, keys.failures],
+        [keys.meta, keys.incarnation, keys.data, keys.work, keys.wake, keys.failures, keys.ledger],
         [token, 60_000, "acquire", "r2", "i2", "", "1"],
     )
     stop = threading.Event()

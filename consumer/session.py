@@ -1,0 +1,174 @@
+"""The trainer's hold on a queue: its claim, the run it reads, and restarting the plan.
+
+One object per ServerDataStream, shared by the stream (start, close) and its reader
+thread (refresh, recovery after Redis lost the queue's state). Every call is one script.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from batchq.connection import call
+from batchq.errors import BatchQueueError, ProducersLost, TrainerConflict
+from batchq.keys import QueueKeys
+from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
+from batchq.scripts import SCRIPTS
+
+__all__ = ["Plan", "Session"]
+
+log = logging.getLogger(__name__)
+
+
+class Plan:
+    """What the producers published about the run: enough to re-create it."""
+
+    def __init__(self, meta: dict[bytes, bytes]) -> None:
+        def get(name: str, default: str = "") -> str:
+            return meta.get(name.encode(), default.encode()).decode()
+
+        self.fingerprint = get("fingerprint")
+        self.hwm = get("hwm")
+        self.shards = int(get("shards", "0"))
+        self.window = int(get("window", "1"))
+        self.epoch_batches = int(get("epoch_batches", "-1"))
+
+
+class Session:
+    """A trainer's claim on one queue.
+
+    Args:
+        client: the client to use (each thread passes its own to the methods that take
+            one).
+        keys: the queue's keys.
+        claim_ttl_ms: the claim lapses this long after its last refresh.
+    """
+
+    def __init__(self, client: redis.Redis, keys: QueueKeys, claim_ttl_ms: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.claim_ttl_ms = claim_ttl_ms
+        self.token = uuid.uuid4().hex
+        self.incarnation = ""
+        self.run = ""
+        self.plan: Plan | None = None
+        self.claimed = False
+
+    def _keys(self) -> list[str]:
+        k = self.keys
+        return [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures, k.ledger]
+
+    def _claim(self, client: redis.Redis, op: str, takeover: str = "") -> list[Any]:
+        args: list[Any] = [
+            self.token,
+            self.claim_ttl_ms,
+            op,
+            uuid.uuid4().hex[:16],
+            uuid.uuid4().hex,
+            takeover,
+            PROTOCOL_VERSION,
+        ]
+        return decode_reply(SCRIPTS["claim"](client, self._keys(), args))
+
+    def acquire(self, takeover: str = "") -> bool:
+        """Claim the queue; True if that started a new run.
+
+        Args:
+            takeover: a run id: take the claim over even while another trainer's claim
+                is live, if the queue still runs that run (resuming a checkpoint).
+
+        Raises:
+            TrainerConflict: another trainer's claim is live.
+        """
+        reply = self._claim(self.client, "acquire", takeover)
+        if reply[0] == Status.CONFLICT:
+            raise TrainerConflict(
+                f"queue {self.keys.queue} is held by another trainer (its claim lapses in "
+                f"{int(reply[1]) / 1000:.1f} s unless it is alive); use another queue, or "
+                "resume its run with load_state_dict"
+            )
+        self.incarnation, self.run = reply[1], reply[2]
+        self.claimed = True
+        return bool(int(reply[3]))
+
+    def refresh(self, client: redis.Redis) -> None:
+        """Keep the claim alive (the reader calls this while its buffer is full).
+
+        Raises:
+            TrainerConflict: the claim was taken over.
+        """
+        if self._claim(client, "refresh")[0] != Status.OK:
+            raise TrainerConflict(
+                f"queue {self.keys.queue}: this trainer's claim was taken over by another"
+            )
+
+    def release(self, finished: bool) -> None:
+        """Give the claim up; with ``finished`` the run ends and producers exit."""
+        if self.claimed:
+            self._claim(self.client, "finish" if finished else "release")
+            self.claimed = False
+
+    def wait_for_plan(self, timeout_s: float, block_s: float) -> Plan:
+        """Wait (bounded) until a producer has published the run's plan (S and hwm).
+
+        Raises:
+            ProducersLost: no producer joined within timeout_s.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            meta: dict[bytes, bytes] = call(lambda: self.client.hgetall(self.keys.meta), "reading")  # type: ignore[arg-type,return-value]
+            run = meta.get(b"run", b"").decode()
+            if run and run != self.run:
+                raise BatchQueueError(f"queue {self.keys.queue}: the run changed while starting")
+            if b"shards" in meta:
+                self.plan = Plan(meta)
+                return self.plan
+            if time.monotonic() > deadline:
+                raise ProducersLost(0, [], timeout_s)
+            self.refresh(self.client)
+            call(lambda: self.client.blpop([self.keys.wake], timeout=block_s), "waiting")
+
+    def resume(
+        self,
+        client: redis.Redis,
+        first_shard: int,
+        fingerprint: str,
+        ledger: Iterable[tuple[str, str]],
+    ) -> None:
+        """Restart the plan at global shard ``first_shard`` under a new run id.
+
+        The data, work and failure lists are dropped; the producers join the new run
+        and build only what the ledger does not mark as had.
+
+        Args:
+            client: the client to use.
+            first_shard: epoch * S of the epoch to resume.
+            fingerprint: the pipeline the run must be served by.
+            ledger: ('<epoch>:<shard>', 'd' or batches had) pairs.
+        """
+        plan = self.plan
+        same = plan is not None and plan.fingerprint == fingerprint and plan.hwm != ""
+        args: list[Any] = [
+            self.token,
+            uuid.uuid4().hex[:16],
+            first_shard,
+            fingerprint,
+            plan.hwm if same and plan else "",
+            plan.shards if plan else 0,
+            plan.window if plan else 1,
+            plan.epoch_batches if plan else -1,
+        ]
+        for field, value in ledger:
+            args += [field, value]
+        k = self.keys
+        keys = [k.meta, k.incarnation, k.data, k.work, k.failures, k.ledger, k.wake]
+        reply = decode_reply(SCRIPTS["resume"](client, keys, args))
+        if reply[0] != Status.OK:
+            raise TrainerConflict(f"queue {self.keys.queue}: the claim was lost while resuming")
+        self.run = reply[1]
+        log.info("queue %s: resumed at shard %d as run %s", k.queue, first_shard, self.run)

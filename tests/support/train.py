@@ -1,0 +1,59 @@
+"""A trainer process for the resume tests.
+
+Reads epochs from a queue and writes one JSON line per batch yielded (epoch, the
+example indices) to --out, flushed; with --state-out, after each batch it also saves
+state_dict() there (atomically). With --state-in it first resumes from that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from pipelines import examples_of
+
+from consumer import ServerDataStream
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--queue", required=True)
+    parser.add_argument("--epochs", type=int, required=True, help="stop before this epoch")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--state-in")
+    parser.add_argument("--state-out")
+    parser.add_argument("--unordered", action="store_true")
+    parser.add_argument("--finish", action="store_true", help="close(finished=True) at the end")
+    args = parser.parse_args()
+    stream = ServerDataStream(
+        ("features", "targets"),
+        url=args.url,
+        queue=args.queue,
+        ordered=not args.unordered,
+        timeout_s=60,
+        stall_s=1.0,
+        claim_ttl_s=2.0,
+    )
+    if args.state_in:
+        with open(args.state_in) as f:
+            stream.load_state_dict(json.load(f))
+    with open(args.out, "a") as out:
+        while stream.epoch + 1 < args.epochs:
+            it = stream.get_epoch_iterator()
+            for features, _ in it:
+                out.write(json.dumps([stream.epoch, examples_of(features)]) + "\n")
+                out.flush()
+                if args.state_out:
+                    tmp = args.state_out + ".tmp"
+                    with open(tmp, "w") as f:
+                        json.dump(stream.state_dict(), f)
+                    os.replace(tmp, args.state_out)
+    stream.close(finished=args.finish)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
