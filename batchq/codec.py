@@ -178,7 +178,7 @@ def encode_frame(
     checksum: bool = False,
     max_frame_bytes: int | None = None,
     produced_at: float | None = None,
-) -> bytearray:
+) -> memoryview:
     """Encode one frame into a single freshly allocated buffer.
 
     The frame's size is computed first; each array's bytes are then copied once, straight
@@ -234,13 +234,19 @@ def encode_frame(
             f"frame of {total} bytes exceeds max_frame_bytes={max_frame_bytes} "
             f"(run {run!r}, epoch {epoch}, shard {shard}, k {k})"
         )
-    out = bytearray(total)  # zero-filled: the padding needs no writes
+    # Not bytearray(total): zero-filling MBs that the copies overwrite cost two thirds of
+    # the copy itself (measured at 4.8 MB). Only the gaps (padding) are zeroed.
+    buf = np.empty(total, dtype=np.uint8)
+    out = memoryview(buf)  # type: ignore[arg-type]
     PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
+    end = PREFIX.size + len(packed)
     for arr, desc in copies:
         if desc["len"]:
-            dst = np.ndarray(arr.shape, dtype=arr.dtype, buffer=out, offset=desc["off"])
+            buf[end : desc["off"]] = 0
+            dst = np.ndarray(arr.shape, dtype=arr.dtype, buffer=buf, offset=desc["off"])
             np.copyto(dst, arr, casting="no")
-            del dst  # drop the export so that the caller may resize the bytearray
+            end = desc["off"] + desc["len"]
+    buf[end:] = 0
     if checksum:
         with memoryview(out) as region:
             crc = zlib.crc32(region[data_start:])

@@ -61,6 +61,10 @@ class Ledger:
         self._cursor = (0, 0)  # ordered mode: next (shard, k) to hand out
         self._arrived: deque[Frame] = deque()  # arrival mode: frames of self.epoch
         self.buffered = 0  # frames held and not handed out
+        # Kept up to date so that floor() and epoch_done() cost O(1) per batch, not O(S).
+        self._complete: dict[int, int] = {}  # epoch -> shards complete
+        self._held: dict[int, int] = {}  # epoch -> frames held
+        self._floor = first_epoch * shards
         self.duplicates = 0
         self.stale = 0
         self.skipped = 0  # shards given up on (ERROR frames under the skip policy)
@@ -74,6 +78,17 @@ class Ledger:
             self.stale += 1
             return False
         state = self._shard(frame.epoch, frame.shard)
+        was_complete = state.complete
+        try:
+            return self._add(state, frame)
+        finally:
+            self._note(frame.epoch, state, was_complete)
+
+    def _note(self, epoch: int, state: ShardState, was_complete: bool) -> None:
+        if state.complete and state.error is None and not was_complete:
+            self._complete[epoch] = self._complete.get(epoch, 0) + 1
+
+    def _add(self, state: ShardState, frame: Frame) -> bool:
         if frame.kind == FrameKind.ERROR:
             if state.error is None and not state.complete:
                 state.error = frame
@@ -90,6 +105,7 @@ class Ledger:
         state.received.add(frame.k)
         state.frames[frame.k] = frame
         self.buffered += 1
+        self._held[frame.epoch] = self._held.get(frame.epoch, 0) + 1
         if not self.ordered and frame.epoch == self.epoch:
             self._arrived.append(frame)
         return True
@@ -101,10 +117,12 @@ class Ledger:
             done: the shard had exactly ``had`` batches: it is complete.
         """
         state = self._shard(epoch, shard)
+        was_complete = state.complete
         state.skip = had
         state.received.update(range(had))
         if done:
             state.count = had
+        self._note(epoch, state, was_complete)
 
     def consumed(self) -> tuple[int, dict[int, int], list[int]]:
         """What the caller has been handed: (epoch, batches per shard, shards done).
@@ -150,7 +168,9 @@ class Ledger:
             for k in [k for k in state.frames if k >= state.count]:
                 del state.frames[k]
                 self.buffered -= 1
+                self._held[frame.epoch] -= 1
             state.received = {k for k in state.received if k < state.count}
+            self._note(frame.epoch, state, False)
             self.skipped += 1
 
     def start_epoch(self, epoch: int) -> None:
@@ -158,6 +178,8 @@ class Ledger:
         for e in [e for e in self._epochs if e < epoch]:
             for state in self._epochs.pop(e).values():
                 self.buffered -= len(state.frames)
+            self._held.pop(e, None)
+            self._complete.pop(e, None)
         self.epoch = epoch
         self._cursor = (0, 0)
         self._arrived.clear()
@@ -217,13 +239,13 @@ class Ledger:
         del state.frames[k]
         state.given += 1
         self.buffered -= 1
+        self._held[self.epoch] -= 1
 
     def epoch_done(self) -> bool:
         """True when every shard of the current epoch is complete and handed out."""
-        states = self._epochs.get(self.epoch, {})
-        if len(states) < self.shards:
-            return False
-        return all(s.complete and not s.frames and s.error is None for s in states.values())
+        return (
+            self._complete.get(self.epoch, 0) >= self.shards and self._held.get(self.epoch, 0) == 0
+        )
 
     def incomplete(self, first: int, count: int) -> list[int]:
         """Global shard numbers in [first, first + count) not complete in the ledger."""
@@ -241,13 +263,19 @@ class Ledger:
         return [s for s in range(self.shards) if s not in states or not states[s].complete]
 
     def floor(self) -> int:
-        """The oldest incomplete shard, as a global shard number (epoch * S + shard)."""
-        epoch = self.epoch
+        """The oldest incomplete shard, as a global shard number (epoch * S + shard).
+
+        Completion only ever moves forward, so this resumes from where it last stopped.
+        """
+        g = max(self._floor, self.epoch * self.shards)
         while True:
-            missing = self.missing_shards(epoch)
-            if missing:
-                return epoch * self.shards + missing[0]
-            epoch += 1
+            epoch, shard = divmod(g, self.shards)
+            state = self._epochs.get(epoch, {}).get(shard)
+            if state is None or not state.complete or state.error is not None:
+                break
+            g += 1
+        self._floor = g
+        return g
 
     def needs_more(self) -> bool:
         """True if the next frame to hand out has not arrived (pop even past the hwm)."""

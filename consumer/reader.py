@@ -98,6 +98,7 @@ class Reader(threading.Thread):
         self.stall_s = stall_s
         self._last_frame = time.monotonic()
         self._last_repair = 0.0
+        self._last_claim = time.monotonic()
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -125,10 +126,11 @@ class Reader(threading.Thread):
                 if self._halt.is_set():
                     break
                 try:
-                    if idle:
-                        self._refresh_claim()
-                    else:
+                    if not idle:
                         self._pop_round()
+                    elif time.monotonic() - self._last_claim > self.session.claim_ttl_ms / 3000:
+                        # Every pop refreshes the claim too: refresh only when idle long.
+                        self._refresh_claim()
                 except ConnectionLost as e:
                     self._reconnect(e)
                 except StateLost as e:
@@ -141,6 +143,7 @@ class Reader(threading.Thread):
 
     def _refresh_claim(self) -> None:
         self.session.refresh(self.client)
+        self._last_claim = time.monotonic()
 
     def _reconnect(self, error: ConnectionLost) -> None:
         """Wait for Redis to answer again: bounded backoff, logged.
@@ -202,6 +205,7 @@ class Reader(threading.Thread):
             self._wait_ms,
         ]
         reply = SCRIPTS["pop"](self.client, keys, args)
+        self._last_claim = time.monotonic()
         self._extra_popped = self._bytes = self._wait_ms = 0
         status = reply[0].decode()
         if status != Status.OK:

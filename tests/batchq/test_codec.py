@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import pickle
 import struct
@@ -366,14 +367,26 @@ def test_bytearray_and_memoryview_input() -> None:
     arr = np.arange(12, dtype="<i4").reshape(3, 4)
     raw = encode_frame(FrameKind.BATCH, run="r", epoch=0, shard=0, k=0, producer="p",
                        sources=("a",), data=(arr,))  # fmt: skip
-    assert isinstance(raw, bytearray)
-    raw.extend(b"")  # no export left behind: the bytearray is still resizable
-    for buf in (raw, memoryview(raw), memoryview(bytes(raw))):
+    assert isinstance(raw, memoryview) and raw.nbytes == len(bytes(raw))
+    for buf in (raw, bytearray(raw), memoryview(bytes(raw))):
         (got,) = decode_frame(buf).data
         same_array(got, arr)
         assert got.flags.writeable is False
     with pytest.raises(ConfigError, match="decode_responses"):
-        decode_frame(raw.decode("latin-1"))  # type: ignore[arg-type]
+        decode_frame(bytes(raw).decode("latin-1"))  # type: ignore[arg-type]
+
+
+def test_encode_zeroes_every_gap() -> None:
+    # The buffer is allocated uninitialised: padding must still be zeros (no stale data).
+    data = [np.full(3, 0xFF, dtype="u1"), np.full(5, -1, dtype="<i8")]
+    for _ in range(3):
+        buf = enc(*((f"s{i}", a) for i, a in enumerate(data)))
+        _, header, ds, _ = split(buf)
+        descs = list(descriptors(header))
+        hlen = struct.unpack_from("<I", buf, 8)[0]
+        gaps = [buf[12 + hlen : ds], buf[descs[-1]["off"] + descs[-1]["len"] :]]
+        gaps += [buf[d["off"] + d["len"] : n["off"]] for d, n in itertools.pairwise(descs)]
+        assert all(set(g) <= {0} for g in gaps)
 
 
 def test_encode_is_one_buffer_with_aligned_arrays() -> None:
