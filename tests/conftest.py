@@ -21,6 +21,7 @@ import fakeredis
 import pytest
 import redis
 
+from batchq.admin import delete_queue
 from batchq.embedded import EmbeddedRedis
 from batchq.errors import ConfigError
 from batchq.procs import StdSpec, spawn, stop_group
@@ -74,17 +75,9 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def _delete_queue_keys(url: str, queue: str) -> None:
-    pattern = "bq:\\{" + queue + "\\}:*"  # glob-escaped hash tag: bq:\{q\}:*
     client = redis.Redis.from_url(url)
     try:
-        batch: list[bytes] = []
-        for key in client.scan_iter(match=pattern, count=1000):
-            batch.append(key)
-            if len(batch) >= 500:
-                client.delete(*batch)
-                batch.clear()
-        if batch:
-            client.delete(*batch)
+        delete_queue(client, queue)
     finally:
         client.close()
 

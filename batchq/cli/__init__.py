@@ -1,4 +1,4 @@
-"""The ``batchq`` command: serve, demo, status.
+"""The ``batchq`` command: serve, demo, status, reset.
 
 Redis is always ``--url`` (default: the BATCHQ_URL environment variable, else
 redis://localhost:6379/0; ``demo`` starts an embedded redis-server when neither is set).
@@ -103,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(status)
     status.add_argument("--queue", default=None, help="only this queue")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    reset = sub.add_parser(
+        "reset",
+        help="delete a queue's keys (and only those), after confirmation",
+        description="Delete every key of one queue (bq:{Q}:*): its run, frames, leases, "
+        "ledger and counters. Producers and trainers of that queue stop or start over. "
+        "Asks for the queue's name unless --yes.",
+    )
+    _add_url(reset)
+    reset.add_argument("--queue", required=True, help="the queue to delete")
+    reset.add_argument("--yes", action="store_true", help="do not ask")
     return parser
 
 
@@ -122,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from batchq.cli.demo import run_demo
 
             return run_demo(args)
+        if args.command == "reset":
+            from batchq.cli.reset import run_reset
+
+            return run_reset(args)
         if args.command == "status":
             from batchq.cli.status import run_status
 

@@ -26,7 +26,7 @@ def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[s
     )
 
 
-@pytest.mark.parametrize("command", ["serve", "demo", "status"])
+@pytest.mark.parametrize("command", ["serve", "demo", "status", "reset"])
 def test_every_command_explains_url_in_help(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,3 +98,23 @@ def test_demo_runs_end_to_end_on_its_embedded_redis() -> None:
     assert set(result["runs"]) == {"in-process", "served (1 producer)", "served (2 producers)"}
     assert all(r["batches"] == 8 for r in result["runs"].values())
     assert result["floor_s"] > 0
+
+
+def test_reset_deletes_one_queue_only_after_confirmation(
+    redis_url: str, queue_name: str, redis_client: Any
+) -> None:
+    mine, other = QueueKeys(queue_name), QueueKeys(queue_name + "x")
+    redis_client.hset(mine.meta, "run", "r")
+    redis_client.rpush(mine.data, b"frame")
+    redis_client.hset(other.meta, "run", "r")
+    try:
+        declined = run_cli("reset", "--url", redis_url, "--queue", queue_name)
+        assert declined.returncode == 1 and "--yes" in declined.stderr
+        assert redis_client.exists(mine.meta, mine.data) == 2
+        done = run_cli("reset", "--url", redis_url, "--queue", queue_name, "--yes")
+        assert done.returncode == 0, done.stderr
+        assert "deleted 2 keys" in done.stdout
+        assert redis_client.exists(mine.meta, mine.data) == 0
+        assert redis_client.exists(other.meta) == 1
+    finally:
+        redis_client.delete(other.meta)

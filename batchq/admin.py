@@ -1,0 +1,25 @@
+"""Administering queues: deleting one queue's keys (and only those)."""
+
+from __future__ import annotations
+
+import redis
+
+from batchq.connection import call
+from batchq.keys import QueueKeys
+
+__all__ = ["delete_queue"]
+
+
+def delete_queue(client: redis.Redis, queue: str) -> int:
+    """Delete every key of ``queue`` (``bq:{queue}:*``), in batches; returns how many.
+
+    Keys of other queues are never touched: the pattern matches the queue's hash tag
+    exactly (braces escaped), and nothing like FLUSHDB is used.
+    """
+    keys = QueueKeys(queue)
+    found = call(lambda: list(client.scan_iter(match=keys.pattern, count=1000)), "scanning")
+    deleted = 0
+    for start in range(0, len(found), 500):
+        chunk = found[start : start + 500]
+        deleted += int(call(lambda chunk=chunk: client.delete(*chunk), "deleting"))
+    return deleted

@@ -1,0 +1,39 @@
+"""``batchq reset --queue Q``: delete a queue's keys, after confirmation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from batchq.admin import delete_queue
+from batchq.connection import describe_url, make_client, resolve_url
+from batchq.keys import QueueKeys, check_name
+from batchq.monitor import queue_status
+
+__all__ = ["run_reset"]
+
+
+def run_reset(args: argparse.Namespace) -> int:
+    """Show what would go, ask (unless --yes), delete; 1 if the user declined."""
+    queue = check_name(args.queue, "queue")
+    url = resolve_url(args.url)
+    client = make_client(url, socket_timeout_s=10.0)
+    try:
+        row = queue_status(client, queue)
+        print(
+            f"queue {queue!r} at {describe_url(url)}: {row['depth']} frames queued, "
+            f"{row['producers_alive']} producers alive, trainer {row['trainer']}; "
+            f"every key matching {QueueKeys(queue).pattern} will be deleted"
+        )
+        if not args.yes:
+            if not sys.stdin.isatty():
+                print("not a terminal: pass --yes to confirm", file=sys.stderr)
+                return 1
+            answer = input(f"type the queue's name ({queue}) to confirm: ").strip()
+            if answer != queue:
+                print("not confirmed; nothing deleted")
+                return 1
+        print(f"deleted {delete_queue(client, queue)} keys of queue {queue!r}")
+    finally:
+        client.close()
+    return 0
