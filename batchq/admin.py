@@ -18,8 +18,9 @@ def delete_queue(client: redis.Redis, queue: str) -> int:
     """
     keys = QueueKeys(queue)
     found = call(lambda: list(client.scan_iter(match=keys.pattern, count=1000)), "scanning")
-    deleted = 0
-    for start in range(0, len(found), 500):
-        chunk = found[start : start + 500]
-        deleted += int(call(lambda chunk=chunk: client.delete(*chunk), "deleting"))
-    return deleted
+    chunks = [found[start : start + 500] for start in range(0, len(found), 500)]
+    return sum(_delete(client, chunk) for chunk in chunks)
+
+
+def _delete(client: redis.Redis, names: list[bytes]) -> int:
+    return int(call(lambda: client.delete(*names), "deleting"))
