@@ -22,6 +22,13 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:stats        HASH    counters for monitoring, updated inside the scripts
     bq:{Q}:dead         LIST    frames that failed validation, with their reason (capped)
     bq:{Q}:failures     HASH    global shard -> attempts whose pipeline raised (poison)
+    bq:{Q}:pstats       HASH    per producer: '<p>:batches', ':bytes', ':produce_ms',
+                                ':blocked_ms' (updated by the push script)
+    bq:{Q}:trainer      HASH    the trainer's recent figures (stall fractions, rates,
+                                epoch progress), written by the pop script about once a
+                                second
+    bq:{Q}:history      LIST    one JSON sample a second from the trainer (depth, rates,
+                                stall), newest first, capped at an hour
     bq:{Q}:frame:<p>:<n> STRING a large frame stored by reference (the data list holds
                                 its name); no TTL once it is in the data list
     reserved: bq:{Q}:data:<rank> and a ledger per rank, for data-parallel trainers
@@ -96,6 +103,9 @@ class QueueKeys:
         self.stats = f"{self.base}:stats"
         self.dead = f"{self.base}:dead"
         self.failures = f"{self.base}:failures"
+        self.pstats = f"{self.base}:pstats"
+        self.trainer = f"{self.base}:trainer"
+        self.history = f"{self.base}:history"
         self.frame_prefix = f"{self.base}:frame:"
 
     def lease(self, producer: str) -> str:

@@ -47,7 +47,7 @@ def reap_dead(client: redis.Redis, keys: QueueKeys, incarnation: str) -> tuple[i
     dead = _members(client, keys, "-inf", now_ms)
     if not dead:
         return 0, 0
-    script_keys = [keys.incarnation, keys.producers, keys.work]
+    script_keys = [keys.incarnation, keys.producers, keys.work, keys.stats]
     script_keys += [keys.lease(p) for p in dead]
     reply = decode_reply(SCRIPTS["reap"](client, script_keys, [incarnation, "dead", *dead]))
     if reply[0] != Status.OK:
@@ -73,7 +73,7 @@ def requeue_gaps(
     now_ms = server_ms(client)
     alive = _members(client, keys, now_ms, "+inf")
     script_keys = [keys.meta, keys.incarnation, keys.work, keys.data, keys.producers]
-    script_keys += [keys.lease(p) for p in alive]
+    script_keys += [keys.stats, *(keys.lease(p) for p in alive)]
     args: list[Any] = [incarnation, run, len(shards), *shards, *alive]
     reply = decode_reply(SCRIPTS["requeue"](client, script_keys, args))
     if reply[0] != Status.OK:

@@ -34,6 +34,7 @@ from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
 from consumer.ledger import Ledger
 from consumer.session import Session
+from consumer.stats import TrainerStats
 
 __all__ = ["DEAD_LIST_MAX", "Reader"]
 
@@ -60,6 +61,7 @@ class Reader(threading.Thread):
         on_bad_frame: 'raise' (the iterator raises FrameError) or 'skip'.
         stall_s: after this long without a frame while the trainer waits, reap dead
             producers and hand shards with a gap back to the work list.
+        stats: the trainer's figures, drained into each pop script call.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Reader(threading.Thread):
         max_frame_bytes: int | None = None,
         on_bad_frame: str = "raise",
         stall_s: float = 5.0,
+        stats: TrainerStats | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -92,7 +95,8 @@ class Reader(threading.Thread):
         self._halt = threading.Event()
         self._extra_popped = 0
         self._bytes = 0
-        self._wait_ms = 0
+        self.stats = stats or TrainerStats()
+        self._depth = 0
         self._last_alive = time.monotonic()
         self.bad_frames = 0
         self.stall_s = stall_s
@@ -109,10 +113,6 @@ class Reader(threading.Thread):
             self.cond.notify_all()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=BLOCK_S * 10)
-
-    def add_wait(self, seconds: float) -> None:
-        """Account time the trainer spent waiting for data (sent with the next pop)."""
-        self._wait_ms += int(seconds * 1000)
 
     # -- the thread --------------------------------------------------------------------
 
@@ -192,6 +192,8 @@ class Reader(threading.Thread):
             self.keys.wake,
             self.keys.stats,
             self.keys.producers,
+            self.keys.trainer,
+            self.keys.history,
         ]
         args: list[Any] = [
             self.session.incarnation,
@@ -202,15 +204,15 @@ class Reader(threading.Thread):
             self.session.claim_ttl_ms,
             self._extra_popped,
             self._bytes,
-            self._wait_ms,
+            *self.stats.drain(self._depth),
         ]
         reply = SCRIPTS["pop"](self.client, keys, args)
         self._last_claim = time.monotonic()
-        self._extra_popped = self._bytes = self._wait_ms = 0
+        self._extra_popped = self._bytes = 0
         status = reply[0].decode()
         if status != Status.OK:
             self._raise_status(status)
-        alive, elements = int(reply[1]), list(reply[3])
+        alive, self._depth, elements = int(reply[1]), int(reply[2]), list(reply[3])
         if alive:
             self._last_alive = time.monotonic()
         if not elements:

@@ -27,8 +27,10 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys
 from consumer.ledger import Ledger
+from consumer.progress import EpochProgress
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
+from consumer.stats import TrainerStats
 
 __all__ = ["ServerDataStream"]
 
@@ -60,6 +62,7 @@ class ServerDataStream:
             it (``skipped_shards``).
         stall_s: after this long without a frame while waiting, reap dead producers
             and hand shards with a gap back to the work list.
+        progress: show a progress bar per epoch (batches, rate, stall %) on stderr.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class ServerDataStream:
         on_bad_frame: str = "raise",
         on_producer_error: str = "raise",
         stall_s: float = 5.0,
+        progress: bool = False,
     ) -> None:
         if isinstance(sources, str) or not all(isinstance(s, str) for s in sources):
             raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of names")
@@ -116,6 +120,8 @@ class ServerDataStream:
         # Batches handed out, by the producer that made them (monitoring, tests).
         self.producers_seen: Counter[str] = Counter()
         self.max_buffered = 0  # the most frames the reader held at once
+        self.progress = progress
+        self._stats = TrainerStats()
 
     # -- Fuel's interface --------------------------------------------------------------
 
@@ -294,6 +300,7 @@ class ServerDataStream:
             max_frame_bytes=self.max_frame_bytes,
             on_bad_frame=self.on_bad_frame,
             stall_s=self.stall_s,
+            stats=self._stats,
         )
         self._reader.start()
 
@@ -310,6 +317,30 @@ class ServerDataStream:
         with reader.cond:
             ledger.start_epoch(epoch)
             reader.cond.notify_all()
+        self._stats.start_epoch(epoch)
+        bar = self._progress_bar(epoch)
+        handed_out: float | None = None  # when the previous batch left this generator
+        try:
+            while True:
+                asked = time.monotonic()
+                frame = self._next(reader, ledger)
+                if frame is None:
+                    self._stats.end_epoch()
+                    return
+                now = time.monotonic()
+                busy = asked - handed_out if handed_out is not None else 0.0
+                self._stats.batch(now - asked, busy, frame.nbytes)
+                self.producers_seen[frame.producer] += 1
+                if bar is not None:
+                    bar.update(self._stats.snapshot())
+                handed_out = time.monotonic()
+                yield frame.as_dict() if as_dict else frame.data
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _next(self, reader: Reader, ledger: Ledger) -> Any:
+        """The next batch frame of the epoch (waiting for it), or None at its end."""
         while True:
             with reader.cond:
                 self.max_buffered = max(self.max_buffered, ledger.buffered)
@@ -317,23 +348,13 @@ class ServerDataStream:
                 if frame is None:
                     if ledger.epoch_done():
                         reader.cond.notify_all()
-                        return
-                    waited = self._wait(reader, ledger)
-                    reader.add_wait(waited)
+                        return None
+                    self._wait(reader, ledger)
                     continue
                 reader.cond.notify_all()  # room in the prefetch buffer
-            if frame.kind == FrameKind.ERROR and self.on_producer_error == "skip":
-                log.warning(
-                    "queue %s: skipping epoch %d shard %d, whose pipeline raised %s",
-                    self.keys.queue,
-                    frame.epoch,
-                    frame.shard,
-                    frame.error_name,
-                )
-                with reader.cond:
-                    ledger.skip_error(frame)
-                continue
-            if frame.kind == FrameKind.ERROR:
+            if frame.kind != FrameKind.ERROR:
+                return frame
+            if self.on_producer_error != "skip":
                 raise ProducerFailed(
                     frame.epoch,
                     frame.shard,
@@ -341,13 +362,35 @@ class ServerDataStream:
                     frame.error or "",
                     f"the producer's pipeline raised {frame.error_name or 'an exception'}",
                 )
-            self.producers_seen[frame.producer] += 1
-            yield frame.as_dict() if as_dict else frame.data
+            log.warning(
+                "queue %s: skipping epoch %d shard %d, whose pipeline raised %s",
+                self.keys.queue,
+                frame.epoch,
+                frame.shard,
+                frame.error_name,
+            )
+            with reader.cond:
+                ledger.skip_error(frame)
 
-    def _wait(self, reader: Reader, ledger: Ledger) -> float:
+    def _progress_bar(self, epoch: int) -> EpochProgress | None:
+        if not self.progress:
+            return None
+        total = None
+        if self._session is not None and self._session.plan is not None:
+            total = (
+                self._session.plan.epoch_batches if self._session.plan.epoch_batches >= 0 else None
+            )
+        return EpochProgress(epoch, total)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The trainer's figures: stall fraction of the last epoch and of the last 100
+        batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`)."""
+        return self._stats.snapshot()
+
+    def _wait(self, reader: Reader, ledger: Ledger) -> None:
         """Wait (holding reader.cond) until a frame arrives or the reader fails."""
-        start = time.monotonic()
-        reader.waiting_since = start
+        reader.waiting_since = time.monotonic()
         try:
             while ledger.next_frame_ready() is False and not ledger.epoch_done():
                 if reader.error is not None:
@@ -357,7 +400,6 @@ class ServerDataStream:
                 reader.cond.wait(timeout=BLOCK_S)
         finally:
             reader.waiting_since = None
-        return time.monotonic() - start
 
 
 def _check_state(state: Any, queue: str) -> dict[str, Any]:

@@ -266,8 +266,8 @@ class Producer:
         try:
             if self._pending_ref:
                 self.client.delete(self._pending_ref)
-            keys = [self.keys.incarnation, self.keys.producers, self.keys.work]
-            keys.append(self.keys.lease(self.id))
+            k = self.keys
+            keys = [k.incarnation, k.producers, k.work, k.stats, k.lease(self.id)]
             SCRIPTS["reap"](self.client, keys, [self._incarnation, "leave", self.id])
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
@@ -333,17 +333,21 @@ class Producer:
         ones before: a resumed checkpoint)."""
         k = 0
         batches = self.plan.iter_shard_marked(epoch, shard)
+        started = time.perf_counter()
         try:
             for batch, last in batches:
+                # The time the pipeline took for this batch (monitoring).
+                produce_ms = int((time.perf_counter() - started) * 1000)
                 if k < skip and not last:
                     k += 1
                     continue
                 if k < skip:  # the trainer has every batch: only the count is news
                     self._push_end(epoch, shard, k + 1, entry)
                     return
-                if not self._push_batch(epoch, shard, k, batch, last, entry):
+                if not self._push_batch(epoch, shard, k, batch, last, entry, produce_ms):
                     return
                 k += 1
+                started = time.perf_counter()
         except (ConnectionLost, RunFinished, PipelineMismatch):
             raise
         except Exception as e:  # the user's pipeline raised
@@ -388,7 +392,7 @@ class Producer:
         reply = decode_reply(
             SCRIPTS["fail"](
                 self.client,
-                [k.meta, k.incarnation, k.work, k.lease(self.id), k.failures],
+                [k.meta, k.incarnation, k.work, k.lease(self.id), k.failures, k.stats],
                 [self._incarnation, self._run, entry, entry.split(":")[0], self.max_attempts],
             )
         )
@@ -409,7 +413,14 @@ class Producer:
         return True
 
     def _push_batch(
-        self, epoch: int, shard: int, k: int, batch: Any, last: bool, entry: str
+        self,
+        epoch: int,
+        shard: int,
+        k: int,
+        batch: Any,
+        last: bool,
+        entry: str,
+        produce_ms: int = 0,
     ) -> bool:
         data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
         frame = codec.encode_frame(
@@ -428,9 +439,9 @@ class Producer:
             max_frame_bytes=self.max_frame_bytes,
             produced_at=time.time(),
         )
-        return self._push(frame, entry, last=last)
+        return self._push(frame, entry, last=last, produce_ms=produce_ms)
 
-    def _push(self, frame: bytearray, entry: str, *, last: bool) -> bool:
+    def _push(self, frame: memoryview, entry: str, *, last: bool, produce_ms: int = 0) -> bool:
         """Push one frame, waiting at the hwm; False if the shard was taken from us."""
         ref = None
         if len(frame) > self.inline_max_bytes:
@@ -443,8 +454,9 @@ class Producer:
             self.keys.stats,
             self.keys.producers,
             self.keys.lease(self.id),
+            self.keys.pstats,
         ]
-        element: bytes | bytearray = frame if ref is None else codec.encode_ref(ref)
+        element: bytes | memoryview = frame if ref is None else codec.encode_ref(ref)
         if ref is not None:
             keys.append(ref)
         stored = False
@@ -465,6 +477,7 @@ class Producer:
                 self.heartbeat_ttl_ms,
                 len(frame),
                 blocked_ms,
+                produce_ms,
             ]
             store = frame if ref is not None and not stored else None
             replies = self._send(ref, store, keys, args)
@@ -496,7 +509,7 @@ class Producer:
             return False
 
     def _send(
-        self, ref: str | None, store: bytearray | None, keys: list[str], args: list[Any]
+        self, ref: str | None, store: memoryview | None, keys: list[str], args: list[Any]
     ) -> list[Any]:
         """One round trip: store the frame under its key if asked, then the capped push."""
 

@@ -1,11 +1,16 @@
 -- pop.lua: the trainer pops up to N frames; pops first, then wakes producers.
 -- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] wake  KEYS[5] stats
--- KEYS[6] producers
+-- KEYS[6] producers  KEYS[7] trainer (HASH of recent figures)  KEYS[8] history
 -- ARGV[1] incarnation  ARGV[2] run  ARGV[3] claim token  ARGV[4] max frames to pop
 -- ARGV[5] the trainer's floor (oldest incomplete global shard)
 -- ARGV[6] claim ttl (ms)
 -- ARGV[7] frames popped outside this script since the last call (BRPOP)
 -- ARGV[8] bytes received since the last call  ARGV[9] ms spent waiting for data
+-- ARGV[10] ms the trainer spent between batches (its own work) since the last call
+-- ARGV[11] epochs completed since the last call
+-- ARGV[12] wait-time histogram increments, 'c1,c2,...' per bucket ('' for none)
+-- ARGV[13] the trainer's figures as a JSON object ('' for none): stored in KEYS[7]
+-- ARGV[14] a history sample as a JSON object ('' for none): pushed on KEYS[8] (capped)
 -- Returns {'OK', producers alive, depth before the pop, {elements...}}
 --      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'}
 -- At maxmemory Redis refuses a script whose first write may grow memory, so the pop
@@ -44,5 +49,25 @@ local nbytes = tonumber(ARGV[8])
 if nbytes > 0 then call('HINCRBY', KEYS[5], 'popped_bytes', nbytes) end
 local waited = tonumber(ARGV[9])
 if waited > 0 then call('HINCRBY', KEYS[5], 'trainer_wait_ms', waited) end
+local busy = tonumber(ARGV[10])
+if busy > 0 then call('HINCRBY', KEYS[5], 'trainer_busy_ms', busy) end
+local epochs = tonumber(ARGV[11])
+if epochs > 0 then call('HINCRBY', KEYS[5], 'epochs_completed', epochs) end
+if ARGV[12] ~= '' then
+  local i = 0
+  for c in string.gmatch(ARGV[12], '[^,]+') do
+    if c ~= '0' then call('HINCRBY', KEYS[5], 'wait_bucket:' .. i, tonumber(c)) end
+    i = i + 1
+  end
+end
+if ARGV[13] ~= '' then
+  local figures = cjson.decode(ARGV[13])
+  for field, value in pairs(figures) do call('HSET', KEYS[7], field, tostring(value)) end
+  call('HSET', KEYS[7], 'updated_ms', now)
+end
+if ARGV[14] ~= '' then
+  call('LPUSH', KEYS[8], ARGV[14])
+  call('LTRIM', KEYS[8], 0, 3599)
+end
 local alive = redis.call('ZCOUNT', KEYS[6], now, '+inf')
 return {'OK', alive, depth, items}

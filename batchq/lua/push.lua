@@ -1,12 +1,14 @@
 -- push.lua: push one frame below the hwm (the capped push).
 -- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] stats  KEYS[5] producers
 -- KEYS[6] lease (this producer's)
--- KEYS[7] (only for a frame stored by reference) the frame's own key
+-- KEYS[7] pstats (per-producer counters)
+-- KEYS[8] (only for a frame stored by reference) the frame's own key
 -- ARGV[1] incarnation  ARGV[2] run  ARGV[3] producer id
 -- ARGV[4] lease entry '<g>:<token>' the frame belongs to
--- ARGV[5] list element: the frame itself, or a reference to KEYS[7]
+-- ARGV[5] list element: the frame itself, or a reference to KEYS[8]
 -- ARGV[6] 1 if this is the shard's last frame (the lease is released), else 0
 -- ARGV[7] heartbeat ttl (ms)  ARGV[8] frame bytes  ARGV[9] ms spent blocked at the hwm
+-- ARGV[10] ms the pipeline took to build this batch
 -- Returns {'OK', depth} or {'FULL', depth}, {'GONE'} (the referenced frame expired:
 -- store it again), {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'},
 -- {'FINISHED'}
@@ -20,15 +22,21 @@ if not redis.call('ZSCORE', KEYS[5], ARGV[3]) then return {'REAPED'} end
 redis.call('ZADD', KEYS[5], now + tonumber(ARGV[7]), ARGV[3])
 if not redis.call('LPOS', KEYS[6], ARGV[4]) then return {'LEASE_LOST'} end
 local blocked = tonumber(ARGV[9])
-if blocked > 0 then redis.call('HINCRBY', KEYS[4], 'producer_blocked_ms', blocked) end
-if #KEYS == 7 and redis.call('EXISTS', KEYS[7]) == 0 then return {'GONE'} end
+if blocked > 0 then
+  redis.call('HINCRBY', KEYS[4], 'producer_blocked_ms', blocked)
+  redis.call('HINCRBY', KEYS[7], ARGV[3] .. ':blocked_ms', blocked)
+end
+if #KEYS == 8 and redis.call('EXISTS', KEYS[8]) == 0 then return {'GONE'} end
 
 local depth = redis.call('LLEN', KEYS[3])
 if depth >= tonumber(m[3]) then return {'FULL', depth} end
 redis.call('LPUSH', KEYS[3], ARGV[5])
-if #KEYS == 7 then redis.call('PERSIST', KEYS[7]) end
+if #KEYS == 8 then redis.call('PERSIST', KEYS[8]) end
 redis.call('HINCRBY', KEYS[4], 'pushed', 1)
 redis.call('HINCRBY', KEYS[4], 'pushed_bytes', tonumber(ARGV[8]))
+redis.call('HINCRBY', KEYS[7], ARGV[3] .. ':batches', 1)
+redis.call('HINCRBY', KEYS[7], ARGV[3] .. ':bytes', tonumber(ARGV[8]))
+redis.call('HINCRBY', KEYS[7], ARGV[3] .. ':produce_ms', tonumber(ARGV[10]))
 if ARGV[6] == '1' then
   redis.call('LREM', KEYS[6], 1, ARGV[4])
   redis.call('HINCRBY', KEYS[4], 'shards_done', 1)

@@ -1,6 +1,6 @@
 -- reap.lua: hand the leases of dead (or leaving) producers back to the work list.
--- KEYS[1] incarnation  KEYS[2] producers  KEYS[3] work
--- KEYS[4..] lease lists, one per producer in ARGV[3..]
+-- KEYS[1] incarnation  KEYS[2] producers  KEYS[3] work  KEYS[4] stats
+-- KEYS[5..] lease lists, one per producer in ARGV[3..]
 -- ARGV[1] incarnation  ARGV[2] 'dead' (only if the heartbeat deadline has passed) or
 --         'leave' (unconditionally: the producer is stopping)
 -- ARGV[3..] producer ids
@@ -11,7 +11,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'STATE_LOST'} end
 local reaped, returned = 0, 0
 for i = 3, #ARGV do
   local p = ARGV[i]
-  local lease = KEYS[i + 1]
+  local lease = KEYS[i + 2]
   local deadline = redis.call('ZSCORE', KEYS[2], p)
   if ARGV[2] == 'leave' or (deadline and tonumber(deadline) < now) then
     -- Back to the front, in the order they were held, so the oldest is redone first.
@@ -28,4 +28,5 @@ for i = 3, #ARGV do
     reaped = reaped + 1
   end
 end
+if returned > 0 then redis.call('HINCRBY', KEYS[4], 'redone_shards', returned) end
 return {'OK', reaped, returned}

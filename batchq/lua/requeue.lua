@@ -2,7 +2,8 @@
 -- A shard is requeued only if nobody can still be delivering it: the data list is
 -- empty, it was minted already, it is not in the work list and no live producer holds it.
 -- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] work  KEYS[4] data  KEYS[5] producers
--- KEYS[6..] lease lists of the producers named in ARGV[4 + #shards ..]
+-- KEYS[6] stats
+-- KEYS[7..] lease lists of the producers named in ARGV[4 + #shards ..]
 -- ARGV[1] incarnation  ARGV[2] run  ARGV[3] number of candidate shards m
 -- ARGV[4 .. 3+m] candidate global shard numbers, oldest first
 -- ARGV[4+m ..] producer ids whose lease lists are KEYS[6..]
@@ -13,7 +14,7 @@ if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
 if redis.call('LLEN', KEYS[4]) > 0 then return {'OK'} end
 local held = {}
 for _, g in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do held[g] = true end
-for i = 6, #KEYS do
+for i = 7, #KEYS do
   for _, e in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do
     local g = string.match(e, '^(%d+):')
     if g then held[g] = true end
@@ -25,6 +26,7 @@ for i = 3 + n, 4, -1 do
   local g = ARGV[i]
   if tonumber(g) < tonumber(m[2]) and not held[g] then
     redis.call('LPUSH', KEYS[3], g)
+    redis.call('HINCRBY', KEYS[6], 'redone_shards', 1)
     table.insert(out, g)
   end
 end

@@ -84,8 +84,8 @@ class Q:
         return decode_reply(
             SCRIPTS["push"](
                 self.c,
-                [k.meta, k.incarnation, k.data, k.stats, k.producers, k.lease(p)],
-                [self.inc, self.run, p, entry, element, int(last), TTL_MS, len(element), 0],
+                [k.meta, k.incarnation, k.data, k.stats, k.producers, k.lease(p), k.pstats],
+                [self.inc, self.run, p, entry, element, int(last), TTL_MS, len(element), 0, 3],
             )
         )
 
@@ -103,8 +103,8 @@ class Q:
         k = self.k
         return SCRIPTS["pop"](
             self.c,
-            [k.meta, k.incarnation, k.data, k.wake, k.stats, k.producers],
-            [self.inc, self.run, token, n, floor, TTL_MS, 0, 0, 0],
+            [k.meta, k.incarnation, k.data, k.wake, k.stats, k.producers, k.trainer, k.history],
+            [self.inc, self.run, token, n, floor, TTL_MS, 0, 0, 0, 0, 0, "", "", ""],
         )
 
 
@@ -148,6 +148,8 @@ def test_push_never_exceeds_the_hwm_and_pop_wakes_producers(q: Q) -> None:
     assert q.c.llen(q.k.lease("p1")) == 0  # the last frame released the lease
     stats = q.c.hgetall(q.k.stats)
     assert stats[b"pushed"] == b"4" and stats[b"popped"] == b"1" and stats[b"shards_done"] == b"1"
+    pstats = q.c.hgetall(q.k.pstats)
+    assert pstats[b"p1:batches"] == b"4" and pstats[b"p1:produce_ms"] == b"12"
 
 
 def test_racing_pushes_at_hwm_minus_one_admit_exactly_one(q: Q, redis_url: str) -> None:
@@ -182,9 +184,10 @@ def test_lease_lost_after_reap_and_returned_shards_go_first(q: Q) -> None:
     assert q.lease("p1", "b")[1] == "1"
     k = q.k
     reply = SCRIPTS["reap"](
-        q.c, [k.incarnation, k.producers, k.work, k.lease("p1")], [q.inc, "leave", "p1"]
+        q.c, [k.incarnation, k.producers, k.work, k.stats, k.lease("p1")], [q.inc, "leave", "p1"]
     )
     assert decode_reply(reply) == ["OK", 1, 2]
+    assert q.c.hget(k.stats, "redone_shards") == b"2"
     assert q.lease("p2", "c")[1] == "0"  # the returned shards, in order, before fresh ones
     assert q.lease("p2", "d")[1] == "1"
     assert q.lease("p2", "e")[1] == "2"
@@ -196,7 +199,7 @@ def test_dead_reap_spares_live_producers(q: Q) -> None:
     q.lease("p1", "a")
     k = q.k
     reply = SCRIPTS["reap"](
-        q.c, [k.incarnation, k.producers, k.work, k.lease("p1")], [q.inc, "dead", "p1"]
+        q.c, [k.incarnation, k.producers, k.work, k.stats, k.lease("p1")], [q.inc, "dead", "p1"]
     )
     assert decode_reply(reply) == ["OK", 0, 0]
     assert q.c.llen(k.lease("p1")) == 1

@@ -227,8 +227,8 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
                 status = decode_reply(
                     SCRIPTS["push"](
                         client,
-                        [*keys_for_push, keys.lease(f"p{p}")],
-                        [inc, run, f"p{p}", entry, f"{p}:{i}", 0, 60_000, 4, 0],
+                        [*keys_for_push, keys.lease(f"p{p}"), keys.pstats],
+                        [inc, run, f"p{p}", entry, f"{p}:{i}", 0, 60_000, 4, 0, 0],
                     )
                 )[0]
                 if status == "OK":
@@ -242,13 +242,16 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
             depths.append(client.llen(keys.data))
         client.close()
 
+    keys_for_pop = [keys.meta, keys.incarnation, keys.data, keys.wake, keys.stats]
+    keys_for_pop += [keys.producers, keys.trainer, keys.history]
+
     def trainer_pops() -> None:
         client = make_client(redis_url)
         while len(popped) < producers * frames_each and not stop.is_set():
             reply = SCRIPTS["pop"](
                 client,
-                [keys.meta, keys.incarnation, keys.data, keys.wake, keys.stats, keys.producers],
-                [inc, run, token, 2, 0, 60_000, 0, 0, 0],
+                keys_for_pop,
+                [inc, run, token, 2, 0, 60_000, 0, 0, 0, 0, 0, "", "", ""],
             )
             popped.extend(reply[3])
         client.close()
