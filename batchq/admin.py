@@ -2,12 +2,55 @@
 
 from __future__ import annotations
 
+import logging
+
 import redis
 
 from batchq.connection import call
 from batchq.keys import QueueKeys
 
-__all__ = ["delete_queue"]
+__all__ = ["check_eviction_policy", "delete_queue", "is_oom"]
+
+log = logging.getLogger(__name__)
+
+
+def is_oom(error: BaseException) -> bool:
+    """True for Redis' "OOM command not allowed" (maxmemory reached under noeviction)."""
+    # redis-py raises OutOfMemoryError for a plain command; a script's error comes back
+    # as a ResponseError whose text carries the OOM message.
+    if isinstance(error, redis.exceptions.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, redis.ResponseError) and (
+        text.startswith("OOM") or "used memory > 'maxmemory'" in text
+    )
+
+
+def check_eviction_policy(client: redis.Redis) -> str | None:
+    """Warn when Redis may evict queue keys; returns the policy (None if unreadable).
+
+    With maxmemory set and any policy but noeviction, Redis deletes keys to make room:
+    frames, leases or the run's meta could vanish. CONFIG may be forbidden (ACL, managed
+    Redis); then nothing is said.
+    """
+    try:
+        reply = client.config_get("maxmemory*")
+    except redis.RedisError:
+        return None
+    policy = str(_text(reply.get("maxmemory-policy", b"noeviction")))
+    maxmemory = int(_text(reply.get("maxmemory", b"0")) or 0)
+    if maxmemory and policy != "noeviction":
+        log.warning(
+            "Redis maxmemory-policy is %r with maxmemory=%d: Redis may evict queue keys "
+            "(frames, leases, the run's state); set maxmemory-policy noeviction",
+            policy,
+            maxmemory,
+        )
+    return policy
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def delete_queue(client: redis.Redis, queue: str) -> int:

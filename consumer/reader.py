@@ -18,6 +18,7 @@ import msgpack
 import redis
 
 from batchq import codec
+from batchq.admin import is_oom
 from batchq.connection import call
 from batchq.errors import (
     BatchQueueError,
@@ -133,6 +134,13 @@ class Reader(threading.Thread):
                         self._refresh_claim()
                 except ConnectionLost as e:
                     self._reconnect(e)
+                except redis.ResponseError as e:
+                    # At maxmemory an idle claim refresh is refused; pops still work
+                    # (they pop before they write) and refresh the claim themselves.
+                    if not is_oom(e):
+                        raise
+                    log.debug("queue %s: %s", self.keys.queue, e)
+                    self._last_claim = time.monotonic()
                 except StateLost as e:
                     self._recover(e)
         except BaseException as e:  # handed to the iterator, which raises it
@@ -276,6 +284,8 @@ class Reader(threading.Thread):
                 out.append((None, element, key))
             else:
                 out.append((element, element, ""))
+        if refs and self.max_frame_bytes is not None:
+            refs = self._refuse_oversized(refs, out)
         if refs:
             replies = execute_pipeline(
                 self.client, lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs]
@@ -286,6 +296,28 @@ class Reader(threading.Thread):
                     self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
                 out[i] = (value, out[i][1], key)
         return out
+
+    def _refuse_oversized(
+        self, refs: list[tuple[int, str]], out: list[tuple[bytes | None, bytes, str]]
+    ) -> list[tuple[int, str]]:
+        """Drop referenced frames above max_frame_bytes without fetching them."""
+        sizes = execute_pipeline(self.client, lambda pipe: [pipe.strlen(k) for _, k in refs])
+        keep = []
+        for (i, key), size in zip(refs, sizes, strict=True):
+            if int(size) > (self.max_frame_bytes or 0):
+                self._drop_key(key)
+                error = FrameError(
+                    "too_large",
+                    f"frame {key!r} has {size} bytes, above max_frame_bytes="
+                    f"{self.max_frame_bytes}; not fetched",
+                )
+                self._dead(out[i][1], error)
+            else:
+                keep.append((i, key))
+        return keep
+
+    def _drop_key(self, key: str) -> None:
+        call(lambda: self.client.delete(key), "dropping an oversized frame")
 
     def _file(self, fetched: list[tuple[bytes | None, bytes, str]]) -> None:
         frames = []

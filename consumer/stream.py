@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
+from batchq.admin import check_eviction_policy
 from batchq.codec import FrameKind
 from batchq.connection import call, make_client, resolve_url, tune_malloc
 from batchq.errors import (
@@ -263,6 +264,7 @@ class ServerDataStream:
         if self._reader is not None:
             return
         self._connect()
+        check_eviction_policy(self._client)
         session = Session(self._client, self.keys, self.claim_ttl_ms)
         resume = self._resume if self._resume and self._resume.get("run") else None
         new_run = session.acquire(takeover=resume["run"] if resume else "")

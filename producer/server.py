@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from batchq import codec
+from batchq.admin import check_eviction_policy, is_oom
 from batchq.connection import call, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
@@ -132,6 +133,8 @@ class Producer:
         self._lease_seq = 0
         self._pending_ref: str | None = None
         self._heartbeat: threading.Thread | None = None
+        self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
+        self._oom_logged = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -147,6 +150,7 @@ class Producer:
             ConnectionLost: Redis could not be reached.
         """
         tune_malloc()
+        check_eviction_policy(self.client)
         try:
             self._join()
             self._heartbeat = threading.Thread(
@@ -206,7 +210,9 @@ class Producer:
                 client.zadd(self.keys.producers, {self.id: self._deadline_ms(client)}, xx=True)
                 reap_dead(client, self.keys, self._incarnation)
             except (redis.RedisError, OSError, BatchQueueError) as e:
-                log.warning("producer %s: heartbeat failed: %s", self.id, e)
+                # At maxmemory the heartbeat is refused too; pushes report that once.
+                level = logging.DEBUG if is_oom(e) else logging.WARNING
+                log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
         client.close()
 
     def _deadline_ms(self, client: redis.Redis) -> int:
@@ -298,6 +304,13 @@ class Producer:
         ]
         try:
             reply = decode_reply(SCRIPTS["lease"](self.client, keys, args))
+        except redis.ResponseError as e:
+            if not is_oom(e):
+                raise
+            self._note_oom(e)
+            self._lease_seq -= 1
+            self._wait_for_room()
+            return None
         except ConnectionLost as e:
             # The same token makes a retried lease idempotent.
             log.warning("producer %s: lease failed (%s); retrying", self.id, e)
@@ -321,6 +334,17 @@ class Producer:
             self._join()
             return
         raise BatchQueueError(f"producer {self.id}: unexpected reply {status!r}")
+
+    def _note_oom(self, error: redis.ResponseError) -> None:
+        """Log Redis' OOM once, then count quietly (``oom_waits``)."""
+        self.oom_waits += 1
+        if not self._oom_logged:
+            self._oom_logged = True
+            log.warning(
+                "producer %s: Redis is at maxmemory (%s); waiting for the trainer to drain",
+                self.id,
+                error,
+            )
 
     def _wait_for_room(self) -> None:
         # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
@@ -480,7 +504,18 @@ class Producer:
                 produce_ms,
             ]
             store = frame if ref is not None and not stored else None
-            replies = self._send(ref, store, keys, args)
+            try:
+                replies = self._send(ref, store, keys, args)
+            except redis.ResponseError as e:
+                if not is_oom(e):
+                    raise
+                # Redis is full (noeviction): backpressure, like the hwm; nothing is lost.
+                self._note_oom(e)
+                if blocked_since is None:
+                    blocked_since = time.monotonic()
+                stored = False
+                self._wait_for_room()
+                continue
             if ref is not None:
                 stored = True
                 self._pending_ref = ref
