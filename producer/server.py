@@ -133,6 +133,8 @@ class Producer:
         self._lease_seq = 0
         self._pending_ref: str | None = None
         self._heartbeat: threading.Thread | None = None
+        self._prefetched: tuple[int, int, str] | None = None  # (g, skip, token)
+        self._lease_token = ""
         self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
         self._oom_logged = False
 
@@ -238,6 +240,7 @@ class Producer:
             raise PipelineMismatch(what, expected, got)
         self._incarnation, self._run = reply[1], reply[2]
         self._lease_seq = 0
+        self._prefetched = None  # a lease of the run we left is gone
         log.info(
             "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
             self.id,
@@ -283,25 +286,23 @@ class Producer:
 
     # -- leasing -----------------------------------------------------------------------
 
+    def _lease_request(self) -> tuple[list[str], list[Any], str]:
+        """Keys, arguments and token of the next lease request."""
+        self._lease_seq += 1
+        token = f"{self.id}.{self._lease_seq}"
+        k = self.keys
+        keys = [k.meta, k.incarnation, k.work, k.lease(self.id), k.producers, k.ledger]
+        args: list[Any] = [self._incarnation, self._run, self.id, token, self.heartbeat_ttl_ms]
+        return keys, args, token
+
     def _lease(self) -> tuple[int, int] | None:
         """Lease the next shard: (g, batches the trainer already has), or None."""
-        self._lease_seq += 1
-        self._lease_token = f"{self.id}.{self._lease_seq}"
-        args: list[Any] = [
-            self._incarnation,
-            self._run,
-            self.id,
-            self._lease_token,
-            self.heartbeat_ttl_ms,
-        ]
-        keys = [
-            self.keys.meta,
-            self.keys.incarnation,
-            self.keys.work,
-            self.keys.lease(self.id),
-            self.keys.producers,
-            self.keys.ledger,
-        ]
+        if self._prefetched is not None:
+            # Leased in the same round trip as the previous shard's last push.
+            g, skip, self._lease_token = self._prefetched
+            self._prefetched = None
+            return g, skip
+        keys, args, self._lease_token = self._lease_request()
         try:
             reply = decode_reply(SCRIPTS["lease"](self.client, keys, args))
         except redis.ResponseError as e:
@@ -485,6 +486,9 @@ class Producer:
             keys.append(ref)
         stored = False
         blocked_since: float | None = None
+        # The shard's last push also asks for the next lease: one round trip saved per
+        # shard (per batch for map-style pipelines). Only on the first send.
+        lease_next = self._lease_request() if last and self._prefetched is None else None
         while True:
             if self._stop.is_set():
                 return False
@@ -505,7 +509,7 @@ class Producer:
             ]
             store = frame if ref is not None and not stored else None
             try:
-                replies = self._send(ref, store, keys, args)
+                replies = self._send(ref, store, keys, args, lease_next)
             except redis.ResponseError as e:
                 if not is_oom(e):
                     raise
@@ -519,6 +523,12 @@ class Producer:
             if ref is not None:
                 stored = True
                 self._pending_ref = ref
+            if lease_next is not None:
+                lease_reply = decode_reply(replies.pop())
+                if lease_reply[0] == Status.OK:
+                    g, skip = int(lease_reply[1]), int(lease_reply[2])
+                    self._prefetched = (g, skip, lease_next[2])
+                lease_next = None
             reply = decode_reply(replies[-1])
             status = reply[0]
             if status == Status.OK:
@@ -544,14 +554,22 @@ class Producer:
             return False
 
     def _send(
-        self, ref: str | None, store: memoryview | None, keys: list[str], args: list[Any]
+        self,
+        ref: str | None,
+        store: memoryview | None,
+        keys: list[str],
+        args: list[Any],
+        lease: tuple[list[str], list[Any], str] | None = None,
     ) -> list[Any]:
-        """One round trip: store the frame under its key if asked, then the capped push."""
+        """One round trip: store the frame under its key if asked, the capped push, and
+        the next lease if asked."""
 
         def build(pipe: Any) -> None:
             if store is not None:
                 pipe.set(ref, store, px=PENDING_FRAME_TTL_MS)
             SCRIPTS["push"].queue(pipe, keys, args)
+            if lease is not None:
+                SCRIPTS["lease"].queue(pipe, lease[0], lease[1])
 
         return execute_pipeline(self.client, build)
 
