@@ -1,22 +1,22 @@
 """Scaling: the tutorial pipeline served by 1, 2, 4, 8 producers vs PyTorch's DataLoader.
 
-Fuel's server tutorial, made data-bound: 1000 examples of 128 features, batches of 100
-(10 batches per epoch), a Bottleneck that spends 40 ms loading each batch, and a
-training step of 10 ms per batch. Loading is a sleep, so N producers or workers load N
-batches at once even on 2 cores; 4 of them load exactly as fast as the trainer trains.
+Fuel's server tutorial, data-bound: 1000 examples x 128 features, batches of 100 (10 per
+epoch), a Bottleneck loading 40 ms per batch, training 10 ms per batch. Loading sleeps,
+so N processes load N batches at once even on 2 cores; 4 load as fast as training eats.
 
-* batchq: N ``batchq serve batchq.cli.demo:tutorial_stream`` processes (each in its own
-  process group), a :class:`consumer.ServerDataStream` in this process;
-* DataLoader: a map-style torch Dataset whose item ``i`` is batch ``i`` of the epoch,
-  from the same stream: the epoch's requests come from the iteration scheme
-  (``get_request_iterator(epoch=e)``, as the producers plan them), and an item sleeps
-  ``--load-ms`` then returns ``get_data(request=plan[i])``. ``DataLoader(batch_size=None,
-  num_workers=N, prefetch_factor=2, persistent_workers=True)``, epoch set by a sampler;
+* batchq: N ``batchq serve batchq.cli.demo:tutorial_stream`` processes (own process
+  groups) and a :class:`consumer.ServerDataStream` here;
+* DataLoader: the same stream as a map-style torch Dataset (the epoch's plan from
+  ``scheme.get_request_iterator(epoch=e)``, as the producers build it; an item sleeps
+  --load-ms, then returns ``get_data(request=plan[i])``), ``DataLoader(batch_size=None,
+  num_workers=N, prefetch_factor=2, persistent_workers=True)``;
 * floor: the trainer's own training time, the sum of its sleeps as measured.
 
 Start-up is not timed: the clock starts once all N producers have joined, and the first
-``--warmup`` epochs (which start the DataLoader's workers) are run but not counted.
-Figures are printed, never asserted. Torch is optional: without it only batchq runs.
+--warmup epochs (which also start the DataLoader's workers) are not counted. batchq's
+buffer (up to hwm frames queued + hwm prefetched, filled while the producers start) can
+hide a supply deficit of a few % for tens of epochs: use e.g. --epochs 40 for the steady
+state. Figures are printed, never asserted. Torch is optional: without it only batchq runs.
 
     python bench/scaling.py [--url URL] [--producers 1,2,4,8] [--hwm 10] [--json]
 """
@@ -92,20 +92,6 @@ class TutorialBatches(_DatasetBase):
         return self.root.get_data(request=self.plan(epoch)[i])
 
 
-class EpochSampler:
-    """Yields the indices of epoch ``self.epoch`` (set before each ``iter(loader)``)."""
-
-    def __init__(self, batches: int) -> None:
-        self.batches = batches
-        self.epoch = 0
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.epoch * self.batches, (self.epoch + 1) * self.batches))
-
-    def __len__(self) -> int:
-        return self.batches
-
-
 def train(get_iterator: Callable[[], Iterator[Any]], args: argparse.Namespace) -> dict[str, Any]:
     """Run warm-up + timed epochs, sleeping --train-ms per batch; time the timed ones."""
     train_s = args.train_ms / 1000
@@ -113,7 +99,8 @@ def train(get_iterator: Callable[[], Iterator[Any]], args: argparse.Namespace) -
     for e in range(args.warmup + args.epochs):
         t0 = time.perf_counter()
         trained, first, n = 0.0, None, 0
-        it = get_iterator()
+        with SIGNALS.deferred():  # the first iter(loader) forks the DataLoader's workers
+            it = get_iterator()
         while True:
             w0 = time.perf_counter()
             try:
@@ -148,31 +135,39 @@ def run_batchq(url: str, n: int, hwm: int, args: argparse.Namespace) -> dict[str
     argv += ["--hwm", str(hwm)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.extend(spawn(argv, env=env) for _ in range(n))
+        with SIGNALS.deferred():
+            procs.extend(spawn(argv, env=env) for _ in range(n))
         with ServerDataStream(("features",), url=url, queue=queue, hwm=hwm, timeout_s=30) as s:
             len(s)  # waits for the first producer's plan
             _wait_for_producers(url, queue, n)
             result = train(s.get_epoch_iterator, args)
             result["producers_used"] = len(s.producers_seen)
             s.close(finished=True)
-        result["exit_codes"] = [stop_group(p, timeout_s=10.0) for p in procs]
-        return result
+        for p in procs:  # they see the finished run within 0.15 s and exit 0
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10.0)
     finally:
-        for p in procs:
-            stop_group(p, timeout_s=5.0)
+        codes = [stop_group(p, timeout_s=5.0) for p in procs]
+    return result | {"exit_codes": codes}
 
 
 def run_torch(n: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train on a DataLoader with ``n`` persistent workers; shut them down after."""
     dataset = TutorialBatches(args)
-    sampler = EpochSampler(dataset.batches)
+    sampler: list[int] = []  # epoch e's indices, set before each iter(loader)
     loader: DataLoader[Any] = DataLoader(
-        dataset, batch_size=None, sampler=sampler, num_workers=n, persistent_workers=n > 0
+        dataset,
+        batch_size=None,
+        sampler=sampler,
+        num_workers=n,
+        persistent_workers=n > 0,
+        worker_init_fn=_worker_signals,
     )
     epochs = itertools.count()
 
     def epoch_iterator() -> Iterator[Any]:
-        sampler.epoch = next(epochs)
+        e, b = next(epochs), dataset.batches
+        sampler[:] = range(e * b, (e + 1) * b)
         return iter(loader)
 
     try:
@@ -201,9 +196,11 @@ def bench(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         r = run_batchq(url, n, hwm, args) if kind == "batchq" else run_torch(n, args)
         runs.append({"kind": kind, "workers": n, "hwm": hwm, "repeat": rep, **r})
         epochs = " ".join(f"{x:.3f}" for x in r["epochs_s"])
+        codes = [c for c in r.get("exit_codes", []) if c != 0]
         print(
             f" epochs {epochs} s, floor {r['floor']:.3f} s/epoch, x{r['ratio']:.2f}; "
-            f"epoch-start wait {1000 * statistics.fmean(r['first_wait_s']):.1f} ms",
+            f"epoch-start wait {1000 * statistics.fmean(r['first_wait_s']):.1f} ms"
+            + (f"; producer exit codes {codes}!" if codes else ""),
             flush=True,
         )
     return runs
@@ -257,14 +254,54 @@ def _redis(url: str | None) -> Iterator[str]:
         return
     from batchq.embedded import EmbeddedRedis
 
-    with EmbeddedRedis() as server:
+    server = EmbeddedRedis()
+    try:
+        with SIGNALS.deferred():
+            server.start()
         print(f"embedded redis-server {server.version} at {server.url} (stopped at the end)")
         yield server.url
+    finally:
+        server.stop()
 
 
-def _sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM unwinds like Ctrl-C, so that every ``finally`` stops what it started."""
-    raise KeyboardInterrupt
+class Signals:
+    """SIGINT/SIGTERM raise KeyboardInterrupt once (every ``finally`` then stops what it
+    started), but not while forking, where it could leave a lock held (logging's at-fork
+    hook) or a child unrecorded: there it waits until the fork is done."""
+
+    def __init__(self) -> None:
+        self.deferring = 0
+        self.pending = False
+        self.stopping = False  # later signals are ignored: let the cleanup finish
+
+    def handler(self, signum: int, frame: Any) -> None:
+        """The handler to install for SIGINT and SIGTERM."""
+        if self.deferring or self.stopping:
+            self.pending = True
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold signals back for the block; raise KeyboardInterrupt after it if one came."""
+        self.deferring += 1
+        try:
+            yield
+        finally:
+            self.deferring -= 1
+            if self.pending and not self.deferring and not self.stopping:
+                self.stopping = True
+                raise KeyboardInterrupt
+
+
+SIGNALS = Signals()
+
+
+def _worker_signals(worker_id: int) -> None:
+    """DataLoader workers (forked from this process) get the default handlers back."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _counts(text: str) -> list[int]:
@@ -293,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.epochs, args.repeats) < 1 or args.warmup < 0:
         p.error("--epochs and --repeats must be >= 1, --warmup >= 0")
-    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGTERM, SIGNALS.handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not if ignored
+        signal.signal(signal.SIGINT, SIGNALS.handler)
     load0 = os.getloadavg()[0]
     print(
         f"scaling: {args.warmup}+{args.epochs} epochs of {args.examples} x {args.features}, "
