@@ -189,9 +189,17 @@ class Reader(threading.Thread):
         plan = self.session.plan
         self.session.resume(self.client, first, plan.fingerprint if plan else "", pairs)
 
-    def _pop_round(self) -> None:
+    def flush(self) -> None:
+        """Send the accounting not yet sent (at close), popping nothing."""
+        try:
+            self._pop_round(room=0)
+        except (BatchQueueError, redis.RedisError) as e:
+            log.debug("queue %s: last figures not sent: %s", self.keys.queue, e)
+
+    def _pop_round(self, room: int | None = None) -> None:
         with self.cond:
-            room = max(1, self.hwm - self.ledger.buffered)
+            if room is None:
+                room = max(1, self.hwm - self.ledger.buffered)
             floor = self.ledger.floor()
         keys = [
             self.keys.meta,
@@ -212,7 +220,7 @@ class Reader(threading.Thread):
             self.session.claim_ttl_ms,
             self._extra_popped,
             self._bytes,
-            *self.stats.drain(self._depth),
+            *self.stats.drain(self._depth, force=room == 0),
         ]
         reply = SCRIPTS["pop"](self.client, keys, args)
         self._last_claim = time.monotonic()
@@ -221,6 +229,8 @@ class Reader(threading.Thread):
         if status != Status.OK:
             self._raise_status(status)
         alive, self._depth, elements = int(reply[1]), int(reply[2]), list(reply[3])
+        if room == 0:
+            return
         if alive:
             self._last_alive = time.monotonic()
         if not elements:

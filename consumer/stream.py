@@ -173,6 +173,8 @@ class ServerDataStream:
         self._closed = True
         if self._reader is not None:
             self._reader.stop()
+            if self._reader.error is None:
+                self._reader.flush()  # the last epoch's figures
         if self._client is None:
             return
         try:

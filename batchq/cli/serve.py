@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
 from typing import Any
 
-from batchq.connection import resolve_url
+from batchq.connection import ENV_URL, resolve_url
 from batchq.errors import ConfigError
 from batchq.procs import spawn, stop_group
 
@@ -71,8 +72,6 @@ def _supervise(args: argparse.Namespace, url: str) -> int:
         str(args.log_level),
         "serve",
         args.factory,
-        "--url",
-        url,
         "--queue",
         args.queue,
         "--hwm",
@@ -82,7 +81,9 @@ def _supervise(args: argparse.Namespace, url: str) -> int:
     ]
     if args.requests_per_shard is not None:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]
-    procs = [spawn(argv) for _ in range(args.workers)]
+    # The URL may hold a password: pass it in the environment, not on command lines.
+    env = {**os.environ, ENV_URL: url}
+    procs = [spawn(argv, env=env) for _ in range(args.workers)]
     stopping = threading.Event()
 
     def forward(signum: int, _frame: Any) -> None:

@@ -1,7 +1,8 @@
 -- pop.lua: the trainer pops up to N frames; pops first, then wakes producers.
 -- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] wake  KEYS[5] stats
 -- KEYS[6] producers  KEYS[7] trainer (HASH of recent figures)  KEYS[8] history
--- ARGV[1] incarnation  ARGV[2] run  ARGV[3] claim token  ARGV[4] max frames to pop
+-- ARGV[1] incarnation  ARGV[2] run  ARGV[3] claim token
+-- ARGV[4] max frames to pop (0: only account, e.g. the trainer's last figures at close)
 -- ARGV[5] the trainer's floor (oldest incomplete global shard)
 -- ARGV[6] claim ttl (ms)
 -- ARGV[7] frames popped outside this script since the last call (BRPOP)
@@ -25,7 +26,7 @@ if m[2] ~= ARGV[3] then return {'CLAIM_LOST'} end
 
 local depth = redis.call('LLEN', KEYS[3])
 local items = {}
-if depth > 0 then
+if depth > 0 and tonumber(ARGV[4]) > 0 then
   items = redis.call('RPOP', KEYS[3], math.min(tonumber(ARGV[4]), depth))
 end
 local call = redis.call
