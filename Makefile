@@ -3,14 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-LINTED := batchq producer consumer tests $(wildcard bench)
+LINTED := batchq producer consumer tests examples $(wildcard bench)
 
 .PHONY: demo test lint typecheck check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[embedded,test,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[embedded,exporter,report,test,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -89,6 +89,7 @@ __all__ = [
     "encode_ref",
     "is_frame",
     "is_ref",
+    "peek_header",
 ]
 
 MAGIC = b"BQF"
@@ -388,6 +389,50 @@ def decode_frame(
         error=header.get("err"), error_name=header.get("ename"), nbytes=size,
         produced_at=None if t is None else float(t),
     )  # fmt: skip
+
+
+def peek_header(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Validate a frame's prefix and header and return the header, without its data.
+
+    For monitoring: ``buf`` may be only the first bytes of a frame (``GETRANGE key 0
+    65535`` of a frame stored by reference); nothing past the header is read. The
+    header's fields are checked as :func:`decode_frame` checks them; its ``items`` are
+    not (they describe data that may not be in ``buf``).
+
+    Args:
+        buf: a frame, or a prefix of one that holds at least its whole header.
+
+    Returns:
+        The msgpack header (``t`` is the producer's wall time at encoding, if sent).
+
+    Raises:
+        FrameError: the prefix or the header is not valid (``too_short`` when ``buf``
+            ends before the header does).
+        ConfigError: ``buf`` is not bytes-like.
+    """
+    try:
+        view = memoryview(buf).cast("B")
+    except TypeError as e:
+        raise ConfigError(f"peek_header needs bytes, got {type(buf).__name__}") from e
+    size = len(view)
+    if size < PREFIX.size:
+        raise FrameError("too_short", f"{size} bytes, a frame has at least {PREFIX.size}")
+    magic, version, kind, reserved, hlen = PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise FrameError("bad_magic", f"starts with {bytes(view[:4])!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise FrameError("bad_version", f"format version {version}, expected {FORMAT_VERSION}")
+    if kind not in _KINDS:
+        raise FrameError("bad_kind", f"kind {kind}, expected 1 (BATCH), 2 (END) or 3 (ERROR)")
+    if reserved != _RESERVED:
+        raise FrameError("bad_header", f"reserved bytes {reserved!r}, expected zeros")
+    if PREFIX.size + hlen > size:
+        raise FrameError("too_short", f"header of {hlen} bytes ends past the {size} bytes given")
+    header = unpack_header(view[PREFIX.size : PREFIX.size + hlen])
+    problem = _header_problem(FrameKind(kind), header)
+    if problem:
+        raise FrameError("bad_header", problem)
+    return header
 
 
 # --------------------------------------------------------------------------- references

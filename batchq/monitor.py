@@ -1,22 +1,86 @@
-"""Reading a queue's state for people: status rows and their table.
+"""Reading a queue's state for people: status rows, their table, and the verdict.
 
-One pipelined round trip per queue; nothing here writes to Redis.
+Reads go through :func:`batchq.snapshot.read_snapshots` (one pipelined round trip for
+all the queues, a second for lease lists and referenced frames); nothing here writes to
+Redis. The verdict's rule and thresholds are in :mod:`batchq.verdict`.
 
-``status --json`` prints a list of objects with these fields (schema version 1):
+``status --json`` prints a list of objects, one per queue, with these fields in this
+order (schema version 2; version 1 had the first 13, with the same meanings, and no
+``schema`` field). Counters are cumulative since the queue's keys were created: they
+are not reset between runs (``batchq reset`` deletes them).
 
-    queue               str    the queue's name
-    run                 str    the run id ('' if none)
-    depth               int    LLEN of the data list (items)
-    hwm                 int    the run's cap (0 if no producer joined yet)
-    producers_alive     int    producers whose heartbeat deadline has not passed
-    leases              int    shards leased right now
-    shards_per_epoch    int    S (0 if unknown)
-    epoch_batches       int    batches per epoch (0 if unknown)
-    pushed              int    frames pushed in this run
-    popped              int    frames popped in this run
-    pushed_bytes        int    bytes pushed in this run
-    trainer             str    'attached', 'detached' or 'finished'
-    dead                int    frames moved to the dead list
+    queue                 str          the queue's name
+    run                   str          the run id ('' if none)
+    depth                 int          LLEN of the data list (items)
+    hwm                   int          the run's cap (0 if no producer joined yet)
+    producers_alive       int          producers whose heartbeat deadline has not passed
+    leases                int          shards leased right now by live producers
+    shards_per_epoch      int          S (0 if unknown)
+    epoch_batches         int          batches per epoch (0 if unknown)
+    pushed                int          frames pushed
+    popped                int          frames popped
+    pushed_bytes          int          bytes pushed
+    trainer               str          'attached', 'detached' or 'finished'
+    dead                  int          frames in the dead list (capped)
+    schema                int          2
+    popped_bytes          int          bytes popped
+    bytes_held            int          estimate of the bytes in the data list (see below)
+    fill                  float        depth / hwm (0.0 when hwm is 0)
+    oldest_age_s          float|null   age of the oldest frame (see below); null when the
+                                       list is empty or its header has no time
+    producer_blocked_s    float        time producers spent blocked at the hwm (all)
+    shards_done           int          shards whose last frame was pushed
+    redone_shards         int          shards handed back to be built again
+    epochs_completed      int          epochs the trainer finished
+    dead_by_reason        object       {reason: frames} as counted by the trainer
+    trainer_wait_s        float        time the trainer waited for data
+    trainer_busy_s        float        time the trainer spent between batches (its work)
+    figures_age_s         float|null   age of the trainer's figures below (null: none)
+    stall                 float|null   fraction of its last 100 batches' time the trainer
+                                       waited for data
+    stall_epoch           float|null   the same over the current (or last) epoch
+    trainer_batches_per_s float|null   batches the trainer took per second (last 100)
+    trainer_mb_per_s      float|null   MB (1e6 bytes) the trainer took per second
+    wait_p50_s            float|null   median wait per batch (last 100)
+    wait_p90_s            float|null   90th percentile wait per batch
+    wait_p99_s            float|null   99th percentile wait per batch
+    epoch                 int|null     the trainer's current epoch
+    epoch_progress        int|null     batches handed out in it
+    epoch_fraction        float|null   epoch_progress / epoch_batches
+    producers             list         live producers, by id: objects with the fields of
+                                       PRODUCER_FIELDS (below)
+    supply_batches_per_s  float|null   sum of the live producers' batches_per_s
+    verdict               str          'input-bound', 'trainer-bound', 'balanced', 'idle'
+                                       or 'unknown' (rule: batchq.verdict)
+    verdict_reason        str          one sentence: why
+
+A producer object (its counters cover its whole life; ids are unique per process):
+
+    id                    str          the producer's id
+    batches               int          frames it pushed
+    bytes                 int          bytes it pushed
+    build_s               float        time its pipeline spent building those batches
+    blocked_s             float        time it spent blocked at the hwm
+    build_ms_per_batch    float|null   build_s / batches, in ms
+    batches_per_s         float|null   batches per second of pipeline time: the rate it
+                                       reaches when it is never blocked
+    blocked_fraction      float|null   blocked_s / (build_s + blocked_s)
+    heartbeat_in_s        float        seconds until its heartbeat deadline
+
+``bytes_held``: Redis cannot give the size of a list element without sending it
+(STRLEN works on strings only), so this is an estimate: depth times the mean frame size
+of the live producers (their pstats bytes over batches; the queue's pushed_bytes over
+pushed when none has pushed yet), and exactly 0 when the list is empty. Frames stored
+by reference count with their full size. It is exact when the frames are of one size,
+as batches of fixed shapes are. ``pushed_bytes - popped_bytes`` was the other candidate
+and was not chosen: the trainer reports the bytes of a pop in its next call, so that
+difference errs high by a whole pop (up to the trainer's hwm in frames), and, for good,
+by the last pop of every trainer that closed and every frame it never fetched.
+
+``oldest_age_s``: the Redis server's time minus the time the producer wrote into the
+oldest frame's header (``LINDEX data -1``: for an inline frame that sends the whole
+frame, at most 256 KiB; for a reference, ``GETRANGE key 0 65535`` of the frame it
+names). It includes any clock difference between the producer's host and Redis'.
 """
 
 from __future__ import annotations
@@ -27,24 +91,49 @@ from typing import Any
 import redis
 
 from batchq.keys import QueueKeys, queue_from_meta_key
+from batchq.snapshot import QueueSnapshot, read_snapshots
+from batchq.verdict import FIGURES_FRESH_S, RECENT_S, judge
 
-__all__ = ["STATUS_FIELDS", "list_queues", "queue_status", "render_table"]
+__all__ = [
+    "PRODUCER_FIELDS",
+    "STATUS_FIELDS",
+    "STATUS_SCHEMA_VERSION",
+    "WAIT_BUCKETS_S",
+    "fmt_age",
+    "fmt_bytes",
+    "fmt_epoch",
+    "fmt_pct",
+    "list_queues",
+    "queue_status",
+    "recent_depths",
+    "render_table",
+    "row_from_snapshot",
+    "status_rows",
+    "trainer_state",
+]
+
+#: The version of the row layout documented above.
+STATUS_SCHEMA_VERSION = 2
+
+#: Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket,
+#: ``wait_bucket:<len>``, is +Inf. The trainer (consumer.stats) counts into them and the
+#: exporter publishes them as ``le`` bounds.
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 STATUS_FIELDS = (
-    "queue",
-    "run",
-    "depth",
-    "hwm",
-    "producers_alive",
-    "leases",
-    "shards_per_epoch",
-    "epoch_batches",
-    "pushed",
-    "popped",
-    "pushed_bytes",
-    "trainer",
-    "dead",
-)
+    "queue", "run", "depth", "hwm", "producers_alive", "leases", "shards_per_epoch",
+    "epoch_batches", "pushed", "popped", "pushed_bytes", "trainer", "dead",
+    "schema", "popped_bytes", "bytes_held", "fill", "oldest_age_s", "producer_blocked_s",
+    "shards_done", "redone_shards", "epochs_completed", "dead_by_reason", "trainer_wait_s",
+    "trainer_busy_s", "figures_age_s", "stall", "stall_epoch", "trainer_batches_per_s",
+    "trainer_mb_per_s", "wait_p50_s", "wait_p90_s", "wait_p99_s", "epoch", "epoch_progress",
+    "epoch_fraction", "producers", "supply_batches_per_s", "verdict", "verdict_reason",
+)  # fmt: skip
+
+PRODUCER_FIELDS = (
+    "id", "batches", "bytes", "build_s", "blocked_s", "build_ms_per_batch", "batches_per_s",
+    "blocked_fraction", "heartbeat_in_s",
+)  # fmt: skip
 
 
 def list_queues(client: redis.Redis) -> list[str]:
@@ -57,63 +146,227 @@ def list_queues(client: redis.Redis) -> list[str]:
     return sorted(names)
 
 
-def _int(value: Any) -> int:
+def _int(value: str | None) -> int:
     try:
-        return int(value)
-    except (TypeError, ValueError):
+        return int(value or 0)
+    except ValueError:
         return 0
 
 
-def queue_status(client: redis.Redis, queue: str) -> dict[str, Any]:
-    """One queue's status row (see the module docstring for the fields)."""
-    keys = QueueKeys(queue)
-    sec, usec = client.time()
-    now_ms = int(sec) * 1000 + int(usec) // 1000
-    pipe = client.pipeline(transaction=False)
-    pipe.hgetall(keys.meta)
-    pipe.llen(keys.data)
-    pipe.zrangebyscore(keys.producers, now_ms, "+inf")
-    pipe.hgetall(keys.stats)
-    pipe.llen(keys.dead)
-    meta_raw, depth, alive, stats_raw, dead = pipe.execute()
-    meta = {k.decode(): v.decode() for k, v in meta_raw.items()}
-    stats = {k.decode(): _int(v) for k, v in stats_raw.items()}
-    leases = 0
-    if alive:
-        pipe = client.pipeline(transaction=False)
-        for p in alive:
-            pipe.llen(keys.lease(p.decode()))
-        leases = sum(pipe.execute())
-    if meta.get("finished") == "1":
-        trainer = "finished"
-    elif meta.get("claim") and _int(meta.get("claim_deadline")) > now_ms:
-        trainer = "attached"
-    else:
-        trainer = "detached"
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, Any]:
+    c = snap.pstats.get(producer, {})
+    batches, build_ms, blocked_ms = (
+        c.get("batches", 0),
+        c.get("produce_ms", 0),
+        c.get("blocked_ms", 0),
+    )
+    per_batch = _ratio(build_ms, batches)
     return {
-        "queue": queue,
+        "id": producer,
+        "batches": batches,
+        "bytes": c.get("bytes", 0),
+        "build_s": build_ms / 1000,
+        "blocked_s": blocked_ms / 1000,
+        "build_ms_per_batch": per_batch,
+        "batches_per_s": _ratio(1000.0, per_batch) if per_batch else None,
+        "blocked_fraction": _ratio(blocked_ms, build_ms + blocked_ms),
+        "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
+    }
+
+
+def _bytes_held(snap: QueueSnapshot) -> int:
+    """depth x the mean frame size (see the module docstring), 0 when empty."""
+    if not snap.depth:
+        return 0
+    counters = [snap.pstats.get(p, {}) for p in snap.alive]
+    nbytes, frames = (
+        sum(c.get("bytes", 0) for c in counters),
+        sum(c.get("batches", 0) for c in counters),
+    )
+    if not frames:
+        nbytes, frames = snap.stats.get("pushed_bytes", 0), snap.stats.get("pushed", 0)
+    return round(snap.depth * nbytes / frames) if frames else 0
+
+
+def trainer_state(snap: QueueSnapshot) -> str:
+    """'finished', 'attached' (a live claim) or 'detached'."""
+    if snap.meta.get("finished") == "1":
+        return "finished"
+    deadline = _int(snap.meta.get("claim_deadline"))
+    return "attached" if snap.meta.get("claim") and deadline > snap.now_ms else "detached"
+
+
+def recent_depths(snap: QueueSnapshot) -> list[float]:
+    """This read's depth and those of the trainer's history samples of the last RECENT_S."""
+    since = snap.now_ms / 1000 - RECENT_S
+    out = [float(snap.depth)]
+    for sample in snap.history:
+        t, depth = sample.get("t"), sample.get("depth")
+        if isinstance(t, int | float) and isinstance(depth, int | float) and t >= since:
+            out.append(float(depth))
+    return out
+
+
+def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
+    """One queue's status row (see the module docstring for the fields)."""
+    stats, meta, hwm = snap.stats, snap.meta, snap.hwm
+    trainer = trainer_state(snap)
+    updated = snap.figure("updated_ms")
+    figures_age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
+    fresh = figures_age is not None and figures_age <= FIGURES_FRESH_S
+    producers = [_producer(snap, p, d) for p, d in snap.alive.items()]
+    rates = [p["batches_per_s"] for p in producers if p["batches_per_s"] is not None]
+    epoch = snap.figure("epoch")
+    progress = snap.figure("epoch_progress")
+    epoch_batches = _int(meta.get("epoch_batches"))
+    stall = snap.figure("stall_fraction_recent")
+    verdict, reason = judge(
+        trainer=trainer,
+        producers_alive=len(snap.alive),
+        depths=recent_depths(snap),
+        hwm=hwm,
+        stall=stall if fresh else None,
+    )
+    row: dict[str, Any] = {
+        "queue": snap.queue,
         "run": meta.get("run", ""),
-        "depth": int(depth),
-        "hwm": _int(meta.get("hwm")),
-        "producers_alive": len(alive),
-        "leases": leases,
+        "depth": snap.depth,
+        "hwm": hwm,
+        "producers_alive": len(snap.alive),
+        "leases": snap.leases or 0,
         "shards_per_epoch": _int(meta.get("shards")),
-        "epoch_batches": _int(meta.get("epoch_batches")),
+        "epoch_batches": epoch_batches,
         "pushed": stats.get("pushed", 0),
         "popped": stats.get("popped", 0),
         "pushed_bytes": stats.get("pushed_bytes", 0),
         "trainer": trainer,
-        "dead": int(dead),
+        "dead": snap.dead,
+        "schema": STATUS_SCHEMA_VERSION,
+        "popped_bytes": stats.get("popped_bytes", 0),
+        "bytes_held": _bytes_held(snap),
+        "fill": snap.depth / hwm if hwm else 0.0,
+        "oldest_age_s": snap.oldest_age_s,
+        "producer_blocked_s": stats.get("producer_blocked_ms", 0) / 1000,
+        "shards_done": stats.get("shards_done", 0),
+        "redone_shards": stats.get("redone_shards", 0),
+        "epochs_completed": stats.get("epochs_completed", 0),
+        "dead_by_reason": {
+            k[5:]: v for k, v in sorted(stats.items()) if k.startswith("dead:") and v
+        },
+        "trainer_wait_s": stats.get("trainer_wait_ms", 0) / 1000,
+        "trainer_busy_s": stats.get("trainer_busy_ms", 0) / 1000,
+        "figures_age_s": figures_age,
+        "stall": stall,
+        "stall_epoch": snap.figure("stall_fraction_epoch"),
+        "trainer_batches_per_s": snap.figure("batches_per_s"),
+        "trainer_mb_per_s": snap.figure("mb_per_s"),
+        "wait_p50_s": snap.figure("wait_p50_s"),
+        "wait_p90_s": snap.figure("wait_p90_s"),
+        "wait_p99_s": snap.figure("wait_p99_s"),
+        "epoch": None if epoch is None or epoch < 0 else int(epoch),
+        "epoch_progress": None if progress is None else int(progress),
+        "epoch_fraction": _ratio(progress, epoch_batches) if progress is not None else None,
+        "producers": producers,
+        "supply_batches_per_s": sum(rates) if rates else None,
+        "verdict": verdict,
+        "verdict_reason": reason,
     }
+    return row
+
+
+def status_rows(client: redis.Redis, queues: list[str]) -> list[dict[str, Any]]:
+    """The status rows of ``queues``, read together (see :func:`read_snapshots`)."""
+    return [row_from_snapshot(s) for s in read_snapshots(client, queues)]
+
+
+def queue_status(client: redis.Redis, queue: str) -> dict[str, Any]:
+    """One queue's status row (see the module docstring for the fields)."""
+    return status_rows(client, [queue])[0]
+
+
+# --------------------------------------------------------------------------- text
+
+
+def fmt_bytes(n: float | None) -> str:
+    """1234567 -> '1.2 MB' (decimal units)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover - the loop returns
+
+
+def fmt_age(seconds: float | None) -> str:
+    """0.0123 -> '12 ms', 75 -> '1.2 min'; None -> '-'."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def fmt_pct(fraction: float | None) -> str:
+    """0.423 -> '42%'; None -> '-'."""
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def fmt_epoch(row: dict[str, Any]) -> str:
+    """'3 45%' (epoch and its progress), '3' without a size, '-' before the first."""
+    if row["epoch"] is None:
+        return "-"
+    if row["epoch_fraction"] is None:
+        return str(row["epoch"])
+    return f"{row['epoch']} {fmt_pct(min(1.0, row['epoch_fraction']))}"
+
+
+def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
+    lines = [f"{r['queue']}: {r['verdict'].upper()}: {r['verdict_reason']}"]
+    if r["trainer_batches_per_s"] is not None:
+        waits = "/".join(
+            f"{1000 * (r[k] or 0):.0f}" for k in ("wait_p50_s", "wait_p90_s", "wait_p99_s")
+        )
+        lines.append(
+            f"  trainer: {r['trainer_batches_per_s']:.1f} batches/s, "
+            f"{r['trainer_mb_per_s'] or 0:.1f} MB/s, stall {fmt_pct(r['stall'])} "
+            f"(epoch {fmt_pct(r['stall_epoch'])}), wait p50/p90/p99 {waits} ms "
+            f"(figures {fmt_age(r['figures_age_s'])} old)"
+        )
+    for p in r["producers"][:max_producers]:
+        rate = "-" if p["batches_per_s"] is None else f"{p['batches_per_s']:.1f}"
+        lines.append(
+            f"  producer {p['id']}: {p['batches']} batches, builds {rate} batches/s, "
+            f"blocked {fmt_pct(p['blocked_fraction'])}"
+        )
+    if len(r["producers"]) > max_producers:
+        lines.append(f"  ... and {len(r['producers']) - max_producers} more producers")
+    if r["dead_by_reason"]:
+        dead = ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())
+        lines.append(f"  dead frames: {dead}")
+    if r["run"]:
+        lines.append(f"  run {r['run']}")
+    return lines
 
 
 def render_table(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
-    """Render status rows as a readable table, or as JSON."""
+    """Render status rows as a readable table with a verdict per queue, or as JSON."""
     if as_json:
         return json.dumps(rows, indent=2)
     if not rows:
         return "no queues on this server"
-    headers = ("QUEUE", "DEPTH/HWM", "PRODUCERS", "LEASES", "SERVED", "TRAINER", "DEAD", "RUN")
+    headers = (
+        "QUEUE", "DEPTH/HWM", "PRODUCERS", "LEASES", "HELD", "OLDEST", "STALL", "EPOCH",
+        "SERVED", "TRAINER", "DEAD",
+    )  # fmt: skip
     table = [headers]
     for r in rows:
         table.append(
@@ -122,14 +375,21 @@ def render_table(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
                 f"{r['depth']}/{r['hwm']}",
                 str(r["producers_alive"]),
                 str(r["leases"]),
+                fmt_bytes(r["bytes_held"]),
+                fmt_age(r["oldest_age_s"]),
+                fmt_pct(r["stall"]),
+                fmt_epoch(r),
                 str(r["pushed"]),
                 r["trainer"],
                 str(r["dead"]),
-                r["run"],
             )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
-    return "\n".join(
+    lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in table
-    )
+    ]
+    for r in rows:
+        lines.append("")
+        lines.extend(_details(r))
+    return "\n".join(lines)

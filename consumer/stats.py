@@ -16,10 +16,9 @@ import time
 from collections import deque
 from typing import Any
 
-__all__ = ["WAIT_BUCKETS_S", "TrainerStats"]
+from batchq.monitor import WAIT_BUCKETS_S  # the histogram's bucket bounds (s); last is +Inf
 
-# Upper bounds of the wait-time histogram's buckets (seconds); the last is +Inf.
-WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+__all__ = ["WAIT_BUCKETS_S", "TrainerStats"]
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

@@ -286,13 +286,14 @@ class Producer:
 
     # -- leasing -----------------------------------------------------------------------
 
-    def _lease_request(self) -> tuple[list[str], list[Any], str]:
+    def _lease_request(self, prefetch: bool = False) -> tuple[list[str], list[Any], str]:
         """Keys, arguments and token of the next lease request."""
         self._lease_seq += 1
         token = f"{self.id}.{self._lease_seq}"
         k = self.keys
         keys = [k.meta, k.incarnation, k.work, k.lease(self.id), k.producers, k.ledger]
         args: list[Any] = [self._incarnation, self._run, self.id, token, self.heartbeat_ttl_ms]
+        args.append("1" if prefetch else "0")
         return keys, args, token
 
     def _lease(self) -> tuple[int, int] | None:
@@ -488,13 +489,18 @@ class Producer:
         blocked_since: float | None = None
         # The shard's last push also asks for the next lease: one round trip saved per
         # shard (per batch for map-style pipelines). Only on the first send.
-        lease_next = self._lease_request() if last and self._prefetched is None else None
+        lease_next = None
+        if last and self._prefetched is None:
+            lease_next = self._lease_request(prefetch=True)
         while True:
             if self._stop.is_set():
                 return False
             blocked_ms = 0
             if blocked_since is not None:
-                blocked_ms = int((time.monotonic() - blocked_since) * 1000)
+                # Only the time since the last try: each try reports its own wait.
+                now = time.monotonic()
+                blocked_ms = int((now - blocked_since) * 1000)
+                blocked_since = now
             args = [
                 self._incarnation,
                 self._run,

@@ -1,4 +1,4 @@
-"""The ``batchq`` command: serve, demo, status, reset.
+"""The ``batchq`` command: serve, demo, status, top, exporter, report, reset.
 
 Redis is always ``--url`` (default: the BATCHQ_URL environment variable, else
 redis://localhost:6379/0; ``demo`` starts an embedded redis-server when neither is set).
@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from batchq.connection import ENV_URL
 from batchq.errors import BatchQueueError
@@ -22,9 +23,64 @@ __all__ = ["main"]
 def _add_url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
-        default=os.environ.get(ENV_URL),
+        default=None,
         help=f"Redis URL, redis:// or rediss:// (default: ${ENV_URL}, else "
         "redis://localhost:6379/0)",
+    )
+
+
+def _add_monitoring(sub: Any) -> None:
+    """The subcommands top, exporter and report."""
+    top = sub.add_parser(
+        "top",
+        help="watch every queue (or one) live: depth, stall, rates, verdict",
+        description="A live view of the queues, refreshed every --interval seconds: depth "
+        "vs hwm, bytes held, oldest frame, producers and their rates, the trainer's stall "
+        "and epoch, sparklines of depth and stall, and the verdict (input-bound, "
+        "trainer-bound, balanced). Ctrl-C quits.",
+    )
+    _add_url(top)
+    top.add_argument("--queue", default=None, help="only this queue")
+    top.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
+    )
+    top.add_argument("--once", action="store_true", help="print one screen and exit")
+
+    exporter = sub.add_parser(
+        "exporter",
+        help="serve Prometheus metrics of the queues (needs the 'exporter' extra)",
+        description="Serve /metrics for Prometheus, reading Redis on every scrape, until "
+        "SIGTERM or SIGINT (exit 0). Needs prometheus-client: pip install "
+        "'batchq[exporter]'.",
+    )
+    _add_url(exporter)
+    exporter.add_argument(
+        "--port", type=int, default=9108, help="HTTP port to listen on (default 9108; 0: any)"
+    )
+    exporter.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1, this host only; 0.0.0.0 for every "
+        "interface, e.g. in a container)",
+    )
+    exporter.add_argument(
+        "--queue",
+        action="append",
+        default=None,
+        help="export this queue (repeatable; default: every queue on the server)",
+    )
+
+    report = sub.add_parser(
+        "report",
+        help="plot a queue's depth, stall and throughput to a PNG (needs the 'report' extra)",
+        description="Plot depth, the trainer's stall % and throughput over the run from "
+        "the queue's history list (one sample a second, the last hour) into an image. "
+        "Needs matplotlib: pip install 'batchq[report]'.",
+    )
+    _add_url(report)
+    report.add_argument("--queue", required=True, help="the queue to plot")
+    report.add_argument(
+        "--out", default="report.png", help="the image to write (default report.png)"
     )
 
 
@@ -47,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. mypkg.data:make_stream")
     _add_url(serve)
-    serve.add_argument("--queue", default=os.environ.get("BATCHQ_QUEUE", "default"))
+    serve.add_argument("--queue", default="default", help="the queue's name")
     serve.add_argument(
-        "--hwm", type=int, default=int(os.environ.get("BATCHQ_HWM", "10")), help="queue cap"
+        "--hwm", type=int, default=10, help="queue cap (the run's, set by its first producer)"
     )
     serve.add_argument("--workers", type=int, default=1, help="producer processes to run")
     serve.add_argument(
@@ -96,13 +152,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser(
         "status",
-        help="show every queue (or one): depth vs hwm, producers, batches served",
+        help="show every queue (or one): depth vs hwm, producers, stall, verdict",
         description="Show every queue on the server, or the one named: depth (LLEN of "
-        "its data list) against its hwm, producers alive, leases, frames served.",
+        "its data list) against its hwm, bytes held, the oldest frame's age, producers "
+        "alive and their rates, leases, the trainer's stall and epoch, frames served, "
+        "and a verdict: input-bound, trainer-bound or balanced. --json prints the rows "
+        "documented in batchq/monitor.py (schema version 2).",
     )
     _add_url(status)
     status.add_argument("--queue", default=None, help="only this queue")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_monitoring(sub)
+    config = sub.add_parser(
+        "config",
+        help="print the effective configuration (secrets masked)",
+        description="Print every option of every command with its environment variable "
+        "(BATCHQ_ plus the option's name: --heartbeat-ttl-s reads BATCHQ_HEARTBEAT_TTL_S), "
+        "its effective value and where it came from. Passwords in URLs are masked.",
+    )
+    config.add_argument("--json", action="store_true", help="machine-readable output")
+
     reset = sub.add_parser(
         "reset",
         help="delete a queue's keys (and only those), after confirmation",
@@ -118,12 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchq`` command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    from batchq.cli.config import apply_environment, run_config
+
+    parser = build_parser()
+    try:
+        apply_environment(parser)  # every option: BATCHQ_<OPTION> (batchq/cli/config.py)
+    except BatchQueueError as e:
+        print(f"batchq: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if args.command == "config":
+            return run_config(args, parser)
         if args.command == "serve":
             from batchq.cli.serve import run_serve
 
@@ -140,11 +219,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             from batchq.cli.status import run_status
 
             return run_status(args)
+        if args.command == "top":
+            from batchq.cli.top import run_top
+
+            return run_top(args)
+        if args.command == "exporter":
+            from batchq.cli.exporter import run_exporter
+
+            return run_exporter(args)
+        if args.command == "report":
+            from batchq.cli.report import run_report
+
+            return run_report(args)
     except BatchQueueError as e:
         print(f"batchq {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `batchq config | head`: the reader has gone, not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
+        return 0
     return 2
 
 

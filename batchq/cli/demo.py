@@ -16,13 +16,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchq.connection import describe_url, make_client, resolve_url
 from batchq.errors import ConfigError, ProducersLost
 from batchq.monitor import queue_status
 from batchq.procs import spawn, stop_group
+from batchq.verdict import judge
 from consumer import ServerDataStream
 from producer.datasets import IndexableDataset
 from producer.schemes import ShuffledScheme
@@ -68,13 +69,24 @@ def tutorial_stream(
     return Bottleneck(stream, slowdown=load_ms / 1000)
 
 
-def _train(epochs: int, get_iterator: Any, train_s: float, label: str) -> dict[str, Any]:
-    """Run `epochs` epochs, sleeping train_s per batch; report times and stall."""
+def _train(
+    epochs: int,
+    get_iterator: Any,
+    train_s: float,
+    label: str,
+    describe: Callable[[], str] | None = None,
+) -> dict[str, Any]:
+    """Run `epochs` epochs, sleeping train_s per batch; report times and stall.
+
+    ``describe()`` adds to each epoch's line (the queue's depth and the verdict); the
+    time it takes is left out of the figures.
+    """
     start = time.perf_counter()
     per_epoch = []
     batches = 0
     waited = 0.0
     trained = 0.0
+    aside = 0.0  # time spent describing, not training
     for epoch in range(epochs):
         t0 = time.perf_counter()
         n = 0
@@ -95,12 +107,17 @@ def _train(epochs: int, get_iterator: Any, train_s: float, label: str) -> dict[s
         per_epoch.append(dt)
         batches += n
         waited += stall
+        extra = ""
+        if describe is not None:
+            d0 = time.perf_counter()
+            extra = f"; {describe()}"
+            aside += time.perf_counter() - d0
         print(
             f"  {label:<10} epoch {epoch + 1}/{epochs}: {n} batches in {dt:6.3f} s, "
-            f"waiting for data {100 * stall / dt:5.1f}% of it",
+            f"waiting for data {100 * stall / dt:5.1f}% of it{extra}",
             flush=True,
         )
-    total = time.perf_counter() - start
+    total = time.perf_counter() - start - aside
     return {
         "time_s": total,
         "batches": batches,
@@ -128,6 +145,25 @@ def _wait_exit(proc: Any, timeout_s: float) -> int | None:
         return int(proc.wait(timeout=timeout_s))
     except subprocess.TimeoutExpired:
         return stop_group(proc, timeout_s=5.0)
+
+
+def _describer(client: Any, queue: str, stream: ServerDataStream) -> Callable[[], str]:
+    """The served epoch lines' ending: queue depth, the trainer's rate, the verdict."""
+
+    def describe() -> str:
+        row = queue_status(client, queue)
+        figures = stream.stats  # the epoch that just ended
+        verdict, _ = judge(
+            trainer="attached",
+            producers_alive=row["producers_alive"],
+            depths=[row["depth"]],
+            hwm=row["hwm"],
+            stall=figures["stall_fraction_epoch"],
+        )
+        rate = figures["batches_per_s"]
+        return f"queue {row['depth']}/{row['hwm']}, {rate:.0f} batches/s, {verdict}"
+
+    return describe
 
 
 def _wait_for_producers(url: str, queue: str, count: int, timeout_s: float = 60.0) -> None:
@@ -169,7 +205,14 @@ def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) 
             # once the producers are up (len() waits for their plan).
             print(f"  waiting for the producers to start ... {len(stream)} batches per epoch")
             _wait_for_producers(url, queue, producers)
-            result = _train(args.epochs, stream.get_epoch_iterator, args.train_ms / 1000, label)
+            client = make_client(url)
+            try:
+                describe = _describer(client, queue, stream)
+                result = _train(
+                    args.epochs, stream.get_epoch_iterator, args.train_ms / 1000, label, describe
+                )
+            finally:
+                client.close()
             stream.close(finished=True)
         # The finished run makes each producer exit 0 by itself.
         result["exit_codes"] = [_wait_exit(p, timeout_s=30.0) for p in procs]

@@ -1,19 +1,14 @@
-"""``batchq status``: every queue (or one) as a table or JSON."""
+"""``batchq status``: every queue (or one) as a table with a verdict per queue, or JSON."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from batchq.connection import call, describe_url, make_client, resolve_url
 from batchq.keys import check_name
-from batchq.monitor import list_queues, queue_status, render_table
+from batchq.monitor import list_queues, render_table, status_rows
 
 __all__ = ["run_status"]
-
-
-def _row(client: Any, queue: str) -> dict[str, Any]:
-    return call(lambda: queue_status(client, queue), f"reading queue {queue}")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -25,7 +20,7 @@ def run_status(args: argparse.Namespace) -> int:
             names = [check_name(args.queue, "queue")]
         else:
             names = call(lambda: list_queues(client), f"listing queues at {describe_url(url)}")
-        rows = [_row(client, n) for n in names]
+        rows = call(lambda: status_rows(client, names), f"reading queues at {describe_url(url)}")
     finally:
         client.close()
     print(render_table(rows, as_json=args.json))

@@ -4,9 +4,13 @@
 -- ARGV[1] incarnation  ARGV[2] run  ARGV[3] producer id  ARGV[4] token (unique per
 --         lease request: a retried request with the same token gets the same shard)
 -- ARGV[5] heartbeat ttl (ms)
+-- ARGV[6] '1' when sent right behind a shard's last push (prefetch): lease only if that
+--         push went through (the lease list is empty), so that a producer blocked at the
+--         hwm never sits on a second shard another producer could build
 -- Returns {'OK', g, skip} (g = global shard number: epoch * S + shard; skip = batches of
 --         it the trainer already has: build it, push only from batch `skip` on)
---      or {'WAIT'} (the look-ahead window is full), {'STATE_LOST'}, {'RUN_CHANGED'},
+--      or {'WAIT'} (the look-ahead window is full), {'BUSY'} (prefetch declined),
+--         {'STATE_LOST'}, {'RUN_CHANGED'},
 --         {'FINISHED'}, {'REAPED'} (this producer was declared dead: join again)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -24,6 +28,8 @@ local function had(g)
   if v == 'd' then return -1 end
   return tonumber(v or '0')
 end
+
+if ARGV[6] == '1' and redis.call('LLEN', KEYS[4]) > 0 then return {'BUSY'} end
 
 local suffix = ':' .. ARGV[4]
 for _, e in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do

@@ -26,7 +26,9 @@ def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[s
     )
 
 
-@pytest.mark.parametrize("command", ["serve", "demo", "status", "reset"])
+@pytest.mark.parametrize(
+    "command", ["serve", "demo", "status", "reset", "top", "exporter", "report"]
+)
 def test_every_command_explains_url_in_help(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -118,3 +120,30 @@ def test_reset_deletes_one_queue_only_after_confirmation(
         assert redis_client.exists(other.meta) == 1
     finally:
         redis_client.delete(other.meta)
+
+
+def test_every_option_has_an_environment_variable_and_config_shows_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHQ_URL", "redis://user:secret@db:6380/0")
+    monkeypatch.setenv("BATCHQ_HWM", "7")
+    monkeypatch.setenv("BATCHQ_HEARTBEAT_TTL_S", "2.5")
+    assert main(["config", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by = {(r["command"], r["option"]): r for r in rows}
+    assert by[("serve", "--hwm")]["value"] == 7
+    assert by[("serve", "--hwm")]["source"] == "environment"
+    assert by[("serve", "--heartbeat-ttl-s")]["value"] == 2.5
+    assert by[("status", "--url")]["value"] == "redis://user:***@db:6380/0"
+    assert "secret" not in json.dumps(rows)
+    assert by[("serve", "--workers")]["source"] == "default"
+    # Every option of every command has one, named after the option.
+    assert all(r["variable"] == "BATCHQ_" + r["option"][2:].replace("-", "_").upper() for r in rows)
+
+
+def test_a_bad_environment_value_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHQ_HWM", "ten")
+    assert main(["config"]) == 2
+    assert "BATCHQ_HWM='ten' is not valid: expected int" in capsys.readouterr().err

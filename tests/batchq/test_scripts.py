@@ -75,7 +75,7 @@ class Q:
             SCRIPTS["lease"](
                 self.c,
                 [k.meta, k.incarnation, k.work, k.lease(p), k.producers, k.ledger],
-                [self.inc, self.run, p, token, TTL_MS],
+                [self.inc, self.run, p, token, TTL_MS, "0"],
             )
         )
 

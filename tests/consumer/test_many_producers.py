@@ -205,7 +205,7 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
                 keys.producers,
                 keys.ledger,
             ],
-            [inc, run, f"p{p}", "t", 60_000],
+            [inc, run, f"p{p}", "t", 60_000, "0"],
         )
     token = "trainer"
     SCRIPTS["claim"](

@@ -1,0 +1,123 @@
+"""One configuration story: every option of every command has an environment variable.
+
+``--hwm`` of any command reads ``BATCHQ_HWM``, ``--heartbeat-ttl-s`` reads
+``BATCHQ_HEARTBEAT_TTL_S``, ``--url`` reads ``BATCHQ_URL``: the variable is ``BATCHQ_``
+plus the option's name in upper case with dashes as underscores. A flag on the command
+line wins over the variable, the variable over the built-in default. ``batchq config``
+prints the effective settings (and where each came from) with secrets masked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from batchq.connection import describe_url
+from batchq.errors import ConfigError
+
+__all__ = ["apply_environment", "env_name", "run_config", "settings"]
+
+PREFIX = "BATCHQ_"
+# Options that are not settings (help, positional arguments, --json output switches).
+_SKIP = {"help", "json", "yes"}
+
+
+def env_name(option: str) -> str:
+    """``--heartbeat-ttl-s`` -> ``BATCHQ_HEARTBEAT_TTL_S``."""
+    return PREFIX + option.lstrip("-").replace("-", "_").upper()
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings and a.dest not in _SKIP and not isinstance(a, argparse._HelpAction)
+    ]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _convert(action: argparse.Action, name: str, raw: str) -> Any:
+    if isinstance(action, argparse._StoreTrueAction):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{name}={raw!r} is not valid: expected 1/0, true/false, yes/no")
+    if isinstance(action, argparse._AppendAction):
+        return [p for p in raw.split(",") if p]
+    convert = action.type if callable(action.type) else str
+    try:
+        return convert(raw)
+    except (TypeError, ValueError) as e:
+        kind = getattr(convert, "__name__", "value")
+        raise ConfigError(f"{name}={raw!r} is not valid: expected {kind}") from e
+
+
+def apply_environment(parser: argparse.ArgumentParser) -> None:
+    """Make every option of every command default to its environment variable.
+
+    Raises:
+        ConfigError: a variable's value does not convert to the option's type.
+    """
+    for sub in [parser, *_subparsers(parser).values()]:
+        for action in _options(sub):
+            name = env_name(action.option_strings[-1])
+            raw = os.environ.get(name)
+            if raw is not None:
+                action.default = _convert(action, name, raw)
+                action.required = False
+
+
+def _shown(dest: str, value: Any) -> Any:
+    if isinstance(value, str) and dest == "url":
+        return describe_url(value)
+    if isinstance(value, str) and any(w in dest for w in ("password", "secret", "token")):
+        return "***"
+    return value
+
+
+def settings(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    """Every setting: command, option, variable, effective value and its source."""
+    rows = []
+    for command, sub in sorted(_subparsers(parser).items()):
+        if command == "config":
+            continue
+        for action in _options(sub):
+            option = action.option_strings[-1]
+            name = env_name(option)
+            source = "environment" if name in os.environ else "default"
+            rows.append(
+                {
+                    "command": command,
+                    "option": option,
+                    "variable": name,
+                    "value": _shown(action.dest, action.default),
+                    "source": source,
+                    "help": (action.help or "").replace("%%", "%"),
+                }
+            )
+    return rows
+
+
+def run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print the effective configuration, as a table or JSON."""
+    rows = settings(parser)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    headers = ("COMMAND", "OPTION", "VARIABLE", "VALUE", "SOURCE")
+    table = [headers] + [
+        (r["command"], r["option"], r["variable"], str(r["value"]), r["source"]) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0

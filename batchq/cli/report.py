@@ -1,0 +1,129 @@
+"""``batchq report --queue Q --out report.png``: depth, stall and throughput over the run.
+
+The samples come from the queue's history list: the trainer pushes one a second while it
+runs (depth before its pop, batches so far, recent stall fraction, batches/s, MB/s),
+newest first, the last hour. Needs matplotlib (``pip install 'batchq[report]'``); only
+its object-oriented API is used (no pyplot, no display needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from batchq.connection import call, describe_url, make_client, resolve_url
+from batchq.errors import ConfigError
+from batchq.keys import QueueKeys, check_name
+
+__all__ = ["MISSING", "load_history", "plot_report", "run_report"]
+
+MISSING = "batchq report needs matplotlib: pip install 'batchq[report]'"
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"{MISSING} ({e})") from None
+
+
+def load_history(client: Any, queue: str) -> list[dict[str, Any]]:
+    """The queue's history samples, oldest first (malformed ones skipped)."""
+    raw = client.lrange(QueueKeys(queue).history, 0, -1)
+    samples = []
+    for item in reversed(raw):
+        try:
+            sample = json.loads(item)
+        except ValueError:
+            continue
+        if isinstance(sample, dict) and isinstance(sample.get("t"), int | float):
+            samples.append(sample)
+    return samples
+
+
+def plot_report(
+    samples: list[dict[str, Any]], out: str | Path, *, queue: str, hwm: int = 0
+) -> Path:
+    """Plot depth, stall % and throughput against seconds since the first sample.
+
+    Args:
+        samples: history samples, oldest first (at least one).
+        out: the image's path; its suffix picks the format (png, svg, pdf).
+        queue: the queue's name, for the title.
+        hwm: the queue's cap, drawn as a line on the depth plot (0: not drawn).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ConfigError: matplotlib is missing, there are no samples, or the file cannot be
+            written.
+    """
+    _require_matplotlib()
+    if not samples:
+        raise ConfigError(
+            f"queue {queue!r} has no history: the trainer writes one sample a second while it runs"
+        )
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    t0 = samples[0]["t"]
+    t = [s["t"] - t0 for s in samples]
+
+    def series(name: str, scale: float = 1.0) -> list[float]:
+        return [float(s.get(name, 0) or 0) * scale for s in samples]
+
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    depth_ax, stall_ax, rate_ax = fig.subplots(3, 1, sharex=True)
+    depth_ax.step(t, series("depth"), where="post", color="tab:blue", label="depth")
+    if hwm:
+        depth_ax.axhline(hwm, color="tab:gray", linestyle="--", label=f"hwm {hwm}")
+    depth_ax.set_ylabel("frames in the queue")
+    depth_ax.set_ylim(bottom=0)
+    depth_ax.legend(loc="upper right")
+    stall_ax.plot(t, series("stall", 100.0), color="tab:red")
+    stall_ax.fill_between(t, series("stall", 100.0), color="tab:red", alpha=0.2)
+    stall_ax.set_ylabel("trainer waiting (%)")
+    stall_ax.set_ylim(0, 100)
+    rate_ax.plot(t, series("batches_per_s"), color="tab:green", label="batches/s")
+    rate_ax.set_ylabel("batches/s")
+    rate_ax.set_ylim(bottom=0)
+    mb_ax = rate_ax.twinx()
+    mb_ax.plot(t, series("mb_per_s"), color="tab:purple", linestyle=":", label="MB/s")
+    mb_ax.set_ylabel("MB/s")
+    mb_ax.set_ylim(bottom=0)
+    rate_ax.set_xlabel("seconds since the first sample")
+    for ax in (depth_ax, stall_ax, rate_ax):
+        ax.grid(alpha=0.3)
+    mean_stall = sum(series("stall")) / len(samples)
+    fig.suptitle(
+        f"batchq queue {queue}: {len(samples)} samples over {t[-1]:.0f} s, "
+        f"trainer waiting {100 * mean_stall:.0f}% on average"
+    )
+    path = Path(out)
+    try:
+        fig.savefig(path, dpi=100)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--out {str(out)!r}: cannot write the report: {e}") from e
+    return path
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Read the queue's history and write the picture."""
+    _require_matplotlib()
+    queue = check_name(args.queue, "queue")
+    url = resolve_url(args.url)
+    client = make_client(url, socket_timeout_s=10.0)
+    try:
+        where = describe_url(url)
+        samples = call(lambda: load_history(client, queue), f"reading queue {queue} at {where}")
+        hwm_raw = call(lambda: client.hget(QueueKeys(queue).meta, "hwm"), "reading the hwm")
+    finally:
+        client.close()
+    hwm = int(hwm_raw) if hwm_raw else 0
+    path = plot_report(samples, args.out, queue=queue, hwm=hwm)
+    print(f"wrote {path} ({len(samples)} samples of queue {queue!r})")
+    return 0

@@ -1,0 +1,229 @@
+"""``batchq top``: the queues live, with sparklines of depth and stall (rich).
+
+Each refresh reads every queue shown in one round trip (:func:`batchq.monitor.status_rows`
+underneath) and appends this read's depth and the trainer's stall to the sparklines,
+which start from the trainer's history list (one sample a second) the first time a queue
+is seen. Frame rates in and out (and each producer's push rate) are the differences of the
+counters between two refreshes, over the Redis server's clock; a producer's build rate
+is its batches per second of pipeline time (see :mod:`batchq.monitor`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.text import Text
+
+from batchq.connection import call, describe_url, make_client, redis_errors, resolve_url
+from batchq.errors import BatchQueueError, ConfigError
+from batchq.keys import check_name
+from batchq.monitor import (
+    fmt_age,
+    fmt_bytes,
+    fmt_pct,
+    list_queues,
+    row_from_snapshot,
+)
+from batchq.snapshot import QueueSnapshot, read_snapshots
+
+__all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]
+
+#: Samples (characters) per sparkline.
+SPARK_WIDTH = 24
+_BARS = "▁▂▃▄▅▆▇█"
+_STYLE = {
+    "input-bound": "bold red",
+    "trainer-bound": "bold green",
+    "balanced": "bold cyan",
+    "idle": "dim",
+    "unknown": "yellow",
+}
+_MAX_PRODUCERS = 3
+
+
+def sparkline(values: Iterable[float], top: float, width: int = SPARK_WIDTH) -> str:
+    """Draw the last ``width`` values as bars, padded on the left.
+
+    Args:
+        values: the samples, oldest first.
+        top: the value of a full bar (<= 0: the largest sample).
+        width: characters.
+
+    Returns:
+        A string of exactly ``width`` characters.
+    """
+    vals = list(values)[-width:]
+    if top <= 0:
+        top = max(vals, default=0.0) or 1.0
+    bars = "".join(
+        _BARS[min(len(_BARS) - 1, max(0, round(v / top * (len(_BARS) - 1))))] for v in vals
+    )
+    return bars.rjust(width)
+
+
+class TopState:
+    """What top remembers between refreshes: sparkline samples and the last counters."""
+
+    def __init__(self, width: int = SPARK_WIDTH) -> None:
+        self.width = width
+        self.depth: dict[str, deque[float]] = {}
+        self.stall: dict[str, deque[float]] = {}
+        self._last: dict[str, tuple[int, int, int]] = {}  # queue -> (now_ms, pushed, popped)
+        self._pushed: dict[tuple[str, str], int] = {}  # (queue, producer) -> frames pushed
+
+    def update(self, snaps: list[QueueSnapshot]) -> list[dict[str, Any]]:
+        """Turn one read into rows (status rows plus ``rate_in``/``rate_out``), remembering
+        its samples."""
+        rows = []
+        for snap in snaps:
+            row = row_from_snapshot(snap)
+            q = snap.queue
+            if q not in self.depth:  # first sight: start from the trainer's history
+                past = list(reversed(snap.history))
+                self.depth[q] = deque((float(s.get("depth", 0)) for s in past), self.width)
+                self.stall[q] = deque((float(s.get("stall", 0)) for s in past), self.width)
+            self.depth[q].append(float(snap.depth))
+            fresh = row["figures_age_s"] is not None and row["figures_age_s"] <= 10
+            if fresh and row["stall"] is not None:
+                self.stall[q].append(float(row["stall"]))
+            row["rate_in"] = row["rate_out"] = None
+            last = self._last.get(q)
+            dt = (snap.now_ms - last[0]) / 1000 if last is not None else 0.0
+            if last is not None and dt > 0:
+                row["rate_in"] = max(0, row["pushed"] - last[1]) / dt
+                row["rate_out"] = max(0, row["popped"] - last[2]) / dt
+            self._last[q] = (snap.now_ms, row["pushed"], row["popped"])
+            for p in row["producers"]:
+                before = self._pushed.get((q, p["id"]))
+                p["rate"] = None
+                if before is not None and dt > 0:
+                    p["rate"] = max(0, p["batches"] - before) / dt
+                self._pushed[(q, p["id"])] = p["batches"]
+            rows.append(row)
+        return rows
+
+
+def _rate(value: float | None, unit: str = "/s") -> str:
+    return "-" if value is None else f"{value:.1f}{unit}"
+
+
+def _panel(row: dict[str, Any], state: TopState) -> Panel:
+    q, hwm = row["queue"], row["hwm"]
+    depth = Text.assemble(
+        ("depth ", "bold"),
+        f"{row['depth']:>4}/{hwm:<4} ",
+        (sparkline(state.depth.get(q, ()), float(hwm), state.width), "blue"),
+        f"  held {fmt_bytes(row['bytes_held'])}, oldest {fmt_age(row['oldest_age_s'])}",
+    )
+    rate = _rate(row["trainer_batches_per_s"], " b/s")
+    stall = Text.assemble(
+        ("stall ", "bold"),
+        f"{fmt_pct(row['stall']):>9} ",
+        (sparkline(state.stall.get(q, ()), 1.0, state.width), "magenta"),
+        f"  trainer {row['trainer']}, {rate}",
+    )
+    epoch = "-" if row["epoch"] is None else str(row["epoch"])
+    if row["epoch_progress"] is not None and row["epoch_batches"]:
+        epoch += f" ({row['epoch_progress']}/{row['epoch_batches']})"
+    flow = Text(
+        f"epoch {epoch}   in {_rate(row['rate_in'])} out {_rate(row['rate_out'])}   "
+        f"leases {row['leases']}   dead {row['dead']}"
+    )
+    lines: list[Text] = [depth, stall, flow]
+    producers = row["producers"]
+    lines.append(Text(f"producers {len(producers)} alive", style="bold" if producers else "red"))
+    for p in producers[:_MAX_PRODUCERS]:
+        build, pushes = _rate(p["batches_per_s"]), _rate(p.get("rate"))
+        lines.append(
+            Text(
+                f"  {p['id'][:24]:<24} builds {build:>8}, pushes {pushes:>8}, "
+                f"blocked {fmt_pct(p['blocked_fraction']):>4}"
+            )
+        )
+    if len(producers) > _MAX_PRODUCERS:
+        lines.append(Text(f"  ... {len(producers) - _MAX_PRODUCERS} more"))
+    lines.append(Text(row["verdict_reason"], style="italic"))
+    title = Text.assemble((q, "bold"), " ", (row["verdict"].upper(), _STYLE[row["verdict"]]))
+    return Panel(Group(*lines), title=title, title_align="left", padding=(0, 1))
+
+
+def render_top(
+    rows: list[dict[str, Any]], state: TopState, *, where: str, error: str | None = None
+) -> RenderableType:
+    """One screen: a header line and a panel per queue.
+
+    Args:
+        rows: the rows :meth:`TopState.update` returned.
+        state: the sparklines' samples.
+        where: the Redis URL (password masked) for the header.
+        error: a line to show in red (the last read failed).
+
+    Returns:
+        A rich renderable.
+    """
+    header = Text.assemble(
+        ("batchq top", "bold"), f"  {where}  {time.strftime('%H:%M:%S')}  Ctrl-C quits"
+    )
+    parts: list[RenderableType] = [header]
+    if error:
+        parts.append(Text(error, style="bold red"))
+    if not rows and not error:
+        parts.append(Text("no queues on this server"))
+    parts.extend(_panel(r, state) for r in rows)
+    return Group(*parts)
+
+
+def _read(client: Any, queue: str | None, state: TopState) -> list[dict[str, Any]]:
+    names = [queue] if queue else list_queues(client)
+    return state.update(read_snapshots(client, names, history=state.width))
+
+
+def run_top(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Show the queues until Ctrl-C (or once, with ``--once``).
+
+    Args:
+        args: url, queue (None: every queue), interval (s), once.
+        console: where to draw (default: the terminal).
+
+    Returns:
+        0 when quit.
+
+    Raises:
+        ConfigError: a bad --interval or --queue.
+        ConnectionLost: with ``--once``, Redis could not be read (live, top retries).
+    """
+    if not args.interval > 0:
+        raise ConfigError(f"--interval {args.interval!r} is not valid: expected > 0")
+    queue = check_name(args.queue, "queue") if args.queue else None
+    url = resolve_url(args.url)
+    where = describe_url(url)
+    client = make_client(url, socket_timeout_s=5.0)
+    console = console or Console()
+    state = TopState()
+    try:
+        if args.once:
+            rows = call(lambda: _read(client, queue, state), f"reading queues at {where}")
+            console.print(render_top(rows, state, where=where))
+            return 0
+        rows, error = [], None
+        with Live(console=console, screen=True, auto_refresh=False) as live:
+            while True:
+                try:
+                    rows, error = _read(client, queue, state), None
+                except redis_errors as e:
+                    error = f"reading {where} failed: {e}; retrying"
+                except BatchQueueError as e:
+                    error = str(e)
+                live.update(render_top(rows, state, where=where, error=error), refresh=True)
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()

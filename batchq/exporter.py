@@ -1,0 +1,293 @@
+"""A Prometheus exporter: the queues' state, read from Redis on every scrape.
+
+Needs ``prometheus-client`` (``pip install 'batchq[exporter]'``). :class:`BatchqCollector`
+reads every queue (or the ones named) with :func:`batchq.snapshot.read_snapshots`: one
+pipelined round trip for all of them, plus a GETRANGE round trip only when the oldest
+element of a queue is a reference to a large frame. Nothing is cached between scrapes
+and nothing is written.
+
+Metrics (base units; labels ``queue`` and ``producer``, plus ``le`` on the histogram's
+buckets and ``reason`` on dead frames, a closed set: the codec's FrameError reasons):
+
+==========================================  ========  =====================================
+``batchq_up``                               gauge     1 if the last read of Redis worked
+``batchq_queue_depth_items``                gauge     LLEN of the data list
+``batchq_queue_capacity_items``             gauge     the run's hwm (0 before a producer)
+``batchq_queue_depth_bytes``                gauge     bytes in the list (an estimate, see
+                                                      :mod:`batchq.monitor`)
+``batchq_queue_oldest_frame_age_seconds``   gauge     age of the oldest frame (0: empty)
+``batchq_frames_pushed_total``              counter   frames pushed
+``batchq_frames_popped_total``              counter   frames popped
+``batchq_bytes_pushed_total``               counter   bytes pushed
+``batchq_bytes_popped_total``               counter   bytes popped
+``batchq_producers_alive``                  gauge     producers with a live heartbeat
+``batchq_producers_blocked_seconds_total``  counter   time all producers spent blocked at
+                                                      the hwm
+``batchq_trainer_attached``                 gauge     1 while a trainer holds the queue
+``batchq_trainer_wait_seconds``             histogram the trainer's wait per batch
+``batchq_trainer_busy_seconds_total``       counter   the trainer's time between batches
+``batchq_trainer_stall_ratio``              gauge     its recent stall fraction (only while
+                                                      its figures are fresh)
+``batchq_trainer_epoch``                    gauge     its current epoch (same condition)
+``batchq_epochs_completed_total``           counter   epochs the trainer finished
+``batchq_shards_done_total``                counter   shards fully pushed
+``batchq_redone_shards_total``              counter   shards handed back to be rebuilt
+``batchq_dead_frames_total``                counter   frames that failed validation
+``batchq_producer_frames_pushed_total``     counter   per live producer: frames pushed
+``batchq_producer_bytes_pushed_total``      counter   per live producer: bytes pushed
+``batchq_producer_build_seconds_total``     counter   per live producer: pipeline time
+``batchq_producer_blocked_seconds_total``   counter   per live producer: blocked at the hwm
+==========================================  ========  =====================================
+
+The stall over any range is ``rate(batchq_trainer_wait_seconds_sum[r]) /
+(rate(batchq_trainer_wait_seconds_sum[r]) + rate(batchq_trainer_busy_seconds_total[r]))``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from batchq.errors import ConfigError
+from batchq.monitor import WAIT_BUCKETS_S, list_queues, row_from_snapshot
+from batchq.snapshot import QueueSnapshot, read_snapshots
+from batchq.verdict import FIGURES_FRESH_S
+
+__all__ = ["METRIC_NAMES", "BatchqCollector", "MetricsServer", "start_exporter"]
+
+log = logging.getLogger(__name__)
+
+#: Every metric family the collector may expose (names without the sample suffixes).
+METRIC_NAMES = (
+    "batchq_up",
+    "batchq_queue_depth_items",
+    "batchq_queue_capacity_items",
+    "batchq_queue_depth_bytes",
+    "batchq_queue_oldest_frame_age_seconds",
+    "batchq_frames_pushed",
+    "batchq_frames_popped",
+    "batchq_bytes_pushed",
+    "batchq_bytes_popped",
+    "batchq_producers_alive",
+    "batchq_producers_blocked_seconds",
+    "batchq_trainer_attached",
+    "batchq_trainer_wait_seconds",
+    "batchq_trainer_busy_seconds",
+    "batchq_trainer_stall_ratio",
+    "batchq_trainer_epoch",
+    "batchq_epochs_completed",
+    "batchq_shards_done",
+    "batchq_redone_shards",
+    "batchq_dead_frames",
+    "batchq_producer_frames_pushed",
+    "batchq_producer_bytes_pushed",
+    "batchq_producer_build_seconds",
+    "batchq_producer_blocked_seconds",
+)
+
+_Q = ["queue"]
+_QP = ["queue", "producer"]
+
+
+class BatchqCollector:
+    """A prometheus-client collector reading the queues on every scrape.
+
+    Args:
+        client: a Redis client returning bytes (thread-safe: scrapes may overlap).
+        queues: the queues to export; empty or None: every queue on the server, found
+            with SCAN on each scrape.
+    """
+
+    def __init__(self, client: redis.Redis, queues: Sequence[str] | None = None) -> None:
+        self.client = client
+        self.queues = list(queues or [])
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing up front: registering must not read Redis."""
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        """Read Redis and yield the metric families (``batchq_up`` 0 if it failed)."""
+        up = GaugeMetricFamily("batchq_up", "1 if the last read of Redis succeeded, else 0")
+        try:
+            names = self.queues or list_queues(self.client)
+            snaps = read_snapshots(self.client, names, history=0, leases=False)
+        except (redis.RedisError, OSError) as e:
+            log.warning("batchq exporter: reading Redis failed: %s", e)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from self._families(snaps)
+
+    def _families(self, snaps: list[QueueSnapshot]) -> Iterable[Metric]:
+        g = {
+            "depth": GaugeMetricFamily(
+                "batchq_queue_depth_items", "Frames in the data list (LLEN)", labels=_Q
+            ),
+            "cap": GaugeMetricFamily(
+                "batchq_queue_capacity_items", "The run's cap (hwm) on the data list", labels=_Q
+            ),
+            "bytes": GaugeMetricFamily(
+                "batchq_queue_depth_bytes",
+                "Bytes in the data list (depth x the mean frame size; 0 when empty)",
+                labels=_Q,
+            ),
+            "age": GaugeMetricFamily(
+                "batchq_queue_oldest_frame_age_seconds",
+                "Age of the oldest frame in the list, by its producer's clock (0 when empty)",
+                labels=_Q,
+            ),
+            "alive": GaugeMetricFamily(
+                "batchq_producers_alive", "Producers whose heartbeat has not lapsed", labels=_Q
+            ),
+            "attached": GaugeMetricFamily(
+                "batchq_trainer_attached", "1 while a trainer holds the queue", labels=_Q
+            ),
+            "stall": GaugeMetricFamily(
+                "batchq_trainer_stall_ratio",
+                "Fraction of its last 100 batches' time the trainer waited for data",
+                labels=_Q,
+            ),
+            "epoch": GaugeMetricFamily(
+                "batchq_trainer_epoch", "The trainer's current epoch", labels=_Q
+            ),
+        }
+        c = {
+            name: CounterMetricFamily(f"batchq_{name}", doc, labels=_Q)
+            for name, doc in (
+                ("frames_pushed", "Frames pushed into the data list"),
+                ("frames_popped", "Frames popped by the trainer"),
+                ("bytes_pushed", "Bytes pushed into the data list"),
+                ("bytes_popped", "Bytes the trainer received"),
+                ("producers_blocked_seconds", "Time producers spent blocked at the hwm"),
+                ("trainer_busy_seconds", "Time the trainer spent between batches"),
+                ("epochs_completed", "Epochs the trainer finished"),
+                ("shards_done", "Shards whose last frame was pushed"),
+                ("redone_shards", "Shards handed back to be built again"),
+            )
+        }
+        dead = CounterMetricFamily(
+            "batchq_dead_frames", "Frames that failed validation", labels=["queue", "reason"]
+        )
+        p = {
+            name: CounterMetricFamily(f"batchq_producer_{name}", doc, labels=_QP)
+            for name, doc in (
+                ("frames_pushed", "Frames this producer pushed"),
+                ("bytes_pushed", "Bytes this producer pushed"),
+                ("build_seconds", "Time this producer's pipeline spent building batches"),
+                ("blocked_seconds", "Time this producer spent blocked at the hwm"),
+            )
+        }
+        wait = HistogramMetricFamily(
+            "batchq_trainer_wait_seconds", "The trainer's wait for each batch", labels=_Q
+        )
+        for snap in snaps:
+            q, s = [snap.queue], snap.stats
+            row = row_from_snapshot(snap)
+            g["depth"].add_metric(q, snap.depth)
+            g["cap"].add_metric(q, snap.hwm)
+            g["bytes"].add_metric(q, row["bytes_held"])
+            if snap.depth == 0:
+                g["age"].add_metric(q, 0.0)
+            elif row["oldest_age_s"] is not None:
+                g["age"].add_metric(q, row["oldest_age_s"])
+            g["alive"].add_metric(q, len(snap.alive))
+            g["attached"].add_metric(q, 1 if row["trainer"] == "attached" else 0)
+            fresh = row["figures_age_s"] is not None and row["figures_age_s"] <= FIGURES_FRESH_S
+            if fresh and row["stall"] is not None:
+                g["stall"].add_metric(q, row["stall"])
+            if fresh and row["epoch"] is not None:
+                g["epoch"].add_metric(q, row["epoch"])
+            c["frames_pushed"].add_metric(q, s.get("pushed", 0))
+            c["frames_popped"].add_metric(q, s.get("popped", 0))
+            c["bytes_pushed"].add_metric(q, s.get("pushed_bytes", 0))
+            c["bytes_popped"].add_metric(q, s.get("popped_bytes", 0))
+            c["producers_blocked_seconds"].add_metric(q, s.get("producer_blocked_ms", 0) / 1000)
+            c["trainer_busy_seconds"].add_metric(q, s.get("trainer_busy_ms", 0) / 1000)
+            c["epochs_completed"].add_metric(q, s.get("epochs_completed", 0))
+            c["shards_done"].add_metric(q, s.get("shards_done", 0))
+            c["redone_shards"].add_metric(q, s.get("redone_shards", 0))
+            for reason, count in row["dead_by_reason"].items():
+                dead.add_metric([snap.queue, reason], count)
+            buckets, total = [], 0
+            for i, bound in enumerate((*WAIT_BUCKETS_S, float("inf"))):
+                total += s.get(f"wait_bucket:{i}", 0)
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), total))
+            wait.add_metric(q, buckets, s.get("trainer_wait_ms", 0) / 1000)
+            for prod in row["producers"]:
+                labels = [snap.queue, prod["id"]]
+                p["frames_pushed"].add_metric(labels, prod["batches"])
+                p["bytes_pushed"].add_metric(labels, prod["bytes"])
+                p["build_seconds"].add_metric(labels, prod["build_s"])
+                p["blocked_seconds"].add_metric(labels, prod["blocked_s"])
+        yield from g.values()
+        yield from c.values()
+        yield wait
+        yield dead
+        yield from p.values()
+
+
+class MetricsServer:
+    """A running ``/metrics`` endpoint (see :func:`start_exporter`).
+
+    Attributes:
+        host: the address it is bound to.
+        port: the TCP port it listens on.
+    """
+
+    def __init__(self, server: Any, thread: threading.Thread, host: str) -> None:
+        self._server, self._thread = server, thread
+        self.host = host
+        self.port = int(server.server_port)
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_exporter(
+    client: redis.Redis,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    queues: Sequence[str] | None = None,
+) -> MetricsServer:
+    """Serve ``/metrics`` on ``host:port`` in a background thread.
+
+    Args:
+        client: the Redis client the collector reads with.
+        port: the TCP port (0: any free port; see ``MetricsServer.port``).
+        host: the address to bind.
+        queues: the queues to export (None or empty: every queue).
+
+    Returns:
+        The running server; ``close()`` it.
+
+    Raises:
+        ConfigError: the port is out of range, or the address cannot be bound (in use,
+            not an address of this host, no permission).
+    """
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise ConfigError(f"port {port!r} is not valid: expected an integer in 0..65535")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BatchqCollector(client, queues))
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e}") from e
+    return MetricsServer(server, thread, host)

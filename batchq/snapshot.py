@@ -1,0 +1,217 @@
+"""Raw reads of queues for monitoring: everything ``status``, ``top`` and the exporter show.
+
+:func:`read_snapshots` reads any number of queues in one pipelined round trip (TIME and,
+per queue, meta, LLEN of the data list, the producers' heartbeats, the stats, pstats and
+trainer hashes, the dead list's length, the newest history samples and the oldest
+element of the data list), plus a second one only when it needs what the first
+returned: the lease lists of live producers (``leases=True``) and the first 64 KiB of a
+frame stored by reference when that is the oldest element. Nothing here writes.
+
+Times are the Redis server's (``TIME``), so every viewer agrees on "now" and on which
+producers are alive, whatever its own clock says.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from batchq import codec
+from batchq.errors import FrameError
+from batchq.keys import QueueKeys
+
+__all__ = ["HEADER_PEEK_BYTES", "QueueSnapshot", "read_snapshots"]
+
+#: How much of a frame stored by reference is read to find its header (GETRANGE 0 N-1).
+HEADER_PEEK_BYTES = 65536
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+@dataclass
+class QueueSnapshot:
+    """What one read of a queue returned, decoded but not yet interpreted.
+
+    Attributes:
+        queue: the queue's name.
+        now_ms: the Redis server's time of the read (ms since the epoch).
+        meta: the meta hash (run, hwm, shards, claim, finished, ...).
+        depth: LLEN of the data list.
+        alive: live producer id -> heartbeat deadline (server ms), sorted by id.
+        stats: the stats hash's counters.
+        dead: length of the dead list.
+        pstats: per-producer counters, ``{producer: {"batches": n, ...}}`` (every
+            producer that ever pushed, alive or not).
+        trainer: the trainer hash (its figures as text, and ``updated_ms``).
+        history: history samples, newest first (unparseable ones skipped).
+        oldest_t: the producer wall time in the oldest frame's header, None when the
+            list is empty, the frame has no time, or its header cannot be read.
+        leases: shards leased by live producers, None when not read.
+    """
+
+    queue: str
+    now_ms: int
+    meta: dict[str, str]
+    depth: int
+    alive: dict[str, float]
+    stats: dict[str, int]
+    dead: int
+    pstats: dict[str, dict[str, int]]
+    trainer: dict[str, str]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    oldest_t: float | None = None
+    leases: int | None = None
+
+    @property
+    def hwm(self) -> int:
+        """The run's cap (0 before a producer joined)."""
+        return _int(self.meta.get("hwm"))
+
+    @property
+    def oldest_age_s(self) -> float | None:
+        """Server time minus the oldest frame's producer time (clamped at 0), or None."""
+        if self.oldest_t is None:
+            return None
+        return max(0.0, self.now_ms / 1000 - self.oldest_t)
+
+    def figure(self, name: str) -> float | None:
+        """One of the trainer's figures as a float, None if absent or malformed."""
+        try:
+            return float(self.trainer[name])
+        except (KeyError, ValueError):
+            return None
+
+
+def _pstats(raw: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for key, value in raw.items():
+        producer, sep, name = _text(key).rpartition(":")
+        if sep:
+            out.setdefault(producer, {})[name] = _int(value)
+    return out
+
+
+def _history(raw: list[bytes]) -> list[dict[str, Any]]:
+    samples = []
+    for item in raw:
+        try:
+            sample = json.loads(item)
+        except ValueError:
+            continue
+        if isinstance(sample, dict):
+            samples.append(sample)
+    return samples
+
+
+def _header_time(buf: bytes | None) -> float | None:
+    """The ``t`` of a frame's header, None if absent or unreadable."""
+    if not buf:
+        return None
+    try:
+        t = codec.peek_header(buf).get("t")
+    except FrameError:
+        return None
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
+
+
+def read_snapshots(
+    client: redis.Redis,
+    queues: list[str],
+    *,
+    history: int = 60,
+    leases: bool = True,
+) -> list[QueueSnapshot]:
+    """Read queues in one pipelined round trip (two when leases or a reference need it).
+
+    Args:
+        client: a client returning bytes.
+        queues: the queues' names.
+        history: how many of the newest history samples to read (0: none, -1: all).
+        leases: also count the shards leased by live producers (one LLEN each).
+
+    Returns:
+        One snapshot per queue, in order.
+
+    Raises:
+        redis.RedisError: the reads failed (callers convert it, see
+            :func:`batchq.connection.call`).
+    """
+    keys = [QueueKeys(q) for q in queues]
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    for k in keys:
+        pipe.hgetall(k.meta)
+        pipe.llen(k.data)
+        pipe.zrange(k.producers, 0, -1, withscores=True)
+        pipe.hgetall(k.stats)
+        pipe.llen(k.dead)
+        pipe.hgetall(k.pstats)
+        pipe.hgetall(k.trainer)
+        pipe.lrange(k.history, 0, history - 1 if history >= 0 else -1)
+        pipe.lindex(k.data, -1)
+    replies = pipe.execute()
+    sec, usec = replies[0]
+    now_ms = int(sec) * 1000 + int(usec) // 1000
+    snaps: list[QueueSnapshot] = []
+    oldest: list[bytes | None] = []
+    per = 9
+    for i, k in enumerate(keys):
+        meta, depth, producers, stats, dead, pstats, trainer, hist, last = replies[
+            1 + i * per : 1 + (i + 1) * per
+        ]
+        alive = {_text(p): float(s) for p, s in producers if float(s) >= now_ms}
+        snaps.append(
+            QueueSnapshot(
+                queue=k.queue,
+                now_ms=now_ms,
+                meta={_text(a): _text(b) for a, b in meta.items()},
+                depth=int(depth),
+                alive=dict(sorted(alive.items())),
+                stats={_text(a): _int(b) for a, b in stats.items()},
+                dead=int(dead),
+                pstats=_pstats(pstats),
+                trainer={_text(a): _text(b) for a, b in trainer.items()},
+                history=_history(hist) if history else [],
+            )
+        )
+        oldest.append(last)
+
+    # The second round trip: leases of live producers, headers of referenced frames.
+    pipe = client.pipeline(transaction=False)
+    todo: list[tuple[int, str]] = []
+    for i, (k, snap, last) in enumerate(zip(keys, snaps, oldest, strict=True)):
+        if leases:
+            for p in snap.alive:
+                pipe.llen(k.lease(p))
+                todo.append((i, "lease"))
+        if last is not None and codec.is_ref(last):
+            try:
+                ref = codec.decode_ref(last, k.frame_prefix)
+            except FrameError:
+                continue
+            pipe.getrange(ref, 0, HEADER_PEEK_BYTES - 1)
+            todo.append((i, "ref"))
+        else:
+            snap.oldest_t = _header_time(last)
+    if leases:
+        for snap in snaps:
+            snap.leases = 0
+    if todo:
+        for (i, what), value in zip(todo, pipe.execute(), strict=True):
+            if what == "lease":
+                snaps[i].leases = (snaps[i].leases or 0) + int(value)
+            else:
+                snaps[i].oldest_t = _header_time(value)
+    return snaps

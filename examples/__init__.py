@@ -1,0 +1,1 @@
+"""Example producer factories and trainers: what the docker-compose stack runs."""
