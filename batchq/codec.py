@@ -345,24 +345,7 @@ def decode_frame(
     size = len(view)
     if max_frame_bytes is not None and size > max_frame_bytes:
         raise FrameError("too_large", f"frame of {size} bytes exceeds max {max_frame_bytes}")
-    if size < PREFIX.size:
-        raise FrameError("too_short", f"{size} bytes, a frame has at least {PREFIX.size}")
-    magic, version, kind, reserved, hlen = PREFIX.unpack_from(view)
-    if magic != MAGIC:
-        raise FrameError("bad_magic", f"starts with {bytes(view[:4])!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise FrameError("bad_version", f"format version {version}, expected {FORMAT_VERSION}")
-    if kind not in _KINDS:
-        raise FrameError("bad_kind", f"kind {kind}, expected 1 (BATCH), 2 (END) or 3 (ERROR)")
-    if reserved != _RESERVED:
-        raise FrameError("bad_header", f"reserved bytes {reserved!r}, expected zeros")
-    if PREFIX.size + hlen > size:
-        raise FrameError("too_short", f"header of {hlen} bytes ends past the frame's {size} bytes")
-    header = unpack_header(view[PREFIX.size : PREFIX.size + hlen])
-    frame_kind = FrameKind(kind)
-    problem = _header_problem(frame_kind, header)
-    if problem:
-        raise FrameError("bad_header", problem)
+    frame_kind, hlen, header = _read_header(view, size)
     sources, items = header["src"], header.get("items")
     if not isinstance(items, list) or len(items) != len(sources):
         raise FrameError(
@@ -414,7 +397,11 @@ def peek_header(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
         view = memoryview(buf).cast("B")
     except TypeError as e:
         raise ConfigError(f"peek_header needs bytes, got {type(buf).__name__}") from e
-    size = len(view)
+    return _read_header(view, len(view))[2]
+
+
+def _read_header(view: memoryview, size: int) -> tuple[FrameKind, int, dict[Any, Any]]:
+    """Validate the prefix and the msgpack header: (kind, header length, header)."""
     if size < PREFIX.size:
         raise FrameError("too_short", f"{size} bytes, a frame has at least {PREFIX.size}")
     magic, version, kind, reserved, hlen = PREFIX.unpack_from(view)
@@ -429,10 +416,11 @@ def peek_header(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
     if PREFIX.size + hlen > size:
         raise FrameError("too_short", f"header of {hlen} bytes ends past the {size} bytes given")
     header = unpack_header(view[PREFIX.size : PREFIX.size + hlen])
-    problem = _header_problem(FrameKind(kind), header)
+    frame_kind = FrameKind(kind)
+    problem = _header_problem(frame_kind, header)
     if problem:
         raise FrameError("bad_header", problem)
-    return header
+    return frame_kind, hlen, header
 
 
 # --------------------------------------------------------------------------- references

@@ -8,6 +8,7 @@ Unlike the rest of ``batchq``, the CLI may import ``producer`` and ``consumer``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -185,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_COMMANDS = {
+    "demo": ("batchq.cli.demo", "run_demo"),
+    "exporter": ("batchq.cli.exporter", "run_exporter"),
+    "report": ("batchq.cli.report", "run_report"),
+    "reset": ("batchq.cli.reset", "run_reset"),
+    "serve": ("batchq.cli.serve", "run_serve"),
+    "status": ("batchq.cli.status", "run_status"),
+    "top": ("batchq.cli.top", "run_top"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchq`` command; returns the exit code."""
     from batchq.cli.config import apply_environment, run_config
@@ -203,34 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "config":
             return run_config(args, parser)
-        if args.command == "serve":
-            from batchq.cli.serve import run_serve
-
-            return run_serve(args)
-        if args.command == "demo":
-            from batchq.cli.demo import run_demo
-
-            return run_demo(args)
-        if args.command == "reset":
-            from batchq.cli.reset import run_reset
-
-            return run_reset(args)
-        if args.command == "status":
-            from batchq.cli.status import run_status
-
-            return run_status(args)
-        if args.command == "top":
-            from batchq.cli.top import run_top
-
-            return run_top(args)
-        if args.command == "exporter":
-            from batchq.cli.exporter import run_exporter
-
-            return run_exporter(args)
-        if args.command == "report":
-            from batchq.cli.report import run_report
-
-            return run_report(args)
+        # Each command's module is imported only when it runs: `status` needs no numpy.
+        module_name, function = _COMMANDS[args.command]
+        run = getattr(importlib.import_module(module_name), function)
+        return int(run(args))
     except BatchQueueError as e:
         print(f"batchq {args.command}: {e}", file=sys.stderr)
         return 2
@@ -239,7 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `batchq config | head`: the reader has gone, not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
         return 0
-    return 2
 
 
 if __name__ == "__main__":
