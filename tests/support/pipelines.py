@@ -7,11 +7,11 @@ which examples it holds: ``batch[:, 0] // FEATURES``.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
 
+from batchq.cli.demo import Bottleneck
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme, ShuffledScheme
 from producer.streams import DataStream
@@ -25,18 +25,8 @@ def examples_of(batch: np.ndarray) -> list[int]:
     return [int(v) // FEATURES for v in batch[:, 0]]
 
 
-class Slow(Transformer):
-    """The tutorial's Bottleneck: a fixed delay per batch."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.slowdown = kwargs.pop("slowdown", 0)
-        super().__init__(*args, **kwargs)
-
-    def get_data(self, request: Any = None) -> Any:
-        if request is not None:
-            raise ValueError
-        time.sleep(self.slowdown)
-        return next(self.child_epoch_iterator)
+# The tutorial's Bottleneck (a fixed loading delay per batch), as the demo defines it.
+Slow = Bottleneck
 
 
 class FailOnExample(Transformer):
