@@ -200,6 +200,10 @@ class Reader(threading.Thread):
         with self.cond:
             if room is None:
                 room = max(1, self.hwm - self.ledger.buffered)
+                if self.waiting_since is not None or self.ledger.buffered == 0:
+                    # The trainer waits (or soon will): hand it a frame as soon as it can
+                    # be, rather than after fetching and decoding a whole buffer.
+                    room = min(room, 2)
             floor = self.ledger.floor()
         keys = [
             self.keys.meta,
