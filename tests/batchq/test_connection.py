@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.connection import PythonRespSerializer
 
-from batchq.connection import describe_url, make_client, resolve_url
+from batchq.connection import DEFAULT_URL, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
 
 
@@ -24,10 +24,10 @@ def test_environment_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHQ_URL", "rediss://env:1/0")
     assert resolve_url() == "rediss://env:1/0"
     monkeypatch.delenv("BATCHQ_URL")
-    assert resolve_url() == "redis://localhost:6379/0"
+    assert resolve_url() == DEFAULT_URL
 
 
-@pytest.mark.parametrize("url", ["http://x:1", "localhost:6379"])
+@pytest.mark.parametrize("url", ["http://x:1", "localhost:7000"])
 def test_bad_scheme_is_refused(url: str) -> None:
     with pytest.raises(ConfigError, match="expected redis://"):
         resolve_url(url)

@@ -64,12 +64,17 @@ def command_of(service: dict[str, Any]) -> list[str]:
     return argv
 
 
+# The stack's own Redis, inside the compose network (never a Redis of this machine).
+COMPOSE_REDIS_URL = "redis://redis:" + "6379/0"
+
+
 def env_of(service: dict[str, Any], url: str) -> dict[str, str]:
-    """The service's environment on top of ours, with Redis at ``url`` (the stack's
-    redis://redis:6379/0) and the image's PYTHONPATH (/app there, the checkout here)."""
+    """The service's environment on top of ours, with Redis at ``url`` (in the stack the
+    compose network's redis service) and the image's PYTHONPATH (/app there, the
+    checkout here)."""
     env = dict(os.environ)
     env.update({k: interpolate(v) for k, v in (service.get("environment") or {}).items()})
-    assert env["BATCHQ_URL"] == "redis://redis:6379/0"
+    assert env["BATCHQ_URL"] == COMPOSE_REDIS_URL  # what the compose file says
     env["BATCHQ_URL"] = url
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return env
