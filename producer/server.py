@@ -13,15 +13,13 @@ import signal
 import socket
 import threading
 import time
-import traceback
 import uuid
 from typing import Any
 
 import redis
 
-from batchq import codec
 from batchq.admin import check_eviction_policy, is_oom
-from batchq.connection import call, make_client, resolve_url, tune_malloc
+from batchq.connection import make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -32,27 +30,17 @@ from batchq.errors import (
 from batchq.keys import QueueKeys, check_name
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
 from batchq.reaper import reap_dead, server_ms
-from batchq.scripts import SCRIPTS, execute_pipeline
+from batchq.scripts import SCRIPTS
+from producer.pushing import INLINE_MAX_BYTES, ShardPusher
 from producer.sharding import ShardPlan
 
 __all__ = ["Producer", "start_server"]
 
 log = logging.getLogger(__name__)
 
-# A producer at the hwm waits on the wake list this long between tries: 2 commands per
-# try keeps a waiting producer under 20 commands/s with its heartbeat.
-WAIT_S = 0.15
-# Large frames travel by reference (a plain SET, then the capped-push script gets only the
-# key's name): a value passed through Lua is copied twice more. bench/frame_path.py, push
-# + pop against plain LPUSH/RPOP: inline 0.81/0.88/0.72/0.76 and by reference
-# 0.61/0.76/0.71/0.91 of raw at 64 KiB/256 KiB/512 KiB/1.5 MiB (docs/design.md).
-INLINE_MAX_BYTES = 256 * 1024
 # A producer that joins a run finished less than this long ago exits (a late replica of
 # the same job); after it, a producer starts the queue's next run.
 FINISHED_GRACE_S = 60.0
-# A frame stored by reference but not yet in the list expires after this long, so a
-# producer killed at the hwm leaves nothing behind; in the list it never expires.
-PENDING_FRAME_TTL_MS = 10 * 60 * 1000
 
 
 def _default_producer_id() -> str:
@@ -60,7 +48,7 @@ def _default_producer_id() -> str:
     return f"{host[:40] or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Producer:
+class Producer(ShardPusher):
     """Serves one stream into one queue.
 
     Args:
@@ -336,248 +324,6 @@ class Producer:
             self._join()
             return
         raise BatchQueueError(f"producer {self.id}: unexpected reply {status!r}")
-
-    def _note_oom(self, error: redis.ResponseError) -> None:
-        """Log Redis' OOM once, then count quietly (``oom_waits``)."""
-        self.oom_waits += 1
-        if not self._oom_logged:
-            self._oom_logged = True
-            log.warning(
-                "producer %s: Redis is at maxmemory (%s); waiting for the trainer to drain",
-                self.id,
-                error,
-            )
-
-    def _wait_for_room(self) -> None:
-        # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
-        call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
-
-    # -- building and pushing a shard --------------------------------------------------
-
-    def _serve_shard(self, epoch: int, shard: int, entry: str, skip: int = 0) -> None:
-        """Build a shard and push its batches from batch ``skip`` on (the trainer has the
-        ones before: a resumed checkpoint)."""
-        k = 0
-        batches = self.plan.iter_shard_marked(epoch, shard)
-        started = time.perf_counter()
-        try:
-            for batch, last in batches:
-                # The time the pipeline took for this batch (monitoring).
-                produce_ms = int((time.perf_counter() - started) * 1000)
-                if k < skip and not last:
-                    k += 1
-                    continue
-                if k < skip:  # the trainer has every batch: only the count is news
-                    self._push_end(epoch, shard, k + 1, entry)
-                    return
-                if not self._push_batch(epoch, shard, k, batch, last, entry, produce_ms):
-                    return
-                k += 1
-                started = time.perf_counter()
-        except (ConnectionLost, RunFinished, PipelineMismatch):
-            raise
-        except Exception as e:  # the user's pipeline raised
-            log.exception(
-                "producer %s: pipeline raised in epoch %d shard %d", self.id, epoch, shard
-            )
-            if self._retry_elsewhere(epoch, shard, entry):
-                return
-            frame = codec.encode_frame(
-                codec.FrameKind.ERROR,
-                run=self._run,
-                epoch=epoch,
-                shard=shard,
-                k=k,
-                producer=self.id,
-                last=True,
-                count=k,
-                error="".join(traceback.format_exception(e)),
-                error_name=type(e).__name__,
-            )
-            self._push(frame, entry, last=True)
-            return
-        if k == 0:  # a shard without batches still says that it ended
-            self._push_end(epoch, shard, 0, entry)
-
-    def _push_end(self, epoch: int, shard: int, count: int, entry: str) -> None:
-        frame = codec.encode_frame(
-            codec.FrameKind.END,
-            run=self._run,
-            epoch=epoch,
-            shard=shard,
-            k=count,
-            producer=self.id,
-            last=True,
-            count=count,
-        )
-        self._push(frame, entry, last=True)
-
-    def _retry_elsewhere(self, epoch: int, shard: int, entry: str) -> bool:
-        """Count the failure; True if the shard went back to the work list for a retry."""
-        k = self.keys
-        reply = decode_reply(
-            SCRIPTS["fail"](
-                self.client,
-                [k.meta, k.incarnation, k.work, k.lease(self.id), k.failures, k.stats],
-                [self._incarnation, self._run, entry, entry.split(":")[0], self.max_attempts],
-            )
-        )
-        if reply[0] == Status.RETRY:
-            log.warning(
-                "producer %s: epoch %d shard %d failed (attempt %d of %d); handed back",
-                self.id,
-                epoch,
-                shard,
-                reply[1],
-                self.max_attempts,
-            )
-            return True
-        if reply[0] == Status.GIVE_UP:
-            return False
-        if reply[0] != Status.LEASE_LOST:
-            self._handle_status(reply[0])
-        return True
-
-    def _push_batch(
-        self,
-        epoch: int,
-        shard: int,
-        k: int,
-        batch: Any,
-        last: bool,
-        entry: str,
-        produce_ms: int = 0,
-    ) -> bool:
-        data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
-        frame = codec.encode_frame(
-            codec.FrameKind.BATCH,
-            run=self._run,
-            epoch=epoch,
-            shard=shard,
-            k=k,
-            g=-1 if self.plan.shard_batches is None else self.plan.shard_batches * shard + k,
-            producer=self.id,
-            sources=self.sources,
-            data=data,
-            last=last,
-            count=k + 1 if last else None,
-            checksum=self.checksum,
-            max_frame_bytes=self.max_frame_bytes,
-            produced_at=time.time(),
-        )
-        return self._push(frame, entry, last=last, produce_ms=produce_ms)
-
-    def _push(self, frame: memoryview, entry: str, *, last: bool, produce_ms: int = 0) -> bool:
-        """Push one frame, waiting at the hwm; False if the shard was taken from us."""
-        ref = None
-        if len(frame) > self.inline_max_bytes:
-            self._frame_seq += 1
-            ref = self.keys.frame(self.id, self._frame_seq)
-        keys = [
-            self.keys.meta,
-            self.keys.incarnation,
-            self.keys.data,
-            self.keys.stats,
-            self.keys.producers,
-            self.keys.lease(self.id),
-            self.keys.pstats,
-        ]
-        element: bytes | memoryview = frame if ref is None else codec.encode_ref(ref)
-        if ref is not None:
-            keys.append(ref)
-        stored = False
-        blocked_since: float | None = None
-        # The shard's last push also asks for the next lease: one round trip saved per
-        # shard (per batch for map-style pipelines). Only on the first send.
-        lease_next = None
-        if last and self._prefetched is None:
-            lease_next = self._lease_request(prefetch=True)
-        while True:
-            if self._stop.is_set():
-                return False
-            blocked_ms = 0
-            if blocked_since is not None:
-                # Only the time since the last try: each try reports its own wait.
-                now = time.monotonic()
-                blocked_ms = int((now - blocked_since) * 1000)
-                blocked_since = now
-            args = [
-                self._incarnation,
-                self._run,
-                self.id,
-                entry,
-                element,
-                int(last),
-                self.heartbeat_ttl_ms,
-                len(frame),
-                blocked_ms,
-                produce_ms,
-            ]
-            store = frame if ref is not None and not stored else None
-            try:
-                replies = self._send(ref, store, keys, args, lease_next)
-            except redis.ResponseError as e:
-                if not is_oom(e):
-                    raise
-                # Redis is full (noeviction): backpressure, like the hwm; nothing is lost.
-                self._note_oom(e)
-                if blocked_since is None:
-                    blocked_since = time.monotonic()
-                stored = False
-                self._wait_for_room()
-                continue
-            if ref is not None:
-                stored = True
-                self._pending_ref = ref
-            if lease_next is not None:
-                lease_reply = decode_reply(replies.pop())
-                if lease_reply[0] == Status.OK:
-                    g, skip = int(lease_reply[1]), int(lease_reply[2])
-                    self._prefetched = (g, skip, lease_next[2])
-                lease_next = None
-            reply = decode_reply(replies[-1])
-            status = reply[0]
-            if status == Status.OK:
-                self._pending_ref = None
-                return True
-            if status == Status.FULL:
-                if blocked_since is None:
-                    blocked_since = time.monotonic()
-                self._wait_for_room()
-                continue
-            if blocked_since is not None:
-                blocked_since = time.monotonic()
-            if status == Status.GONE:
-                stored = False
-                continue
-            if ref is not None:
-                self.client.delete(ref)
-                self._pending_ref = None
-            if status == Status.LEASE_LOST:
-                log.info("producer %s: lease %s was taken back; dropping it", self.id, entry)
-                return False
-            self._handle_status(status)
-            return False
-
-    def _send(
-        self,
-        ref: str | None,
-        store: memoryview | None,
-        keys: list[str],
-        args: list[Any],
-        lease: tuple[list[str], list[Any], str] | None = None,
-    ) -> list[Any]:
-        """One round trip: store the frame under its key if asked, the capped push, and
-        the next lease if asked."""
-
-        def build(pipe: Any) -> None:
-            if store is not None:
-                pipe.set(ref, store, px=PENDING_FRAME_TTL_MS)
-            SCRIPTS["push"].queue(pipe, keys, args)
-            if lease is not None:
-                SCRIPTS["lease"].queue(pipe, lease[0], lease[1])
-
-        return execute_pipeline(self.client, build)
 
 
 def start_server(
