@@ -19,7 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 
 import redis
@@ -29,7 +29,7 @@ from redis.retry import Retry
 from batchq.errors import BatchQueueError, ConfigError, ConnectionLost
 from batchq.procs import die_with_parent_preexec, stop_group
 
-__all__ = ["EmbeddedRedis", "find_redis_server", "redis_server_version"]
+__all__ = ["EmbeddedRedis", "find_redis_server", "redis_server_version", "url_or_embedded"]
 
 logger = logging.getLogger(__name__)
 
@@ -343,3 +343,20 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def url_or_embedded(url: str | None) -> Iterator[str]:
+    """The given Redis URL, or a private embedded redis-server's for the block.
+
+    This is what ``batchq demo`` and the benchmarks do when no URL is given: a server on
+    a free loopback port, no persistence, stopped when the block ends.
+    """
+    if url:
+        from batchq.connection import resolve_url
+
+        yield resolve_url(url)
+        return
+    with EmbeddedRedis() as server:
+        logger.info("embedded redis-server %s at %s", server.version, server.url)
+        yield server.url

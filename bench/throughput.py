@@ -23,7 +23,6 @@ from INFO cpu). Figures are printed, never asserted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -39,7 +38,8 @@ from typing import Any
 import numpy as np
 
 import batchq
-from batchq.connection import make_client, resolve_url, tune_malloc
+from batchq.connection import make_client, tune_malloc
+from batchq.embedded import url_or_embedded
 from batchq.procs import spawn, stop_group
 from consumer import ServerDataStream
 
@@ -223,19 +223,6 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{line}{s['median_mb_s']:7.1f}{s['best_mb_s']:7.1f}{ratio:>13}{cpu:>38}")
 
 
-@contextlib.contextmanager
-def _redis(url: str | None) -> Iterator[str]:
-    """The given URL, or an embedded redis-server's for the duration of the block."""
-    if url:
-        yield resolve_url(url)
-        return
-    from batchq.embedded import EmbeddedRedis
-
-    with EmbeddedRedis() as server:
-        print(f"embedded redis-server {server.version} at {server.url} (stopped at the end)")
-        yield server.url
-
-
 def _meta(load0: float, args: Any) -> dict[str, Any]:
     """When, where and with what the figures were measured."""
     git = subprocess.run(
@@ -278,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     load0 = os.getloadavg()[0]
     try:
-        with _redis(args.url) as url:
+        with url_or_embedded(args.url) as url:
+            if not args.url:
+                print(f"embedded redis-server at {url} (stopped at the end)")
             print(
                 f"throughput: hwm {args.hwm}, {args.repeats} repeats, <= {args.seconds:g} s "
                 f"each, batchq epochs of {args.epoch_batches} batches"

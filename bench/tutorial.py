@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import signal
@@ -42,7 +41,7 @@ from redis.connection import AbstractConnection
 
 import batchq
 from batchq.cli.demo import tutorial_stream
-from batchq.connection import resolve_url
+from batchq.embedded import url_or_embedded
 from batchq.procs import spawn, stop_group
 from consumer import ServerDataStream
 
@@ -196,19 +195,6 @@ def print_table(res: dict[str, Any], args: Any) -> None:
     )
 
 
-@contextlib.contextmanager
-def _redis(url: str | None) -> Iterator[str]:
-    """The given URL, or an embedded redis-server's for the duration of the block."""
-    if url:
-        yield resolve_url(url)
-        return
-    from batchq.embedded import EmbeddedRedis
-
-    with EmbeddedRedis() as server:
-        print(f"embedded redis-server {server.version} at {server.url} (stopped at the end)")
-        yield server.url
-
-
 def _sigterm(signum: int, frame: Any) -> None:
     """SIGTERM unwinds like Ctrl-C, so that every ``finally`` stops what it started."""
     raise KeyboardInterrupt
@@ -228,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _sigterm)
     load0 = os.getloadavg()[0]
     try:
-        with _redis(args.url) as url:
+        with url_or_embedded(args.url) as url:
+            if not args.url:
+                print(f"embedded redis-server at {url} (stopped at the end)")
             print(
                 f"tutorial: {args.epochs} epochs x 10 batches of 100 x 128, loading "
                 f"{args.load_ms:g} ms, training {args.train_ms:g} ms per batch; {args.repeats} runs"

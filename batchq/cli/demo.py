@@ -10,16 +10,16 @@ of the training steps).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from batchq.connection import describe_url, make_client, resolve_url
+from batchq.connection import describe_url, make_client
+from batchq.embedded import url_or_embedded
 from batchq.errors import ConfigError, ProducersLost
 from batchq.monitor import queue_status
 from batchq.procs import spawn, stop_group
@@ -127,18 +127,6 @@ def _train(
     }
 
 
-@contextlib.contextmanager
-def _redis(url: str | None) -> Iterator[str]:
-    if url:
-        yield resolve_url(url)
-        return
-    from batchq.embedded import EmbeddedRedis
-
-    with EmbeddedRedis() as server:
-        print(f"started an embedded redis-server at {server.url} (stopped at the end)")
-        yield server.url
-
-
 def _wait_exit(proc: Any, timeout_s: float) -> int | None:
     """The exit code of a producer that should exit on its own; stopped if it does not."""
     try:
@@ -243,7 +231,9 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     }
     counts = [1] if args.producers == 1 else [1, args.producers]
-    with _redis(args.url) as url:
+    with url_or_embedded(args.url) as url:
+        if not args.url:
+            print(f"started an embedded redis-server at {url} (stopped at the end)")
         for n in counts:
             runs[f"served ({n} producer{'s' if n > 1 else ''})"] = _served(url, n, args, load_ms)
 
