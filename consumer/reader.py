@@ -98,6 +98,7 @@ class Reader(threading.Thread):
         self._bytes = 0
         self.stats = stats or TrainerStats()
         self._depth = 0
+        self._popped_once = False
         self._last_alive = time.monotonic()
         self.bad_frames = 0
         self.stall_s = stall_s
@@ -200,10 +201,12 @@ class Reader(threading.Thread):
         with self.cond:
             if room is None:
                 room = max(1, self.hwm - self.ledger.buffered)
-                if self.waiting_since is not None or self.ledger.buffered == 0:
-                    # The trainer waits (or soon will): hand it a frame as soon as it can
-                    # be, rather than after fetching and decoding a whole buffer.
+                if not self._popped_once:
+                    # The first batch as soon as it can be, rather than after fetching and
+                    # decoding a whole buffer; later pops take all there is room for
+                    # (fewer round trips per frame).
                     room = min(room, 2)
+                    self._popped_once = True
             floor = self.ledger.floor()
         keys = [
             self.keys.meta,
