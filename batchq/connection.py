@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_S",
     "DEFAULT_URL",
     "ENV_URL",
+    "Pieces",
     "describe_url",
     "make_client",
     "redis_errors",
@@ -102,6 +103,53 @@ def describe_url(url: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
+class Pieces:
+    """One Redis value sent as several buffers, back to back, without joining them.
+
+    A command argument of this type is written as one bulk string (its total length,
+    then each buffer as it is): a frame's header and its arrays' own memory go to the
+    socket without being copied into one buffer first.
+
+    Args:
+        buffers: the value's parts, in order (bytes, or byte-format memoryviews).
+        nbytes: their total length.
+    """
+
+    def __init__(self, buffers: list[bytes | memoryview], nbytes: int) -> None:
+        self.buffers = buffers
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(bytes(b) for b in self.buffers)
+
+    def __repr__(self) -> str:
+        return f"Pieces({len(self.buffers)} buffers, {self.nbytes} bytes)"
+
+
+class _PiecesPacker(PythonRespSerializer):
+    """redis-py's pure-Python packer, plus :class:`Pieces` arguments."""
+
+    def pack(self, *args: Any) -> list[Any]:
+        if not any(isinstance(a, Pieces) for a in args):
+            return list(super().pack(*args))
+        # Pack around each Pieces argument: the other arguments go through redis-py.
+        output: list[Any] = [f"*{len(args)}\r\n".encode()]
+        for arg in args:
+            if isinstance(arg, Pieces):
+                output.append(f"${arg.nbytes}\r\n".encode())
+                output.extend(arg.buffers)
+                output.append(b"\r\n")
+            else:
+                data = self.encode(arg)
+                output.append(b"$%d\r\n" % len(data))
+                output.append(data)
+                output.append(b"\r\n")
+        return output
+
+
 def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S) -> redis.Redis:
     """A redis-py client for batchq's hot paths: no automatic retry, no copying packer.
 
@@ -118,7 +166,7 @@ def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S)
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),
         retry=Retry(NoBackoff(), 0),
-        command_packer=PythonRespSerializer(_BUFFER_CUTOFF, encoder.encode),
+        command_packer=_PiecesPacker(_BUFFER_CUTOFF, encoder.encode),
         health_check_interval=0,
     )
     return redis.Redis(connection_pool=pool)

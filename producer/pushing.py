@@ -19,7 +19,7 @@ import redis
 
 from batchq import codec
 from batchq.admin import is_oom
-from batchq.connection import call
+from batchq.connection import Pieces, call
 from batchq.errors import ConnectionLost, PipelineMismatch, RunFinished
 from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
@@ -184,7 +184,7 @@ class ShardPusher:
         produce_ms: int = 0,
     ) -> bool:
         data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
-        frame = codec.encode_frame(
+        frame = codec.encode_frame_pieces(
             codec.FrameKind.BATCH,
             run=self._run,
             epoch=epoch,
@@ -202,7 +202,9 @@ class ShardPusher:
         )
         return self._push(frame, entry, last=last, produce_ms=produce_ms)
 
-    def _push(self, frame: memoryview, entry: str, *, last: bool, produce_ms: int = 0) -> bool:
+    def _push(
+        self, frame: Pieces | memoryview, entry: str, *, last: bool, produce_ms: int = 0
+    ) -> bool:
         """Push one frame, waiting at the hwm; False if the shard was taken from us."""
         ref = None
         if len(frame) > self.inline_max_bytes:
@@ -217,7 +219,7 @@ class ShardPusher:
             self.keys.lease(self.id),
             self.keys.pstats,
         ]
-        element: bytes | memoryview = frame if ref is None else codec.encode_ref(ref)
+        element: bytes | Pieces | memoryview = frame if ref is None else codec.encode_ref(ref)
         if ref is not None:
             keys.append(ref)
         stored = False
@@ -297,7 +299,7 @@ class ShardPusher:
     def _send(
         self,
         ref: str | None,
-        store: memoryview | None,
+        store: Pieces | memoryview | None,
         keys: list[str],
         args: list[Any],
         lease: tuple[list[str], list[Any], str] | None = None,

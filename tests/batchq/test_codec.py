@@ -26,6 +26,7 @@ from batchq.codec import (
     decode_frame,
     decode_ref,
     encode_frame,
+    encode_frame_pieces,
     encode_ref,
     is_frame,
     is_ref,
@@ -923,3 +924,21 @@ def test_frame_is_frozen_and_as_dict() -> None:
     d = frame.as_dict()
     assert list(d) == ["x", "rag", "v"] and d["v"] == "meta"
     assert math.isclose(float(d["x"][1, 2]), 5.0)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_pieces_are_the_same_bytes_as_the_frame(checksum: bool) -> None:
+    data = [
+        np.arange(24, dtype="<f4").reshape(2, 3, 4).transpose(2, 0, 1),  # not contiguous
+        np.array(["2026-12-02", "2027-01-01"], dtype="datetime64[D]"),
+        np.zeros(0, dtype="u1"),
+        np.array(7, dtype=">i8"),
+        ["ragged", [1, 2]],
+        np.array([np.arange(3), np.arange(5)], dtype=object),
+    ]
+    kw: dict[str, Any] = {"run": "r", "epoch": 1, "shard": 2, "k": 3, "producer": "p"}
+    kw.update(sources=[f"s{i}" for i in range(len(data))], data=data, checksum=checksum)
+    whole = bytes(encode_frame(FrameKind.BATCH, **kw))
+    pieces = encode_frame_pieces(FrameKind.BATCH, **kw)
+    assert len(pieces) == len(whole) and bytes(pieces) == whole
+    assert all(not isinstance(b, memoryview) or b.format == "B" for b in pieces.buffers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.connection import PythonRespSerializer
 
-from batchq.connection import DEFAULT_URL, describe_url, make_client, resolve_url
+from batchq.connection import DEFAULT_URL, Pieces, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
 
 
@@ -48,3 +48,18 @@ def test_client_uses_the_copy_free_packer_and_no_retries() -> None:
     assert isinstance(kwargs["command_packer"], PythonRespSerializer)
     assert kwargs["retry"].get_retries() == 0
     assert kwargs["socket_timeout"] > 1.0
+
+
+def test_pieces_travel_as_one_value(redis_url: str, queue_name: str) -> None:
+    client = make_client(redis_url)
+    key = f"bq:{{{queue_name}}}:frame:p:1"
+    big = memoryview(bytes(range(256)) * 40)  # above the packer's buffer cutoff
+    value = Pieces([b"head", big, b"", b"tail"], 4 + len(big) + 4)
+    pipe = client.pipeline(transaction=False)
+    pipe.set(key, value)
+    pipe.strlen(key)
+    pipe.execute_command("EVAL", "return ARGV[1]", 0, value)
+    _, size, echoed = pipe.execute()
+    assert size == len(value) and echoed == bytes(value)
+    assert client.get(key) == bytes(value)
+    client.close()
