@@ -197,16 +197,15 @@ class Producer(ShardPusher):
         while not self._stop.wait(interval_s):
             try:
                 # XX: a producer already declared dead must join again, not revive.
-                client.zadd(self.keys.producers, {self.id: self._deadline_ms(client)}, xx=True)
-                reap_dead(client, self.keys, self._incarnation)
+                now_ms = server_ms(client)
+                deadline_ms = now_ms + self.heartbeat_ttl_ms
+                client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
+                reap_dead(client, self.keys, self._incarnation, now_ms)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 # At maxmemory the heartbeat is refused too; pushes report that once.
                 level = logging.DEBUG if is_oom(e) else logging.WARNING
                 log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
         client.close()
-
-    def _deadline_ms(self, client: redis.Redis) -> int:
-        return server_ms(client) + self.heartbeat_ttl_ms
 
     def _join(self) -> None:
         # After Redis lost the queue's state the trainer re-creates the run from its
