@@ -7,8 +7,8 @@ Redis. The verdict's rule and thresholds are in :mod:`batchq.verdict`.
 ``status --json`` prints a list of objects, one per queue, with these fields in this
 order (schema version 3; version 2 had the fields up to ``verdict_reason``, and
 ``host`` was not in the producer objects; version 1 had the first 13, with the same
-meanings, and no ``schema`` field). Counters are cumulative since the queue's keys were created: they
-are not reset between runs (``batchq reset`` deletes them).
+meanings, and no ``schema`` field). Counters are cumulative since the queue's keys were
+created: they are not reset between runs (``batchq reset`` deletes them).
 
     queue                 str          the queue's name
     run                   str          the run id ('' if none)
@@ -105,9 +105,9 @@ from typing import Any
 
 import redis
 
+from batchq import sizing
 from batchq.keys import QueueKeys, queue_from_meta_key
 from batchq.snapshot import QueueSnapshot, read_snapshots
-from batchq import sizing
 from batchq.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
 
 __all__ = [

@@ -22,6 +22,7 @@ rank from per-rank inputs.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -91,7 +92,7 @@ def sample_rate(samples: Sequence[dict[str, Any]]) -> float | None:
     when no step has the fields or none built anything.
     """
     d_built = d_ms = 0.0
-    for newer, older in zip(samples, samples[1:], strict=False):
+    for newer, older in itertools.pairwise(samples):
         b1, m1, b0, m0 = (
             _num(newer, "built"),
             _num(newer, "build_ms"),
@@ -107,9 +108,7 @@ def sample_rate(samples: Sequence[dict[str, Any]]) -> float | None:
     return 1000.0 * d_built / d_ms if d_built > 0 and d_ms > 0 else None
 
 
-def producer_rate(
-    samples: Sequence[dict[str, Any]], built: int, build_ms: int
-) -> float | None:
+def producer_rate(samples: Sequence[dict[str, Any]], built: int, build_ms: int) -> float | None:
     """The observed pipeline rate of one producer (batches/s), None when unknown.
 
     Args:

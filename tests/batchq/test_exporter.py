@@ -142,7 +142,7 @@ def test_a_scrape_matches_redis(
     assert got[("batchq_producer_bytes_pushed_total", pq)] == pstats[f"{pid}:bytes"]
     assert ("batchq_producer_blocked_seconds_total", pq) in got
     labels = {k for _, labels in got for k, _ in labels}
-    assert labels <= {"queue", "producer", "le", "reason"}
+    assert labels <= {"queue", "producer", "le", "reason", "action"}
 
 
 def test_a_scrape_says_when_redis_is_unreachable() -> None:
