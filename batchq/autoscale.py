@@ -6,12 +6,15 @@ that acts on it is :mod:`batchq.pool`. The rule, first match wins:
 
 1. below ``min_workers`` (a worker exited, or at start): add up to the minimum; above
    ``max_workers``: retire down to it.
-2. within ``cooldown_s`` of this host's last change: hold (the figures do not yet show
-   what the change did: new workers must start, join and fill the trainer's window).
+2. while workers this host started have not joined, and within ``cooldown_s`` of its
+   last change or of the last of them joining: hold (the figures do not yet show what
+   the change did: new workers must start, join and fill the trainer's window).
 3. ``input-bound`` and below ``max_workers``: add this host's share of the deficit,
    ``ceil((recommended - alive) / scalers)`` (at least one: the trainer waits, whatever
-   the estimate says), but hold when the producers are CPU-starved (adding more slowed
-   each of them down) or the host has not the idle CPU the new workers would use
+   the estimate says), but hold when the queue is near its cap right now (the stall
+   covers the last 100 batches, which may reach back to waits that are over), when
+   the producers are CPU-starved (adding more slowed each of them down), or when the
+   host has not the idle CPU the new workers would use
    (their measured use; a pool of mostly-sleeping workers costs next to nothing, and
    up to ``free_cores`` is taken even from a busy host).
 4. ``trainer-bound`` with more than ``spare`` producers beyond the recommendation:
@@ -103,6 +106,8 @@ class Figures:
         cause: the verdict's cause (e.g. 'cpu-starved') or None.
         idle_cores: the host's idle CPU in cores (None: unknown).
         worker_cores: the CPU one of this host's workers uses (None: not measured yet).
+        pending: this host's workers started but not yet joined (counted in alive).
+        full: the queue is near its cap right now (:func:`batchq.verdict.near_cap`).
         demand: the trainer's demand (batches/s), for the log.
         per_producer: the observed rate of one producer (batches/s), for the log.
     """
@@ -115,6 +120,8 @@ class Figures:
     cause: str | None = None
     idle_cores: float | None = None
     worker_cores: float | None = None
+    pending: int = 0
+    full: bool = False
     demand: float | None = None
     per_producer: float | None = None
 
@@ -132,6 +139,18 @@ class ScaleState:
     last_reversal_s: float = -math.inf
     reversals: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {"add": 0, "retire": 0})
+
+    pending: bool = False
+
+    def observe(self, f: Figures, now_s: float) -> None:
+        """Note what a look saw: the cooldown restarts when the last started worker joined.
+
+        The trainer's figures cover its last 100 batches: they show what new workers do
+        only some time after they joined, not after they were started.
+        """
+        if self.pending and not f.pending:
+            self.last_change_s = max(self.last_change_s, now_s)
+        self.pending = f.pending > 0
 
     def record(self, decision: Decision, now_s: float) -> None:
         """Account for a decision that was carried out at ``now_s``."""
@@ -173,6 +192,10 @@ def _add(policy: ScalePolicy, state: ScaleState, f: Figures, now_s: float) -> De
     deficit = 1 if f.recommended is None else f.recommended - f.alive
     count = min(max(1, math.ceil(deficit / max(1, f.scalers))), policy.max_workers - f.local)
     want = f"recommended {f.recommended}, alive {f.alive}"
+    if f.full:
+        # The stall covers the trainer's last 100 batches: after it slowed down, those
+        # reach back to waits that are over. A full queue says they are.
+        return _hold(f"input-bound by its recent figures but the queue is full ({want})")
     if f.cause == "cpu-starved":
         return _hold(f"input-bound but producers are CPU-starved ({want}): not adding")
     if f.idle_cores is not None and f.worker_cores is not None:
@@ -210,6 +233,8 @@ def decide(policy: ScalePolicy, state: ScaleState, f: Figures, now_s: float) -> 
                         f"{policy.max_workers}")  # fmt: skip
     if not policy.auto:
         return _hold("a fixed pool")
+    if f.pending:
+        return _hold(f"waiting for {f.pending} started worker(s) to join")
     if now_s - state.last_change_s < policy.cooldown_s:
         return _hold("cooling down after the last change")
     if f.verdict == "input-bound":

@@ -318,7 +318,11 @@ def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, 
         producers=row["producers"],
         samples=snap.history,
         supply=row["supply_batches_per_s"],
-        delivered=delivered,
+        # Only over samples with today's producers: after a join the delivered rate
+        # still lags the new supply.
+        delivered=delivered
+        if all(s.get("producers") == len(snap.alive) for s in samples)
+        else None,
     )
     out: dict[str, Any] = {
         "verdict_cause": why[0] if why else None,

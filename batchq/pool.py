@@ -41,6 +41,7 @@ from batchq.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
 from batchq.keys import QueueKeys
 from batchq.monitor import queue_status
 from batchq.procs import stop_group
+from batchq.verdict import near_cap
 
 __all__ = ["SCALELOG_CAP", "WorkerPool", "cpu_seconds", "host_idle"]
 
@@ -134,6 +135,7 @@ class WorkerPool:
             return Decision("hold", 0, "a worker exited: the pool only waits for the rest")
         try:
             figures = self._figures(now_s)
+            self.state.observe(figures, now_s)
             decision = decide(self.policy, self.state, figures, now_s)
             bounds = not self.policy.min_workers <= figures.local <= self.policy.max_workers
             if decision.action != "hold" and not bounds and not self._take_lease():
@@ -201,9 +203,12 @@ class WorkerPool:
         scalers = int(pipe.execute()[2])
         row = queue_status(self.client, self.keys.queue)
         idle_cores, worker_cores = self._cpu_figures(now_s)
+        pending = self._pending(row, now_s)
         return Figures(
             verdict=row["verdict"],
-            alive=row["producers_alive"] + self._pending(row, now_s),
+            alive=row["producers_alive"] + pending,
+            pending=pending,
+            full=near_cap(row["depth"], row["hwm"]),
             local=len(self.workers),
             recommended=row["recommended_producers"],
             scalers=max(1, scalers),

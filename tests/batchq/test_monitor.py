@@ -109,7 +109,9 @@ def _documented(section: str) -> dict[str, str]:
     doc = monitor.__doc__ or ""
     status, producer = doc.split("A producer object")
     text = status if section == "status" else producer
-    spec = re.compile(r"^    (\w+)\s+(str|int|float|object|list|float\|null|int\|null|str\|null)\s+\S")
+    spec = re.compile(
+        r"^    (\w+)\s+(str|int|float|object|list|float\|null|int\|null|str\|null)\s+\S"
+    )
     return {m[1]: m[2] for line in text.splitlines() if (m := spec.match(line))}
 
 

@@ -6,12 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sleepy import SleepyTrainer
+from waiting import wait_until
 
 from batchq import sizing
 from batchq.monitor import queue_status, render_table
 from batchq.verdict import cause
-from sleepy import SleepyTrainer
-from waiting import wait_until
 
 # --------------------------------------------------------------------------- arithmetic
 
@@ -110,9 +110,11 @@ def test_recommendation_is_within_one_of_the_true_need(
         wait_until(lambda: trainer.batches >= 130 or trainer.error, 120, "130 batches")
         assert trainer.error is None
         row = wait_until(
-            lambda: (r := queue_status(redis_client, queue_name))["recommended_producers"]
-            and r["producers_alive"] == 2
-            and r,
+            lambda: (
+                (r := queue_status(redis_client, queue_name))["recommended_producers"]
+                and r["producers_alive"] == 2
+                and r
+            ),
             30,
             "a recommendation",
         )
