@@ -7,10 +7,9 @@ producers' build totals), newest first, the last hour. Four plots share the time
 depth; the trainer's stall; throughput, with the trainer's demand (batches/s it would
 take if it never waited) against the producers' supply (their count times the rate of
 one, between consecutive samples) and what was delivered (frames pushed per second);
-and the producers alive, with joins (+n) and leaves (-n) marked, and
-faint vertical lines at them on every plot. Needs
-matplotlib (``pip install 'batchq[report]'``); only its object-oriented API is used (no
-pyplot, no display needed).
+and the producers alive, with joins (+n) and leaves (-n) marked, and faint vertical
+lines at them on every plot. Needs matplotlib (``pip install 'batchq[report]'``); only
+its object-oriented API is used (no pyplot, no display needed).
 """
 
 from __future__ import annotations
