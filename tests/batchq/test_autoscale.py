@@ -241,3 +241,35 @@ def test_serve_workers_auto_converges_then_shrinks_when_the_trainer_slows(
     stats = redis_client.hgetall(keys.stats)
     assert int(stats[b"autoscale_add"]) == sum(e["count"] for e in log if e["action"] == "add")
     assert int(stats[b"autoscale_retire"]) >= 1
+
+
+@pytest.mark.timeout(300)
+def test_two_autoscaled_hosts_share_the_deficit_without_overshooting(
+    redis_url: str,
+    redis_client: Any,
+    queue_name: str,
+    spawn_proc: Callable[..., Any],
+    serve_argv: Callable[..., list[str]],
+    serve_env: Callable[..., dict[str, str]],
+) -> None:
+    # The same need as above (4 producers, 5 recommended), served by two autoscalers.
+    env = serve_env(examples=20000, batch_size=10, slow_ms=100)
+    serves = [spawn_proc(serve_argv("--workers", "auto", "--hwm", "8"), env=env) for _ in "ab"]
+    keys = QueueKeys(queue_name)
+    seen: list[int] = []
+    with SleepyTrainer(redis_url, queue_name, busy_s=0.025) as trainer:
+
+        def converged() -> Any:
+            assert all(s.poll() is None for s in serves) and trainer.error is None
+            row = queue_status(redis_client, queue_name)
+            seen.append(row["producers_alive"])
+            slowdown = trainer.slowdown()
+            return slowdown is not None and slowdown <= 1.1 and row["producers_alive"] >= 4 and row
+
+        row = wait_until(converged, 120, "two pools that keep the trainer within 1.1x")
+        assert redis_client.zcard(keys.scalers) == 2
+    log = [json.loads(e) for e in redis_client.lrange(keys.scalelog, 0, -1)]
+    scalers = {e["scaler"] for e in log}
+    assert len(scalers) == 2, log  # both took part (each started its minimum, at least)
+    # Never more than the recommendation and its spare, together.
+    assert max(seen) <= row["recommended_producers"] + 1, (seen, log)
