@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"autoscaled: converged {s['converged_s']:.1f} s after the first batch to "
             f"{s['final_pool']} producers; then {1000 * s['epoch_s']:.0f} ms/epoch over "
-            f"{s['epochs_after']} epochs = {s['epoch_s'] / best:.2f}x the best fixed pool "
+            f"{s['epochs_after']} epochs ({s['epoch_s'] / s['floor_s']:.2f}x its floor) = "
+            f"{s['epoch_s'] / best:.2f}x the best fixed pool "
             f"(goal <= 1.10x); within 1.1x of the floor from "
             f"{_secs(s['within_1_1_s'])}"
         )
