@@ -75,7 +75,7 @@ if ARGV[14] ~= '' then
   if ok and type(s) == 'table' then
     local live = redis.call('ZRANGEBYSCORE', KEYS[6], now, '+inf')
     local built, build_ms = 0, 0
-    if #live > 0 then
+    if #live > 0 and KEYS[9] then  -- a caller of the 8-key layout adds no totals
       local fields = {}
       for _, p in ipairs(live) do
         fields[#fields + 1] = p .. ':batches'

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,7 @@ def test_serve_workers_auto_converges_then_shrinks_when_the_trainer_slows(
         # The trainer slows down to 150 ms a batch: one producer is enough; the pool keeps
         # one spare beyond the recommendation and retires the rest.
         trainer.busy_s = 0.15
+        slowed_at = time.time()
         wait_until(
             lambda: (
                 queue_status(redis_client, queue_name)["producers_alive"] <= 3
@@ -233,6 +235,10 @@ def test_serve_workers_auto_converges_then_shrinks_when_the_trainer_slows(
     assert "add" in actions and actions[-1] == "retire", json.dumps(log, indent=1)
     for e in log:  # every decision carries its figures
         assert e["reason"] and e["figures"]["verdict"] and e["figures"]["local"] >= 0, e
+    # The bound: the pool reached the size that converged within 30 s of its start
+    # (decision times: the wait above also covers starting processes on a loaded machine).
+    grew = [e for e in log if e["action"] == "add" and e["t"] < slowed_at]
+    assert grew[-1]["t"] - log[0]["t"] <= 30, log
     changes = [(e["t"], 1 if e["action"] == "add" else -1) for e in log]
     reversals = _reversals(changes)
     assert all(b - a >= 60 for a, b in itertools.pairwise(reversals)), log

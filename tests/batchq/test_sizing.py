@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from sleepy import SleepyTrainer
 from waiting import wait_until
 
 from batchq import sizing
+from batchq.keys import QueueKeys
 from batchq.monitor import queue_status, render_table
 from batchq.verdict import cause
 
@@ -118,6 +120,10 @@ def test_recommendation_is_within_one_of_the_true_need(
             30,
             "a recommendation",
         )
+    # The pop script adds the queue side to the trainer's history samples.
+    newest = json.loads(redis_client.lindex(QueueKeys(queue_name).history, 0))
+    assert newest["producers"] == 2 and newest["built"] > 0 and newest["build_ms"] > 0
+    assert newest["pushed"] >= newest["batches"]
     assert abs(row["recommended_producers"] - need) <= 1, row
     assert row["demand_batches_per_s"] == pytest.approx(10 * need, rel=0.3)
     assert row["producer_batches_per_s"] == pytest.approx(10, rel=0.3)
