@@ -24,15 +24,16 @@ The rule (:func:`judge`), first match wins:
 
 When it can, :func:`cause` names why the trainer is input-bound (first match wins):
 
+- ``slow-producer``: one producer builds under half the median rate of the others. It
+  comes first: a slow producer also holds the others back at the look-ahead window,
+  which would otherwise look like a transport shortfall.
+- ``cpu-starved``: in the stored history, the per-producer pipeline rate at the largest
+  producer count is under :data:`STARVED_DROP` of the rate at the smallest: adding
+  producers slowed every one of them (they share the host's CPUs).
 - ``transport-saturated``: the producers could build far more than reaches the queue
   (their pipelines' summed rate is at least 1/:data:`TRANSPORT_SHORTFALL` times what
   was pushed) while the queue stays low (median under 1/4 of the hwm): the time goes
   into Redis or the network, not into building, so more producers will not help.
-- ``cpu-starved``: in the stored history, the per-producer pipeline rate at the largest
-  producer count is under :data:`STARVED_DROP` of the rate at the smallest: adding
-  producers slowed every one of them (they share the host's CPUs).
-- ``slow-producer``: with 3 or more producers, one builds under half the median rate of
-  the others (with 2, under half the other's rate).
 
 The producers' blocked time is shown but not used: it is cumulative over each
 producer's life, so it cannot say what is happening now. History samples carry the
@@ -172,24 +173,6 @@ def cause(
     if verdict != "input-bound":
         return None
     depth = statistics.median(depths) if depths else 0.0
-    if (
-        supply is not None
-        and delivered is not None
-        and delivered < TRANSPORT_SHORTFALL * supply
-        and depth < max(1.0, hwm / 4)
-    ):
-        return "transport-saturated", (
-            f"producers could build {supply:.1f} batches/s but only {delivered:.1f}/s reach "
-            "the queue, which stays low: Redis or the network is the limit, not the producers"
-        )
-    by_count = _rates_by_count(samples)
-    if len(by_count) >= 2:
-        few, many = min(by_count), max(by_count)
-        if by_count[many] < STARVED_DROP * by_count[few]:
-            return "cpu-starved", (
-                f"each producer built {by_count[few]:.1f} batches/s with {few} and "
-                f"{by_count[many]:.1f}/s with {many}: they compete for their host's CPU"
-            )
     rated = sorted(
         (p["batches_per_s"], p["id"]) for p in producers if p.get("batches_per_s") is not None
     )
@@ -201,4 +184,22 @@ def cause(
                 f"producer {pid} builds {slowest:.1f} batches/s, under half the others' "
                 f"{others:.1f}/s"
             )
+    by_count = _rates_by_count(samples)
+    if len(by_count) >= 2:
+        few, many = min(by_count), max(by_count)
+        if by_count[many] < STARVED_DROP * by_count[few]:
+            return "cpu-starved", (
+                f"each producer built {by_count[few]:.1f} batches/s with {few} and "
+                f"{by_count[many]:.1f}/s with {many}: they compete for their host's CPU"
+            )
+    if (
+        supply is not None
+        and delivered is not None
+        and delivered < TRANSPORT_SHORTFALL * supply
+        and depth < max(1.0, hwm / 4)
+    ):
+        return "transport-saturated", (
+            f"producers could build {supply:.1f} batches/s but only {delivered:.1f}/s reach "
+            "the queue, which stays low: Redis or the network is the limit, not the producers"
+        )
     return None

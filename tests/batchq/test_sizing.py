@@ -130,3 +130,34 @@ def test_recommendation_is_within_one_of_the_true_need(
     assert row["producers_deficit"] == row["recommended_producers"] - 2
     text = render_table([row])
     assert f"recommend {row['recommended_producers']} producers (now 2)" in text
+
+
+@pytest.mark.timeout(180)
+def test_the_verdict_names_one_slow_producer(
+    redis_url: str,
+    redis_client: Any,
+    queue_name: str,
+    spawn_proc: Callable[..., Any],
+    serve_argv: Callable[..., list[str]],
+    serve_env: Callable[..., dict[str, str]],
+) -> None:
+    # Same pipeline (the delay is not part of its fingerprint), one producer 10x slower.
+    for slow_ms in (20, 200):
+        spawn_proc(serve_argv("--hwm", "8"), env=serve_env(examples=4000, batch_size=10,
+                                                            slow_ms=slow_ms))  # fmt: skip
+    with SleepyTrainer(redis_url, queue_name, busy_s=0.005) as trainer:
+        row = wait_until(
+            lambda: (
+                (r := queue_status(redis_client, queue_name))["verdict_cause"]
+                and trainer.batches >= 20
+                and r
+            ),
+            120,
+            "a cause",
+        )
+        assert trainer.error is None
+    assert row["verdict"] == "input-bound"
+    assert row["verdict_cause"] == "slow-producer", row["verdict_reason"]
+    slowest = min(row["producers"], key=lambda p: p["batches_per_s"])
+    assert f"producer {slowest['id']} builds" in row["verdict_reason"]
+    assert slowest["batches_per_s"] < 6  # 200 ms a batch
