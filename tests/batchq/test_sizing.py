@@ -148,16 +148,14 @@ def test_the_verdict_names_one_slow_producer(
     with SleepyTrainer(redis_url, queue_name, busy_s=0.005) as trainer:
         row = wait_until(
             lambda: (
-                (r := queue_status(redis_client, queue_name))["verdict_cause"]
-                and trainer.batches >= 20
+                (r := queue_status(redis_client, queue_name))["verdict_cause"] == "slow-producer"
                 and r
             ),
             120,
-            "a cause",
+            "the slow-producer cause",
         )
         assert trainer.error is None
     assert row["verdict"] == "input-bound"
-    assert row["verdict_cause"] == "slow-producer", row["verdict_reason"]
     slowest = min(row["producers"], key=lambda p: p["batches_per_s"])
     assert f"producer {slowest['id']} builds" in row["verdict_reason"]
     assert slowest["batches_per_s"] < 6  # 200 ms a batch
