@@ -66,6 +66,11 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        a 5% margin (batchq.sizing)
     producers_deficit     int|null     recommended_producers - producers_alive (negative:
                                        producers to spare)
+    autoscalers           int          live `serve --workers auto` sharing the queue
+    autoscale_added       int          workers they added (all, cumulative)
+    autoscale_retired     int          workers they retired
+    autoscale_last        object|null  their newest decision: t (unix s), scaler, action,
+                                       count, workers, reason, figures (batchq.pool)
 
 A producer object (its counters cover its whole life; ids are unique per process):
 
@@ -145,7 +150,8 @@ STATUS_FIELDS = (
     "trainer_mb_per_s", "wait_p50_s", "wait_p90_s", "wait_p99_s", "epoch", "epoch_progress",
     "epoch_fraction", "producers", "supply_batches_per_s", "verdict", "verdict_reason",
     "verdict_cause", "demand_batches_per_s", "busy_ms_per_batch", "producer_batches_per_s",
-    "delivered_batches_per_s", "recommended_producers", "producers_deficit",
+    "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
+    "autoscale_added", "autoscale_retired", "autoscale_last",
 )  # fmt: skip
 
 PRODUCER_FIELDS = (
@@ -332,6 +338,10 @@ def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, 
         "delivered_batches_per_s": delivered,
         "recommended_producers": recommended,
         "producers_deficit": None if recommended is None else recommended - len(snap.alive),
+        "autoscalers": snap.autoscalers,
+        "autoscale_added": snap.stats.get("autoscale_add", 0),
+        "autoscale_retired": snap.stats.get("autoscale_retire", 0),
+        "autoscale_last": snap.last_decision,
     }
     if why:
         out["verdict_reason"] = f"{row['verdict_reason']}; {why[1]}"
@@ -413,6 +423,18 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
             f" delivered; {r['producer_batches_per_s']:.1f} per producer: recommend "
             f"{r['recommended_producers']} producers (now {r['producers_alive']})"
         )
+    last = r["autoscale_last"]
+    if r["autoscalers"] or last:
+        line = (
+            f"  autoscale: {r['autoscalers']} autoscaler(s), {r['autoscale_added']} added, "
+            f"{r['autoscale_retired']} retired"
+        )
+        if last:
+            line += (
+                f"; last {last.get('action')} {last.get('count')} -> {last.get('workers')} "
+                f"({last.get('reason')})"
+            )
+        lines.append(line)
     for p in r["producers"][:max_producers]:
         rate = "-" if p["batches_per_s"] is None else f"{p['batches_per_s']:.1f}"
         lines.append(

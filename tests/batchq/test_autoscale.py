@@ -19,7 +19,7 @@ from batchq.autoscale import AUTO_MAX_WORKERS, Figures, ScalePolicy, ScaleState,
 from batchq.cli import main
 from batchq.errors import ConfigError
 from batchq.keys import QueueKeys
-from batchq.monitor import queue_status
+from batchq.monitor import queue_status, render_table
 
 # --------------------------------------------------------------------------- parsing
 
@@ -217,6 +217,10 @@ def test_serve_workers_auto_converges_then_shrinks_when_the_trainer_slows(
         row = wait_until(converged, 120, "a pool that keeps the trainer within 1.1x")
         grown = row["producers_alive"]
         assert 4 <= grown <= 6, row
+        # status shows the autoscaler and its last decision.
+        assert row["autoscalers"] == 1 and row["autoscale_added"] >= grown
+        assert row["autoscale_last"]["action"] == "add"
+        assert "autoscale: 1 autoscaler(s)" in render_table([row])
         # The trainer slows down to 150 ms a batch: one producer is enough; the pool keeps
         # one spare beyond the recommendation and retires the rest.
         trainer.busy_s = 0.15
@@ -273,7 +277,7 @@ def test_two_autoscaled_hosts_share_the_deficit_without_overshooting(
             return slowdown is not None and slowdown <= 1.1 and row["producers_alive"] >= 4 and row
 
         row = wait_until(converged, 120, "two pools that keep the trainer within 1.1x")
-        assert redis_client.zcard(keys.scalers) == 2
+        assert redis_client.zcard(keys.scalers) == 2 and row["autoscalers"] == 2
     log = [json.loads(e) for e in redis_client.lrange(keys.scalelog, 0, -1)]
     scalers = {e["scaler"] for e in log}
     assert len(scalers) == 2, log  # both took part (each started its minimum, at least)

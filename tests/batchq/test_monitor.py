@@ -109,9 +109,8 @@ def _documented(section: str) -> dict[str, str]:
     doc = monitor.__doc__ or ""
     status, producer = doc.split("A producer object")
     text = status if section == "status" else producer
-    spec = re.compile(
-        r"^    (\w+)\s+(str|int|float|object|list|float\|null|int\|null|str\|null)\s+\S"
-    )
+    types = r"str\|null|int\|null|float\|null|object\|null|str|int|float|object|list"
+    spec = re.compile(rf"^    (\w+)\s+({types})\s+\S")
     return {m[1]: m[2] for line in text.splitlines() if (m := spec.match(line))}
 
 
@@ -133,6 +132,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "float|null": (float, int, type(None)),
     "int|null": (int, type(None)),
     "str|null": (str, type(None)),
+    "object|null": (dict, type(None)),
 }
 
 
