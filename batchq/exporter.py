@@ -7,7 +7,8 @@ element of a queue is a reference to a large frame. Nothing is cached between sc
 and nothing is written.
 
 Metrics (base units; labels ``queue`` and ``producer``, plus ``le`` on the histogram's
-buckets and ``reason`` on dead frames, a closed set: the codec's FrameError reasons):
+buckets, ``reason`` on dead frames, a closed set: the codec's FrameError reasons, and
+``action`` on autoscale decisions: add, retire):
 
 ==========================================  ========  =====================================
 ``batchq_up``                               gauge     1 if the last read of Redis worked
@@ -37,6 +38,15 @@ buckets and ``reason`` on dead frames, a closed set: the codec's FrameError reas
 ``batchq_producer_bytes_pushed_total``      counter   per live producer: bytes pushed
 ``batchq_producer_build_seconds_total``     counter   per live producer: pipeline time
 ``batchq_producer_blocked_seconds_total``   counter   per live producer: blocked at the hwm
+``batchq_trainer_demand_batches_per_second`` gauge    batches/s the trainer would take if
+                                                      it never waited (fresh figures only)
+``batchq_supply_batches_per_second``        gauge     the live producers' summed pipeline
+                                                      rate
+``batchq_producer_rate_batches_per_second`` gauge     the observed rate of one producer
+``batchq_recommended_producers``            gauge     producers that meet the demand
+                                                      (batchq.sizing; with the demand)
+``batchq_autoscale_decisions_total``        counter   autoscaler decisions, label
+                                                      ``action``: add, retire
 ==========================================  ========  =====================================
 
 The stall over any range is ``rate(batchq_trainer_wait_seconds_sum[r]) /
@@ -94,6 +104,11 @@ METRIC_NAMES = (
     "batchq_producer_bytes_pushed",
     "batchq_producer_build_seconds",
     "batchq_producer_blocked_seconds",
+    "batchq_trainer_demand_batches_per_second",
+    "batchq_supply_batches_per_second",
+    "batchq_producer_rate_batches_per_second",
+    "batchq_recommended_producers",
+    "batchq_autoscale_decisions",
 )
 
 _Q = ["queue"]
@@ -122,7 +137,8 @@ class BatchqCollector:
         up = GaugeMetricFamily("batchq_up", "1 if the last read of Redis succeeded, else 0")
         try:
             names = self.queues or list_queues(self.client)
-            snaps = read_snapshots(self.client, names, history=0, leases=False)
+            # 20 history samples: the recent per-producer rate (batchq.sizing).
+            snaps = read_snapshots(self.client, names, history=20, leases=False)
         except (redis.RedisError, OSError) as e:
             log.warning("batchq exporter: reading Redis failed: %s", e)
             up.add_metric([], 0)
@@ -164,7 +180,32 @@ class BatchqCollector:
             "epoch": GaugeMetricFamily(
                 "batchq_trainer_epoch", "The trainer's current epoch", labels=_Q
             ),
+            "demand": GaugeMetricFamily(
+                "batchq_trainer_demand_batches_per_second",
+                "Batches/s the trainer would take if it never waited (1 / its busy time per batch)",
+                labels=_Q,
+            ),
+            "supply": GaugeMetricFamily(
+                "batchq_supply_batches_per_second",
+                "The live producers' summed pipeline rate (blocked time excluded)",
+                labels=_Q,
+            ),
+            "per_producer": GaugeMetricFamily(
+                "batchq_producer_rate_batches_per_second",
+                "The observed pipeline rate of one producer",
+                labels=_Q,
+            ),
+            "recommended": GaugeMetricFamily(
+                "batchq_recommended_producers",
+                "Producers that meet the trainer's demand at the observed rate, with a margin",
+                labels=_Q,
+            ),
         }
+        decisions = CounterMetricFamily(
+            "batchq_autoscale_decisions",
+            "Decisions of `serve --workers auto`: workers added or retired",
+            labels=["queue", "action"],
+        )
         c = {
             name: CounterMetricFamily(f"batchq_{name}", doc, labels=_Q)
             for name, doc in (
@@ -211,6 +252,16 @@ class BatchqCollector:
                 g["stall"].add_metric(q, row["stall"])
             if fresh and row["epoch"] is not None:
                 g["epoch"].add_metric(q, row["epoch"])
+            for key, fig in (
+                ("demand", "demand_batches_per_s"),
+                ("supply", "supply_batches_per_s"),
+                ("per_producer", "producer_batches_per_s"),
+                ("recommended", "recommended_producers"),
+            ):
+                if row[fig] is not None:
+                    g[key].add_metric(q, row[fig])
+            for action in ("add", "retire"):
+                decisions.add_metric([snap.queue, action], s.get(f"autoscale_{action}", 0))
             c["frames_pushed"].add_metric(q, s.get("pushed", 0))
             c["frames_popped"].add_metric(q, s.get("popped", 0))
             c["bytes_pushed"].add_metric(q, s.get("pushed_bytes", 0))
@@ -237,6 +288,7 @@ class BatchqCollector:
         yield from c.values()
         yield wait
         yield dead
+        yield decisions
         yield from p.values()
 
 

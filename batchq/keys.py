@@ -29,6 +29,12 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 second
     bq:{Q}:history      LIST    one JSON sample a second from the trainer (depth, rates,
                                 stall), newest first, capped at an hour
+    bq:{Q}:scale        STRING  the autoscalers' decision lease: the id of the
+                                ``serve --workers auto`` that may change its pool now
+                                (SET NX PX; held until the workers it started joined)
+    bq:{Q}:scalers      ZSET    autoscaler id -> heartbeat deadline (server ms): how
+                                many hosts share the deficit
+    bq:{Q}:scalelog     LIST    the autoscalers' decisions as JSON, newest first (capped)
     bq:{Q}:frame:<p>:<n> STRING a large frame stored by reference (the data list holds
                                 its name); no TTL once it is in the data list
     reserved: bq:{Q}:data:<rank> and a ledger per rank, for data-parallel trainers
@@ -106,6 +112,9 @@ class QueueKeys:
         self.pstats = f"{self.base}:pstats"
         self.trainer = f"{self.base}:trainer"
         self.history = f"{self.base}:history"
+        self.scale = f"{self.base}:scale"
+        self.scalers = f"{self.base}:scalers"
+        self.scalelog = f"{self.base}:scalelog"
         self.frame_prefix = f"{self.base}:frame:"
 
     def lease(self, producer: str) -> str:

@@ -5,9 +5,10 @@ all the queues, a second for lease lists and referenced frames); nothing here wr
 Redis. The verdict's rule and thresholds are in :mod:`batchq.verdict`.
 
 ``status --json`` prints a list of objects, one per queue, with these fields in this
-order (schema version 2; version 1 had the first 13, with the same meanings, and no
-``schema`` field). Counters are cumulative since the queue's keys were created: they
-are not reset between runs (``batchq reset`` deletes them).
+order (schema version 3; version 2 had the fields up to ``verdict_reason``, and
+``host`` was not in the producer objects; version 1 had the first 13, with the same
+meanings, and no ``schema`` field). Counters are cumulative since the queue's keys were
+created: they are not reset between runs (``batchq reset`` deletes them).
 
     queue                 str          the queue's name
     run                   str          the run id ('' if none)
@@ -52,7 +53,24 @@ are not reset between runs (``batchq reset`` deletes them).
     supply_batches_per_s  float|null   sum of the live producers' batches_per_s
     verdict               str          'input-bound', 'trainer-bound', 'balanced', 'idle'
                                        or 'unknown' (rule: batchq.verdict)
-    verdict_reason        str          one sentence: why
+    verdict_reason        str          one sentence: why (with the cause, when known)
+    verdict_cause         str|null     'cpu-starved', 'transport-saturated' or
+                                       'slow-producer' (rule: batchq.verdict.cause)
+    demand_batches_per_s  float|null   batches/s the trainer would take if it never
+                                       waited: trainer_batches_per_s / (1 - stall)
+    busy_ms_per_batch     float|null   the trainer's own work per batch (1000 / demand)
+    producer_batches_per_s float|null  the observed pipeline rate of one producer (recent
+                                       history samples, else the live producers' totals)
+    delivered_batches_per_s float|null frames actually pushed per second (recent samples)
+    recommended_producers int|null     producers that meet the demand at that rate, with
+                                       a 5% margin (batchq.sizing)
+    producers_deficit     int|null     recommended_producers - producers_alive (negative:
+                                       producers to spare)
+    autoscalers           int          live `serve --workers auto` sharing the queue
+    autoscale_added       int          workers they added (all, cumulative)
+    autoscale_retired     int          workers they retired
+    autoscale_last        object|null  their newest decision: t (unix s), scaler, action,
+                                       count, workers, reason, figures (batchq.pool)
 
 A producer object (its counters cover its whole life; ids are unique per process):
 
@@ -66,6 +84,8 @@ A producer object (its counters cover its whole life; ids are unique per process
                                        reaches when it is never blocked
     blocked_fraction      float|null   blocked_s / (build_s + blocked_s)
     heartbeat_in_s        float        seconds until its heartbeat deadline
+    host                  str          the host part of a default id (host-pid-random),
+                                       else the whole id
 
 ``bytes_held``: Redis cannot give the size of a list element without sending it
 (STRLEN works on strings only), so this is an estimate: depth times the mean frame size
@@ -90,9 +110,10 @@ from typing import Any
 
 import redis
 
+from batchq import sizing
 from batchq.keys import QueueKeys, queue_from_meta_key
 from batchq.snapshot import QueueSnapshot, read_snapshots
-from batchq.verdict import FIGURES_FRESH_S, RECENT_S, judge
+from batchq.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
 
 __all__ = [
     "PRODUCER_FIELDS",
@@ -113,7 +134,7 @@ __all__ = [
 ]
 
 #: The version of the row layout documented above.
-STATUS_SCHEMA_VERSION = 2
+STATUS_SCHEMA_VERSION = 3
 
 #: Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket,
 #: ``wait_bucket:<len>``, is +Inf. The trainer (consumer.stats) counts into them and the
@@ -128,11 +149,14 @@ STATUS_FIELDS = (
     "trainer_busy_s", "figures_age_s", "stall", "stall_epoch", "trainer_batches_per_s",
     "trainer_mb_per_s", "wait_p50_s", "wait_p90_s", "wait_p99_s", "epoch", "epoch_progress",
     "epoch_fraction", "producers", "supply_batches_per_s", "verdict", "verdict_reason",
+    "verdict_cause", "demand_batches_per_s", "busy_ms_per_batch", "producer_batches_per_s",
+    "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
+    "autoscale_added", "autoscale_retired", "autoscale_last",
 )  # fmt: skip
 
 PRODUCER_FIELDS = (
     "id", "batches", "bytes", "build_s", "blocked_s", "build_ms_per_batch", "batches_per_s",
-    "blocked_fraction", "heartbeat_in_s",
+    "blocked_fraction", "heartbeat_in_s", "host",
 )  # fmt: skip
 
 
@@ -175,6 +199,7 @@ def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, 
         "batches_per_s": _ratio(1000.0, per_batch) if per_batch else None,
         "blocked_fraction": _ratio(blocked_ms, build_ms + blocked_ms),
         "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
+        "host": producer.rsplit("-", 2)[0] if producer.count("-") >= 2 else producer,
     }
 
 
@@ -275,7 +300,52 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
         "verdict": verdict,
         "verdict_reason": reason,
     }
+    row.update(_sizing(snap, row, fresh))
     return row
+
+
+def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    """Demand, supply and the recommendation (batchq.sizing), and the verdict's cause."""
+    rate, stall = row["trainer_batches_per_s"], row["stall"]
+    demand = sizing.demand_rate(rate, stall) if fresh else None
+    samples = sizing.recent_samples(snap.history, snap.now_ms / 1000 - RECENT_S)
+    counters = [snap.pstats.get(p, {}) for p in snap.alive]
+    per_producer = sizing.producer_rate(
+        samples,
+        sum(c.get("batches", 0) for c in counters),
+        sum(c.get("produce_ms", 0) for c in counters),
+    )
+    recommended = sizing.recommended_producers(demand, per_producer)
+    delivered = sizing.delivered_rate(samples)
+    why = cause(
+        verdict=row["verdict"],
+        depths=recent_depths(snap),
+        hwm=snap.hwm,
+        producers=row["producers"],
+        samples=snap.history,
+        supply=row["supply_batches_per_s"],
+        # Only over samples with today's producers: after a join the delivered rate
+        # still lags the new supply.
+        delivered=delivered
+        if all(s.get("producers") == len(snap.alive) for s in samples)
+        else None,
+    )
+    out: dict[str, Any] = {
+        "verdict_cause": why[0] if why else None,
+        "demand_batches_per_s": demand,
+        "busy_ms_per_batch": None if demand is None else 1000.0 / demand,
+        "producer_batches_per_s": per_producer,
+        "delivered_batches_per_s": delivered,
+        "recommended_producers": recommended,
+        "producers_deficit": None if recommended is None else recommended - len(snap.alive),
+        "autoscalers": snap.autoscalers,
+        "autoscale_added": snap.stats.get("autoscale_add", 0),
+        "autoscale_retired": snap.stats.get("autoscale_retire", 0),
+        "autoscale_last": snap.last_decision,
+    }
+    if why:
+        out["verdict_reason"] = f"{row['verdict_reason']}; {why[1]}"
+    return out
 
 
 def status_rows(client: redis.Redis, queues: list[str]) -> list[dict[str, Any]]:
@@ -329,6 +399,10 @@ def fmt_epoch(row: dict[str, Any]) -> str:
     return f"{row['epoch']} {fmt_pct(min(1.0, row['epoch_fraction']))}"
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}/s"
+
+
 def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
     lines = [f"{r['queue']}: {r['verdict'].upper()}: {r['verdict_reason']}"]
     if r["trainer_batches_per_s"] is not None:
@@ -341,6 +415,26 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
             f"(epoch {fmt_pct(r['stall_epoch'])}), wait p50/p90/p99 {waits} ms "
             f"(figures {fmt_age(r['figures_age_s'])} old)"
         )
+    if r["recommended_producers"] is not None:
+        lines.append(
+            f"  sizing: demand {r['demand_batches_per_s']:.1f} batches/s "
+            f"({r['busy_ms_per_batch']:.1f} ms of work per batch), supply "
+            f"{_rate(r['supply_batches_per_s'])} built, {_rate(r['delivered_batches_per_s'])}"
+            f" delivered; {r['producer_batches_per_s']:.1f} per producer: recommend "
+            f"{r['recommended_producers']} producers (now {r['producers_alive']})"
+        )
+    last = r["autoscale_last"]
+    if r["autoscalers"] or last:
+        line = (
+            f"  autoscale: {r['autoscalers']} autoscaler(s), {r['autoscale_added']} added, "
+            f"{r['autoscale_retired']} retired"
+        )
+        if last:
+            line += (
+                f"; last {last.get('action')} {last.get('count')} -> {last.get('workers')} "
+                f"({last.get('reason')})"
+            )
+        lines.append(line)
     for p in r["producers"][:max_producers]:
         rate = "-" if p["batches_per_s"] is None else f"{p['batches_per_s']:.1f}"
         lines.append(
@@ -364,7 +458,7 @@ def render_table(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
     if not rows:
         return "no queues on this server"
     headers = (
-        "QUEUE", "DEPTH/HWM", "PRODUCERS", "LEASES", "HELD", "OLDEST", "STALL", "EPOCH",
+        "QUEUE", "DEPTH/HWM", "PRODUCERS", "NEED", "LEASES", "HELD", "OLDEST", "STALL", "EPOCH",
         "SERVED", "TRAINER", "DEAD",
     )  # fmt: skip
     table = [headers]
@@ -374,6 +468,7 @@ def render_table(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
                 r["queue"],
                 f"{r['depth']}/{r['hwm']}",
                 str(r["producers_alive"]),
+                "-" if r["recommended_producers"] is None else str(r["recommended_producers"]),
                 str(r["leases"]),
                 fmt_bytes(r["bytes_held"]),
                 fmt_age(r["oldest_age_s"]),

@@ -2,10 +2,11 @@
 
 :func:`read_snapshots` reads any number of queues in one pipelined round trip (TIME and,
 per queue, meta, LLEN of the data list, the producers' heartbeats, the stats, pstats and
-trainer hashes, the dead list's length, the newest history samples and the oldest
-element of the data list), plus a second one only when it needs what the first
-returned: the lease lists of live producers (``leases=True``) and the first 64 KiB of a
-frame stored by reference when that is the oldest element. Nothing here writes.
+trainer hashes, the dead list's length, the newest history samples, the oldest
+element of the data list, the autoscalers' registry and their last decision), plus a
+second one only when it needs what the first returned: the lease lists of live
+producers (``leases=True``) and the first 64 KiB of a frame stored by reference when
+that is the oldest element. Nothing here writes.
 
 Times are the Redis server's (``TIME``), so every viewer agrees on "now" and on which
 producers are alive, whatever its own clock says.
@@ -59,6 +60,8 @@ class QueueSnapshot:
         oldest_t: the producer wall time in the oldest frame's header, None when the
             list is empty, the frame has no time, or its header cannot be read.
         leases: shards leased by live producers, None when not read.
+        autoscalers: live ``serve --workers auto`` registered on the queue.
+        last_decision: the newest entry of the scalelog (parsed), None if none.
     """
 
     queue: str
@@ -73,6 +76,8 @@ class QueueSnapshot:
     history: list[dict[str, Any]] = field(default_factory=list)
     oldest_t: float | None = None
     leases: int | None = None
+    autoscalers: int = 0
+    last_decision: dict[str, Any] | None = None
 
     @property
     def hwm(self) -> int:
@@ -161,16 +166,18 @@ def read_snapshots(
         pipe.hgetall(k.trainer)
         pipe.lrange(k.history, 0, history - 1 if history >= 0 else -1)
         pipe.lindex(k.data, -1)
+        pipe.zrange(k.scalers, 0, -1, withscores=True)
+        pipe.lindex(k.scalelog, 0)
     replies = pipe.execute()
     sec, usec = replies[0]
     now_ms = int(sec) * 1000 + int(usec) // 1000
     snaps: list[QueueSnapshot] = []
     oldest: list[bytes | None] = []
-    per = 9
+    per = 11
     for i, k in enumerate(keys):
-        meta, depth, producers, stats, dead, pstats, trainer, hist, last = replies[
-            1 + i * per : 1 + (i + 1) * per
-        ]
+        meta, depth, producers, stats, dead, pstats, trainer, hist, last, scalers, decision = (
+            replies[1 + i * per : 1 + (i + 1) * per]
+        )
         alive = {_text(p): float(s) for p, s in producers if float(s) >= now_ms}
         snaps.append(
             QueueSnapshot(
@@ -184,6 +191,8 @@ def read_snapshots(
                 pstats=_pstats(pstats),
                 trainer={_text(a): _text(b) for a, b in trainer.items()},
                 history=_history(hist) if history else [],
+                autoscalers=sum(1 for _, score in scalers if float(score) >= now_ms),
+                last_decision=next(iter(_history([decision] if decision else [])), None),
             )
         )
         oldest.append(last)

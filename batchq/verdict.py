@@ -22,6 +22,19 @@ The rule (:func:`judge`), first match wins:
 6. ``balanced``: the trainer rarely waits and the producers are rarely blocked: both
    sides run at about the same rate (the cheapest configuration that does not stall).
 
+When it can, :func:`cause` names why the trainer is input-bound (first match wins):
+
+- ``slow-producer``: one producer builds under half the median rate of the others. It
+  comes first: a slow producer also holds the others back at the look-ahead window,
+  which would otherwise look like a transport shortfall.
+- ``cpu-starved``: in the stored history, the per-producer pipeline rate at the largest
+  producer count is under :data:`STARVED_DROP` of the rate at the smallest: adding
+  producers slowed every one of them (they share the host's CPUs).
+- ``transport-saturated``: the producers could build far more than reaches the queue
+  (their pipelines' summed rate is at least 1/:data:`TRANSPORT_SHORTFALL` times what
+  was pushed) while the queue stays low (median under 1/4 of the hwm): the time goes
+  into Redis or the network, not into building, so more producers will not help.
+
 The producers' blocked time is shown but not used: it is cumulative over each
 producer's life, so it cannot say what is happening now. History samples carry the
 trainer's wall time and "now" is the Redis server's: a trainer whose clock is off by
@@ -32,12 +45,19 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import Any
+
+from batchq.sizing import sample_rate
 
 __all__ = [
+    "CAUSES",
     "FIGURES_FRESH_S",
     "RECENT_S",
     "STALL_INPUT_BOUND",
+    "STARVED_DROP",
+    "TRANSPORT_SHORTFALL",
     "VERDICTS",
+    "cause",
     "judge",
     "near_cap",
 ]
@@ -50,6 +70,12 @@ FIGURES_FRESH_S = 10.0
 RECENT_S = 15.0
 #: Every verdict judge() may return.
 VERDICTS = ("input-bound", "trainer-bound", "balanced", "idle", "unknown")
+#: Every cause cause() may return.
+CAUSES = ("transport-saturated", "cpu-starved", "slow-producer")
+#: Delivered under this fraction of the pipelines' summed rate: the transport is the limit.
+TRANSPORT_SHORTFALL = 0.6
+#: Per-producer rate at the most producers under this fraction of that at the fewest.
+STARVED_DROP = 0.8
 
 
 def near_cap(depth: float, hwm: int) -> bool:
@@ -98,3 +124,82 @@ def judge(
         return "trainer-bound", f"{at}: producers wait for the trainer{waits}"
     pct = 100 * (stall or 0.0)
     return "balanced", f"the trainer waits {pct:.0f}% of its time; producers keep up ({at})"
+
+
+def _rates_by_count(samples: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Per-producer pipeline rate for each producer count seen in the samples."""
+    out: dict[int, float] = {}
+    prev: int | None = None
+    segment: list[dict[str, Any]] = []
+    for s in [*samples, {}]:  # the sentinel closes the last run
+        n = s.get("producers")
+        n = n if isinstance(n, int) and not isinstance(n, bool) else None
+        if n != prev and segment:
+            if prev is not None and prev > 0:
+                rate = sample_rate(segment)
+                if rate is not None:
+                    out[prev] = rate
+            segment = []
+        segment.append(s)
+        prev = n
+    return out
+
+
+def cause(
+    *,
+    verdict: str,
+    depths: Sequence[float],
+    hwm: int,
+    producers: Sequence[dict[str, Any]],
+    samples: Sequence[dict[str, Any]],
+    supply: float | None,
+    delivered: float | None,
+) -> tuple[str, str] | None:
+    """Why the trainer is input-bound, when the figures say (the rule in the module doc).
+
+    Args:
+        verdict: what :func:`judge` returned; causes are named for 'input-bound' only.
+        depths: recent depth samples.
+        hwm: the run's cap.
+        producers: the status rows' producer objects (``id``, ``batches_per_s``).
+        samples: history samples, newest first (with ``producers``, ``built``,
+            ``build_ms``).
+        supply: the live producers' summed pipeline rate.
+        delivered: frames pushed per second recently.
+
+    Returns:
+        (cause, sentence) with cause one of :data:`CAUSES`, or None.
+    """
+    if verdict != "input-bound":
+        return None
+    depth = statistics.median(depths) if depths else 0.0
+    rated = sorted(
+        (p["batches_per_s"], p["id"]) for p in producers if p.get("batches_per_s") is not None
+    )
+    if len(rated) >= 2:
+        slowest, pid = rated[0]
+        others = statistics.median(r for r, _ in rated[1:])
+        if slowest < 0.5 * others:
+            return "slow-producer", (
+                f"producer {pid} builds {slowest:.1f} batches/s, under half the others' "
+                f"{others:.1f}/s"
+            )
+    by_count = _rates_by_count(samples)
+    if len(by_count) >= 2:
+        few, many = min(by_count), max(by_count)
+        if by_count[many] < STARVED_DROP * by_count[few]:
+            return "cpu-starved", (
+                f"each producer built {by_count[few]:.1f} batches/s with {few} and "
+                f"{by_count[many]:.1f}/s with {many}: they compete for their host's CPU"
+            )
+    if (
+        supply is not None
+        and delivered is not None
+        and delivered < TRANSPORT_SHORTFALL * supply
+        and depth < max(1.0, hwm / 4)
+    ):
+        return "transport-saturated", (
+            f"producers could build {supply:.1f} batches/s but only {delivered:.1f}/s reach "
+            "the queue, which stays low: Redis or the network is the limit, not the producers"
+        )
+    return None

@@ -217,6 +217,7 @@ class Reader(threading.Thread):
             self.keys.producers,
             self.keys.trainer,
             self.keys.history,
+            self.keys.pstats,
         ]
         args: list[Any] = [
             self.session.incarnation,

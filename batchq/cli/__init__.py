@@ -108,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--hwm", type=int, default=10, help="queue cap (the run's, set by its first producer)"
     )
-    serve.add_argument("--workers", type=int, default=1, help="producer processes to run")
+    serve.add_argument(
+        "--workers",
+        default="1",
+        help="producer processes to run: N, or MIN:MAX / auto (1:16) to scale on the "
+        "trainer's demand (batchq.autoscale)",
+    )
     serve.add_argument(
         "--requests-per-shard",
         type=int,

@@ -1,8 +1,14 @@
 """``batchq report --queue Q --out report.png``: depth, stall and throughput over the run.
 
 The samples come from the queue's history list: the trainer pushes one a second while it
-runs (depth before its pop, batches so far, recent stall fraction, batches/s, MB/s),
-newest first, the last hour. Needs matplotlib (``pip install 'batchq[report]'``); only
+runs (depth before its pop, batches so far, recent stall fraction, batches/s, MB/s,
+and, added by the pop script, the producers alive, frames pushed and the live
+producers' build totals), newest first, the last hour. Four plots share the time axis:
+depth; the trainer's stall; throughput, with the trainer's demand (batches/s it would
+take if it never waited) against the producers' supply (their count times the rate of
+one, between consecutive samples) and what was delivered (frames pushed per second);
+and the producers alive, with joins (+n) and leaves (-n) marked, and faint vertical
+lines at them on every plot. Needs matplotlib (``pip install 'batchq[report]'``); only
 its object-oriented API is used (no pyplot, no display needed).
 """
 
@@ -16,8 +22,9 @@ from typing import Any
 from batchq.connection import call, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
 from batchq.keys import QueueKeys, check_name
+from batchq.sizing import delivered_rate, demand_rate, sample_rate
 
-__all__ = ["MISSING", "load_history", "plot_report", "run_report"]
+__all__ = ["MISSING", "load_history", "plot_report", "run_report", "sizing_series"]
 
 MISSING = "batchq report needs matplotlib: pip install 'batchq[report]'"
 
@@ -41,6 +48,46 @@ def load_history(client: Any, queue: str) -> list[dict[str, Any]]:
         if isinstance(sample, dict) and isinstance(sample.get("t"), int | float):
             samples.append(sample)
     return samples
+
+
+def sizing_series(samples: list[dict[str, Any]]) -> dict[str, list[float | None]]:
+    """Per sample (oldest first): producers, demand, supply, delivered, and changes.
+
+    ``change`` is the change in the producer count since the previous sample (joins
+    positive, leaves negative); a figure a sample cannot give (samples written before
+    the pop script added the queue side, the first sample's rates) is None.
+    """
+    out: dict[str, list[float | None]] = {
+        k: [] for k in ("producers", "demand", "supply", "delivered", "change")
+    }
+    prev: dict[str, Any] | None = None
+    for s in samples:
+        n = s.get("producers")
+        n = float(n) if isinstance(n, int | float) else None
+        out["producers"].append(n)
+        rate, stall = s.get("batches_per_s"), s.get("stall")
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (rate, stall))
+        out["demand"].append(demand_rate(rate, stall) if numbers else None)
+        supply = delivered = change = None
+        if prev is not None:
+            rate = sample_rate([s, prev])
+            supply = rate * n if rate is not None and n is not None else None
+            delivered = delivered_rate([s, prev])
+            pn = prev.get("producers")
+            if n is not None and isinstance(pn, int | float) and n != pn:
+                change = n - pn
+        out["supply"].append(supply)
+        out["delivered"].append(delivered)
+        out["change"].append(change)
+        prev = s
+    return out
+
+
+def _mark_changes(axes: list[Any], t: list[float], change: list[float | None]) -> None:
+    for x, c in zip(t, change, strict=True):
+        if c:
+            for ax in axes:
+                ax.axvline(x, color="tab:olive" if c > 0 else "tab:brown", alpha=0.35, lw=0.8)
 
 
 def plot_report(
@@ -77,7 +124,10 @@ def plot_report(
 
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
-    depth_ax, stall_ax, rate_ax = fig.subplots(3, 1, sharex=True)
+    depth_ax, stall_ax, rate_ax, prod_ax = fig.subplots(
+        4, 1, sharex=True, height_ratios=[1, 1, 1.3, 0.8]
+    )
+    sz = sizing_series(samples)
     depth_ax.step(t, series("depth"), where="post", color="tab:blue", label="depth")
     if hwm:
         depth_ax.axhline(hwm, color="tab:gray", linestyle="--", label=f"hwm {hwm}")
@@ -88,15 +138,35 @@ def plot_report(
     stall_ax.fill_between(t, series("stall", 100.0), color="tab:red", alpha=0.2)
     stall_ax.set_ylabel("trainer waiting (%)")
     stall_ax.set_ylim(0, 100)
-    rate_ax.plot(t, series("batches_per_s"), color="tab:green", label="batches/s")
+    rate_ax.plot(t, series("batches_per_s"), color="tab:green", label="trainer took")
+    for name, color, style in (
+        ("demand", "tab:red", "--"),
+        ("supply", "tab:blue", "-."),
+        ("delivered", "tab:cyan", ":"),
+    ):
+        if any(v is not None for v in sz[name]):
+            values = [float("nan") if v is None else v for v in sz[name]]
+            rate_ax.plot(t, values, color=color, linestyle=style, label=name)
+    rate_ax.legend(loc="upper left", fontsize="small", ncol=4)
     rate_ax.set_ylabel("batches/s")
     rate_ax.set_ylim(bottom=0)
     mb_ax = rate_ax.twinx()
     mb_ax.plot(t, series("mb_per_s"), color="tab:purple", linestyle=":", label="MB/s")
     mb_ax.set_ylabel("MB/s")
     mb_ax.set_ylim(bottom=0)
-    rate_ax.set_xlabel("seconds since the first sample")
-    for ax in (depth_ax, stall_ax, rate_ax):
+    counts = [float("nan") if v is None else v for v in sz["producers"]]
+    prod_ax.step(t, counts, where="post", color="tab:orange")
+    for x, n, c in zip(t, counts, sz["change"], strict=True):
+        if c:
+            prod_ax.annotate(
+                f"{c:+g}", (x, n), fontsize="x-small",
+                xytext=(0, 4 if c > 0 else -10), textcoords="offset points", ha="center",
+            )  # fmt: skip
+    prod_ax.set_ylabel("producers")
+    prod_ax.set_ylim(bottom=0)
+    _mark_changes([depth_ax, stall_ax, rate_ax], t, sz["change"])
+    prod_ax.set_xlabel("seconds since the first sample")
+    for ax in (depth_ax, stall_ax, rate_ax, prod_ax):
         ax.grid(alpha=0.3)
     mean_stall = sum(series("stall")) / len(samples)
     fig.suptitle(

@@ -11,8 +11,10 @@ import sys
 import threading
 from typing import Any
 
-from batchq.connection import ENV_URL, resolve_url
+from batchq.autoscale import ScalePolicy
+from batchq.connection import ENV_URL, make_client, resolve_url
 from batchq.errors import ConfigError
+from batchq.pool import WorkerPool
 from batchq.procs import spawn, stop_group
 
 __all__ = ["load_factory", "run_serve"]
@@ -42,11 +44,10 @@ def load_factory(spec: str) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve in this process, or supervise ``--workers`` producer processes."""
-    if args.workers < 1:
-        raise ConfigError(f"--workers {args.workers!r} is not valid: expected >= 1")
+    policy = ScalePolicy.parse(args.workers)
     url = resolve_url(args.url)
-    if args.workers > 1:
-        return _supervise(args, url)
+    if policy.auto or policy.min_workers > 1:
+        return _supervise(args, url, policy)
     from producer import start_server
 
     stream = load_factory(args.factory)()
@@ -60,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
 
 
-def _supervise(args: argparse.Namespace, url: str) -> int:
+def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
     # Each worker is a plain `batchq serve` in its own process group; SIGTERM/SIGINT to
     # the supervisor is passed on, so its workers hand their leases back.
     load_factory(args.factory)  # fail early, in the parent, on a bad spec
@@ -83,7 +84,6 @@ def _supervise(args: argparse.Namespace, url: str) -> int:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]
     # The URL may hold a password: pass it in the environment, not on command lines.
     env = {**os.environ, ENV_URL: url}
-    procs = [spawn(argv, env=env) for _ in range(args.workers)]
     stopping = threading.Event()
 
     def forward(signum: int, _frame: Any) -> None:
@@ -91,6 +91,14 @@ def _supervise(args: argparse.Namespace, url: str) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
+    if policy.auto:  # --workers auto or MIN:MAX: batchq.autoscale decides, batchq.pool acts
+        client = make_client(url)
+        try:
+            pool = WorkerPool(client, args.queue, policy, lambda: spawn(argv, env=env))
+            return pool.run(stopping)
+        finally:
+            client.close()
+    procs = [spawn(argv, env=env) for _ in range(policy.min_workers)]
     codes: list[int] = []
     try:
         for proc in procs:

@@ -4,8 +4,12 @@ Each refresh reads every queue shown in one round trip (:func:`batchq.monitor.st
 underneath) and appends this read's depth and the trainer's stall to the sparklines,
 which start from the trainer's history list (one sample a second) the first time a queue
 is seen. Frame rates in and out (and each producer's push rate) are the differences of the
-counters between two refreshes, over the Redis server's clock; a producer's build rate
-is its batches per second of pipeline time (see :mod:`batchq.monitor`).
+counters between two refreshes, over the Redis server's clock; on the first screen (and
+with ``--once``) the rates in and out come from the stored history instead (frames
+pushed and batches taken over its last :data:`batchq.verdict.RECENT_S` seconds, by the
+trainer's clock), so they show at once. A producer's build rate is its batches per
+second of pipeline time (see :mod:`batchq.monitor`); the producers line shows what the
+pool needs (:mod:`batchq.sizing`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from batchq.monitor import (
     list_queues,
     row_from_snapshot,
 )
+from batchq.sizing import recent_samples
 from batchq.snapshot import QueueSnapshot, read_snapshots
+from batchq.verdict import RECENT_S
 
 __all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]
 
@@ -99,6 +105,9 @@ class TopState:
             if last is not None and dt > 0:
                 row["rate_in"] = max(0, row["pushed"] - last[1]) / dt
                 row["rate_out"] = max(0, row["popped"] - last[2]) / dt
+            elif last is None:  # first sight: the rates of the stored history
+                row["rate_in"] = row["delivered_batches_per_s"]
+                row["rate_out"] = _taken_rate(snap)
             self._last[q] = (snap.now_ms, row["pushed"], row["popped"])
             for p in row["producers"]:
                 before = self._pushed.get((q, p["id"]))
@@ -108,6 +117,19 @@ class TopState:
                 self._pushed[(q, p["id"])] = p["batches"]
             rows.append(row)
         return rows
+
+
+def _taken_rate(snap: QueueSnapshot) -> float | None:
+    """Batches the trainer took per second over its recent history samples."""
+    samples = recent_samples(snap.history, snap.now_ms / 1000 - RECENT_S)
+    if len(samples) < 2:
+        return None
+    new, old = samples[0], samples[-1]
+    try:
+        dt, db = float(new["t"]) - float(old["t"]), float(new["batches"]) - float(old["batches"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return db / dt if dt > 0 and db >= 0 else None
 
 
 def _rate(value: float | None, unit: str = "/s") -> str:
@@ -138,7 +160,15 @@ def _panel(row: dict[str, Any], state: TopState) -> Panel:
     )
     lines: list[Text] = [depth, stall, flow]
     producers = row["producers"]
-    lines.append(Text(f"producers {len(producers)} alive", style="bold" if producers else "red"))
+    need = ""
+    if row["recommended_producers"] is not None:
+        need = (
+            f", need {row['recommended_producers']} (demand "
+            f"{row['demand_batches_per_s']:.1f} b/s, {row['producer_batches_per_s']:.1f} each)"
+        )
+    lines.append(
+        Text(f"producers {len(producers)} alive{need}", style="bold" if producers else "red")
+    )
     for p in producers[:_MAX_PRODUCERS]:
         build, pushes = _rate(p["batches_per_s"]), _rate(p.get("rate"))
         lines.append(

@@ -1,6 +1,7 @@
 -- pop.lua: the trainer pops up to N frames; pops first, then wakes producers.
 -- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] wake  KEYS[5] stats
 -- KEYS[6] producers  KEYS[7] trainer (HASH of recent figures)  KEYS[8] history
+-- KEYS[9] pstats (read only: the live producers' build totals for the history sample)
 -- ARGV[1] incarnation  ARGV[2] run  ARGV[3] claim token
 -- ARGV[4] max frames to pop (0: only account, e.g. the trainer's last figures at close)
 -- ARGV[5] the trainer's floor (oldest incomplete global shard)
@@ -11,7 +12,9 @@
 -- ARGV[11] epochs completed since the last call
 -- ARGV[12] wait-time histogram increments, 'c1,c2,...' per bucket ('' for none)
 -- ARGV[13] the trainer's figures as a JSON object ('' for none): stored in KEYS[7]
--- ARGV[14] a history sample as a JSON object ('' for none): pushed on KEYS[8] (capped)
+-- ARGV[14] a history sample as a JSON object ('' for none): pushed on KEYS[8] (capped),
+--          with the queue side of the moment added (see batchq.sizing): 'producers'
+--          alive, 'pushed' frames, and the live producers' 'built' batches and 'build_ms'
 -- Returns {'OK', producers alive, depth before the pop, {elements...}}
 --      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'}
 -- At maxmemory Redis refuses a script whose first write may grow memory, so the pop
@@ -67,7 +70,30 @@ if ARGV[13] ~= '' then
   call('HSET', KEYS[7], 'updated_ms', now)
 end
 if ARGV[14] ~= '' then
-  call('LPUSH', KEYS[8], ARGV[14])
+  local sample = ARGV[14]
+  local ok, s = pcall(cjson.decode, sample)
+  if ok and type(s) == 'table' then
+    local live = redis.call('ZRANGEBYSCORE', KEYS[6], now, '+inf')
+    local built, build_ms = 0, 0
+    if #live > 0 and KEYS[9] then  -- a caller of the 8-key layout adds no totals
+      local fields = {}
+      for _, p in ipairs(live) do
+        fields[#fields + 1] = p .. ':batches'
+        fields[#fields + 1] = p .. ':produce_ms'
+      end
+      local v = redis.call('HMGET', KEYS[9], unpack(fields))
+      for i = 1, #v, 2 do
+        built = built + (tonumber(v[i]) or 0)
+        build_ms = build_ms + (tonumber(v[i + 1]) or 0)
+      end
+    end
+    s['producers'] = #live
+    s['pushed'] = tonumber(redis.call('HGET', KEYS[5], 'pushed')) or 0
+    s['built'] = built
+    s['build_ms'] = build_ms
+    sample = cjson.encode(s)
+  end
+  call('LPUSH', KEYS[8], sample)
   call('LTRIM', KEYS[8], 0, 3599)
 end
 local alive = redis.call('ZCOUNT', KEYS[6], now, '+inf')

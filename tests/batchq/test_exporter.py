@@ -98,6 +98,37 @@ def _trainer_figures(client: redis.Redis, keys: QueueKeys) -> None:
     )
 
 
+def test_the_sizing_figures_are_exported(
+    redis_url: str, redis_client: redis.Redis, queue_name: str
+) -> None:
+    keys = QueueKeys(queue_name)
+    sec, usec = redis_client.time()
+    now_ms = sec * 1000 + usec // 1000
+    redis_client.hset(keys.meta, mapping={"run": "r", "hwm": 8, "claim": "t",
+                                          "claim_deadline": now_ms + 60_000})  # fmt: skip
+    redis_client.zadd(keys.producers, {"h-1-a": now_ms + 60_000, "h-2-b": now_ms + 60_000})
+    pstats = {f"{p}:{k}": v for p in ("h-1-a", "h-2-b") for k, v in
+              (("batches", 10), ("produce_ms", 1000))}  # fmt: skip
+    redis_client.hset(keys.pstats, mapping=pstats)
+    redis_client.hset(keys.trainer, mapping={"stall_fraction_recent": 0.5, "batches_per_s": 20,
+                                             "updated_ms": now_ms})  # fmt: skip
+    redis_client.hset(keys.stats, mapping={"autoscale_add": 5, "autoscale_retire": 2})
+    client = make_client(redis_url)
+    server = start_exporter(client, port=0, queues=[queue_name])
+    try:
+        got = scrape(server.port)
+    finally:
+        server.close()
+        client.close()
+    q = (("queue", queue_name),)
+    assert got[("batchq_trainer_demand_batches_per_second", q)] == 40.0  # 20 / (1 - 0.5)
+    assert got[("batchq_supply_batches_per_second", q)] == 20.0  # 2 producers at 10/s
+    assert got[("batchq_producer_rate_batches_per_second", q)] == 10.0
+    assert got[("batchq_recommended_producers", q)] == 5  # 4 x 1.05, rounded up
+    assert got[("batchq_autoscale_decisions_total", (("action", "add"), *q))] == 5
+    assert got[("batchq_autoscale_decisions_total", (("action", "retire"), *q))] == 2
+
+
 def test_a_scrape_matches_redis(
     redis_url: str, redis_client: redis.Redis, queue_name: str, serving: Producer
 ) -> None:
@@ -142,7 +173,7 @@ def test_a_scrape_matches_redis(
     assert got[("batchq_producer_bytes_pushed_total", pq)] == pstats[f"{pid}:bytes"]
     assert ("batchq_producer_blocked_seconds_total", pq) in got
     labels = {k for _, labels in got for k, _ in labels}
-    assert labels <= {"queue", "producer", "le", "reason"}
+    assert labels <= {"queue", "producer", "le", "reason", "action"}
 
 
 def test_a_scrape_says_when_redis_is_unreachable() -> None:
@@ -231,7 +262,18 @@ def test_the_documented_metrics_are_the_exposed_ones() -> None:
 
 def _exposed_names(redis_url: str, redis_client: redis.Redis, queue: str) -> set[str]:
     """Every sample name the exporter writes when every family has a sample."""
-    _trainer_figures(redis_client, QueueKeys(queue))
+    keys = QueueKeys(queue)
+    _trainer_figures(redis_client, keys)
+    # The sizing gauges need a trainer rate and a producer rate (two history samples).
+    redis_client.hset(keys.trainer, "batches_per_s", 12.0)
+    now = float(redis_client.time()[0])
+    redis_client.lpush(
+        keys.history,
+        *[json.dumps({"t": now - 2 + i, "producers": 1, "built": 10 * i, "build_ms": 900 * i})
+          for i in range(2)],
+    )  # fmt: skip
+    for producer in redis_client.zrange(keys.producers, 0, -1):  # builds under 1 ms
+        redis_client.hset(keys.pstats, producer.decode() + ":produce_ms", 50)
     registry = CollectorRegistry(auto_describe=False)
     client = make_client(redis_url)
     registry.register(BatchqCollector(client, [queue]))

@@ -109,7 +109,8 @@ def _documented(section: str) -> dict[str, str]:
     doc = monitor.__doc__ or ""
     status, producer = doc.split("A producer object")
     text = status if section == "status" else producer
-    spec = re.compile(r"^    (\w+)\s+(str|int|float|object|list|float\|null|int\|null)\s+\S")
+    types = r"str\|null|int\|null|float\|null|object\|null|str|int|float|object|list"
+    spec = re.compile(rf"^    (\w+)\s+({types})\s+\S")
     return {m[1]: m[2] for line in text.splitlines() if (m := spec.match(line))}
 
 
@@ -130,6 +131,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "list": (list,),
     "float|null": (float, int, type(None)),
     "int|null": (int, type(None)),
+    "str|null": (str, type(None)),
+    "object|null": (dict, type(None)),
 }
 
 
@@ -138,7 +141,7 @@ def check_schema(row: dict[str, Any]) -> None:
     assert tuple(row) == STATUS_FIELDS
     for name, typ in _documented("status").items():
         assert isinstance(row[name], _TYPES[typ]) and not isinstance(row[name], bool), name
-    assert row["schema"] == monitor.STATUS_SCHEMA_VERSION == 2
+    assert row["schema"] == monitor.STATUS_SCHEMA_VERSION == 3
     for p in row["producers"]:
         assert tuple(p) == PRODUCER_FIELDS
         for name, typ in _documented("producer").items():

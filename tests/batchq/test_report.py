@@ -66,3 +66,44 @@ def test_report_errors_name_what_is_missing(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main([*argv, str(tmp_path / "r.png")]) == 2
     assert "pip install 'batchq[report]'" in capsys.readouterr().err
+
+
+def _pool_history(n: int = 40) -> list[dict[str, object]]:
+    """A run whose pool grew from 1 to 3 producers at sample 10 and shrank to 2 at 30."""
+    out, pushed, built, build_ms = [], 0, 0, 0
+    for i in range(n):
+        producers = 1 if i < 10 else 3 if i < 30 else 2
+        pushed += 10 * producers
+        built += 10 * producers
+        build_ms += 1000 * producers
+        out.append(
+            {"t": 1000.0 + i, "depth": 0, "batches": 10 * i, "stall": 0.5,
+             "batches_per_s": 10.0, "mb_per_s": 1.0, "producers": producers,
+             "pushed": pushed, "built": built, "build_ms": build_ms}
+        )  # fmt: skip
+    return out
+
+
+def test_sizing_series_gives_demand_supply_and_the_joins_and_leaves() -> None:
+    from batchq.cli.report import sizing_series
+
+    samples = _pool_history()
+    sz = sizing_series(samples)
+    assert sz["demand"][0] == pytest.approx(20.0)  # 10 b/s while waiting half the time
+    assert sz["supply"][0] is None and sz["supply"][5] == pytest.approx(10.0)
+    assert sz["supply"][20] == pytest.approx(30.0)  # 3 producers at 10/s each
+    assert sz["delivered"][20] == pytest.approx(30.0)
+    assert [(i, c) for i, c in enumerate(sz["change"]) if c] == [(10, 2.0), (30, -1.0)]
+    old = sizing_series([{"t": 1.0, "stall": 0.1}, {"t": 2.0, "stall": "x"}])  # version 2
+    assert old["producers"] == [None, None] and old["supply"] == [None, None]
+
+
+def test_report_draws_the_pool(
+    redis_url: str, redis_client: redis.Redis, queue_name: str, tmp_path: Path
+) -> None:
+    keys = QueueKeys(queue_name)
+    redis_client.hset(keys.meta, mapping={"run": "r", "hwm": 8})
+    redis_client.lpush(keys.history, *[json.dumps(s) for s in _pool_history()])
+    out = tmp_path / "pool.png"
+    assert main(["report", "--url", redis_url, "--queue", queue_name, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

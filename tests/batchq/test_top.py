@@ -60,6 +60,26 @@ def test_rates_come_from_two_reads_over_the_servers_clock() -> None:
     assert second["producers"][0]["rate"] == pytest.approx(15.0)  # 30 frames in 2 s
 
 
+def test_the_first_screen_takes_its_rates_from_the_stored_history() -> None:
+    # 11 samples a second apart, newest first: 12 frames pushed and 10 taken a second.
+    history = [
+        {"t": 100.0 - i, "depth": 2, "stall": 0.5, "pushed": 1000 - 12 * i,
+         "batches": 900 - 10 * i, "producers": 2, "built": 500 - 6 * i,
+         "build_ms": 50_000 - 600 * i}
+        for i in range(11)
+    ]  # fmt: skip
+    trainer = {"stall_fraction_recent": "0.5", "batches_per_s": "10", "updated_ms": "100000"}
+    alive = {"h-1-a": 2e14, "h-2-b": 2e14}
+    (row,) = TopState().update([_snap("q", 100_000, 1000, 900, history=history,
+                                       trainer=trainer, alive=alive)])  # fmt: skip
+    assert row["rate_in"] == pytest.approx(12.0)
+    assert row["rate_out"] == pytest.approx(10.0)
+    # demand 10 / (1 - 0.5) = 20 b/s; each producer 10/s: 2 x 1.05 -> 3.
+    assert row["demand_batches_per_s"] == pytest.approx(20.0)
+    assert row["producer_batches_per_s"] == pytest.approx(10.0)
+    assert row["recommended_producers"] == 3
+
+
 @pytest.fixture
 def busy_queue(redis_client: redis.Redis, queue_name: str) -> Iterator[str]:
     """A queue that looks like a run in progress: two producers, a trainer, history."""
@@ -83,7 +103,10 @@ def busy_queue(redis_client: redis.Redis, queue_name: str) -> Iterator[str]:
         mapping={"stall_fraction_recent": 0.62, "batches_per_s": 33.3, "epoch": 2,
                  "epoch_progress": 45, "updated_ms": now_ms},
     )  # fmt: skip
-    samples = [{"t": now - i, "depth": i % 3, "stall": 0.6} for i in range(40)]
+    samples = [
+        {"t": now - i, "depth": i % 3, "stall": 0.6, "pushed": 200 - 5 * i, "batches": 198 - 5 * i}
+        for i in range(40)
+    ]
     redis_client.lpush(keys.history, *[json.dumps(s) for s in reversed(samples)])
     yield queue_name
 
@@ -98,7 +121,9 @@ def test_the_screen_fits_80_by_24(redis_client: redis.Redis, busy_queue: str) ->
     text = "\n".join(lines)
     assert f"{busy_queue} INPUT-BOUND" in text
     assert "2/10" in text and "62%" in text and "2 (45/100)" in text
-    assert "producers 4 alive" in text and "... 1 more" in text
+    assert "producers 4 alive, need 3 (demand 87.6 b/s, 33.3 each)" in text
+    assert "... 1 more" in text
+    assert "in 5.0/s out 5.0/s" in text  # from the history, on the very first screen
     assert "builds   33.3/s" in text  # each producer: 50 batches in 1.5 s of pipeline time
     assert "▁" in text or "█" in text  # sparklines drawn
 
