@@ -12,6 +12,7 @@ from __future__ import annotations
 from producer.transformers.base import (
     AgnosticSourcewiseTransformer,
     AgnosticTransformer,
+    ExpectsAxisLabels,
     RandomStateMixin,
     SourcewiseTransformer,
     Transformer,
@@ -44,6 +45,7 @@ __all__ = [
     "Batch",
     "Cache",
     "Cast",
+    "ExpectsAxisLabels",
     "Filter",
     "FilterSources",
     "Flatten",
