@@ -51,6 +51,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
 def _check_int(name: str, value: Any, minimum: int = 0, error: type = ConfigError) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise error(f"{name}={value!r} is not valid: expected an int >= {minimum}")

@@ -271,8 +271,7 @@ class ExpectsAxisLabels:
             return
         if actual is None:
             log.warning(
-                "%s instance could not verify the axis labels of source %r: expected %s, "
-                "got None",
+                "%s instance could not verify the axis labels of source %r: expected %s, got None",
                 type(self).__name__,
                 source_name,
                 expected,

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from producer.config import floatx
 from producer.errors import (
     ConfigError,
     IncompleteBatchError,
@@ -24,7 +25,6 @@ from producer.errors import (
 from producer.schemes import BatchSizeScheme
 from producer.streams import AbstractDataStream
 from producer.transformers.base import Transformer, check_sources, stack_examples
-from producer.transformers.simple import FLOATX
 
 __all__ = ["Batch", "Cache", "Merge", "Padding", "Unpack"]
 
@@ -155,7 +155,8 @@ class Padding(Transformer):
     Args:
         data_stream: a stream of batches.
         mask_sources: the sources to pad and mask (default: all).
-        mask_dtype: the masks' dtype (default float32, Fuel's floatX).
+        mask_dtype: the masks' dtype (default: the configured floatX, see
+            :mod:`producer.config`).
         **kwargs: ``axis_labels``.
 
     Raises:
@@ -180,7 +181,7 @@ class Padding(Transformer):
         self.mask_sources = check_sources(
             "Padding(mask_sources=...)", mask_sources, data_stream.sources
         )
-        self.mask_dtype = np.dtype(FLOATX if mask_dtype in (None, "floatX") else mask_dtype)
+        self.mask_dtype = np.dtype(floatx() if mask_dtype in (None, "floatX") else mask_dtype)
 
     @property
     def sources(self) -> tuple[str, ...]:

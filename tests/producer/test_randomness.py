@@ -265,7 +265,7 @@ def test_fuel_shuffles_replay_matches_sequential_draws() -> None:
 
 def test_integer_seeds_and_generators_keep_batchqs_scheme() -> None:
     scheme = ShuffledScheme(10, 10, rng=4)
-    assert list(scheme.get_request_iterator(epoch=2))[0] == (
+    assert next(iter(scheme.get_request_iterator(epoch=2))) == (
         np.random.default_rng([4, 2]).permutation(10).tolist()
     )
     drawn = int(np.random.default_rng(8).integers(0, 2**32))

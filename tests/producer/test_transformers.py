@@ -411,7 +411,7 @@ def test_random_fixed_size_crop_is_deterministic_and_reseedable() -> None:
 
 def test_random_2d_rotation() -> None:
     images = np.random.default_rng(0).integers(0, 255, size=(3, 1, 6, 6)).astype(np.uint8)
-    with pytest.raises(ConfigError, match="maximum_rotation=0.0"):  # Fuel's ValueError
+    with pytest.raises(ConfigError, match=r"maximum_rotation=0\.0"):  # Fuel's ValueError
         Random2DRotation(image_stream(images, 3), maximum_rotation=0.0, which_sources="images")
     spin = Random2DRotation(
         image_stream(images), resample="bilinear", which_sources="images", rng=5
