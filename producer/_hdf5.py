@@ -4,7 +4,10 @@ The file layout is Fuel's: one HDF5 dataset per source, and a ``split`` attribut
 file, a structured array with one row per (split, source) and the fields ``split``,
 ``source``, ``start``, ``stop``, ``indices``, ``available`` and ``comment``. Splits are
 ranges ``[start, stop)`` of rows; index-list splits (``indices`` references) are not
-supported. h5py is imported when first needed, so the rest of batchq works without it.
+supported. Variable-length sources (one axis of vlen elements, with ``shapes`` and
+``shape_labels`` dimension scales on that axis, as Fuel's converters write them) are
+reshaped to their stored shapes, and labelled from ``shape_labels``. h5py is imported
+when first needed, so the rest of batchq works without it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from producer.datasets import Dataset, normalize_request
-from producer.errors import ConfigError, MissingDependencyError, SourceError
+from producer.datasets.base import Dataset, normalize_request
+from producer.errors import ConfigError, MissingDependencyError, ShapeError, SourceError
 from producer.schemes import SequentialExampleScheme
 
 __all__ = ["H5PYDataset"]
@@ -44,6 +47,25 @@ def _rows_of(rows: range | np.ndarray, request: Any) -> range | np.ndarray | int
     return int(selected) if np.ndim(selected) == 0 and not isinstance(selected, range) else selected
 
 
+def _check_subset(subset: Any) -> slice | list[int] | None:
+    """Fuel's ``subset``: a slice with step 1, or a list of indices read as a set,
+    sorted (``[0, 4, 2]`` is examples 0, 2 and 4, in that order)."""
+    if subset is None or (not isinstance(subset, slice) and len(subset) == 0):
+        return None
+    if isinstance(subset, slice):
+        bounds = [b for b in (subset.start, subset.stop, subset.step) if b is not None]
+        if any(b < 0 for b in bounds) or subset.step not in (None, 1):
+            raise ConfigError(
+                f"subset={subset} is not valid: expected a slice with non-negative bounds "
+                "and a step of 1, or a list of indices"
+            )
+        return subset
+    indices = sorted({int(i) for i in subset})
+    if indices and indices[0] < 0:
+        raise ConfigError(f"subset={list(subset)!r} is not valid: it has negative indices")
+    return indices
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
@@ -55,7 +77,9 @@ class H5PYDataset(Dataset):
         file_or_path: a path, or an open ``h5py.File`` (which the dataset does not close).
         which_sets: the names of the splits to read, e.g. ``('train',)``; their examples
             are concatenated in this order.
-        subset: a slice or list of example indices within those splits (default: all).
+        subset: which examples of those splits: a slice (step 1), or a list of
+            indices read as Fuel reads it (as a sorted set: ``[0, 4, 2]`` gives
+            examples 0, 2, 4). Default: all.
         load_in_memory: read all the selected rows into memory at construction.
         driver: the h5py driver to open the file with (e.g. ``'core'``).
         sort_indices: read list requests in sorted order (h5py requires it), then put
@@ -79,39 +103,124 @@ class H5PYDataset(Dataset):
         **kwargs: Any,
     ) -> None:
         h5py = _h5py()
-        if isinstance(which_sets, str):
+        if isinstance(which_sets, str) or not all(isinstance(w, str) for w in which_sets):
             raise ConfigError(
-                f"which_sets={which_sets!r} is a string: expected a tuple of split names, "
-                f"e.g. ({which_sets!r},)"
+                f"which_sets={which_sets!r} is not valid: expected an iterable of split "
+                "names (strings), e.g. ('train',)"
             )
         self.which_sets = tuple(which_sets)
         self.driver = driver
         self.sort_indices = sort_indices
         self.load_in_memory = load_in_memory
+        self.subset = _check_subset(subset)
         self._external = isinstance(file_or_path, h5py.File)
         self.path = file_or_path.filename if self._external else os.fspath(file_or_path)
         self._file = file_or_path if self._external else None
+        self._requested_sources = kwargs.pop("sources", None)
+        self._given_labels = kwargs.pop("axis_labels", None)
+        if kwargs:
+            raise ConfigError(f"H5PYDataset got unexpected arguments {sorted(kwargs)}")
+        self._load()
+
+    def _load(self) -> None:
+        """Read the split table, the rows of each source and (if asked) the data."""
         handle = self._open_file()
         try:
             ranges = self._read_split(handle)
             self.provides_sources = tuple(ranges)
-            super().__init__(sources=kwargs.pop("sources", None), **kwargs)
+            super().__init__(sources=self._requested_sources, axis_labels=self._given_labels)
             if self.axis_labels is None:
                 self.axis_labels = self._dimension_labels(handle)
-            self._rows = {s: self._select(ranges[s], subset) for s in self.sources}
+            self.vlen_sources = tuple(
+                s for s in self.get_vlen_sources(handle) if s in self.provides_sources
+            )
+            self._rows = {s: self._select(ranges[s], self.subset) for s in self.sources}
             lengths = {s: len(r) for s, r in self._rows.items()}
             if len(set(lengths.values())) != 1:
-                raise ConfigError(f"the sources have different lengths in {which_sets}: {lengths}")
+                raise ConfigError(
+                    f"the sources have different lengths in {self.which_sets}: {lengths}"
+                )
             self._num_examples = next(iter(lengths.values()))
             self._data = (
-                [self._read(handle[s], np.asarray(self._rows[s])) for s in self.sources]
-                if load_in_memory
+                [self._read_source(handle, s, np.asarray(self._rows[s])) for s in self.sources]
+                if self.load_in_memory
                 else None
             )
         finally:
             if not self._external:
                 handle.close()
         self.example_iteration_scheme = SequentialExampleScheme(self._num_examples)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # As Fuel's: neither the file handle nor the in-memory data is pickled; the
+        # copy reopens the file by its path (and reloads the data) when unpickled.
+        state = dict(self.__dict__)
+        state["_file"] = None
+        state["_external"] = False
+        state["_data"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.load_in_memory:
+            self._load()
+
+    @property
+    def data_sources(self) -> tuple[Any, ...] | None:
+        """The in-memory data, one array per source (None unless ``load_in_memory``)."""
+        return None if self._data is None else tuple(self._data)
+
+    @staticmethod
+    def get_all_splits(h5file: Any) -> tuple[str, ...]:
+        """The names of all the splits of a Fuel HDF5 file (an open ``h5py.File``)."""
+        return tuple(dict.fromkeys(_text(row["split"]) for row in h5file.attrs["split"]))
+
+    @staticmethod
+    def get_all_sources(h5file: Any) -> tuple[str, ...]:
+        """The names of all the sources of a Fuel HDF5 file (an open ``h5py.File``)."""
+        return tuple(dict.fromkeys(_text(row["source"]) for row in h5file.attrs["split"]))
+
+    @staticmethod
+    def get_provided_sources(h5file: Any, split: str) -> tuple[str, ...]:
+        """The sources available in ``split``."""
+        return tuple(
+            _text(row["source"])
+            for row in h5file.attrs["split"]
+            if _text(row["split"]) == split and bool(row["available"])
+        )
+
+    @staticmethod
+    def get_vlen_sources(h5file: Any) -> tuple[str, ...]:
+        """The variable-length sources: one axis, with a ``shapes`` dimension scale.
+
+        Raises:
+            ShapeError: (a ``ValueError``) such a source has more than one axis.
+        """
+        found = []
+        for source in H5PYDataset.get_all_sources(h5file):
+            dims = h5file[source].dims
+            if len(dims) > 0 and "shapes" in dims[0]:
+                if len(dims) > 1:
+                    raise ShapeError(
+                        f"variable-length source {source!r} has {len(dims)} axes: expected one"
+                    )
+                found.append(source)
+        return tuple(found)
+
+    @staticmethod
+    def get_axis_labels(h5file: Any) -> dict[str, tuple[str, ...]]:
+        """The axis labels of every source; a variable-length one's come from its
+        ``shape_labels`` dimension scale, after the first axis's label."""
+        vlen = H5PYDataset.get_vlen_sources(h5file)
+        labels = {}
+        for source in H5PYDataset.get_all_sources(h5file):
+            dims = h5file[source].dims
+            if source in vlen:
+                shape_labels = tuple(_text(x) for x in dims[0]["shape_labels"][()])
+                labels[source] = (_text(dims[0].label), *shape_labels)
+            else:
+                labels[source] = tuple(_text(d.label) for d in dims)
+        return labels
 
     @staticmethod
     def create_split_array(split_dict: Mapping[str, Mapping[str, Sequence[Any]]]) -> np.ndarray:
@@ -203,15 +312,30 @@ class H5PYDataset(Dataset):
         if subset is None:
             return rows
         if isinstance(subset, slice):
+            if subset.stop is not None and subset.stop > len(rows):
+                raise ConfigError(
+                    f"subset={subset} reaches past the {len(rows)} examples of the splits"
+                )
             return rows[subset]
         request = normalize_request(list(subset), len(rows))
         return np.asarray(rows)[request]
 
     def _dimension_labels(self, handle: Any) -> dict[str, Any] | None:
-        labels = {
-            s: tuple(_text(d.label) for d in handle[s].dims) for s in self.provides_sources or ()
-        }
+        labels = {s: v for s, v in self.get_axis_labels(handle).items() if s in self.sources}
         return labels if all(all(v) for v in labels.values()) else None
+
+    def _read_source(self, handle: Any, source: str, rows: range | np.ndarray | int) -> Any:
+        """Read ``rows`` of ``source``; variable-length examples get their stored shapes."""
+        data = self._read(handle[source], rows)
+        if source not in self.vlen_sources:
+            return data
+        shapes = self._read(handle[source].dims[0]["shapes"], rows)
+        if isinstance(rows, int):
+            return np.asarray(data).reshape(tuple(int(x) for x in shapes))
+        out = np.empty(len(data), dtype=object)
+        for i, (example, shape) in enumerate(zip(data, shapes, strict=True)):
+            out[i] = np.asarray(example).reshape(tuple(int(x) for x in shape))
+        return out
 
     def _read(self, dataset: Any, rows: range | np.ndarray | int) -> np.ndarray:
         if isinstance(rows, int):
@@ -253,7 +377,7 @@ class H5PYDataset(Dataset):
         try:
             out = []
             for source in self.sources:
-                out.append(self._read(handle[source], _rows_of(self._rows[source], request)))
+                out.append(self._read_source(handle, source, _rows_of(self._rows[source], request)))
             return tuple(out)
         finally:
             if state is None:

@@ -20,6 +20,7 @@ from producer.transformers.base import (
     stack_examples,
 )
 from producer.transformers.batching import Batch, Cache, Merge, Padding, Unpack
+from producer.transformers.defaults import ToBytes
 from producer.transformers.image import (
     MinimumImageDimensions,
     Random2DRotation,
@@ -61,6 +62,7 @@ __all__ = [
     "ScaleAndShift",
     "SortMapping",
     "SourcewiseTransformer",
+    "ToBytes",
     "Transformer",
     "Unpack",
     "check_sources",

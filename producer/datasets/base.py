@@ -1,4 +1,4 @@
-"""Datasets: where the data lives and how a request reads it (``fuel.datasets``).
+"""Datasets: where the data lives and how a request reads it (``fuel.datasets.base``).
 
 A dataset is stateless apart from the optional state object that :meth:`Dataset.open`
 returns and the stream threads through ``get_data(state, request)``. Requests are what
@@ -20,7 +20,6 @@ from producer.schemes import SequentialExampleScheme
 
 __all__ = [
     "Dataset",
-    "H5PYDataset",
     "IndexableDataset",
     "IterableDataset",
     "NpyDataset",
@@ -386,6 +385,3 @@ class NpyDataset(Dataset):
             return tuple(np.array(a[window]) for a in self.arrays)
         unique, inverse = np.unique(request, return_inverse=True)
         return tuple(np.asarray(a[unique + self._offset])[inverse] for a in self.arrays)
-
-
-from producer._hdf5 import H5PYDataset  # noqa: E402  (it subclasses Dataset)
