@@ -17,7 +17,7 @@ from producer.transformers.simple import Cast, ScaleAndShift
 __all__ = ["ToBytes", "uint8_pixels_to_floatX"]
 
 
-def uint8_pixels_to_floatX(  # noqa: N802  (Fuel's name)
+def uint8_pixels_to_floatX(
     which_sources: Sequence[str],
 ) -> tuple[tuple[type, list[Any], dict[str, Any]], ...]:
     """Scale uint8 pixels to ``[0, 1]`` and cast them to floatX (Fuel's recipe)."""
