@@ -286,9 +286,9 @@ def vlen_file(tmp_path: Path) -> Path:
             images[i] = np.arange(int(np.prod(shape)), dtype=np.uint8) + i
         f["image_shapes"] = np.array(shapes, dtype=np.int64)
         f["image_shape_labels"] = [b"channel", b"height", b"width"]
-        images.dims.create_scale(f["image_shapes"], "shapes")
+        f["image_shapes"].make_scale("shapes")
         images.dims[0].attach_scale(f["image_shapes"])
-        images.dims.create_scale(f["image_shape_labels"], "shape_labels")
+        f["image_shape_labels"].make_scale("shape_labels")
         images.dims[0].attach_scale(f["image_shape_labels"])
         images.dims[0].label = "batch"
         targets = f.create_dataset("targets", data=np.arange(5, dtype=np.int64)[:, None])
@@ -380,6 +380,7 @@ def test_pytables_dataset(tmp_path: Path) -> None:
     dataset.close(state)
     stream = DataStream(dataset, iteration_scheme=SequentialScheme(6, 4))
     assert [len(b[1]) for b in stream.get_epoch_iterator()] == [4, 2]
+    stream.close()  # the stream's state is an open file
     copy = pickle.loads(pickle.dumps(dataset))
     assert copy.get_data(None, [1])[1].tolist() == [30]
     with pytest.raises(IndexError):
