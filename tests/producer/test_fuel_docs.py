@@ -12,6 +12,7 @@ stays exact.
 from __future__ import annotations
 
 import doctest
+import io
 import os
 import re
 import sys
@@ -73,30 +74,21 @@ def run_page(page: str) -> Iterator[tuple[doctest.Example, str | None]]:
     checker = doctest.OutputChecker()
     for example in snippets(page):
         source = port(example.source)
-        captured: list[str] = []
-
-        class Capture:
-            def write(self, text: str) -> int:
-                captured.append(text)
-                return len(text)
-
-            def flush(self) -> None:
-                pass
-
-        saved, sys.stdout = sys.stdout, Capture()
+        capture = io.StringIO()
+        saved, sys.stdout = sys.stdout, capture
         failure: str | None = None
         try:
             code = compile(source, f"<{page}:{example.lineno + 1}>", "single")
-            exec(code, namespace)  # noqa: S102  (the pages' own snippets)
+            exec(code, namespace)  # the pages' own snippets
         except Exception as e:  # a snippet that raises fails, unless the page expects it
-            output = "".join(captured)
+            output = capture.getvalue()
             exc_msg = traceback_line(e)
             if example.exc_msg is None or not checker.check_output(
                 example.exc_msg, exc_msg, _FLAGS
             ):
                 failure = f"raised {exc_msg.strip()}"
         else:
-            output = "".join(captured)
+            output = capture.getvalue()
             if example.exc_msg is not None:
                 failure = f"expected {example.exc_msg.strip()}, nothing raised"
             elif not checker.check_output(example.want, output, _FLAGS):
@@ -143,5 +135,5 @@ def test_fuel_doc_page_runs_with_imports_changed(
     )
     assert not fixed, f"these snippets pass now: remove them from KNOWN: {fixed}"
     passed = sum(why is None for _, why in results)
-    print(f"{page}: {passed} of {len(results)} snippets pass as ported")  # noqa: T201
+    print(f"{page}: {passed} of {len(results)} snippets pass as ported")
     assert os.getcwd() == str(tmp_path)
