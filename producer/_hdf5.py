@@ -3,10 +3,10 @@
 The file layout is Fuel's: one HDF5 dataset per source, and a ``split`` attribute on the
 file, a structured array with one row per (split, source) and the fields ``split``,
 ``source``, ``start``, ``stop``, ``indices``, ``available`` and ``comment``. Splits are
-ranges ``[start, stop)`` of rows; index-list splits (``indices`` references) are not
-supported. Variable-length sources (one axis of vlen elements, with ``shapes`` and
-``shape_labels`` dimension scales on that axis, as Fuel's converters write them) are
-reshaped to their stored shapes, and labelled from ``shape_labels``. h5py is imported
+ranges ``[start, stop)`` of rows, or index lists (``indices``: a reference to a
+dataset of row indices, read as a sorted set as Fuel reads it). Variable-length
+sources (one axis of vlen elements, with ``shapes`` and ``shape_labels`` dimension
+scales on that axis, as Fuel's converters write them) are reshaped to their stored shapes, and labelled from ``shape_labels``. h5py is imported
 when first needed, so the rest of batchq works without it.
 """
 
@@ -228,7 +228,8 @@ class H5PYDataset(Dataset):
 
         Args:
             split_dict: ``{split: {source: (start, stop[, indices][, comment])}}``;
-                ``indices`` must be None (index-list splits are not supported).
+                ``indices``, when given, is an ``h5py.Reference`` to a dataset of row
+                indices (an index-list split; ``start``/``stop`` are then ignored).
 
         Returns:
             The structured array to store as ``h5file.attrs['split']``.
@@ -239,13 +240,15 @@ class H5PYDataset(Dataset):
         for split, entries in split_dict.items():
             for source in sources:
                 value = tuple(entries.get(source, ()))
-                if len(value) > 2 and value[2] is not None and not isinstance(value[2], str):
+                ref = value[2] if len(value) > 2 and not isinstance(value[2], str) else None
+                if ref is not None and not isinstance(ref, h5py.Reference):
                     raise ConfigError(
-                        f"split {split!r} source {source!r}: indices are not supported"
+                        f"split {split!r} source {source!r}: indices={ref!r} is not valid: "
+                        "expected None or an h5py.Reference to a dataset of row indices"
                     )
                 comment = value[-1] if len(value) > 2 and isinstance(value[-1], str) else ""
                 start, stop = value[:2] if value else (0, 0)
-                rows.append((split, source, start, stop, None, bool(value), comment))
+                rows.append((split, source, start, stop, ref, bool(value), comment))
         width = {
             "split": max([len(r[0]) for r in rows] + [1]),
             "source": max([len(r[1]) for r in rows] + [1]),
@@ -263,13 +266,13 @@ class H5PYDataset(Dataset):
             ]
         )
         array = np.empty(len(rows), dtype=dtype)
-        for i, (split, source, start, stop, _, available, comment) in enumerate(rows):
+        for i, (split, source, start, stop, ref, available, comment) in enumerate(rows):
             array[i] = (
                 split.encode(),
                 source.encode(),
                 start,
                 stop,
-                None,
+                ref if ref is not None else h5py.Reference(),
                 available,
                 comment.encode(),
             )
@@ -280,18 +283,23 @@ class H5PYDataset(Dataset):
             return self._file
         return _h5py().File(self.path, mode="r", driver=self.driver)
 
-    def _read_split(self, handle: Any) -> dict[str, list[range]]:
+    def _read_split(self, handle: Any) -> dict[str, list[range | np.ndarray]]:
         if "split" not in handle.attrs:
             raise ConfigError(f"{self.path} has no 'split' attribute: not a Fuel HDF5 file")
-        ranges: dict[str, dict[str, range]] = {}
+        ranges: dict[str, dict[str, range | np.ndarray]] = {}
         known: set[str] = set()
         for row in handle.attrs["split"]:
             split, source = _text(row["split"]), _text(row["source"])
             known.add(split)
             if split in self.which_sets and bool(row["available"]):
-                if "indices" in row.dtype.names and row["indices"]:
-                    raise ConfigError(f"split {split!r}: index-list splits are not supported")
-                ranges.setdefault(source, {})[split] = range(int(row["start"]), int(row["stop"]))
+                ref = row["indices"] if "indices" in row.dtype.names else None
+                if ref:
+                    # An index-list split: its rows, read as Fuel reads a list subset
+                    # (a sorted set).
+                    rows: range | np.ndarray = np.unique(np.asarray(handle[ref][()]))
+                else:
+                    rows = range(int(row["start"]), int(row["stop"]))
+                ranges.setdefault(source, {})[split] = rows
         missing = [w for w in self.which_sets if w not in known]
         if missing:
             raise ConfigError(f"{self.path} has no splits {missing}; it has {sorted(known)}")
@@ -302,13 +310,16 @@ class H5PYDataset(Dataset):
         return {s: [ranges[s][w] for w in self.which_sets] for s in usable}
 
     @staticmethod
-    def _select(spans: list[range], subset: Any) -> range | np.ndarray:
+    def _select(spans: list[range | np.ndarray], subset: Any) -> range | np.ndarray:
         rows: range | np.ndarray = spans[0]
         if len(spans) > 1:
-            if all(a.stop == b.start for a, b in itertools.pairwise(spans)):
-                rows = range(spans[0].start, spans[-1].stop)
+            ranges = [r for r in spans if isinstance(r, range)]
+            if len(ranges) == len(spans) and all(
+                a.stop == b.start for a, b in itertools.pairwise(ranges)
+            ):
+                rows = range(ranges[0].start, ranges[-1].stop)
             else:
-                rows = np.concatenate([np.arange(r.start, r.stop) for r in spans])
+                rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in spans])
         if subset is None:
             return rows
         if isinstance(subset, slice):

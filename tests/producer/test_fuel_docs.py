@@ -50,14 +50,10 @@ _DEFAULT_ORDER = (
     "rng=None keeps batchq's own seeded order (seed 1; existing runs' plans and "
     "fingerprints depend on it): rng=numpy.random.RandomState(1) gives Fuel's default order"
 )
-_INDEX_SPLITS = "index-list splits (split rows holding h5py references) are not supported"
 KNOWN: dict[tuple[str, int], str] = {
     ("overview", 180): "the state's class is an implementation detail (Fuel: Python 2's imap)",
     ("overview", 339): _DEFAULT_ORDER,
     ("overview", 457): _DEFAULT_ORDER,
-    ("h5py_dataset", 344): _INDEX_SPLITS,
-    ("h5py_dataset", 358): _INDEX_SPLITS,
-    ("h5py_dataset", 369): _INDEX_SPLITS,
 }
 
 _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

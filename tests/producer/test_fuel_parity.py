@@ -385,3 +385,24 @@ def test_pytables_dataset(tmp_path: Path) -> None:
     assert copy.get_data(None, [1])[1].tolist() == [30]
     with pytest.raises(IndexError):
         dataset.get_data(None, [6])
+
+
+def test_h5py_index_list_splits(tmp_path: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    from producer.datasets.hdf5 import H5PYDataset
+
+    path = tmp_path / "lists.hdf5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.arange(10) * 10)
+        f["odd"] = np.array([9, 1, 5, 3, 7])  # read as Fuel reads it: a sorted set
+        f["even"] = np.arange(0, 10, 2)
+        f.attrs["split"] = H5PYDataset.create_split_array(
+            {"odd": {"x": (-1, -1, f["odd"].ref)}, "even": {"x": (-1, -1, f["even"].ref)}}
+        )
+    odd = H5PYDataset(path, ("odd",))
+    assert odd.num_examples == 5
+    assert odd.get_data(None, slice(0, 5))[0].tolist() == [10, 30, 50, 70, 90]
+    both = H5PYDataset(path, ("even", "odd"), subset=slice(3, 7))
+    assert both.get_data(None, [0, 3, 1])[0].tolist() == [60, 30, 80]
+    with pytest.raises(ValueError, match="indices="):
+        H5PYDataset.create_split_array({"a": {"x": (0, 1, [1, 2])}})
