@@ -6,8 +6,9 @@ file, a structured array with one row per (split, source) and the fields ``split
 ranges ``[start, stop)`` of rows, or index lists (``indices``: a reference to a
 dataset of row indices, read as a sorted set as Fuel reads it). Variable-length
 sources (one axis of vlen elements, with ``shapes`` and ``shape_labels`` dimension
-scales on that axis, as Fuel's converters write them) are reshaped to their stored shapes, and labelled from ``shape_labels``. h5py is imported
-when first needed, so the rest of batchq works without it.
+scales on that axis, as Fuel's converters write them) are reshaped to their stored
+shapes, and labelled from ``shape_labels``. h5py is imported when first needed, so the
+rest of batchq works without it.
 """
 
 from __future__ import annotations
