@@ -1,8 +1,11 @@
 """Image transformers (``fuel.transformers.image``) in numpy only, without PIL or Cython.
 
-Images are ``(height, width)`` or ``(channels, height, width)`` arrays; a batch is a
-4-d ``(batch, channels, height, width)`` array, or a list (or object array) of images
-that may differ in size. Random transformers take ``rng`` and implement ``reseed``.
+Images are ``(height, width)`` or ``(channels, height, width)`` arrays (the random
+transformers need ``(channels, height, width)``, as Fuel's); a batch is a 4-d
+``(batch, channels, height, width)`` array, or a list (or object array) of images that
+may differ in size. Random transformers take ``rng`` and implement ``reseed`` (see
+:mod:`producer.randomness`); given a RandomState they make Fuel's draws in Fuel's order.
+Rotations and resizes are computed in numpy, so pixels differ slightly from PIL's.
 """
 
 from __future__ import annotations
