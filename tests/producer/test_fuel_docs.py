@@ -102,7 +102,8 @@ def key(page: str, example: doctest.Example) -> tuple[str, int]:
     return page, example.lineno + 1
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the pages' own old numpy/h5py calls
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the pages' old numpy/h5py calls
+@pytest.mark.filterwarnings("ignore:other_ds.dims.create_scale")
 @pytest.mark.parametrize("page", ["overview", "extending_fuel", "h5py_dataset", "server"])
 def test_fuel_doc_page_runs_with_imports_changed(
     page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
