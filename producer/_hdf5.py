@@ -48,6 +48,35 @@ def _rows_of(rows: range | np.ndarray, request: Any) -> range | np.ndarray | int
     return int(selected) if np.ndim(selected) == 0 and not isinstance(selected, range) else selected
 
 
+class _FileHandle:
+    """An h5py file opened on first use; pickles as its path, so streams pickle."""
+
+    def __init__(self, path: str, driver: str | None, external: Any = None) -> None:
+        self.path = path
+        self.driver = driver
+        self._external = external
+        self._file: Any = None
+
+    def _handle(self) -> Any:
+        if self._external is not None:
+            return self._external
+        if self._file is None:
+            self._file = _h5py().File(self.path, mode="r", driver=self.driver)
+        return self._file
+
+    def __getitem__(self, name: str) -> Any:
+        return self._handle()[name]
+
+    def close(self) -> None:
+        """Close the file if this handle opened it (a caller's open file stays open)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "driver": self.driver, "_external": None, "_file": None}
+
+
 def _check_subset(subset: Any) -> slice | list[int] | None:
     """Fuel's ``subset``: a slice with step 1, or a list of indices read as a set,
     sorted (``[0, 4, 2]`` is examples 0, 2 and 4, in that order)."""
@@ -367,12 +396,18 @@ class H5PYDataset(Dataset):
         return self._num_examples
 
     def open(self) -> Any:
-        """Open the file (None when the data is in memory)."""
-        return None if self._data is not None else self._open_file()
+        """The stream's state: a handle on the file (None when the data is in memory).
+
+        The handle pickles as the file's path (a stream over this dataset pickles, as
+        Fuel's does) and reopens the file when next read.
+        """
+        if self._data is not None:
+            return None
+        return _FileHandle(self.path, self.driver, self._file if self._external else None)
 
     def close(self, state: Any) -> None:
         """Close the file handle ``state`` (unless the caller passed an open file)."""
-        if state is not None and not self._external:
+        if state is not None:
             state.close()
 
     def get_data(self, state: Any = None, request: Any = None) -> tuple[Any, ...]:
@@ -385,7 +420,7 @@ class H5PYDataset(Dataset):
         request = normalize_request(request, self.num_examples)
         if self._data is not None:
             return tuple(data[request] for data in self._data)
-        handle = state if state is not None else self._open_file()
+        handle = state if state is not None else self.open()
         try:
             out = []
             for source in self.sources:

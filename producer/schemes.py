@@ -75,6 +75,17 @@ def _fuel_shuffles(rng: RngLike, count: int) -> FuelShuffles | None:
     return FuelShuffles(rng, count) if isinstance(rng, np.random.RandomState) else None
 
 
+def _rng_attribute(rng: RngLike, seed: int) -> np.random.RandomState | np.random.Generator:
+    """Fuel's ``scheme.rng``: the RandomState or Generator given, else one from the seed.
+
+    Informational: the epochs' orders are fixed at construction (reassigning it does not
+    change them, unlike Fuel's).
+    """
+    if isinstance(rng, np.random.RandomState | np.random.Generator):
+        return rng
+    return np.random.default_rng(seed)
+
+
 def _permutation(
     indices: range | list[int], seed: int, epoch: int, fuel: FuelShuffles | None = None
 ) -> np.ndarray:
@@ -299,6 +310,7 @@ class ShuffledScheme(BatchScheme):
         super().__init__(examples, batch_size)
         self.seed: int = seed_from_rng(rng)
         self._fuel = _fuel_shuffles(rng, len(self.indices))
+        self.rng = _rng_attribute(rng, self.seed)
         self.sorted_indices = bool(sorted_indices)
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -332,6 +344,7 @@ class ShuffledExampleScheme(IndexScheme):
         super().__init__(examples)
         self.seed: int = seed_from_rng(rng)
         self._fuel = _fuel_shuffles(rng, len(self.indices))
+        self.rng = _rng_attribute(rng, self.seed)
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The example order of epoch ``epoch``: a pure function of (rng, epoch)."""

@@ -2,9 +2,10 @@
 
 The layout is Fuel's: the sources are nodes under ``/<data_node>`` (one row per
 example); ``start``/``stop`` pick a range of rows. PyTables is imported when a file is
-opened, so the rest of batchq works without it. The dataset keeps no open file: each
-stream opens its own handle (:meth:`PytablesDataset.open`), so it pickles and serves
-from several processes.
+opened, so the rest of batchq works without it. As Fuel's, the dataset reads through a
+file it keeps open (``h5file``, ``nodes``; ``close_file()`` closes it) when no state is
+given; a stream's state is its own handle (:meth:`PytablesDataset.open`). Pickling
+drops the open file: the copy reopens it by path when it first reads.
 """
 
 from __future__ import annotations
@@ -74,11 +75,8 @@ class PytablesDataset(Dataset):
         self.path = os.fspath(path)
         self.data_node = data_node
         self.sources_in_file = in_file
-        handle = self.open()
-        try:
-            rows = int(self._nodes(handle)[0].nrows)
-        finally:
-            self.close(handle)
+        self._h5file: Any = None
+        rows = int(self.nodes[0].nrows)
         self.stop = rows if stop is None else int(stop)
         self.start = int(start)
         if not 0 <= self.start <= self.stop <= rows:
@@ -88,6 +86,38 @@ class PytablesDataset(Dataset):
             )
         self.num_examples = self.stop - self.start
         self.example_iteration_scheme = SequentialExampleScheme(self.num_examples)
+
+    @property
+    def h5file(self) -> Any:
+        """The file the dataset reads when no state is given (opened on first use)."""
+        if self._h5file is None:
+            self._h5file = _tables().open_file(self.path, mode="r")
+        return self._h5file
+
+    @property
+    def nodes(self) -> list[Any]:
+        """The sources' nodes in :attr:`h5file`, in source order."""
+        return self._nodes(self.h5file)
+
+    def open_file(self, path: Any) -> None:
+        """Read from ``path`` from now on (Fuel's method; the file opens on first use)."""
+        self.close_file()
+        self.path = os.fspath(path)
+
+    def load(self) -> None:
+        """Reopen the file (Fuel's method)."""
+        self.open_file(self.path)
+
+    def close_file(self) -> None:
+        """Close :attr:`h5file` if it is open."""
+        if self._h5file is not None:
+            self._h5file.close()
+            self._h5file = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_h5file"] = None  # a copy reopens the file by path
+        return state
 
     def _nodes(self, handle: Any) -> list[Any]:
         tables = _tables()
@@ -119,27 +149,22 @@ class PytablesDataset(Dataset):
             RequestError: it names a row outside ``[start, stop)``.
         """
         request = normalize_request(request, self.num_examples)
-        handle = state if state is not None else self.open()
-        try:
-            nodes = self._nodes(handle)
-            if isinstance(request, int):
-                return tuple(np.asarray(node[self.start + request]) for node in nodes)
-            if isinstance(request, slice):
-                rows = range(self.num_examples)[request]
-                window = slice(self.start + rows.start, self.start + rows.stop, rows.step)
-                return tuple(np.asarray(node[window]) for node in nodes)
-            unique, inverse = np.unique(request, return_inverse=True)
-            if not unique.size:
-                return tuple(np.empty((0, *node.shape[1:]), node.dtype) for node in nodes)
-            low, high = int(unique[0]) + self.start, int(unique[-1]) + self.start + 1
-            if high - low <= 4 * unique.size:
-                # One read of the covering rows: cheaper than one read per row.
-                return tuple(np.asarray(node[low:high])[unique + self.start - low][inverse]
-                             for node in nodes)  # fmt: skip
-            return tuple(
-                np.stack([np.asarray(node[int(r) + self.start]) for r in unique])[inverse]
-                for node in nodes
-            )
-        finally:
-            if state is None:
-                handle.close()
+        nodes = self._nodes(state) if state is not None else self.nodes
+        if isinstance(request, int):
+            return tuple(np.asarray(node[self.start + request]) for node in nodes)
+        if isinstance(request, slice):
+            rows = range(self.num_examples)[request]
+            window = slice(self.start + rows.start, self.start + rows.stop, rows.step)
+            return tuple(np.asarray(node[window]) for node in nodes)
+        unique, inverse = np.unique(request, return_inverse=True)
+        if not unique.size:
+            return tuple(np.empty((0, *node.shape[1:]), node.dtype) for node in nodes)
+        low, high = int(unique[0]) + self.start, int(unique[-1]) + self.start + 1
+        if high - low <= 4 * unique.size:
+            # One read of the covering rows: cheaper than one read per row.
+            return tuple(np.asarray(node[low:high])[unique + self.start - low][inverse]
+                         for node in nodes)  # fmt: skip
+        return tuple(
+            np.stack([np.asarray(node[int(r) + self.start]) for r in unique])[inverse]
+            for node in nodes
+        )

@@ -385,6 +385,9 @@ def test_pytables_dataset(tmp_path: Path) -> None:
     assert copy.get_data(None, [1])[1].tolist() == [30]
     with pytest.raises(IndexError):
         dataset.get_data(None, [6])
+    assert len(copy.nodes) == 2
+    for opened in (dataset, copy):
+        opened.close_file()  # Fuel's method: the file the dataset reads through
 
 
 def test_h5py_index_list_splits(tmp_path: Path) -> None:
