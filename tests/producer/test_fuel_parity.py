@@ -409,3 +409,22 @@ def test_h5py_index_list_splits(tmp_path: Path) -> None:
     assert both.get_data(None, [0, 3, 1])[0].tolist() == [60, 30, 80]
     with pytest.raises(ValueError, match="indices="):
         H5PYDataset.create_split_array({"a": {"x": (0, 1, [1, 2])}})
+
+
+def test_a_stream_over_an_h5py_dataset_pickles(vlen_file: Path) -> None:
+    from producer.datasets.hdf5 import H5PYDataset
+
+    stream = DataStream(
+        H5PYDataset(vlen_file, ("train",), sources=("targets",)), SequentialScheme(4, 2)
+    )
+    first = [b[0].ravel().tolist() for b in stream.get_epoch_iterator()]
+    copy = pickle.loads(pickle.dumps(stream))  # the state, an open file, pickles as a path
+    assert [b[0].ravel().tolist() for b in copy.get_epoch_iterator()] == first == [[0, 1], [2, 3]]
+    stream.close()
+    copy.close()
+
+
+def test_shuffled_schemes_expose_rng_as_fuel() -> None:
+    given = np.random.RandomState(3)
+    assert ShuffledScheme(5, 2, rng=given).rng is given
+    assert ShuffledScheme(5, 2).rng is not None  # as Fuel's default
