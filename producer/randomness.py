@@ -42,6 +42,8 @@ __all__ = [
 DEFAULT_SEED = 1
 # Seeds drawn from a generator lie in [0, 2**32): valid for every numpy seeding API.
 _SEED_BOUND = 2**32
+# FuelShuffles keeps the RandomState of every _EVERY-th epoch.
+_EVERY = 16
 
 RngLike = int | np.integer | np.random.Generator | np.random.RandomState | None
 
@@ -107,8 +109,8 @@ class FuelShuffles:
     Fuel's shuffled schemes shuffle ``list(indices)`` in place with their RandomState
     once per epoch. This snapshots the RandomState at construction and replays it:
     :meth:`order` (epoch ``e``) is the ``(e+1)``-th shuffle. The state at the start of
-    every epoch computed so far is kept (2.5 KB each), so epoch ``e`` costs at most
-    ``e + 1 - k`` shuffles after epoch ``k`` was computed.
+    every 16th epoch computed so far is kept (2.5 KB each), and the latest one, so the
+    next epoch costs one shuffle and any earlier one at most 16.
 
     The caller's RandomState is advanced by one shuffle, as Fuel's first epoch
     advances it, so the next component built from it (a transformer, another scheme)
@@ -121,17 +123,26 @@ class FuelShuffles:
 
     def __init__(self, rng: np.random.RandomState, count: int) -> None:
         self.count = count
-        self._states: list[Any] = [rng.get_state()]
+        # The state at the start of epoch e, for e = 0 and every computed multiple of
+        # _EVERY (memory stays small however many epochs run), plus the latest one.
+        self._states: dict[int, Any] = {0: rng.get_state()}
+        self._latest: tuple[int, Any] = (0, self._states[0])
         rng.shuffle(np.arange(count))
 
     def order(self, epoch: int) -> np.ndarray:
         """The positions ``0 .. count-1`` in the order of epoch ``epoch``."""
-        known = min(epoch, len(self._states) - 1)
+        start = max(e for e in self._states if e <= epoch)
+        if self._latest[0] <= epoch and self._latest[0] > start:
+            start, state = self._latest
+        else:
+            state = self._states[start]
         replay = np.random.RandomState()
-        replay.set_state(self._states[known])
-        for _ in range(known, epoch):
+        replay.set_state(state)
+        for e in range(start, epoch):
             replay.shuffle(np.arange(self.count))
-            self._states.append(replay.get_state())
+            if (e + 1) % _EVERY == 0:
+                self._states[e + 1] = replay.get_state()
+        self._latest = (epoch, replay.get_state())
         order = np.arange(self.count)
         replay.shuffle(order)
         return order

@@ -252,6 +252,13 @@ def test_served_plan_follows_fuels_permutations() -> None:
         assert got == expected[epoch]
 
 
+def test_fuel_shuffles_any_epoch_in_any_order_over_many_epochs() -> None:
+    expected = fuel_orders(5, list(range(7)), 70)
+    replay = FuelShuffles(np.random.RandomState(5), 7)
+    for epoch in [69, 3, 17, 16, 15, 33, 0, 47, 68, 1, 40, 41, 39, 64]:
+        assert replay.order(epoch).tolist() == expected[epoch]
+
+
 def test_fuel_shuffles_replay_matches_sequential_draws() -> None:
     rng = np.random.RandomState(77)
     replay = FuelShuffles(rng, 9)
