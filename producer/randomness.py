@@ -156,7 +156,8 @@ class RandomStateMixin:
 
     * a ``RandomState`` is kept as is: the draws are Fuel's, in Fuel's order;
     * None, an int seed or a ``Generator`` give a ``numpy.random.Generator`` seeded from
-      ``[seed, depth in the chain]`` (so two transformers left at None differ).
+      ``[seed, depth in the chain, branch under each Merge]`` (so two transformers left
+      at None differ).
 
     The producer calls :meth:`reseed` before building each shard, with a seed unique to
     (chain, epoch, shard, position in the chain). Use :meth:`random_integers` and
@@ -170,13 +171,17 @@ class RandomStateMixin:
     seed: int = DEFAULT_SEED
     fuel_rng: bool = False
     _rng: np.random.Generator | np.random.RandomState | None = None
+    # Which input of each Merge above this component it lies under (outermost last):
+    # set by Merge, so that components at the same depth of two branches differ.
+    _branch: tuple[int, ...] = ()
 
     @property
     def rng(self) -> Any:
         """The generator this component draws from (a Generator or a RandomState)."""
         if self._rng is None:
-            # Built at the first draw, when the chain below is known: salted by depth.
-            self._rng = np.random.default_rng([self.seed, chain_depth(self)])
+            # Built at the first draw, when the chain below is known: salted by depth
+            # (and by branch under a Merge).
+            self._rng = np.random.default_rng([self.seed, chain_depth(self), *self._branch])
         return self._rng
 
     @rng.setter

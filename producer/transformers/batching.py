@@ -22,6 +22,7 @@ from producer.errors import (
     SourceError,
     StreamMismatchError,
 )
+from producer.randomness import RandomStateMixin
 from producer.schemes import BatchSizeScheme
 from producer.streams import AbstractDataStream
 from producer.transformers.base import Transformer, check_sources, stack_examples
@@ -285,6 +286,20 @@ class Cache(Transformer):
         return tuple(data)
 
 
+def _mark_branch(stream: Any, branch: int) -> None:
+    """Tell the random components below ``stream`` which Merge input they are under."""
+    stack = [stream]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, RandomStateMixin):
+            node._branch = (branch, *node._branch)
+        children = getattr(node, "data_streams", None)
+        if children:
+            stack.extend(children)
+        elif getattr(node, "data_stream", None) is not None:
+            stack.append(node.data_stream)
+
+
 class Merge(AbstractDataStream):
     """Zips several streams into one: each item concatenates one item of each.
 
@@ -329,6 +344,8 @@ class Merge(AbstractDataStream):
             )
         self.sources = sources
         self.child_epoch_iterators: list[Iterator[Any]] = []
+        for branch, stream in enumerate(self.data_streams):
+            _mark_branch(stream, branch)
 
     def close(self) -> None:
         """Close every merged stream."""

@@ -25,7 +25,7 @@ from producer.schemes import (
 )
 from producer.sharding import ShardPlan
 from producer.streams import DataStream
-from producer.transformers import SourcewiseTransformer
+from producer.transformers import Merge, SourcewiseTransformer
 from producer.transformers.image import Random2DRotation, RandomFixedSizeCrop
 
 # --- helpers ---------------------------------------------------------------------------
@@ -351,3 +351,15 @@ def test_random_state_shared_by_scheme_and_transformer_is_fuels_first_epoch() ->
     assert got == order
     # The transformer's next draw is the one Fuel's makes after that shuffle.
     assert flip.rng.uniform() == reference.uniform()
+
+
+def test_default_rng_transformers_in_two_merge_branches_differ_in_process() -> None:
+    def branch() -> Any:
+        images = coded_images(200, SIZE)
+        stream = DataStream(IndexableDataset({"x": images}), SequentialExampleScheme(200))
+        return RandomFixedSizeCrop(stream, (4, 4))
+
+    merged = Merge([branch(), branch()], ("a", "b"))
+    items = list(merged.get_epoch_iterator())
+    tops = np.array([[offsets(a, SIZE)[0], offsets(b, SIZE)[0]] for a, b in items], float)
+    assert_uncorrelated(tops[:, 0], tops[:, 1])
