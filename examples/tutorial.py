@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from batchq.cli.demo import Bottleneck
 from batchq.errors import ConfigError
 from producer.datasets import IndexableDataset
@@ -67,7 +69,9 @@ def make_stream() -> Any:
     batch_size = _setting("BATCH_SIZE", "100", int, 1)
     load_ms = _setting("LOAD_MS", "5", float, 0)
     stream = DataStream.default_stream(
-        IndexableDataset({"features": [[0] * features] * examples}),
+        # An array, not Fuel's list of lists: a list source gives lists (as in Fuel),
+        # which travel as msgpack values instead of zero-copy arrays.
+        IndexableDataset({"features": np.zeros((examples, features), dtype=np.int64)}),
         iteration_scheme=ShuffledScheme(examples=examples, batch_size=batch_size),
     )
     return Bottleneck(stream, slowdown=load_ms / 1000)

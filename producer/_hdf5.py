@@ -3,8 +3,12 @@
 The file layout is Fuel's: one HDF5 dataset per source, and a ``split`` attribute on the
 file, a structured array with one row per (split, source) and the fields ``split``,
 ``source``, ``start``, ``stop``, ``indices``, ``available`` and ``comment``. Splits are
-ranges ``[start, stop)`` of rows; index-list splits (``indices`` references) are not
-supported. h5py is imported when first needed, so the rest of batchq works without it.
+ranges ``[start, stop)`` of rows, or index lists (``indices``: a reference to a
+dataset of row indices, read as a sorted set as Fuel reads it). Variable-length
+sources (one axis of vlen elements, with ``shapes`` and ``shape_labels`` dimension
+scales on that axis, as Fuel's converters write them) are reshaped to their stored
+shapes, and labelled from ``shape_labels``. h5py is imported when first needed, so the
+rest of batchq works without it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from producer.datasets import Dataset, normalize_request
-from producer.errors import ConfigError, MissingDependencyError, SourceError
+from producer.datasets.base import Dataset, normalize_request
+from producer.errors import ConfigError, MissingDependencyError, ShapeError, SourceError
 from producer.schemes import SequentialExampleScheme
 
 __all__ = ["H5PYDataset"]
@@ -44,6 +48,54 @@ def _rows_of(rows: range | np.ndarray, request: Any) -> range | np.ndarray | int
     return int(selected) if np.ndim(selected) == 0 and not isinstance(selected, range) else selected
 
 
+class _FileHandle:
+    """An h5py file opened on first use; pickles as its path, so streams pickle."""
+
+    def __init__(self, path: str, driver: str | None, external: Any = None) -> None:
+        self.path = path
+        self.driver = driver
+        self._external = external
+        self._file: Any = None
+
+    def _handle(self) -> Any:
+        if self._external is not None:
+            return self._external
+        if self._file is None:
+            self._file = _h5py().File(self.path, mode="r", driver=self.driver)
+        return self._file
+
+    def __getitem__(self, name: str) -> Any:
+        return self._handle()[name]
+
+    def close(self) -> None:
+        """Close the file if this handle opened it (a caller's open file stays open)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "driver": self.driver, "_external": None, "_file": None}
+
+
+def _check_subset(subset: Any) -> slice | list[int] | None:
+    """Fuel's ``subset``: a slice with step 1, or a list of indices read as a set,
+    sorted (``[0, 4, 2]`` is examples 0, 2 and 4, in that order)."""
+    if subset is None or (not isinstance(subset, slice) and len(subset) == 0):
+        return None
+    if isinstance(subset, slice):
+        bounds = [b for b in (subset.start, subset.stop, subset.step) if b is not None]
+        if any(b < 0 for b in bounds) or subset.step not in (None, 1):
+            raise ConfigError(
+                f"subset={subset} is not valid: expected a slice with non-negative bounds "
+                "and a step of 1, or a list of indices"
+            )
+        return subset
+    indices = sorted({int(i) for i in subset})
+    if indices and indices[0] < 0:
+        raise ConfigError(f"subset={list(subset)!r} is not valid: it has negative indices")
+    return indices
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
@@ -55,7 +107,9 @@ class H5PYDataset(Dataset):
         file_or_path: a path, or an open ``h5py.File`` (which the dataset does not close).
         which_sets: the names of the splits to read, e.g. ``('train',)``; their examples
             are concatenated in this order.
-        subset: a slice or list of example indices within those splits (default: all).
+        subset: which examples of those splits: a slice (step 1), or a list of
+            indices read as Fuel reads it (as a sorted set: ``[0, 4, 2]`` gives
+            examples 0, 2, 4). Default: all.
         load_in_memory: read all the selected rows into memory at construction.
         driver: the h5py driver to open the file with (e.g. ``'core'``).
         sort_indices: read list requests in sorted order (h5py requires it), then put
@@ -79,33 +133,47 @@ class H5PYDataset(Dataset):
         **kwargs: Any,
     ) -> None:
         h5py = _h5py()
-        if isinstance(which_sets, str):
+        if isinstance(which_sets, str) or not all(isinstance(w, str) for w in which_sets):
             raise ConfigError(
-                f"which_sets={which_sets!r} is a string: expected a tuple of split names, "
-                f"e.g. ({which_sets!r},)"
+                f"which_sets={which_sets!r} is not valid: expected an iterable of split "
+                "names (strings), e.g. ('train',)"
             )
         self.which_sets = tuple(which_sets)
         self.driver = driver
         self.sort_indices = sort_indices
         self.load_in_memory = load_in_memory
+        self.subset = _check_subset(subset)
         self._external = isinstance(file_or_path, h5py.File)
         self.path = file_or_path.filename if self._external else os.fspath(file_or_path)
         self._file = file_or_path if self._external else None
+        self._requested_sources = kwargs.pop("sources", None)
+        self._given_labels = kwargs.pop("axis_labels", None)
+        if kwargs:
+            raise ConfigError(f"H5PYDataset got unexpected arguments {sorted(kwargs)}")
+        self._load()
+
+    def _load(self) -> None:
+        """Read the split table, the rows of each source and (if asked) the data."""
         handle = self._open_file()
         try:
             ranges = self._read_split(handle)
             self.provides_sources = tuple(ranges)
-            super().__init__(sources=kwargs.pop("sources", None), **kwargs)
+            super().__init__(sources=self._requested_sources, axis_labels=self._given_labels)
             if self.axis_labels is None:
                 self.axis_labels = self._dimension_labels(handle)
-            self._rows = {s: self._select(ranges[s], subset) for s in self.sources}
+            self.vlen_sources = tuple(
+                s for s in self.get_vlen_sources(handle) if s in self.provides_sources
+            )
+            self._rows = {s: self._select(ranges[s], self.subset) for s in self.sources}
             lengths = {s: len(r) for s, r in self._rows.items()}
             if len(set(lengths.values())) != 1:
-                raise ConfigError(f"the sources have different lengths in {which_sets}: {lengths}")
+                raise ConfigError(
+                    f"the sources have different lengths in {self.which_sets}: {lengths}"
+                )
             self._num_examples = next(iter(lengths.values()))
             self._data = (
-                [self._read(handle[s], np.asarray(self._rows[s])) for s in self.sources]
-                if load_in_memory
+                [self._read_source(handle, s, np.asarray(self._rows[s])) for s in self.sources]
+                if self.load_in_memory
                 else None
             )
         finally:
@@ -113,13 +181,85 @@ class H5PYDataset(Dataset):
                 handle.close()
         self.example_iteration_scheme = SequentialExampleScheme(self._num_examples)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # As Fuel's: neither the file handle nor the in-memory data is pickled; the
+        # copy reopens the file by its path (and reloads the data) when unpickled.
+        state = dict(self.__dict__)
+        state["_file"] = None
+        state["_external"] = False
+        state["_data"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.load_in_memory:
+            self._load()
+
+    @property
+    def data_sources(self) -> tuple[Any, ...] | None:
+        """The in-memory data, one array per source (None unless ``load_in_memory``)."""
+        return None if self._data is None else tuple(self._data)
+
+    @staticmethod
+    def get_all_splits(h5file: Any) -> tuple[str, ...]:
+        """The names of all the splits of a Fuel HDF5 file (an open ``h5py.File``)."""
+        return tuple(dict.fromkeys(_text(row["split"]) for row in h5file.attrs["split"]))
+
+    @staticmethod
+    def get_all_sources(h5file: Any) -> tuple[str, ...]:
+        """The names of all the sources of a Fuel HDF5 file (an open ``h5py.File``)."""
+        return tuple(dict.fromkeys(_text(row["source"]) for row in h5file.attrs["split"]))
+
+    @staticmethod
+    def get_provided_sources(h5file: Any, split: str) -> tuple[str, ...]:
+        """The sources available in ``split``."""
+        return tuple(
+            _text(row["source"])
+            for row in h5file.attrs["split"]
+            if _text(row["split"]) == split and bool(row["available"])
+        )
+
+    @staticmethod
+    def get_vlen_sources(h5file: Any) -> tuple[str, ...]:
+        """The variable-length sources: one axis, with a ``shapes`` dimension scale.
+
+        Raises:
+            ShapeError: (a ``ValueError``) such a source has more than one axis.
+        """
+        found = []
+        for source in H5PYDataset.get_all_sources(h5file):
+            dims = h5file[source].dims
+            if len(dims) > 0 and "shapes" in dims[0]:
+                if len(dims) > 1:
+                    raise ShapeError(
+                        f"variable-length source {source!r} has {len(dims)} axes: expected one"
+                    )
+                found.append(source)
+        return tuple(found)
+
+    @staticmethod
+    def get_axis_labels(h5file: Any) -> dict[str, tuple[str, ...]]:
+        """The axis labels of every source; a variable-length one's come from its
+        ``shape_labels`` dimension scale, after the first axis's label."""
+        vlen = H5PYDataset.get_vlen_sources(h5file)
+        labels = {}
+        for source in H5PYDataset.get_all_sources(h5file):
+            dims = h5file[source].dims
+            if source in vlen:
+                shape_labels = tuple(_text(x) for x in dims[0]["shape_labels"][()])
+                labels[source] = (_text(dims[0].label), *shape_labels)
+            else:
+                labels[source] = tuple(_text(d.label) for d in dims)
+        return labels
+
     @staticmethod
     def create_split_array(split_dict: Mapping[str, Mapping[str, Sequence[Any]]]) -> np.ndarray:
         """Build the ``split`` attribute for a file, as Fuel's function of the same name.
 
         Args:
             split_dict: ``{split: {source: (start, stop[, indices][, comment])}}``;
-                ``indices`` must be None (index-list splits are not supported).
+                ``indices``, when given, is an ``h5py.Reference`` to a dataset of row
+                indices (an index-list split; ``start``/``stop`` are then ignored).
 
         Returns:
             The structured array to store as ``h5file.attrs['split']``.
@@ -130,13 +270,15 @@ class H5PYDataset(Dataset):
         for split, entries in split_dict.items():
             for source in sources:
                 value = tuple(entries.get(source, ()))
-                if len(value) > 2 and value[2] is not None and not isinstance(value[2], str):
+                ref = value[2] if len(value) > 2 and not isinstance(value[2], str) else None
+                if ref is not None and not isinstance(ref, h5py.Reference):
                     raise ConfigError(
-                        f"split {split!r} source {source!r}: indices are not supported"
+                        f"split {split!r} source {source!r}: indices={ref!r} is not valid: "
+                        "expected None or an h5py.Reference to a dataset of row indices"
                     )
                 comment = value[-1] if len(value) > 2 and isinstance(value[-1], str) else ""
                 start, stop = value[:2] if value else (0, 0)
-                rows.append((split, source, start, stop, None, bool(value), comment))
+                rows.append((split, source, start, stop, ref, bool(value), comment))
         width = {
             "split": max([len(r[0]) for r in rows] + [1]),
             "source": max([len(r[1]) for r in rows] + [1]),
@@ -154,13 +296,13 @@ class H5PYDataset(Dataset):
             ]
         )
         array = np.empty(len(rows), dtype=dtype)
-        for i, (split, source, start, stop, _, available, comment) in enumerate(rows):
+        for i, (split, source, start, stop, ref, available, comment) in enumerate(rows):
             array[i] = (
                 split.encode(),
                 source.encode(),
                 start,
                 stop,
-                None,
+                ref if ref is not None else h5py.Reference(),
                 available,
                 comment.encode(),
             )
@@ -171,18 +313,23 @@ class H5PYDataset(Dataset):
             return self._file
         return _h5py().File(self.path, mode="r", driver=self.driver)
 
-    def _read_split(self, handle: Any) -> dict[str, list[range]]:
+    def _read_split(self, handle: Any) -> dict[str, list[range | np.ndarray]]:
         if "split" not in handle.attrs:
             raise ConfigError(f"{self.path} has no 'split' attribute: not a Fuel HDF5 file")
-        ranges: dict[str, dict[str, range]] = {}
+        ranges: dict[str, dict[str, range | np.ndarray]] = {}
         known: set[str] = set()
         for row in handle.attrs["split"]:
             split, source = _text(row["split"]), _text(row["source"])
             known.add(split)
             if split in self.which_sets and bool(row["available"]):
-                if "indices" in row.dtype.names and row["indices"]:
-                    raise ConfigError(f"split {split!r}: index-list splits are not supported")
-                ranges.setdefault(source, {})[split] = range(int(row["start"]), int(row["stop"]))
+                ref = row["indices"] if "indices" in row.dtype.names else None
+                if ref:
+                    # An index-list split: its rows, read as Fuel reads a list subset
+                    # (a sorted set).
+                    rows: range | np.ndarray = np.unique(np.asarray(handle[ref][()]))
+                else:
+                    rows = range(int(row["start"]), int(row["stop"]))
+                ranges.setdefault(source, {})[split] = rows
         missing = [w for w in self.which_sets if w not in known]
         if missing:
             raise ConfigError(f"{self.path} has no splits {missing}; it has {sorted(known)}")
@@ -193,25 +340,43 @@ class H5PYDataset(Dataset):
         return {s: [ranges[s][w] for w in self.which_sets] for s in usable}
 
     @staticmethod
-    def _select(spans: list[range], subset: Any) -> range | np.ndarray:
+    def _select(spans: list[range | np.ndarray], subset: Any) -> range | np.ndarray:
         rows: range | np.ndarray = spans[0]
         if len(spans) > 1:
-            if all(a.stop == b.start for a, b in itertools.pairwise(spans)):
-                rows = range(spans[0].start, spans[-1].stop)
+            ranges = [r for r in spans if isinstance(r, range)]
+            if len(ranges) == len(spans) and all(
+                a.stop == b.start for a, b in itertools.pairwise(ranges)
+            ):
+                rows = range(ranges[0].start, ranges[-1].stop)
             else:
-                rows = np.concatenate([np.arange(r.start, r.stop) for r in spans])
+                rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in spans])
         if subset is None:
             return rows
         if isinstance(subset, slice):
+            if subset.stop is not None and subset.stop > len(rows):
+                raise ConfigError(
+                    f"subset={subset} reaches past the {len(rows)} examples of the splits"
+                )
             return rows[subset]
         request = normalize_request(list(subset), len(rows))
         return np.asarray(rows)[request]
 
     def _dimension_labels(self, handle: Any) -> dict[str, Any] | None:
-        labels = {
-            s: tuple(_text(d.label) for d in handle[s].dims) for s in self.provides_sources or ()
-        }
+        labels = {s: v for s, v in self.get_axis_labels(handle).items() if s in self.sources}
         return labels if all(all(v) for v in labels.values()) else None
+
+    def _read_source(self, handle: Any, source: str, rows: range | np.ndarray | int) -> Any:
+        """Read ``rows`` of ``source``; variable-length examples get their stored shapes."""
+        data = self._read(handle[source], rows)
+        if source not in self.vlen_sources:
+            return data
+        shapes = self._read(handle[source].dims[0]["shapes"], rows)
+        if isinstance(rows, int):
+            return np.asarray(data).reshape(tuple(int(x) for x in shapes))
+        out = np.empty(len(data), dtype=object)
+        for i, (example, shape) in enumerate(zip(data, shapes, strict=True)):
+            out[i] = np.asarray(example).reshape(tuple(int(x) for x in shape))
+        return out
 
     def _read(self, dataset: Any, rows: range | np.ndarray | int) -> np.ndarray:
         if isinstance(rows, int):
@@ -231,12 +396,18 @@ class H5PYDataset(Dataset):
         return self._num_examples
 
     def open(self) -> Any:
-        """Open the file (None when the data is in memory)."""
-        return None if self._data is not None else self._open_file()
+        """The stream's state: a handle on the file (None when the data is in memory).
+
+        The handle pickles as the file's path (a stream over this dataset pickles, as
+        Fuel's does) and reopens the file when next read.
+        """
+        if self._data is not None:
+            return None
+        return _FileHandle(self.path, self.driver, self._file if self._external else None)
 
     def close(self, state: Any) -> None:
         """Close the file handle ``state`` (unless the caller passed an open file)."""
-        if state is not None and not self._external:
+        if state is not None:
             state.close()
 
     def get_data(self, state: Any = None, request: Any = None) -> tuple[Any, ...]:
@@ -249,11 +420,11 @@ class H5PYDataset(Dataset):
         request = normalize_request(request, self.num_examples)
         if self._data is not None:
             return tuple(data[request] for data in self._data)
-        handle = state if state is not None else self._open_file()
+        handle = state if state is not None else self.open()
         try:
             out = []
             for source in self.sources:
-                out.append(self._read(handle[source], _rows_of(self._rows[source], request)))
+                out.append(self._read_source(handle, source, _rows_of(self._rows[source], request)))
             return tuple(out)
         finally:
             if state is None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from batchq.errors import BatchQueueError, ConfigError
 
 __all__ = [
+    "AxisLabelsMismatchError",
     "BatchSizeError",
     "ConfigError",
+    "ImageDimensionsError",
     "IncompleteBatchError",
     "InvalidRequestError",
     "MissingDependencyError",
@@ -76,6 +78,15 @@ class IncompleteBatchError(BatchQueueError, ValueError):
 
 class ShapeError(BatchQueueError, ValueError):
     """Arrays do not have the shapes a transformer needs; the message gives them."""
+
+
+class AxisLabelsMismatchError(ShapeError):
+    """A source's axis labels are not those a transformer expects (Fuel's error name)."""
+
+
+class ImageDimensionsError(ShapeError, NotImplementedError):
+    """An image has a number of axes a transformer has no method for (Fuel raises
+    ``NotImplementedError`` there, e.g. a 4-d example to ``MinimumImageDimensions``)."""
 
 
 class RngError(BatchQueueError, TypeError):

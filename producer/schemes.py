@@ -8,10 +8,14 @@ before, so any producer can rebuild any part of any epoch. Called with no argume
 Fuel code and :class:`~producer.streams.DataStream` do), each call returns the next
 epoch of this object: 0, 1, 2, ...
 
-Shuffled schemes draw epoch ``e``'s permutation from
-``numpy.random.default_rng([seed, e])``; ``rng`` may be ``None`` (seed
-:data:`DEFAULT_SEED`, like Fuel's ``config.default_seed``), an int seed, or a numpy
-``Generator`` / ``RandomState`` from which one seed is drawn at construction.
+Shuffled schemes have two regimes (see :mod:`producer.randomness`):
+
+* ``rng`` a ``numpy.random.RandomState`` (Fuel's regime): epoch ``e`` is exactly the
+  permutation Fuel's scheme yields at its ``(e+1)``-th epoch for the same RandomState
+  (a snapshot is replayed, so any epoch is still computed directly);
+* ``rng`` ``None`` (seed :data:`DEFAULT_SEED`), an int seed or a ``Generator`` (one
+  seed drawn at construction): epoch ``e``'s permutation is drawn from
+  ``numpy.random.default_rng([seed, e])``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from producer.errors import BatchSizeError, ConfigError, RngError, SchemeError
+from producer.errors import BatchSizeError, ConfigError, SchemeError
+from producer.randomness import DEFAULT_SEED, FuelShuffles, RngLike, seed_from_rng
 
 __all__ = [
     "DEFAULT_SEED",
@@ -45,44 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: The seed used when ``rng`` is None (Fuel's ``config.default_seed``).
-DEFAULT_SEED = 1
-# Seeds drawn from a generator lie in [0, 2**32): valid for every numpy seeding API.
-_SEED_BOUND = 2**32
-
-RngLike = int | np.integer | np.random.Generator | np.random.RandomState | None
-
-
-def seed_from_rng(rng: RngLike) -> int:
-    """Turn an ``rng`` argument into one non-negative int seed.
-
-    Args:
-        rng: ``None`` (:data:`DEFAULT_SEED`), an int seed >= 0, or a numpy ``Generator``
-            / ``RandomState`` from which one integer is drawn (so the caller's object is
-            advanced once, and everything built from the seed is deterministic).
-
-    Returns:
-        The seed.
-
-    Raises:
-        RngError: ``rng`` has another type.
-        ConfigError: ``rng`` is a negative int.
-    """
-    if rng is None:
-        return DEFAULT_SEED
-    if isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
-        if int(rng) < 0:
-            raise ConfigError(f"rng={rng!r} is not valid: an int seed must be >= 0")
-        return int(rng)
-    if isinstance(rng, np.random.Generator):
-        return int(rng.integers(0, _SEED_BOUND))
-    if isinstance(rng, np.random.RandomState):
-        return int(rng.randint(0, _SEED_BOUND, dtype=np.int64))
-    raise RngError(
-        f"rng={rng!r} (type {type(rng).__name__}) is not valid: expected None, an int "
-        "seed >= 0, a numpy.random.Generator or a numpy.random.RandomState"
-    )
 
 
 def _check_int(name: str, value: Any, minimum: int = 0, error: type = ConfigError) -> int:
@@ -103,9 +70,31 @@ def _check_epoch(epoch: Any) -> int:
     return _check_int("epoch", epoch)
 
 
-def _permutation(indices: range | list[int], seed: int, epoch: int) -> np.ndarray:
-    """Epoch ``epoch``'s order of ``indices``: a pure function of (seed, epoch)."""
-    perm = np.random.default_rng([seed, _check_epoch(epoch)]).permutation(len(indices))
+def _fuel_shuffles(rng: RngLike, count: int) -> FuelShuffles | None:
+    """Fuel's regime for a RandomState (replayed shuffles), else None."""
+    return FuelShuffles(rng, count) if isinstance(rng, np.random.RandomState) else None
+
+
+def _rng_attribute(rng: RngLike, seed: int) -> np.random.RandomState | np.random.Generator:
+    """Fuel's ``scheme.rng``: the RandomState or Generator given, else one from the seed.
+
+    Informational: the epochs' orders are fixed at construction (reassigning it does not
+    change them, unlike Fuel's).
+    """
+    if isinstance(rng, np.random.RandomState | np.random.Generator):
+        return rng
+    return np.random.default_rng(seed)
+
+
+def _permutation(
+    indices: range | list[int], seed: int, epoch: int, fuel: FuelShuffles | None = None
+) -> np.ndarray:
+    """Epoch ``epoch``'s order of ``indices``: a pure function of (rng, epoch)."""
+    epoch = _check_epoch(epoch)
+    if fuel is not None:
+        perm = fuel.order(epoch)
+    else:
+        perm = np.random.default_rng([seed, epoch]).permutation(len(indices))
     if isinstance(indices, range) and indices.start == 0 and indices.step == 1:
         return perm
     return np.asarray(indices, dtype=np.int64)[perm]
@@ -306,8 +295,8 @@ class ShuffledScheme(BatchScheme):
     Args:
         examples: an int n (the examples ``0 .. n-1``) or an iterable of indices.
         batch_size: the number of indices per request; the last one may be smaller.
-        rng: None, an int seed, or a numpy Generator/RandomState (see
-            :func:`seed_from_rng`).
+        rng: a RandomState (Fuel's permutations), or None, an int seed or a numpy
+            Generator (batchq's; see the module docstring).
         sorted_indices: sort the indices inside each batch (reads stay local).
     """
 
@@ -320,11 +309,13 @@ class ShuffledScheme(BatchScheme):
     ) -> None:
         super().__init__(examples, batch_size)
         self.seed: int = seed_from_rng(rng)
+        self._fuel = _fuel_shuffles(rng, len(self.indices))
+        self.rng = _rng_attribute(rng, self.seed)
         self.sorted_indices = bool(sorted_indices)
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The example order of epoch ``epoch``: a pure function of (seed, epoch)."""
-        return _permutation(self.indices, self.seed, epoch)
+        """The example order of epoch ``epoch``: a pure function of (rng, epoch)."""
+        return _permutation(self.indices, self.seed, epoch, self._fuel)
 
     def _epoch_requests(self, epoch: int) -> Iterator[list[int]]:
         order = self.permutation(epoch)
@@ -345,17 +336,19 @@ class ShuffledExampleScheme(IndexScheme):
 
     Args:
         examples: an int n (the examples ``0 .. n-1``) or an iterable of indices.
-        rng: None, an int seed, or a numpy Generator/RandomState (see
-            :func:`seed_from_rng`).
+        rng: a RandomState (Fuel's permutations), or None, an int seed or a numpy
+            Generator (batchq's; see the module docstring).
     """
 
     def __init__(self, examples: int | Iterable[int], rng: RngLike = None) -> None:
         super().__init__(examples)
         self.seed: int = seed_from_rng(rng)
+        self._fuel = _fuel_shuffles(rng, len(self.indices))
+        self.rng = _rng_attribute(rng, self.seed)
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The example order of epoch ``epoch``: a pure function of (seed, epoch)."""
-        return _permutation(self.indices, self.seed, epoch)
+        """The example order of epoch ``epoch``: a pure function of (rng, epoch)."""
+        return _permutation(self.indices, self.seed, epoch, self._fuel)
 
     def _epoch_requests(self, epoch: int) -> Iterator[int]:
         return iter(self.permutation(epoch).tolist())
@@ -420,8 +413,9 @@ def cross_validation(
     scheme_class: type[IterationScheme],
     num_examples: int,
     num_folds: int,
-    which_fold: int | None = None,
     strict: bool = True,
+    *,
+    which_fold: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """Build (train, valid) scheme pairs for k-fold cross-validation.
@@ -434,9 +428,11 @@ def cross_validation(
             called as ``scheme_class(indices, **kwargs)``.
         num_examples: the number of examples in the data.
         num_folds: the number of folds (1 <= num_folds <= num_examples).
-        which_fold: if given, only that fold's tuple is returned (not an iterator).
         strict: require ``num_examples`` divisible by ``num_folds``; when False each
-            tuple has a third element, the size of the validation set.
+            tuple has a third element, the size of the validation set. The fourth
+            positional argument, as in Fuel.
+        which_fold: (keyword only, batchq's) if given, only that fold's tuple is
+            returned (not an iterator).
         **kwargs: passed to ``scheme_class`` (e.g. ``batch_size``, ``rng``).
 
     Returns:
@@ -444,32 +440,43 @@ def cross_validation(
         valid, valid_size)`` when not strict), or one such tuple if ``which_fold`` is given.
 
     Raises:
-        ConfigError: the counts are invalid, or not divisible while ``strict``.
+        ConfigError: (a ``ValueError``; at the first ``next()`` when iterating, as in
+            Fuel) the counts are invalid, or not divisible while ``strict``.
     """
-    num_examples = _check_count("num_examples", num_examples)
-    num_folds = _check_count("num_folds", num_folds)
-    if not 1 <= num_folds <= max(num_examples, 1):
-        raise ConfigError(
-            f"num_folds={num_folds} is not valid: expected 1 <= num_folds <= "
-            f"num_examples ({num_examples})"
-        )
-    if strict and num_examples % num_folds:
-        raise ConfigError(
-            f"{num_examples} examples are not divisible into {num_folds} evenly-sized "
-            "folds; pass strict=False to allow folds of different sizes"
-        )
-    if which_fold is not None and not 0 <= _check_count("which_fold", which_fold) < num_folds:
-        raise ConfigError(
-            f"which_fold={which_fold!r} is not valid: expected 0 <= which_fold < {num_folds}"
-        )
 
-    def fold(i: int) -> tuple[Any, ...]:
-        begin = num_examples * i // num_folds
-        end = num_examples * (i + 1) // num_folds
-        train = scheme_class([*range(begin), *range(end, num_examples)], **kwargs)  # type: ignore[call-arg]
+    def check() -> tuple[int, int]:
+        examples = _check_count("num_examples", num_examples)
+        folds = _check_count("num_folds", num_folds)
+        if not 1 <= folds <= max(examples, 1):
+            raise ConfigError(
+                f"num_folds={folds} is not valid: expected 1 <= num_folds <= "
+                f"num_examples ({examples})"
+            )
+        if strict and examples % folds:
+            raise ConfigError(
+                f"{examples} examples are not divisible into {folds} evenly-sized "
+                "folds; pass strict=False to allow folds of different sizes"
+            )
+        return examples, folds
+
+    def fold(i: int, examples: int, folds: int) -> tuple[Any, ...]:
+        begin = examples * i // folds
+        end = examples * (i + 1) // folds
+        train = scheme_class([*range(begin), *range(end, examples)], **kwargs)  # type: ignore[call-arg]
         valid = scheme_class(list(range(begin, end)), **kwargs)  # type: ignore[call-arg]
         return (train, valid) if strict else (train, valid, end - begin)
 
-    if which_fold is not None:
-        return fold(int(which_fold))
-    return (fold(i) for i in range(num_folds))
+    def folds() -> Iterator[tuple[Any, ...]]:
+        # A generator, as Fuel's: bad counts raise at the first next(), where Fuel raises.
+        examples, count = check()
+        for i in range(count):
+            yield fold(i, examples, count)
+
+    if which_fold is None:
+        return folds()
+    examples, count = check()
+    if not 0 <= _check_count("which_fold", which_fold) < count:
+        raise ConfigError(
+            f"which_fold={which_fold!r} is not valid: expected 0 <= which_fold < {count}"
+        )
+    return fold(int(which_fold), examples, count)

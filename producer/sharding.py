@@ -31,6 +31,7 @@ import numpy as np
 
 from batchq.errors import ConfigError
 from producer.alignment import analyse
+from producer.randomness import component_seed
 
 __all__ = ["ShardPlan", "find_root", "iter_chain"]
 
@@ -187,17 +188,23 @@ class ShardPlan:
         return hashlib.sha256(blob).hexdigest()[:32]
 
     def shard_seed(self, epoch: int, shard: int) -> int:
-        """The seed random transformers get for (epoch, shard): same shard, same batches."""
+        """The seed of (epoch, shard): same shard, same batches.
+
+        Each random component is reseeded with
+        ``component_seed(shard_seed, its position in iter_chain)``.
+        """
         digest = hashlib.sha256(f"{self.fingerprint}:{epoch}:{shard}".encode()).digest()
         return int.from_bytes(digest[:4], "little")
 
     def iter_shard(self, epoch: int, shard: int) -> Iterator[tuple[Any, ...]]:
         """Yield the batches of shard ``shard`` of ``epoch``, as tuples in source order."""
         seed = self.shard_seed(epoch, shard)
-        for node in iter_chain(self.stream):
+        # Each component gets its own seed (its position in the chain mixed in): two
+        # random transformers never share a stream, whatever rng they were given.
+        for position, node in enumerate(iter_chain(self.stream)):
             reseed = getattr(node, "reseed", None)
             if callable(reseed):
-                reseed(seed)
+                reseed(component_seed(seed, position))
         if self.scheme is None:
             yield from self.stream.get_epoch_iterator()
             return

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from batchq.connection import describe_url, make_client
 from batchq.embedded import url_or_embedded
 from batchq.errors import ConfigError, ProducersLost
@@ -63,7 +65,9 @@ def tutorial_stream(
     if load_ms is None:
         load_ms = float(os.environ.get(_ENV + "LOAD_MS", "5"))
     stream = DataStream.default_stream(
-        IndexableDataset({"features": [[0] * features] * examples}),
+        # An array, not Fuel's list of lists: a list source gives lists (as in Fuel),
+        # which travel as msgpack values instead of zero-copy arrays.
+        IndexableDataset({"features": np.zeros((examples, features), dtype=np.int64)}),
         iteration_scheme=ShuffledScheme(examples=examples, batch_size=batch_size),
     )
     return Bottleneck(stream, slowdown=load_ms / 1000)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from producer.transformers.base import (
     AgnosticSourcewiseTransformer,
     AgnosticTransformer,
+    ExpectsAxisLabels,
     RandomStateMixin,
     SourcewiseTransformer,
     Transformer,
@@ -19,6 +20,7 @@ from producer.transformers.base import (
     stack_examples,
 )
 from producer.transformers.batching import Batch, Cache, Merge, Padding, Unpack
+from producer.transformers.defaults import ToBytes
 from producer.transformers.image import (
     MinimumImageDimensions,
     Random2DRotation,
@@ -44,6 +46,7 @@ __all__ = [
     "Batch",
     "Cache",
     "Cast",
+    "ExpectsAxisLabels",
     "Filter",
     "FilterSources",
     "Flatten",
@@ -59,6 +62,7 @@ __all__ = [
     "ScaleAndShift",
     "SortMapping",
     "SourcewiseTransformer",
+    "ToBytes",
     "Transformer",
     "Unpack",
     "check_sources",

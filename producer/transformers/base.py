@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from producer.errors import (
-    ConfigError,
+    AxisLabelsMismatchError,
     InvalidRequestError,
     SourceError,
     StreamError,
     UnsupportedInputError,
 )
-from producer.schemes import RngLike, seed_from_rng
+from producer.randomness import RandomStateMixin
 from producer.streams import AbstractDataStream
 
 __all__ = [
     "AgnosticSourcewiseTransformer",
     "AgnosticTransformer",
+    "ExpectsAxisLabels",
     "RandomStateMixin",
     "SourcewiseTransformer",
     "Transformer",
@@ -251,31 +251,34 @@ class AgnosticSourcewiseTransformer(AgnosticTransformer, SourcewiseTransformer):
         raise NotImplementedError(f"{type(self).__name__} does not implement transform_any_source")
 
 
-class RandomStateMixin:
-    """Random state for transformers: built from ``rng``, reset by :meth:`reseed`.
+class ExpectsAxisLabels:
+    """Mixin for transformers that check the axis labels of their input (Fuel's).
 
-    Attributes:
-        seed: the int drawn from ``rng`` at construction (see
-            :func:`~producer.schemes.seed_from_rng`).
-        rng: the ``numpy.random.Generator`` the transformer draws from.
+    :meth:`verify_axis_labels` is called with the labels a source should have and the
+    ones it has. Missing labels (None) log a warning; different ones raise
+    :class:`~producer.errors.AxisLabelsMismatchError` (a ``ValueError``, as Fuel's).
+    Each source is checked once, at its first item.
     """
 
-    seed: int
-    rng: np.random.Generator
-
-    def _init_random_state(self, rng: RngLike) -> None:
-        self.seed = seed_from_rng(rng)
-        self.rng = np.random.default_rng(self.seed)
-
-    def reseed(self, seed: int) -> None:
-        """Reset the random state to a pure function of (``self.seed``, ``seed``).
-
-        The producer calls this before building each (epoch, shard), so a shard that is
-        built again yields the same data.
+    def verify_axis_labels(self, expected: Any, actual: Any, source_name: str) -> None:
+        """Check ``actual`` against ``expected`` for ``source_name``, once per source.
 
         Raises:
-            ConfigError: ``seed`` is not an int >= 0.
+            AxisLabelsMismatchError: ``actual`` is not None and differs from ``expected``.
         """
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise ConfigError(f"reseed({seed!r}): expected an int >= 0")
-        self.rng = np.random.default_rng([self.seed, int(seed)])
+        checked: set[str] = self.__dict__.setdefault("_checked_axis_labels", set())
+        if source_name in checked:
+            return
+        if actual is None:
+            log.warning(
+                "%s instance could not verify the axis labels of source %r: expected %s, got None",
+                type(self).__name__,
+                source_name,
+                expected,
+            )
+        elif tuple(expected) != tuple(actual):
+            raise AxisLabelsMismatchError(
+                f"{type(self).__name__} expected axis labels {tuple(expected)} for source "
+                f"{source_name!r}, got {tuple(actual)} instead"
+            )
+        checked.add(source_name)

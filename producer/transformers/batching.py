@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from producer.config import floatx
 from producer.errors import (
     ConfigError,
     IncompleteBatchError,
@@ -21,10 +22,10 @@ from producer.errors import (
     SourceError,
     StreamMismatchError,
 )
+from producer.randomness import RandomStateMixin
 from producer.schemes import BatchSizeScheme
 from producer.streams import AbstractDataStream
 from producer.transformers.base import Transformer, check_sources, stack_examples
-from producer.transformers.simple import FLOATX
 
 __all__ = ["Batch", "Cache", "Merge", "Padding", "Unpack"]
 
@@ -155,7 +156,8 @@ class Padding(Transformer):
     Args:
         data_stream: a stream of batches.
         mask_sources: the sources to pad and mask (default: all).
-        mask_dtype: the masks' dtype (default float32, Fuel's floatX).
+        mask_dtype: the masks' dtype (default: the configured floatX, see
+            :mod:`producer.config`).
         **kwargs: ``axis_labels``.
 
     Raises:
@@ -180,7 +182,7 @@ class Padding(Transformer):
         self.mask_sources = check_sources(
             "Padding(mask_sources=...)", mask_sources, data_stream.sources
         )
-        self.mask_dtype = np.dtype(FLOATX if mask_dtype in (None, "floatX") else mask_dtype)
+        self.mask_dtype = np.dtype(floatx() if mask_dtype in (None, "floatX") else mask_dtype)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -284,6 +286,20 @@ class Cache(Transformer):
         return tuple(data)
 
 
+def _mark_branch(stream: Any, branch: int) -> None:
+    """Tell the random components below ``stream`` which Merge input they are under."""
+    stack = [stream]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, RandomStateMixin):
+            node._branch = (branch, *node._branch)
+        children = getattr(node, "data_streams", None)
+        if children:
+            stack.extend(children)
+        elif getattr(node, "data_stream", None) is not None:
+            stack.append(node.data_stream)
+
+
 class Merge(AbstractDataStream):
     """Zips several streams into one: each item concatenates one item of each.
 
@@ -328,6 +344,8 @@ class Merge(AbstractDataStream):
             )
         self.sources = sources
         self.child_epoch_iterators: list[Iterator[Any]] = []
+        for branch, stream in enumerate(self.data_streams):
+            _mark_branch(stream, branch)
 
     def close(self) -> None:
         """Close every merged stream."""

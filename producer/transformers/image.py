@@ -1,8 +1,11 @@
 """Image transformers (``fuel.transformers.image``) in numpy only, without PIL or Cython.
 
-Images are ``(height, width)`` or ``(channels, height, width)`` arrays; a batch is a
-4-d ``(batch, channels, height, width)`` array, or a list (or object array) of images
-that may differ in size. Random transformers take ``rng`` and implement ``reseed``.
+Images are ``(height, width)`` or ``(channels, height, width)`` arrays (the random
+transformers need ``(channels, height, width)``, as Fuel's); a batch is a 4-d
+``(batch, channels, height, width)`` array, or a list (or object array) of images that
+may differ in size. Random transformers take ``rng`` and implement ``reseed`` (see
+:mod:`producer.randomness`); given a RandomState they make Fuel's draws in Fuel's order.
+Rotations and resizes are computed in numpy, so pixels differ slightly from PIL's.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from producer.errors import ConfigError, ShapeError
-from producer.schemes import RngLike
-from producer.transformers.base import RandomStateMixin, SourcewiseTransformer
+from producer.errors import ConfigError, ImageDimensionsError, ShapeError
+from producer.randomness import RandomStateMixin, RngLike
+from producer.transformers.base import ExpectsAxisLabels, SourcewiseTransformer
 
 __all__ = [
     "MinimumImageDimensions",
@@ -40,7 +43,7 @@ def _check_resample(resample: str) -> str:
 def _check_image(image: Any, what: str) -> np.ndarray:
     array = np.asarray(image)
     if array.ndim not in (2, 3):
-        raise ShapeError(
+        raise ImageDimensionsError(
             f"{what}: expected an image of shape (height, width) or (channels, height, "
             f"width), got shape {array.shape}"
         )
@@ -161,17 +164,65 @@ class MinimumImageDimensions(_ImageTransformer):
         return resize(image, (max(height, min_height), max(width, min_width)), self.resample)
 
 
-class RandomFixedSizeCrop(RandomStateMixin, _ImageTransformer):
+def _check_chw(image: Any, what: str) -> np.ndarray:
+    """A ``(channels, height, width)`` array, or a ShapeError (Fuel's ValueError)."""
+    if not isinstance(image, np.ndarray) or image.ndim != 3:
+        shape = getattr(image, "shape", type(image).__name__)
+        raise ShapeError(
+            f"{what}: uninterpretable example format; expected an ndarray of shape "
+            f"(channels, height, width), got {shape}"
+        )
+    return image
+
+
+def _batch_images(source_batch: Any, what: str) -> list[np.ndarray] | None:
+    """The images of a list / object-array batch, or None for a 4-d array batch."""
+    if isinstance(source_batch, np.ndarray) and source_batch.dtype != object:
+        if source_batch.ndim != 4:
+            raise ShapeError(
+                f"{what}: uninterpretable batch format; expected a list of arrays of "
+                f"shape (channels, height, width), or an array with 4 axes, got shape "
+                f"{source_batch.shape}"
+            )
+        return None
+    return [_check_chw(image, what) for image in source_batch]
+
+
+class _RandomImageTransformer(RandomStateMixin, ExpectsAxisLabels, _ImageTransformer):
+    """Checks axis labels as Fuel does, then draws in Fuel's order."""
+
+    def _labels(self, source_name: str) -> Any:
+        return (self.data_stream.axis_labels or {}).get(source_name)
+
+    def transform_source_example(self, source_example: Any, source_name: str) -> np.ndarray:
+        """Transform one ``(channels, height, width)`` image."""
+        self.verify_axis_labels(
+            ("channel", "height", "width"), self._labels(source_name), source_name
+        )
+        return self._transform_image(_check_chw(source_example, type(self).__name__))
+
+    def _verify_batch(self, source_name: str) -> None:
+        self.verify_axis_labels(
+            ("batch", "channel", "height", "width"), self._labels(source_name), source_name
+        )
+
+
+class RandomFixedSizeCrop(_RandomImageTransformer):
     """Crops a window of fixed size at a random position of each image.
+
+    Draws as Fuel's: for one image, the top offset (only if the image is taller than
+    the window) then the left offset (only if wider); for a 4-d batch, all the left
+    offsets, then all the top offsets.
 
     Args:
         data_stream: the wrapped stream.
         window_shape: the ``(height, width)`` of the crops.
-        rng: None, an int seed, or a numpy Generator/RandomState.
+        rng: a RandomState (Fuel's draws), or None, an int seed or a Generator.
         **kwargs: ``which_sources``, ``axis_labels``.
 
     Raises:
-        ShapeError: (when reading) an image is smaller than the window.
+        ShapeError: (when reading; a ``ValueError``) an image is not ``(channels,
+            height, width)``, or is smaller than the window.
     """
 
     def __init__(
@@ -180,31 +231,61 @@ class RandomFixedSizeCrop(RandomStateMixin, _ImageTransformer):
         if len(window_shape) != 2 or min(window_shape) < 1:
             raise ConfigError(f"window_shape={window_shape!r}: expected (height, width) >= 1")
         self.window_shape = (int(window_shape[0]), int(window_shape[1]))
-        self._init_random_state(rng)
+        self.rng = rng
         super().__init__(data_stream, **kwargs)
 
-    def _transform_image(self, image: np.ndarray) -> np.ndarray:
+    def _offsets(self, image_shape: tuple[int, ...]) -> tuple[int, int]:
         win_h, win_w = self.window_shape
-        height, width = image.shape[-2:]
+        height, width = image_shape[-2:]
         if height < win_h or width < win_w:
             raise ShapeError(
-                f"RandomFixedSizeCrop: image of shape {image.shape} is smaller than the "
+                f"RandomFixedSizeCrop: image of shape {image_shape} is smaller than the "
                 f"window {self.window_shape}"
             )
-        top = int(self.rng.integers(0, height - win_h + 1))
-        left = int(self.rng.integers(0, width - win_w + 1))
-        return image[..., top : top + win_h, left : left + win_w]
+        return height - win_h, width - win_w
+
+    def _transform_image(self, image: np.ndarray) -> np.ndarray:
+        max_top, max_left = self._offsets(image.shape)
+        top = int(self.random_integers(0, max_top)) if max_top > 0 else 0
+        left = int(self.random_integers(0, max_left)) if max_left > 0 else 0
+        return image[..., top : top + self.window_shape[0], left : left + self.window_shape[1]]
+
+    def transform_source_batch(self, source_batch: Any, source_name: str) -> Any:
+        """Crop each image: a 4-d array gives an array, a list (or object array) a list."""
+        self._verify_batch(source_name)
+        images = _batch_images(source_batch, type(self).__name__)
+        if images is not None:
+            return [self._transform_image(image) for image in images]
+        max_top, max_left = self._offsets(source_batch.shape)
+        size = len(source_batch)
+        lefts = self.random_integers(0, max_left, size=size)
+        tops = self.random_integers(0, max_top, size=size)
+        win_h, win_w = self.window_shape
+        out = np.empty(source_batch.shape[:2] + self.window_shape, dtype=source_batch.dtype)
+        for i, (top, left) in enumerate(zip(tops, lefts, strict=True)):
+            out[i] = source_batch[i, :, top : top + win_h, left : left + win_w]
+        return out
 
 
-class Random2DRotation(RandomStateMixin, _ImageTransformer):
+class Random2DRotation(_RandomImageTransformer):
     """Rotates each image by a random angle in ``[-maximum_rotation, maximum_rotation]``.
+
+    Draws as Fuel's: one angle in degrees per image (a batch draws all its angles at
+    once), from ``uniform(-maximum_rotation, maximum_rotation)`` with the maximum in
+    degrees; images rotate counter-clockwise by that angle.
 
     Args:
         data_stream: the wrapped stream.
-        maximum_rotation: the largest rotation, in radians (default pi).
+        maximum_rotation: the largest rotation, in radians, in ``(0, pi]`` (default pi).
         resample: ``'nearest'`` (default) or ``'bilinear'``.
-        rng: None, an int seed, or a numpy Generator/RandomState.
+        rng: a RandomState (Fuel's draws), or None, an int seed or a Generator.
         **kwargs: ``which_sources``, ``axis_labels``.
+
+    Attributes:
+        maximum_rotation: the largest rotation in degrees, as Fuel stores it.
+
+    Raises:
+        ConfigError: (a ``ValueError``) ``maximum_rotation`` is not in ``(0, pi]``.
     """
 
     def __init__(
@@ -215,13 +296,36 @@ class Random2DRotation(RandomStateMixin, _ImageTransformer):
         rng: RngLike = None,
         **kwargs: Any,
     ) -> None:
-        if not 0 <= maximum_rotation <= math.pi:
-            raise ConfigError(f"maximum_rotation={maximum_rotation!r}: expected 0 to pi radians")
-        self.maximum_rotation = float(maximum_rotation)
+        if not 0 < maximum_rotation <= math.pi:
+            raise ConfigError(
+                f"maximum_rotation={maximum_rotation!r} is not valid: expected a value in "
+                "(0, pi] radians (to leave images unrotated, leave this transformer out)"
+            )
+        self.maximum_rotation = float(np.rad2deg(maximum_rotation))
         self.resample = _check_resample(resample)
-        self._init_random_state(rng)
+        self.rng = rng
         super().__init__(data_stream, **kwargs)
 
+    def _rotate(self, image: np.ndarray, degrees: float) -> np.ndarray:
+        return rotate(image, math.radians(float(degrees)), self.resample)
+
     def _transform_image(self, image: np.ndarray) -> np.ndarray:
-        angle = float(self.rng.uniform(-self.maximum_rotation, self.maximum_rotation))
-        return rotate(image, angle, self.resample)
+        return self._rotate(image, self.uniform(-self.maximum_rotation, self.maximum_rotation))
+
+    def transform_source_batch(self, source_batch: Any, source_name: str) -> Any:
+        """Rotate each image; a 4-d array stays an array, a list stays a list."""
+        self._verify_batch(source_name)
+        images = _batch_images(source_batch, type(self).__name__)
+        angles = self.uniform(-self.maximum_rotation, self.maximum_rotation, len(source_batch))
+        if images is None:
+            return np.array(
+                [self._rotate(im, a) for im, a in zip(source_batch, angles, strict=True)],
+                dtype=source_batch.dtype,
+            ).reshape(source_batch.shape)
+        rotated = [self._rotate(im, a) for im, a in zip(images, angles, strict=True)]
+        if isinstance(source_batch, np.ndarray):
+            out = np.empty(len(rotated), dtype=object)
+            for i, image in enumerate(rotated):
+                out[i] = image
+            return out
+        return rotated

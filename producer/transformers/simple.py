@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import numpy as np
 
+from producer.config import floatx
 from producer.errors import ConfigError, InvalidRequestError, SourceError
 from producer.transformers.base import (
     AgnosticSourcewiseTransformer,
@@ -33,7 +35,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: What ``'floatX'`` means (Fuel's ``config.floatX``, fixed to float32 here).
+#: floatX when nothing is configured; the configured one is
+#: :func:`producer.config.floatx` (``BATCHQ_FLOATX``, else ``FUEL_FLOATX``).
 FLOATX = "float32"
 
 
@@ -47,20 +50,35 @@ class Mapping(Transformer):
 
     Args:
         data_stream: the wrapped stream.
-        mapping: called with the item (a tuple in source order); returns a tuple.
+        mapping: called with the item; returns the new item. With ``mapping_accepts``
+            ``list`` (the default) it takes and returns a tuple in source order; with
+            ``dict`` it takes an ordered ``{source: value}`` dict and returns a dict
+            (from which the values of this stream's sources, or of ``add_sources``,
+            are taken).
         add_sources: if given, the mapping's result is appended to the item as these
             new sources, instead of replacing it.
+        mapping_accepts: ``list`` or ``dict``, as in Fuel.
         **kwargs: ``axis_labels``.
+
+    Raises:
+        ConfigError: (a ``ValueError``) ``mapping_accepts`` is neither ``list`` nor
+            ``dict``.
     """
 
     def __init__(
         self,
         data_stream: Any,
-        mapping: Callable[[tuple[Any, ...]], Sequence[Any]],
+        mapping: Callable[[Any], Any],
         add_sources: Sequence[str] | None = None,
+        mapping_accepts: type = list,
         **kwargs: Any,
     ) -> None:
         super().__init__(data_stream, data_stream.produces_examples, **kwargs)
+        if mapping_accepts not in (list, dict):
+            raise ConfigError(
+                f"mapping_accepts={mapping_accepts!r} is not valid: Mapping accepts list or dict"
+            )
+        self.mapping_accepts = mapping_accepts
         self.mapping = mapping
         self.add_sources = (add_sources,) if isinstance(add_sources, str) else add_sources
 
@@ -74,11 +92,27 @@ class Mapping(Transformer):
         raise ConfigError("the sources of a Mapping are set by its add_sources argument")
 
     def get_data(self, request: Any = None) -> Any:
-        """The mapping's result (or the item followed by it, with ``add_sources``)."""
+        """The mapping's result (or the item followed by it, with ``add_sources``).
+
+        Raises:
+            SourceError: (``mapping_accepts=dict``) the returned dict lacks a source.
+        """
         if request is not None:
             raise InvalidRequestError(f"Mapping takes no request, got {request!r}")
         data = self._next_child()
-        image = self.mapping(data)
+        if self.mapping_accepts is dict:
+            named = OrderedDict(zip(self.data_stream.sources, data, strict=True))
+            result = self.mapping(named)
+            wanted = tuple(self.add_sources or self.sources)
+            missing = [s for s in wanted if s not in result]
+            if missing:
+                raise SourceError(
+                    f"the mapping returned a dict without the sources {missing}; it must "
+                    f"have {list(wanted)}"
+                )
+            image = tuple(result[s] for s in wanted)
+        else:
+            image = self.mapping(data)
         if not self.add_sources:
             return image
         return tuple(data) + tuple(image)
@@ -167,12 +201,13 @@ class Cast(AgnosticSourcewiseTransformer):
 
     Args:
         data_stream: the wrapped stream.
-        dtype: any numpy dtype, or ``'floatX'`` (float32).
+        dtype: any numpy dtype, or ``'floatX'`` (the configured floatX, read now:
+            see :mod:`producer.config`).
         **kwargs: ``which_sources``, ``axis_labels``.
     """
 
     def __init__(self, data_stream: Any, dtype: Any, **kwargs: Any) -> None:
-        self.dtype = np.dtype(FLOATX if dtype == "floatX" else dtype)
+        self.dtype = np.dtype(floatx() if dtype == "floatX" else dtype)
         _copy_labels(data_stream, kwargs)
         super().__init__(data_stream, data_stream.produces_examples, **kwargs)
 
@@ -182,25 +217,32 @@ class Cast(AgnosticSourcewiseTransformer):
 
 
 class ForceFloatX(AgnosticSourcewiseTransformer):
-    """Casts floating-point arrays of the selected sources to float32; leaves the rest.
+    """Casts floating-point arrays of the selected sources to floatX; leaves the rest.
+
+    floatX is the configured one (``BATCHQ_FLOATX``, else ``FUEL_FLOATX``, else
+    float32; see :mod:`producer.config`), read when the transformer is built.
 
     Args:
         data_stream: the wrapped stream.
         **kwargs: ``which_sources``, ``axis_labels``.
+
+    Attributes:
+        floatX: the dtype float arrays are cast to.
     """
 
     def __init__(self, data_stream: Any, **kwargs: Any) -> None:
         _copy_labels(data_stream, kwargs)
         super().__init__(data_stream, data_stream.produces_examples, **kwargs)
+        self.floatX = np.dtype(floatx())
 
     def transform_any_source(self, source_data: Any, source_name: str) -> Any:
         """Cast float arrays of another precision."""
         if (
             isinstance(source_data, np.ndarray)
             and source_data.dtype.kind == "f"
-            and source_data.dtype != FLOATX
+            and source_data.dtype != self.floatX
         ):
-            return source_data.astype(FLOATX)
+            return source_data.astype(self.floatX)
         return source_data
 
 

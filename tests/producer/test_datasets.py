@@ -96,22 +96,26 @@ def test_sources_subset_in_the_given_order() -> None:
         IndexableDataset(data, sources=())
 
 
-def test_lists_become_arrays_and_ragged_lists_object_arrays() -> None:
+def test_list_sources_stay_lists_as_in_fuel() -> None:
     dataset = IndexableDataset({"features": [[0] * 128] * 1000})
     (batch,) = dataset.get_data(request=list(range(100)))
-    assert isinstance(batch, np.ndarray) and batch.shape == (100, 128)
+    assert isinstance(batch, list) and len(batch) == 100 and batch[0] == [0] * 128
     (single,) = IndexableDataset([5, 6, 7]).get_data(request=[2, 0])
-    assert single.tolist() == [7, 5]
+    assert single == [7, 5]
+    assert IndexableDataset([5, 6, 7]).get_data(request=slice(1, 3)) == ([6, 7],)
     assert IndexableDataset([5, 6]).sources == ("data",)
     ragged = IndexableDataset({"seq": [[1], [2, 3], []]})
     (seqs,) = ragged.get_data(request=[1, 2])
-    assert seqs.dtype == object and [list(s) for s in seqs] == [[2, 3], []]
+    assert seqs == [[2, 3], []]
+    (arrays,) = IndexableDataset({"x": np.arange(4)}).get_data(request=[3, 1])
+    assert isinstance(arrays, np.ndarray) and arrays.tolist() == [3, 1]
 
 
 def test_start_and_stop() -> None:
     dataset = IndexableDataset({"x": np.arange(10), "y": list(range(10, 20))}, start=2, stop=6)
     assert dataset.num_examples == 4
-    assert [v.tolist() for v in dataset.get_data(request=[0, 3])] == [[2, 5], [12, 15]]
+    x, y = dataset.get_data(request=[0, 3])
+    assert x.tolist() == [2, 5] and y == [12, 15]  # the list source stays a list
     with pytest.raises(RequestError, match="index 4 is outside the dataset of 4 examples"):
         dataset.get_data(request=[4])
 

@@ -301,9 +301,10 @@ def test_cross_validation_non_strict_and_errors() -> None:
     assert [size for _, _, size in folds] == [2, 2, 3]
     counts = Counter(i for _, valid, _ in folds for i in valid.get_request_iterator())
     assert sorted(counts) == list(range(7)) and set(counts.values()) == {1}
+    lazy = cross_validation(SequentialExampleScheme, 7, 3)  # a generator, as Fuel's
     with pytest.raises(ConfigError, match="7 examples are not divisible into 3"):
-        cross_validation(SequentialExampleScheme, 7, 3)
+        next(lazy)
     with pytest.raises(ConfigError, match="which_fold=3"):
         cross_validation(SequentialExampleScheme, 6, 3, which_fold=3)
     with pytest.raises(ConfigError, match="num_folds=0"):
-        cross_validation(SequentialExampleScheme, 6, 0)
+        next(cross_validation(SequentialExampleScheme, 6, 0))

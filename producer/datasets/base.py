@@ -1,4 +1,4 @@
-"""Datasets: where the data lives and how a request reads it (``fuel.datasets``).
+"""Datasets: where the data lives and how a request reads it (``fuel.datasets.base``).
 
 A dataset is stateless apart from the optional state object that :meth:`Dataset.open`
 returns and the stream threads through ``get_data(state, request)``. Requests are what
@@ -20,7 +20,6 @@ from producer.schemes import SequentialExampleScheme
 
 __all__ = [
     "Dataset",
-    "H5PYDataset",
     "IndexableDataset",
     "IterableDataset",
     "NpyDataset",
@@ -84,21 +83,9 @@ def normalize_request(request: Any, num_examples: int) -> Request:
     return indices.astype(np.intp, copy=False)
 
 
-def _as_array(values: Any) -> Any:
-    """Lists and tuples become arrays (object arrays when ragged); the rest is kept."""
-    if not isinstance(values, (list, tuple)):
-        return values
-    try:
-        return np.asarray(values)
-    except ValueError:
-        # Ragged data (e.g. sequences of different lengths): one object per example.
-        array = np.empty(len(values), dtype=object)
-        for i, value in enumerate(values):
-            array[i] = value
-        return array
-
-
 def _take(indexable: Any, request: Request) -> Any:
+    """Index ``indexable`` as Fuel does: arrays by fancy indexing, anything else (a
+    list stays a list) one example at a time."""
     if isinstance(indexable, np.ndarray) or not isinstance(request, np.ndarray):
         return indexable[request]
     return [indexable[int(i)] for i in request]
@@ -277,7 +264,8 @@ class IndexableDataset(Dataset):
 
     Args:
         indexables: a dict source -> container, or one container (source ``'data'``).
-            Lists and tuples are converted to numpy arrays (object arrays if ragged).
+            They are kept as given (as in Fuel): a list source gives lists for list
+            requests and slices, an array source arrays.
         start: the first example to use (default 0).
         stop: one past the last example to use (default: all).
         **kwargs: ``sources``, ``axis_labels``.
@@ -297,7 +285,8 @@ class IndexableDataset(Dataset):
         super().__init__(**kwargs)
         self.start = start
         self.stop = stop
-        self.indexables = [_as_array(indexables[s])[start:stop] for s in self.sources]
+        # As in Fuel, containers are kept as given: a list source gives lists.
+        self.indexables = [indexables[s][start:stop] for s in self.sources]
         lengths = {s: len(x) for s, x in zip(self.sources, self.indexables, strict=True)}
         if len(set(lengths.values())) != 1:
             raise ConfigError(f"the sources have different lengths: {lengths}")
@@ -319,9 +308,15 @@ class IndexableDataset(Dataset):
         """Return the examples ``request`` names, one value per source.
 
         Raises:
-            InvalidRequestError: ``request`` is None or malformed.
+            InvalidRequestError: ``request`` is None or malformed, or a ``state`` was
+                given (this dataset has none; Fuel raises ``ValueError`` too).
             RequestError: it names an example outside the dataset.
         """
+        if state is not None:
+            raise InvalidRequestError(
+                f"IndexableDataset.get_data takes no state (its open() returns None), got "
+                f"{type(state).__name__}: pass state=None"
+            )
         request = normalize_request(request, self.num_examples)
         return tuple(_take(indexable, request) for indexable in self.indexables)
 
@@ -390,6 +385,3 @@ class NpyDataset(Dataset):
             return tuple(np.array(a[window]) for a in self.arrays)
         unique, inverse = np.unique(request, return_inverse=True)
         return tuple(np.asarray(a[unique + self._offset])[inverse] for a in self.arrays)
-
-
-from producer._hdf5 import H5PYDataset  # noqa: E402  (it subclasses Dataset)
