@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from batchq.errors import ConnectionLost
+from batchq.connection import convert_error
 
 __all__ = ["SCRIPTS", "Script", "execute_pipeline", "load_all"]
 
@@ -46,8 +46,11 @@ class Script:
             except redis.exceptions.NoScriptError:
                 client.script_load(self.source)
                 return client.evalsha(self.sha, len(keys), *keys, *args)
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            raise ConnectionLost(f"Redis connection lost while running {self.name}: {e}") from e
+        except redis.RedisError as e:
+            converted = convert_error(e, f"running {self.name}", client)
+            if converted is None:
+                raise
+            raise converted from e
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg]) -> None:
         """Add an EVALSHA of this script to a pipeline (see :func:`execute_pipeline`)."""
@@ -96,5 +99,8 @@ def execute_pipeline(client: redis.Redis, build: Any) -> list[Any]:
                     raise
                 load_all(client)
         raise AssertionError("unreachable")  # pragma: no cover
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise ConnectionLost(f"Redis connection lost while running a pipeline: {e}") from e
+    except redis.RedisError as e:
+        converted = convert_error(e, "running a pipeline", client)
+        if converted is None:
+            raise
+        raise converted from e
