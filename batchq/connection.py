@@ -41,6 +41,7 @@ __all__ = [
     "call",
     "convert_error",
     "describe_url",
+    "is_wrong_type",
     "make_client",
     "redis_errors",
     "resolve_url",
@@ -174,6 +175,12 @@ def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S)
         health_check_interval=0,
     )
     return redis.Redis(connection_pool=pool)
+
+
+def is_wrong_type(error: BaseException) -> bool:
+    """True for Redis' WRONGTYPE: a key holds another type than the command needs (a
+    foreign writer replaced a queue key)."""
+    return isinstance(error, redis.ResponseError) and "WRONGTYPE" in str(error)
 
 
 def _where(client: Any) -> tuple[str, int | None, str]:

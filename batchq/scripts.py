@@ -72,7 +72,7 @@ def load_all(client: redis.Redis) -> None:
         client.script_load(script.source)
 
 
-def execute_pipeline(client: redis.Redis, build: Any) -> list[Any]:
+def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = True) -> list[Any]:
     """Run a pipeline built by ``build(pipe)``; on NOSCRIPT load the scripts and retry once.
 
     Rebuilding and resending the whole pipeline is safe because the pipelines batchq
@@ -81,6 +81,7 @@ def execute_pipeline(client: redis.Redis, build: Any) -> list[Any]:
     Args:
         client: the client.
         build: a function that adds the commands to a fresh pipeline.
+        raise_on_error: False returns a command's error (WRONGTYPE...) in its place.
 
     Returns:
         The replies, in order.
@@ -93,7 +94,12 @@ def execute_pipeline(client: redis.Redis, build: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             build(pipe)
             try:
-                return list(pipe.execute())
+                replies = list(pipe.execute(raise_on_error=raise_on_error))
+                if not raise_on_error and any(
+                    isinstance(r, redis.exceptions.NoScriptError) for r in replies
+                ):
+                    raise redis.exceptions.NoScriptError("NOSCRIPT in a pipeline")
+                return replies
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise

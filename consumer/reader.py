@@ -19,7 +19,7 @@ import redis
 
 from batchq import codec
 from batchq.admin import is_oom
-from batchq.connection import call
+from batchq.connection import call, is_wrong_type
 from batchq.errors import (
     BatchQueueError,
     ConnectionLost,
@@ -28,6 +28,7 @@ from batchq.errors import (
     RunChanged,
     StateLost,
     TrainerConflict,
+    WrongKeyType,
 )
 from batchq.keys import QueueKeys
 from batchq.protocol import Status
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 # is refreshed and a lost producer is noticed; well below the socket timeout.
 BLOCK_S = 0.2
 DEAD_LIST_MAX = 1000
+# The Redis type of each key pop.lua checks, by the key's last part.
+_EXPECTED = {"meta": "hash", "incarnation": "string", "data": "list"}
 
 
 class Reader(threading.Thread):
@@ -105,6 +108,7 @@ class Reader(threading.Thread):
         self._last_frame = time.monotonic()
         self._last_repair = 0.0
         self._last_claim = time.monotonic()
+        self._wrong_since: float | None = None  # since when the data list is no list
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -229,10 +233,16 @@ class Reader(threading.Thread):
             self._bytes,
             *self.stats.drain(self._depth, force=room == 0),
         ]
+        # Counted as sent before the call: if its reply is lost the script may have run,
+        # and sending them again would count them twice (an undercount is the lesser harm).
+        self._extra_popped = self._bytes = 0
         reply = SCRIPTS["pop"](self.client, keys, args)
         self._last_claim = time.monotonic()
-        self._extra_popped = self._bytes = 0
         status = reply[0].decode()
+        if status == Status.WRONG_TYPE:
+            self._wrong_type(reply[1].decode(), reply[2].decode())
+            return
+        self._wrong_since = None
         if status != Status.OK:
             self._raise_status(status)
         alive, self._depth, elements = int(reply[1]), int(reply[2]), list(reply[3])
@@ -242,14 +252,43 @@ class Reader(threading.Thread):
             self._last_alive = time.monotonic()
         if not elements:
             self._check_producers()
-            popped = call(
-                lambda: self.client.brpop([self.keys.data], timeout=BLOCK_S), "waiting for data"
-            )
+            try:
+                popped = call(
+                    lambda: self.client.brpop([self.keys.data], timeout=BLOCK_S),
+                    "waiting for data",
+                    self.client,
+                )
+            except redis.ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+                return  # replaced since the pop script looked: its next call says so
             if popped is None:
                 return
             self._extra_popped = 1
             elements = [popped[1]]
         self._file(self._fetch(elements))
+
+    def _wrong_type(self, key: str, got: str) -> None:
+        """A queue key was replaced by another type: wait for a repair, bounded.
+
+        Raises:
+            WrongKeyType: it stayed so for timeout_s.
+        """
+        now = time.monotonic()
+        if self._wrong_since is None:
+            self._wrong_since = now
+            log.warning(
+                "queue %s: %s is a %s, not a %s; waiting up to %g s for it to be repaired",
+                self.keys.queue,
+                key,
+                got,
+                _EXPECTED.get(key.rsplit(":", 1)[-1], "?"),
+                self.timeout_s,
+            )
+        if now - self._wrong_since > self.timeout_s:
+            expected = _EXPECTED.get(key.rsplit(":", 1)[-1], "?")
+            raise WrongKeyType(key, expected, got, f"for {self.timeout_s:g} s")
+        self._halt.wait(BLOCK_S)
 
     def _raise_status(self, status: str) -> None:
         if status == Status.STATE_LOST:
@@ -305,23 +344,34 @@ class Reader(threading.Thread):
             refs = self._refuse_oversized(refs, out)
         if refs:
             replies = execute_pipeline(
-                self.client, lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs]
+                self.client,
+                lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs],
+                raise_on_error=False,
             )
             for (i, key), value in zip(refs, replies, strict=True):
-                if value is None:
-                    element = out[i][1]
+                element = out[i][1]
+                if isinstance(value, Exception):
+                    # Another type under a frame's name (a foreign writer): a bad frame.
+                    self._dead(element, _ref_error(key, value))
+                    value = None
+                elif value is None:
                     self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
-                out[i] = (value, out[i][1], key)
+                out[i] = (value, element, key)
         return out
 
     def _refuse_oversized(
         self, refs: list[tuple[int, str]], out: list[tuple[bytes | None, bytes, str]]
     ) -> list[tuple[int, str]]:
         """Drop referenced frames above max_frame_bytes without fetching them."""
-        sizes = execute_pipeline(self.client, lambda pipe: [pipe.strlen(k) for _, k in refs])
+        sizes = execute_pipeline(
+            self.client, lambda pipe: [pipe.strlen(k) for _, k in refs], raise_on_error=False
+        )
         keep = []
         for (i, key), size in zip(refs, sizes, strict=True):
-            if int(size) > (self.max_frame_bytes or 0):
+            if isinstance(size, Exception):
+                self._dead(out[i][1], _ref_error(key, size))
+                out[i] = (None, out[i][1], "")
+            elif int(size) > (self.max_frame_bytes or 0):
                 self._drop_key(key)
                 error = FrameError(
                     "too_large",
@@ -377,3 +427,14 @@ class Reader(threading.Thread):
         log.warning("queue %s: bad frame moved to the dead list: %s", self.keys.queue, error)
         if self.on_bad_frame == "raise":
             raise error
+
+
+def _ref_error(key: str, error: Exception) -> FrameError:
+    """The bad frame for a reference whose key could not be read as a string."""
+    if is_wrong_type(error):
+        return FrameError(
+            "wrong_type", f"frame key {key!r} holds another Redis type, expected a string"
+        )
+    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
+        raise ConnectionLost(f"Redis connection lost while fetching {key!r}: {error}") from error
+    return FrameError("bad_ref", f"frame key {key!r} could not be read: {error}")

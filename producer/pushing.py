@@ -19,7 +19,7 @@ import redis
 
 from batchq import codec
 from batchq.admin import is_oom
-from batchq.connection import Pieces, call
+from batchq.connection import Pieces, call, is_wrong_type
 from batchq.errors import ConnectionLost, PipelineMismatch, RunFinished
 from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
@@ -83,9 +83,29 @@ class ShardPusher:
                 error,
             )
 
+    def _note_wrong_type(self, key: str, got: str) -> None:
+        """Log a replaced queue key (once per key and type)."""
+        seen = getattr(self, "_wrong_logged", None)
+        if seen == (key, got):
+            return
+        self._wrong_logged = (key, got)
+        log.warning(
+            "producer %s: Redis key %s holds a %s, not what batchq wrote; waiting for it "
+            "to be repaired (deleted or restored)",
+            self.id,
+            key,
+            got,
+        )
+
     def _wait_for_room(self) -> None:
         # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
-        call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
+        try:
+            call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            self._note_wrong_type(self.keys.wake, "key of another type")
+            self._stop.wait(WAIT_S)
 
     # -- building and pushing a shard --------------------------------------------------
 
@@ -286,6 +306,11 @@ class ShardPusher:
                 blocked_since = time.monotonic()
             if status == Status.GONE:
                 stored = False
+                continue
+            if status == Status.WRONG_TYPE:
+                # A foreign writer replaced a queue key: keep the shard, wait for a repair.
+                self._note_wrong_type(str(reply[1]), str(reply[2]))
+                self._stop.wait(WAIT_S)
                 continue
             if ref is not None:
                 self.client.delete(ref)

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from batchq.admin import check_eviction_policy, is_oom
-from batchq.connection import make_client, resolve_url, tune_malloc
+from batchq.connection import is_wrong_type, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -157,6 +157,13 @@ class Producer(ShardPusher):
                     self._serve_shard(epoch, shard, f"{g}:{self._lease_token}", skip)
                 except ConnectionLost as e:
                     self._reconnect(e)
+                except redis.ResponseError as e:
+                    # A foreign writer replaced a queue key the lease or join reads: keep
+                    # serving once it is repaired (nothing was leased by the failed call).
+                    if not is_wrong_type(e):
+                        raise
+                    self._note_wrong_type("a queue key", str(e))
+                    self._stop.wait(0.5)
         except RunFinished as e:
             log.info("producer %s: %s", self.id, e)
         finally:

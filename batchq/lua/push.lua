@@ -11,9 +11,13 @@
 -- ARGV[10] ms the pipeline took to build this batch
 -- Returns {'OK', depth} or {'FULL', depth}, {'GONE'} (the referenced frame expired:
 -- store it again), {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'},
--- {'FINISHED'}
+-- {'FINISHED'}, {'WRONG_TYPE', key, type} (a foreign writer replaced the data list: wait)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i, want in ipairs({'hash', 'string', 'list'}) do
+  local kind = redis.call('TYPE', KEYS[i]).ok
+  if kind ~= want and kind ~= 'none' then return {'WRONG_TYPE', KEYS[i], kind} end
+end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
 local m = redis.call('HMGET', KEYS[1], 'run', 'finished', 'hwm')
 if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
