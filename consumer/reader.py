@@ -402,13 +402,24 @@ class Reader(threading.Thread):
             if frame.run != self.session.run:
                 self.ledger.stale += 1
                 continue
-            frames.append(frame)
+            frames.append((frame, raw))
         if frames:
             self._last_frame = time.monotonic()
+        bad: list[tuple[bytes, FrameError]] = []
         with self.cond:
-            for frame in frames:
-                self.ledger.add(frame)
+            for frame, raw in frames:
+                reason = self.ledger.impossible(frame)
+                if reason is None:
+                    self.ledger.add(frame)
+                else:
+                    bad.append((raw[:4096], FrameError("impossible", reason)))
+            for frame, why in self.ledger.purged:
+                where = f"epoch {frame.epoch} shard {frame.shard} k {frame.k}"
+                bad.append((b"", FrameError("impossible", f"{where} ({frame.producer}): {why}")))
+            self.ledger.purged.clear()
             self.cond.notify_all()
+        for element, error in bad:
+            self._dead(element, error)
 
     def _dead(self, element: bytes, error: FrameError) -> None:
         """Move a bad element to the dead list with its reason, count it, apply the policy."""

@@ -36,6 +36,7 @@ class Plan:
         self.hwm = get("hwm")
         self.shards = int(get("shards", "0"))
         self.window = int(get("window", "1"))
+        self.has_window = b"window" in meta  # published by the run's first producer
         self.epoch_batches = int(get("epoch_batches", "-1"))
 
 

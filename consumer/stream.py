@@ -313,6 +313,9 @@ class ServerDataStream:
             session.resume(self._client, epoch * shards, resume["fingerprint"], pairs)
             if session.plan is None:
                 session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
+        if session.plan is not None:
+            ledger.window = session.plan.window if session.plan.has_window else None
+            ledger.epoch_batches = session.plan.epoch_batches
         self._ledger = ledger
         self._reader = Reader(
             make_client(self.url),
