@@ -169,10 +169,11 @@ class Reader(threading.Thread):
         delay_s = 0.05
         while not self._halt.is_set():
             try:
-                self.client.ping()
+                # AuthFailed and RedisConfigError are not retried: they propagate.
+                call(self.client.ping, "reconnecting", self.client)
                 log.warning("queue %s: reconnected", self.keys.queue)
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except ConnectionLost as e:
                 if time.monotonic() + delay_s > deadline:
                     raise ConnectionLost(
                         f"queue {self.keys.queue}: Redis unreachable for {self.timeout_s:g} s"

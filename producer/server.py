@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from batchq.admin import check_eviction_policy, is_oom
-from batchq.connection import is_wrong_type, make_client, resolve_url, tune_malloc
+from batchq.connection import call, is_wrong_type, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -182,11 +182,12 @@ class Producer(ShardPusher):
         log.warning("producer %s: %s; reconnecting", self.id, error)
         while not self._stop.is_set():
             try:
-                self.client.ping()
+                # AuthFailed and RedisConfigError are not retried: they propagate.
+                call(self.client.ping, "reconnecting", self.client)
                 self._join()
                 log.warning("producer %s: reconnected", self.id)
                 return
-            except (redis.ConnectionError, redis.TimeoutError, ConnectionLost) as e:
+            except ConnectionLost as e:
                 if time.monotonic() + delay_s > deadline:
                     raise ConnectionLost(
                         f"producer {self.id}: Redis unreachable for "
