@@ -98,6 +98,7 @@ class QueueKeys:
         self.wake = f"{self.base}:wake"
         self.work = f"{self.base}:work"
         self.producers = f"{self.base}:producers"
+        self.clients = f"{self.base}:clients"  # producer -> CLIENT ID of its connections
         self.ledger = f"{self.base}:ledger"
         self.incarnation = f"{self.base}:incarnation"
         self.stats = f"{self.base}:stats"

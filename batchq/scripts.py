@@ -62,7 +62,9 @@ class Script:
 
 SCRIPTS: dict[str, Script] = {
     name: Script(name)
-    for name in ("claim", "fail", "join", "lease", "pop", "push", "reap", "requeue", "resume")
+    for name in (
+        "claim", "fail", "gone", "join", "lease", "pop", "push", "reap", "requeue", "resume"
+    )
 }
 
 

@@ -32,7 +32,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys
 from batchq.protocol import Status
-from batchq.reaper import reap_dead, requeue_gaps
+from batchq.reaper import reap_dead, reap_gone, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
 from consumer.ledger import Ledger
 from consumer.session import Session
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 # is refreshed and a lost producer is noticed; well below the socket timeout.
 BLOCK_S = 0.2
 DEAD_LIST_MAX = 1000
+# While the trainer waits this long without a frame, look for producers whose
+# connections closed (batchq.reaper.reap_gone), and again every as long.
+REAP_CLOSED_S = 0.25
 # The Redis type of each key pop.lua checks, by the key's last part.
 _EXPECTED = {"meta": "hash", "incarnation": "string", "data": "list"}
 
@@ -109,6 +112,8 @@ class Reader(threading.Thread):
         self._last_repair = 0.0
         self._last_claim = time.monotonic()
         self._wrong_since: float | None = None  # since when the data list is no list
+        self._last_gone = 0.0
+        self._no_client_list = False
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -251,6 +256,7 @@ class Reader(threading.Thread):
             return
         if alive:
             self._last_alive = time.monotonic()
+        self._reap_closed()
         if not elements:
             self._check_producers()
             try:
@@ -313,6 +319,25 @@ class Reader(threading.Thread):
                 raise ProducersLost(self.ledger.epoch, self.ledger.missing_shards(), self.timeout_s)
         if now - self._last_frame > self.stall_s and now - self._last_repair > self.stall_s:
             self._repair()
+
+    def _reap_closed(self) -> None:
+        """While the trainer waits: reap producers whose connections all closed (killed).
+
+        Redis knows at once that a killed process's sockets closed; waiting for the
+        heartbeat TTL would stall the trainer for seconds. At most every REAP_CLOSED_S
+        while waiting; a hung producer is left to the TTL (its sockets stay open).
+        """
+        with self.cond:
+            since = self.waiting_since
+        now = time.monotonic()
+        if since is None or self._no_client_list or now - self._last_gone < REAP_CLOSED_S:
+            return
+        if now - max(self._last_frame, since) < REAP_CLOSED_S:
+            return
+        self._last_gone = now
+        if reap_gone(self.client, self.keys, self.session.incarnation) is None:
+            self._no_client_list = True  # refused (ACL): the TTL alone tells death
+            log.info("queue %s: CLIENT LIST refused; dead producers found by TTL", self.keys.queue)
 
     def _repair(self) -> None:
         """After a stall: reap dead producers, then requeue shards nobody will deliver."""

@@ -29,7 +29,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys, check_name
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
-from batchq.reaper import reap_dead, server_ms
+from batchq.reaper import reap_dead, record_client, server_ms
 from batchq.scripts import SCRIPTS
 from producer.pushing import INLINE_MAX_BYTES, ShardPusher
 from producer.sharding import ShardPlan
@@ -123,6 +123,7 @@ class Producer(ShardPusher):
         self._heartbeat: threading.Thread | None = None
         self._prefetched: tuple[int, int, str] | None = None  # (g, skip, token)
         self._lease_token = ""
+        self._record_id = True  # False once the server refused CLIENT ID (ACL)
         self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
         self._oom_logged = False
 
@@ -202,7 +203,15 @@ class Producer(ShardPusher):
     def _heartbeat_loop(self) -> None:
         client = make_client(self.url)
         interval_s = self.heartbeat_ttl_ms / 3000
-        while not self._stop.wait(interval_s):
+        record = True  # the heartbeat's CLIENT ID, re-recorded each beat (it may reconnect)
+        while True:
+            if record:
+                try:
+                    record = record_client(client, self.keys, f"{self.id}:hb")
+                except (redis.RedisError, OSError, BatchQueueError) as e:
+                    log.debug("producer %s: client id not recorded: %s", self.id, e)
+            if self._stop.wait(interval_s):
+                break
             try:
                 # XX: a producer already declared dead must join again, not revive.
                 now_ms = server_ms(client)
@@ -234,6 +243,9 @@ class Producer(ShardPusher):
             got = self.plan.fingerprint if what == "fingerprint" else str(self.hwm)
             raise PipelineMismatch(what, expected, got)
         self._incarnation, self._run = reply[1], reply[2]
+        if self._record_id:
+            # Redis tells a killed producer by its closed connection (batchq.reaper).
+            self._record_id = record_client(self.client, self.keys, self.id)
         self._lease_seq = 0
         self._prefetched = None  # a lease of the run we left is gone
         log.info(
@@ -273,6 +285,7 @@ class Producer(ShardPusher):
             k = self.keys
             keys = [k.incarnation, k.producers, k.work, k.stats, k.lease(self.id)]
             SCRIPTS["reap"](self.client, keys, [self._incarnation, "leave", self.id])
+            self.client.hdel(k.clients, self.id, f"{self.id}:hb")
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
         if self._heartbeat is not None:
