@@ -48,7 +48,8 @@ BLOCK_S = 0.2
 DEAD_LIST_MAX = 1000
 # While the trainer waits this long without a frame, look for producers whose
 # connections closed (batchq.reaper.reap_gone), and again every as long.
-REAP_CLOSED_S = 0.25
+REAP_CLOSED_S = 0.1
+REAP_IDLE_S = 0.25  # and this often while it does not wait
 # The Redis type of each key pop.lua checks, by the key's last part.
 _EXPECTED = {"meta": "hash", "incarnation": "string", "data": "list"}
 
@@ -321,18 +322,24 @@ class Reader(threading.Thread):
             self._repair()
 
     def _reap_closed(self) -> None:
-        """While the trainer waits: reap producers whose connections all closed (killed).
+        """Reap producers whose connections all closed (killed): every REAP_CLOSED_S
+        while the trainer waits, every REAP_IDLE_S otherwise.
 
         Redis knows at once that a killed process's sockets closed; waiting for the
-        heartbeat TTL would stall the trainer for seconds. At most every REAP_CLOSED_S
-        while waiting; a hung producer is left to the TTL (its sockets stay open).
+        heartbeat TTL would stall the trainer for seconds. A hung producer is left to the
+        TTL (its sockets stay open).
         """
         with self.cond:
             since = self.waiting_since
         now = time.monotonic()
-        if since is None or self._no_client_list or now - self._last_gone < REAP_CLOSED_S:
+        if self._no_client_list:
             return
-        if now - max(self._last_frame, since) < REAP_CLOSED_S:
+        if since is None or now - max(self._last_frame, since) < REAP_CLOSED_S:
+            # Not stalled: look now and then anyway, so that a killed producer's shard
+            # is redone before the trainer reaches it.
+            if now - self._last_gone < REAP_IDLE_S:
+                return
+        elif now - self._last_gone < REAP_CLOSED_S:
             return
         self._last_gone = now
         if reap_gone(self.client, self.keys, self.session.incarnation) is None:
