@@ -115,6 +115,7 @@ class Reader(threading.Thread):
         self._wrong_since: float | None = None  # since when the data list is no list
         self._last_gone = 0.0
         self._no_client_list = False
+        self._published_floor = -1  # the floor the last successful pop sent
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -133,12 +134,18 @@ class Reader(threading.Thread):
             while not self._halt.is_set():
                 with self.cond:
                     idle = self.ledger.buffered >= self.hwm and not self.ledger.needs_more()
-                    if idle:
+                    # The floor sent with the last pop was read before the frames it
+                    # popped were filed: publish the one they advanced it to before
+                    # idling, or producers may wait at the window meanwhile.
+                    stale = idle and self.ledger.floor() > self._published_floor
+                    if idle and not stale:
                         self.cond.wait(timeout=self.session.claim_ttl_ms / 3000)
                 if self._halt.is_set():
                     break
                 try:
-                    if not idle:
+                    if stale:
+                        self._pop_round(room=0)
+                    elif not idle:
                         self._pop_round()
                     elif time.monotonic() - self._last_claim > self.session.claim_ttl_ms / 3000:
                         # Every pop refreshes the claim too: refresh only when idle long.
@@ -252,6 +259,7 @@ class Reader(threading.Thread):
         self._wrong_since = None
         if status != Status.OK:
             self._raise_status(status)
+        self._published_floor = max(self._published_floor, floor)
         alive, self._depth, elements = int(reply[1]), int(reply[2]), list(reply[3])
         if room == 0:
             return
