@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -20,6 +20,8 @@ from batchq.connection import convert_error
 __all__ = ["SCRIPTS", "Script", "execute_pipeline", "load_all"]
 
 Arg = str | bytes | bytearray | memoryview | int | float
+
+_LUA_DIR = Path(__file__).resolve().parent / "lua"
 
 
 class Script:
@@ -31,7 +33,10 @@ class Script:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.source = resources.files("batchq").joinpath("lua", f"{name}.lua").read_text()
+        # Next to this module, not resources.files("batchq"): run from a folder holding a
+        # checkout named batchq, "batchq" is a namespace package over both, whose
+        # MultiplexedPath cannot join two parts (TypeError) and may pick the wrong one.
+        self.source = (_LUA_DIR / f"{name}.lua").read_text()
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:

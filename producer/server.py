@@ -70,6 +70,8 @@ class Producer(ShardPusher):
             is reported to the trainer as ProducerFailed; before that it is retried.
         orphan_wait_s: after Redis lost the queue's state, how long to wait for the
             trainer to re-create the run from its ledger before starting afresh.
+        orphan_exit_s: stop serving (``serve`` returns 0, logged) once no trainer has
+            held a live claim on the run for this long (a crashed trainer); None: never.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class Producer(ShardPusher):
         reconnect_timeout_s: float = 60.0,
         max_attempts: int = 3,
         orphan_wait_s: float = 30.0,
+        orphan_exit_s: float | None = 600.0,
     ) -> None:
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
@@ -111,6 +114,11 @@ class Producer(ShardPusher):
             raise ConfigError(f"max_attempts {max_attempts!r} is not valid: expected >= 1")
         self.max_attempts = max_attempts
         self.orphan_wait_s = orphan_wait_s
+        if orphan_exit_s is not None and orphan_exit_s <= 0:
+            raise ConfigError(f"orphan_exit_s {orphan_exit_s!r} is not valid: expected > 0")
+        self.orphan_exit_s = orphan_exit_s
+        self._unclaimed_since_ms: int | None = None  # server clock
+        self.orphaned = False  # serve() stopped because no trainer claimed the run
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
         self.client = make_client(url)
@@ -218,11 +226,39 @@ class Producer(ShardPusher):
                 deadline_ms = now_ms + self.heartbeat_ttl_ms
                 client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
                 reap_dead(client, self.keys, self._incarnation, now_ms)
+                self._check_orphaned(client, now_ms)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 # At maxmemory the heartbeat is refused too; pushes report that once.
                 level = logging.DEBUG if is_oom(e) else logging.WARNING
                 log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
         client.close()
+
+    def _check_orphaned(self, client: redis.Redis, now_ms: int) -> None:
+        """Stop once no trainer has held a live claim on the run for orphan_exit_s.
+
+        A crashed trainer leaves its run for a restarted one to resume, which is right,
+        but not for ever: producers of an abandoned run would serve (and hold memory in
+        Redis) until someone kills them.
+        """
+        if self.orphan_exit_s is None:
+            return
+        claim, deadline = client.hmget(self.keys.meta, ["claim", "claim_deadline"])
+        if claim and deadline and int(deadline) > now_ms:
+            self._unclaimed_since_ms = None
+            return
+        if self._unclaimed_since_ms is None:
+            self._unclaimed_since_ms = now_ms
+            return
+        if now_ms - self._unclaimed_since_ms >= self.orphan_exit_s * 1000:
+            log.warning(
+                "producer %s: no trainer has claimed the run of queue %s for %g s "
+                "(--orphan-exit-s); exiting",
+                self.id,
+                self.keys.queue,
+                self.orphan_exit_s,
+            )
+            self.orphaned = True
+            self._stop.set()
 
     def _join(self) -> None:
         # After Redis lost the queue's state the trainer re-creates the run from its
