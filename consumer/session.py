@@ -137,8 +137,15 @@ class Session:
             meta: dict[bytes, bytes] = self._retry(
                 lambda: self.client.hgetall(self.keys.meta), "reading the plan"
             )
+            inc = self._retry(lambda: self.client.get(self.keys.incarnation), "reading the plan")
             run = meta.get(b"run", b"").decode()
-            if run and run != self.run:
+            if not run or (inc or b"").decode() != self.incarnation:
+                # Redis restarted empty (or the queue was reset) before any producer
+                # joined: nothing was popped, so claiming afresh loses nothing.
+                log.warning("queue %s: the queue's state is gone; claiming it again", self.keys.queue)
+                self.acquire()
+                continue
+            if run != self.run:
                 raise BatchQueueError(f"queue {self.keys.queue}: the run changed while starting")
             if b"shards" in meta:
                 self.plan = Plan(meta)

@@ -146,3 +146,41 @@ def test_close_finished_after_loading_a_finished_state(
     restarted.close(finished=True)
     assert redis_client.hget(QueueKeys(queue_name).meta, "finished") == b"1"
     wait_until(lambda: producer._stop.is_set(), what="the producer to see the finished run")
+
+
+def test_redis_killed_and_restarted_while_waiting_for_the_plan(
+    tmp_path: Any, queue_name: str
+) -> None:
+    # kill -9 of redis-server while the first iterator waits for a producer's plan, then
+    # a restart (empty) on the same port: the trainer claims again and serves the epoch.
+    from batchq.embedded import EmbeddedRedis
+    from producer import Producer
+
+    with EmbeddedRedis(workdir=str(tmp_path / "redis")) as server:
+        out: dict[str, Any] = {}
+
+        def first_epoch() -> None:
+            try:
+                with trainer(server.url, queue_name, timeout_s=30) as stream:
+                    out["epoch"] = [examples_of(f) for f, _ in stream.get_epoch_iterator()]
+            except BaseException as e:  # handed to the test
+                out["error"] = e
+
+        t = threading.Thread(target=first_epoch, daemon=True)
+        t.start()
+        client = redis.Redis.from_url(server.url)
+        wait_until(lambda: client.hget(QueueKeys(queue_name).meta, "claim"), what="a claim")
+        client.close()
+        server.kill()
+        server.restart(wipe=True)
+        producer = Producer(numbered(EXAMPLES, BATCH), server.url, queue_name, hwm=4)
+        serving = threading.Thread(target=producer.serve, daemon=True)
+        serving.start()
+        try:
+            t.join(timeout=40)
+        finally:
+            producer.stop()
+            serving.join(timeout=10)
+        assert not t.is_alive()
+        assert "error" not in out, out.get("error")
+        assert out["epoch"] == reference()
