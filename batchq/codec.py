@@ -220,7 +220,7 @@ def encode_frame(
         ConfigError: an argument is invalid, a value cannot be encoded, or the frame
             would exceed ``max_frame_bytes``.
     """
-    kind, header, packed, data_start, total, copies = _prepare(
+    kind, header, packed, _, total, copies = _prepare(
         kind, run, epoch, shard, k, producer, sources, data, g, last, count, error,
         error_name, checksum, max_frame_bytes, produced_at,
     )  # fmt: skip
@@ -455,7 +455,9 @@ def decode_frame(
         if verify_checksum:
             found = zlib.crc32(view[end:], zlib.crc32(_CRC_ZERO, zlib.crc32(view[: end - 4])))
             if found != crc:
-                raise FrameError("bad_checksum", f"frame crc32 {found:#010x} differs from {crc:#010x}")
+                raise FrameError(
+                    "bad_checksum", f"frame crc32 {found:#010x} differs from {crc:#010x}"
+                )
     source = buf if isinstance(buf, bytes | bytearray) else view
     t = header.get("t")
     return Frame(

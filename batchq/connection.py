@@ -16,6 +16,7 @@ The clients made here differ from redis-py's defaults in three ways, each measur
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -186,10 +187,8 @@ def is_wrong_type(error: BaseException) -> bool:
 def _where(client: Any) -> tuple[str, int | None, str]:
     """(host or socket path, port or None, user) of a client, for messages."""
     kwargs: dict[str, Any] = {}
-    try:
+    with contextlib.suppress(AttributeError):
         kwargs = client.connection_pool.connection_kwargs
-    except AttributeError:
-        pass
     if "path" in kwargs:
         return str(kwargs["path"]), None, str(kwargs.get("username") or "default")
     port = kwargs.get("port")
@@ -202,8 +201,10 @@ def _where(client: Any) -> tuple[str, int | None, str]:
 
 def _config_problem(error: BaseException) -> bool:
     text = str(error)
-    return "DB index is out of range" in text or "invalid DB index" in text or (
-        "Invalid Database" in text
+    return (
+        "DB index is out of range" in text
+        or "invalid DB index" in text
+        or ("Invalid Database" in text)
     )
 
 
@@ -219,7 +220,9 @@ def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQ
         what: what batchq was doing, for the message.
         client: the client, to name the server and user.
     """
-    if isinstance(error, redis.exceptions.AuthenticationError | redis.exceptions.AuthorizationError) or (
+    if isinstance(
+        error, redis.exceptions.AuthenticationError | redis.exceptions.AuthorizationError
+    ) or (
         isinstance(error, redis.ResponseError)
         and str(error).startswith(("WRONGPASS", "NOAUTH", "NOPERM"))
     ):
@@ -252,7 +255,7 @@ def call(fn: Callable[[], T], what: str, client: Any = None) -> T:
     """
     try:
         return fn()
-    except (redis.RedisError, *redis_errors) as e:
+    except (redis.RedisError, OSError) as e:
         converted = convert_error(e, what, client)
         if converted is None:
             raise

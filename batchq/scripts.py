@@ -68,7 +68,16 @@ class Script:
 SCRIPTS: dict[str, Script] = {
     name: Script(name)
     for name in (
-        "claim", "fail", "gone", "join", "lease", "pop", "push", "reap", "requeue", "resume"
+        "claim",
+        "fail",
+        "gone",
+        "join",
+        "lease",
+        "pop",
+        "push",
+        "reap",
+        "requeue",
+        "resume",
     )
 }
 

@@ -72,9 +72,7 @@ def numbered_stream(
 def _reference(args: argparse.Namespace) -> list[list[int]]:
     """Each epoch's batches as the index of their first example (plan order)."""
     stream = numbered_stream(args.examples, args.features, args.batch_size, 0.0)
-    return [
-        [int(f[0, 0]) for (f,) in stream.get_epoch_iterator()] for _ in range(args.epochs)
-    ]
+    return [[int(f[0, 0]) for (f,) in stream.get_epoch_iterator()] for _ in range(args.epochs)]
 
 
 class Killer(threading.Thread):
@@ -100,7 +98,9 @@ class Killer(threading.Thread):
                 self.kills += 1
 
 
-def run(url: str, args: argparse.Namespace, kill: bool, expected: list[list[int]]) -> dict[str, Any]:
+def run(
+    url: str, args: argparse.Namespace, kill: bool, expected: list[list[int]]
+) -> dict[str, Any]:
     queue = f"recovery-{'kill' if kill else 'calm'}-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
     env |= {ENV + "EXAMPLES": str(args.examples), ENV + "FEATURES": str(args.features)}
@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"unkilled": calm, "killed": killed, "ratio": ratio}, indent=2))
         return 0
-    print(f"{args.producers} producers, default heartbeat TTL, a SIGKILL every ~{args.kill_every_s} s")
+    print(
+        f"{args.producers} producers, default heartbeat TTL, a SIGKILL every ~{args.kill_every_s} s"
+    )
     print(f"{'run':<10}{'time s':>9}{'max wait s':>12}{'p99 wait s':>12}{'kills':>7}{'exact':>7}")
     for name, r in (("unkilled", calm), ("killed", killed)):
         print(

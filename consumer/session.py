@@ -72,9 +72,7 @@ class Session:
     def _retry(self, fn: Any, what: str) -> Any:
         return retrying(fn, f"{what} (queue {self.keys.queue})", self.retry_s, client=self.client)
 
-    def _claim(
-        self, client: redis.Redis, op: str, takeover: str = "", run: str = ""
-    ) -> list[Any]:
+    def _claim(self, client: redis.Redis, op: str, takeover: str = "", run: str = "") -> list[Any]:
         args: list[Any] = [
             self.token,
             self.claim_ttl_ms,
@@ -142,7 +140,9 @@ class Session:
             if not run or (inc or b"").decode() != self.incarnation:
                 # Redis restarted empty (or the queue was reset) before any producer
                 # joined: nothing was popped, so claiming afresh loses nothing.
-                log.warning("queue %s: the queue's state is gone; claiming it again", self.keys.queue)
+                log.warning(
+                    "queue %s: the queue's state is gone; claiming it again", self.keys.queue
+                )
                 self.acquire()
                 continue
             if run != self.run:
@@ -192,9 +192,7 @@ class Session:
             args += [field, value]
         k = self.keys
         keys = [k.meta, k.incarnation, k.data, k.work, k.failures, k.ledger, k.wake]
-        reply = decode_reply(
-            self._retry(lambda: SCRIPTS["resume"](client, keys, args), "resuming")
-        )
+        reply = decode_reply(self._retry(lambda: SCRIPTS["resume"](client, keys, args), "resuming"))
         if reply[0] != Status.OK:
             raise TrainerConflict(f"queue {self.keys.queue}: the claim was lost while resuming")
         self.run = reply[1]

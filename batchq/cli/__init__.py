@@ -107,8 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "factory",
         metavar="MODULE:FACTORY",
-        help="e.g. mypkg.data:make_stream (the current folder is on the path, as with "
-        "python -m)",
+        help="e.g. mypkg.data:make_stream (the current folder is on the path, as with python -m)",
     )
     _add_url(serve)
     serve.add_argument("--queue", default="default", help="the queue's name")

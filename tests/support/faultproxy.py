@@ -14,6 +14,7 @@ Threads only, bounded: each socket has a timeout, and :meth:`close` stops everyt
 
 from __future__ import annotations
 
+import contextlib
 import random
 import select
 import socket
@@ -159,8 +160,6 @@ class FaultProxy:
 
 
 def _close(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
