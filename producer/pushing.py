@@ -20,7 +20,7 @@ import redis
 from batchq import codec
 from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
-from batchq.errors import ConnectionLost, PipelineMismatch, RunFinished
+from batchq.errors import AuthFailed, ConnectionLost, PipelineMismatch, RunFinished
 from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
 from batchq.scripts import SCRIPTS, execute_pipeline
@@ -90,8 +90,8 @@ class ShardPusher:
             return
         self._wrong_logged = (key, got)
         log.warning(
-            "producer %s: Redis key %s holds a %s, not what batchq wrote; waiting for it "
-            "to be repaired (deleted or restored)",
+            "producer %s: a Redis key (%s) holds a %s, not what batchq wrote; waiting "
+            "for it to be repaired (deleted or restored)",
             self.id,
             key,
             got,
@@ -129,8 +129,8 @@ class ShardPusher:
                     return
                 k += 1
                 started = time.perf_counter()
-        except (ConnectionLost, RunFinished, PipelineMismatch):
-            raise
+        except (ConnectionLost, RunFinished, PipelineMismatch, AuthFailed, redis.RedisError):
+            raise  # Redis' trouble, not the pipeline's: never an attempt against the shard
         except Exception as e:  # the user's pipeline raised
             log.exception(
                 "producer %s: pipeline raised in epoch %d shard %d", self.id, epoch, shard

@@ -171,8 +171,9 @@ class Producer(ShardPusher):
                     # serving once it is repaired (nothing was leased by the failed call).
                     if not is_wrong_type(e):
                         raise
-                    self._note_wrong_type("a queue key", str(e))
+                    self._note_wrong_type("read by a lease or join", f"foreign type ({e})")
                     self._stop.wait(0.5)
+                    self._rejoin()
         except RunFinished as e:
             log.info("producer %s: %s", self.id, e)
         finally:
@@ -232,6 +233,16 @@ class Producer(ShardPusher):
                 level = logging.DEBUG if is_oom(e) else logging.WARNING
                 log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
         client.close()
+
+    def _rejoin(self) -> None:
+        """Join again after a foreign type broke a call mid-shard: join.lua hands this
+        producer's leases back to the work list, so no shard stays held by nobody."""
+        try:
+            self._join()
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            # Still broken: the next lease fails the same way and brings us back here.
 
     def _check_orphaned(self, client: redis.Redis, now_ms: int) -> None:
         """Stop once no trainer has held a live claim on the run for orphan_exit_s.

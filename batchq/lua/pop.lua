@@ -82,5 +82,6 @@ if ARGV[14] ~= '' then
   call('LPUSH', KEYS[8], ARGV[14])
   call('LTRIM', KEYS[8], 0, 3599)
 end
-local alive = redis.call('ZCOUNT', KEYS[6], now, '+inf')
+local alive = redis.pcall('ZCOUNT', KEYS[6], now, '+inf')
+if type(alive) ~= 'number' then alive = 0 end  -- a foreign type: the frames still go out
 return {'OK', alive, depth, items}

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from pipelines import examples_of, numbered
+from pipelines import Slow, examples_of, numbered
 from waiting import wait_until
 
 from batchq import codec
@@ -24,14 +24,22 @@ from consumer import ServerDataStream
 EXAMPLES, BATCH = 60, 10
 
 
-def reference(epochs: int) -> list[list[int]]:
-    local = numbered(EXAMPLES, BATCH)
+def reference(epochs: int, examples: int = EXAMPLES) -> list[list[int]]:
+    local = numbered(examples, BATCH)
     return [examples_of(f) for _ in range(epochs) for f, _ in local.get_epoch_iterator()]
 
 
 def trainer(url: str, queue: str, **kw: Any) -> ServerDataStream:
     kw.setdefault("timeout_s", 20)
     return ServerDataStream(("features", "targets"), url=url, queue=queue, **kw)
+
+
+def replace(client: redis.Redis, key: str) -> None:
+    """Put a hash where ``key`` is, atomically (a producer may push in between)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)
+    pipe.hset(key, "rogue", "1")
+    pipe.execute()
 
 
 def dead_reasons(client: redis.Redis, queue: str) -> list[str]:
@@ -80,25 +88,27 @@ def test_data_list_replaced_then_repaired(
     # Before: the trainer raised a raw ResponseError (pop.lua's LLEN, WRONGTYPE) and both
     # producers exited (push.lua) and never came back after the key was deleted.
     keys = QueueKeys(queue_name)
-    producers = [producer_thread(numbered(EXAMPLES, BATCH), hwm=2) for _ in range(2)]
+    # Slow, 20 batches an epoch: the producers are still pushing (and see the foreign
+    # type) when the list is replaced.
+    producers = [
+        producer_thread(Slow(numbered(200, BATCH), slowdown=0.05), hwm=2) for _ in range(2)
+    ]
     with trainer(redis_url, queue_name, stall_s=0.5) as stream:
         it = stream.get_epoch_iterator()
         served = [examples_of(next(it)[0])]
         reader = stream._reader
         assert reader is not None
-        pipe = redis_client.pipeline(transaction=True)
-        pipe.delete(keys.data)
-        pipe.hset(keys.data, "rogue", "1")
-        pipe.execute()
+        replace(redis_client, keys.data)
         wait_until(lambda: reader._wrong_since is not None, what="the trainer to notice")
+        # Any producer: one waiting at the look-ahead window touches no data list.
         wait_until(
-            lambda: all(getattr(p, "_wrong_logged", None) for p in producers),
-            what="both producers to notice",
+            lambda: any(getattr(p, "_wrong_logged", None) for p in producers),
+            what="a producer to notice",
         )
         redis_client.delete(keys.data)  # repaired
         served += [examples_of(f) for f, _ in it]
         served += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
-    assert served == reference(2)
+    assert served == reference(2, 200)
     assert all(not p._stop.is_set() for p in producers)  # still serving
 
 
@@ -109,14 +119,43 @@ def test_data_list_never_repaired_is_a_wrong_key_type(
     producer_thread: Callable[..., Any],
 ) -> None:
     keys = QueueKeys(queue_name)
-    producer_thread(numbered(EXAMPLES, BATCH), hwm=2)
+    # Slow, 20 batches: most of the epoch is still to come when the list is replaced.
+    producer_thread(Slow(numbered(200, BATCH), slowdown=0.05), hwm=2)
     with trainer(redis_url, queue_name, timeout_s=1) as stream:
         it = stream.get_epoch_iterator()
         next(it)
-        redis_client.delete(keys.data)
-        redis_client.hset(keys.data, "rogue", "1")
+        replace(redis_client, keys.data)
         with pytest.raises(WrongKeyType) as info:
             list(it)
     assert info.value.key == keys.data
     assert (info.value.expected, info.value.got) == ("list", "hash")
     assert keys.data in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["producers", "stats", "work", "wake", "pstats"])
+def test_bookkeeping_key_replaced_then_repaired(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    producer_thread: Callable[..., Any],
+    name: str,
+) -> None:
+    # A foreign type under a key the scripts write half-way must neither lose a popped
+    # frame nor leave a shard leased by nobody; once repaired, serving goes on.
+    key = getattr(QueueKeys(queue_name), name)
+    producers = [
+        producer_thread(Slow(numbered(200, BATCH), slowdown=0.05), hwm=2) for _ in range(2)
+    ]
+    with trainer(redis_url, queue_name, stall_s=0.5) as stream:
+        it = stream.get_epoch_iterator()
+        served = [examples_of(next(it)[0])]
+        redis_client.set(key, "rogue")  # SET replaces a key of any type
+        wait_until(
+            lambda: any(getattr(p, "_wrong_logged", None) for p in producers),
+            what="a producer to notice",
+        )
+        redis_client.delete(key)
+        served += [examples_of(f) for f, _ in it]
+        served += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
+    assert served == reference(2, 200)
+    assert all(not p._stop.is_set() for p in producers)
