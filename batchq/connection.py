@@ -43,6 +43,7 @@ __all__ = [
     "convert_error",
     "describe_url",
     "is_wrong_type",
+    "wrong_type_error",
     "make_client",
     "redis_errors",
     "resolve_url",
@@ -182,6 +183,25 @@ def is_wrong_type(error: BaseException) -> bool:
     """True for Redis' WRONGTYPE: a key holds another type than the command needs (a
     foreign writer replaced a queue key)."""
     return isinstance(error, redis.ResponseError) and "WRONGTYPE" in str(error)
+
+
+def wrong_type_error(
+    client: Any, expected: dict[str, str], error: BaseException
+) -> BatchQueueError:
+    """The :class:`WrongKeyType` naming the first of ``expected``'s keys (key -> Redis
+    type) that holds another type, after a WRONGTYPE ``error``; ``error`` converted if
+    the keys look right again (a transient writer) or cannot be read."""
+    from batchq.errors import WrongKeyType
+
+    try:
+        for key, want in expected.items():
+            got = client.type(key)
+            got = got.decode() if isinstance(got, bytes) else str(got)
+            if got not in (want, "none"):
+                return WrongKeyType(key, want, got)
+    except (redis.RedisError, OSError) as e:
+        return convert_error(e, "checking key types", client) or BatchQueueError(str(e))
+    return BatchQueueError(f"a queue key held another type for a moment: {error}")
 
 
 def _where(client: Any) -> tuple[str, int | None, str]:

@@ -153,6 +153,11 @@ class Reader(threading.Thread):
                 except ConnectionLost as e:
                     self._reconnect(e)
                 except redis.ResponseError as e:
+                    if is_wrong_type(e):
+                        # A foreign type under a key a reap or requeue script reads:
+                        # waited out like a replaced data list (bounded).
+                        self._wrong_type(f"a key of queue {self.keys.queue}", "foreign type")
+                        continue
                     # At maxmemory an idle claim refresh is refused; pops still work
                     # (they pop before they write) and refresh the claim themselves.
                     if not is_oom(e):
@@ -298,11 +303,11 @@ class Reader(threading.Thread):
                 self.keys.queue,
                 key,
                 got,
-                _EXPECTED.get(key.rsplit(":", 1)[-1], "?"),
+                _EXPECTED.get(key.rsplit(":", 1)[-1], "type batchq wrote"),
                 self.timeout_s,
             )
         if now - self._wrong_since > self.timeout_s:
-            expected = _EXPECTED.get(key.rsplit(":", 1)[-1], "?")
+            expected = _EXPECTED.get(key.rsplit(":", 1)[-1], "type batchq wrote")
             raise WrongKeyType(key, expected, got, f"for {self.timeout_s:g} s")
         self._halt.wait(BLOCK_S)
 
@@ -476,6 +481,10 @@ class Reader(threading.Thread):
             pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ConnectionLost(f"Redis connection lost while recording a bad frame: {e}") from e
+        except redis.ResponseError as e:
+            # The dead list or the counters replaced by a foreign type (or Redis full):
+            # the record is lost, the policy below still applies.
+            log.warning("queue %s: could not record a bad frame: %s", self.keys.queue, e)
         log.warning("queue %s: bad frame moved to the dead list: %s", self.keys.queue, error)
         if self.on_bad_frame == "raise":
             raise error

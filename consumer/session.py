@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from batchq.connection import retrying
+from batchq.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import BatchQueueError, ProducersLost, TrainerConflict
 from batchq.keys import QueueKeys
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
@@ -82,7 +82,20 @@ class Session:
             takeover,
             PROTOCOL_VERSION,
         ]
-        return decode_reply(SCRIPTS["claim"](client, self._keys(), args))
+        try:
+            return decode_reply(SCRIPTS["claim"](client, self._keys(), args))
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            raise wrong_type_error(client, self._types(), e) from e
+
+    def _types(self) -> dict[str, str]:
+        """The Redis type batchq keeps under each key the claim and resume touch."""
+        k = self.keys
+        return {
+            k.meta: "hash", k.incarnation: "string", k.data: "list", k.work: "list",
+            k.wake: "list", k.failures: "hash", k.ledger: "hash",
+        }  # fmt: skip
 
     def acquire(self, takeover: str = "") -> bool:
         """Claim the queue; True if that started a new run.
@@ -192,7 +205,14 @@ class Session:
             args += [field, value]
         k = self.keys
         keys = [k.meta, k.incarnation, k.data, k.work, k.failures, k.ledger, k.wake]
-        reply = decode_reply(self._retry(lambda: SCRIPTS["resume"](client, keys, args), "resuming"))
+        try:
+            reply = decode_reply(
+                self._retry(lambda: SCRIPTS["resume"](client, keys, args), "resuming")
+            )
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            raise wrong_type_error(client, self._types(), e) from e
         if reply[0] != Status.OK:
             raise TrainerConflict(f"queue {self.keys.queue}: the claim was lost while resuming")
         self.run = reply[1]

@@ -159,3 +159,16 @@ def test_bookkeeping_key_replaced_then_repaired(
         served += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
     assert served == reference(2, 200)
     assert all(not p._stop.is_set() for p in producers)
+
+
+def test_meta_of_another_type_at_start_is_a_wrong_key_type(
+    redis_url: str, redis_client: redis.Redis, queue_name: str
+) -> None:
+    # Before: a raw ResponseError (claim.lua's HMGET, WRONGTYPE) from the first iterator.
+    keys = QueueKeys(queue_name)
+    redis_client.rpush(keys.meta, "rogue")
+    stream = trainer(redis_url, queue_name, timeout_s=5)
+    with pytest.raises(WrongKeyType) as info:
+        stream.get_epoch_iterator()
+    assert (info.value.key, info.value.expected, info.value.got) == (keys.meta, "hash", "list")
+    stream.close()
