@@ -32,7 +32,14 @@ from redis.backoff import NoBackoff
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
-from batchq.errors import AuthFailed, BatchQueueError, ConfigError, ConnectionLost, RedisConfigError
+from batchq.errors import (
+    AuthFailed,
+    BatchQueueError,
+    ConfigError,
+    ConnectionLost,
+    RedisConfigError,
+    WrongKeyType,
+)
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_S",
@@ -43,12 +50,12 @@ __all__ = [
     "convert_error",
     "describe_url",
     "is_wrong_type",
-    "wrong_type_error",
     "make_client",
     "redis_errors",
     "resolve_url",
     "retrying",
     "tune_malloc",
+    "wrong_type_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -191,8 +198,6 @@ def wrong_type_error(
     """The :class:`WrongKeyType` naming the first of ``expected``'s keys (key -> Redis
     type) that holds another type, after a WRONGTYPE ``error``; ``error`` converted if
     the keys look right again (a transient writer) or cannot be read."""
-    from batchq.errors import WrongKeyType
-
     try:
         for key, want in expected.items():
             got = client.type(key)
