@@ -68,7 +68,8 @@ def test_sigkilled_producers_are_reaped_by_their_closed_connections(
             assert got == expected[e]
         stream.close(finished=True)
     reaped = int(redis_client.hget(keys.stats, "reaped_closed") or 0)
-    assert 1 <= reaped <= 3  # each kill was seen by its closed connections (or never needed)
+    # Every kill but possibly the last (the run may end first) is told by closed sockets.
+    assert 1 <= reaped <= 3
 
 
 def test_a_stopped_producer_keeps_its_connections_and_is_not_reaped(
