@@ -28,12 +28,12 @@ from batchq.errors import (
     RunChanged,
     StateLost,
     TrainerConflict,
-    WrongKeyType,
 )
 from batchq.keys import QueueKeys
 from batchq.protocol import Status
-from batchq.reaper import reap_dead, reap_gone, requeue_gaps
+from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
+from consumer.guards import ReaderGuards, ref_error
 from consumer.ledger import Ledger
 from consumer.session import Session
 from consumer.stats import TrainerStats
@@ -46,15 +46,9 @@ log = logging.getLogger(__name__)
 # is refreshed and a lost producer is noticed; well below the socket timeout.
 BLOCK_S = 0.2
 DEAD_LIST_MAX = 1000
-# While the trainer waits this long without a frame, look for producers whose
-# connections closed (batchq.reaper.reap_gone), and again every as long.
-REAP_CLOSED_S = 0.1
-REAP_IDLE_S = 0.25  # and this often while it does not wait
-# The Redis type of each key pop.lua checks, by the key's last part.
-_EXPECTED = {"meta": "hash", "incarnation": "string", "data": "list"}
 
 
-class Reader(threading.Thread):
+class Reader(ReaderGuards, threading.Thread):
     """Pops frames for one trainer into a :class:`Ledger`.
 
     Args:
@@ -289,28 +283,6 @@ class Reader(threading.Thread):
             elements = [popped[1]]
         self._file(self._fetch(elements))
 
-    def _wrong_type(self, key: str, got: str) -> None:
-        """A queue key was replaced by another type: wait for a repair, bounded.
-
-        Raises:
-            WrongKeyType: it stayed so for timeout_s.
-        """
-        now = time.monotonic()
-        if self._wrong_since is None:
-            self._wrong_since = now
-            log.warning(
-                "queue %s: %s is a %s, not a %s; waiting up to %g s for it to be repaired",
-                self.keys.queue,
-                key,
-                got,
-                _EXPECTED.get(key.rsplit(":", 1)[-1], "type batchq wrote"),
-                self.timeout_s,
-            )
-        if now - self._wrong_since > self.timeout_s:
-            expected = _EXPECTED.get(key.rsplit(":", 1)[-1], "type batchq wrote")
-            raise WrongKeyType(key, expected, got, f"for {self.timeout_s:g} s")
-        self._halt.wait(BLOCK_S)
-
     def _raise_status(self, status: str) -> None:
         if status == Status.STATE_LOST:
             raise StateLost(f"queue {self.keys.queue}: Redis lost the queue's state")
@@ -333,31 +305,6 @@ class Reader(threading.Thread):
                 raise ProducersLost(self.ledger.epoch, self.ledger.missing_shards(), self.timeout_s)
         if now - self._last_frame > self.stall_s and now - self._last_repair > self.stall_s:
             self._repair()
-
-    def _reap_closed(self) -> None:
-        """Reap producers whose connections all closed (killed): every REAP_CLOSED_S
-        while the trainer waits, every REAP_IDLE_S otherwise.
-
-        Redis knows at once that a killed process's sockets closed; waiting for the
-        heartbeat TTL would stall the trainer for seconds. A hung producer is left to the
-        TTL (its sockets stay open).
-        """
-        with self.cond:
-            since = self.waiting_since
-        now = time.monotonic()
-        if self._no_client_list:
-            return
-        if since is None or now - max(self._last_frame, since) < REAP_CLOSED_S:
-            # Not stalled: look now and then anyway, so that a killed producer's shard
-            # is redone before the trainer reaches it.
-            if now - self._last_gone < REAP_IDLE_S:
-                return
-        elif now - self._last_gone < REAP_CLOSED_S:
-            return
-        self._last_gone = now
-        if reap_gone(self.client, self.keys, self.session.incarnation) is None:
-            self._no_client_list = True  # refused (ACL): the TTL alone tells death
-            log.info("queue %s: CLIENT LIST refused; dead producers found by TTL", self.keys.queue)
 
     def _repair(self) -> None:
         """After a stall: reap dead producers, then requeue shards nobody will deliver."""
@@ -398,7 +345,7 @@ class Reader(threading.Thread):
                 element = out[i][1]
                 if isinstance(value, Exception):
                     # Another type under a frame's name (a foreign writer): a bad frame.
-                    self._dead(element, _ref_error(key, value))
+                    self._dead(element, ref_error(key, value))
                     value = None
                 elif value is None:
                     self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
@@ -415,7 +362,7 @@ class Reader(threading.Thread):
         keep = []
         for (i, key), size in zip(refs, sizes, strict=True):
             if isinstance(size, Exception):
-                self._dead(out[i][1], _ref_error(key, size))
+                self._dead(out[i][1], ref_error(key, size))
                 out[i] = (None, out[i][1], "")
             elif int(size) > (self.max_frame_bytes or 0):
                 self._drop_key(key)
@@ -488,14 +435,3 @@ class Reader(threading.Thread):
         log.warning("queue %s: bad frame moved to the dead list: %s", self.keys.queue, error)
         if self.on_bad_frame == "raise":
             raise error
-
-
-def _ref_error(key: str, error: Exception) -> FrameError:
-    """The bad frame for a reference whose key could not be read as a string."""
-    if is_wrong_type(error):
-        return FrameError(
-            "wrong_type", f"frame key {key!r} holds another Redis type, expected a string"
-        )
-    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
-        raise ConnectionLost(f"Redis connection lost while fetching {key!r}: {error}") from error
-    return FrameError("bad_ref", f"frame key {key!r} could not be read: {error}")
