@@ -6,6 +6,7 @@ the trainer side in ``consumer``.
 """
 
 from batchq.errors import (
+    AuthFailed,
     BatchQueueError,
     ConfigError,
     ConnectionLost,
@@ -14,15 +15,18 @@ from batchq.errors import (
     PipelineMismatch,
     ProducerFailed,
     ProducersLost,
+    RedisConfigError,
     RunChanged,
     RunFinished,
     StateLost,
     TrainerConflict,
+    WrongKeyType,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthFailed",
     "BatchQueueError",
     "ConfigError",
     "ConnectionLost",
@@ -31,9 +35,11 @@ __all__ = [
     "PipelineMismatch",
     "ProducerFailed",
     "ProducersLost",
+    "RedisConfigError",
     "RunChanged",
     "RunFinished",
     "StateLost",
     "TrainerConflict",
+    "WrongKeyType",
     "__version__",
 ]

@@ -40,9 +40,15 @@ _MAX_EXTENT = 2**60
 
 # The only dtype spellings ``dtype.str`` produces for the allowed kinds. Matching this
 # first keeps arbitrary header strings away from numpy's dtype parser.
+# Floats and complexes only in their IEEE sizes: float128/complex256 (f16, c32) and
+# longdouble are platform-dependent (80-bit extended on x86, quad on others), and a
+# frame must mean the same on every host.
 _DTYPE_RE = re.compile(
-    r"[<>|](?:b1|[iu][1248]|[fc][0-9]{1,2}|[SU][0-9]{1,9}|[Mm]8(?:\[[0-9]{0,9}[a-zA-Z]{1,3}\])?)"
+    r"[<>|](?:b1|[iu][1248]|f[248]|c(?:8|16)|[SU][0-9]{1,9}|[Mm]8(?:\[[0-9]{0,9}[a-zA-Z]{1,3}\])?)"
 )
+
+#: The float and complex sizes a frame may hold (bytes per item).
+PORTABLE_SIZES = {"f": (2, 4, 8), "c": (8, 16)}
 
 #: Frame-relative alignment of the buffer region and of every array in it.
 ALIGN = 64
@@ -222,6 +228,11 @@ def _encode_array(where: str, value: np.ndarray | np.generic, copies: list[Copy]
         raise ConfigError(
             f"{where}: dtype {dt.str!r} (kind {dt.kind!r}) cannot be encoded; "
             f"allowed kinds are {''.join(sorted(ALLOWED_KINDS))}"
+        )
+    if dt.kind in PORTABLE_SIZES and dt.itemsize not in PORTABLE_SIZES[dt.kind]:
+        raise ConfigError(
+            f"{where}: dtype {dt.str!r} cannot be encoded: its meaning depends on the "
+            "platform (long double); use float64/complex128 (f8, c16) or smaller"
         )
     if arr.ndim > MAX_NDIM:
         raise ConfigError(f"{where}: {arr.ndim} dimensions, at most {MAX_NDIM}")

@@ -28,7 +28,9 @@ Header keys (short, to keep small frames small):
 ``items``  one entry per source, in ``src`` order (see below)
 ``err``    traceback text (ERROR frames only)
 ``ename``  exception class name (ERROR frames only, optional)
-``crc``    optional zlib.crc32 of the buffer region (written as a fixed-width uint32)
+``crc``    optional zlib.crc32 of the whole frame (prefix, header and buffer region), its
+           own 4 value bytes read as zeros; always the header's last entry, written as
+           a fixed-width uint32 (``0xce`` + 4 bytes big-endian)
 ``t``      optional producer wall time (float, seconds since the epoch) at encoding
 =========  ===============================================================================
 
@@ -100,6 +102,11 @@ REF_MAGIC = b"BQR\x01"
 
 _RESERVED = b"\x00\x00\x00"
 _MAX_REF_KEY = 1024  # bytes; a reference names a Redis key, not a payload
+
+
+# How a crc entry ends a header: the key "crc" (fixstr), then a uint32 marker.
+_CRC_TAIL = b"\xa3crc\xce"
+_CRC_ZERO = bytes(4)
 
 
 class FrameKind(enum.IntEnum):
@@ -213,7 +220,7 @@ def encode_frame(
         ConfigError: an argument is invalid, a value cannot be encoded, or the frame
             would exceed ``max_frame_bytes``.
     """
-    kind, header, packed, data_start, total, copies = _prepare(
+    kind, header, packed, _, total, copies = _prepare(
         kind, run, epoch, shard, k, producer, sources, data, g, last, count, error,
         error_name, checksum, max_frame_bytes, produced_at,
     )  # fmt: skip
@@ -231,9 +238,10 @@ def encode_frame(
             end = desc["off"] + desc["len"]
     buf[end:] = 0
     if checksum:
-        with memoryview(out) as region:
-            crc = zlib.crc32(region[data_start:])
-        packed = pack_header(header, crc)
+        # The crc covers the header too (a flipped address is as bad as a flipped pixel):
+        # computed with its own bytes zero, then filled in (same length).
+        out[PREFIX.size : PREFIX.size + len(packed)] = pack_header(header, 0)
+        packed = pack_header(header, zlib.crc32(out))
     out[PREFIX.size : PREFIX.size + len(packed)] = packed
     return out
 
@@ -278,12 +286,14 @@ def encode_frame_pieces(
         flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
         pieces.append(memoryview(flat))  # type: ignore[arg-type]
         cursor = desc["off"] + desc["len"]
+    head = bytearray(data_start if copies else PREFIX.size + len(packed))
     if checksum:
-        crc = 0
+        PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
+        head[PREFIX.size : PREFIX.size + len(packed)] = pack_header(header, 0)
+        crc = zlib.crc32(head)
         for piece in pieces:
             crc = zlib.crc32(piece, crc)
         packed = pack_header(header, crc)
-    head = bytearray(data_start if copies else PREFIX.size + len(packed))
     PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
     head[PREFIX.size : PREFIX.size + len(packed)] = packed
     return Pieces([bytes(head), *pieces], total)
@@ -439,8 +449,15 @@ def decode_frame(
     if crc is not None:
         if not _is_int(crc, 0) or crc > 0xFFFFFFFF:
             raise FrameError("bad_header", f"'crc' is {short(crc)}, expected a uint32")
-        if verify_checksum and zlib.crc32(view[data_start:]) != crc:
-            raise FrameError("bad_checksum", f"buffer region crc32 differs from {crc:#010x}")
+        end = PREFIX.size + hlen
+        if bytes(view[end - 9 : end]) != _CRC_TAIL + crc.to_bytes(4, "big"):
+            raise FrameError("bad_header", "'crc' is not the header's last, fixed-width entry")
+        if verify_checksum:
+            found = zlib.crc32(view[end:], zlib.crc32(_CRC_ZERO, zlib.crc32(view[: end - 4])))
+            if found != crc:
+                raise FrameError(
+                    "bad_checksum", f"frame crc32 {found:#010x} differs from {crc:#010x}"
+                )
     source = buf if isinstance(buf, bytes | bytearray) else view
     t = header.get("t")
     return Frame(

@@ -16,11 +16,13 @@ The clients made here differ from redis-py's defaults in three ways, each measur
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -30,18 +32,30 @@ from redis.backoff import NoBackoff
 from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
-from batchq.errors import ConfigError, ConnectionLost
+from batchq.errors import (
+    AuthFailed,
+    BatchQueueError,
+    ConfigError,
+    ConnectionLost,
+    RedisConfigError,
+    WrongKeyType,
+)
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_S",
     "DEFAULT_URL",
     "ENV_URL",
     "Pieces",
+    "call",
+    "convert_error",
     "describe_url",
+    "is_wrong_type",
     "make_client",
     "redis_errors",
     "resolve_url",
+    "retrying",
     "tune_malloc",
+    "wrong_type_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,20 +186,142 @@ def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S)
     return redis.Redis(connection_pool=pool)
 
 
-def call(fn: Callable[[], T], what: str) -> T:
+def is_wrong_type(error: BaseException) -> bool:
+    """True for Redis' WRONGTYPE: a key holds another type than the command needs (a
+    foreign writer replaced a queue key)."""
+    return isinstance(error, redis.ResponseError) and "WRONGTYPE" in str(error)
+
+
+def wrong_type_error(
+    client: Any, expected: dict[str, str], error: BaseException
+) -> BatchQueueError:
+    """The :class:`WrongKeyType` naming the first of ``expected``'s keys (key -> Redis
+    type) that holds another type, after a WRONGTYPE ``error``; ``error`` converted if
+    the keys look right again (a transient writer) or cannot be read."""
+    try:
+        for key, want in expected.items():
+            got = client.type(key)
+            got = got.decode() if isinstance(got, bytes) else str(got)
+            if got not in (want, "none"):
+                return WrongKeyType(key, want, got)
+    except (redis.RedisError, OSError) as e:
+        return convert_error(e, "checking key types", client) or BatchQueueError(str(e))
+    return BatchQueueError(f"a queue key held another type for a moment: {error}")
+
+
+def _where(client: Any) -> tuple[str, int | None, str]:
+    """(host or socket path, port or None, user) of a client, for messages."""
+    kwargs: dict[str, Any] = {}
+    with contextlib.suppress(AttributeError):
+        kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return str(kwargs["path"]), None, str(kwargs.get("username") or "default")
+    port = kwargs.get("port")
+    return (
+        str(kwargs.get("host", "?")),
+        int(port) if port is not None else None,
+        str(kwargs.get("username") or "default"),
+    )
+
+
+def _config_problem(error: BaseException) -> bool:
+    text = str(error)
+    return (
+        "DB index is out of range" in text
+        or "invalid DB index" in text
+        or ("Invalid Database" in text)
+    )
+
+
+def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQueueError | None:
+    """The batchq error for a redis-py error, or None when it is not about the connection.
+
+    Credentials refused (or a permission missing) become :class:`AuthFailed`, a database
+    index the server does not have :class:`RedisConfigError`: both name host, port and
+    user and are never retried. Drops and timeouts become :class:`ConnectionLost`.
+
+    Args:
+        error: what redis-py raised.
+        what: what batchq was doing, for the message.
+        client: the client, to name the server and user.
+    """
+    if isinstance(
+        error, redis.exceptions.AuthenticationError | redis.exceptions.AuthorizationError
+    ) or (
+        isinstance(error, redis.ResponseError)
+        and str(error).startswith(("WRONGPASS", "NOAUTH", "NOPERM"))
+    ):
+        host, port, user = _where(client)
+        return AuthFailed(host, port, user, f"{error} (while {what})")
+    if isinstance(error, redis.RedisError) and _config_problem(error):
+        host, port, user = _where(client)
+        place = f"{host}:{port}" if port is not None else host
+        return RedisConfigError(
+            f"Redis at {place} (user {user!r}) refused the connection's settings: {error}; "
+            "check the database index in the URL (redis://host:port/<db>)"
+        )
+    if isinstance(error, redis_errors):
+        return ConnectionLost(f"Redis connection lost while {what}: {error}")
+    return None
+
+
+def call(fn: Callable[[], T], what: str, client: Any = None) -> T:
     """Run one Redis interaction, converting redis-py's connection errors.
 
     Args:
         fn: the interaction.
         what: what it does, for the error message.
+        client: the client it uses (names the server in auth errors).
 
     Raises:
         ConnectionLost: the connection failed or timed out.
+        AuthFailed: the server refused the credentials.
+        RedisConfigError: the server refused the connection's settings.
     """
     try:
         return fn()
-    except redis_errors as e:
-        raise ConnectionLost(f"Redis connection lost while {what}: {e}") from e
+    except (redis.RedisError, OSError) as e:
+        converted = convert_error(e, what, client)
+        if converted is None:
+            raise
+        raise converted from e
+
+
+def retrying(
+    fn: Callable[[], T],
+    what: str,
+    timeout_s: float,
+    *,
+    client: Any = None,
+    halt: Callable[[], bool] | None = None,
+) -> T:
+    """Run ``fn`` and, while the connection is lost, again: bounded backoff, logged.
+
+    The trainer's calls outside its reader (start, claim, resume, plan waits, close) go
+    through this, as the reader's own calls go through its reconnect: a drop anywhere is
+    survived if Redis answers again within ``timeout_s``. ``fn`` must be safe to run
+    twice (the scripts it calls are idempotent for a repeated token or run id).
+
+    Raises:
+        ConnectionLost: Redis did not answer for ``timeout_s``.
+        AuthFailed, RedisConfigError: at once (retrying cannot help).
+    """
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.05
+    logged = False
+    while True:
+        try:
+            return call(fn, what, client)
+        except ConnectionLost as e:
+            if time.monotonic() + delay_s > deadline or (halt is not None and halt()):
+                raise ConnectionLost(
+                    f"Redis unreachable for {timeout_s:g} s while {what}: {e}"
+                ) from e
+            if not logged:
+                log.warning("%s; retrying for up to %g s", e, timeout_s)
+                logged = True
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 1.0)
 
 
 _tuned = False

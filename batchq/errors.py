@@ -113,3 +113,47 @@ class RunFinished(BatchQueueError):
 
 class RunChanged(BatchQueueError):
     """The queue moved on to another run; this client's run is over."""
+
+
+class AuthFailed(BatchQueueError, PermissionError):
+    """Redis refused the credentials (or the user lacks a permission); never retried.
+
+    Attributes:
+        host: the server's host (or socket path).
+        port: its port (None for a unix socket).
+        user: the user name sent ('default' when none was given).
+    """
+
+    def __init__(self, host: str, port: int | None, user: str, detail: str) -> None:
+        where = f"{host}:{port}" if port is not None else host
+        super().__init__(
+            f"Redis at {where} refused user {user!r}: {detail}; check the user and "
+            "password in the URL (redis://user:password@host:port/db) or BATCHQ_URL"
+        )
+        self.host = host
+        self.port = port
+        self.user = user
+
+
+class RedisConfigError(ConfigError):
+    """The server refused the connection's settings (a database index out of range,
+    a protocol it does not speak); never retried. The message names host, port, user."""
+
+
+class WrongKeyType(BatchQueueError, TypeError):
+    """A queue key holds another Redis type than batchq writes there (a foreign writer).
+
+    Attributes:
+        key: the key.
+        expected: the Redis type batchq expects there ('list', 'string').
+        got: the type found.
+    """
+
+    def __init__(self, key: str, expected: str, got: str, detail: str = "") -> None:
+        super().__init__(
+            f"Redis key {key!r} is a {got}, expected a {expected} written by batchq"
+            + (f"; {detail}" if detail else "")
+        )
+        self.key = key
+        self.expected = expected
+        self.got = got

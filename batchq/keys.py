@@ -16,6 +16,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 minted in plan order from meta ``next``
     bq:{Q}:lease:<p>    LIST    the shards producer p holds, as ``<g>:<token>``
     bq:{Q}:producers    ZSET    producer id -> heartbeat deadline (server ms)
+    bq:{Q}:clients      HASH    '<p>' and '<p>:hb' -> CLIENT ID of producer p's main and
+                                heartbeat connections (all closed: p was killed)
     bq:{Q}:ledger       HASH    reserved: what the trainer has received (resume)
     bq:{Q}:incarnation  STRING  set when the queue is created; its absence means Redis
                                 lost the queue's state
@@ -104,6 +106,7 @@ class QueueKeys:
         self.wake = f"{self.base}:wake"
         self.work = f"{self.base}:work"
         self.producers = f"{self.base}:producers"
+        self.clients = f"{self.base}:clients"  # producer -> CLIENT ID of its connections
         self.ledger = f"{self.base}:ledger"
         self.incarnation = f"{self.base}:incarnation"
         self.stats = f"{self.base}:stats"

@@ -29,6 +29,7 @@ class Status:
     CLAIM_LOST = "CLAIM_LOST"
     RETRY = "RETRY"
     GIVE_UP = "GIVE_UP"
+    WRONG_TYPE = "WRONG_TYPE"  # {'WRONG_TYPE', key, type found}: a foreign writer
 
 
 def decode_reply(reply: Any) -> list[Any]:

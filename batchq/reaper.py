@@ -7,17 +7,19 @@ scripts re-check everything atomically, so calling them too often is harmless.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 
-from batchq.connection import call
+from batchq.connection import call, redis_errors
+from batchq.errors import ConnectionLost
 from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
 from batchq.scripts import SCRIPTS
 
-__all__ = ["reap_dead", "requeue_gaps", "server_ms"]
+__all__ = ["connected_ids", "reap_dead", "reap_gone", "record_client", "requeue_gaps", "server_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -88,3 +90,85 @@ def requeue_gaps(
     if requeued:
         log.warning("queue %s: shards with a gap handed back: %s", keys.queue, requeued)
     return requeued
+
+
+_ID_RE = re.compile(rb"(?:^|\n)id=(\d+) ")
+
+
+def record_client(client: redis.Redis, keys: QueueKeys, field: str) -> bool:
+    """Record the CLIENT ID of ``client``'s connection under ``field`` (a producer id, or
+    '<id>:hb' for its heartbeat): closed connections then tell that it died.
+
+    Returns:
+        False if the server refuses CLIENT ID (ACL): death is then told by the TTL only.
+    """
+    try:
+        ident = int(client.execute_command("CLIENT", "ID"))
+        call(lambda: client.hset(keys.clients, field, ident), "recording", client)
+    except redis.ResponseError as e:
+        log.debug("queue %s: CLIENT ID refused (%s): death by TTL only", keys.queue, e)
+        return False
+    except redis_errors as e:
+        raise ConnectionLost(f"Redis connection lost while recording the client id: {e}") from e
+    return True
+
+
+def connected_ids(client: redis.Redis) -> set[int] | None:
+    """The ids of every connection the server has open, or None if CLIENT LIST is refused."""
+    try:
+        raw = client.execute_command("CLIENT", "LIST", NEVER_DECODE=True)
+    except redis.ResponseError:
+        return None
+    except redis_errors as e:
+        raise ConnectionLost(f"Redis connection lost while listing clients: {e}") from e
+    if isinstance(raw, str):
+        raw = raw.encode()
+    return {int(m) for m in _ID_RE.findall(raw)}
+
+
+def reap_gone(client: redis.Redis, keys: QueueKeys, incarnation: str) -> tuple[int, int] | None:
+    """Reap producers whose recorded connections are all closed (killed), at once.
+
+    A process killed by SIGKILL or a crash closes its sockets, and Redis knows: its ids
+    are no longer in CLIENT LIST. A hung producer (SIGSTOP, a partition) keeps them open;
+    the heartbeat TTL covers it (:func:`reap_dead`).
+
+    Returns:
+        (producers reaped, shards returned), or None if the server refuses CLIENT LIST.
+    """
+    now_ms = server_ms(client)
+    alive = _members(client, keys, now_ms, "+inf")
+    if not alive:
+        return 0, 0
+    recorded: dict[bytes, bytes] = call(
+        lambda: client.hgetall(keys.clients),  # type: ignore[arg-type,return-value]
+        "reading client ids",
+        client,
+    )
+    connected = connected_ids(client)
+    if connected is None:
+        return None
+    pairs: list[str] = []
+    gone: list[str] = []
+    for p in alive:
+        main = recorded.get(p.encode(), b"").decode()
+        beat = recorded.get(f"{p}:hb".encode(), b"").decode()
+        ids = [int(x) for x in (main, beat) if x.isdigit()]
+        if ids and not any(i in connected for i in ids):
+            pairs += [p, f"{main},{beat}"]
+            gone.append(p)
+    if not gone:
+        return 0, 0
+    script_keys = [keys.incarnation, keys.producers, keys.work, keys.stats, keys.clients]
+    script_keys += [keys.lease(p) for p in gone]
+    reply = decode_reply(SCRIPTS["gone"](client, script_keys, [incarnation, *pairs]))
+    if reply[0] != Status.OK:
+        return 0, 0
+    if int(reply[1]):
+        log.info(
+            "queue %s: reaped %s producer(s) whose connections closed, %s shard(s) back",
+            keys.queue,
+            reply[1],
+            reply[2],
+        )
+    return int(reply[1]), int(reply[2])

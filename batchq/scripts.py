@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import redis
 
-from batchq.errors import ConnectionLost
+from batchq.connection import convert_error
 
 __all__ = ["SCRIPTS", "Script", "execute_pipeline", "load_all"]
 
 Arg = str | bytes | bytearray | memoryview | int | float
+
+_LUA_DIR = Path(__file__).resolve().parent / "lua"
 
 
 class Script:
@@ -31,7 +33,10 @@ class Script:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.source = resources.files("batchq").joinpath("lua", f"{name}.lua").read_text()
+        # Next to this module, not resources.files("batchq"): run from a folder holding a
+        # checkout named batchq, "batchq" is a namespace package over both, whose
+        # MultiplexedPath cannot join two parts (TypeError) and may pick the wrong one.
+        self.source = (_LUA_DIR / f"{name}.lua").read_text()
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Arg]) -> Any:
@@ -46,8 +51,11 @@ class Script:
             except redis.exceptions.NoScriptError:
                 client.script_load(self.source)
                 return client.evalsha(self.sha, len(keys), *keys, *args)
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            raise ConnectionLost(f"Redis connection lost while running {self.name}: {e}") from e
+        except redis.RedisError as e:
+            converted = convert_error(e, f"running {self.name}", client)
+            if converted is None:
+                raise
+            raise converted from e
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg]) -> None:
         """Add an EVALSHA of this script to a pipeline (see :func:`execute_pipeline`)."""
@@ -59,7 +67,18 @@ class Script:
 
 SCRIPTS: dict[str, Script] = {
     name: Script(name)
-    for name in ("claim", "fail", "join", "lease", "pop", "push", "reap", "requeue", "resume")
+    for name in (
+        "claim",
+        "fail",
+        "gone",
+        "join",
+        "lease",
+        "pop",
+        "push",
+        "reap",
+        "requeue",
+        "resume",
+    )
 }
 
 
@@ -69,7 +88,7 @@ def load_all(client: redis.Redis) -> None:
         client.script_load(script.source)
 
 
-def execute_pipeline(client: redis.Redis, build: Any) -> list[Any]:
+def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = True) -> list[Any]:
     """Run a pipeline built by ``build(pipe)``; on NOSCRIPT load the scripts and retry once.
 
     Rebuilding and resending the whole pipeline is safe because the pipelines batchq
@@ -78,6 +97,7 @@ def execute_pipeline(client: redis.Redis, build: Any) -> list[Any]:
     Args:
         client: the client.
         build: a function that adds the commands to a fresh pipeline.
+        raise_on_error: False returns a command's error (WRONGTYPE...) in its place.
 
     Returns:
         The replies, in order.
@@ -90,11 +110,19 @@ def execute_pipeline(client: redis.Redis, build: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             build(pipe)
             try:
-                return list(pipe.execute())
+                replies = list(pipe.execute(raise_on_error=raise_on_error))
+                if not raise_on_error and any(
+                    isinstance(r, redis.exceptions.NoScriptError) for r in replies
+                ):
+                    raise redis.exceptions.NoScriptError("NOSCRIPT in a pipeline")
+                return replies
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
                 load_all(client)
         raise AssertionError("unreachable")  # pragma: no cover
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise ConnectionLost(f"Redis connection lost while running a pipeline: {e}") from e
+    except redis.RedisError as e:
+        converted = convert_error(e, "running a pipeline", client)
+        if converted is None:
+            raise
+        raise converted from e

@@ -68,6 +68,13 @@ class Ledger:
         self.duplicates = 0
         self.stale = 0
         self.skipped = 0  # shards given up on (ERROR frames under the skip policy)
+        # What the run's plan says (set once it is known): frames outside it are
+        # impossible, which keeps the buffer within the window whatever is pushed.
+        self.window: int | None = None
+        self.epoch_batches: int | None = None
+        # Frames held that a later frame proved impossible (k past the shard's count):
+        # dropped here, handed to the reader for the dead list.
+        self.purged: list[tuple[Frame, str]] = []
 
     def _shard(self, epoch: int, shard: int) -> ShardState:
         return self._epochs.setdefault(epoch, {}).setdefault(shard, ShardState())
@@ -84,6 +91,39 @@ class Ledger:
         finally:
             self._note(frame.epoch, state, was_complete)
 
+    def impossible(self, frame: Frame) -> str | None:
+        """Why a frame cannot be one batchq's producers wrote for this run, or None.
+
+        Its count must fit its position (a last batch at k counts k + 1 batches, an END
+        or ERROR at k counts k), it must lie inside the look-ahead window above the floor
+        (producers mint nothing beyond it), within the plan's batches per epoch, and fit
+        what the shard's last frame already said.
+        """
+        k, count, kind = frame.k, frame.count, frame.kind
+        where = f"epoch {frame.epoch} shard {frame.shard} k {k}"
+        if kind == FrameKind.BATCH:
+            if frame.last and count != k + 1:
+                return f"{where}: a last batch must count {k + 1} batches, it says {count}"
+        elif count != k:
+            return f"{where}: an {kind.name} frame at k {k} must count {k}, it says {count}"
+        eb = self.epoch_batches
+        if eb is not None and eb >= 0 and (k >= eb if kind == FrameKind.BATCH else k > eb):
+            return f"{where}: beyond the plan's {eb} batches per epoch"
+        if frame.epoch >= self.epoch and 0 <= frame.shard < self.shards and self.window:
+            g, floor = frame.epoch * self.shards + frame.shard, self.floor()
+            if g >= floor + self.window:
+                return (
+                    f"{where}: global shard {g} is past the look-ahead window "
+                    f"[{floor}, {floor + self.window})"
+                )
+        state = self._epochs.get(frame.epoch, {}).get(frame.shard)
+        if state is not None and state.count is not None and kind != FrameKind.ERROR:
+            if kind == FrameKind.BATCH and k >= state.count:
+                return f"{where}: the shard has {state.count} batches"
+            if frame.last and count != state.count:
+                return f"{where}: says {count} batches, the shard's last frame said {state.count}"
+        return None
+
     def _note(self, epoch: int, state: ShardState, was_complete: bool) -> None:
         if state.complete and state.error is None and not was_complete:
             self._complete[epoch] = self._complete.get(epoch, 0) + 1
@@ -97,6 +137,7 @@ class Ledger:
             return False
         if frame.last and frame.count is not None:
             state.count = frame.count
+            self._purge(frame.epoch, state)
         if frame.kind == FrameKind.END:
             return True
         if frame.k in state.received:
@@ -109,6 +150,18 @@ class Ledger:
         if not self.ordered and frame.epoch == self.epoch:
             self._arrived.append(frame)
         return True
+
+    def _purge(self, epoch: int, state: ShardState) -> None:
+        """Drop held frames at or past the shard's count (impossible ones that came first)."""
+        count = state.count or 0
+        for k in [k for k in state.frames if k >= count]:
+            frame = state.frames.pop(k)
+            self.buffered -= 1
+            self._held[epoch] -= 1
+            if not self.ordered and frame in self._arrived:
+                self._arrived.remove(frame)
+            self.purged.append((frame, f"k {k} is past the shard's {count} batches"))
+        state.received = {k for k in state.received if k < count or k < state.skip}
 
     def preload(self, epoch: int, shard: int, had: int, *, done: bool) -> None:
         """Mark the first ``had`` batches of a shard as handed out already (a resume).

@@ -19,7 +19,7 @@ import redis
 
 from batchq import codec
 from batchq.admin import is_oom
-from batchq.connection import call
+from batchq.connection import call, is_wrong_type
 from batchq.errors import (
     BatchQueueError,
     ConnectionLost,
@@ -33,6 +33,7 @@ from batchq.keys import QueueKeys
 from batchq.protocol import Status
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
+from consumer.guards import ReaderGuards, ref_error
 from consumer.ledger import Ledger
 from consumer.session import Session
 from consumer.stats import TrainerStats
@@ -47,7 +48,7 @@ BLOCK_S = 0.2
 DEAD_LIST_MAX = 1000
 
 
-class Reader(threading.Thread):
+class Reader(ReaderGuards, threading.Thread):
     """Pops frames for one trainer into a :class:`Ledger`.
 
     Args:
@@ -105,6 +106,10 @@ class Reader(threading.Thread):
         self._last_frame = time.monotonic()
         self._last_repair = 0.0
         self._last_claim = time.monotonic()
+        self._wrong_since: float | None = None  # since when the data list is no list
+        self._last_gone = 0.0
+        self._no_client_list = False
+        self._published_floor = -1  # the floor the last successful pop sent
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -123,12 +128,18 @@ class Reader(threading.Thread):
             while not self._halt.is_set():
                 with self.cond:
                     idle = self.ledger.buffered >= self.hwm and not self.ledger.needs_more()
-                    if idle:
+                    # The floor sent with the last pop was read before the frames it
+                    # popped were filed: publish the one they advanced it to before
+                    # idling, or producers may wait at the window meanwhile.
+                    stale = idle and self.ledger.floor() > self._published_floor
+                    if idle and not stale:
                         self.cond.wait(timeout=self.session.claim_ttl_ms / 3000)
                 if self._halt.is_set():
                     break
                 try:
-                    if not idle:
+                    if stale:
+                        self._pop_round(room=0)
+                    elif not idle:
                         self._pop_round()
                     elif time.monotonic() - self._last_claim > self.session.claim_ttl_ms / 3000:
                         # Every pop refreshes the claim too: refresh only when idle long.
@@ -136,6 +147,11 @@ class Reader(threading.Thread):
                 except ConnectionLost as e:
                     self._reconnect(e)
                 except redis.ResponseError as e:
+                    if is_wrong_type(e):
+                        # A foreign type under a key a reap or requeue script reads:
+                        # waited out like a replaced data list (bounded).
+                        self._wrong_type(f"a key of queue {self.keys.queue}", "foreign type")
+                        continue
                     # At maxmemory an idle claim refresh is refused; pops still work
                     # (they pop before they write) and refresh the claim themselves.
                     if not is_oom(e):
@@ -165,10 +181,11 @@ class Reader(threading.Thread):
         delay_s = 0.05
         while not self._halt.is_set():
             try:
-                self.client.ping()
+                # AuthFailed and RedisConfigError are not retried: they propagate.
+                call(self.client.ping, "reconnecting", self.client)
                 log.warning("queue %s: reconnected", self.keys.queue)
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except ConnectionLost as e:
                 if time.monotonic() + delay_s > deadline:
                     raise ConnectionLost(
                         f"queue {self.keys.queue}: Redis unreachable for {self.timeout_s:g} s"
@@ -230,22 +247,37 @@ class Reader(threading.Thread):
             self._bytes,
             *self.stats.drain(self._depth, force=room == 0),
         ]
+        # Counted as sent before the call: if its reply is lost the script may have run,
+        # and sending them again would count them twice (an undercount is the lesser harm).
+        self._extra_popped = self._bytes = 0
         reply = SCRIPTS["pop"](self.client, keys, args)
         self._last_claim = time.monotonic()
-        self._extra_popped = self._bytes = 0
         status = reply[0].decode()
+        if status == Status.WRONG_TYPE:
+            self._wrong_type(reply[1].decode(), reply[2].decode())
+            return
+        self._wrong_since = None
         if status != Status.OK:
             self._raise_status(status)
+        self._published_floor = max(self._published_floor, floor)
         alive, self._depth, elements = int(reply[1]), int(reply[2]), list(reply[3])
         if room == 0:
             return
         if alive:
             self._last_alive = time.monotonic()
+        self._reap_closed()
         if not elements:
             self._check_producers()
-            popped = call(
-                lambda: self.client.brpop([self.keys.data], timeout=BLOCK_S), "waiting for data"
-            )
+            try:
+                popped = call(
+                    lambda: self.client.brpop([self.keys.data], timeout=BLOCK_S),
+                    "waiting for data",
+                    self.client,
+                )
+            except redis.ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+                return  # replaced since the pop script looked: its next call says so
             if popped is None:
                 return
             self._extra_popped = 1
@@ -306,23 +338,34 @@ class Reader(threading.Thread):
             refs = self._refuse_oversized(refs, out)
         if refs:
             replies = execute_pipeline(
-                self.client, lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs]
+                self.client,
+                lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs],
+                raise_on_error=False,
             )
             for (i, key), value in zip(refs, replies, strict=True):
-                if value is None:
-                    element = out[i][1]
+                element = out[i][1]
+                if isinstance(value, Exception):
+                    # Another type under a frame's name (a foreign writer): a bad frame.
+                    self._dead(element, ref_error(key, value))
+                    value = None
+                elif value is None:
                     self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
-                out[i] = (value, out[i][1], key)
+                out[i] = (value, element, key)
         return out
 
     def _refuse_oversized(
         self, refs: list[tuple[int, str]], out: list[tuple[bytes | None, bytes, str]]
     ) -> list[tuple[int, str]]:
         """Drop referenced frames above max_frame_bytes without fetching them."""
-        sizes = execute_pipeline(self.client, lambda pipe: [pipe.strlen(k) for _, k in refs])
+        sizes = execute_pipeline(
+            self.client, lambda pipe: [pipe.strlen(k) for _, k in refs], raise_on_error=False
+        )
         keep = []
         for (i, key), size in zip(refs, sizes, strict=True):
-            if int(size) > (self.max_frame_bytes or 0):
+            if isinstance(size, Exception):
+                self._dead(out[i][1], ref_error(key, size))
+                out[i] = (None, out[i][1], "")
+            elif int(size) > (self.max_frame_bytes or 0):
                 self._drop_key(key)
                 error = FrameError(
                     "too_large",
@@ -353,13 +396,24 @@ class Reader(threading.Thread):
             if frame.run != self.session.run:
                 self.ledger.stale += 1
                 continue
-            frames.append(frame)
+            frames.append((frame, raw))
         if frames:
             self._last_frame = time.monotonic()
+        bad: list[tuple[bytes, FrameError]] = []
         with self.cond:
-            for frame in frames:
-                self.ledger.add(frame)
+            for frame, raw in frames:
+                reason = self.ledger.impossible(frame)
+                if reason is None:
+                    self.ledger.add(frame)
+                else:
+                    bad.append((raw[:4096], FrameError("impossible", reason)))
+            for frame, why in self.ledger.purged:
+                where = f"epoch {frame.epoch} shard {frame.shard} k {frame.k}"
+                bad.append((b"", FrameError("impossible", f"{where} ({frame.producer}): {why}")))
+            self.ledger.purged.clear()
             self.cond.notify_all()
+        for element, error in bad:
+            self._dead(element, error)
 
     def _dead(self, element: bytes, error: FrameError) -> None:
         """Move a bad element to the dead list with its reason, count it, apply the policy."""
@@ -375,6 +429,10 @@ class Reader(threading.Thread):
             pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ConnectionLost(f"Redis connection lost while recording a bad frame: {e}") from e
+        except redis.ResponseError as e:
+            # The dead list or the counters replaced by a foreign type (or Redis full):
+            # the record is lost, the policy below still applies.
+            log.warning("queue %s: could not record a bad frame: %s", self.keys.queue, e)
         log.warning("queue %s: bad frame moved to the dead list: %s", self.keys.queue, error)
         if self.on_bad_frame == "raise":
             raise error

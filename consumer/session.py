@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from batchq.connection import call
+from batchq.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import BatchQueueError, ProducersLost, TrainerConflict
 from batchq.keys import QueueKeys
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
@@ -36,6 +36,7 @@ class Plan:
         self.hwm = get("hwm")
         self.shards = int(get("shards", "0"))
         self.window = int(get("window", "1"))
+        self.has_window = b"window" in meta  # published by the run's first producer
         self.epoch_batches = int(get("epoch_batches", "-1"))
 
 
@@ -47,10 +48,15 @@ class Session:
             one).
         keys: the queue's keys.
         claim_ttl_ms: the claim lapses this long after its last refresh.
+        retry_s: how long the stream's calls (acquire, release, plan wait, resume) keep
+            retrying while the connection is lost (the reader has its own reconnect).
     """
 
-    def __init__(self, client: redis.Redis, keys: QueueKeys, claim_ttl_ms: int) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: QueueKeys, claim_ttl_ms: int, retry_s: float = 60.0
+    ) -> None:
         self.client = client
+        self.retry_s = retry_s
         self.keys = keys
         self.claim_ttl_ms = claim_ttl_ms
         self.token = uuid.uuid4().hex
@@ -63,17 +69,33 @@ class Session:
         k = self.keys
         return [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures, k.ledger]
 
-    def _claim(self, client: redis.Redis, op: str, takeover: str = "") -> list[Any]:
+    def _retry(self, fn: Any, what: str) -> Any:
+        return retrying(fn, f"{what} (queue {self.keys.queue})", self.retry_s, client=self.client)
+
+    def _claim(self, client: redis.Redis, op: str, takeover: str = "", run: str = "") -> list[Any]:
         args: list[Any] = [
             self.token,
             self.claim_ttl_ms,
             op,
-            uuid.uuid4().hex[:16],
+            run or uuid.uuid4().hex[:16],
             uuid.uuid4().hex,
             takeover,
             PROTOCOL_VERSION,
         ]
-        return decode_reply(SCRIPTS["claim"](client, self._keys(), args))
+        try:
+            return decode_reply(SCRIPTS["claim"](client, self._keys(), args))
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            raise wrong_type_error(client, self._types(), e) from e
+
+    def _types(self) -> dict[str, str]:
+        """The Redis type batchq keeps under each key the claim and resume touch."""
+        k = self.keys
+        return {
+            k.meta: "hash", k.incarnation: "string", k.data: "list", k.work: "list",
+            k.wake: "list", k.failures: "hash", k.ledger: "hash",
+        }  # fmt: skip
 
     def acquire(self, takeover: str = "") -> bool:
         """Claim the queue; True if that started a new run.
@@ -85,7 +107,8 @@ class Session:
         Raises:
             TrainerConflict: another trainer's claim is live.
         """
-        reply = self._claim(self.client, "acquire", takeover)
+        run = uuid.uuid4().hex[:16]  # the same on a retry: claim.lua knows its own try
+        reply = self._retry(lambda: self._claim(self.client, "acquire", takeover, run), "claiming")
         if reply[0] == Status.CONFLICT:
             raise TrainerConflict(
                 f"queue {self.keys.queue} is held by another trainer (its claim lapses in "
@@ -110,7 +133,8 @@ class Session:
     def release(self, finished: bool) -> None:
         """Give the claim up; with ``finished`` the run ends and producers exit."""
         if self.claimed:
-            self._claim(self.client, "finish" if finished else "release")
+            op = "finish" if finished else "release"
+            self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
             self.claimed = False
 
     def wait_for_plan(self, timeout_s: float, block_s: float) -> Plan:
@@ -121,17 +145,31 @@ class Session:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            meta: dict[bytes, bytes] = call(lambda: self.client.hgetall(self.keys.meta), "reading")  # type: ignore[arg-type,return-value]
+            meta: dict[bytes, bytes] = self._retry(
+                lambda: self.client.hgetall(self.keys.meta), "reading the plan"
+            )
+            inc = self._retry(lambda: self.client.get(self.keys.incarnation), "reading the plan")
             run = meta.get(b"run", b"").decode()
-            if run and run != self.run:
+            if not run or (inc or b"").decode() != self.incarnation:
+                # Redis restarted empty (or the queue was reset) before any producer
+                # joined: nothing was popped, so claiming afresh loses nothing.
+                log.warning(
+                    "queue %s: the queue's state is gone; claiming it again", self.keys.queue
+                )
+                self.acquire()
+                continue
+            if run != self.run:
                 raise BatchQueueError(f"queue {self.keys.queue}: the run changed while starting")
             if b"shards" in meta:
                 self.plan = Plan(meta)
                 return self.plan
             if time.monotonic() > deadline:
                 raise ProducersLost(0, [], timeout_s)
-            self.refresh(self.client)
-            call(lambda: self.client.blpop([self.keys.wake], timeout=block_s), "waiting")
+            self._retry(lambda: self.refresh(self.client), "refreshing the claim")
+            self._retry(
+                lambda: self.client.blpop([self.keys.wake], timeout=block_s),
+                "waiting for the plan",
+            )
 
     def resume(
         self,
@@ -167,7 +205,14 @@ class Session:
             args += [field, value]
         k = self.keys
         keys = [k.meta, k.incarnation, k.data, k.work, k.failures, k.ledger, k.wake]
-        reply = decode_reply(SCRIPTS["resume"](client, keys, args))
+        try:
+            reply = decode_reply(
+                self._retry(lambda: SCRIPTS["resume"](client, keys, args), "resuming")
+            )
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            raise wrong_type_error(client, self._types(), e) from e
         if reply[0] != Status.OK:
             raise TrainerConflict(f"queue {self.keys.queue}: the claim was lost while resuming")
         self.run = reply[1]

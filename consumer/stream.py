@@ -17,7 +17,7 @@ from typing import Any
 
 from batchq.admin import check_eviction_policy
 from batchq.codec import FrameKind
-from batchq.connection import call, make_client, resolve_url, tune_malloc
+from batchq.connection import make_client, resolve_url, retrying, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -149,7 +149,9 @@ class ServerDataStream:
         self._connect()
         deadline = time.monotonic() + self.timeout_s
         while True:
-            value = call(lambda: self._client.hget(self.keys.meta, "epoch_batches"), "reading")
+            value = self._retry(
+                lambda: self._client.hget(self.keys.meta, "epoch_batches"), "reading the plan"
+            )
             if value is not None and int(value) >= 0:
                 return int(value)
             if value is not None:
@@ -160,7 +162,10 @@ class ServerDataStream:
             if time.monotonic() > deadline:
                 raise ProducersLost(max(self.epoch, 0), [], self.timeout_s)
             # No producer has joined yet: wait for one (bounded, a few checks a second).
-            call(lambda: self._client.blpop([self.keys.wake], timeout=BLOCK_S), "waiting")
+            self._retry(
+                lambda: self._client.blpop([self.keys.wake], timeout=BLOCK_S),
+                "waiting for the plan",
+            )
 
     def close(self, finished: bool = False) -> None:
         """Stop reading and release the queue.
@@ -175,6 +180,13 @@ class ServerDataStream:
             self._reader.stop()
             if self._reader.error is None:
                 self._reader.flush()  # the last epoch's figures
+        if self._session is None and finished:
+            # Never started (a restarted job whose checkpoint is past its last batch):
+            # finishing still has to reach the producers, or they serve for ever.
+            self._connect()
+            self._session = self._new_session()
+            resume = self._resume or {}
+            self._session.acquire(takeover=str(resume.get("run") or ""))
         if self._client is None:
             return
         try:
@@ -262,12 +274,21 @@ class ServerDataStream:
     def _reader_cond(self) -> Any:
         return self._reader.cond if self._reader is not None else contextlib.nullcontext()
 
+    def _retry(self, fn: Any, what: str) -> Any:
+        """Run one of the stream's own Redis calls through the bounded reconnect."""
+        return retrying(
+            fn, f"{what} (queue {self.keys.queue})", self.timeout_s, client=self._client
+        )
+
+    def _new_session(self) -> Session:
+        return Session(self._client, self.keys, self.claim_ttl_ms, retry_s=self.timeout_s)
+
     def _start(self) -> None:
         if self._reader is not None:
             return
         self._connect()
         check_eviction_policy(self._client)
-        session = Session(self._client, self.keys, self.claim_ttl_ms)
+        session = self._new_session()
         resume = self._resume if self._resume and self._resume.get("run") else None
         new_run = session.acquire(takeover=resume["run"] if resume else "")
         self._session = session
@@ -279,7 +300,7 @@ class ServerDataStream:
         else:
             # A producer may never have joined this Redis (it restarted): the plan's
             # shape comes from the checkpoint then.
-            meta = call(lambda: self._client.hgetall(self.keys.meta), "reading meta")
+            meta = self._retry(lambda: self._client.hgetall(self.keys.meta), "reading meta")
             session.plan = Plan(meta) if b"shards" in meta else None
             shards, epoch = int(resume["shards"]), int(resume["epoch"])
             ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
@@ -292,6 +313,9 @@ class ServerDataStream:
             session.resume(self._client, epoch * shards, resume["fingerprint"], pairs)
             if session.plan is None:
                 session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
+        if session.plan is not None:
+            ledger.window = session.plan.window if session.plan.has_window else None
+            ledger.epoch_batches = session.plan.epoch_batches
         self._ledger = ledger
         self._reader = Reader(
             make_client(self.url),
@@ -310,9 +334,13 @@ class ServerDataStream:
 
     def _delete_frames(self) -> None:
         # Frames stored by reference by an older run: nobody will pop their names.
-        names = list(self._client.scan_iter(match=self.keys.frame_pattern, count=1000))
+        def scan() -> list[Any]:
+            return list(self._client.scan_iter(match=self.keys.frame_pattern, count=1000))
+
+        names = self._retry(scan, "listing old frames")
         for i in range(0, len(names), 500):
-            self._client.delete(*names[i : i + 500])
+            chunk = names[i : i + 500]
+            self._retry(lambda chunk=chunk: self._client.delete(*chunk), "deleting old frames")
 
     def _iterate(self, epoch: int, as_dict: bool) -> Iterator[Any]:
         reader, ledger = self._reader, self._ledger

@@ -19,8 +19,8 @@ import redis
 
 from batchq import codec
 from batchq.admin import is_oom
-from batchq.connection import Pieces, call
-from batchq.errors import ConnectionLost, PipelineMismatch, RunFinished
+from batchq.connection import Pieces, call, is_wrong_type
+from batchq.errors import AuthFailed, ConnectionLost, PipelineMismatch, RunFinished
 from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
 from batchq.scripts import SCRIPTS, execute_pipeline
@@ -83,9 +83,29 @@ class ShardPusher:
                 error,
             )
 
+    def _note_wrong_type(self, key: str, got: str) -> None:
+        """Log a replaced queue key (once per key and type)."""
+        seen = getattr(self, "_wrong_logged", None)
+        if seen == (key, got):
+            return
+        self._wrong_logged = (key, got)
+        log.warning(
+            "producer %s: a Redis key (%s) holds a %s, not what batchq wrote; waiting "
+            "for it to be repaired (deleted or restored)",
+            self.id,
+            key,
+            got,
+        )
+
     def _wait_for_room(self) -> None:
         # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
-        call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
+        try:
+            call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            self._note_wrong_type(self.keys.wake, "key of another type")
+            self._stop.wait(WAIT_S)
 
     # -- building and pushing a shard --------------------------------------------------
 
@@ -109,8 +129,8 @@ class ShardPusher:
                     return
                 k += 1
                 started = time.perf_counter()
-        except (ConnectionLost, RunFinished, PipelineMismatch):
-            raise
+        except (ConnectionLost, RunFinished, PipelineMismatch, AuthFailed, redis.RedisError):
+            raise  # Redis' trouble, not the pipeline's: never an attempt against the shard
         except Exception as e:  # the user's pipeline raised
             log.exception(
                 "producer %s: pipeline raised in epoch %d shard %d", self.id, epoch, shard
@@ -286,6 +306,11 @@ class ShardPusher:
                 blocked_since = time.monotonic()
             if status == Status.GONE:
                 stored = False
+                continue
+            if status == Status.WRONG_TYPE:
+                # A foreign writer replaced a queue key: keep the shard, wait for a repair.
+                self._note_wrong_type(str(reply[1]), str(reply[2]))
+                self._stop.wait(WAIT_S)
                 continue
             if ref is not None:
                 self.client.delete(ref)

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from batchq.admin import check_eviction_policy, is_oom
-from batchq.connection import make_client, resolve_url, tune_malloc
+from batchq.connection import call, is_wrong_type, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -29,7 +29,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys, check_name
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
-from batchq.reaper import reap_dead, server_ms
+from batchq.reaper import reap_dead, record_client, server_ms
 from batchq.scripts import SCRIPTS
 from producer.pushing import INLINE_MAX_BYTES, ShardPusher
 from producer.sharding import ShardPlan
@@ -70,6 +70,8 @@ class Producer(ShardPusher):
             is reported to the trainer as ProducerFailed; before that it is retried.
         orphan_wait_s: after Redis lost the queue's state, how long to wait for the
             trainer to re-create the run from its ledger before starting afresh.
+        orphan_exit_s: stop serving (``serve`` returns 0, logged) once no trainer has
+            held a live claim on the run for this long (a crashed trainer); None: never.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class Producer(ShardPusher):
         reconnect_timeout_s: float = 60.0,
         max_attempts: int = 3,
         orphan_wait_s: float = 30.0,
+        orphan_exit_s: float | None = 600.0,
     ) -> None:
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
@@ -111,6 +114,11 @@ class Producer(ShardPusher):
             raise ConfigError(f"max_attempts {max_attempts!r} is not valid: expected >= 1")
         self.max_attempts = max_attempts
         self.orphan_wait_s = orphan_wait_s
+        if orphan_exit_s is not None and orphan_exit_s <= 0:
+            raise ConfigError(f"orphan_exit_s {orphan_exit_s!r} is not valid: expected > 0")
+        self.orphan_exit_s = orphan_exit_s
+        self._unclaimed_since_ms: int | None = None  # server clock
+        self.orphaned = False  # serve() stopped because no trainer claimed the run
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
         self.client = make_client(url)
@@ -123,6 +131,7 @@ class Producer(ShardPusher):
         self._heartbeat: threading.Thread | None = None
         self._prefetched: tuple[int, int, str] | None = None  # (g, skip, token)
         self._lease_token = ""
+        self._record_id = True  # False once the server refused CLIENT ID (ACL)
         self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
         self._oom_logged = False
 
@@ -157,6 +166,14 @@ class Producer(ShardPusher):
                     self._serve_shard(epoch, shard, f"{g}:{self._lease_token}", skip)
                 except ConnectionLost as e:
                     self._reconnect(e)
+                except redis.ResponseError as e:
+                    # A foreign writer replaced a queue key the lease or join reads: keep
+                    # serving once it is repaired (nothing was leased by the failed call).
+                    if not is_wrong_type(e):
+                        raise
+                    self._note_wrong_type("read by a lease or join", f"foreign type ({e})")
+                    self._stop.wait(0.5)
+                    self._rejoin()
         except RunFinished as e:
             log.info("producer %s: %s", self.id, e)
         finally:
@@ -175,11 +192,12 @@ class Producer(ShardPusher):
         log.warning("producer %s: %s; reconnecting", self.id, error)
         while not self._stop.is_set():
             try:
-                self.client.ping()
+                # AuthFailed and RedisConfigError are not retried: they propagate.
+                call(self.client.ping, "reconnecting", self.client)
                 self._join()
                 log.warning("producer %s: reconnected", self.id)
                 return
-            except (redis.ConnectionError, redis.TimeoutError, ConnectionLost) as e:
+            except ConnectionLost as e:
                 if time.monotonic() + delay_s > deadline:
                     raise ConnectionLost(
                         f"producer {self.id}: Redis unreachable for "
@@ -194,18 +212,64 @@ class Producer(ShardPusher):
     def _heartbeat_loop(self) -> None:
         client = make_client(self.url)
         interval_s = self.heartbeat_ttl_ms / 3000
-        while not self._stop.wait(interval_s):
+        record = True  # the heartbeat's CLIENT ID, re-recorded each beat (it may reconnect)
+        while True:
+            if record:
+                try:
+                    record = record_client(client, self.keys, f"{self.id}:hb")
+                except (redis.RedisError, OSError, BatchQueueError) as e:
+                    log.debug("producer %s: client id not recorded: %s", self.id, e)
+            if self._stop.wait(interval_s):
+                break
             try:
                 # XX: a producer already declared dead must join again, not revive.
                 now_ms = server_ms(client)
                 deadline_ms = now_ms + self.heartbeat_ttl_ms
                 client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
                 reap_dead(client, self.keys, self._incarnation, now_ms)
+                self._check_orphaned(client, now_ms)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 # At maxmemory the heartbeat is refused too; pushes report that once.
                 level = logging.DEBUG if is_oom(e) else logging.WARNING
                 log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
         client.close()
+
+    def _rejoin(self) -> None:
+        """Join again after a foreign type broke a call mid-shard: join.lua hands this
+        producer's leases back to the work list, so no shard stays held by nobody."""
+        try:
+            self._join()
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            # Still broken: the next lease fails the same way and brings us back here.
+
+    def _check_orphaned(self, client: redis.Redis, now_ms: int) -> None:
+        """Stop once no trainer has held a live claim on the run for orphan_exit_s.
+
+        A crashed trainer leaves its run for a restarted one to resume, which is right,
+        but not for ever: producers of an abandoned run would serve (and hold memory in
+        Redis) until someone kills them.
+        """
+        if self.orphan_exit_s is None:
+            return
+        claim, deadline = client.hmget(self.keys.meta, ["claim", "claim_deadline"])
+        if claim and deadline and int(deadline) > now_ms:
+            self._unclaimed_since_ms = None
+            return
+        if self._unclaimed_since_ms is None:
+            self._unclaimed_since_ms = now_ms
+            return
+        if now_ms - self._unclaimed_since_ms >= self.orphan_exit_s * 1000:
+            log.warning(
+                "producer %s: no trainer has claimed the run of queue %s for %g s "
+                "(--orphan-exit-s); exiting",
+                self.id,
+                self.keys.queue,
+                self.orphan_exit_s,
+            )
+            self.orphaned = True
+            self._stop.set()
 
     def _join(self) -> None:
         # After Redis lost the queue's state the trainer re-creates the run from its
@@ -226,6 +290,9 @@ class Producer(ShardPusher):
             got = self.plan.fingerprint if what == "fingerprint" else str(self.hwm)
             raise PipelineMismatch(what, expected, got)
         self._incarnation, self._run = reply[1], reply[2]
+        if self._record_id:
+            # Redis tells a killed producer by its closed connection (batchq.reaper).
+            self._record_id = record_client(self.client, self.keys, self.id)
         self._lease_seq = 0
         self._prefetched = None  # a lease of the run we left is gone
         log.info(
@@ -265,6 +332,7 @@ class Producer(ShardPusher):
             k = self.keys
             keys = [k.incarnation, k.producers, k.work, k.stats, k.lease(self.id)]
             SCRIPTS["reap"](self.client, keys, [self._incarnation, "leave", self.id])
+            self.client.hdel(k.clients, self.id, f"{self.id}:hb")
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
         if self._heartbeat is not None:

@@ -100,9 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve the stream that MODULE:FACTORY() returns",
         description="Serve the stream that MODULE:FACTORY() returns into a queue, epoch "
-        "after epoch, until the trainer finishes the run (exit 0) or SIGTERM/SIGINT.",
+        "after epoch, until the trainer finishes the run (exit 0), no trainer has claimed "
+        "the run for --orphan-exit-s (exit 0), or SIGTERM/SIGINT. MODULE is imported with "
+        "the current folder first on the module path, as python -m does.",
     )
-    serve.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. mypkg.data:make_stream")
+    serve.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="e.g. mypkg.data:make_stream (the current folder is on the path, as with python -m)",
+    )
     _add_url(serve)
     serve.add_argument("--queue", default="default", help="the queue's name")
     serve.add_argument(
@@ -125,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="a producer silent this long is declared dead and its shards redone",
+    )
+    serve.add_argument(
+        "--orphan-exit-s",
+        type=float,
+        default=600.0,
+        help="exit 0 once no trainer has claimed the run for this long (a crashed "
+        "trainer; a restarted one may resume within it; default 600; 0: never)",
     )
 
     demo = sub.add_parser(

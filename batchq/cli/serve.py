@@ -32,6 +32,8 @@ def load_factory(spec: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"factory {spec!r} is not valid: expected MODULE:FACTORY")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as python -m does: modules of this folder
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -58,6 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
         url=url,
         requests_per_shard=args.requests_per_shard,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
+        orphan_exit_s=getattr(args, "orphan_exit_s", 600.0) or None,
     )
 
 
@@ -79,6 +82,8 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
         str(args.hwm),
         "--heartbeat-ttl-s",
         str(args.heartbeat_ttl_s),
+        "--orphan-exit-s",
+        str(getattr(args, "orphan_exit_s", 600.0)),
     ]
     if args.requests_per_shard is not None:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]

@@ -14,6 +14,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local op = ARGV[3]
 local m = redis.call('HMGET', KEYS[1], 'run', 'claim', 'claim_deadline', 'claimed', 'finished')
 
+-- A retried finish whose first reply was lost: the run is finished already.
+if op == 'finish' and m[5] == '1' then return {'OK'} end
 if op ~= 'acquire' then
   if m[2] ~= ARGV[1] then return {'CLAIM_LOST'} end
   if op == 'refresh' then
@@ -29,12 +31,21 @@ if op ~= 'acquire' then
   return {'OK'}
 end
 
+local inc = redis.call('GET', KEYS[2])
+if m[2] == ARGV[1] and m[1] and inc and m[5] ~= '1' then
+  -- A retried acquire whose first reply was lost: this trainer holds the claim already.
+  -- new_run is 1 if that first try started the run (it minted the run id ARGV[4]).
+  redis.call('HSET', KEYS[1], 'claim_deadline', now + tonumber(ARGV[2]))
+  local again = 0
+  if m[1] == ARGV[4] then again = 1 end
+  return {'OK', inc, m[1], again, tonumber(redis.call('HGET', KEYS[1], 'fence') or 0)}
+end
+
 local takeover = ARGV[6] ~= '' and ARGV[6] == m[1]
 if m[2] and m[2] ~= ARGV[1] and tonumber(m[3] or 0) > now and not takeover then
   return {'CONFLICT', tonumber(m[3]) - now}
 end
 
-local inc = redis.call('GET', KEYS[2])
 local new_run = 0
 if not inc then
   inc = ARGV[5]

@@ -16,12 +16,22 @@
 --          with the queue side of the moment added (see batchq.sizing): 'producers'
 --          alive, 'pushed' frames, and the live producers' 'built' batches and 'build_ms'
 -- Returns {'OK', producers alive, depth before the pop, {elements...}}
---      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'}
+--      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'},
+--         {'WRONG_TYPE', key, type} (a foreign writer put another type under a queue key)
 -- At maxmemory Redis refuses a script whose first write may grow memory, so the pop
--- comes first and the bookkeeping after it; with nothing to pop the bookkeeping goes
--- through pcall, so a full server cannot make an empty poll fail.
+-- comes first and the bookkeeping after it, through pcall.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i, want in ipairs({'hash', 'string', 'list'}) do
+  local kind = redis.call('TYPE', KEYS[i]).ok
+  if kind ~= want and kind ~= 'none' then
+    if i == 3 then
+      -- Keep the claim while the trainer waits for the list to be repaired.
+      redis.pcall('HSET', KEYS[1], 'claim_deadline', now + tonumber(ARGV[6]))
+    end
+    return {'WRONG_TYPE', KEYS[i], kind}
+  end
+end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
 local m = redis.call('HMGET', KEYS[1], 'run', 'claim', 'hwm', 'floor')
 if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
@@ -32,8 +42,10 @@ local items = {}
 if depth > 0 and tonumber(ARGV[4]) > 0 then
   items = redis.call('RPOP', KEYS[3], math.min(tonumber(ARGV[4]), depth))
 end
-local call = redis.call
-if #items == 0 then call = redis.pcall end
+-- Bookkeeping through pcall: with nothing popped a full server cannot make an empty poll
+-- fail, and with frames popped a foreign type under a bookkeeping key (wake, stats)
+-- cannot lose them.
+local call = redis.pcall
 
 local wake = 0
 if #items > 0 and m[3] and depth >= tonumber(m[3]) then wake = #items end
@@ -96,5 +108,6 @@ if ARGV[14] ~= '' then
   call('LPUSH', KEYS[8], sample)
   call('LTRIM', KEYS[8], 0, 3599)
 end
-local alive = redis.call('ZCOUNT', KEYS[6], now, '+inf')
+local alive = redis.pcall('ZCOUNT', KEYS[6], now, '+inf')
+if type(alive) ~= 'number' then alive = 0 end  -- a foreign type: the frames still go out
 return {'OK', alive, depth, items}

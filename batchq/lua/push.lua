@@ -11,9 +11,16 @@
 -- ARGV[10] ms the pipeline took to build this batch
 -- Returns {'OK', depth} or {'FULL', depth}, {'GONE'} (the referenced frame expired:
 -- store it again), {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'},
--- {'FINISHED'}
+-- {'FINISHED'}, {'WRONG_TYPE', key, type} (a foreign writer replaced the data list: wait)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Every key's type first: a foreign type found half-way would leave a frame pushed and
+-- its lease held (a script's writes are not rolled back).
+local want = {'hash', 'string', 'list', 'hash', 'zset', 'list', 'hash'}
+for i = 1, 7 do
+  local kind = redis.call('TYPE', KEYS[i]).ok
+  if kind ~= want[i] and kind ~= 'none' then return {'WRONG_TYPE', KEYS[i], kind} end
+end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
 local m = redis.call('HMGET', KEYS[1], 'run', 'finished', 'hwm')
 if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
@@ -26,7 +33,8 @@ if blocked > 0 then
   redis.call('HINCRBY', KEYS[4], 'producer_blocked_ms', blocked)
   redis.call('HINCRBY', KEYS[7], ARGV[3] .. ':blocked_ms', blocked)
 end
-if #KEYS == 8 and redis.call('EXISTS', KEYS[8]) == 0 then return {'GONE'} end
+-- The stored frame expired, or a foreign writer put another type there: store it again.
+if #KEYS == 8 and redis.call('TYPE', KEYS[8]).ok ~= 'string' then return {'GONE'} end
 
 local depth = redis.call('LLEN', KEYS[3])
 if depth >= tonumber(m[3]) then return {'FULL', depth} end

@@ -8,8 +8,11 @@
 -- ARGV[6] S  ARGV[7] window  ARGV[8] batches per epoch
 -- ARGV[9..] ledger pairs: '<epoch>:<shard>', 'd' or batches already had
 -- Returns {'OK', run} or {'CLAIM_LOST'}
-local m = redis.call('HMGET', KEYS[1], 'claim')
+local m = redis.call('HMGET', KEYS[1], 'claim', 'run')
 if m[1] ~= ARGV[1] then return {'CLAIM_LOST'} end
+-- A retried resume whose first reply was lost: producers may have pushed frames of the
+-- new run already; doing it again would drop them.
+if m[2] == ARGV[2] then return {'OK', ARGV[2]} end
 redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 redis.call('HDEL', KEYS[1], 'finished', 'finished_at', 'hwm', 'shards', 'window',
   'epoch_batches')
