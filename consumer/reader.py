@@ -33,8 +33,10 @@ from batchq.keys import QueueKeys
 from batchq.protocol import Status
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
+from batchq.shm import is_descriptor
 from consumer.ledger import Ledger
 from consumer.session import Session
+from consumer.shm_frames import TrainerShm
 from consumer.stats import TrainerStats
 
 __all__ = ["DEAD_LIST_MAX", "Reader"]
@@ -79,6 +81,7 @@ class Reader(threading.Thread):
         on_bad_frame: str = "raise",
         stall_s: float = 5.0,
         stats: TrainerStats | None = None,
+        shm: TrainerShm | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -105,6 +108,7 @@ class Reader(threading.Thread):
         self._last_frame = time.monotonic()
         self._last_repair = 0.0
         self._last_claim = time.monotonic()
+        self.shm = shm or TrainerShm(keys, "redis", None)
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -189,6 +193,8 @@ class Reader(threading.Thread):
             pairs = self.ledger.received_pairs()
         plan = self.session.plan
         self.session.resume(self.client, first, plan.fingerprint if plan else "", pairs)
+        self.shm.publish(self.client)
+        self.shm.new_run(self.session.run)
 
     def flush(self) -> None:
         """Send the accounting not yet sent (at close), popping nothing."""
@@ -285,12 +291,19 @@ class Reader(threading.Thread):
             )
         requeue_gaps(self.client, self.keys, self.session.incarnation, self.session.run, candidates)
 
-    def _fetch(self, elements: list[bytes]) -> list[tuple[bytes | None, bytes, str]]:
-        """Resolve references: (frame or None, the list element, the ref key or '')."""
+    def _fetch(self, elements: list[bytes]) -> list[tuple[Any, bytes, str]]:
+        """Resolve references and shared-memory descriptors: (frame or None, the list
+        element, the ref key or '')."""
         refs: list[tuple[int, str]] = []
-        out: list[tuple[bytes | None, bytes, str]] = []
+        out: list[tuple[Any, bytes, str]] = []
         for i, element in enumerate(elements):
-            if codec.is_ref(element):
+            if is_descriptor(element):
+                try:  # a read-only array over the segment, owning the batch
+                    out.append((self.shm.resolve(element), element, ""))
+                except FrameError as e:
+                    self._dead(element, e)
+                    out.append((None, element, ""))
+            elif codec.is_ref(element):
                 try:
                     key = codec.decode_ref(element, self.keys.frame_prefix)
                 except FrameError as e:
@@ -315,7 +328,7 @@ class Reader(threading.Thread):
         return out
 
     def _refuse_oversized(
-        self, refs: list[tuple[int, str]], out: list[tuple[bytes | None, bytes, str]]
+        self, refs: list[tuple[int, str]], out: list[tuple[Any, bytes, str]]
     ) -> list[tuple[int, str]]:
         """Drop referenced frames above max_frame_bytes without fetching them."""
         sizes = execute_pipeline(self.client, lambda pipe: [pipe.strlen(k) for _, k in refs])
@@ -336,7 +349,7 @@ class Reader(threading.Thread):
     def _drop_key(self, key: str) -> None:
         call(lambda: self.client.delete(key), "dropping an oversized frame")
 
-    def _file(self, fetched: list[tuple[bytes | None, bytes, str]]) -> None:
+    def _file(self, fetched: list[tuple[Any, bytes, str]]) -> None:
         frames = []
         for raw, _element, _key in fetched:
             if raw is None:
