@@ -151,7 +151,9 @@ class TrainerShm:
         except OSError as e:
             raise FrameError("shm_missing", f"segment {path}: {e}") from None
         cached = self._mapped.get(name)
-        if cached is not None and (cached[0], cached[3]) == (st.st_ino, st.st_dev):
+        # Same file and size as mapped (a segment never changes size; one that shrank
+        # under the mapping would fault on read, so it is looked at afresh).
+        if cached is not None and cached[:2] == (st.st_ino, st.st_size) and cached[3] == st.st_dev:
             self._mapped.move_to_end(name)
             return cached
         try:

@@ -57,6 +57,8 @@ def run_serve(args: argparse.Namespace) -> int:
         url=url,
         requests_per_shard=args.requests_per_shard,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
+        transport=args.transport,
+        shm_dir=args.shm_dir,
     )
 
 
@@ -78,6 +80,10 @@ def _supervise(args: argparse.Namespace, url: str) -> int:
         str(args.hwm),
         "--heartbeat-ttl-s",
         str(args.heartbeat_ttl_s),
+        "--transport",
+        args.transport,
+        "--shm-dir",
+        args.shm_dir,
     ]
     if args.requests_per_shard is not None:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]
