@@ -288,6 +288,7 @@ class ShardPusher:
                 self._pending_ref = None
                 return True
             if status == Status.FULL:
+                self._transport.recheck()
                 if blocked_since is None:
                     blocked_since = time.monotonic()
                 self._wait_for_room()

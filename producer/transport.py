@@ -125,6 +125,11 @@ class Transport:
             )
             self.active = active
 
+    def recheck(self) -> None:
+        """Look at the trainer's host at the next :meth:`refresh` (after waiting at the
+        cap: a trainer that just arrived publishes its host before its first pop)."""
+        self._checked = -REFRESH_S
+
     def encode(self, **fields: Any) -> Pieces | ShmFrame:
         """Encode a BATCH frame: into a segment when shared memory is on and one is free,
         else as pieces for Redis. Arguments and errors as :func:`codec.encode_frame`."""
