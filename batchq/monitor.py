@@ -53,6 +53,9 @@ are not reset between runs (``batchq reset`` deletes them).
     verdict               str          'input-bound', 'trainer-bound', 'balanced', 'idle'
                                        or 'unknown' (rule: batchq.verdict)
     verdict_reason        str          one sentence: why
+    shm_segments          int          the queue's shared-memory segments in /dev/shm on
+                                       the host that runs status (batchq.shm)
+    shm_bytes             int          bytes allocated to them
 
 A producer object (its counters cover its whole life; ids are unique per process):
 
@@ -91,6 +94,7 @@ from typing import Any
 import redis
 
 from batchq.keys import QueueKeys, queue_from_meta_key
+from batchq.shm import DEFAULT_SHM_DIR, segments_usage
 from batchq.snapshot import QueueSnapshot, read_snapshots
 from batchq.verdict import FIGURES_FRESH_S, RECENT_S, judge
 
@@ -128,6 +132,7 @@ STATUS_FIELDS = (
     "trainer_busy_s", "figures_age_s", "stall", "stall_epoch", "trainer_batches_per_s",
     "trainer_mb_per_s", "wait_p50_s", "wait_p90_s", "wait_p99_s", "epoch", "epoch_progress",
     "epoch_fraction", "producers", "supply_batches_per_s", "verdict", "verdict_reason",
+    "shm_segments", "shm_bytes",
 )  # fmt: skip
 
 PRODUCER_FIELDS = (
@@ -215,6 +220,7 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
     """One queue's status row (see the module docstring for the fields)."""
     stats, meta, hwm = snap.stats, snap.meta, snap.hwm
     trainer = trainer_state(snap)
+    shm_segments, shm_bytes = segments_usage(DEFAULT_SHM_DIR, snap.queue)  # this host's
     updated = snap.figure("updated_ms")
     figures_age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
     fresh = figures_age is not None and figures_age <= FIGURES_FRESH_S
@@ -274,6 +280,8 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
         "supply_batches_per_s": sum(rates) if rates else None,
         "verdict": verdict,
         "verdict_reason": reason,
+        "shm_segments": shm_segments,
+        "shm_bytes": shm_bytes,
     }
     return row
 
@@ -352,6 +360,10 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
     if r["dead_by_reason"]:
         dead = ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())
         lines.append(f"  dead frames: {dead}")
+    if r["shm_segments"]:
+        lines.append(
+            f"  shared memory here: {r['shm_segments']} segments, {fmt_bytes(r['shm_bytes'])}"
+        )
     if r["run"]:
         lines.append(f"  run {r['run']}")
     return lines

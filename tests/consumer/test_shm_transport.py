@@ -21,6 +21,7 @@ from batchq import shm
 from batchq.cli import main
 from batchq.embedded import EmbeddedRedis
 from batchq.keys import SHM_HOST_FIELD, QueueKeys
+from batchq.monitor import queue_status
 from consumer import ServerDataStream
 from producer import Producer
 from producer.shm_pool import SegmentPool
@@ -61,6 +62,8 @@ def test_exact_epochs_through_shared_memory_and_bounded(
                     held_copy = features.copy()
                 most = max(most, len(segments(queue_name)))
             assert epoch == stream.epoch
+            row = queue_status(redis_client, queue_name)  # status shows what shm holds
+            assert row["shm_segments"] >= 1 and row["shm_bytes"] >= 4096 * row["shm_segments"]
         # The producer switched once the trainer published its host: only the frames
         # it had made before (the 3 queued, the one waiting at the cap) went by Redis.
         assert stream._shm.frames == producer._transport.shm_frames >= 60 - 4
