@@ -86,7 +86,9 @@ class ShardPusher:
             )
 
     def _wait_for_room(self) -> None:
-        # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
+        # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning. A trainer
+        # that just arrived published its host before popping: look at it next time.
+        self._transport.recheck()
         call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
 
     # -- building and pushing a shard --------------------------------------------------
@@ -288,7 +290,6 @@ class ShardPusher:
                 self._pending_ref = None
                 return True
             if status == Status.FULL:
-                self._transport.recheck()
                 if blocked_since is None:
                     blocked_since = time.monotonic()
                 self._wait_for_room()

@@ -79,10 +79,12 @@ def test_exact_epochs_through_shared_memory_and_bounded(
 
 
 def test_mixed_queue_one_by_shm_one_forced_through_redis(
-    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer]
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer], redis_client: Any
 ) -> None:
     by_shm = producer_thread(numbered(EXAMPLES, BATCH), producer_id="by-shm")
     by_redis = producer_thread(numbered(EXAMPLES, BATCH), producer_id="by-redis", transport="redis")
+    data = QueueKeys(queue_name).data
+    wait_until(lambda: redis_client.llen(data) == 4, what="the producers at the cap")
     got = []
     with trainer(redis_url, queue_name) as stream:
         for _ in range(4):
@@ -95,36 +97,48 @@ def test_mixed_queue_one_by_shm_one_forced_through_redis(
     assert all(s.producer == "by-shm" for s in segments(queue_name))
 
 
+def run_holding_batches(url: str, queue: str, epochs: int, **kw: Any) -> list[list[int]]:
+    """Read epochs while keeping every batch referenced: the segments stay in use, so
+    the producer's pool must grow until the folder (or its byte cap) is full."""
+    got, held = [], []
+    with trainer(url, queue, hwm=12, **kw) as stream:
+        for _ in range(epochs):
+            for features, _ in stream.get_epoch_iterator():
+                got.append(examples_of(features))
+                held.append(features)
+        stream.close(finished=True)
+    for features, expected in zip(held, got, strict=True):
+        assert examples_of(features) == expected  # no segment was overwritten under a view
+    return got
+
+
 def test_full_folder_falls_back_to_redis_and_loses_nothing(
     redis_url: str,
     queue_name: str,
     producer_thread: Callable[..., Producer],
+    redis_client: Any,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Batches of 100 x 8 int64 = 6.4 kB + header: a 64 kB folder holds a few segments.
     with small_tmpfs(tmp_path / "shm", 64 * 1024) as folder:
-        got = []
         with caplog.at_level(logging.WARNING, logger="producer.transport"):
             producer = producer_thread(numbered(1000, 100), hwm=6, shm_dir=folder)
-            with trainer(redis_url, queue_name, shm_dir=folder, hwm=12) as stream:
-                for _ in range(3):
-                    got += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
-                stream.close(finished=True)
+            data = QueueKeys(queue_name).data
+            wait_until(lambda: redis_client.llen(data) == 6, what="the producer at the cap")
+            got = run_holding_batches(redis_url, queue_name, 3, shm_dir=folder)
         assert got == reference(3, 1000, 100)
         assert producer._transport.shm_frames > 0 and producer._transport.fallbacks > 0
         assert caplog.text.count("no room in") == 1
 
 
 def test_byte_cap_falls_back_to_redis_and_loses_nothing(
-    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer]
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer], redis_client: Any
 ) -> None:
     producer = producer_thread(numbered(1000, 100), hwm=6, shm_max_bytes=3 * 8192)
-    got = []
-    with trainer(redis_url, queue_name, hwm=12) as stream:
-        for _ in range(3):
-            got += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
-        stream.close(finished=True)
+    data = QueueKeys(queue_name).data
+    wait_until(lambda: redis_client.llen(data) == 6, what="the producer at the cap")
+    got = run_holding_batches(redis_url, queue_name, 3)
     assert got == reference(3, 1000, 100)
     assert producer._transport.shm_frames > 0 and producer._transport.fallbacks > 0
 
