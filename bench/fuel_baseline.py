@@ -6,7 +6,8 @@ optional Cython image extension does not compile and is not needed, and a few na
 moved since 2016, so the unpacked source is patched before installing it without its
 extension:
 
-* ``collections.Iterable`` / ``collections.Iterator`` -> ``collections.abc.*``
+* ``collections.Iterable`` / ``collections.Iterator`` (also imported from
+  ``collections``) -> ``collections.abc``
 * ``numpy.bool`` -> ``numpy.bool_``
 * ``ndarray.tostring()`` -> ``ndarray.tobytes()``
 
@@ -40,6 +41,7 @@ REQUIREMENTS = [
     "pyzmq", "scipy", "pillow", "requests",
 ]  # fmt: skip
 PATCHES = [
+    (r"from collections import (Iterable|Iterator)\b", r"from collections.abc import \1"),
     (r"collections\.(Iterable|Iterator)\b", r"collections.abc.\1"),
     (r"numpy\.bool\b(?!_)", "numpy.bool_"),
     (r"\.tostring\(\)", ".tobytes()"),
@@ -82,9 +84,12 @@ def fuel_python(venv: Path = DEFAULT_VENV) -> Path:
             patched = re.sub(r"ext_modules=\[Extension\(.*?\)\]", "", patched, flags=re.S)
         if patched != text:
             path.write_text(patched)
-    _run([*pip, "install", *REQUIREMENTS], log)
-    _run([*pip, "install", "--no-deps", "--no-build-isolation", str(root)], log)
-    _run([str(python), "-c", "import fuel.server, fuel.streams"], log)
+    _run([*pip, "install", "setuptools", "wheel", *REQUIREMENTS], log)
+    _run(
+        [*pip, "install", "--force-reinstall", "--no-deps", "--no-build-isolation", str(root)], log
+    )
+    check = "import fuel.server, fuel.streams, fuel.datasets, fuel.schemes, fuel.transformers"
+    _run([str(python), "-c", check], log)
     (venv / ".fuel-ok").write_text("ok\n")
     return python
 
