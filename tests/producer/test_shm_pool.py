@@ -155,3 +155,21 @@ def test_a_full_folder_warns_once_and_frames_go_through_redis(
     assert not any(isinstance(f, ShmFrame) for f in frames[1:])
     assert transport.fallbacks == 3
     assert caplog.text.count("no room in") == 1
+
+
+def test_joining_removes_other_runs_segments_of_producers_no_longer_alive(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    keys = QueueKeys("q")
+    names = {
+        "dead, old run": shm.segment_name("q", "0dd", "gone", 1),
+        "alive, old run": shm.segment_name("q", "0dd", "alive", 1),  # it may rejoin later
+        "dead, this run": shm.segment_name("q", "ab12", "gone", 2),  # may still be popped
+        "mine, old run": shm.segment_name("q", "0dd", "p", 1),
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    fake_redis.zadd(keys.producers, {"alive": 1, "p": 1})
+    Transport("auto", str(tmp_path), keys, "p", 4).joined(fake_redis, "ab12")
+    left = set(os.listdir(tmp_path))
+    assert left == {names["alive, old run"], names["dead, this run"]}
