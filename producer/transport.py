@@ -100,7 +100,10 @@ class Transport:
             self.pool.reset(run)
             # Segments of other runs whose producers are gone (killed): nothing will
             # pop them. Live producers' are theirs to drop (they may be in a newer run).
-            members = call(lambda: client.zrange(self.keys.producers, 0, -1), "reading")
+            # (ZRANGEBYSCORE: what the producer ACL role of deploy/acl.conf may run.)
+            members = call(
+                lambda: client.zrangebyscore(self.keys.producers, "-inf", "+inf"), "reading"
+            )
             alive = {p.decode() for p in members}  # type: ignore[union-attr]
             remove_segments(
                 self.shm_dir, self.keys.queue, keep_run=run, keep_producers=alive - {self.producer}
