@@ -88,13 +88,14 @@ _PART = r"[A-Za-z0-9_.~]{1,128}"
 _NAME_RE = re.compile(rf"^batchq-({_PART})-([0-9a-f]{{1,64}})-({_PART})-([0-9]{{1,18}})$")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 ENV_TRANSPORT = "BATCHQ_TRANSPORT"
-TRANSPORTS = ("auto", "redis")
+TRANSPORTS = ("auto", "shm", "redis")
 
 
 def resolve_transport(transport: str | None) -> str:
     """The transport to use: the argument, else ``BATCHQ_TRANSPORT``, else 'auto'.
 
-    'auto' uses shared memory when the trainer is on the same host; 'redis' never does.
+    'auto' uses shared memory when the trainer is on the same host ('shm' is the same:
+    shared memory can only be used there); 'redis' never does.
     (The one setting the library reads from the environment besides ``BATCHQ_URL``: both
     sides must agree, and a launcher sets it once for all processes.)
 
@@ -103,8 +104,8 @@ def resolve_transport(transport: str | None) -> str:
     """
     value = transport if transport is not None else os.environ.get(ENV_TRANSPORT) or "auto"
     if value not in TRANSPORTS:
-        raise ConfigError(f"transport {value!r} is not valid: expected 'auto' or 'redis'")
-    return value
+        raise ConfigError(f"transport {value!r} is not valid: expected 'auto', 'shm' or 'redis'")
+    return "auto" if value == "shm" else value
 
 
 def host_identity(shm_dir: str = DEFAULT_SHM_DIR) -> str | None:

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--transport",
-        choices=("auto", "redis"),
+        choices=("auto", "shm", "redis"),
         default="auto",
         help="auto: frames go through shared memory while the trainer is on this host; "
         "redis: always through Redis",

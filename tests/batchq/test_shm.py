@@ -101,5 +101,6 @@ def test_transport_setting_from_the_argument_then_the_environment(
     monkeypatch.setenv(shm.ENV_TRANSPORT, "redis")
     assert shm.resolve_transport(None) == "redis"
     assert shm.resolve_transport("auto") == "auto"
+    assert shm.resolve_transport("shm") == "auto"  # shared memory where it can be used
     with pytest.raises(ConfigError, match="'tcp'"):
         shm.resolve_transport("tcp")
