@@ -116,9 +116,7 @@ def test_symlinks_and_foreign_files_are_outside(pair: Any, tmp_path: Path) -> No
     secret.write_bytes(b"s" * 4096)
     link = shm.segment_name("q", "ab12", "evil", 1)
     os.symlink(secret, tmp_path / link)
-    assert reason(trainer, shm.encode_descriptor(link, 1, 100, trainer.identity)) == (
-        "shm_outside"
-    )
+    assert reason(trainer, shm.encode_descriptor(link, 1, 100, trainer.identity)) == ("shm_outside")
     folder = shm.segment_name("q", "ab12", "evil", 2)
     (tmp_path / folder).mkdir()
     assert reason(trainer, shm.encode_descriptor(folder, 1, 100, trainer.identity)) in (
