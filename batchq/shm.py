@@ -68,6 +68,7 @@ __all__ = [
     "encode_descriptor",
     "host_identity",
     "is_descriptor",
+    "list_segments",
     "parse_segment_name",
     "remove_segments",
     "resolve_transport",
@@ -215,7 +216,8 @@ def decode_descriptor(elem: bytes | bytearray | memoryview, queue: str) -> Descr
 # --------------------------------------------------------------------------- clean-up
 
 
-def _segments(shm_dir: str, queue: str) -> list[tuple[str, SegmentName]]:
+def list_segments(shm_dir: str, queue: str) -> list[tuple[str, SegmentName]]:
+    """(file name, parsed name) of ``queue``'s segments in ``shm_dir``."""
     prefix = f"batchq-{_esc(queue)}-"
     try:
         names = os.listdir(shm_dir)
@@ -253,7 +255,7 @@ def remove_segments(
         only_producer: remove only this producer's segments.
     """
     removed = 0
-    for name, parsed in _segments(shm_dir, queue):
+    for name, parsed in list_segments(shm_dir, queue):
         if keep_run is not None and parsed.run == keep_run:
             continue
         if parsed.producer in keep_producers:
@@ -275,7 +277,7 @@ def remove_segments(
 def segments_usage(shm_dir: str, queue: str) -> tuple[int, int]:
     """(segments, bytes allocated) of ``queue`` in ``shm_dir`` on this host."""
     count = used = 0
-    for name, _parsed in _segments(shm_dir, queue):
+    for name, _parsed in list_segments(shm_dir, queue):
         try:
             st = os.stat(os.path.join(shm_dir, name), follow_symlinks=False)
         except OSError:

@@ -134,6 +134,7 @@ class Reader(threading.Thread):
                 try:
                     if not idle:
                         self._pop_round()
+                        self.shm.maybe_sweep(self.client)  # gone producers' segments
                     elif time.monotonic() - self._last_claim > self.session.claim_ttl_ms / 3000:
                         # Every pop refreshes the claim too: refresh only when idle long.
                         self._refresh_claim()

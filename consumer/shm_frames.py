@@ -25,6 +25,7 @@ import mmap
 import os
 import stat
 import struct
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -44,16 +45,18 @@ from batchq.shm import (
     SEGMENT_MAGIC,
     decode_descriptor,
     host_identity,
+    list_segments,
     parse_segment_name,
     remove_segments,
     resolve_transport,
 )
 
-__all__ = ["MAX_MAPPED", "TrainerShm"]
+__all__ = ["MAX_MAPPED", "SWEEP_S", "TrainerShm"]
 
 log = logging.getLogger(__name__)
 
 MAX_MAPPED = 1024  # segments kept mapped; older ones are unmapped once unreferenced
+SWEEP_S = 5.0  # how often the reader looks for segments of producers that are gone
 _U64 = struct.Struct("<Q")
 
 
@@ -85,7 +88,9 @@ class TrainerShm:
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
         self._mapped: OrderedDict[str, tuple[int, int, mmap.mmap, int]] = OrderedDict()
         self._run = ""
+        self._swept = time.monotonic()
         self.frames = 0  # frames received through shared memory
+        self.swept = 0  # segments of gone producers removed by sweep()
 
     def publish(self, client: redis.Redis) -> None:
         """Tell the producers this trainer's host (or that it takes nothing by shm)."""
@@ -100,6 +105,53 @@ class TrainerShm:
         self._run = run
         if self.identity is not None:
             remove_segments(self.shm_dir, self.keys.queue, keep_run=run)
+
+    def maybe_sweep(self, client: redis.Redis) -> int:
+        """Every SWEEP_S: remove this run's segments of producers that are gone (killed
+        and reaped, or left) and whose last batch the trainer is done with.
+
+        Safe because: the folder is listed *before* the producers are read, and a
+        producer joins before it creates a segment, so one absent from the read was
+        reaped or left after making it; a reaped producer's pushes are refused (its
+        leases are gone) and when it joins again it retires every segment it had
+        (:meth:`producer.shm_pool.SegmentPool.retire`), so a removed segment is never
+        written or named again. One still holding a batch (``released != gen``) stays;
+        it goes when released, or with the run.
+        """
+        now = time.monotonic()
+        if self.identity is None or not self._run or now - self._swept < SWEEP_S:
+            return 0
+        self._swept = now
+        listed = [
+            (n, p) for n, p in list_segments(self.shm_dir, self.keys.queue) if p.run == self._run
+        ]
+        if not listed:
+            return 0
+        members = call(lambda: client.zrangebyscore(self.keys.producers, "-inf", "+inf"), "reading")
+        alive = {m.decode() for m in members}  # type: ignore[union-attr]
+        removed = 0
+        for name, parsed in listed:
+            if parsed.producer in alive:
+                continue
+            path = os.path.join(self.shm_dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    head = os.pread(fd, HEADER_BYTES, 0)
+                finally:
+                    os.close(fd)
+                if len(head) < HEADER_BYTES:
+                    continue
+                magic, _version, gen, released, _retired, _length = HEADER.unpack(head)
+                if magic == SEGMENT_MAGIC and gen == released:
+                    os.unlink(path)
+                    removed += 1
+            except OSError:
+                continue
+        if removed:
+            log.info("queue %s: removed %d segments of gone producers", self.keys.queue, removed)
+        self.swept += removed
+        return removed
 
     def finish(self) -> None:
         """The run finished: every segment of this queue on this host goes."""

@@ -182,6 +182,12 @@ class SegmentPool:
         self.run = run
         self._n = 0
 
+    def retire(self) -> None:
+        """Start afresh in the same run (a rejoin: this producer may have been reaped,
+        and the trainer may remove a reaped producer's free segments): the old segments
+        are never written again; new ones get new numbers."""
+        self.close(finished=False)
+
     def close(self, finished: bool) -> None:
         """Leave: remove the segments, except those whose batch the trainer may still
         pop or hold (unless the run finished); the trainer removes those on release."""

@@ -93,10 +93,13 @@ class Transport:
         self.fallbacks = 0  # frames that wanted shared memory and went through Redis
 
     def joined(self, client: redis.Redis, run: str) -> None:
-        """After a join: a new run drops the old segments; look at the trainer's host."""
+        """After a join: a new run drops the old segments, a rejoin of the same run
+        retires them; look at the trainer's host."""
         if self.identity is None:
             return
-        if run != self.pool.run:
+        if run == self.pool.run:
+            self.pool.retire()  # a rejoin: never reuse a segment from before it
+        else:
             self.pool.reset(run)
             # Segments of other runs whose producers are gone (killed): nothing will
             # pop them. Live producers' are theirs to drop (they may be in a newer run).

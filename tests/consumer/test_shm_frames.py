@@ -128,3 +128,51 @@ def test_symlinks_and_foreign_files_are_outside(pair: Any, tmp_path: Path) -> No
     assert reason(trainer, shm.encode_descriptor(garbage, 1, 100, trainer.identity)) == (
         "shm_stale"
     )
+
+
+def test_sweep_removes_only_free_segments_of_producers_that_are_gone(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    keys = QueueKeys("q")
+    trainer = TrainerShm(keys, "auto", str(tmp_path))
+    trainer.publish(fake_redis)
+    trainer.new_run("ab12")
+    pools = {}
+    for name in ("gone", "alive"):
+        transport = Transport("auto", str(tmp_path), keys, name, 4)
+        transport.joined(fake_redis, "ab12")
+        pools[name] = transport
+    free = send(pools["gone"], np.zeros(100))
+    busy = send(pools["gone"], np.ones(100))
+    codec.decode_frame(trainer.resolve(free.element), writable=True)  # released at once
+    gc.collect()
+    send(pools["alive"], np.zeros(100)).abandon()
+    fake_redis.zadd(keys.producers, {"alive": 1})  # "gone" was reaped
+    trainer._swept = -1e9  # due now
+    assert trainer.maybe_sweep(fake_redis) == 1
+    left = {shm.parse_segment_name(n).producer for n in os.listdir(tmp_path)}  # type: ignore[union-attr]
+    assert not os.path.exists(free.segment.path) and os.path.exists(busy.segment.path)
+    assert left == {"gone", "alive"}
+    assert trainer.maybe_sweep(fake_redis) == 0  # not due again yet
+
+
+def test_a_rejoin_of_the_same_run_never_reuses_an_old_segment(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    keys = QueueKeys("q")
+    trainer = TrainerShm(keys, "auto", str(tmp_path))
+    trainer.publish(fake_redis)
+    producer = Transport("auto", str(tmp_path), keys, "p", 4)
+    producer.joined(fake_redis, "ab12")
+    busy = send(producer, np.ones(100))
+    free = send(producer, np.zeros(100))
+    free.abandon()
+    producer.joined(fake_redis, "ab12")  # e.g. after being reaped, or a reconnect
+    assert not os.path.exists(free.segment.path)
+    assert os.path.exists(busy.segment.path)  # its batch may still be popped
+    again = send(producer, np.zeros(100))
+    assert again.segment.name not in (free.segment.name, busy.segment.name)
+    (x,) = codec.decode_frame(trainer.resolve(busy.element)).data
+    del x
+    gc.collect()
+    assert not os.path.exists(busy.segment.path)  # retired: removed by its release

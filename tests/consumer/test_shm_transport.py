@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -293,3 +294,27 @@ def test_reset_removes_the_queues_segments_and_only_those(redis_url: str, queue_
         assert len(segments(queue_name + "-other")) == 1
     finally:
         theirs.close(finished=True)
+
+
+def test_a_sigkilled_producers_segments_go_while_the_run_goes_on(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    victim = serve(spawn_proc, serve_argv, serve_env, redis_url)
+    serve(spawn_proc, serve_argv, serve_env, redis_url)
+    got, killed, deadline = [], None, None
+    with trainer(redis_url, queue_name, stall_s=1.0) as stream:
+        for _ in range(1000):
+            got += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
+            mine = [s for s in segments(queue_name) if f"-{victim.pid}-" in s.producer]
+            if killed is None and mine:
+                victim.send_signal(signal.SIGKILL)
+                victim.wait(timeout=10)
+                killed, deadline = len(mine), time.monotonic() + 60
+            elif killed is not None and len(mine) <= 1:
+                break  # at most the one it had written and not pushed when it died
+            if deadline is not None and time.monotonic() > deadline:
+                pytest.fail(f"the killed producer's segments stayed: {mine}")
+        assert killed, "the victim never used shared memory"
+        assert stream._shm.swept >= 1
+        stream.close(finished=True)
+    assert got == reference(stream.epoch + 1)
