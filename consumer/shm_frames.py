@@ -87,7 +87,8 @@ class TrainerShm:
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
         self._mapped: OrderedDict[str, tuple[int, int, mmap.mmap, int]] = OrderedDict()
-        self._run = ""
+        self._run = ""  # the run this trainer reads (set by new_run)
+        self._mapped_run = ""  # the run of the segments in the mapping cache
         self._swept = time.monotonic()
         self.frames = 0  # frames received through shared memory
         self.swept = 0  # segments of gone producers removed by sweep()
@@ -229,11 +230,11 @@ class TrainerShm:
             os.close(fd)
         entry = (st.st_ino, st.st_size, mm, st.st_dev)
         parsed = parse_segment_name(name)
-        if parsed is not None and parsed.run != self._run:
+        if parsed is not None and parsed.run != self._mapped_run:
             # Mappings of another run will not be asked for again; owners keep theirs.
             for old in [n for n in self._mapped if n.split("-")[2] != parsed.run]:
                 del self._mapped[old]
-            self._run = parsed.run
+            self._mapped_run = parsed.run
         self._mapped[name] = entry
         while len(self._mapped) > MAX_MAPPED:
             self._mapped.popitem(last=False)
