@@ -8,12 +8,13 @@ mapping :mod:`consumer.shm_frames`.
 
 Host identity (published by the trainer in meta field :data:`batchq.keys.SHM_HOST_FIELD`)::
 
-    <boot id>:<st_dev of shm_dir>:<st_ino of shm_dir>
+    <boot id>:<st_dev of shm_dir>:<st_ino of shm_dir>:<effective uid>
 
 Two processes with the same identity see the same folder of the same running kernel
 (another machine, a rebooted one, another container's private /dev/shm or another
 folder all differ), so a producer cannot be fooled into writing where the trainer does
-not look.
+not look; the uid is in it because segments are 0600 and the trainer opens only its
+own user's files (a producer running as another user goes through Redis).
 
 Segment name: ``batchq-<queue>-<run>-<producer>-<n>`` in ``shm_dir``, mode 0600, with
 ``-`` inside the queue name and the producer id written as ``~`` (a character neither may
@@ -123,7 +124,7 @@ def host_identity(shm_dir: str = DEFAULT_SHM_DIR) -> str | None:
         return None
     if not boot or not stat.S_ISDIR(st.st_mode) or not os.access(shm_dir, os.W_OK | os.X_OK):
         return None
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
+    return f"{boot}:{st.st_dev}:{st.st_ino}:{os.geteuid()}"
 
 
 def _esc(part: str) -> str:

@@ -32,6 +32,7 @@ def test_host_identity_names_the_boot_and_the_folder(tmp_path: Path) -> None:
     assert here is not None and here == shm.host_identity(str(tmp_path))
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     assert here.startswith(boot + ":")
+    assert here.endswith(f":{os.geteuid()}")  # segments are 0600: only one user reads them
     other = tmp_path / "other"
     other.mkdir()
     assert shm.host_identity(str(other)) != here  # another folder: another inode
