@@ -44,6 +44,7 @@ Descriptor (one list element)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -146,6 +147,7 @@ def segment_name(queue: str, run: str, producer: str, n: int) -> str:
     return f"batchq-{_esc(queue)}-{run}-{_esc(producer)}-{n}"
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function; the trainer asks it per descriptor
 def parse_segment_name(name: str) -> SegmentName | None:
     """Split a segment's file name; None for anything that is not one."""
     match = _NAME_RE.match(name)
