@@ -27,6 +27,8 @@ from consumer import ServerDataStream
 from producer import Producer
 from producer.shm_pool import SegmentPool
 
+pytestmark = pytest.mark.skipif(shm.host_identity() is None, reason="no writable /dev/shm")
+
 SUPPORT_DIR = Path(__file__).resolve().parent.parent / "support"
 EXAMPLES, BATCH = 200, 10  # 20 batches per epoch
 
