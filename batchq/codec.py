@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import enum
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,7 @@ __all__ = [
     "decode_frame",
     "decode_ref",
     "encode_frame",
+    "encode_frame_into",
     "encode_frame_pieces",
     "encode_ref",
     "is_frame",
@@ -227,7 +228,62 @@ def encode_frame(
     # Not bytearray(total): zero-filling MBs that the copies overwrite cost two thirds of
     # the copy itself (measured at 4.8 MB). Only the gaps (padding) are zeroed.
     buf = np.empty(total, dtype=np.uint8)
-    out = memoryview(buf)  # type: ignore[arg-type]
+    _fill(buf, kind, header, packed, data_start, copies, checksum)
+    return memoryview(buf)  # type: ignore[arg-type]
+
+
+def encode_frame_into(
+    alloc: Callable[[int], Any], kind: FrameKind, **fields: Any
+) -> tuple[int, Any] | None:
+    """Encode one frame straight into a buffer that ``alloc`` hands out (a shared-memory
+    segment): the same bytes as :func:`encode_frame`, each array copied once, into place.
+
+    Args:
+        alloc: called with the frame's size once it is known; returns a writable buffer
+            of at least that size, or None (then nothing is written).
+        kind: BATCH, END or ERROR.
+        **fields: the keyword arguments of :func:`encode_frame`.
+
+    Returns:
+        (the frame's length, the buffer ``alloc`` returned), or None when it returned None.
+
+    Raises:
+        ConfigError: as :func:`encode_frame`, or the buffer is smaller than the frame.
+    """
+    names = ("run", "epoch", "shard", "k", "producer")
+    run, epoch, shard, k, producer = (fields.pop(name) for name in names)
+    opts: dict[str, Any] = {
+        "sources": (), "data": (), "g": -1, "last": False, "count": None, "error": None,
+        "error_name": None, "checksum": False, "max_frame_bytes": None, "produced_at": None,
+    }  # fmt: skip
+    unknown = set(fields) - set(opts)
+    if unknown:
+        raise ConfigError(f"encode_frame_into: unknown arguments {sorted(unknown)}")
+    opts.update(fields)
+    kind, header, packed, data_start, total, copies = _prepare(
+        kind, run, epoch, shard, k, producer, *opts.values()
+    )
+    target = alloc(total)
+    if target is None:
+        return None
+    buf = np.frombuffer(target, dtype=np.uint8)
+    if buf.size < total:
+        raise ConfigError(f"frame of {total} bytes does not fit in {buf.size} bytes")
+    _fill(buf[:total], kind, header, packed, data_start, copies, bool(opts["checksum"]))
+    return total, target
+
+
+def _fill(
+    buf: Any,
+    kind: FrameKind,
+    header: dict[str, Any],
+    packed: bytes,
+    data_start: int,
+    copies: list[Copy],
+    checksum: bool,
+) -> None:
+    """Write a prepared frame into ``buf`` (a uint8 array of exactly its size)."""
+    out = memoryview(buf)
     PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
     end = PREFIX.size + len(packed)
     for arr, desc in copies:
@@ -243,7 +299,6 @@ def encode_frame(
         out[PREFIX.size : PREFIX.size + len(packed)] = pack_header(header, 0)
         packed = pack_header(header, zlib.crc32(out))
     out[PREFIX.size : PREFIX.size + len(packed)] = packed
-    return out
 
 
 def encode_frame_pieces(

@@ -143,10 +143,36 @@ class Pieces:
         return f"Pieces({len(self.buffers)} buffers, {self.nbytes} bytes)"
 
 
+_pack_command: Callable[..., bytes] | None
+try:
+    from hiredis import pack_command as _pack_command
+except ImportError:  # pragma: no cover - hiredis comes with redis[hiredis]
+    _pack_command = None
+
+
+def _all_small(args: tuple[Any, ...]) -> bool:
+    # A plain loop: this runs for every command (a generator cost as much as the pack).
+    for arg in args:
+        kind = type(arg)
+        if kind is str or kind is bytes:
+            if len(arg) > _BUFFER_CUTOFF:
+                return False
+        elif kind is not int and kind is not float:  # not bool: redis-py refuses it
+            return False
+    return True
+
+
 class _PiecesPacker(PythonRespSerializer):
     """redis-py's pure-Python packer, plus :class:`Pieces` arguments."""
 
     def pack(self, *args: Any) -> list[Any]:
+        if _pack_command is not None and args and _all_small(args):
+            # Small commands (the scripts' calls, shared-memory descriptors): hiredis
+            # packs them in a tenth of the time (3 vs 24 us for a push); it copies every
+            # value, which only matters for the large ones.
+            # As redis-py: a command name with a space ("SCRIPT LOAD") is two words.
+            head = tuple(args[0].split()) if isinstance(args[0], str) else args[:1]
+            return [_pack_command((*head, *args[1:]))]
         if not any(isinstance(a, Pieces) for a in args):
             return list(super().pack(*args))
         # Pack around each Pieces argument: the other arguments go through redis-py.

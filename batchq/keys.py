@@ -6,7 +6,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:meta         HASH    protocol version, run id, fingerprint, hwm, shards per
                                 epoch (S), window (W), next shard to mint, the trainer's
                                 floor, the trainer's claim (token, deadline, fence),
-                                finished flag, batches per epoch
+                                finished flag, batches per epoch, the trainer's
+                                shared-memory host identity (``shm_host``, see
+                                :mod:`batchq.shm`)
     bq:{Q}:data         LIST    frames (or references to frames): producers push left,
                                 the trainer pops right; LLEN is the queue's depth
     bq:{Q}:wake         LIST    wake-up tokens for producers blocked at the hwm or at the
@@ -51,9 +53,12 @@ import re
 
 from batchq.errors import ConfigError
 
-__all__ = ["PREFIX", "QueueKeys", "check_name", "queue_from_meta_key"]
+__all__ = ["PREFIX", "SHM_HOST_FIELD", "QueueKeys", "check_name", "queue_from_meta_key"]
 
 PREFIX = "bq"
+# The meta field where the trainer publishes its host identity (batchq.shm): producers
+# that see their own use shared memory.
+SHM_HOST_FIELD = "shm_host"
 
 # Queue names and producer ids become parts of key names: keep them to a safe alphabet,
 # without braces (they would move the hash tag) or colons (they separate fields).

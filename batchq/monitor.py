@@ -71,6 +71,9 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     autoscale_retired     int          workers they retired
     autoscale_last        object|null  their newest decision: t (unix s), scaler, action,
                                        count, workers, reason, figures (batchq.pool)
+    shm_segments          int          the queue's shared-memory segments in /dev/shm on
+                                       the host that runs status (batchq.shm)
+    shm_bytes             int          bytes allocated to them
 
 A producer object (its counters cover its whole life; ids are unique per process):
 
@@ -112,6 +115,7 @@ import redis
 
 from batchq import sizing
 from batchq.keys import QueueKeys, queue_from_meta_key
+from batchq.shm import DEFAULT_SHM_DIR, segments_usage
 from batchq.snapshot import QueueSnapshot, read_snapshots
 from batchq.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
 
@@ -152,6 +156,7 @@ STATUS_FIELDS = (
     "verdict_cause", "demand_batches_per_s", "busy_ms_per_batch", "producer_batches_per_s",
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
+    "shm_segments", "shm_bytes",
 )  # fmt: skip
 
 PRODUCER_FIELDS = (
@@ -240,6 +245,7 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
     """One queue's status row (see the module docstring for the fields)."""
     stats, meta, hwm = snap.stats, snap.meta, snap.hwm
     trainer = trainer_state(snap)
+    shm_segments, shm_bytes = segments_usage(DEFAULT_SHM_DIR, snap.queue)  # this host's
     updated = snap.figure("updated_ms")
     figures_age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
     fresh = figures_age is not None and figures_age <= FIGURES_FRESH_S
@@ -299,6 +305,8 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
         "supply_batches_per_s": sum(rates) if rates else None,
         "verdict": verdict,
         "verdict_reason": reason,
+        "shm_segments": shm_segments,
+        "shm_bytes": shm_bytes,
     }
     row.update(_sizing(snap, row, fresh))
     return row
@@ -446,6 +454,10 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
     if r["dead_by_reason"]:
         dead = ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())
         lines.append(f"  dead frames: {dead}")
+    if r["shm_segments"]:
+        lines.append(
+            f"  shared memory here: {r['shm_segments']} segments, {fmt_bytes(r['shm_bytes'])}"
+        )
     if r["run"]:
         lines.append(f"  run {r['run']}")
     return lines

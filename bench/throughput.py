@@ -8,7 +8,13 @@ For each batch shape, measured against the same redis-server in the same run:
   Both sides use :func:`batchq.connection.make_client` and :func:`tune_malloc`.
 * ``batchq``: ``batchq serve streams:constant_stream`` (a dataset that returns one
   pre-built array, see ``bench/streams.py``) and a :class:`consumer.ServerDataStream`
-  iterating epoch after epoch (``--epoch-batches`` per epoch).
+  iterating epoch after epoch (``--epoch-batches`` per epoch), both with
+  ``transport='redis'``: every byte through Redis.
+* ``shm``: the same with the default transport: the producer is on the trainer's host,
+  so frames go through shared memory and Redis carries descriptors.
+* ``fuel`` (with ``--fuel``): Fuel 0.2.0's own ZeroMQ server and ServerDataStream over
+  the same constant batch, from a throwaway virtualenv (``bench/fuel_baseline.py``
+  builds it from the registry's sdist on first use; never a dependency of batchq).
 * ``inline`` (secondary): the same, but frames travel inside the capped-push script
   (``inline_max_bytes`` raised; served by ``python bench/streams.py --inline``).
 
@@ -26,6 +32,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -51,8 +58,9 @@ from streams import ENV_BATCHES, ENV_DTYPE, ENV_SHAPE, make_batch  # noqa: E402
 SHAPES: list[tuple[str, tuple[int, ...], str, int]] = [
     ("128x3x32x32 float32", (128, 3, 32, 32), "float32", 1500),
     ("32x3x224x224 uint8", (32, 3, 224, 224), "uint8", 500),
+    ("256x3x64x64 float32", (256, 3, 64, 64), "float32", 200),
 ]
-KINDS = ("raw", "batchq", "inline")
+KINDS = ("raw", "batchq", "shm", "inline", "fuel")
 POLL_S = 0.0005
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -113,7 +121,41 @@ def _argv(
         return [sys.executable, script, *common, "--queue", name, "--inline"]
     argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
     argv += ["streams:constant_stream", *common, "--queue", name]
+    argv += ["--transport", "auto" if kind == "shm" else "redis"]
     return [*argv, "--requests-per-shard", str(args.requests_per_shard)]
+
+
+def measure_fuel(shape: tuple[int, ...], dtype: str, count: int, args: Any) -> Run:
+    """Fuel 0.2.0's server and client (both in the Fuel virtualenv), same batch."""
+    from fuel_baseline import fuel_python
+
+    python = str(fuel_python())
+    script = os.path.join(BENCH_DIR, "fuel_baseline.py")
+    with socket.socket() as s:  # a free port for the ZeroMQ PUSH socket
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    dims = ",".join(map(str, shape))
+    server = [python, script, "serve", port, dims, dtype, str(args.epoch_batches), str(args.hwm)]
+    proc = spawn(server, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        receive = [python, script, "receive", port, dims, str(args.hwm), str(count)]
+        cpu0 = _proc_cpu_s(proc.pid)
+        done = subprocess.run(
+            [*receive, str(args.seconds)],
+            capture_output=True,
+            text=True,
+            timeout=args.seconds + 60,
+            check=True,
+        )
+        cpu1 = _proc_cpu_s(proc.pid)
+    finally:
+        stop_group(proc, timeout_s=5.0)
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    n = max(int(got["batches"]), 1)
+    used = {"producer": 1000 * (cpu1 - cpu0) / n, "trainer": 1000 * got["cpu_s"] / n}
+    used["redis"] = 0.0
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return Run("fuel", int(got["batches"]), float(got["seconds"]), nbytes, used)
 
 
 def measure(kind: str, url: str, shape: tuple[int, ...], dtype: str, count: int, args: Any) -> Run:
@@ -123,8 +165,13 @@ def measure(kind: str, url: str, shape: tuple[int, ...], dtype: str, count: int,
     env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, env.get("PYTHONPATH")) if p)
     env |= {ENV_SHAPE: ",".join(map(str, shape)), ENV_DTYPE: dtype}
     env[ENV_BATCHES] = str(args.epoch_batches)
+    if kind == "fuel":
+        return measure_fuel(shape, dtype, count, args)
     client = make_client(url)
-    stream = ServerDataStream(("x",), url=url, queue=name, hwm=args.hwm, timeout_s=30)
+    transport = "auto" if kind == "shm" else "redis"
+    stream = ServerDataStream(
+        ("x",), url=url, queue=name, hwm=args.hwm, timeout_s=30, transport=transport
+    )
     receive: Callable[[], object]
     if kind == "raw":
 
@@ -183,8 +230,10 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
 def bench(url: str, args: Any) -> dict[str, Any]:
     """Measure every shape and kind, interleaving the repeats; print progress."""
     results: dict[str, Any] = {}
-    kinds = [k for k in KINDS if args.inline or k != "inline"]
+    kinds = [k for k in KINDS if (args.inline or k != "inline") and (args.fuel or k != "fuel")]
     for label, shape, dtype, count in SHAPES:
+        if args.only and not any(o in label for o in args.only):
+            continue
         runs: dict[str, list[Run]] = {k: [] for k in kinds}
         for rep in range(1, args.repeats + 1):
             for kind in kinds:
@@ -202,6 +251,10 @@ def bench(url: str, args: Any) -> dict[str, Any]:
             s, raw = summary[kind], summary["raw"]
             s["ratio_median"] = s["median_batches_s"] / raw["median_batches_s"]
             s["ratio_best"] = s["best_batches_s"] / raw["best_batches_s"]
+        if "fuel" in summary:
+            for kind in ("batchq", "shm"):
+                s, fuel = summary[kind], summary["fuel"]
+                s["vs_fuel_median"] = s["median_batches_s"] / fuel["median_batches_s"]
         results[label] = {
             "summary": summary,
             "runs": {k: [asdict(r) for r in v] for k, v in runs.items()},
@@ -211,16 +264,18 @@ def bench(url: str, args: Any) -> dict[str, Any]:
 
 def print_table(results: dict[str, Any]) -> None:
     """The results as a table: median and best, the ratio to raw, CPU per batch."""
-    head = f"{'shape':<21}{'path':<7}{'batches/s':>16}{'MB/s':>14}{'vs raw':>13}"
+    head = f"{'shape':<21}{'path':<7}{'batches/s':>16}{'MB/s':>14}{'vs raw (vs fuel)':>26}"
     head += f"{'CPU ms/batch: prod train redis total':>38}"
-    print(f"\n{'':<28}{'median  best':>16}{'median  best':>14}{'median best':>13}\n{head}")
+    print(f"\n{'':<28}{'median  best':>16}{'median  best':>14}{'median best':>26}\n{head}")
     print("-" * len(head))
     for label, res in results.items():
         for kind, s in res["summary"].items():
             ratio = f"{s['ratio_median']:.2f} {s['ratio_best']:.2f}" if kind != "raw" else ""
+            if "vs_fuel_median" in s:
+                ratio += f" ({s['vs_fuel_median']:.2f}x fuel)"
             cpu = " ".join(f"{v:5.2f}" for v in s["median_cpu_ms_per_batch"].values())
             line = f"{label:<21}{kind:<7}{s['median_batches_s']:9.1f}{s['best_batches_s']:7.1f}"
-            print(f"{line}{s['median_mb_s']:7.1f}{s['best_mb_s']:7.1f}{ratio:>13}{cpu:>38}")
+            print(f"{line}{s['median_mb_s']:7.1f}{s['best_mb_s']:7.1f}{ratio:>26}{cpu:>38}")
 
 
 def _meta(load0: float, args: Any) -> dict[str, Any]:
@@ -251,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epoch-batches", type=int, default=300, help="batchq's epoch length")
     p.add_argument("--requests-per-shard", type=int, default=1, help="batchq serve's option")
     p.add_argument("--no-inline", dest="inline", action="store_false", help="skip the inline path")
+    p.add_argument("--fuel", action="store_true", help="add Fuel 0.2.0's ZeroMQ server")
+    p.add_argument(
+        "--only", action="append", default=None, help="only shapes whose label contains this"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
     p.add_argument("--raw-producer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--key", help=argparse.SUPPRESS)

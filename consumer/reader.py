@@ -34,8 +34,10 @@ from batchq.protocol import Status
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
 from consumer.guards import ReaderGuards, ref_error
+from batchq.shm import is_descriptor
 from consumer.ledger import Ledger
 from consumer.session import Session
+from consumer.shm_frames import TrainerShm
 from consumer.stats import TrainerStats
 
 __all__ = ["DEAD_LIST_MAX", "Reader"]
@@ -80,6 +82,7 @@ class Reader(ReaderGuards, threading.Thread):
         on_bad_frame: str = "raise",
         stall_s: float = 5.0,
         stats: TrainerStats | None = None,
+        shm: TrainerShm | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -110,6 +113,7 @@ class Reader(ReaderGuards, threading.Thread):
         self._last_gone = 0.0
         self._no_client_list = False
         self._published_floor = -1  # the floor the last successful pop sent
+        self.shm = shm or TrainerShm(keys, "redis", None)
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -141,6 +145,7 @@ class Reader(ReaderGuards, threading.Thread):
                         self._pop_round(room=0)
                     elif not idle:
                         self._pop_round()
+                        self.shm.maybe_sweep(self.client)  # gone producers' segments
                     elif time.monotonic() - self._last_claim > self.session.claim_ttl_ms / 3000:
                         # Every pop refreshes the claim too: refresh only when idle long.
                         self._refresh_claim()
@@ -206,6 +211,8 @@ class Reader(ReaderGuards, threading.Thread):
             pairs = self.ledger.received_pairs()
         plan = self.session.plan
         self.session.resume(self.client, first, plan.fingerprint if plan else "", pairs)
+        self.shm.publish(self.client)
+        self.shm.new_run(self.session.run)
 
     def flush(self) -> None:
         """Send the accounting not yet sent (at close), popping nothing."""
@@ -318,12 +325,19 @@ class Reader(ReaderGuards, threading.Thread):
             )
         requeue_gaps(self.client, self.keys, self.session.incarnation, self.session.run, candidates)
 
-    def _fetch(self, elements: list[bytes]) -> list[tuple[bytes | None, bytes, str]]:
-        """Resolve references: (frame or None, the list element, the ref key or '')."""
+    def _fetch(self, elements: list[bytes]) -> list[tuple[Any, bytes, str]]:
+        """Resolve references and shared-memory descriptors: (frame or None, the list
+        element, the ref key or '')."""
         refs: list[tuple[int, str]] = []
-        out: list[tuple[bytes | None, bytes, str]] = []
+        out: list[tuple[Any, bytes, str]] = []
         for i, element in enumerate(elements):
-            if codec.is_ref(element):
+            if is_descriptor(element):
+                try:  # a read-only array over the segment, owning the batch
+                    out.append((self.shm.resolve(element), element, ""))
+                except FrameError as e:
+                    self._dead(element, e)
+                    out.append((None, element, ""))
+            elif codec.is_ref(element):
                 try:
                     key = codec.decode_ref(element, self.keys.frame_prefix)
                 except FrameError as e:
@@ -354,7 +368,7 @@ class Reader(ReaderGuards, threading.Thread):
         return out
 
     def _refuse_oversized(
-        self, refs: list[tuple[int, str]], out: list[tuple[bytes | None, bytes, str]]
+        self, refs: list[tuple[int, str]], out: list[tuple[Any, bytes, str]]
     ) -> list[tuple[int, str]]:
         """Drop referenced frames above max_frame_bytes without fetching them."""
         sizes = execute_pipeline(
@@ -380,7 +394,7 @@ class Reader(ReaderGuards, threading.Thread):
     def _drop_key(self, key: str) -> None:
         call(lambda: self.client.delete(key), "dropping an oversized frame")
 
-    def _file(self, fetched: list[tuple[bytes | None, bytes, str]]) -> None:
+    def _file(self, fetched: list[tuple[Any, bytes, str]]) -> None:
         frames = []
         for raw, _element, _key in fetched:
             if raw is None:

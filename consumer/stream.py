@@ -31,6 +31,7 @@ from consumer.ledger import Ledger
 from consumer.progress import EpochProgress
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
+from consumer.shm_frames import TrainerShm
 from consumer.stats import TrainerStats
 
 __all__ = ["ServerDataStream"]
@@ -64,6 +65,9 @@ class ServerDataStream:
         stall_s: after this long without a frame while waiting, reap dead producers
             and hand shards with a gap back to the work list.
         progress: show a progress bar per epoch (batches, rate, stall %) on stderr.
+        transport: 'auto' (frames of producers on this host come through shared
+            memory) or 'redis' (never); None reads ``BATCHQ_TRANSPORT``, else 'auto'.
+        shm_dir: the shared-memory folder (default /dev/shm).
     """
 
     def __init__(
@@ -85,6 +89,8 @@ class ServerDataStream:
         on_producer_error: str = "raise",
         stall_s: float = 5.0,
         progress: bool = False,
+        transport: str | None = None,
+        shm_dir: str | None = None,
     ) -> None:
         if isinstance(sources, str) or not all(isinstance(s, str) for s in sources):
             raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of names")
@@ -123,6 +129,7 @@ class ServerDataStream:
         self.max_buffered = 0  # the most frames the reader held at once
         self.progress = progress
         self._stats = TrainerStats()
+        self._shm = TrainerShm(self.keys, transport, shm_dir)
 
     # -- Fuel's interface --------------------------------------------------------------
 
@@ -194,6 +201,7 @@ class ServerDataStream:
                 self._session.release(finished)
                 if finished:
                     self._delete_frames()
+                    self._shm.finish()
         except ConnectionLost as e:
             # The claim lapses by itself; a finished run cannot be announced, though.
             log.warning("queue %s: could not release the claim: %s", self.keys.queue, e)
@@ -292,6 +300,7 @@ class ServerDataStream:
         resume = self._resume if self._resume and self._resume.get("run") else None
         new_run = session.acquire(takeover=resume["run"] if resume else "")
         self._session = session
+        self._shm.publish(self._client)
         if new_run:
             self._delete_frames()
         if resume is None:
@@ -316,6 +325,7 @@ class ServerDataStream:
         if session.plan is not None:
             ledger.window = session.plan.window if session.plan.has_window else None
             ledger.epoch_batches = session.plan.epoch_batches
+        self._shm.new_run(session.run)  # other runs' segments: nothing will pop them
         self._ledger = ledger
         self._reader = Reader(
             make_client(self.url),
@@ -329,6 +339,7 @@ class ServerDataStream:
             on_bad_frame=self.on_bad_frame,
             stall_s=self.stall_s,
             stats=self._stats,
+            shm=self._shm,
         )
         self._reader.start()
 

@@ -25,6 +25,7 @@ from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
 from batchq.scripts import SCRIPTS, execute_pipeline
 from producer.sharding import ShardPlan
+from producer.transport import ShmFrame, Transport
 
 __all__ = ["INLINE_MAX_BYTES", "PENDING_FRAME_TTL_MS", "WAIT_S", "ShardPusher"]
 
@@ -65,6 +66,7 @@ class ShardPusher:
     _pending_ref: str | None
     _prefetched: tuple[int, int, str] | None
     _oom_logged: bool
+    _transport: Transport
 
     def _lease_request(self, prefetch: bool = False) -> tuple[list[str], list[Any], str]:
         raise NotImplementedError  # pragma: no cover - Producer implements it
@@ -98,7 +100,9 @@ class ShardPusher:
         )
 
     def _wait_for_room(self) -> None:
-        # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning.
+        # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning. A trainer
+        # that just arrived published its host before popping: look at it next time.
+        self._transport.recheck()
         try:
             call(lambda: self.client.blpop([self.keys.wake], timeout=WAIT_S), "waiting for room")
         except redis.ResponseError as e:
@@ -204,8 +208,8 @@ class ShardPusher:
         produce_ms: int = 0,
     ) -> bool:
         data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
-        frame = codec.encode_frame_pieces(
-            codec.FrameKind.BATCH,
+        self._transport.refresh(self.client)
+        frame = self._transport.encode(  # into shared memory, else pieces for Redis
             run=self._run,
             epoch=epoch,
             shard=shard,
@@ -220,14 +224,18 @@ class ShardPusher:
             max_frame_bytes=self.max_frame_bytes,
             produced_at=time.time(),
         )
-        return self._push(frame, entry, last=last, produce_ms=produce_ms)
+        pushed = self._push(frame, entry, last=last, produce_ms=produce_ms)
+        if not pushed and isinstance(frame, ShmFrame):
+            frame.abandon()  # its descriptor never reached the list
+        return pushed
 
     def _push(
-        self, frame: Pieces | memoryview, entry: str, *, last: bool, produce_ms: int = 0
+        self, frame: Pieces | memoryview | ShmFrame, entry: str, *, last: bool, produce_ms: int = 0
     ) -> bool:
         """Push one frame, waiting at the hwm; False if the shard was taken from us."""
         ref = None
-        if len(frame) > self.inline_max_bytes:
+        shm = isinstance(frame, ShmFrame)  # the list gets its small descriptor, inline
+        if not shm and len(frame) > self.inline_max_bytes:
             self._frame_seq += 1
             ref = self.keys.frame(self.id, self._frame_seq)
         keys = [
@@ -239,7 +247,9 @@ class ShardPusher:
             self.keys.lease(self.id),
             self.keys.pstats,
         ]
-        element: bytes | Pieces | memoryview = frame if ref is None else codec.encode_ref(ref)
+        element: Any = frame if ref is None else codec.encode_ref(ref)
+        if isinstance(frame, ShmFrame):
+            element = frame.element
         if ref is not None:
             keys.append(ref)
         stored = False
@@ -271,6 +281,8 @@ class ShardPusher:
                 produce_ms,
             ]
             store = frame if ref is not None and not stored else None
+            if isinstance(store, ShmFrame):  # pragma: no cover - never stored by reference
+                store = None
             try:
                 replies = self._send(ref, store, keys, args, lease_next)
             except redis.ResponseError as e:

@@ -33,6 +33,7 @@ from batchq.reaper import reap_dead, record_client, server_ms
 from batchq.scripts import SCRIPTS
 from producer.pushing import INLINE_MAX_BYTES, ShardPusher
 from producer.sharding import ShardPlan
+from producer.transport import Transport
 
 __all__ = ["Producer", "start_server"]
 
@@ -72,6 +73,13 @@ class Producer(ShardPusher):
             trainer to re-create the run from its ledger before starting afresh.
         orphan_exit_s: stop serving (``serve`` returns 0, logged) once no trainer has
             held a live claim on the run for this long (a crashed trainer); None: never.
+        transport: 'auto' (shared memory while the run's trainer is on this host) or
+            'redis' (never); None reads ``BATCHQ_TRANSPORT``, else 'auto'.
+        shm_dir: the shared-memory folder (default /dev/shm).
+        shm_segments: the most shared-memory segments this producer holds at once
+            (default 2 x hwm + 2; one frame each).
+        shm_max_bytes: the most bytes of segments it holds at once (default: only
+            the folder's own size limits it).
     """
 
     def __init__(
@@ -92,6 +100,10 @@ class Producer(ShardPusher):
         max_attempts: int = 3,
         orphan_wait_s: float = 30.0,
         orphan_exit_s: float | None = 600.0,
+        transport: str | None = None,
+        shm_dir: str | None = None,
+        shm_segments: int | None = None,
+        shm_max_bytes: int | None = None,
     ) -> None:
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
@@ -134,6 +146,9 @@ class Producer(ShardPusher):
         self._record_id = True  # False once the server refused CLIENT ID (ACL)
         self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
         self._oom_logged = False
+        self._finished = False
+        segments = shm_segments if shm_segments is not None else 2 * hwm + 2
+        self._transport = Transport(transport, shm_dir, self.keys, self.id, segments, shm_max_bytes)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -176,6 +191,7 @@ class Producer(ShardPusher):
                     self._rejoin()
         except RunFinished as e:
             log.info("producer %s: %s", self.id, e)
+            self._finished = True
         finally:
             self._stop.set()
             self._leave()
@@ -295,6 +311,7 @@ class Producer(ShardPusher):
             self._record_id = record_client(self.client, self.keys, self.id)
         self._lease_seq = 0
         self._prefetched = None  # a lease of the run we left is gone
+        self._transport.joined(self.client, self._run)
         log.info(
             "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
             self.id,
@@ -335,6 +352,7 @@ class Producer(ShardPusher):
             self.client.hdel(k.clients, self.id, f"{self.id}:hb")
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
+        self._transport.close(self._finished)
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         self.client.close()

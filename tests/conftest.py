@@ -25,6 +25,7 @@ from batchq.admin import delete_queue
 from batchq.embedded import EmbeddedRedis
 from batchq.errors import ConfigError
 from batchq.procs import StdSpec, spawn, stop_group
+from batchq.shm import DEFAULT_SHM_DIR, remove_segments
 
 TESTS_DIR = Path(__file__).resolve().parent
 # Modules the tests and their producer processes import (tests/support/pipelines.py);
@@ -91,6 +92,7 @@ def queue_name(request: pytest.FixtureRequest) -> Iterator[str]:
     """
     name = f"t{uuid4().hex[:12]}"
     yield name
+    remove_segments(DEFAULT_SHM_DIR, name)  # shared-memory frames left by a stopped run
     if "redis_server" in request.fixturenames:
         server: EmbeddedRedis = request.getfixturevalue("redis_server")
         if server.running:

@@ -139,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 once no trainer has claimed the run for this long (a crashed "
         "trainer; a restarted one may resume within it; default 600; 0: never)",
     )
+    serve.add_argument(
+        "--transport",
+        choices=("auto", "shm", "redis"),
+        default="auto",
+        help="auto: frames go through shared memory while the trainer is on this host; "
+        "redis: always through Redis",
+    )
+    serve.add_argument(
+        "--shm-dir", default="/dev/shm", help="the shared-memory folder (default /dev/shm)"
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -201,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(reset)
     reset.add_argument("--queue", required=True, help="the queue to delete")
     reset.add_argument("--yes", action="store_true", help="do not ask")
+    reset.add_argument(
+        "--shm-dir",
+        default="/dev/shm",
+        help="also remove the queue's shared-memory segments from this folder (this host)",
+    )
     return parser
 
 

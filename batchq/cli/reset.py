@@ -9,6 +9,7 @@ from batchq.admin import delete_queue
 from batchq.connection import describe_url, make_client, resolve_url
 from batchq.keys import QueueKeys, check_name
 from batchq.monitor import queue_status
+from batchq.shm import remove_segments
 
 __all__ = ["run_reset"]
 
@@ -34,6 +35,8 @@ def run_reset(args: argparse.Namespace) -> int:
                 print("not confirmed; nothing deleted")
                 return 1
         print(f"deleted {delete_queue(client, queue)} keys of queue {queue!r}")
+        removed = remove_segments(args.shm_dir, queue)
+        print(f"removed {removed} shared-memory segments of queue {queue!r} from {args.shm_dir}")
     finally:
         client.close()
     return 0

@@ -61,6 +61,8 @@ def run_serve(args: argparse.Namespace) -> int:
         requests_per_shard=args.requests_per_shard,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         orphan_exit_s=getattr(args, "orphan_exit_s", 600.0) or None,
+        transport=args.transport,
+        shm_dir=args.shm_dir,
     )
 
 
@@ -84,6 +86,10 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
         str(args.heartbeat_ttl_s),
         "--orphan-exit-s",
         str(getattr(args, "orphan_exit_s", 600.0)),
+        "--transport",
+        args.transport,
+        "--shm-dir",
+        args.shm_dir,
     ]
     if args.requests_per_shard is not None:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]

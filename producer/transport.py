@@ -1,0 +1,177 @@
+"""Which way a producer's frames travel: shared memory on the trainer's host, else Redis.
+
+``transport='auto'`` (the default; ``BATCHQ_TRANSPORT`` sets it where the argument is
+not given) uses shared memory exactly while the run's trainer has published this host's
+identity (:func:`batchq.shm.host_identity`, meta field
+:data:`batchq.keys.SHM_HOST_FIELD`): a producer started before the trainer switches
+once the identity appears, and back to Redis when a trainer from another host takes
+over. It reads the field at every join and at most once a second while serving.
+``transport='redis'`` never uses shared memory. Either way, frames that do not get a
+segment (the folder is full, ``shm_max_bytes`` is reached, or every segment still holds
+a batch the trainer keeps) go through Redis: one warning for a full folder, never an
+error, never a lost batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from batchq import codec
+from batchq.connection import Pieces, call
+from batchq.errors import ConfigError
+from batchq.keys import SHM_HOST_FIELD, QueueKeys
+from batchq.shm import (
+    DEFAULT_SHM_DIR,
+    encode_descriptor,
+    host_identity,
+    remove_segments,
+    resolve_transport,
+)
+from producer.shm_pool import FULL, Segment, SegmentPool
+
+__all__ = ["REFRESH_S", "ShmFrame", "Transport"]
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 1.0  # how often a serving producer looks at the trainer's host identity
+
+
+class ShmFrame:
+    """A frame written into a segment; the list gets :attr:`element`, its descriptor."""
+
+    def __init__(self, element: bytes, nbytes: int, segment: Segment, gen: int) -> None:
+        self.element = element
+        self.nbytes = nbytes
+        self.segment = segment
+        self.gen = gen
+
+    def __len__(self) -> int:
+        return self.nbytes  # the batch's size, for the accounting
+
+    def abandon(self) -> None:
+        """The push was refused for good: the segment is free again."""
+        self.segment.abandon(self.gen)
+
+
+class Transport:
+    """One producer's choice of transport, and its segments.
+
+    Args:
+        transport: 'auto' or 'redis' (None: ``BATCHQ_TRANSPORT``, else 'auto').
+        shm_dir: the shared-memory folder.
+        queue: the queue's keys.
+        producer: the producer's id.
+        max_segments: the most segments the producer holds at once.
+        max_bytes: the most bytes of segments it holds at once (None: no own limit).
+    """
+
+    def __init__(
+        self,
+        transport: str | None,
+        shm_dir: str | None,
+        keys: QueueKeys,
+        producer: str,
+        max_segments: int,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.mode = resolve_transport(transport)
+        self.shm_dir = shm_dir or DEFAULT_SHM_DIR
+        if max_segments < 1:
+            raise ConfigError(f"shm_segments {max_segments!r} is not valid: expected >= 1")
+        self.keys = keys
+        self.producer = producer
+        self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
+        self.pool = SegmentPool(self.shm_dir, keys.queue, producer, max_segments, max_bytes)
+        self.active = False
+        self._checked = -REFRESH_S
+        self._warned = False
+        self.shm_frames = 0  # frames sent through shared memory
+        self.fallbacks = 0  # frames that wanted shared memory and went through Redis
+
+    def joined(self, client: redis.Redis, run: str) -> None:
+        """After a join: a new run drops the old segments, a rejoin of the same run
+        retires them; look at the trainer's host."""
+        if self.identity is None:
+            return
+        if run == self.pool.run:
+            self.pool.retire()  # a rejoin: never reuse a segment from before it
+        else:
+            self.pool.reset(run)
+            # Segments of other runs whose producers are gone (killed): nothing will
+            # pop them. Live producers' are theirs to drop (they may be in a newer run).
+            # (ZRANGEBYSCORE: what the producer ACL role of deploy/acl.conf may run.)
+            members = call(
+                lambda: client.zrangebyscore(self.keys.producers, "-inf", "+inf"), "reading"
+            )
+            alive = {p.decode() for p in members}  # type: ignore[union-attr]
+            remove_segments(
+                self.shm_dir, self.keys.queue, keep_run=run, keep_producers=alive - {self.producer}
+            )
+        self.refresh(client, force=True)
+
+    def refresh(self, client: redis.Redis, *, force: bool = False) -> None:
+        """Follow the trainer's published host identity (at most once a second)."""
+        if self.identity is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._checked < REFRESH_S:
+            return
+        self._checked = now
+        value = call(lambda: client.hget(self.keys.meta, SHM_HOST_FIELD), "reading meta")
+        active = isinstance(value, bytes) and value.decode() == self.identity
+        if active != self.active:
+            log.info(
+                "producer %s: frames now travel through %s",
+                self.producer,
+                f"shared memory in {self.shm_dir}" if active else "Redis",
+            )
+            self.active = active
+
+    def recheck(self) -> None:
+        """Look at the trainer's host at the next :meth:`refresh` (after waiting at the
+        cap: a trainer that just arrived publishes its host before its first pop)."""
+        self._checked = -REFRESH_S
+
+    def encode(self, **fields: Any) -> Pieces | ShmFrame:
+        """Encode a BATCH frame: into a segment when shared memory is on and one is free,
+        else as pieces for Redis. Arguments and errors as :func:`codec.encode_frame`."""
+        if self.active:
+            frame = self._encode_shm(fields)
+            if frame is not None:
+                return frame
+        return codec.encode_frame_pieces(codec.FrameKind.BATCH, **fields)
+
+    def _encode_shm(self, fields: dict[str, Any]) -> ShmFrame | None:
+        got: list[Segment | str] = []
+
+        def alloc(nbytes: int) -> memoryview | None:
+            got.append(self.pool.acquire(nbytes))
+            return got[0].body(nbytes) if isinstance(got[0], Segment) else None
+
+        result = codec.encode_frame_into(alloc, codec.FrameKind.BATCH, **dict(fields))
+        segment = got[0] if got else None
+        if result is None or not isinstance(segment, Segment):
+            self.fallbacks += 1
+            if segment == FULL and not self._warned:
+                self._warned = True
+                log.warning(
+                    "producer %s: no room in %s for another segment (%s); frames that do "
+                    "not fit go through Redis",
+                    self.producer,
+                    self.shm_dir,
+                    self.pool.last_error,
+                )
+            return None
+        nbytes = result[0]
+        gen = segment.commit(nbytes)
+        self.shm_frames += 1
+        element = encode_descriptor(segment.name, gen, nbytes, self.identity or "")
+        return ShmFrame(element, nbytes, segment, gen)
+
+    def close(self, finished: bool) -> None:
+        """The producer leaves: remove its segments (see :meth:`SegmentPool.close`)."""
+        self.pool.close(finished)
