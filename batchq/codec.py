@@ -221,7 +221,7 @@ def encode_frame(
         ConfigError: an argument is invalid, a value cannot be encoded, or the frame
             would exceed ``max_frame_bytes``.
     """
-    kind, header, packed, _, total, copies = _prepare(
+    kind, header, packed, data_start, total, copies = _prepare(
         kind, run, epoch, shard, k, producer, sources, data, g, last, count, error,
         error_name, checksum, max_frame_bytes, produced_at,
     )  # fmt: skip

@@ -305,10 +305,9 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
         "supply_batches_per_s": sum(rates) if rates else None,
         "verdict": verdict,
         "verdict_reason": reason,
-        "shm_segments": shm_segments,
-        "shm_bytes": shm_bytes,
     }
     row.update(_sizing(snap, row, fresh))
+    row.update(shm_segments=shm_segments, shm_bytes=shm_bytes)
     return row
 
 

@@ -33,8 +33,8 @@ from batchq.keys import QueueKeys
 from batchq.protocol import Status
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
-from consumer.guards import ReaderGuards, ref_error
 from batchq.shm import is_descriptor
+from consumer.guards import ReaderGuards, ref_error
 from consumer.ledger import Ledger
 from consumer.session import Session
 from consumer.shm_frames import TrainerShm

@@ -93,7 +93,8 @@ def test_mixed_queue_one_by_shm_one_forced_through_redis(
         for _ in range(4):
             got += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
         assert set(stream.producers_seen) == {"by-shm", "by-redis"}
-        assert 0 < stream._shm.frames <= stream.producers_seen["by-shm"]
+        # The reader may already hold frames of the next epoch: count what was pushed.
+        assert 0 < stream._shm.frames <= by_shm._transport.shm_frames
         stream.close(finished=True)
     assert got == reference(4)
     assert by_redis._transport.shm_frames == 0 and by_shm._transport.shm_frames > 0
