@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -34,6 +35,7 @@ from batchq.protocol import Status
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
 from consumer.ledger import Ledger
+from consumer.receive import getdel_into
 from consumer.session import Session
 from consumer.stats import TrainerStats
 
@@ -57,12 +59,15 @@ class Reader(threading.Thread):
         ledger: where frames go.
         hwm: the trainer's prefetch bound (frames held but not handed out).
         timeout_s: raise ProducersLost after this long with no producer alive.
-        writable: decode into writable copies instead of read-only views.
+        writable: writable arrays: frames stored by reference are received into buffers
+            of their own (no copy); frames inside the list are copied once.
         max_frame_bytes: frames above this go to the dead list without being decoded.
         on_bad_frame: 'raise' (the iterator raises FrameError) or 'skip'.
         stall_s: after this long without a frame while the trainer waits, reap dead
             producers and hand shards with a gap back to the work list.
         stats: the trainer's figures, drained into each pop script call.
+        prepare: applied to each frame of this run before it is filed (the trainer's
+            sources, dtypes and hooks: :class:`consumer.prepare.FramePrep`).
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class Reader(threading.Thread):
         on_bad_frame: str = "raise",
         stall_s: float = 5.0,
         stats: TrainerStats | None = None,
+        prepare: Callable[[codec.Frame], codec.Frame] | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -90,6 +96,7 @@ class Reader(threading.Thread):
         self.writable = writable
         self.max_frame_bytes = max_frame_bytes
         self.on_bad_frame = on_bad_frame
+        self.prepare = prepare
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.waiting_since: float | None = None  # set by the iterator while it waits
@@ -303,7 +310,11 @@ class Reader(threading.Thread):
                 out.append((element, element, ""))
         if refs and self.max_frame_bytes is not None:
             refs = self._refuse_oversized(refs, out)
-        if refs:
+        if refs and self.writable:
+            # Straight into buffers the trainer owns: writable arrays without a copy.
+            names = [k for _, k in refs]
+            replies: list[Any] = call(lambda: getdel_into(self.client, names), "fetching frames")
+        elif refs:
             replies = execute_pipeline(
                 self.client, lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs]
             )
@@ -336,22 +347,24 @@ class Reader(threading.Thread):
     def _drop_key(self, key: str) -> None:
         call(lambda: self.client.delete(key), "dropping an oversized frame")
 
-    def _file(self, fetched: list[tuple[bytes | None, bytes, str]]) -> None:
+    def _file(self, fetched: list[tuple[Any, bytes, str]]) -> None:
         frames = []
         for raw, _element, _key in fetched:
             if raw is None:
                 continue
             self._bytes += len(raw)
+            # A buffer of its own (memoryview) is made writable in place by prepare.
+            copy = self.writable and isinstance(raw, bytes)
             try:
-                frame = codec.decode_frame(
-                    raw, writable=self.writable, max_frame_bytes=self.max_frame_bytes
-                )
+                frame = codec.decode_frame(raw, writable=copy, max_frame_bytes=self.max_frame_bytes)
             except FrameError as e:
-                self._dead(raw if len(raw) <= 4096 else raw[:4096], e)
+                self._dead(bytes(raw[:4096]), e)
                 continue
             if frame.run != self.session.run:
                 self.ledger.stale += 1
                 continue
+            if self.prepare is not None:
+                frame = self.prepare(frame)
             frames.append(frame)
         if frames:
             self._last_frame = time.monotonic()

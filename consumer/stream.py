@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from batchq.admin import check_eviction_policy
-from batchq.codec import FrameKind
+from batchq.codec import Frame, FrameKind
 from batchq.connection import call, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
@@ -28,6 +29,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys
 from consumer.ledger import Ledger
+from consumer.prepare import FramePrep, decode_axis_labels
 from consumer.progress import EpochProgress
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
@@ -41,20 +43,35 @@ log = logging.getLogger(__name__)
 class ServerDataStream:
     """Batches served by producers through a Redis queue, epoch by epoch.
 
+    It is a Fuel stream: ``get_epoch_iterator``, ``get_data``, ``next_epoch``,
+    ``reset``, ``sources``, ``produces_examples`` and ``axis_labels``, so trainer-side
+    transformers (``ForceFloatX(ServerDataStream(...))``, ``Mapping``, ``Cast``) wrap it;
+    and it pickles as Fuel's does: the connection settings and the position
+    (:meth:`state_dict`), never a socket or a lock. Unpickled, it resumes there.
+
     Args:
-        sources: the names of the sources, in the order batches are yielded.
+        sources: the names of the sources, in the order batches are yielded; a subset
+            of what the producers serve is fine; a name they do not serve raises
+            ConfigError naming those they do. None: the producers' sources, as sent.
         produces_examples: as Fuel's; batchq serves batches, so this is usually False.
         host: Redis host (default localhost; see the connection order in the README).
         port: Redis port (default 6379).
         hwm: how many decoded frames the prefetching reader may hold ahead of the
             caller (the queue's own cap is the run's hwm, set by the producers).
+        axis_labels: as Fuel's (source -> axis names); None takes the producers' (see
+            :attr:`axis_labels`).
+        dtypes: source -> dtype (``{'features': 'float32'}``): what the loop receives is
+            guaranteed; other dtypes are cast on the reader thread, with a warning once
+            per source.
         queue: the queue's name.
         url: a redis:// or rediss:// URL; wins over host/port.
         timeout_s: raise ProducersLost when no producer has been alive this long while
             waiting for data.
         ordered: yield each epoch in plan order (the order the stream yields
             in-process); False yields in arrival order.
-        writable: yield writable copies instead of read-only views.
+        writable: yield writable arrays instead of read-only views: frames stored by
+            reference (over 256 KiB) are received into buffers of their own, which the
+            arrays then own (no copy); smaller frames are copied once.
         claim_ttl_s: the trainer's claim lapses this long after its last heartbeat.
         max_frame_bytes: frames larger than this are refused (dead list).
         on_bad_frame: 'raise' a FrameError for a frame that fails validation, or 'skip'.
@@ -73,7 +90,9 @@ class ServerDataStream:
         host: str | None = None,
         port: int | None = None,
         hwm: int = 10,
+        axis_labels: Mapping[str, Sequence[str] | None] | None = None,
         *,
+        dtypes: Mapping[str, Any] | None = None,
         queue: str = "default",
         url: str | None = None,
         timeout_s: float = 60.0,
@@ -86,18 +105,30 @@ class ServerDataStream:
         stall_s: float = 5.0,
         progress: bool = False,
     ) -> None:
-        if isinstance(sources, str) or not all(isinstance(s, str) for s in sources):
-            raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of names")
+        self._config = {
+            k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
+        }
+        if sources is not None and (
+            isinstance(sources, str)
+            or not all(isinstance(s, str) for s in sources)
+            or len(set(sources)) != len(sources)
+        ):
+            raise ConfigError(
+                f"sources {sources!r} is not valid: expected a tuple of distinct names"
+            )
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s {timeout_s!r} is not valid: expected > 0")
         if on_bad_frame not in ("raise", "skip"):
             raise ConfigError(f"on_bad_frame {on_bad_frame!r} is not valid: 'raise' or 'skip'")
-        self.sources = tuple(sources)
-        self.produces_examples = produces_examples
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
+        self._prep = FramePrep(sources, dtypes, queue, writable=writable)
+        self.produces_examples = produces_examples
+        self._axis_labels = None if axis_labels is None else dict(axis_labels)
+        self._config["axis_labels"] = self._axis_labels
+        self._data_iter: Iterator[Any] | None = None  # get_data's epoch
         self.hwm = hwm
         self.timeout_s = timeout_s
         self.ordered = ordered
@@ -199,12 +230,16 @@ class ServerDataStream:
         strings for JSON), ``done`` (shards yielded completely), the run id, the
         pipeline's fingerprint and S.
         """
+        return self._state(None)
+
+    def _state(self, held_back: dict[int, int] | None) -> dict[str, Any]:
+        """:meth:`state_dict`, less batches a wrapper holds (shard -> count)."""
         if self._ledger is None or self._session is None:
             if self._resume is not None:
                 return dict(self._resume)
             return {"version": 1, "queue": self.keys.queue, "run": "", "fingerprint": ""}
         with self._reader_cond():
-            epoch, counts, done = self._ledger.consumed()
+            epoch, counts, done = self._ledger.consumed(held_back)
         plan = self._session.plan
         return {
             "version": 1,
@@ -243,6 +278,72 @@ class ServerDataStream:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    # -- Fuel's stream interface (fuel.streams.AbstractDataStream) ---------------------
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources the loop receives, in order (the producers' once seen, if the
+        stream was given None)."""
+        return self._prep.sources or self._prep.served or ()
+
+    @sources.setter
+    def sources(self, value: Sequence[str]) -> None:
+        if self._reader is not None:
+            raise ConfigError("sources cannot change once the stream has started")
+        self._prep = FramePrep(value, self._prep.dtypes, self.keys.queue, writable=self.writable)
+
+    @property
+    def axis_labels(self) -> dict[str, Any] | None:
+        """Source -> axis names: the constructor's, else those the producers published
+        (read once the stream has started; None before, or if they published none)."""
+        if self._axis_labels is None and self._client is not None:
+            raw = call(lambda: self._client.hget(self.keys.meta, "axis_labels"), "reading")
+            self._axis_labels = decode_axis_labels(raw, self.sources)
+        return self._axis_labels
+
+    @axis_labels.setter
+    def axis_labels(self, value: Mapping[str, Any] | None) -> None:
+        self._axis_labels = None if value is None else dict(value)
+
+    def get_data(self, request: Any = None) -> tuple[Any, ...]:
+        """The next batch of the current epoch, as Fuel's ``get_data``.
+
+        At the end of an epoch it raises StopIteration once; the next call begins the
+        next epoch.
+
+        Raises:
+            ConfigError: ``request`` is not None (the producers choose the requests).
+            StopIteration: the epoch ended.
+        """
+        if request is not None:
+            raise ConfigError(f"request {request!r} is not valid: a ServerDataStream takes none")
+        if self._data_iter is None:
+            self._data_iter = self.get_epoch_iterator()
+        try:
+            return tuple(next(self._data_iter))
+        except StopIteration:
+            self._data_iter = None
+            raise
+
+    def next_epoch(self) -> None:
+        """As Fuel's: nothing to do (the producers plan the epochs; each epoch iterator
+        is the next epoch)."""
+
+    def reset(self) -> None:
+        """As Fuel's: nothing to do; a get_data epoch in progress is left, though, so that
+        the next get_data begins the next epoch."""
+        self._data_iter = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # As Fuel's: the connection settings, never a socket, a thread or a lock; plus
+        # the position, so that the copy resumes where the original was.
+        return {"config": dict(self._config), "state": self.state_dict()}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self.__init__(**saved["config"])  # type: ignore[misc]
+        if saved["state"].get("run"):
+            self.load_state_dict(saved["state"])
 
     @property
     def skipped_shards(self) -> int:
@@ -305,6 +406,7 @@ class ServerDataStream:
             on_bad_frame=self.on_bad_frame,
             stall_s=self.stall_s,
             stats=self._stats,
+            prepare=self._prep,
         )
         self._reader.start()
 
@@ -315,6 +417,12 @@ class ServerDataStream:
             self._client.delete(*names[i : i + 500])
 
     def _iterate(self, epoch: int, as_dict: bool) -> Iterator[Any]:
+        for frame in self._iterate_frames(epoch):
+            yield frame.as_dict() if as_dict else frame.data
+
+    def _iterate_frames(self, epoch: int) -> Iterator[Frame]:
+        """The frames of ``epoch`` in hand-out order (what wrappers such as the torch
+        adapter read; the yielded ones count as consumed in :meth:`state_dict`)."""
         reader, ledger = self._reader, self._ledger
         if reader is None or ledger is None:  # pragma: no cover - _start sets both
             raise BatchQueueError("the reader did not start")
@@ -337,8 +445,10 @@ class ServerDataStream:
                 self.producers_seen[frame.producer] += 1
                 if bar is not None:
                     bar.update(self._stats.snapshot())
+                for message in self._prep.take_warnings():
+                    warnings.warn(message, UserWarning, stacklevel=3)
                 handed_out = time.monotonic()
-                yield frame.as_dict() if as_dict else frame.data
+                yield frame
         finally:
             if bar is not None:
                 bar.close()
