@@ -169,11 +169,7 @@ class ServerDataStream:
             FrameError: a frame failed validation (with on_bad_frame='raise').
             TrainerConflict: another trainer holds the queue.
         """
-        if self._closed:
-            raise BatchQueueError("this ServerDataStream is closed")
-        self._start()
-        self.epoch += 1
-        return self._iterate(self.epoch, as_dict)
+        return self._iterate(self._open_epoch(), as_dict)
 
     def __len__(self) -> int:
         """Batches per epoch, from the run's plan (waits for a producer to publish it)."""
@@ -416,13 +412,29 @@ class ServerDataStream:
         for i in range(0, len(names), 500):
             self._client.delete(*names[i : i + 500])
 
-    def _iterate(self, epoch: int, as_dict: bool) -> Iterator[Any]:
-        for frame in self._iterate_frames(epoch):
+    def _open_epoch(self) -> Iterator[Frame]:
+        """Begin the next epoch: its frames (what wrappers such as the torch adapter read;
+        the yielded ones count as consumed in :meth:`state_dict`)."""
+        if self._closed:
+            raise BatchQueueError("this ServerDataStream is closed")
+        self._start()
+        self.epoch += 1
+        return self._iterate_frames(self.epoch)
+
+    def _frame_ready(self) -> bool:
+        """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
+        reader, ledger = self._reader, self._ledger
+        if reader is None or ledger is None:
+            return False
+        with reader.cond:
+            return reader.error is not None or ledger.epoch_done() or ledger.next_frame_ready()
+
+    @staticmethod
+    def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:
+        for frame in frames:
             yield frame.as_dict() if as_dict else frame.data
 
     def _iterate_frames(self, epoch: int) -> Iterator[Frame]:
-        """The frames of ``epoch`` in hand-out order (what wrappers such as the torch
-        adapter read; the yielded ones count as consumed in :meth:`state_dict`)."""
         reader, ledger = self._reader, self._ledger
         if reader is None or ledger is None:  # pragma: no cover - _start sets both
             raise BatchQueueError("the reader did not start")
