@@ -318,6 +318,7 @@ class Reader(threading.Thread):
             replies = execute_pipeline(
                 self.client, lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs]
             )
+        if refs:
             for (i, key), value in zip(refs, replies, strict=True):
                 if value is None:
                     element = out[i][1]

@@ -96,7 +96,7 @@ def _fallback(client: redis.Redis, keys: list[str]) -> list[memoryview | None]:
 
 
 class _BulkReader:
-    """Reads RESP2 bulk-string replies, each payload straight into its own buffer."""
+    """Reads bulk-string replies (RESP2 or RESP3), each payload straight into its own buffer."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -125,6 +125,8 @@ class _BulkReader:
         kind, rest = line[:1], line[1:]
         if kind == b"-":
             return redis.ResponseError(rest.decode("utf-8", "replace"))
+        if kind == b"_":  # RESP3's null (redis-py 8 speaks RESP3 where the server does)
+            return None
         if kind != b"$":
             raise redis.ConnectionError(f"unexpected reply {line[:64]!r} to GETDEL")
         size = int(rest)

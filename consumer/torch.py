@@ -288,6 +288,10 @@ def _refuse_loader_workers(frame: FrameType | None) -> None:
                 raise _workers_error(workers)
         loader = names.get("loader")
         if isinstance(loader, DataLoader) and loader.num_workers > 0:
+            # The half-built iterator's __del__ reads _shutdown: mark it shut, so that
+            # our error is the only one the user sees.
+            if owner is not None and not hasattr(owner, "_shutdown"):
+                owner._shutdown = True
             raise _workers_error(loader.num_workers)
         frame = frame.f_back
 
