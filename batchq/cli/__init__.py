@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from batchq.cli.factory_args import add_factory_args
 from batchq.connection import ENV_URL
 from batchq.errors import BatchQueueError
 
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "after epoch, until the trainer finishes the run (exit 0) or SIGTERM/SIGINT.",
     )
     serve.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. mypkg.data:make_stream")
+    add_factory_args(serve)
     _add_url(serve)
     serve.add_argument("--queue", default="default", help="the queue's name")
     serve.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import threading
 from typing import Any
 
+from batchq.cli.factory_args import ENV_ARGS, call_factory
 from batchq.connection import ENV_URL, resolve_url
 from batchq.errors import ConfigError
 from batchq.procs import spawn, stop_group
@@ -49,7 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _supervise(args, url)
     from producer import start_server
 
-    stream = load_factory(args.factory)()
+    stream = call_factory(load_factory(args.factory), args.factory, args.factory_args)
     return start_server(
         stream,
         hwm=args.hwm,
@@ -83,6 +85,7 @@ def _supervise(args: argparse.Namespace, url: str) -> int:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]
     # The URL may hold a password: pass it in the environment, not on command lines.
     env = {**os.environ, ENV_URL: url}
+    env[ENV_ARGS] = json.dumps(args.factory_args)  # the factory's arguments, same way
     procs = [spawn(argv, env=env) for _ in range(args.workers)]
     stopping = threading.Event()
 

@@ -54,9 +54,9 @@ def test_an_unknown_source_raises_naming_what_is_served(
     redis_url: str, queue_name: str, producer_thread: Callable[..., Any]
 ) -> None:
     producer_thread(numbered(60, 20, shuffled=False))
-    with trainer(redis_url, queue_name, ("features", "labels")) as stream:
-        with pytest.raises(ConfigError) as info:
-            next(iter(stream.get_epoch_iterator()))
+    stream = trainer(redis_url, queue_name, ("features", "labels"))
+    with stream, pytest.raises(ConfigError) as info:
+        next(iter(stream.get_epoch_iterator()))
     message = str(info.value)
     assert "'labels'" in message
     assert "['features', 'targets']" in message
@@ -79,10 +79,10 @@ def test_declared_dtypes_are_cast_with_one_warning_per_source(
     # The producers send int64 for both sources.
     producer_thread(numbered(100, 20, shuffled=False))
     dtypes = {"features": "float32", "targets": np.int32}
-    with trainer(redis_url, queue_name, ("features", "targets"), dtypes=dtypes) as stream:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            batches = list(stream.get_epoch_iterator()) + list(stream.get_epoch_iterator())
+    stream = trainer(redis_url, queue_name, ("features", "targets"), dtypes=dtypes)
+    with stream, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(stream.get_epoch_iterator()) + list(stream.get_epoch_iterator())
     assert len(batches) == 10
     for features, targets in batches:
         assert features.dtype == np.float32
@@ -98,10 +98,10 @@ def test_no_warning_when_the_dtype_already_matches(
     redis_url: str, queue_name: str, producer_thread: Callable[..., Any]
 ) -> None:
     producer_thread(numbered(40, 20, shuffled=False))
-    with trainer(redis_url, queue_name, ("features",), dtypes={"features": "int64"}) as stream:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            (features,) = next(iter(stream.get_epoch_iterator()))
+    stream = trainer(redis_url, queue_name, ("features",), dtypes={"features": "int64"})
+    with stream, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (features,) = next(iter(stream.get_epoch_iterator()))
     assert features.dtype == np.int64
     assert not features.flags.writeable  # no cast: still the zero-copy view
 

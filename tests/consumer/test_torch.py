@@ -53,15 +53,14 @@ def served(request: Any, producer_thread: Callable[..., Any]) -> str:
 def test_tensors_are_writable_without_a_warning(
     redis_url: str, queue_name: str, served: str
 ) -> None:
-    with TorchStream(stream_of(redis_url, queue_name)) as ts:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            batches = list(ts.get_epoch_iterator())
-            for features, targets in batches:
-                assert isinstance(features, torch.Tensor)
-                assert features.dtype == torch.int64 and features.shape == (BATCH, FEATURES)
-                features.add_(1)  # in place, no warning
-                targets.mul_(2)
+    with TorchStream(stream_of(redis_url, queue_name)) as ts, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batches = list(ts.get_epoch_iterator())
+        for features, targets in batches:
+            assert isinstance(features, torch.Tensor)
+            assert features.dtype == torch.int64 and features.shape == (BATCH, FEATURES)
+            features.add_(1)  # in place, no warning
+            targets.mul_(2)
     assert len(batches) == PER_EPOCH
 
 
