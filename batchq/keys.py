@@ -6,7 +6,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:meta         HASH    protocol version, run id, fingerprint, hwm, shards per
                                 epoch (S), window (W), next shard to mint, the trainer's
                                 floor, the trainer's claim (token, deadline, fence),
-                                finished flag, batches per epoch
+                                finished flag, batches per epoch, the pipeline's axis
+                                labels (JSON source -> axis names, set by producers)
     bq:{Q}:data         LIST    frames (or references to frames): producers push left,
                                 the trainer pops right; LLEN is the queue's depth
     bq:{Q}:wake         LIST    wake-up tokens for producers blocked at the hwm or at the
