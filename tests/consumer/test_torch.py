@@ -294,3 +294,30 @@ def test_cuda_pin_memory_gives_pinned_cpu_tensors(
         batches = list(ts)
         assert all(f.is_pinned() for f, _ in batches)
         assert [examples_of(f.numpy()) for f, _ in batches] == reference(1)
+
+
+def test_the_example_trains_checkpoints_and_resumes(
+    redis_url: str,
+    queue_name: str,
+    producer_thread: Callable[..., Any],
+    tmp_path: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from examples import train_torch
+
+    producer_thread(train_torch.make_stream(seed=3, examples=640, batch_size=64))
+    ckpt = str(tmp_path / "ckpt.pt")
+    common = ["--url", redis_url, "--queue", queue_name, "--device", "cpu"]
+    with pytest.warns(UserWarning, match="cast"):
+        assert train_torch.main([*common, "--epochs", "1", "--checkpoint", ckpt]) == 0
+    saved = torch.load(ckpt)
+    assert saved["data"]["epoch"] == 1 and set(saved) == {"model", "opt", "data"}
+    with pytest.warns(UserWarning, match="cast"):  # float64 from the producers
+        code = train_torch.main([*common, "--epochs", "3", "--checkpoint", ckpt, "--finish"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "resumed at epoch 1" in out
+    accuracies = [float(line.split()[-1]) for line in out.splitlines() if "accuracy" in line]
+    assert len(accuracies) == 3  # epoch 0, then epochs 1 and 2 after the resume
+    assert accuracies[-1] > 0.5  # the patterns are learnable: it really trains
+    assert torch.load(ckpt)["data"]["epoch"] == 3
