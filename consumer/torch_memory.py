@@ -109,6 +109,13 @@ class PinnedPool:
     def copy_in(self, value: Any) -> Any:
         """``value`` (a numpy array or a tensor) copied into a pool buffer, as a tensor;
         other values unchanged."""
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.size:
+            dtype = _torch_dtype(value.dtype)
+            if dtype is None:
+                return value
+            out = self.take(value.nbytes).view(dtype).view(value.shape)
+            np.copyto(out.numpy(), value, casting="no")  # reads the array, writable or not
+            return out
         tensor = to_tensor(value)
         if not isinstance(tensor, torch.Tensor) or tensor.is_pinned() or tensor.numel() == 0:
             return tensor
@@ -116,6 +123,18 @@ class PinnedPool:
         out = self.take(nbytes).view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor)
         return out
+
+
+_TORCH_DTYPES: dict[np.dtype[Any], torch.dtype | None] = {}
+
+
+def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype | None:
+    if dtype not in _TORCH_DTYPES:
+        try:
+            _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        except TypeError:  # e.g. a non-native byte order
+            _TORCH_DTYPES[dtype] = None
+    return _TORCH_DTYPES[dtype]
 
 
 def _module_for(device: torch.device) -> ModuleType | None:

@@ -321,3 +321,61 @@ def test_the_example_trains_checkpoints_and_resumes(
     assert len(accuracies) == 3  # epoch 0, then epochs 1 and 2 after the resume
     assert accuracies[-1] > 0.5  # the patterns are learnable: it really trains
     assert torch.load(ckpt)["data"]["epoch"] == 3
+
+
+def test_reader_side_pinning_reuses_the_pool_and_spares_held_batches(
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Any]
+) -> None:
+    # The pinned path with a plain allocator standing in for pinned memory.
+    producer_thread(numbered(EXAMPLES, BATCH), inline_max_bytes=1024)
+    ts = TorchStream(stream_of(redis_url, queue_name, hwm=2))
+    ts.pool = PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8), max_buffers=16)
+    ts.stream._prep.hooks.append(ts._pin)
+    expected = reference(3)
+    with ts:
+        epochs = [[(f, t) for f, t in ts] for _ in range(3)]
+        held = epochs[0][0]  # kept while two more epochs go through the pool
+        got = [examples_of(f.numpy()) for epoch in epochs for f, _ in epoch]
+    assert got == expected
+    assert examples_of(held[0].numpy()) == held[1].tolist() == expected[0]
+    assert ts.pool.reused == 0  # every batch of the three epochs is still referenced
+    del epochs, held
+    with TorchStream(stream_of(redis_url, queue_name + "-2")) as other:
+        assert other.pool is None  # pin_memory defaults to False on the CPU
+
+
+def test_pinning_hook_reuses_buffers_once_batches_are_dropped() -> None:
+    pool = PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8), max_buffers=4)
+    ts = TorchStream(ServerDataStream(("x",), False))
+    ts.pool = pool
+    from batchq import codec
+
+    def frame(value: int) -> Any:
+        raw = codec.encode_frame(
+            codec.FrameKind.BATCH, run="r", epoch=0, shard=value, k=0, producer="p",
+            sources=["x"], data=[np.full((4, 4), value, dtype=np.float32)],
+        )  # fmt: skip
+        return codec.decode_frame(bytes(raw))
+
+    kept = ts._pin(frame(1)).data[0]
+    for value in range(2, 12):  # dropped at once: the same buffer again and again
+        assert ts._pin(frame(value)).data[0].tolist() == [[float(value)] * 4] * 4
+    assert kept.tolist() == [[1.0] * 4] * 4
+    assert pool.allocated == 2 and pool.reused == 9
+
+
+def test_a_failing_shard_raises_after_the_batches_before_it_with_prefetch(
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Any]
+) -> None:
+    from pipelines import FailOnExample
+
+    from batchq.errors import ProducerFailed
+
+    producer_thread(FailOnExample(numbered(EXAMPLES, BATCH, shuffled=False), bad=70))
+    ts = TorchStream(stream_of(redis_url, queue_name), prefetch=6)
+    ts.mover = DeviceMover(torch.device("cpu"), backend=torch.cpu)
+    got = []
+    with ts, pytest.raises(ProducerFailed):
+        for features, _ in ts:
+            got.append(examples_of(features.numpy()))
+    assert got == [list(range(i, i + BATCH)) for i in range(0, 60, BATCH)]
