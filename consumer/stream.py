@@ -287,7 +287,10 @@ class ServerDataStream:
     def sources(self, value: Sequence[str]) -> None:
         if self._reader is not None:
             raise ConfigError("sources cannot change once the stream has started")
-        self._prep = FramePrep(value, self._prep.dtypes, self.keys.queue, writable=self.writable)
+        prep = FramePrep(value, self._prep.dtypes, self.keys.queue, writable=self.writable)
+        prep.hooks = self._prep.hooks  # the torch adapter's, if it wraps this stream
+        self._prep = prep
+        self._config["sources"] = prep.sources
 
     @property
     def axis_labels(self) -> dict[str, Any] | None:
