@@ -56,7 +56,7 @@ LOOPS = ("touch", "copy")
 warnings.filterwarnings("ignore", message="This DataLoader will create")
 
 
-class PrebuiltBatches(Dataset):  # type: ignore[type-arg]
+class PrebuiltBatches(Dataset):
     """``length`` items, each the same pre-built batch (numpy; the loader makes tensors)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: str, length: int) -> None:
