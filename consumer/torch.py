@@ -253,6 +253,8 @@ def _replace_data(frame: Any, data: tuple[Any, ...]) -> Any:
 
 def _check_device(device: torch.device) -> None:
     module: ModuleType | None = getattr(torch, device.type, None)
+    if device.type == "mps":  # its availability lives in torch.backends
+        module = torch.backends.mps
     available = getattr(module, "is_available", None)
     if module is None or not callable(available) or not available():
         raise ConfigError(
