@@ -12,13 +12,17 @@ For each batch shape, in the same run against the same redis-server, alternating
 
 The loop either touches one element of each batch (``touch``) or copies the whole batch
 (``copy``: numpy's copy, over the tensor's memory for tensors, so that every kind does
-the same work). The clock starts once the first batch
-has arrived (the DataLoader's workers are started before). Printed: batches/s (median
-and best), and the ratios torch/loader, stream/loader and torch/stream; the issue's goal
+the same work). The clock starts once the first batch has arrived (the DataLoader's
+workers are started before). Printed: batches/s (median of the repeats), the trainer's
+CPU per batch, and the ratios torch/loader, stream/loader and torch/stream; the issue's goal
 for this adapter is that torch/stream stays >= 0.98 (at most 2 % added to batchq's own
-time). Figures are printed, never asserted.
+time). Because separate runs swing with the machine's load, the overhead is also
+measured *paired* (first): two producers run all along, one per queue, and each round
+reads ``--chunk`` batches through a plain stream, then as many through a TorchStream;
+the median of the per-round ratios torch/stream is printed. Figures are printed, never
+asserted.
 
-    python bench/torch_loader.py [--url URL] [--repeats 3] [--seconds 4] [--json]
+    python bench/torch_loader.py [--url URL] [--repeats 3] [--seconds 4] [--rounds 20] [--json]
 """
 
 from __future__ import annotations
@@ -140,11 +144,63 @@ def measure(
         batches.close()  # type: ignore[attr-defined]
 
 
+def _serve(url: str, shape: tuple[int, ...], dtype: str, args: Any) -> tuple[Any, str]:
+    queue = f"bench-torch-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, env.get("PYTHONPATH")) if p)
+    env |= {ENV_SHAPE: ",".join(map(str, shape)), ENV_DTYPE: dtype}
+    env[ENV_BATCHES] = str(args.epoch_batches)
+    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
+    argv += ["streams:constant_stream", "--url", url, "--queue", queue]
+    argv += ["--hwm", str(args.hwm), "--requests-per-shard", "1"]
+    return spawn(argv, env=env), queue
+
+
+def overhead(url: str, shape: tuple[int, ...], dtype: str, args: Any) -> list[float]:
+    """Paired rounds: ``--chunk`` batches through a plain stream, then as many through a
+    TorchStream, each fed by its own producer running all along (so both see the same
+    machine); returns the per-round ratios torch/stream of batches/s (loop: touch)."""
+    started = [_serve(url, shape, dtype, args) for _ in range(2)]
+    plain = ServerDataStream(("x",), url=url, queue=started[0][1], hwm=args.hwm, timeout_s=30)
+    wrapped = TorchStream(
+        ServerDataStream(("x",), url=url, queue=started[1][1], hwm=args.hwm, timeout_s=30)
+    )
+
+    def forever(source: Any) -> Iterator[Any]:
+        while True:
+            yield from source.get_epoch_iterator()
+
+    feeds = [forever(plain), forever(wrapped)]
+    try:
+        for feed in feeds:
+            _touch(next(feed))
+        ratios = []
+        for _ in range(args.rounds):
+            rates = []
+            for feed in feeds:
+                t0 = time.perf_counter()
+                for _ in range(args.chunk):
+                    _touch(next(feed))
+                rates.append(args.chunk / (time.perf_counter() - t0))
+            ratios.append(rates[1] / rates[0])
+        return ratios
+    finally:
+        plain.close(finished=True)
+        wrapped.close(finished=True)
+        for proc, _ in started:
+            stop_group(proc, timeout_s=5.0)
+
+
 def bench(url: str, args: Any) -> dict[str, Any]:
     """Every shape and loop, the kinds alternating within each repeat."""
     results: dict[str, Any] = {}
     for label, shape, dtype in SHAPES:
-        for loop in args.loops.split(","):
+        if args.rounds:
+            ratios = overhead(url, shape, dtype, args)
+            results[f"{label} paired"] = {"torch_vs_stream_rounds": ratios}
+            print(f"  {label:<20} paired torch/stream over {len(ratios)} rounds: median "
+                  f"{statistics.median(ratios):.3f}", flush=True)  # fmt: skip
+        for loop in [x for x in args.loops.split(",") if x]:
             rates: dict[str, list[float]] = {k: [] for k in KINDS}
             cpus: dict[str, list[float]] = {k: [] for k in KINDS}
             for rep in range(1, args.repeats + 1):
@@ -177,12 +233,21 @@ def print_table(results: dict[str, Any]) -> None:
     head += f"{'CPU ms/batch stream torch':>28}"
     print(f"\n{head}\n{'-' * len(head)}")
     for case, r in results.items():
+        if "median" not in r:
+            continue
         m = r["median"]
         print(
             f"{case:<28}{m['loader']:9.1f}{m['stream']:9.1f}{m['torch']:9.1f}"
             f"{r['torch_vs_loader']:14.2f}{r['stream_vs_loader']:15.2f}{r['torch_vs_stream']:14.3f}"
             f"{r['median_cpu_ms']['stream']:16.2f}{r['median_cpu_ms']['torch']:7.2f}"
         )
+    for case, r in results.items():
+        if "torch_vs_stream_rounds" in r:
+            rounds = sorted(r["torch_vs_stream_rounds"])
+            print(
+                f"{case:<28} torch/stream per round: median {statistics.median(rounds):.3f}, "
+                f"quartiles {rounds[len(rounds) // 4]:.3f}-{rounds[3 * len(rounds) // 4]:.3f}"
+            )
     print(
         "\nGoal (issue 13): torch/stream >= 0.98, i.e. the adapter adds at most 2 % to "
         "batchq's own time (also compare the trainer's CPU per batch, less noisy)."
@@ -197,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per kind and case")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per run")
     p.add_argument("--epoch-batches", type=int, default=200, help="batches per epoch")
-    p.add_argument("--loops", default=",".join(LOOPS), help="touch,copy (or one of them)")
+    p.add_argument("--loops", default=",".join(LOOPS), help="touch,copy, one, or ''")
+    p.add_argument("--rounds", type=int, default=20, help="paired overhead rounds (0: none)")
+    p.add_argument("--chunk", type=int, default=30, help="batches per side of a round")
     p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
     args = p.parse_args(argv)
     load0 = os.getloadavg()[0]
