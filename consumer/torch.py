@@ -15,8 +15,8 @@ imports this module.
   waits for each copy's event before it gets the batch.
 * A ``torch.utils.data.IterableDataset``: ``DataLoader(ts, batch_size=None,
   num_workers=0)`` works (the producers are the workers); ``num_workers > 0`` raises
-  :class:`DataLoaderWorkersError` in the main process when the DataLoader is built (or
-  its iterator, if ``num_workers`` was changed after), before any worker starts.
+  :class:`DataLoaderWorkersError` in the main process when the loader's iterator is made
+  (``iter(loader)``, the first ``for``), before any worker process starts.
 * ``state_dict()`` / ``load_state_dict()`` delegate to the stream, counting only the
   batches the loop has received (not those prefetched): torchdata's
   ``StatefulDataLoader`` checkpoints and resumes through them.
@@ -177,8 +177,8 @@ class TorchStream(IterableDataset):
     def __repr__(self) -> str:
         return f"TorchStream({self.stream!r}, device={str(self.device)!r})"
 
-    # A DataLoader with workers is refused where it asks whether this is a datapipe: the
-    # isinstance checks in DataLoader.__init__ and in its iterator's read __class__.
+    # A DataLoader with workers is refused where its iterator asks whether this is a
+    # datapipe: isinstance reads __class__, before any worker process starts.
     @property  # type: ignore[misc]
     def __class__(self) -> type:
         _refuse_loader_workers(sys._getframe(1))
@@ -278,16 +278,17 @@ def _workers_error(num_workers: int) -> DataLoaderWorkersError:
 
 
 def _refuse_loader_workers(frame: FrameType | None) -> None:
-    """Raise if a DataLoader with workers is being built or iterated over us."""
-    for _ in range(4):  # isinstance -> abc's __instancecheck__ -> the DataLoader's code
+    """Raise if a DataLoader iterator with workers is being made over us.
+
+    Its base class's ``__init__`` checks ``isinstance(self._dataset, IterDataPipe)`` (in
+    torch's DataLoader and torchdata's StatefulDataLoader alike) before the multi-process
+    iterator starts a single worker: the error comes from there, at ``iter(loader)``.
+    """
+    for _ in range(4):  # isinstance -> abc's __instancecheck__ -> the iterator's code
         if frame is None:
             return
         names = frame.f_locals
         owner = names.get("self")
-        if isinstance(owner, DataLoader) and frame.f_code.co_name == "__init__":
-            workers = names.get("num_workers", getattr(owner, "num_workers", 0))
-            if isinstance(workers, int) and workers > 0:
-                raise _workers_error(workers)
         loader = names.get("loader")
         if isinstance(loader, DataLoader) and loader.num_workers > 0:
             # The half-built iterator's __del__ reads _shutdown: mark it shut, so that

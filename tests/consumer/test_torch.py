@@ -128,17 +128,21 @@ def test_dataloader_with_no_workers_serves_epochs(
 @pytest.mark.parametrize("workers", [1, 2])
 def test_dataloader_with_workers_is_refused_before_any_worker_starts(workers: int) -> None:
     ts = TorchStream(ServerDataStream(("features",), False))
+    loader = torch.utils.data.DataLoader(ts, batch_size=None, num_workers=workers)
     with pytest.raises(DataLoaderWorkersError, match=f"num_workers={workers}") as info:
-        torch.utils.data.DataLoader(ts, batch_size=None, num_workers=workers)
+        for _ in loader:
+            pass
     assert "num_workers=0" in str(info.value)
     assert isinstance(info.value, ValueError)
     assert multiprocessing.active_children() == []
+    with pytest.raises(DataLoaderWorkersError):  # every time, not only the first
+        iter(loader)
 
 
-def test_workers_set_after_the_loader_was_built_are_refused_at_iter() -> None:
+def test_stateful_dataloader_with_workers_is_refused_too() -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
     ts = TorchStream(ServerDataStream(("features",), False))
-    loader = torch.utils.data.DataLoader(ts, batch_size=None)
-    loader.num_workers = 2
+    loader = stateful.StatefulDataLoader(ts, batch_size=None, num_workers=2)
     with pytest.raises(DataLoaderWorkersError):
         iter(loader)
     assert multiprocessing.active_children() == []
