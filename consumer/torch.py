@@ -9,7 +9,8 @@ imports this module.
   in-place change to one batch never shows in another.
 * ``pin_memory=True``: the reader thread copies each batch into pinned memory taken from
   a reused pool (:class:`consumer.torch_memory.PinnedPool`); the training thread never
-  pins. Without an accelerator it warns once and delivers unpinned batches.
+  pins. Without an accelerator it warns once (at the first epoch, as a DataLoader warns
+  when iterated) and delivers unpinned batches.
 * ``device='cuda:0'`` (any torch device): the next ``prefetch`` batches are copied with
   ``non_blocking=True`` on a side stream while the loop trains, and the loop's stream
   waits for each copy's event before it gets the batch.
@@ -117,12 +118,14 @@ class TorchStream(IterableDataset):
             pin_memory = self.device.type != "cpu"
         self.pin_memory = bool(pin_memory)
         self.pool: PinnedPool | None = None
+        self._warn_unpinned = False
         if self.pin_memory:
             if torch.accelerator.is_available():
                 self.pool = PinnedPool(max_buffers=pool_buffers)
                 stream._prep.hooks.append(self._pin)
             else:
-                warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=2)
+                # Warned at the first epoch, as a DataLoader warns when it is iterated.
+                self._warn_unpinned = True
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
         self._held: Counter[int] = Counter()  # shard -> batches pulled, not yet yielded
 
@@ -194,6 +197,9 @@ class TorchStream(IterableDataset):
         return _replace_data(frame, tuple(pool.copy_in(v) for v in frame.data))
 
     def _epoch(self, as_dict: bool) -> Iterator[Any]:
+        if self._warn_unpinned:
+            self._warn_unpinned = False
+            warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=3)
         frames = self.stream._open_epoch()
         self._held.clear()
         mover = self.mover

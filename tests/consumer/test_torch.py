@@ -160,9 +160,9 @@ def test_pin_memory_without_an_accelerator_warns_once_and_delivers(
     if torch.accelerator.is_available():
         pytest.skip("this machine has an accelerator: batches are pinned")
     producer_thread(numbered(EXAMPLES, BATCH))
+    ts = TorchStream(stream_of(redis_url, queue_name), pin_memory=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ts = TorchStream(stream_of(redis_url, queue_name), pin_memory=True)
         with ts:
             got = [examples_of(f.numpy()) for _ in range(2) for f, _ in ts]
     assert got == reference(2)
