@@ -8,7 +8,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 floor, the trainer's claim (token, deadline, fence),
                                 finished flag, batches per epoch, the trainer's
                                 shared-memory host identity (``shm_host``, see
-                                :mod:`batchq.shm`)
+                                :mod:`batchq.shm`), the pipeline's axis labels (JSON
+                                source -> axis names, set by producers)
     bq:{Q}:data         LIST    frames (or references to frames): producers push left,
                                 the trainer pops right; LLEN is the queue's depth
     bq:{Q}:wake         LIST    wake-up tokens for producers blocked at the hwm or at the

@@ -177,17 +177,25 @@ class Ledger:
             state.count = had
         self._note(epoch, state, was_complete)
 
-    def consumed(self) -> tuple[int, dict[int, int], list[int]]:
+    def consumed(
+        self, held_back: dict[int, int] | None = None
+    ) -> tuple[int, dict[int, int], list[int]]:
         """What the caller has been handed: (epoch, batches per shard, shards done).
 
         If the current epoch was handed out completely, that is the next epoch, empty.
+
+        Args:
+            held_back: shard -> batches of the current epoch handed out to a wrapper
+                that prefetches (the torch adapter) and not yet to its caller: they
+                count as not consumed.
         """
-        if self.epoch_done():
+        held_back = held_back or {}
+        if self.epoch_done() and not held_back:
             return self.epoch + 1, {}, []
         counts: dict[int, int] = {}
         done: list[int] = []
         for shard, state in sorted(self._epochs.get(self.epoch, {}).items()):
-            n = state.skip + state.given
+            n = state.skip + state.given - held_back.get(shard, 0)
             if n:
                 counts[shard] = n
             if state.count is not None and n >= state.count and state.error is None:

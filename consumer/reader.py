@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -36,6 +37,7 @@ from batchq.scripts import SCRIPTS, execute_pipeline
 from batchq.shm import is_descriptor
 from consumer.guards import ReaderGuards, ref_error
 from consumer.ledger import Ledger
+from consumer.receive import getdel_into
 from consumer.session import Session
 from consumer.shm_frames import TrainerShm
 from consumer.stats import TrainerStats
@@ -60,12 +62,15 @@ class Reader(ReaderGuards, threading.Thread):
         ledger: where frames go.
         hwm: the trainer's prefetch bound (frames held but not handed out).
         timeout_s: raise ProducersLost after this long with no producer alive.
-        writable: decode into writable copies instead of read-only views.
+        writable: writable arrays: frames stored by reference are received into buffers
+            of their own (no copy); frames inside the list are copied once.
         max_frame_bytes: frames above this go to the dead list without being decoded.
         on_bad_frame: 'raise' (the iterator raises FrameError) or 'skip'.
         stall_s: after this long without a frame while the trainer waits, reap dead
             producers and hand shards with a gap back to the work list.
         stats: the trainer's figures, drained into each pop script call.
+        prepare: applied to each frame of this run before it is filed (the trainer's
+            sources, dtypes and hooks: :class:`consumer.prepare.FramePrep`).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Reader(ReaderGuards, threading.Thread):
         stall_s: float = 5.0,
         stats: TrainerStats | None = None,
         shm: TrainerShm | None = None,
+        prepare: Callable[[codec.Frame], codec.Frame] | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -94,6 +100,7 @@ class Reader(ReaderGuards, threading.Thread):
         self.writable = writable
         self.max_frame_bytes = max_frame_bytes
         self.on_bad_frame = on_bad_frame
+        self.prepare = prepare
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.waiting_since: float | None = None  # set by the iterator while it waits
@@ -351,10 +358,13 @@ class Reader(ReaderGuards, threading.Thread):
         if refs and self.max_frame_bytes is not None:
             refs = self._refuse_oversized(refs, out)
         if refs:
-            replies = execute_pipeline(
-                self.client,
-                lambda pipe: [pipe.execute_command("GETDEL", k) for _, k in refs],
-                raise_on_error=False,
+            # Straight from the socket into buffers the trainer owns: no copy in redis-py
+            # (half the trainer's CPU per 12.6 MB frame, bench/torch_loader.py), and
+            # writable arrays need none either. A key of another type answers an error
+            # in its place (a bad frame below), not for the whole round.
+            names = [k for _, k in refs]
+            replies: list[Any] = call(
+                lambda: getdel_into(self.client, names, raise_on_error=False), "fetching frames"
             )
             for (i, key), value in zip(refs, replies, strict=True):
                 element = out[i][1]
@@ -400,16 +410,18 @@ class Reader(ReaderGuards, threading.Thread):
             if raw is None:
                 continue
             self._bytes += len(raw)
+            # A buffer of its own (memoryview) is made writable in place by prepare.
+            copy = self.writable and isinstance(raw, bytes)
             try:
-                frame = codec.decode_frame(
-                    raw, writable=self.writable, max_frame_bytes=self.max_frame_bytes
-                )
+                frame = codec.decode_frame(raw, writable=copy, max_frame_bytes=self.max_frame_bytes)
             except FrameError as e:
-                self._dead(raw if len(raw) <= 4096 else raw[:4096], e)
+                self._dead(bytes(raw[:4096]), e)
                 continue
             if frame.run != self.session.run:
                 self.ledger.stale += 1
                 continue
+            if self.prepare is not None:
+                frame = self.prepare(frame)
             frames.append((frame, raw))
         if frames:
             self._last_frame = time.monotonic()

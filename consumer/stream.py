@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from batchq.admin import check_eviction_policy
-from batchq.codec import FrameKind
+from batchq.codec import Frame, FrameKind
 from batchq.connection import make_client, resolve_url, retrying, tune_malloc
 from batchq.errors import (
     BatchQueueError,
@@ -27,7 +28,9 @@ from batchq.errors import (
     ProducersLost,
 )
 from batchq.keys import QueueKeys
+from consumer.fuel_stream import FuelStreamMixin
 from consumer.ledger import Ledger
+from consumer.prepare import FramePrep
 from consumer.progress import EpochProgress
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
@@ -39,23 +42,38 @@ __all__ = ["ServerDataStream"]
 log = logging.getLogger(__name__)
 
 
-class ServerDataStream:
+class ServerDataStream(FuelStreamMixin):
     """Batches served by producers through a Redis queue, epoch by epoch.
 
+    It is a Fuel stream: ``get_epoch_iterator``, ``get_data``, ``next_epoch``,
+    ``reset``, ``sources``, ``produces_examples`` and ``axis_labels``, so trainer-side
+    transformers (``ForceFloatX(ServerDataStream(...))``, ``Mapping``, ``Cast``) wrap it;
+    and it pickles as Fuel's does: the connection settings and the position
+    (:meth:`state_dict`), never a socket or a lock. Unpickled, it resumes there.
+
     Args:
-        sources: the names of the sources, in the order batches are yielded.
+        sources: the names of the sources, in the order batches are yielded; a subset
+            of what the producers serve is fine; a name they do not serve raises
+            ConfigError naming those they do. None: the producers' sources, as sent.
         produces_examples: as Fuel's; batchq serves batches, so this is usually False.
         host: Redis host (default localhost; see the connection order in the README).
         port: Redis port (default 6379).
         hwm: how many decoded frames the prefetching reader may hold ahead of the
             caller (the queue's own cap is the run's hwm, set by the producers).
+        axis_labels: as Fuel's (source -> axis names); None takes the producers' (see
+            :attr:`axis_labels`).
+        dtypes: source -> dtype (``{'features': 'float32'}``): what the loop receives is
+            guaranteed; other dtypes are cast on the reader thread, with a warning once
+            per source.
         queue: the queue's name.
         url: a redis:// or rediss:// URL; wins over host/port.
         timeout_s: raise ProducersLost when no producer has been alive this long while
             waiting for data.
         ordered: yield each epoch in plan order (the order the stream yields
             in-process); False yields in arrival order.
-        writable: yield writable copies instead of read-only views.
+        writable: yield writable arrays instead of read-only views: frames stored by
+            reference (over 256 KiB) are received into buffers of their own, which the
+            arrays then own (no copy); smaller frames are copied once.
         claim_ttl_s: the trainer's claim lapses this long after its last heartbeat.
         max_frame_bytes: frames larger than this are refused (dead list).
         on_bad_frame: 'raise' a FrameError for a frame that fails validation, or 'skip'.
@@ -77,7 +95,9 @@ class ServerDataStream:
         host: str | None = None,
         port: int | None = None,
         hwm: int = 10,
+        axis_labels: Mapping[str, Sequence[str] | None] | None = None,
         *,
+        dtypes: Mapping[str, Any] | None = None,
         queue: str = "default",
         url: str | None = None,
         timeout_s: float = 60.0,
@@ -92,18 +112,30 @@ class ServerDataStream:
         transport: str | None = None,
         shm_dir: str | None = None,
     ) -> None:
-        if isinstance(sources, str) or not all(isinstance(s, str) for s in sources):
-            raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of names")
+        self._config = {
+            k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
+        }
+        if sources is not None and (
+            isinstance(sources, str)
+            or not all(isinstance(s, str) for s in sources)
+            or len(set(sources)) != len(sources)
+        ):
+            raise ConfigError(
+                f"sources {sources!r} is not valid: expected a tuple of distinct names"
+            )
         if not isinstance(hwm, int) or hwm < 1:
             raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s {timeout_s!r} is not valid: expected > 0")
         if on_bad_frame not in ("raise", "skip"):
             raise ConfigError(f"on_bad_frame {on_bad_frame!r} is not valid: 'raise' or 'skip'")
-        self.sources = tuple(sources)
-        self.produces_examples = produces_examples
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
+        self._prep = FramePrep(sources, dtypes, queue, writable=writable)
+        self.produces_examples = produces_examples
+        self._axis_labels = None if axis_labels is None else dict(axis_labels)
+        self._config["axis_labels"] = self._axis_labels
+        self._data_iter: Iterator[Any] | None = None  # get_data's epoch
         self.hwm = hwm
         self.timeout_s = timeout_s
         self.ordered = ordered
@@ -145,11 +177,7 @@ class ServerDataStream:
             FrameError: a frame failed validation (with on_bad_frame='raise').
             TrainerConflict: another trainer holds the queue.
         """
-        if self._closed:
-            raise BatchQueueError("this ServerDataStream is closed")
-        self._start()
-        self.epoch += 1
-        return self._iterate(self.epoch, as_dict)
+        return self._iterate(self._open_epoch(), as_dict)
 
     def __len__(self) -> int:
         """Batches per epoch, from the run's plan (waits for a producer to publish it)."""
@@ -219,12 +247,16 @@ class ServerDataStream:
         strings for JSON), ``done`` (shards yielded completely), the run id, the
         pipeline's fingerprint and S.
         """
+        return self._state(None)
+
+    def _state(self, held_back: dict[int, int] | None) -> dict[str, Any]:
+        """:meth:`state_dict`, less batches a wrapper holds (shard -> count)."""
         if self._ledger is None or self._session is None:
             if self._resume is not None:
                 return dict(self._resume)
             return {"version": 1, "queue": self.keys.queue, "run": "", "fingerprint": ""}
         with self._reader_cond():
-            epoch, counts, done = self._ledger.consumed()
+            epoch, counts, done = self._ledger.consumed(held_back)
         plan = self._session.plan
         return {
             "version": 1,
@@ -340,6 +372,7 @@ class ServerDataStream:
             stall_s=self.stall_s,
             stats=self._stats,
             shm=self._shm,
+            prepare=self._prep,
         )
         self._reader.start()
 
@@ -353,7 +386,29 @@ class ServerDataStream:
             chunk = names[i : i + 500]
             self._retry(lambda chunk=chunk: self._client.delete(*chunk), "deleting old frames")
 
-    def _iterate(self, epoch: int, as_dict: bool) -> Iterator[Any]:
+    def _open_epoch(self) -> Iterator[Frame]:
+        """Begin the next epoch: its frames (what wrappers such as the torch adapter read;
+        the yielded ones count as consumed in :meth:`state_dict`)."""
+        if self._closed:
+            raise BatchQueueError("this ServerDataStream is closed")
+        self._start()
+        self.epoch += 1
+        return self._iterate_frames(self.epoch)
+
+    def _frame_ready(self) -> bool:
+        """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
+        reader, ledger = self._reader, self._ledger
+        if reader is None or ledger is None:
+            return False
+        with reader.cond:
+            return reader.error is not None or ledger.epoch_done() or ledger.next_frame_ready()
+
+    @staticmethod
+    def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:
+        for frame in frames:
+            yield frame.as_dict() if as_dict else frame.data
+
+    def _iterate_frames(self, epoch: int) -> Iterator[Frame]:
         reader, ledger = self._reader, self._ledger
         if reader is None or ledger is None:  # pragma: no cover - _start sets both
             raise BatchQueueError("the reader did not start")
@@ -376,8 +431,10 @@ class ServerDataStream:
                 self.producers_seen[frame.producer] += 1
                 if bar is not None:
                     bar.update(self._stats.snapshot())
+                for message in self._prep.take_warnings():
+                    warnings.warn(message, UserWarning, stacklevel=3)
                 handed_out = time.monotonic()
-                yield frame.as_dict() if as_dict else frame.data
+                yield frame
         finally:
             if bar is not None:
                 bar.close()

@@ -7,6 +7,7 @@ process is asked to stop (SIGINT/SIGTERM: its leases go back to the work list fi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -133,6 +134,7 @@ class Producer(ShardPusher):
         self.orphaned = False  # serve() stopped because no trainer claimed the run
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
+        self._axis_labels = _axis_labels_json(stream)  # for the trainer's axis_labels
         self.client = make_client(url)
         self._stop = threading.Event()
         self._incarnation = ""
@@ -309,6 +311,11 @@ class Producer(ShardPusher):
         if self._record_id:
             # Redis tells a killed producer by its closed connection (batchq.reaper).
             self._record_id = record_client(self.client, self.keys, self.id)
+        if self._axis_labels is not None:
+            try:  # a convenience for the trainer (ServerDataStream.axis_labels): best effort
+                self.client.hset(self.keys.meta, "axis_labels", self._axis_labels)
+            except redis.RedisError as e:
+                log.debug("producer %s: axis labels not published: %s", self.id, e)
         self._lease_seq = 0
         self._prefetched = None  # a lease of the run we left is gone
         self._transport.joined(self.client, self._run)
@@ -447,3 +454,14 @@ def start_server(
     finally:
         for sig, handler in installed.items():
             signal.signal(sig, handler)
+
+
+def _axis_labels_json(stream: Any) -> str | None:
+    """The stream's axis labels as the trainer reads them from meta: JSON source ->
+    list of axis names (or null), or None when the stream has none."""
+    labels = getattr(stream, "axis_labels", None)
+    if not labels:
+        return None
+    return json.dumps(
+        {str(s): None if v is None else [str(a) for a in v] for s, v in dict(labels).items()}
+    )

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from batchq.cli.factory_args import add_factory_args
 from batchq.connection import ENV_URL
 from batchq.errors import BatchQueueError
 
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:FACTORY",
         help="e.g. mypkg.data:make_stream (the current folder is on the path, as with python -m)",
     )
+    add_factory_args(serve)
     _add_url(serve)
     serve.add_argument("--queue", default="default", help="the queue's name")
     serve.add_argument(

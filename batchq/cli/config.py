@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+from batchq.cli.factory_args import shown
 from batchq.connection import describe_url
 from batchq.errors import ConfigError
 
@@ -77,6 +78,8 @@ def apply_environment(parser: argparse.ArgumentParser) -> None:
 
 
 def _shown(dest: str, value: Any) -> Any:
+    if isinstance(value, dict):  # serve --arg: the factory's keyword arguments
+        return shown(value, ("password", "secret", "token", "key"))
     if isinstance(value, str) and dest == "url":
         return describe_url(value)
     if isinstance(value, str) and any(w in dest for w in ("password", "secret", "token")):

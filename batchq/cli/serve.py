@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import threading
 from typing import Any
 
 from batchq.autoscale import ScalePolicy
+from batchq.cli.factory_args import ENV_ARGS, call_factory
 from batchq.connection import ENV_URL, make_client, resolve_url
 from batchq.errors import ConfigError
 from batchq.pool import WorkerPool
@@ -52,7 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _supervise(args, url, policy)
     from producer import start_server
 
-    stream = load_factory(args.factory)()
+    stream = call_factory(load_factory(args.factory), args.factory, args.factory_args)
     return start_server(
         stream,
         hwm=args.hwm,
@@ -95,6 +97,7 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]
     # The URL may hold a password: pass it in the environment, not on command lines.
     env = {**os.environ, ENV_URL: url}
+    env[ENV_ARGS] = json.dumps(args.factory_args)  # the factory's arguments, same way
     stopping = threading.Event()
 
     def forward(signum: int, _frame: Any) -> None:

@@ -1,0 +1,312 @@
+"""PyTorch adapter: a ServerDataStream's batches as ``torch.Tensor``s.
+
+Needs the ``torch`` extra (``pip install batchq[torch]``); nothing else in batchq
+imports this module.
+
+* CPU tensors are zero-copy and writable: the stream is switched to ``writable``, so
+  large frames are received into buffers of their own and each tensor owns its frame's
+  memory (small frames are copied once on the reader thread). No buffer is reused: an
+  in-place change to one batch never shows in another.
+* ``pin_memory=True``: the reader thread copies each batch into pinned memory taken from
+  a reused pool (:class:`consumer.torch_memory.PinnedPool`); the training thread never
+  pins. Without an accelerator it warns once (at the first epoch, as a DataLoader warns
+  when iterated) and delivers unpinned batches.
+* ``device='cuda:0'`` (any torch device): the next ``prefetch`` batches are copied with
+  ``non_blocking=True`` on a side stream while the loop trains, and the loop's stream
+  waits for each copy's event before it gets the batch.
+* A ``torch.utils.data.IterableDataset``: ``DataLoader(ts, batch_size=None,
+  num_workers=0)`` works (the producers are the workers); ``num_workers > 0`` raises
+  :class:`DataLoaderWorkersError` in the main process when the loader's iterator is made
+  (``iter(loader)``, the first ``for``), before any worker process starts.
+* ``state_dict()`` / ``load_state_dict()`` delegate to the stream, counting only the
+  batches the loop has received (not those prefetched): torchdata's
+  ``StatefulDataLoader`` checkpoints and resumes through them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping
+from types import FrameType, ModuleType, TracebackType
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from batchq.errors import BatchQueueError, ConfigError
+from consumer.prepare import FramePrep, check_dtypes
+from consumer.stream import ServerDataStream
+from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
+
+__all__ = ["DataLoaderWorkersError", "TorchStream"]
+
+_NO_ACCELERATOR = (
+    "pin_memory=True, but no accelerator is available: batches are delivered in ordinary "
+    "(unpinned) memory"
+)
+
+
+class DataLoaderWorkersError(ConfigError):
+    """A DataLoader with ``num_workers > 0`` around a TorchStream: the producers are the
+    workers, and a queue has one trainer (a worker process would be a second one)."""
+
+
+def _numpy_dtype(source: str, wanted: Any) -> Any:
+    if isinstance(wanted, torch.dtype):
+        try:
+            return torch.empty((), dtype=wanted).numpy().dtype
+        except TypeError:
+            raise ConfigError(
+                f"dtypes[{source!r}] = {wanted} is not valid: numpy has no such dtype, so "
+                "batchq cannot cast to it (cast on the device instead)"
+            ) from None
+    return wanted
+
+
+class TorchStream(IterableDataset):
+    """Yields a :class:`ServerDataStream`'s batches as tuples (or dicts) of tensors.
+
+    Args:
+        stream: the stream to wrap, not started yet (it is switched to writable).
+        as_dict: yield dicts source -> tensor instead of tuples in source order.
+        pin_memory: copy batches into pinned host memory on the reader thread (default:
+            True when ``device`` is an accelerator).
+        device: the device batches are delivered on (``'cuda:0'``...); None or 'cpu':
+            CPU tensors.
+        prefetch: how many batches are on their way to the device ahead of the loop.
+        dtypes: source -> torch or numpy dtype the loop receives (cast on the reader
+            thread, with a warning once per source); added to the stream's own.
+        pool_buffers: the most pinned buffers the pool keeps.
+
+    Raises:
+        ConfigError: the stream has started, the device is not available, or an
+            argument is invalid.
+    """
+
+    def __init__(
+        self,
+        stream: ServerDataStream,
+        *,
+        as_dict: bool = False,
+        pin_memory: bool | None = None,
+        device: str | torch.device | None = None,
+        prefetch: int = 2,
+        dtypes: Mapping[str, Any] | None = None,
+        pool_buffers: int = 64,
+    ) -> None:
+        if not isinstance(stream, ServerDataStream):
+            raise ConfigError(f"stream {stream!r} is not valid: expected a ServerDataStream")
+        if stream._reader is not None:
+            raise ConfigError("wrap the ServerDataStream before its first epoch")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch {prefetch!r} is not valid: expected an integer >= 1")
+        self.stream = stream
+        self.as_dict = as_dict
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type != "cpu":
+            _check_device(self.device)
+        self.prefetch = prefetch
+        merged = dict(stream._prep.dtypes)
+        merged.update(check_dtypes({s: _numpy_dtype(s, d) for s, d in (dtypes or {}).items()}))
+        # Writable frames: each tensor owns its frame's memory (no copy for large frames).
+        stream.writable = True
+        stream._prep = FramePrep(stream._prep.sources, merged, stream.keys.queue, writable=True)
+        if pin_memory is None:
+            pin_memory = self.device.type != "cpu"
+        self.pin_memory = bool(pin_memory)
+        self.pool: PinnedPool | None = None
+        self._warn_unpinned = False
+        if self.pin_memory:
+            if torch.accelerator.is_available():
+                self.pool = PinnedPool(max_buffers=pool_buffers)
+                stream._prep.hooks.append(self._pin)
+            else:
+                # Warned at the first epoch, as a DataLoader warns when it is iterated.
+                self._warn_unpinned = True
+        self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
+        self._held: Counter[int] = Counter()  # shard -> batches pulled, not yet yielded
+
+    # -- what the loop uses ----------------------------------------------------------
+
+    def get_epoch_iterator(self, as_dict: bool | None = None) -> Iterator[Any]:
+        """The next epoch's batches, as tensors (starts the epoch at the first batch)."""
+        return self._epoch(self.as_dict if as_dict is None else as_dict)
+
+    def __iter__(self) -> Iterator[Any]:
+        """One epoch per call (what a DataLoader asks for each epoch)."""
+        _refuse_worker_process()
+        return self._epoch(self.as_dict)
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's :meth:`~ServerDataStream.state_dict`, counting only the batches
+        the loop has received (the prefetched ones come again after a resume)."""
+        return self.stream._state(dict(self._held) if self._held else None)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (before the first batch)."""
+        self.stream.load_state_dict(state)
+
+    def close(self, finished: bool = False) -> None:
+        """Close the stream (see :meth:`ServerDataStream.close`)."""
+        self.stream.close(finished)
+
+    def __enter__(self) -> TorchStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources, in the order tuples hold them."""
+        return self.stream.sources
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The stream's figures."""
+        return self.stream.stats
+
+    def __repr__(self) -> str:
+        return f"TorchStream({self.stream!r}, device={str(self.device)!r})"
+
+    # A DataLoader with workers is refused where its iterator asks whether this is a
+    # datapipe: isinstance reads __class__, before any worker process starts.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        _refuse_loader_workers(sys._getframe(1))
+        return type(self)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _pin(self, frame: Any) -> Any:
+        """Reader-thread hook: the batch's arrays copied into pinned pool buffers."""
+        pool = self.pool
+        if pool is None:
+            return frame
+        return _replace_data(frame, tuple(pool.copy_in(v) for v in frame.data))
+
+    def _epoch(self, as_dict: bool) -> Iterator[Any]:
+        if self._warn_unpinned:
+            self._warn_unpinned = False
+            warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=3)
+        frames = self.stream._open_epoch()
+        self._held.clear()
+        mover = self.mover
+        if mover is None:
+            for frame in frames:
+                yield _shape(frame.sources, tuple(to_tensor(v) for v in frame.data), as_dict)
+            return
+        pending: deque[tuple[int, tuple[str, ...], tuple[Any, ...], Any]] = deque()
+        deferred: BaseException | None = None
+        try:
+            while True:
+                if not pending:
+                    if deferred is not None:
+                        raise deferred
+                    if not self._pull(frames, mover, pending):
+                        return
+                # Top up without waiting: only batches that have arrived already.
+                while deferred is None and len(pending) < self.prefetch:
+                    if not self.stream._frame_ready():
+                        break
+                    try:
+                        if not self._pull(frames, mover, pending):
+                            break
+                    except BatchQueueError as e:  # raised after the batches before it
+                        deferred = e
+                shard, sources, moved, event = pending.popleft()
+                mover.hand_over(moved, event)
+                self._held[shard] -= 1
+                if not self._held[shard]:
+                    del self._held[shard]
+                yield _shape(sources, moved, as_dict)
+        finally:
+            self._held.clear()
+
+    def _pull(
+        self,
+        frames: Iterator[Any],
+        mover: DeviceMover,
+        pending: deque[tuple[int, tuple[str, ...], tuple[Any, ...], Any]],
+    ) -> bool:
+        frame = next(frames, None)
+        if frame is None:
+            return False
+        self._held[frame.shard] += 1
+        moved, event = mover.issue(tuple(to_tensor(v) for v in frame.data))
+        pending.append((frame.shard, frame.sources, moved, event))
+        return True
+
+
+def _shape(sources: tuple[str, ...], values: tuple[Any, ...], as_dict: bool) -> Any:
+    return dict(zip(sources, values, strict=True)) if as_dict else values
+
+
+def _replace_data(frame: Any, data: tuple[Any, ...]) -> Any:
+    return dataclasses.replace(frame, data=data)
+
+
+def _check_device(device: torch.device) -> None:
+    module: ModuleType | None = getattr(torch, device.type, None)
+    if device.type == "mps":  # its availability lives in torch.backends
+        module = torch.backends.mps
+    available = getattr(module, "is_available", None)
+    if module is None or not callable(available) or not available():
+        raise ConfigError(
+            f"device {str(device)!r} is not valid here: torch.{device.type} is not available "
+            "on this machine"
+        )
+    count = getattr(module, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise ConfigError(
+            f"device {str(device)!r} is not valid here: this machine has {count()} "
+            f"{device.type} device(s)"
+        )
+
+
+def _workers_error(num_workers: int) -> DataLoaderWorkersError:
+    return DataLoaderWorkersError(
+        f"DataLoader(num_workers={num_workers}) around a TorchStream: use num_workers=0. "
+        "batchq's producers are the workers (start more with `batchq serve --workers N`); "
+        "a DataLoader worker process would be a second trainer on the queue"
+    )
+
+
+def _refuse_loader_workers(frame: FrameType | None) -> None:
+    """Raise if a DataLoader iterator with workers is being made over us.
+
+    Its base class's ``__init__`` checks ``isinstance(self._dataset, IterDataPipe)`` (in
+    torch's DataLoader and torchdata's StatefulDataLoader alike) before the multi-process
+    iterator starts a single worker: the error comes from there, at ``iter(loader)``.
+    """
+    for _ in range(4):  # isinstance -> abc's __instancecheck__ -> the iterator's code
+        if frame is None:
+            return
+        names = frame.f_locals
+        owner = names.get("self")
+        loader = names.get("loader")
+        if isinstance(loader, DataLoader) and loader.num_workers > 0:
+            # The half-built iterator's __del__ reads _shutdown: mark it shut, so that
+            # our error is the only one the user sees.
+            if owner is not None and not hasattr(owner, "_shutdown"):
+                owner._shutdown = True
+            raise _workers_error(loader.num_workers)
+        frame = frame.f_back
+
+
+def _refuse_worker_process() -> None:
+    # The last line of defence (a DataLoader copy this module does not know).
+    info = torch.utils.data.get_worker_info()
+    if info is not None:
+        raise _workers_error(info.num_workers)
