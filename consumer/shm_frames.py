@@ -79,10 +79,16 @@ class TrainerShm:
         keys: the queue's keys.
         transport: 'auto' or 'redis' (None: ``BATCHQ_TRANSPORT``, else 'auto').
         shm_dir: the shared-memory folder (default /dev/shm).
+        writable: the trainer asked for writable arrays: the owner is writable, so the
+            batch's arrays can be made writable in place (the segment is the batch's own
+            until it is released: the producer does not touch it before), no copy.
     """
 
-    def __init__(self, keys: QueueKeys, transport: str | None, shm_dir: str | None) -> None:
+    def __init__(
+        self, keys: QueueKeys, transport: str | None, shm_dir: str | None, writable: bool = False
+    ) -> None:
         self.keys = keys
+        self.writable = writable
         self.mode = resolve_transport(transport)
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
@@ -160,7 +166,8 @@ class TrainerShm:
             remove_segments(self.shm_dir, self.keys.queue)
 
     def resolve(self, element: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """The frame's bytes for a descriptor: a read-only array owning the batch.
+        """The frame's bytes for a descriptor: an array owning the batch
+        (read-only unless the trainer asked for writable arrays).
 
         Raises:
             FrameError: a bad descriptor (``shm_bad``, ``shm_outside``,
@@ -191,7 +198,7 @@ class TrainerShm:
                 f"the descriptor names generation {desc.gen} of {desc.length}",
             )
         owner = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=HEADER_BYTES)
-        owner.flags.writeable = False
+        owner.flags.writeable = self.writable
         weakref.finalize(owner, _release, mm, desc.gen, path, ino)
         self.frames += 1
         return owner

@@ -161,7 +161,7 @@ class ServerDataStream(FuelStreamMixin):
         self.max_buffered = 0  # the most frames the reader held at once
         self.progress = progress
         self._stats = TrainerStats()
-        self._shm = TrainerShm(self.keys, transport, shm_dir)
+        self._shm = TrainerShm(self.keys, transport, shm_dir, writable=writable)
 
     # -- Fuel's interface --------------------------------------------------------------
 

@@ -113,6 +113,7 @@ class TorchStream(IterableDataset):
         merged.update(check_dtypes({s: _numpy_dtype(s, d) for s, d in (dtypes or {}).items()}))
         # Writable frames: each tensor owns its frame's memory (no copy for large frames).
         stream.writable = True
+        stream._shm.writable = True  # a shared-memory batch's segment is its own too
         stream._prep = FramePrep(stream._prep.sources, merged, stream.keys.queue, writable=True)
         if pin_memory is None:
             pin_memory = self.device.type != "cpu"
