@@ -19,7 +19,9 @@ from batchq.errors import (
     RunChanged,
     RunFinished,
     StateLost,
+    StepMismatch,
     TrainerConflict,
+    WorldSizeMismatch,
     WrongKeyType,
 )
 
@@ -39,7 +41,9 @@ __all__ = [
     "RunChanged",
     "RunFinished",
     "StateLost",
+    "StepMismatch",
     "TrainerConflict",
+    "WorldSizeMismatch",
     "WrongKeyType",
     "__version__",
 ]

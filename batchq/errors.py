@@ -90,6 +90,27 @@ class TrainerConflict(BatchQueueError):
     """Another trainer holds the queue's run (its claim is live)."""
 
 
+class WorldSizeMismatch(ConfigError):
+    """A data-parallel rank's world_size differs from the one the run's live ranks use.
+
+    Attributes:
+        expected: the run's world size.
+        got: this rank's.
+    """
+
+    def __init__(self, queue: str, expected: int, got: int) -> None:
+        super().__init__(
+            f"queue {queue}: world_size {got} does not match the run's live ranks, which "
+            f"use world_size {expected}; expected every rank to pass the same world_size"
+        )
+        self.expected = expected
+        self.got = got
+
+
+class StepMismatch(ConfigError):
+    """Ranks resumed from states of different steps (not one checkpoint)."""
+
+
 class PipelineMismatch(BatchQueueError):
     """A producer's pipeline differs from the run's (fingerprint, hwm or shard count)."""
 

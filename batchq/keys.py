@@ -42,7 +42,12 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:scalelog     LIST    the autoscalers' decisions as JSON, newest first (capped)
     bq:{Q}:frame:<p>:<n> STRING a large frame stored by reference (the data list holds
                                 its name); no TTL once it is in the data list
-    reserved: bq:{Q}:data:<rank> and a ledger per rank, for data-parallel trainers
+    bq:{Q}:data:<r>     LIST    rank r's data list, when a data-parallel trainer of
+                                world > 1 reads the run (batchq/ranks.py); meta then
+                                holds world, even and per-rank fields '<name>:<r>'
+                                (claim, claim_deadline, claimed, done, next, floor)
+    bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
+    bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
 
 Only the data list's name contains "data"; producer ids and queue names may not contain
 the characters that would break that (see :func:`check_name`).
@@ -125,6 +130,22 @@ class QueueKeys:
         self.scalers = f"{self.base}:scalers"
         self.scalelog = f"{self.base}:scalelog"
         self.frame_prefix = f"{self.base}:frame:"
+
+    def data_of(self, rank: int, world: int) -> str:
+        """Rank ``rank``'s data list (world 1: the data list)."""
+        return self.data if world == 1 else f"{self.data}:{rank}"
+
+    def trainer_of(self, rank: int, world: int) -> str:
+        """Rank ``rank``'s figures (world 1: ``trainer``)."""
+        return self.trainer if world == 1 else f"{self.trainer}:{rank}"
+
+    def history_of(self, rank: int, world: int) -> str:
+        """Rank ``rank``'s samples (world 1: ``history``)."""
+        return self.history if world == 1 else f"{self.history}:{rank}"
+
+    def rank_data(self, world: int) -> list[str]:
+        """Every rank's data list of a run of ``world`` ranks (none for world 1)."""
+        return [] if world == 1 else [self.data_of(r, world) for r in range(world)]
 
     def lease(self, producer: str) -> str:
         """The lease list of producer ``producer``."""

@@ -71,6 +71,7 @@ SCRIPTS: dict[str, Script] = {
         "claim",
         "fail",
         "gone",
+        "handback",
         "join",
         "lease",
         "pop",

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -27,7 +27,14 @@ from batchq.scripts import SCRIPTS, execute_pipeline
 from producer.sharding import ShardPlan
 from producer.transport import ShmFrame, Transport
 
-__all__ = ["INLINE_MAX_BYTES", "PENDING_FRAME_TTL_MS", "WAIT_S", "ShardPusher"]
+__all__ = [
+    "HANDBACK_S",
+    "INLINE_MAX_BYTES",
+    "PENDING_FRAME_TTL_MS",
+    "WAIT_S",
+    "Lease",
+    "ShardPusher",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,29 @@ INLINE_MAX_BYTES = 256 * 1024
 # A frame stored by reference but not yet in the list expires after this long, so a
 # producer killed at the hwm leaves nothing behind; in the list it never expires.
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
+# A data-parallel producer blocked this long at a rank's full list looks whether that
+# rank's trainer is still alive; if not, the shard goes back to the work list so that
+# one stopped rank never holds the producers serving the others.
+HANDBACK_S = 1.0
+
+
+class Lease(NamedTuple):
+    """One leased slot (see :mod:`batchq.ranks`): its global number, the batches the
+    trainer has already, the lease's token, and the run's slots per epoch and world."""
+
+    g: int
+    skip: int
+    token: str
+    slots: int
+    world: int
+
+    @classmethod
+    def from_reply(cls, reply: list[Any], token: str, shards: int) -> Lease:
+        """From lease.lua's {'OK', g, skip, slots, world} (slots, world: new in replies of
+        data-parallel runs; S and 1 before)."""
+        slots = int(reply[3]) if len(reply) > 3 else shards
+        world = int(reply[4]) if len(reply) > 4 else 1
+        return cls(int(reply[1]), int(reply[2]), token, slots, world)
 
 
 class ShardPusher:
@@ -64,7 +94,9 @@ class ShardPusher:
     _incarnation: str
     _frame_seq: int
     _pending_ref: str | None
-    _prefetched: tuple[int, int, str] | None
+    _prefetched: Lease | None
+    _data_key: str  # the data list of the rank the current shard is for
+    _rank: int
     _oom_logged: bool
     _transport: Transport
 
@@ -113,9 +145,17 @@ class ShardPusher:
 
     # -- building and pushing a shard --------------------------------------------------
 
-    def _serve_shard(self, epoch: int, shard: int, entry: str, skip: int = 0) -> None:
+    def _serve_shard(
+        self, epoch: int, shard: int, entry: str, skip: int = 0, slot: int | None = None
+    ) -> None:
         """Build a shard and push its batches from batch ``skip`` on (the trainer has the
-        ones before: a resumed checkpoint)."""
+        ones before: a resumed checkpoint).
+
+        Args:
+            slot: the slot the shard fills (data-parallel runs: frames name it, and a
+                pad slot rebuilds an earlier shard); None: the shard itself.
+        """
+        label = shard if slot is None else slot
         k = 0
         batches = self.plan.iter_shard_marked(epoch, shard)
         started = time.perf_counter()
@@ -127,9 +167,9 @@ class ShardPusher:
                     k += 1
                     continue
                 if k < skip:  # the trainer has every batch: only the count is news
-                    self._push_end(epoch, shard, k + 1, entry)
+                    self._push_end(epoch, label, k + 1, entry)
                     return
-                if not self._push_batch(epoch, shard, k, batch, last, entry, produce_ms):
+                if not self._push_batch(epoch, label, k, batch, last, entry, produce_ms):
                     return
                 k += 1
                 started = time.perf_counter()
@@ -145,7 +185,7 @@ class ShardPusher:
                 codec.FrameKind.ERROR,
                 run=self._run,
                 epoch=epoch,
-                shard=shard,
+                shard=label,
                 k=k,
                 producer=self.id,
                 last=True,
@@ -156,7 +196,7 @@ class ShardPusher:
             self._push(frame, entry, last=True)
             return
         if k == 0:  # a shard without batches still says that it ended
-            self._push_end(epoch, shard, 0, entry)
+            self._push_end(epoch, label, 0, entry)
 
     def _push_end(self, epoch: int, shard: int, count: int, entry: str) -> None:
         frame = codec.encode_frame(
@@ -241,7 +281,7 @@ class ShardPusher:
         keys = [
             self.keys.meta,
             self.keys.incarnation,
-            self.keys.data,
+            self._data_key,
             self.keys.stats,
             self.keys.producers,
             self.keys.lease(self.id),
@@ -254,6 +294,7 @@ class ShardPusher:
             keys.append(ref)
         stored = False
         blocked_since: float | None = None
+        full_since = 0.0
         # The shard's last push also asks for the next lease: one round trip saved per
         # shard (per batch for map-style pipelines). Only on the first send.
         lease_next = None
@@ -301,8 +342,9 @@ class ShardPusher:
             if lease_next is not None:
                 lease_reply = decode_reply(replies.pop())
                 if lease_reply[0] == Status.OK:
-                    g, skip = int(lease_reply[1]), int(lease_reply[2])
-                    self._prefetched = (g, skip, lease_next[2])
+                    self._prefetched = Lease.from_reply(
+                        lease_reply, lease_next[2], self.plan.shards
+                    )
                 lease_next = None
             reply = decode_reply(replies[-1])
             status = reply[0]
@@ -311,7 +353,12 @@ class ShardPusher:
                 return True
             if status == Status.FULL:
                 if blocked_since is None:
-                    blocked_since = time.monotonic()
+                    blocked_since = full_since = time.monotonic()
+                elif self._rank_stopped(full_since, entry):
+                    if ref is not None:
+                        self.client.delete(ref)
+                        self._pending_ref = None
+                    return False
                 self._wait_for_room()
                 continue
             if blocked_since is not None:
@@ -332,6 +379,30 @@ class ShardPusher:
                 return False
             self._handle_status(status)
             return False
+
+    def _rank_stopped(self, full_since: float, entry: str) -> bool:
+        """After HANDBACK_S at a data-parallel rank's full list: if that rank's trainer
+        holds no live claim (it crashed, or closed), hand the shard back and say so."""
+        if self._data_key == self.keys.data or time.monotonic() - full_since < HANDBACK_S:
+            return False
+        k = self.keys
+        field = f"claim_deadline:{self._rank}"
+        deadline, now = execute_pipeline(
+            self.client, lambda pipe: (pipe.hget(k.meta, field), pipe.time())
+        )
+        if deadline is not None and int(deadline) > now[0] * 1000 + now[1] // 1000:
+            return False
+        reply = decode_reply(
+            SCRIPTS["handback"](
+                self.client,
+                [k.meta, k.incarnation, k.work, k.lease(self.id)],
+                [self._incarnation, self._run, entry, entry.split(":")[0]],
+            )
+        )
+        if reply[0] not in (Status.OK, Status.LEASE_LOST):
+            self._handle_status(reply[0])
+        log.info("producer %s: rank %d is not reading; %s handed back", self.id, self._rank, entry)
+        return True
 
     def _send(
         self,

@@ -30,9 +30,10 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys, check_name
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
+from batchq.ranks import rank_field, shard_of_slot
 from batchq.reaper import reap_dead, record_client, server_ms
 from batchq.scripts import SCRIPTS
-from producer.pushing import INLINE_MAX_BYTES, ShardPusher
+from producer.pushing import INLINE_MAX_BYTES, Lease, ShardPusher
 from producer.sharding import ShardPlan
 from producer.transport import Transport
 
@@ -143,8 +144,10 @@ class Producer(ShardPusher):
         self._lease_seq = 0
         self._pending_ref: str | None = None
         self._heartbeat: threading.Thread | None = None
-        self._prefetched: tuple[int, int, str] | None = None  # (g, skip, token)
-        self._lease_token = ""
+        self._prefetched: Lease | None = None  # leased with the last push
+        self._world = 1  # ranks of the run's trainer (batchq/ranks.py)
+        self._data_key = self.keys.data
+        self._rank = 0
         self._record_id = True  # False once the server refused CLIENT ID (ACL)
         self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
         self._oom_logged = False
@@ -175,12 +178,19 @@ class Producer(ShardPusher):
             self._heartbeat.start()
             while not self._stop.is_set():
                 try:
-                    leased = self._lease()
-                    if leased is None:
+                    lease = self._lease()
+                    if lease is None:
                         continue
-                    g, skip = leased
-                    epoch, shard = divmod(g, self.plan.shards)
-                    self._serve_shard(epoch, shard, f"{g}:{self._lease_token}", skip)
+                    epoch, slot = divmod(lease.g, lease.slots)
+                    self._rank = slot % lease.world
+                    self._data_key = self.keys.data_of(self._rank, lease.world)
+                    self._serve_shard(
+                        epoch,
+                        shard_of_slot(slot, self.plan.shards),
+                        f"{lease.g}:{lease.token}",
+                        lease.skip,
+                        slot=slot,
+                    )
                 except ConnectionLost as e:
                     self._reconnect(e)
                 except redis.ResponseError as e:
@@ -271,8 +281,11 @@ class Producer(ShardPusher):
         """
         if self.orphan_exit_s is None:
             return
-        claim, deadline = client.hmget(self.keys.meta, ["claim", "claim_deadline"])
-        if claim and deadline and int(deadline) > now_ms:
+        world = self._world
+        deadlines = client.hmget(
+            self.keys.meta, [rank_field("claim_deadline", r, world) for r in range(world)]
+        )
+        if any(d and int(d) > now_ms for d in deadlines):
             self._unclaimed_since_ms = None
             return
         if self._unclaimed_since_ms is None:
@@ -308,6 +321,7 @@ class Producer(ShardPusher):
             got = self.plan.fingerprint if what == "fingerprint" else str(self.hwm)
             raise PipelineMismatch(what, expected, got)
         self._incarnation, self._run = reply[1], reply[2]
+        self._world = int(reply[7]) if len(reply) > 7 else 1
         if self._record_id:
             # Redis tells a killed producer by its closed connection (batchq.reaper).
             self._record_id = record_client(self.client, self.keys, self.id)
@@ -372,18 +386,18 @@ class Producer(ShardPusher):
         token = f"{self.id}.{self._lease_seq}"
         k = self.keys
         keys = [k.meta, k.incarnation, k.work, k.lease(self.id), k.producers, k.ledger]
+        keys += k.rank_data(self._world)  # where lease.lua looks for room
         args: list[Any] = [self._incarnation, self._run, self.id, token, self.heartbeat_ttl_ms]
         args.append("1" if prefetch else "0")
         return keys, args, token
 
-    def _lease(self) -> tuple[int, int] | None:
-        """Lease the next shard: (g, batches the trainer already has), or None."""
+    def _lease(self) -> Lease | None:
+        """Lease the next shard, or None."""
         if self._prefetched is not None:
             # Leased in the same round trip as the previous shard's last push.
-            g, skip, self._lease_token = self._prefetched
-            self._prefetched = None
-            return g, skip
-        keys, args, self._lease_token = self._lease_request()
+            lease, self._prefetched = self._prefetched, None
+            return lease
+        keys, args, token = self._lease_request()
         try:
             reply = decode_reply(SCRIPTS["lease"](self.client, keys, args))
         except redis.ResponseError as e:
@@ -401,7 +415,7 @@ class Producer(ShardPusher):
             return None
         status = reply[0]
         if status == Status.OK:
-            return int(reply[1]), int(reply[2])
+            return Lease.from_reply(reply, token, self.plan.shards)
         if status == Status.WAIT:
             self._wait_for_room()
             return None

@@ -18,7 +18,8 @@
 --          producers too (they exit); after it, a producer starts the next run
 -- ARGV[13] '1': do not create a queue or a run (after Redis lost the queue's state the
 --          trainer re-creates it from its ledger; producers wait for that)
--- Returns {'OK', incarnation, run, hwm, S, window, created}
+-- Returns {'OK', incarnation, run, hwm, S, window, created[, world: ranks of the run's
+--         data-parallel trainer, batchq/ranks.py]}
 --      or {'MISMATCH', what, expected}, {'FINISHED'}, {'WAIT'} (nothing to join yet)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -73,5 +74,6 @@ if ARGV[11] == run then
 end
 redis.call('DEL', KEYS[4])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[8]), ARGV[1])
-local m = redis.call('HMGET', KEYS[1], 'hwm', 'shards', 'window')
+local m = redis.call('HMGET', KEYS[1], 'hwm', 'shards', 'window', 'world')
+if m[4] then return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4])} end
 return {'OK', inc, run, m[1], m[2], m[3], created}

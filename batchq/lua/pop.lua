@@ -15,6 +15,9 @@
 -- ARGV[14] a history sample as a JSON object ('' for none): pushed on KEYS[8] (capped),
 --          with the queue side of the moment added (see batchq.sizing): 'producers'
 --          alive, 'pushed' frames, and the live producers' 'built' batches and 'build_ms'
+-- ARGV[15] the rank's meta field suffix: '' (world 1) or ':<rank>' (batchq/ranks.py);
+--          KEYS[3], KEYS[7] and KEYS[8] are then that rank's data list, figures and
+--          history
 -- Returns {'OK', producers alive, depth before the pop, {elements...}}
 --      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'},
 --         {'WRONG_TYPE', key, type} (a foreign writer put another type under a queue key)
@@ -27,13 +30,15 @@ for i, want in ipairs({'hash', 'string', 'list'}) do
   if kind ~= want and kind ~= 'none' then
     if i == 3 then
       -- Keep the claim while the trainer waits for the list to be repaired.
-      redis.pcall('HSET', KEYS[1], 'claim_deadline', now + tonumber(ARGV[6]))
+      redis.pcall('HSET', KEYS[1], 'claim_deadline' .. (ARGV[15] or ''),
+        now + tonumber(ARGV[6]))
     end
     return {'WRONG_TYPE', KEYS[i], kind}
   end
 end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
-local m = redis.call('HMGET', KEYS[1], 'run', 'claim', 'hwm', 'floor')
+local sfx = ARGV[15] or ''
+local m = redis.call('HMGET', KEYS[1], 'run', 'claim' .. sfx, 'hwm', 'floor' .. sfx)
 if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
 if m[2] ~= ARGV[3] then return {'CLAIM_LOST'} end
 
@@ -51,14 +56,14 @@ local wake = 0
 if #items > 0 and m[3] and depth >= tonumber(m[3]) then wake = #items end
 local floor = tonumber(ARGV[5])
 if m[4] and floor > tonumber(m[4]) then
-  call('HSET', KEYS[1], 'floor', floor)
+  call('HSET', KEYS[1], 'floor' .. sfx, floor)
   wake = wake + 1
 end
 if wake > 0 then
   for _ = 1, math.min(wake, 8) do call('LPUSH', KEYS[4], '1') end
   call('LTRIM', KEYS[4], 0, 7)
 end
-call('HSET', KEYS[1], 'claim_deadline', now + tonumber(ARGV[6]))
+call('HSET', KEYS[1], 'claim_deadline' .. sfx, now + tonumber(ARGV[6]))
 local popped = #items + tonumber(ARGV[7])
 if popped > 0 then call('HINCRBY', KEYS[5], 'popped', popped) end
 local nbytes = tonumber(ARGV[8])
