@@ -29,6 +29,8 @@ class Status:
     CLAIM_LOST = "CLAIM_LOST"
     RETRY = "RETRY"
     GIVE_UP = "GIVE_UP"
+    WORLD = "WORLD"  # {'WORLD', world}: the run's live ranks use another world size
+    STEP = "STEP"  # {'STEP', step}: the job's other ranks resumed from another step
     WRONG_TYPE = "WRONG_TYPE"  # {'WRONG_TYPE', key, type found}: a foreign writer
 
 

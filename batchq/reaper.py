@@ -66,12 +66,20 @@ def reap_dead(
 
 
 def requeue_gaps(
-    client: redis.Redis, keys: QueueKeys, incarnation: str, run: str, shards: Sequence[int]
+    client: redis.Redis,
+    keys: QueueKeys,
+    incarnation: str,
+    run: str,
+    shards: Sequence[int],
+    *,
+    rank: tuple[str, str, Sequence[int]] | None = None,
 ) -> list[int]:
     """Return shards with a gap to the work list, if nobody can still deliver them.
 
     Args:
         shards: candidate global shard numbers (incomplete in the trainer's ledger).
+        rank: a data-parallel rank's (data list, 'next:<rank>' field, the candidates'
+            local shard numbers), see requeue.lua.
 
     Returns:
         The shards requeued.
@@ -80,9 +88,12 @@ def requeue_gaps(
         return []
     now_ms = server_ms(client)
     alive = _members(client, keys, now_ms, "+inf")
-    script_keys = [keys.meta, keys.incarnation, keys.work, keys.data, keys.producers]
+    data = keys.data if rank is None else rank[0]
+    script_keys = [keys.meta, keys.incarnation, keys.work, data, keys.producers]
     script_keys += [keys.stats, *(keys.lease(p) for p in alive)]
     args: list[Any] = [incarnation, run, len(shards), *shards, *alive]
+    if rank is not None:
+        args += ["", rank[1], *rank[2]]
     reply = decode_reply(SCRIPTS["requeue"](client, script_keys, args))
     if reply[0] != Status.OK:
         return []

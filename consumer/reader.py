@@ -9,6 +9,8 @@ floor (the look-ahead window's base) and notices when no producer is left.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -32,6 +34,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys
 from batchq.protocol import Status
+from batchq.ranks import RankLayout
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.scripts import SCRIPTS, execute_pipeline
 from batchq.shm import is_descriptor
@@ -71,6 +74,8 @@ class Reader(ReaderGuards, threading.Thread):
         stats: the trainer's figures, drained into each pop script call.
         prepare: applied to each frame of this run before it is filed (the trainer's
             sources, dtypes and hooks: :class:`consumer.prepare.FramePrep`).
+        layout: a data-parallel job's split (world > 1): the ledger holds this rank's
+            local shards.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class Reader(ReaderGuards, threading.Thread):
         stats: TrainerStats | None = None,
         shm: TrainerShm | None = None,
         prepare: Callable[[codec.Frame], codec.Frame] | None = None,
+        layout: RankLayout | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -121,6 +127,9 @@ class Reader(ReaderGuards, threading.Thread):
         self._no_client_list = False
         self._published_floor = -1  # the floor the last successful pop sent
         self.shm = shm or TrainerShm(keys, "redis", None)
+        # Ranks of a data-parallel job read their own list and file their own slots,
+        # renumbered as local shards (batchq/ranks.py).
+        self.layout = layout if layout is not None and layout.world > 1 else None
 
     # -- called by the iterator (other thread) -----------------------------------------
 
@@ -211,15 +220,31 @@ class Reader(ReaderGuards, threading.Thread):
         The producers (waiting for this) join the new run and build only the shards, or
         the tails of shards, that the republished ledger does not have.
         """
-        log.warning("queue %s: %s; republishing the ledger", self.keys.queue, error)
-        self.session.acquire()
+        log.warning("%s: %s; republishing the ledger", self.session.what, error)
+        s = self.session
+        s.resume_run = ""
+        s.acquire()
+        if self.layout is not None:
+            # Every rank recovers into the same run, named after the new incarnation.
+            s.resume_run = hashlib.sha1(f"lost:{s.incarnation}".encode()).hexdigest()[:16]
         with self.cond:
             first = self.ledger.epoch * self.ledger.shards
-            pairs = self.ledger.received_pairs()
-        plan = self.session.plan
-        self.session.resume(self.client, first, plan.fingerprint if plan else "", pairs)
+            pairs = self.global_pairs(self.ledger.received_pairs())
+        plan = s.plan
+        # Not a checkpoint: the ranks are where they are (no step to agree on).
+        s.resume(self.client, first, plan.fingerprint if plan else "", pairs, step=-1)
         self.shm.publish(self.client)
         self.shm.new_run(self.session.run)
+
+    def global_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Ledger pairs of local shards ('<epoch>:<j>') as Redis names them (slots)."""
+        if self.layout is None:
+            return pairs
+        out = []
+        for field, value in pairs:
+            epoch, local = field.split(":")
+            out.append((f"{epoch}:{self.layout.slot(int(local), self.session.rank)}", value))
+        return out
 
     def flush(self) -> None:
         """Send the accounting not yet sent (at close), popping nothing."""
@@ -239,15 +264,16 @@ class Reader(ReaderGuards, threading.Thread):
                     room = min(room, 2)
                     self._popped_once = True
             floor = self.ledger.floor()
+        s = self.session
         keys = [
             self.keys.meta,
             self.keys.incarnation,
-            self.keys.data,
+            s.data_key,
             self.keys.wake,
             self.keys.stats,
             self.keys.producers,
-            self.keys.trainer,
-            self.keys.history,
+            self.keys.trainer_of(s.rank, s.world),
+            self.keys.history_of(s.rank, s.world),
             self.keys.pstats,
         ]
         args: list[Any] = [
@@ -260,6 +286,7 @@ class Reader(ReaderGuards, threading.Thread):
             self._extra_popped,
             self._bytes,
             *self.stats.drain(self._depth, force=room == 0),
+            s.suffix,
         ]
         # Counted as sent before the call: if its reply is lost the script may have run,
         # and sending them again would count them twice (an undercount is the lesser harm).
@@ -284,7 +311,7 @@ class Reader(ReaderGuards, threading.Thread):
             self._check_producers()
             try:
                 popped = call(
-                    lambda: self.client.brpop([self.keys.data], timeout=BLOCK_S),
+                    lambda: self.client.brpop([s.data_key], timeout=BLOCK_S),
                     "waiting for data",
                     self.client,
                 )
@@ -299,15 +326,14 @@ class Reader(ReaderGuards, threading.Thread):
         self._file(self._fetch(elements))
 
     def _raise_status(self, status: str) -> None:
+        what = self.session.what
         if status == Status.STATE_LOST:
-            raise StateLost(f"queue {self.keys.queue}: Redis lost the queue's state")
+            raise StateLost(f"{what}: Redis lost the queue's state")
         if status == Status.RUN_CHANGED:
-            raise RunChanged(f"queue {self.keys.queue}: the run changed under this trainer")
+            raise RunChanged(f"{what}: the run changed under this trainer")
         if status == Status.CLAIM_LOST:
-            raise TrainerConflict(
-                f"queue {self.keys.queue}: this trainer's claim was taken over by another"
-            )
-        raise BatchQueueError(f"queue {self.keys.queue}: unexpected reply {status!r}")
+            raise TrainerConflict(f"{what}: this trainer's claim was taken over by another")
+        raise BatchQueueError(f"{what}: unexpected reply {status!r}")
 
     def _check_producers(self) -> None:
         with self.cond:
@@ -330,7 +356,19 @@ class Reader(ReaderGuards, threading.Thread):
             candidates = self.ledger.incomplete(
                 first, self.session.plan.window if self.session.plan else 1
             )
-        requeue_gaps(self.client, self.keys, self.session.incarnation, self.session.run, candidates)
+        s = self.session
+        if self.layout is None:
+            requeue_gaps(self.client, self.keys, s.incarnation, s.run, candidates)
+            return
+        # A rank asks in global slot numbers, checked against its own counter.
+        requeue_gaps(
+            self.client,
+            self.keys,
+            s.incarnation,
+            s.run,
+            [self.layout.to_global(n, s.rank) for n in candidates],
+            rank=(s.data_key, f"next{s.suffix}", candidates),
+        )
 
     def _fetch(self, elements: list[bytes]) -> list[tuple[Any, bytes, str]]:
         """Resolve references and shared-memory descriptors: (frame or None, the list
@@ -420,6 +458,14 @@ class Reader(ReaderGuards, threading.Thread):
             if frame.run != self.session.run:
                 self.ledger.stale += 1
                 continue
+            if self.layout is not None:
+                local = self.layout.local(frame.shard, self.session.rank)
+                if local is None:
+                    where = f"epoch {frame.epoch} slot {frame.shard}"
+                    reason = f"{where} is not rank {self.session.rank}'s"
+                    self._dead(bytes(raw[:4096]), FrameError("impossible", reason))
+                    continue
+                frame = dataclasses.replace(frame, shard=local)
             if self.prepare is not None:
                 frame = self.prepare(frame)
             frames.append((frame, raw))

@@ -15,9 +15,16 @@ from typing import Any
 import redis
 
 from batchq.connection import is_wrong_type, retrying, wrong_type_error
-from batchq.errors import BatchQueueError, ProducersLost, TrainerConflict
+from batchq.errors import (
+    BatchQueueError,
+    ProducersLost,
+    StepMismatch,
+    TrainerConflict,
+    WorldSizeMismatch,
+)
 from batchq.keys import QueueKeys
 from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
+from batchq.ranks import RankLayout
 from batchq.scripts import SCRIPTS
 
 __all__ = ["Plan", "Session"]
@@ -38,6 +45,8 @@ class Plan:
         self.window = int(get("window", "1"))
         self.has_window = b"window" in meta  # published by the run's first producer
         self.epoch_batches = int(get("epoch_batches", "-1"))
+        self.world = int(get("world", "1"))
+        self.even = get("even", "pad")
 
 
 class Session:
@@ -50,10 +59,21 @@ class Session:
         claim_ttl_ms: the claim lapses this long after its last refresh.
         retry_s: how long the stream's calls (acquire, release, plan wait, resume) keep
             retrying while the connection is lost (the reader has its own reconnect).
+        rank: this trainer's rank in a data-parallel job (0 for a single trainer).
+        world: the job's number of ranks (1: a single trainer).
+        even: how ranks get equal counts, 'pad' or 'drop' (see :mod:`batchq.ranks`).
     """
 
     def __init__(
-        self, client: redis.Redis, keys: QueueKeys, claim_ttl_ms: int, retry_s: float = 60.0
+        self,
+        client: redis.Redis,
+        keys: QueueKeys,
+        claim_ttl_ms: int,
+        retry_s: float = 60.0,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        even: str = "pad",
     ) -> None:
         self.client = client
         self.retry_s = retry_s
@@ -64,6 +84,32 @@ class Session:
         self.run = ""
         self.plan: Plan | None = None
         self.claimed = False
+        self.rank, self.world, self.even = rank, world, even
+        # A rank's meta fields end in ':<rank>' (world 1: nothing), see batchq/ranks.py.
+        self.suffix = "" if world == 1 else f":{rank}"
+        self.data_key = keys.data_of(rank, world)
+        self.held = False  # this rank had claimed the run before (a second resume)
+        self.resume_run = ""  # the run id the job's ranks resume into (see resume)
+
+    @property
+    def what(self) -> str:
+        """'queue Q' or 'queue Q rank r', for messages."""
+        rank = f" rank {self.rank}" if self.world > 1 else ""
+        return f"queue {self.keys.queue}{rank}"
+
+    def layout(self, shards: int) -> RankLayout:
+        """This job's split of a plan of ``shards`` shards among its ranks."""
+        return RankLayout(shards, self.world, self.even)
+
+    def _data_lists(self) -> list[str]:
+        # Every rank's list (of this world, and of the one before if larger): a new run
+        # drops them all.
+        world = self.world
+        try:
+            world = max(world, int(self.client.hget(self.keys.meta, "world") or 1))
+        except (redis.RedisError, ValueError):
+            pass  # the script still drops this world's lists
+        return self.keys.rank_data(world)
 
     def _keys(self) -> list[str]:
         k = self.keys
@@ -81,9 +127,14 @@ class Session:
             uuid.uuid4().hex,
             takeover,
             PROTOCOL_VERSION,
+            self.rank,
+            self.world,
+            self.even,
+            self.resume_run,
         ]
+        keys = self._keys() + (self._data_lists() if op in ("acquire", "finish") else [])
         try:
-            return decode_reply(SCRIPTS["claim"](client, self._keys(), args))
+            return decode_reply(SCRIPTS["claim"](client, keys, args))
         except redis.ResponseError as e:
             if not is_wrong_type(e):
                 raise
@@ -110,12 +161,16 @@ class Session:
         run = uuid.uuid4().hex[:16]  # the same on a retry: claim.lua knows its own try
         reply = self._retry(lambda: self._claim(self.client, "acquire", takeover, run), "claiming")
         if reply[0] == Status.CONFLICT:
+            rank = f" as rank {self.rank}" if self.world > 1 else ""
             raise TrainerConflict(
-                f"queue {self.keys.queue} is held by another trainer (its claim lapses in "
-                f"{int(reply[1]) / 1000:.1f} s unless it is alive); use another queue, or "
+                f"queue {self.keys.queue} is held{rank} by another trainer (its claim lapses "
+                f"in {int(reply[1]) / 1000:.1f} s unless it is alive); use another queue, or "
                 "resume its run with load_state_dict"
             )
+        if reply[0] == Status.WORLD:
+            raise WorldSizeMismatch(self.keys.queue, int(reply[1]), self.world)
         self.incarnation, self.run = reply[1], reply[2]
+        self.held = len(reply) > 5 and bool(int(reply[5]))
         self.claimed = True
         return bool(int(reply[3]))
 
@@ -126,9 +181,7 @@ class Session:
             TrainerConflict: the claim was taken over.
         """
         if self._claim(client, "refresh")[0] != Status.OK:
-            raise TrainerConflict(
-                f"queue {self.keys.queue}: this trainer's claim was taken over by another"
-            )
+            raise TrainerConflict(f"{self.what}: this trainer's claim was taken over by another")
 
     def release(self, finished: bool) -> None:
         """Give the claim up; with ``finished`` the run ends and producers exit."""
@@ -177,34 +230,52 @@ class Session:
         first_shard: int,
         fingerprint: str,
         ledger: Iterable[tuple[str, str]],
+        *,
+        step: int = 0,
+        shards: int | None = None,
     ) -> None:
-        """Restart the plan at global shard ``first_shard`` under a new run id.
+        """Restart the plan at ``first_shard`` under a new run id.
 
         The data, work and failure lists are dropped; the producers join the new run
-        and build only what the ledger does not mark as had.
+        and build only what the ledger does not mark as had. The ranks of a job resume
+        into one run, :attr:`resume_run` (set before :meth:`acquire`): the first
+        creates it, the others join it.
 
         Args:
             client: the client to use.
-            first_shard: epoch * S of the epoch to resume.
+            first_shard: epoch * S of the epoch to resume (a rank: epoch * P).
             fingerprint: the pipeline the run must be served by.
-            ledger: ('<epoch>:<shard>', 'd' or batches had) pairs.
+            ledger: ('<epoch>:<slot>', 'd' or batches had) pairs.
+            step: the batches yielded at the checkpoint (ranks must agree).
+            shards: S, when no producer published it (from the checkpoint).
+
+        Raises:
+            StepMismatch: another rank of the job resumed from another step.
         """
         plan = self.plan
         same = plan is not None and plan.fingerprint == fingerprint and plan.hwm != ""
+        run = self.resume_run if self.world > 1 and self.resume_run else uuid.uuid4().hex[:16]
         args: list[Any] = [
             self.token,
-            uuid.uuid4().hex[:16],
+            run,
             first_shard,
             fingerprint,
             plan.hwm if same and plan else "",
-            plan.shards if plan else 0,
+            plan.shards if plan else (shards or 0),
             plan.window if plan else 1,
             plan.epoch_batches if plan else -1,
+            self.rank,
+            self.world,
+            self.even,
+            step,
+            "1" if self.held else "0",
         ]
         for field, value in ledger:
             args += [field, value]
         k = self.keys
         keys = [k.meta, k.incarnation, k.data, k.work, k.failures, k.ledger, k.wake]
+        if self.world > 1:  # this rank's list first (dropped on a second resume)
+            keys += [self.data_key, *(d for d in self._data_lists() if d != self.data_key)]
         try:
             reply = decode_reply(
                 self._retry(lambda: SCRIPTS["resume"](client, keys, args), "resuming")
@@ -213,7 +284,12 @@ class Session:
             if not is_wrong_type(e):
                 raise
             raise wrong_type_error(client, self._types(), e) from e
+        if reply[0] == Status.STEP:
+            raise StepMismatch(
+                f"{self.what}: resumed from a state at step {step}, but the job's other "
+                f"ranks resumed from step {reply[1]}; expected the states of one checkpoint"
+            )
         if reply[0] != Status.OK:
-            raise TrainerConflict(f"queue {self.keys.queue}: the claim was lost while resuming")
+            raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
         self.run = reply[1]
         log.info("queue %s: resumed at shard %d as run %s", k.queue, first_shard, self.run)

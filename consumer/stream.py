@@ -28,10 +28,12 @@ from batchq.errors import (
     ProducersLost,
 )
 from batchq.keys import QueueKeys
+from batchq.ranks import RankLayout
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.ledger import Ledger
 from consumer.prepare import FramePrep
 from consumer.progress import EpochProgress
+from consumer.rank_state import check_rank_state, pick_rank_state, resume_run_id
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
 from consumer.shm_frames import TrainerShm
@@ -86,6 +88,14 @@ class ServerDataStream(FuelStreamMixin):
         transport: 'auto' (frames of producers on this host come through shared
             memory) or 'redis' (never); None reads ``BATCHQ_TRANSPORT``, else 'auto'.
         shm_dir: the shared-memory folder (default /dev/shm).
+        rank: this process's rank in a data-parallel job (torch.distributed's RANK).
+        world_size: the job's number of ranks; every rank passes the same. Ranks share
+            one run and one pool of producers; each yields its own share of every
+            epoch (disjoint, in plan order, the same count on every rank).
+        even_batches: how ranks get equal counts when the epoch does not split evenly:
+            'pad' (each yields ceil(N / world) batches, the extra ones being the
+            epoch plan's first batches, as torch's DistributedSampler) or 'drop' (each
+            share cut to floor(N / world)).
     """
 
     def __init__(
@@ -111,6 +121,9 @@ class ServerDataStream(FuelStreamMixin):
         progress: bool = False,
         transport: str | None = None,
         shm_dir: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        even_batches: str = "pad",
     ) -> None:
         self._config = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
@@ -131,6 +144,14 @@ class ServerDataStream(FuelStreamMixin):
             raise ConfigError(f"on_bad_frame {on_bad_frame!r} is not valid: 'raise' or 'skip'")
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
+        RankLayout(1, world_size, even_batches)  # validates world_size and even_batches
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ConfigError(
+                f"rank {rank!r} is not valid: expected an integer in [0, {world_size})"
+            )
+        self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
+        self._step = 0  # batches yielded before this stream's ledger (a resume)
+        self._yielded = 0  # batches this stream yielded
         self._prep = FramePrep(sources, dtypes, queue, writable=writable)
         self.produces_examples = produces_examples
         self._axis_labels = None if axis_labels is None else dict(axis_labels)
@@ -161,6 +182,7 @@ class ServerDataStream(FuelStreamMixin):
         self.max_buffered = 0  # the most frames the reader held at once
         self.progress = progress
         self._stats = TrainerStats()
+        self._plan_shards = 0  # S of the run's plan, once known
         self._shm = TrainerShm(self.keys, transport, shm_dir, writable=writable)
 
     # -- Fuel's interface --------------------------------------------------------------
@@ -180,7 +202,20 @@ class ServerDataStream(FuelStreamMixin):
         return self._iterate(self._open_epoch(), as_dict)
 
     def __len__(self) -> int:
-        """Batches per epoch, from the run's plan (waits for a producer to publish it)."""
+        """Batches per epoch (this rank's share), from the run's plan (waits for a
+        producer to publish it)."""
+        total = self._plan_len()
+        if self.world_size == 1:
+            return total
+        shards = self._retry(lambda: self._client.hget(self.keys.meta, "shards"), "reading")
+        if shards is None or int(shards) != total:
+            raise LengthUnknown(
+                f"queue {self.keys.queue}: with shards of more than one batch a rank's share "
+                "is only known at the epoch's end"
+            )
+        return RankLayout(total, self.world_size, self.even_batches).per_rank
+
+    def _plan_len(self) -> int:
         self._connect()
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -258,7 +293,7 @@ class ServerDataStream(FuelStreamMixin):
         with self._reader_cond():
             epoch, counts, done = self._ledger.consumed(held_back)
         plan = self._session.plan
-        return {
+        state = {
             "version": 1,
             "queue": self.keys.queue,
             "run": self._session.run,
@@ -268,9 +303,21 @@ class ServerDataStream(FuelStreamMixin):
             "consumed": {str(s): n for s, n in counts.items()},
             "done": done,
         }
+        if self.world_size > 1:
+            state.update(
+                rank=self.rank,
+                world_size=self.world_size,
+                even_batches=self.even_batches,
+                plan_shards=self._plan_shards,
+                step=self._step + self._yielded - sum((held_back or {}).values()),
+            )
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Resume from a :meth:`state_dict`; call before iterating.
+
+        A rank of a data-parallel job passes its own state, or the list of every
+        rank's states (it takes its own; the list must be one checkpoint's).
 
         The queue's stale contents are discarded, the producers re-plan the saved epoch
         from it, and the next batches are exactly those after the saved position (in
@@ -282,7 +329,11 @@ class ServerDataStream(FuelStreamMixin):
         """
         if self._reader is not None or self._closed:
             raise ConfigError("load_state_dict must be called before the first iteration")
+        state = pick_rank_state(state, self.rank, self.world_size)
         self._resume = _check_state(state, self.keys.queue)
+        if self._resume.get("run"):
+            check_rank_state(self._resume, self.rank, self.world_size)
+            self._step = int(self._resume.get("step", 0))
         self.epoch = self._resume.get("epoch", 0) - 1 if self._resume.get("run") else -1
 
     def __enter__(self) -> ServerDataStream:
@@ -321,7 +372,15 @@ class ServerDataStream(FuelStreamMixin):
         )
 
     def _new_session(self) -> Session:
-        return Session(self._client, self.keys, self.claim_ttl_ms, retry_s=self.timeout_s)
+        return Session(
+            self._client,
+            self.keys,
+            self.claim_ttl_ms,
+            retry_s=self.timeout_s,
+            rank=self.rank,
+            world=self.world_size,
+            even=self.even_batches,
+        )
 
     def _start(self) -> None:
         if self._reader is not None:
@@ -330,6 +389,8 @@ class ServerDataStream(FuelStreamMixin):
         check_eviction_policy(self._client)
         session = self._new_session()
         resume = self._resume if self._resume and self._resume.get("run") else None
+        if resume is not None:
+            session.resume_run = resume_run_id(resume, self.world_size)
         new_run = session.acquire(takeover=resume["run"] if resume else "")
         self._session = session
         self._shm.publish(self._client)
@@ -337,21 +398,33 @@ class ServerDataStream(FuelStreamMixin):
             self._delete_frames()
         if resume is None:
             plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
-            ledger = Ledger(plan.shards, ordered=self.ordered, first_epoch=0)
+            self._plan_shards = plan.shards
+            layout = session.layout(plan.shards)
+            ledger = Ledger(layout.per_rank, ordered=self.ordered, first_epoch=0)
         else:
             # A producer may never have joined this Redis (it restarted): the plan's
             # shape comes from the checkpoint then.
             meta = self._retry(lambda: self._client.hgetall(self.keys.meta), "reading meta")
             session.plan = Plan(meta) if b"shards" in meta else None
             shards, epoch = int(resume["shards"]), int(resume["epoch"])
+            self._plan_shards = int(resume.get("plan_shards", shards))
+            layout = session.layout(self._plan_shards)
             ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
             done = set(resume["done"])
             pairs = []
             for shard_text, had in resume["consumed"].items():
                 shard = int(shard_text)
                 ledger.preload(epoch, shard, had, done=shard in done)
-                pairs.append((f"{epoch}:{shard}", "d" if shard in done else str(had)))
-            session.resume(self._client, epoch * shards, resume["fingerprint"], pairs)
+                slot = layout.slot(shard, self.rank)
+                pairs.append((f"{epoch}:{slot}", "d" if shard in done else str(had)))
+            session.resume(
+                self._client,
+                epoch * shards,
+                resume["fingerprint"],
+                pairs,
+                step=self._step,
+                shards=self._plan_shards,
+            )
             if session.plan is None:
                 session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
         if session.plan is not None:
@@ -373,6 +446,7 @@ class ServerDataStream(FuelStreamMixin):
             stats=self._stats,
             shm=self._shm,
             prepare=self._prep,
+            layout=layout,
         )
         self._reader.start()
 
@@ -429,6 +503,7 @@ class ServerDataStream(FuelStreamMixin):
                 busy = asked - handed_out if handed_out is not None else 0.0
                 self._stats.batch(now - asked, busy, frame.nbytes)
                 self.producers_seen[frame.producer] += 1
+                self._yielded += 1
                 if bar is not None:
                     bar.update(self._stats.snapshot())
                 for message in self._prep.take_warnings():

@@ -14,7 +14,7 @@
 -- A rank's claim lives in meta fields '<name>:<rank>' (world 1: '<name>'), see
 -- batchq/ranks.py.
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence[, held (world > 1; 0/1:
---              this rank had claimed this run before)]}
+--              this rank had claimed the resumed run ARGV[11] before)]}
 --              or {'CONFLICT', ms until the other claim lapses},
 --                 {'WORLD', the run's world size} (a live rank of the run has another)
 -- refresh/release/finish return {'OK'} or {'CLAIM_LOST'}
@@ -88,7 +88,7 @@ if m[2] and m[2] ~= ARGV[1] and tonumber(m[3] or 0) > now and not takeover then
 end
 
 local new_run, held = 0, 0
-if m[4] == '1' then held = 1 end
+if m[4] == '1' and (ARGV[11] or '') ~= '' and m[1] == ARGV[11] then held = 1 end
 if not inc then
   inc = ARGV[5]
   redis.call('SET', KEYS[2], inc)

@@ -10,8 +10,9 @@
 -- ARGV[6] S  ARGV[7] window  ARGV[8] batches per epoch
 -- ARGV[9] rank  ARGV[10] world size  ARGV[11] 'pad' | 'drop'
 -- ARGV[12] the step (batches yielded) the ranks resume from
--- ARGV[13] '1' if this rank held the new run already (a second resume from the same
---          checkpoint): its counters start again at ARGV[3]
+-- ARGV[13] '1' if this rank held the new run already (the job resumes again): with the
+--          run's step its counters start again at ARGV[3], with another step the run
+--          starts again from this checkpoint
 -- ARGV[14..] ledger pairs: '<epoch>:<slot>', 'd' or batches already had
 -- The ranks of a job resume into one run: the first one creates it (every rank computes
 -- the same run id), the others join it and add their ledgers; a rank whose step differs
@@ -30,7 +31,8 @@ local function add_pairs()
   end
 end
 
-if m[2] == new_run then
+local again = ARGV[13] == '1' and m[3] ~= step  -- the job resumes another checkpoint
+if m[2] == new_run and not again then
   -- A retried resume whose first reply was lost, or another rank of the job resumed
   -- first: producers may have pushed frames of the new run already; keep them.
   if world > 1 and m[3] and m[3] ~= step then return {'STEP', m[3]} end
@@ -51,7 +53,9 @@ if world > 1 then
   redis.call('HSET', KEYS[1], 'world', world, 'even', even, 'resume_step', step)
   for r = 0, world - 1 do
     redis.call('HSET', KEYS[1], 'next:' .. r, first, 'floor:' .. r, first)
+    -- Ranks join the new run by resuming into it: none has held it yet, but this one.
     redis.call('HDEL', KEYS[1], 'done:' .. r)
+    if tostring(r) ~= rank then redis.call('HDEL', KEYS[1], 'claimed:' .. r) end
   end
 end
 if ARGV[5] ~= '' then

@@ -27,6 +27,10 @@ def main() -> int:
     parser.add_argument("--state-out")
     parser.add_argument("--unordered", action="store_true")
     parser.add_argument("--finish", action="store_true", help="close(finished=True) at the end")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--even", default="pad")
+    parser.add_argument("--stop-after", type=int, help="exit 3 after this many batches")
     args = parser.parse_args()
     stream = ServerDataStream(
         ("features", "targets"),
@@ -36,10 +40,14 @@ def main() -> int:
         timeout_s=60,
         stall_s=1.0,
         claim_ttl_s=2.0,
+        rank=args.rank,
+        world_size=args.world,
+        even_batches=args.even,
     )
     if args.state_in:
         with open(args.state_in) as f:
             stream.load_state_dict(json.load(f))
+    yielded = 0
     with open(args.out, "a") as out:
         while stream.epoch + 1 < args.epochs:
             it = stream.get_epoch_iterator()
@@ -51,6 +59,10 @@ def main() -> int:
                     with open(tmp, "w") as f:
                         json.dump(stream.state_dict(), f)
                     os.replace(tmp, args.state_out)
+                yielded += 1
+                if args.stop_after is not None and yielded >= args.stop_after:
+                    stream.close()
+                    return 3
     stream.close(finished=args.finish)
     return 0
 

@@ -1,0 +1,226 @@
+"""Data-parallel trainers: N ranks on one queue, equal disjoint shares, exact resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipelines import examples_of, numbered
+from waiting import wait_until
+
+from batchq.errors import ConfigError, StepMismatch, TrainerConflict, WorldSizeMismatch
+from consumer import ServerDataStream
+
+EXAMPLES, BATCH = 220, 10  # 22 batches (one per shard) per epoch: 4 ranks need 2 pads
+SUPPORT_DIR = Path(__file__).resolve().parent.parent / "support"
+
+
+def plans(epochs: int) -> list[list[list[int]]]:
+    """The in-process batches of each epoch, in plan order."""
+    stream = numbered(EXAMPLES, BATCH)
+    return [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(epochs)]
+
+
+def lines(path: Path) -> list[tuple[int, list[int]]]:
+    if not path.exists():
+        return []
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines()]  # type: ignore[misc]
+
+
+def rank_argv(url: str, queue: str, out: Path, epochs: int, rank: int, world: int, *extra: str):
+    return [
+        sys.executable,
+        str(SUPPORT_DIR / "train.py"),
+        "--url",
+        url,
+        "--queue",
+        queue,
+        "--epochs",
+        str(epochs),
+        "--out",
+        str(out),
+        "--rank",
+        str(rank),
+        "--world",
+        str(world),
+        *extra,
+    ]
+
+
+@pytest.fixture
+def producers(spawn_proc: Any, serve_argv: Any, serve_env: Any) -> Any:
+    def start(n: int, *extra: str) -> list[Any]:
+        argv = serve_argv("--hwm", "4", "--heartbeat-ttl-s", "2", *extra)
+        env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=2)
+        return [spawn_proc(argv, env=env) for _ in range(n)]
+
+    return start
+
+
+def shares(outs: list[Path], epochs: int) -> list[list[list[list[int]]]]:
+    """shares[epoch][rank] = the batches that rank yielded in that epoch, in order."""
+    got = [lines(o) for o in outs]
+    return [[[b for ep, b in g if ep == e] for g in got] for e in range(epochs)]
+
+
+def check_epoch(plan: list[list[int]], per_rank: list[list[list[int]]], world: int) -> None:
+    """Equal counts, the plan split slot by slot, pads being the epoch's first batches."""
+    per = -(-len(plan) // world)
+    assert [len(s) for s in per_rank] == [per] * world
+    slots = plan + plan[: per * world - len(plan)]
+    for r, share in enumerate(per_rank):
+        assert share == slots[r::world]  # disjoint, in plan order
+    together = Counter(tuple(b) for s in per_rank for b in s)
+    assert set(together) == {tuple(b) for b in plan}  # every batch of the epoch
+
+
+def test_four_ranks_three_producers_one_killed(
+    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
+) -> None:
+    procs = producers(3)
+    outs = [tmp_path / f"r{r}.jsonl" for r in range(4)]
+    ranks = [
+        spawn_proc(rank_argv(redis_url, queue_name, outs[r], 3, r, 4, "--finish"))
+        for r in range(4)
+    ]
+    wait_until(lambda: sum(len(lines(o)) for o in outs) >= 30, timeout_s=60, what="epoch 1")
+    procs[0].send_signal(signal.SIGKILL)
+    for proc in ranks:
+        assert proc.wait(timeout=90) == 0
+    for plan, per_rank in zip(plans(3), shares(outs, 3), strict=True):
+        check_epoch(plan, per_rank, 4)
+    for proc in procs[1:]:  # the last rank's close(finished=True) ends the run
+        assert proc.wait(timeout=30) == 0
+
+
+def test_drop_cuts_every_share_to_the_shortest(
+    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
+) -> None:
+    producers(2)
+    outs = [tmp_path / f"r{r}.jsonl" for r in range(4)]
+    ranks = [
+        spawn_proc(
+            rank_argv(redis_url, queue_name, outs[r], 2, r, 4, "--finish", "--even", "drop")
+        )
+        for r in range(4)
+    ]
+    for proc in ranks:
+        assert proc.wait(timeout=90) == 0
+    for plan, per_rank in zip(plans(2), shares(outs, 2), strict=True):
+        assert [len(s) for s in per_rank] == [len(plan) // 4] * 4
+        for r, share in enumerate(per_rank):
+            assert share == plan[: 4 * (len(plan) // 4)][r::4]
+
+
+def test_all_ranks_resume_exactly_from_one_step(
+    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
+) -> None:
+    producers(2)
+    world, epochs = 2, 3
+    outs = [tmp_path / f"a{r}.jsonl" for r in range(world)]
+    states = [tmp_path / f"s{r}.json" for r in range(world)]
+    first = [
+        spawn_proc(
+            rank_argv(
+                redis_url, queue_name, outs[r], epochs, r, world,
+                "--state-out", str(states[r]), "--stop-after", "15",
+            )  # fmt: skip
+        )
+        for r in range(world)
+    ]
+    for proc in first:
+        assert proc.wait(timeout=60) == 3
+    saved = [json.loads(s.read_text()) for s in states]
+    assert {s["step"] for s in saved} == {15}
+    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(world)]
+    second = [
+        spawn_proc(
+            rank_argv(
+                redis_url, queue_name, outs_b[r], epochs, r, world,
+                "--state-in", str(states[r]), "--finish",
+            )  # fmt: skip
+        )
+        for r in range(world)
+    ]
+    for proc in second:
+        assert proc.wait(timeout=90) == 0
+    together = [tmp_path / f"t{r}.jsonl" for r in range(world)]
+    for r in range(world):
+        together[r].write_text(outs[r].read_text() + outs_b[r].read_text())
+    for plan, per_rank in zip(plans(epochs), shares(together, epochs), strict=True):
+        check_epoch(plan, per_rank, world)
+
+
+def test_states_of_different_steps_are_refused(
+    redis_url: str, queue_name: str, producers: Any
+) -> None:
+    producers(1)
+    streams = [
+        ServerDataStream(
+            ("features", "targets"), url=redis_url, queue=queue_name, rank=r, world_size=2
+        )
+        for r in range(2)
+    ]
+    its = [s.get_epoch_iterator() for s in streams]
+    next(its[0])
+    next(its[1])
+    a = streams[0].state_dict()
+    next(its[1])
+    b = streams[1].state_dict()
+    for s in streams:
+        s.close()
+    fresh = ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, rank=0, world_size=2
+    )
+    with pytest.raises(StepMismatch, match="step"):
+        fresh.load_state_dict([a, b])
+    # Each rank passing its own state: the second one to resume is refused.
+    r0 = ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, rank=0, world_size=2
+    )
+    r0.load_state_dict(a)
+    next(iter(r0.get_epoch_iterator()))
+    r1 = ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, rank=1, world_size=2
+    )
+    r1.load_state_dict(b)
+    with pytest.raises(StepMismatch, match="step 2.*step 1"):
+        r1.get_epoch_iterator()
+    r0.close()
+    r1.close()
+
+
+def test_a_live_rank_conflicts_and_world_sizes_must_agree(
+    redis_url: str, queue_name: str, producers: Any
+) -> None:
+    producers(1)
+    a = ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, rank=1, world_size=2
+    )
+    next(iter(a.get_epoch_iterator()))
+    b = ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, rank=1, world_size=2
+    )
+    with pytest.raises(TrainerConflict, match="rank 1"):
+        b.get_epoch_iterator()
+    c = ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, rank=0, world_size=3
+    )
+    with pytest.raises(WorldSizeMismatch, match="world_size 3.*world_size 2"):
+        c.get_epoch_iterator()
+    for s in (a, b, c):
+        s.close()
+
+
+def test_bad_rank_arguments_are_refused() -> None:
+    with pytest.raises(ConfigError, match="rank 2"):
+        ServerDataStream(("x",), url="redis://127.0.0.1:1", rank=2, world_size=2)
+    with pytest.raises(ConfigError, match="world_size 0"):
+        ServerDataStream(("x",), url="redis://127.0.0.1:1", world_size=0)
+    with pytest.raises(ConfigError, match="even_batches 'cut'"):
+        ServerDataStream(("x",), url="redis://127.0.0.1:1", world_size=2, even_batches="cut")
