@@ -462,8 +462,8 @@ class Reader(ReaderGuards, threading.Thread):
                 local = self.layout.local(frame.shard, self.session.rank)
                 if local is None:
                     where = f"epoch {frame.epoch} slot {frame.shard}"
-                    reason = f"{where} is not rank {self.session.rank}'s"
-                    self._dead(bytes(raw[:4096]), FrameError("impossible", reason))
+                    why = f"{where} is not rank {self.session.rank}'s"
+                    self._dead(bytes(raw[:4096]), FrameError("impossible", why))
                     continue
                 frame = dataclasses.replace(frame, shard=local)
             if self.prepare is not None:

@@ -6,6 +6,7 @@ thread (refresh, recovery after Redis lost the queue's state). Every call is one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -105,10 +106,8 @@ class Session:
         # Every rank's list (of this world, and of the one before if larger): a new run
         # drops them all.
         world = self.world
-        try:
+        with contextlib.suppress(redis.RedisError, ValueError):  # this world's, at least
             world = max(world, int(self.client.hget(self.keys.meta, "world") or 1))
-        except (redis.RedisError, ValueError):
-            pass  # the script still drops this world's lists
         return self.keys.rank_data(world)
 
     def _keys(self) -> list[str]:

@@ -32,7 +32,9 @@ def lines(path: Path) -> list[tuple[int, list[int]]]:
     return [tuple(json.loads(line)) for line in path.read_text().splitlines()]  # type: ignore[misc]
 
 
-def rank_argv(url: str, queue: str, out: Path, epochs: int, rank: int, world: int, *extra: str):
+def rank_argv(
+    url: str, queue: str, out: Path, epochs: int, rank: int, world: int, *extra: str
+) -> list[str]:
     return [
         sys.executable,
         str(SUPPORT_DIR / "train.py"),
@@ -85,8 +87,7 @@ def test_four_ranks_three_producers_one_killed(
     procs = producers(3)
     outs = [tmp_path / f"r{r}.jsonl" for r in range(4)]
     ranks = [
-        spawn_proc(rank_argv(redis_url, queue_name, outs[r], 3, r, 4, "--finish"))
-        for r in range(4)
+        spawn_proc(rank_argv(redis_url, queue_name, outs[r], 3, r, 4, "--finish")) for r in range(4)
     ]
     wait_until(lambda: sum(len(lines(o)) for o in outs) >= 30, timeout_s=60, what="epoch 1")
     procs[0].send_signal(signal.SIGKILL)
@@ -104,9 +105,7 @@ def test_drop_cuts_every_share_to_the_shortest(
     producers(2)
     outs = [tmp_path / f"r{r}.jsonl" for r in range(4)]
     ranks = [
-        spawn_proc(
-            rank_argv(redis_url, queue_name, outs[r], 2, r, 4, "--finish", "--even", "drop")
-        )
+        spawn_proc(rank_argv(redis_url, queue_name, outs[r], 2, r, 4, "--finish", "--even", "drop"))
         for r in range(4)
     ]
     for proc in ranks:
@@ -127,9 +126,17 @@ def test_all_ranks_resume_exactly_from_one_step(
     first = [
         spawn_proc(
             rank_argv(
-                redis_url, queue_name, outs[r], epochs, r, world,
-                "--state-out", str(states[r]), "--stop-after", "15",
-            )  # fmt: skip
+                redis_url,
+                queue_name,
+                outs[r],
+                epochs,
+                r,
+                world,
+                "--state-out",
+                str(states[r]),
+                "--stop-after",
+                "15",
+            )
         )
         for r in range(world)
     ]
@@ -141,9 +148,16 @@ def test_all_ranks_resume_exactly_from_one_step(
     second = [
         spawn_proc(
             rank_argv(
-                redis_url, queue_name, outs_b[r], epochs, r, world,
-                "--state-in", str(states[r]), "--finish",
-            )  # fmt: skip
+                redis_url,
+                queue_name,
+                outs_b[r],
+                epochs,
+                r,
+                world,
+                "--state-in",
+                str(states[r]),
+                "--finish",
+            )
         )
         for r in range(world)
     ]
@@ -189,7 +203,7 @@ def test_states_of_different_steps_are_refused(
         ("features", "targets"), url=redis_url, queue=queue_name, rank=1, world_size=2
     )
     r1.load_state_dict(b)
-    with pytest.raises(StepMismatch, match="step 2.*step 1"):
+    with pytest.raises(StepMismatch, match=r"step 2.*step 1"):
         r1.get_epoch_iterator()
     r0.close()
     r1.close()
@@ -211,7 +225,7 @@ def test_a_live_rank_conflicts_and_world_sizes_must_agree(
     c = ServerDataStream(
         ("features", "targets"), url=redis_url, queue=queue_name, rank=0, world_size=3
     )
-    with pytest.raises(WorldSizeMismatch, match="world_size 3.*world_size 2"):
+    with pytest.raises(WorldSizeMismatch, match=r"world_size 3.*world_size 2"):
         c.get_epoch_iterator()
     for s in (a, b, c):
         s.close()
