@@ -182,12 +182,21 @@ class Session:
         if self._claim(client, "refresh")[0] != Status.OK:
             raise TrainerConflict(f"{self.what}: this trainer's claim was taken over by another")
 
-    def release(self, finished: bool) -> None:
-        """Give the claim up; with ``finished`` the run ends and producers exit."""
-        if self.claimed:
-            op = "finish" if finished else "release"
-            self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
-            self.claimed = False
+    def release(self, finished: bool) -> bool:
+        """Give the claim up; with ``finished`` the run ends and producers exit (a rank:
+        once every rank finished).
+
+        Returns:
+            True if the run ended (this was its last rank to finish).
+        """
+        if not self.claimed:
+            return False
+        op = "finish" if finished else "release"
+        reply = self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
+        self.claimed = False
+        if not finished:
+            return False
+        return len(reply) < 2 or bool(int(reply[1]))
 
     def wait_for_plan(self, timeout_s: float, block_s: float) -> Plan:
         """Wait (bounded) until a producer has published the run's plan (S and hwm).

@@ -261,8 +261,8 @@ class ServerDataStream(FuelStreamMixin):
             return
         try:
             if self._session is not None:
-                self._session.release(finished)
-                if finished:
+                # Frames and segments go with the run: at its last rank's finish.
+                if self._session.release(finished):
                     self._delete_frames()
                     self._shm.finish()
         except ConnectionLost as e:

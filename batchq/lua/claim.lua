@@ -17,7 +17,8 @@
 --              this rank had claimed the resumed run ARGV[11] before)]}
 --              or {'CONFLICT', ms until the other claim lapses},
 --                 {'WORLD', the run's world size} (a live rank of the run has another)
--- refresh/release/finish return {'OK'} or {'CLAIM_LOST'}
+-- refresh/release/finish return {'OK'} or {'CLAIM_LOST'}; a rank's finish returns
+--              {'OK', 1} when it was the last rank (the run ended), else {'OK', 0}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local op = ARGV[3]
@@ -44,9 +45,9 @@ local function others_live()
 end
 
 -- A retried finish whose first reply was lost: the run (or this rank) is finished.
-if op == 'finish' and (m[5] == '1' or (world > 1 and
-    redis.call('HGET', KEYS[1], f('done')) == '1' and not m[2])) then
-  return {'OK'}
+if op == 'finish' and m[5] == '1' then return {'OK', 1} end
+if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', KEYS[1], f('done')) == '1' then
+  return {'OK', 0}
 end
 if op ~= 'acquire' then
   if m[2] ~= ARGV[1] then return {'CLAIM_LOST'} end
@@ -60,13 +61,14 @@ if op ~= 'acquire' then
       -- Every rank finishes the run; the last one ends it.
       redis.call('HSET', KEYS[1], f('done'), 1)
       for r = 0, world - 1 do
-        if redis.call('HGET', KEYS[1], f('done', r)) ~= '1' then return {'OK'} end
+        if redis.call('HGET', KEYS[1], f('done', r)) ~= '1' then return {'OK', 0} end
       end
     end
     -- Producers see 'finished' on their next call and exit; the frames left are useless.
     redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
     for i = 8, #KEYS do redis.call('DEL', KEYS[i]) end
     redis.call('HSET', KEYS[1], 'finished', 1, 'finished_at', now)
+    if world > 1 then return {'OK', 1} end
   end
   return {'OK'}
 end
