@@ -260,11 +260,10 @@ class ServerDataStream(FuelStreamMixin):
         if self._client is None:
             return
         try:
-            if self._session is not None:
-                # Frames and segments go with the run: at its last rank's finish.
-                if self._session.release(finished):
-                    self._delete_frames()
-                    self._shm.finish()
+            # Frames and segments go with the run: at its last rank's finish.
+            if self._session is not None and self._session.release(finished):
+                self._delete_frames()
+                self._shm.finish()
         except ConnectionLost as e:
             # The claim lapses by itself; a finished run cannot be announced, though.
             log.warning("queue %s: could not release the claim: %s", self.keys.queue, e)
