@@ -107,6 +107,34 @@ class WorldSizeMismatch(ConfigError):
         self.got = got
 
 
+class RankLost(BatchQueueError, TimeoutError):
+    """The other ranks of a data-parallel job did not say their batch counts in time.
+
+    Attributes:
+        epoch: the epoch being evened.
+        ranks: the ranks that stayed silent.
+        timeout_s: how long this rank waited.
+    """
+
+    def __init__(
+        self, epoch: int, ranks: list[int], timeout_s: float, *, empty: int | None = None
+    ) -> None:
+        if empty is not None:
+            message = (
+                f"epoch {epoch}: rank {empty} received no batch, so it has nothing to pad "
+                "its share with; expected at least one batch per rank and epoch"
+            )
+        else:
+            message = (
+                f"epoch {epoch}: ranks {ranks} did not say their batch counts within "
+                f"{timeout_s:g} s (stopped, or too far behind)"
+            )
+        super().__init__(message)
+        self.epoch = epoch
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+
+
 class StepMismatch(ConfigError):
     """Ranks resumed from states of different steps (not one checkpoint)."""
 

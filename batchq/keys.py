@@ -46,6 +46,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 world > 1 reads the run (batchq/ranks.py); meta then
                                 holds world, even and per-rank fields '<name>:<r>'
                                 (claim, claim_deadline, claimed, done, next, floor)
+    bq:{Q}:counts       HASH    '<epoch>:<r>' -> rank r's batches in hand ('<n>') or final
+                                count ('=<n>') of an epoch, where shards hold several
+                                batches (consumer/balance.py)
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
 
@@ -130,6 +133,7 @@ class QueueKeys:
         self.scalers = f"{self.base}:scalers"
         self.scalelog = f"{self.base}:scalelog"
         self.frame_prefix = f"{self.base}:frame:"
+        self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
 
     def data_of(self, rank: int, world: int) -> str:
         """Rank ``rank``'s data list (world 1: the data list)."""

@@ -57,6 +57,7 @@ class Ledger:
         self.shards = shards
         self.ordered = ordered
         self.epoch = first_epoch  # the epoch being handed out
+        self._cut = False  # the epoch was cut short (data-parallel 'drop')
         self._epochs: dict[int, dict[int, ShardState]] = {}
         self._cursor = (0, 0)  # ordered mode: next (shard, k) to hand out
         self._arrived: deque[Frame] = deque()  # arrival mode: frames of self.epoch
@@ -242,6 +243,7 @@ class Ledger:
             self._held.pop(e, None)
             self._complete.pop(e, None)
         self.epoch = epoch
+        self._cut = False
         self._cursor = (0, 0)
         self._arrived.clear()
         if not self.ordered:
@@ -303,10 +305,16 @@ class Ledger:
         self._held[self.epoch] -= 1
 
     def epoch_done(self) -> bool:
-        """True when every shard of the current epoch is complete and handed out."""
-        return (
+        """True when every shard of the current epoch is complete and handed out, or the
+        epoch was cut short (:meth:`cut_epoch`)."""
+        return self._cut or (
             self._complete.get(self.epoch, 0) >= self.shards and self._held.get(self.epoch, 0) == 0
         )
+
+    def cut_epoch(self) -> None:
+        """End the current epoch here: a data-parallel rank cut its share to the
+        shortest (``even_batches='drop'``); the rest is never handed out."""
+        self._cut = True
 
     def incomplete(self, first: int, count: int) -> list[int]:
         """Global shard numbers in [first, first + count) not complete in the ledger."""

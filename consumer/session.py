@@ -103,12 +103,12 @@ class Session:
         return RankLayout(shards, self.world, self.even)
 
     def _data_lists(self) -> list[str]:
-        # Every rank's list (of this world, and of the one before if larger): a new run
-        # drops them all.
+        # Every rank's list (of this world, and of the one before if larger) and the
+        # ranks' counts: a new run drops them all.
         world = self.world
         with contextlib.suppress(redis.RedisError, ValueError):  # this world's, at least
             world = max(world, int(self.client.hget(self.keys.meta, "world") or 1))
-        return self.keys.rank_data(world)
+        return [*self.keys.rank_data(world), self.keys.counts] if world > 1 else []
 
     def _keys(self) -> list[str]:
         k = self.keys

@@ -29,6 +29,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys
 from batchq.ranks import RankLayout
+from consumer.balance import Balancer
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.ledger import Ledger
 from consumer.prepare import FramePrep
@@ -183,6 +184,9 @@ class ServerDataStream(FuelStreamMixin):
         self.progress = progress
         self._stats = TrainerStats()
         self._plan_shards = 0  # S of the run's plan, once known
+        self._balancer: Balancer | None = None  # evens counts at run time (ranks)
+        self._static: RankLayout | None = None  # where pads are known slots (ranks)
+        self._pads = 0  # pad slots yielded
         self._shm = TrainerShm(self.keys, transport, shm_dir, writable=writable)
 
     # -- Fuel's interface --------------------------------------------------------------
@@ -347,6 +351,12 @@ class ServerDataStream(FuelStreamMixin):
         self.close()
 
     @property
+    def padded(self) -> int:
+        """Batches this rank yielded a second time so that every rank yields as many
+        (``even_batches='pad'``), over all epochs."""
+        return self._pads + (self._balancer.padded if self._balancer is not None else 0)
+
+    @property
     def skipped_shards(self) -> int:
         """Shards skipped under ``on_producer_error='skip'``."""
         return self._ledger.skipped if self._ledger is not None else 0
@@ -431,6 +441,7 @@ class ServerDataStream(FuelStreamMixin):
             ledger.epoch_batches = session.plan.epoch_batches
         self._shm.new_run(session.run)  # other runs' segments: nothing will pop them
         self._ledger = ledger
+        self._even_up(layout, session.plan)
         self._reader = Reader(
             make_client(self.url),
             self.keys,
@@ -448,6 +459,25 @@ class ServerDataStream(FuelStreamMixin):
             layout=layout,
         )
         self._reader.start()
+
+    def _even_up(self, layout: RankLayout, plan: Plan | None) -> None:
+        """How this rank's counts come out equal: by the slots alone where every shard is
+        one batch (pads counted as they are yielded), else by telling the other ranks
+        (:mod:`consumer.balance`)."""
+        if layout.world == 1:
+            return
+        if plan is not None and plan.epoch_batches == plan.shards:
+            self._static = layout if layout.pads else None
+            return
+        self._balancer = Balancer(
+            self._client,
+            self.keys,
+            self.rank,
+            self.world_size,
+            self.even_batches,
+            self.timeout_s,
+            keep=self.hwm,
+        )
 
     def _delete_frames(self) -> None:
         # Frames stored by reference by an older run: nobody will pop their names.
@@ -491,10 +521,14 @@ class ServerDataStream(FuelStreamMixin):
         self._stats.start_epoch(epoch)
         bar = self._progress_bar(epoch)
         handed_out: float | None = None  # when the previous batch left this generator
+        frames = self._ledger_frames(reader, ledger)
+        if self._balancer is not None:
+            self._balancer.start_epoch(epoch)
+            frames = self._balancer.balance(epoch, frames, lambda: self._cut(reader, ledger))
         try:
             while True:
                 asked = time.monotonic()
-                frame = self._next(reader, ledger)
+                frame = next(frames, None)
                 if frame is None:
                     self._stats.end_epoch()
                     return
@@ -512,6 +546,19 @@ class ServerDataStream(FuelStreamMixin):
         finally:
             if bar is not None:
                 bar.close()
+
+    def _ledger_frames(self, reader: Reader, ledger: Ledger) -> Iterator[Frame]:
+        while (frame := self._next(reader, ledger)) is not None:
+            static = self._static
+            if static is not None and static.slot(frame.shard, self.rank) >= static.shards:
+                self._pads += 1  # a pad slot: one of the epoch's first batches again
+            yield frame
+
+    @staticmethod
+    def _cut(reader: Reader, ledger: Ledger) -> None:
+        with reader.cond:
+            ledger.cut_epoch()
+            reader.cond.notify_all()
 
     def _next(self, reader: Reader, ledger: Ledger) -> Any:
         """The next batch frame of the epoch (waiting for it), or None at its end."""

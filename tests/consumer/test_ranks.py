@@ -238,3 +238,29 @@ def test_bad_rank_arguments_are_refused() -> None:
         ServerDataStream(("x",), url="redis://127.0.0.1:1", world_size=0)
     with pytest.raises(ConfigError, match="even_batches 'cut'"):
         ServerDataStream(("x",), url="redis://127.0.0.1:1", world_size=2, even_batches="cut")
+
+
+@pytest.mark.parametrize("even", ["pad", "drop"])
+def test_shards_of_several_batches_still_end_every_epoch_even(
+    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path, even: str
+) -> None:
+    # 22 batches in 8 shards of 3 (the last of 1): rank 3 gets shards 3 and 7, 4 batches;
+    # the others 6.
+    producers(2, "--requests-per-shard", "3")
+    outs = [tmp_path / f"r{r}.jsonl" for r in range(4)]
+    ranks = [
+        spawn_proc(rank_argv(redis_url, queue_name, outs[r], 2, r, 4, "--finish", "--even", even))
+        for r in range(4)
+    ]
+    for proc in ranks:
+        assert proc.wait(timeout=90) == 0
+    for plan, per_rank in zip(plans(2), shares(outs, 2), strict=True):
+        cut = [plan[3 * s : 3 * s + 3] for s in range(8)]  # shard s's batches
+        own = [cut[r] + cut[r + 4] for r in range(4)]
+        if even == "pad":
+            assert [len(s) for s in per_rank] == [6] * 4
+            assert per_rank[3] == own[3] + own[3][:2]  # its own first batches again
+            assert per_rank[:3] == own[:3]
+        else:
+            assert [len(s) for s in per_rank] == [4] * 4
+            assert per_rank == [o[:4] for o in own]

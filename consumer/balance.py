@@ -1,0 +1,173 @@
+"""Equal batch counts on every rank when the plan cannot tell them in advance.
+
+Where every shard is one batch, a rank's share of an epoch is a fixed number of slots
+(:mod:`batchq.ranks`) and counts are equal by construction. Where shards hold several
+batches (or a Filter drops some) they are only known as the epoch is read, so the ranks
+of a job tell each other their counts through one hash (``bq:{Q}:counts``, field
+``'<epoch>:<rank>'``: ``'<n>'`` batches in hand so far, ``'=<n>'`` the rank's final count
+for that epoch) and:
+
+- ``'pad'``: a rank that reaches the end of its share publishes its final count, waits
+  (bounded) for every rank's, then yields again its own first batches of the epoch
+  (kept, up to ``keep``; cycled if more are needed) until it reaches the largest count;
+- ``'drop'``: a rank yields its i-th batch only once every other rank has said it has
+  at least i + 1, and ends the epoch as soon as one rank's final count is i; it
+  publishes its own count with every batch, so a rank waiting is never waiting for one
+  that is itself waiting (a waiting rank holds its next batch, and said so).
+
+Every wait is bounded by ``timeout_s`` (:class:`batchq.errors.RankLost` names the
+silent ranks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import redis
+
+from batchq.codec import Frame
+from batchq.connection import call
+from batchq.errors import RankLost
+from batchq.keys import QueueKeys
+
+__all__ = ["POLL_S", "Balancer"]
+
+# How often a waiting rank reads the others' counts.
+POLL_S = 0.05
+
+
+class Balancer:
+    """One rank's side of the count exchange.
+
+    Args:
+        client: the stream's client.
+        keys: the queue's keys.
+        rank: this rank.
+        world: the number of ranks.
+        even: 'pad' or 'drop'.
+        timeout_s: the longest wait for the other ranks.
+        keep: how many of its first batches a rank keeps to pad with.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: QueueKeys,
+        rank: int,
+        world: int,
+        even: str,
+        timeout_s: float,
+        keep: int,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.rank = rank
+        self.world = world
+        self.even = even
+        self.timeout_s = timeout_s
+        self.keep = max(1, keep)
+        self.padded = 0  # batches yielded twice to even the counts (all epochs)
+        self.cuts = 0  # epochs whose share 'drop' ended early to even the counts
+
+    def _publish(self, epoch: int, n: int, final: bool) -> None:
+        value = f"={n}" if final else str(n)
+        call(
+            lambda: self.client.hset(self.keys.counts, f"{epoch}:{self.rank}", value),
+            "publishing the rank's count",
+            self.client,
+        )
+
+    def _others(self, epoch: int) -> dict[int, tuple[int, bool]]:
+        """The other ranks' (count, final) for ``epoch``, for those that said one."""
+        ranks = [r for r in range(self.world) if r != self.rank]
+        values: list[Any] = call(
+            lambda: self.client.hmget(self.keys.counts, [f"{epoch}:{r}" for r in ranks]),
+            "reading the ranks' counts",
+            self.client,
+        )
+        out = {}
+        for r, value in zip(ranks, values, strict=True):
+            if value is not None:
+                text = value.decode()
+                out[r] = (int(text.lstrip("=")), text.startswith("="))
+        return out
+
+    def _wait(self, epoch: int, done: Callable[[dict[int, tuple[int, bool]]], bool]) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            others = self._others(epoch)
+            if done(others):
+                return others
+            if time.monotonic() > deadline:
+                silent = [r for r in range(self.world) if r != self.rank and r not in others]
+                raise RankLost(epoch, silent or sorted(others), self.timeout_s)
+            time.sleep(POLL_S)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Forget this rank's counts of epochs before the previous one."""
+        if epoch >= 2:
+            call(
+                lambda: self.client.hdel(self.keys.counts, f"{epoch - 2}:{self.rank}"),
+                "dropping old counts",
+                self.client,
+            )
+
+    def balance(
+        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None]
+    ) -> Iterator[Frame]:
+        """This rank's frames of ``epoch``, evened with the other ranks.
+
+        Args:
+            frames: the rank's own frames of the epoch.
+            cut: called when 'drop' ends the epoch before ``frames`` does.
+        """
+        if self.even == "drop":
+            yield from self._drop(epoch, frames, cut)
+        else:
+            yield from self._pad(epoch, frames)
+
+    def _pad(self, epoch: int, frames: Iterator[Frame]) -> Iterator[Frame]:
+        kept: list[Frame] = []
+        n = 0
+        for frame in frames:
+            if len(kept) < self.keep:
+                kept.append(frame)
+            n += 1
+            yield frame
+        self._publish(epoch, n, final=True)
+        others = self._wait(
+            epoch, lambda o: len(o) == self.world - 1 and all(f for _, f in o.values())
+        )
+        target = max([n, *(c for c, _ in others.values())])
+        if target > n and not kept:
+            raise RankLost(epoch, [], self.timeout_s, empty=self.rank)
+        for i in range(target - n):
+            self.padded += 1
+            yield kept[i % len(kept)]
+
+    def _drop(
+        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None]
+    ) -> Iterator[Frame]:
+        n = 0
+        known: dict[int, tuple[int, bool]] = {}
+        for frame in frames:
+            self._publish(epoch, n + 1, final=False)  # it holds batch n: say so first
+
+            def enough(o: dict[int, tuple[int, bool]], need: int = n + 1) -> bool:
+                if len(o) < self.world - 1:
+                    return False
+                return all(c >= need or final for c, final in o.values())
+
+            if not enough(known):
+                known = self._wait(epoch, enough)
+            if any(final and c < n + 1 for c, final in known.values()):
+                # Another rank's share ended: this one's ends here too.
+                self._publish(epoch, n, final=True)
+                self.cuts += 1
+                cut()
+                return
+            n += 1
+            yield frame
+        self._publish(epoch, n, final=True)
