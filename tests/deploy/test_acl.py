@@ -43,7 +43,7 @@ SECRET = "app:secret"  # a key of some other application on the same server
 # Which Lua scripts each role runs (producer/server.py, consumer/, batchq/reaper.py).
 # Every redis.call in them runs as the calling user, so the role needs those commands.
 ROLE_SCRIPTS = {
-    "bq-producer": {"join", "lease", "push", "fail", "reap"},
+    "bq-producer": {"join", "lease", "push", "fail", "handback", "reap"},
     "bq-trainer": {"claim", "gone", "pop", "reap", "requeue", "resume"},
     "bq-monitor": set(),
 }
