@@ -49,6 +49,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:counts       HASH    '<epoch>:<r>' -> rank r's batches in hand ('<n>') or final
                                 count ('=<n>') of an epoch, where shards hold several
                                 batches (consumer/balance.py)
+    bq:{Q}:remap        HASH    slot -> shard for the epoch in meta ``remap_epoch``: a job
+                                resumed with another number of ranks re-splits the
+                                rest of that epoch (consumer/rank_state.py)
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
 
@@ -134,6 +137,7 @@ class QueueKeys:
         self.scalelog = f"{self.base}:scalelog"
         self.frame_prefix = f"{self.base}:frame:"
         self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
+        self.remap = f"{self.base}:remap"  # an elastic resume's epoch: slot -> shard
 
     def data_of(self, rank: int, world: int) -> str:
         """Rank ``rank``'s data list (world 1: the data list)."""

@@ -14,8 +14,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchq.errors import ConfigError, StepMismatch
+from batchq.ranks import RankLayout
 
-__all__ = ["check_rank_state", "pick_rank_state", "resume_run_id"]
+__all__ = [
+    "check_rank_state",
+    "elastic_state",
+    "pick_rank_state",
+    "remap_pairs",
+    "resume_run_id",
+]
 
 
 def pick_rank_state(
@@ -39,16 +46,88 @@ def pick_rank_state(
         where = ", ".join(f"rank {s.get('rank')}: step {s.get('step')}" for s in states)
         raise StepMismatch(f"the states are of different steps ({where}); expected one checkpoint")
     worlds = {s.get("world_size", 1) for s in states}
-    if worlds != {world} or len(states) != world:
+    if len(worlds) != 1 or len(states) != next(iter(worlds)):
         raise ConfigError(
-            f"{len(states)} states of world_size {sorted(worlds)} given to a rank of "
-            f"world_size {world}: expected one state per rank of this world size "
-            "(resuming with another number of ranks is not supported yet)"
+            f"{len(states)} states of world_size {sorted(worlds)}: expected one state per "
+            "rank of the checkpointed job"
         )
+    if worlds != {world}:
+        return elastic_state(states, rank, world)
     mine = [s for s in states if s.get("rank", 0) == rank]
     if len(mine) != 1:
         raise ConfigError(f"the states hold {len(mine)} states of rank {rank}: expected one")
     return mine[0]
+
+
+def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
+    """This new rank's state when a job of R ranks resumes with ``world`` ranks.
+
+    The rest of the checkpointed epoch, every shard of the plan that no old rank had
+    yielded completely (a partly yielded one from its next batch; the old pads are
+    padding and go), in plan order, is re-split among the new ranks as slots are
+    (:mod:`batchq.ranks`): unit u goes to rank u % world, pads repeat the first units.
+    Every new rank computes the same ``remap`` (new slot -> [shard, batches had]); the
+    epoch's slots past it are empty (done).
+
+    Raises:
+        ConfigError: states of different runs or epochs, or a new world of 1.
+    """
+    if world < 2:
+        raise ConfigError(
+            f"resuming {len(states)} ranks' states with world_size {world}: expected "
+            "world_size >= 2 (a single trainer cannot take a job's share apart yet)"
+        )
+    first = states[0]
+    for key in ("run", "epoch", "plan_shards", "fingerprint", "even_batches"):
+        values = {repr(s.get(key)) for s in states}
+        if len(values) != 1:
+            raise ConfigError(
+                f"the states disagree on {key!r} ({sorted(values)}): expected one job"
+            )
+    by_rank = {int(s.get("rank", 0)): s for s in states}
+    old = RankLayout(int(first["plan_shards"]), len(states), str(first["even_batches"]))
+    units: list[tuple[int, int]] = []  # (shard, batches had) still to yield
+    for shard in range(old.shards):
+        owner = by_rank[shard % old.world]
+        local = shard // old.world
+        if local in owner["done"]:
+            continue
+        units.append((shard, int(owner["consumed"].get(str(local), 0))))
+    new = RankLayout(old.shards, world, old.even)
+    share = (-(-len(units) // world) if new.even == "pad" else len(units) // world) if units else 0
+    remap = [list(units[u % len(units)]) for u in range(share * world)] if units else []
+    own = range(rank, share * world, world)
+    return {
+        "version": 1,
+        "queue": first.get("queue"),
+        "run": first["run"],
+        "fingerprint": first["fingerprint"],
+        "shards": new.per_rank,
+        "plan_shards": old.shards,
+        "epoch": int(first["epoch"]),
+        "consumed": {str(u // world): remap[u][1] for u in own if remap[u][1]},
+        "done": list(range(share, new.per_rank)),
+        "rank": rank,
+        "world_size": world,
+        "even_batches": old.even,
+        "step": int(first.get("step", 0)),
+        "remap": remap,
+    }
+
+
+def remap_pairs(
+    state: dict[str, Any], layout: RankLayout
+) -> tuple[list[tuple[str, str]], dict[int, int]]:
+    """For an :func:`elastic_state`: the ledger pairs of every slot of the resumed epoch
+    (batches had, or done for the slots past the re-split) and slot -> shard to build."""
+    epoch, remap = int(state["epoch"]), state["remap"]
+    pairs = []
+    for slot in range(layout.slots):
+        if slot >= len(remap):
+            pairs.append((f"{epoch}:{slot}", "d"))
+        elif remap[slot][1]:
+            pairs.append((f"{epoch}:{slot}", str(remap[slot][1])))
+    return pairs, {slot: int(unit[0]) for slot, unit in enumerate(remap)}
 
 
 def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:

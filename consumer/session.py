@@ -108,7 +108,9 @@ class Session:
         world = self.world
         with contextlib.suppress(redis.RedisError, ValueError):  # this world's, at least
             world = max(world, int(self.client.hget(self.keys.meta, "world") or 1))
-        return [*self.keys.rank_data(world), self.keys.counts] if world > 1 else []
+        if world == 1:
+            return []
+        return [*self.keys.rank_data(world), self.keys.counts, self.keys.remap]
 
     def _keys(self) -> list[str]:
         k = self.keys
@@ -241,6 +243,7 @@ class Session:
         *,
         step: int = 0,
         shards: int | None = None,
+        remap: tuple[int, dict[int, int]] | None = None,
     ) -> None:
         """Restart the plan at ``first_shard`` under a new run id.
 
@@ -256,6 +259,8 @@ class Session:
             ledger: ('<epoch>:<slot>', 'd' or batches had) pairs.
             step: the batches yielded at the checkpoint (ranks must agree).
             shards: S, when no producer published it (from the checkpoint).
+            remap: (epoch, slot -> shard): that epoch's slots build these shards (a job
+                resumed with another number of ranks).
 
         Raises:
             StepMismatch: another rank of the job resumed from another step.
@@ -277,12 +282,16 @@ class Session:
             self.even,
             step,
             "1" if self.held else "0",
+            "" if remap is None else remap[0],
+            0 if remap is None else len(remap[1]),
         ]
+        for slot, shard in (remap[1] if remap else {}).items():
+            args += [slot, shard]
         for field, value in ledger:
             args += [field, value]
         k = self.keys
         keys = [k.meta, k.incarnation, k.data, k.work, k.failures, k.ledger, k.wake]
-        if self.world > 1:  # this rank's list first (dropped on a second resume)
+        if self.world > 1:  # this rank's list first (dropped on a second resume), remap last
             keys += [self.data_key, *(d for d in self._data_lists() if d != self.data_key)]
         try:
             reply = decode_reply(

@@ -34,7 +34,7 @@ from consumer.fuel_stream import FuelStreamMixin
 from consumer.ledger import Ledger
 from consumer.prepare import FramePrep
 from consumer.progress import EpochProgress
-from consumer.rank_state import check_rank_state, pick_rank_state, resume_run_id
+from consumer.rank_state import check_rank_state, pick_rank_state, remap_pairs, resume_run_id
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
 from consumer.shm_frames import TrainerShm
@@ -421,11 +421,15 @@ class ServerDataStream(FuelStreamMixin):
             ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
             done = set(resume["done"])
             pairs = []
-            for shard_text, had in resume["consumed"].items():
-                shard = int(shard_text)
+            for shard in sorted(done | {int(k) for k in resume["consumed"]}):
+                had = int(resume["consumed"].get(str(shard), 0))
                 ledger.preload(epoch, shard, had, done=shard in done)
                 slot = layout.slot(shard, self.rank)
                 pairs.append((f"{epoch}:{slot}", "d" if shard in done else str(had)))
+            remap = None
+            if "remap" in resume:  # another number of ranks: the epoch's rest re-split
+                pairs, slots = remap_pairs(resume, layout)
+                remap = (epoch, slots)
             session.resume(
                 self._client,
                 epoch * shards,
@@ -433,6 +437,7 @@ class ServerDataStream(FuelStreamMixin):
                 pairs,
                 step=self._step,
                 shards=self._plan_shards,
+                remap=remap,
             )
             if session.plan is None:
                 session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)

@@ -64,14 +64,16 @@ class Lease(NamedTuple):
     token: str
     slots: int
     world: int
+    shard: int | None = None  # the shard to build, where a resume remapped the slot
 
     @classmethod
     def from_reply(cls, reply: list[Any], token: str, shards: int) -> Lease:
-        """From lease.lua's {'OK', g, skip, slots, world} (slots, world: new in replies of
-        data-parallel runs; S and 1 before)."""
+        """From lease.lua's {'OK', g, skip[, slots, world[, shard]]} (the rest only in
+        replies of data-parallel runs; S and 1 before)."""
         slots = int(reply[3]) if len(reply) > 3 else shards
         world = int(reply[4]) if len(reply) > 4 else 1
-        return cls(int(reply[1]), int(reply[2]), token, slots, world)
+        shard = int(reply[5]) if len(reply) > 5 else None
+        return cls(int(reply[1]), int(reply[2]), token, slots, world, shard)
 
 
 class ShardPusher:

@@ -186,7 +186,9 @@ class Producer(ShardPusher):
                     self._data_key = self.keys.data_of(self._rank, lease.world)
                     self._serve_shard(
                         epoch,
-                        shard_of_slot(slot, self.plan.shards),
+                        lease.shard
+                        if lease.shard is not None
+                        else shard_of_slot(slot, self.plan.shards),
                         f"{lease.g}:{lease.token}",
                         lease.skip,
                         slot=slot,
@@ -386,7 +388,8 @@ class Producer(ShardPusher):
         token = f"{self.id}.{self._lease_seq}"
         k = self.keys
         keys = [k.meta, k.incarnation, k.work, k.lease(self.id), k.producers, k.ledger]
-        keys += k.rank_data(self._world)  # where lease.lua looks for room
+        if self._world > 1:  # where lease.lua looks for room, and remapped slots
+            keys += [*k.rank_data(self._world), k.remap]
         args: list[Any] = [self._incarnation, self._run, self.id, token, self.heartbeat_ttl_ms]
         args.append("1" if prefetch else "0")
         return keys, args, token

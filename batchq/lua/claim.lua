@@ -2,7 +2,8 @@
 -- claim on the run.
 -- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] work  KEYS[5] wake
 -- KEYS[6] failures  KEYS[7] ledger
--- KEYS[8..] (data-parallel) every rank's data list, dropped with the run
+-- KEYS[8..] (data-parallel) every rank's data list, the counts and remap hashes:
+--          dropped with the run
 -- ARGV[1] claim token  ARGV[2] claim ttl (ms)
 -- ARGV[3] 'acquire' | 'refresh' | 'release' | 'finish'
 -- ARGV[4] run id to use if a new run starts  ARGV[5] incarnation to use if the queue

@@ -4,11 +4,12 @@
 -- ARGV[1] incarnation  ARGV[2] run  ARGV[3] producer id  ARGV[4] token (unique per
 --         lease request: a retried request with the same token gets the same shard)
 -- ARGV[5] heartbeat ttl (ms)
--- KEYS[7..6+world] (data-parallel runs) every rank's data list, rank 0 first
+-- KEYS[7..6+world] (data-parallel runs) every rank's data list, rank 0 first, then
+--         KEYS[7+world] the remap hash (slot -> shard of the epoch meta remap_epoch)
 -- ARGV[6] '1' when sent right behind a shard's last push (prefetch): lease only if that
 --         push went through (the lease list is empty), so that a producer blocked at the
 --         hwm never sits on a second shard another producer could build
--- Returns {'OK', g, skip, slots, world} (g = global slot number: epoch * slots + slot,
+-- Returns {'OK', g, skip, slots, world[, shard]} (g = global slot number: epoch * slots + slot,
 --         see batchq/ranks.py; world 1: {'OK', g, skip}, slots = S; skip = batches of
 --         it the trainer
 --         already has: build it, push only from batch `skip` on)
@@ -23,14 +24,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
 local m = redis.call('HMGET', KEYS[1], 'run', 'finished', 'next', 'floor', 'window', 'shards',
-  'world', 'even', 'hwm')
+  'world', 'even', 'hwm', 'remap_epoch')
 if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
 if m[2] == '1' then return {'FINISHED'} end
 if not redis.call('ZSCORE', KEYS[5], ARGV[3]) then return {'REAPED'} end
 redis.call('ZADD', KEYS[5], now + tonumber(ARGV[5]), ARGV[3])
 
 local world = tonumber(m[7] or '1')
-if world > 1 and #KEYS ~= 6 + world then return {'RUN_CHANGED'} end  -- a stale view
+if world > 1 and #KEYS ~= 7 + world then return {'RUN_CHANGED'} end  -- a stale view
 -- The ledger names slots as '<epoch>:<slot>': 'd' when done, else batches already had.
 local S = tonumber(m[6])
 if world > 1 then
@@ -39,6 +40,11 @@ if world > 1 then
 end
 local function granted(g, skip)
   if world == 1 then return {'OK', g, skip} end
+  -- A slot of a remapped epoch names the shard it builds (a resume with other ranks).
+  if m[10] and math.floor(tonumber(g) / S) == tonumber(m[10]) then
+    local shard = redis.call('HGET', KEYS[7 + world], tostring(tonumber(g) % S))
+    if shard then return {'OK', g, skip, S, world, shard} end
+  end
   return {'OK', g, skip, S, world}
 end
 local function had(g)

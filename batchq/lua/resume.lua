@@ -13,7 +13,11 @@
 -- ARGV[13] '1' if this rank held the new run already (the job resumes again): with the
 --          run's step its counters start again at ARGV[3], with another step the run
 --          starts again from this checkpoint
--- ARGV[14..] ledger pairs: '<epoch>:<slot>', 'd' or batches already had
+-- ARGV[14] the epoch whose slots are remapped ('' for none: a job resumed with
+--          another number of ranks re-splits its rest, consumer/rank_state.py)
+-- ARGV[15] the number of remapped slots m, ARGV[16..15+2m] slot, shard pairs (into
+--          the remap hash, the last of KEYS)
+-- ARGV[16+2m..] ledger pairs: '<epoch>:<slot>', 'd' or batches already had
 -- The ranks of a job resume into one run: the first one creates it (every rank computes
 -- the same run id), the others join it and add their ledgers; a rank whose step differs
 -- is refused.
@@ -25,9 +29,16 @@ if world > 1 then sfx = ':' .. rank end
 local m = redis.call('HMGET', KEYS[1], 'claim' .. sfx, 'run', 'resume_step')
 if m[1] ~= token then return {'CLAIM_LOST'} end
 
+local remapped = tonumber(ARGV[15] or '0')
 local function add_pairs()
-  for i = 14, #ARGV, 2 do
+  for i = 16 + 2 * remapped, #ARGV, 2 do
     redis.call('HSET', KEYS[6], ARGV[i], ARGV[i + 1])
+  end
+  if ARGV[14] ~= '' and remapped > 0 then
+    for i = 16, 15 + 2 * remapped, 2 do
+      redis.call('HSET', KEYS[#KEYS], ARGV[i], ARGV[i + 1])
+    end
+    redis.call('HSET', KEYS[1], 'remap_epoch', ARGV[14])
   end
 end
 
@@ -46,7 +57,7 @@ end
 redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 for i = 8, #KEYS do redis.call('DEL', KEYS[i]) end
 redis.call('HDEL', KEYS[1], 'finished', 'finished_at', 'hwm', 'shards', 'window',
-  'epoch_batches', 'world', 'even', 'resume_step')
+  'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch')
 redis.call('HSET', KEYS[1], 'run', new_run, 'next', first, 'floor', first,
   'fingerprint', ARGV[4])
 if world > 1 then

@@ -264,3 +264,76 @@ def test_shards_of_several_batches_still_end_every_epoch_even(
         else:
             assert [len(s) for s in per_rank] == [4] * 4
             assert per_rank == [o[:4] for o in own]
+
+
+@pytest.mark.parametrize(("old", "new", "stop"), [(4, 2, 3), (2, 3, 4)])
+def test_elastic_resume_keeps_every_epoch_exact(
+    redis_url: str,
+    queue_name: str,
+    producers: Any,
+    spawn_proc: Any,
+    tmp_path: Path,
+    old: int,
+    new: int,
+    stop: int,
+) -> None:
+    producers(2)
+    epochs = 3
+    outs = [tmp_path / f"a{r}.jsonl" for r in range(old)]
+    states = [tmp_path / f"s{r}.json" for r in range(old)]
+    first = [
+        spawn_proc(
+            rank_argv(
+                redis_url,
+                queue_name,
+                outs[r],
+                epochs,
+                r,
+                old,
+                "--state-out",
+                str(states[r]),
+                "--stop-after",
+                str(stop),
+            )
+        )
+        for r in range(old)
+    ]
+    for proc in first:
+        assert proc.wait(timeout=60) == 3
+    saved = [json.loads(s.read_text()) for s in states]
+    (tmp_path / "all.json").write_text(json.dumps(saved))
+    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(new)]
+    second = [
+        spawn_proc(
+            rank_argv(
+                redis_url,
+                queue_name,
+                outs_b[r],
+                epochs,
+                r,
+                new,
+                "--state-in",
+                str(tmp_path / "all.json"),
+                "--finish",
+            )
+        )
+        for r in range(new)
+    ]
+    for proc in second:
+        assert proc.wait(timeout=90) == 0
+    plan = plans(epochs)
+    before = [b for o in outs for _, b in lines(o)]
+    assert len(before) == old * stop  # all of epoch 0, one slot per rank at a time
+    after = shares(outs_b, epochs)
+    rest = after[0]
+    # The rest of epoch 0, re-split: equal counts, the least padding.
+    units = plan[0][old * stop :]
+    per = -(-len(units) // new)
+    assert [len(s) for s in rest] == [per] * new
+    padded = units + units[: per * new - len(units)]
+    assert rest == [padded[r::new] for r in range(new)]
+    got = Counter(tuple(b) for b in before + [b for s in rest for b in s])
+    want = Counter(tuple(b) for b in plan[0] + units[: per * new - len(units)])
+    assert got == want  # exactly the epoch, plus the documented pads
+    for e in range(1, epochs):
+        check_epoch(plan[e], after[e], new)

@@ -2,7 +2,8 @@
 
 Reads epochs from a queue and writes one JSON line per batch yielded (epoch, the
 example indices) to --out, flushed; with --state-out, after each batch it also saves
-state_dict() there (atomically). With --state-in it first resumes from that file.
+state_dict() there (atomically). With --state-in it first resumes from that file (a state,
+or a list of every rank's states).
 """
 
 from __future__ import annotations
