@@ -29,7 +29,7 @@ import dataclasses
 import sys
 import warnings
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType, ModuleType, TracebackType
 from typing import Any
 
@@ -149,8 +149,9 @@ class TorchStream(IterableDataset):
         the loop has received (the prefetched ones come again after a resume)."""
         return self.stream._state(dict(self._held) if self._held else None)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (before the first batch)."""
+    def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """Resume from :meth:`state_dict` (before the first batch); a rank of a
+        data-parallel job may pass every rank's states (see the stream's)."""
         self.stream.load_state_dict(state)
 
     def close(self, finished: bool = False) -> None:
