@@ -99,6 +99,7 @@ class ShardPusher:
     _prefetched: Lease | None
     _data_key: str  # the data list of the rank the current shard is for
     _rank: int
+    _world: int
     _oom_logged: bool
     _transport: Transport
 
@@ -356,11 +357,13 @@ class ShardPusher:
             if status == Status.FULL:
                 if blocked_since is None:
                     blocked_since = full_since = time.monotonic()
-                elif self._rank_stopped(full_since, entry):
-                    if ref is not None:
-                        self.client.delete(ref)
-                        self._pending_ref = None
-                    return False
+                elif self._world > 1 and time.monotonic() - full_since >= HANDBACK_S:
+                    full_since = time.monotonic()  # looked at once per HANDBACK_S
+                    if self._hand_back(entry):
+                        if ref is not None:
+                            self.client.delete(ref)
+                            self._pending_ref = None
+                        return False
                 self._wait_for_room()
                 continue
             if blocked_since is not None:
@@ -382,17 +385,31 @@ class ShardPusher:
             self._handle_status(status)
             return False
 
-    def _rank_stopped(self, full_since: float, entry: str) -> bool:
-        """After HANDBACK_S at a data-parallel rank's full list: if that rank's trainer
-        holds no live claim (it crashed, or closed), hand the shard back and say so."""
-        if self._data_key == self.keys.data or time.monotonic() - full_since < HANDBACK_S:
-            return False
-        k = self.keys
-        field = f"claim_deadline:{self._rank}"
-        deadline, now = execute_pipeline(
-            self.client, lambda pipe: (pipe.hget(k.meta, field), pipe.time())
+    def _hand_back(self, entry: str) -> bool:
+        """At a data-parallel rank's full list for HANDBACK_S: hand the shard back (and
+        say so) if that rank's trainer holds no live claim (it crashed, or closed), or
+        if another rank still reading has an empty list: it may be waiting for this
+        producer, while this rank waits for the others (its share of an epoch is
+        evened, consumer/balance.py), so holding on could stall them all."""
+        k, world = self.keys, self._world
+        fields = [f"claim_deadline:{r}" for r in range(world)]
+        fields += [f"done:{r}" for r in range(world)]
+
+        def build(pipe: Any) -> None:
+            pipe.hmget(k.meta, fields)
+            pipe.time()
+            for r in range(world):
+                pipe.llen(k.data_of(r, world))
+
+        meta, now, *depths = execute_pipeline(self.client, build)
+        now_ms = now[0] * 1000 + now[1] // 1000
+        reading = [d is not None and int(d) > now_ms and meta[world + r] is None
+                   for r, d in enumerate(meta[:world])]  # fmt: skip
+        live = reading[self._rank]
+        starving = any(
+            depth == 0 and reading[r] for r, depth in enumerate(depths) if r != self._rank
         )
-        if deadline is not None and int(deadline) > now[0] * 1000 + now[1] // 1000:
+        if live and not starving:
             return False
         reply = decode_reply(
             SCRIPTS["handback"](
@@ -403,7 +420,14 @@ class ShardPusher:
         )
         if reply[0] not in (Status.OK, Status.LEASE_LOST):
             self._handle_status(reply[0])
-        log.info("producer %s: rank %d is not reading; %s handed back", self.id, self._rank, entry)
+        why = "another rank's list is empty" if live else "it is not reading"
+        log.info(
+            "producer %s: rank %d's list is full, %s: %s handed back",
+            self.id,
+            self._rank,
+            why,
+            entry,
+        )
         return True
 
     def _send(
