@@ -6,7 +6,7 @@ pipelined round trip for all of them, plus a GETRANGE round trip only when the o
 element of a queue is a reference to a large frame. Nothing is cached between scrapes
 and nothing is written.
 
-Metrics (base units; labels ``queue`` and ``producer``, plus ``le`` on the histogram's
+Metrics (base units; labels ``queue``, ``producer`` and ``rank``, plus ``le`` on the histogram's
 buckets, ``reason`` on dead frames, a closed set: the codec's FrameError reasons, and
 ``action`` on autoscale decisions: add, retire):
 
@@ -47,6 +47,15 @@ buckets, ``reason`` on dead frames, a closed set: the codec's FrameError reasons
                                                       (batchq.sizing; with the demand)
 ``batchq_autoscale_decisions_total``        counter   autoscaler decisions, label
                                                       ``action``: add, retire
+``batchq_rank_depth_items``                 gauge     per rank of a data-parallel trainer
+                                                      (label ``rank``): LLEN of its list
+``batchq_rank_attached``                    gauge     per rank: 1 while it holds its claim
+``batchq_rank_stall_ratio``                 gauge     per rank: its recent stall fraction
+``batchq_rank_batches_per_second``          gauge     per rank: batches it took per second
+``batchq_rank_epoch``                       gauge     per rank: its current epoch
+``batchq_rank_verdict``                     gauge     per rank: 1, label ``verdict`` (the
+                                                      status verdict of that rank alone)
+``batchq_slowest_rank``                     gauge     the rank furthest behind
 ==========================================  ========  =====================================
 
 The stall over any range is ``rate(batchq_trainer_wait_seconds_sum[r]) /
@@ -109,6 +118,13 @@ METRIC_NAMES = (
     "batchq_producer_rate_batches_per_second",
     "batchq_recommended_producers",
     "batchq_autoscale_decisions",
+    "batchq_rank_depth_items",
+    "batchq_rank_attached",
+    "batchq_rank_stall_ratio",
+    "batchq_rank_batches_per_second",
+    "batchq_rank_epoch",
+    "batchq_rank_verdict",
+    "batchq_slowest_rank",
 )
 
 _Q = ["queue"]
@@ -235,10 +251,12 @@ class BatchqCollector:
         wait = HistogramMetricFamily(
             "batchq_trainer_wait_seconds", "The trainer's wait for each batch", labels=_Q
         )
+        snaps_rows = []
         for snap in snaps:
             q, s = [snap.queue], snap.stats
             row = row_from_snapshot(snap)
-            g["depth"].add_metric(q, snap.depth)
+            snaps_rows.append(row)
+            g["depth"].add_metric(q, row["depth"])
             g["cap"].add_metric(q, snap.hwm)
             g["bytes"].add_metric(q, row["bytes_held"])
             if snap.depth == 0:
@@ -285,11 +303,45 @@ class BatchqCollector:
                 p["build_seconds"].add_metric(labels, prod["build_s"])
                 p["blocked_seconds"].add_metric(labels, prod["blocked_s"])
         yield from g.values()
+        yield from _rank_families(snaps_rows)
         yield from c.values()
         yield wait
         yield dead
         yield decisions
         yield from p.values()
+
+
+def _rank_families(rows: list[dict[str, Any]]) -> Iterable[Metric]:
+    """The per-rank metrics of data-parallel trainers (label ``rank``)."""
+    labels = ["queue", "rank"]
+    fams = {
+        key: GaugeMetricFamily(f"batchq_rank_{name}", doc, labels=labels)
+        for key, name, doc in (
+            ("depth", "depth_items", "LLEN of the rank's data list"),
+            ("attached", "attached", "1 while the rank holds its claim"),
+            ("stall", "stall_ratio", "The rank's recent stall fraction"),
+            ("batches_per_s", "batches_per_second", "Batches the rank took per second"),
+            ("epoch", "epoch", "The rank's current epoch"),
+        )
+    }
+    verdict = GaugeMetricFamily(
+        "batchq_rank_verdict", "1 for the rank's verdict", labels=[*labels, "verdict"]
+    )
+    slowest = GaugeMetricFamily("batchq_slowest_rank", "The rank furthest behind", labels=_Q)
+    for row in rows:
+        for rank in row["ranks"]:
+            key = [row["queue"], str(rank["rank"])]
+            fams["depth"].add_metric(key, rank["depth"])
+            fams["attached"].add_metric(key, 1 if rank["trainer"] == "attached" else 0)
+            for name in ("stall", "batches_per_s", "epoch"):
+                if rank[name] is not None:
+                    fams[name].add_metric(key, rank[name])
+            verdict.add_metric([*key, rank["verdict"]], 1)
+        if row["slowest_rank"] is not None:
+            slowest.add_metric([row["queue"]], row["slowest_rank"])
+    yield from fams.values()
+    yield verdict
+    yield slowest
 
 
 class MetricsServer:

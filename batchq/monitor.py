@@ -5,7 +5,8 @@ all the queues, a second for lease lists and referenced frames); nothing here wr
 Redis. The verdict's rule and thresholds are in :mod:`batchq.verdict`.
 
 ``status --json`` prints a list of objects, one per queue, with these fields in this
-order (schema version 3; version 2 had the fields up to ``verdict_reason``, and
+order (schema version 4; version 3 had the fields up to ``shm_bytes``; version 2 had
+the fields up to ``verdict_reason``, and
 ``host`` was not in the producer objects; version 1 had the first 13, with the same
 meanings, and no ``schema`` field). Counters are cumulative since the queue's keys were
 created: they are not reset between runs (``batchq reset`` deletes them).
@@ -74,6 +75,14 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     shm_segments          int          the queue's shared-memory segments in /dev/shm on
                                        the host that runs status (batchq.shm)
     shm_bytes             int          bytes allocated to them
+    world_size            int          the trainer's ranks (1: a single trainer)
+    ranks                 list         per rank of a data-parallel trainer: objects with
+                                       the fields of batchq.rank_status.RANK_FIELDS
+                                       (empty for a single trainer)
+    slowest_rank          int|null     the rank furthest behind (batchq.rank_status)
+
+For a data-parallel trainer (world_size > 1) ``depth`` is the sum of the ranks' lists
+and the trainer figures (stall, rates, epoch) are the slowest rank's.
 
 A producer object (its counters cover its whole life; ids are unique per process):
 
@@ -108,6 +117,7 @@ names). It includes any clock difference between the producer's host and Redis'.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -115,6 +125,7 @@ import redis
 
 from batchq import sizing
 from batchq.keys import QueueKeys, queue_from_meta_key
+from batchq.rank_status import rank_rows, slowest_rank
 from batchq.shm import DEFAULT_SHM_DIR, segments_usage
 from batchq.snapshot import QueueSnapshot, read_snapshots
 from batchq.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
@@ -138,7 +149,7 @@ __all__ = [
 ]
 
 #: The version of the row layout documented above.
-STATUS_SCHEMA_VERSION = 3
+STATUS_SCHEMA_VERSION = 4
 
 #: Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket,
 #: ``wait_bucket:<len>``, is +Inf. The trainer (consumer.stats) counts into them and the
@@ -156,7 +167,7 @@ STATUS_FIELDS = (
     "verdict_cause", "demand_batches_per_s", "busy_ms_per_batch", "producer_batches_per_s",
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
-    "shm_segments", "shm_bytes",
+    "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank",
 )  # fmt: skip
 
 PRODUCER_FIELDS = (
@@ -223,11 +234,28 @@ def _bytes_held(snap: QueueSnapshot) -> int:
 
 
 def trainer_state(snap: QueueSnapshot) -> str:
-    """'finished', 'attached' (a live claim) or 'detached'."""
+    """'finished', 'attached' (a live claim; a rank's for data-parallel trainers) or
+    'detached'."""
     if snap.meta.get("finished") == "1":
         return "finished"
+    if snap.ranks:
+        return (
+            "attached" if any(r.claim_deadline_ms > snap.now_ms for r in snap.ranks) else "detached"
+        )
     deadline = _int(snap.meta.get("claim_deadline"))
     return "attached" if snap.meta.get("claim") and deadline > snap.now_ms else "detached"
+
+
+def _as_slowest_rank(snap: QueueSnapshot, slowest: int | None) -> QueueSnapshot:
+    """A data-parallel trainer's snapshot with the queue-level figures of its slowest
+    rank and the depth of all its lists."""
+    rank = snap.ranks[slowest if slowest is not None else 0]
+    return dataclasses.replace(
+        snap,
+        depth=sum(r.depth for r in snap.ranks),
+        trainer=rank.trainer,
+        history=rank.history,
+    )
 
 
 def recent_depths(snap: QueueSnapshot) -> list[float]:
@@ -243,6 +271,10 @@ def recent_depths(snap: QueueSnapshot) -> list[float]:
 
 def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
     """One queue's status row (see the module docstring for the fields)."""
+    ranks = rank_rows(snap)
+    slowest = slowest_rank(ranks)
+    if snap.ranks:
+        snap = _as_slowest_rank(snap, slowest)
     stats, meta, hwm = snap.stats, snap.meta, snap.hwm
     trainer = trainer_state(snap)
     shm_segments, shm_bytes = segments_usage(DEFAULT_SHM_DIR, snap.queue)  # this host's
@@ -308,6 +340,7 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
     }
     row.update(_sizing(snap, row, fresh))
     row.update(shm_segments=shm_segments, shm_bytes=shm_bytes)
+    row.update(world_size=snap.world, ranks=ranks, slowest_rank=slowest)
     return row
 
 
@@ -453,6 +486,14 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
     if r["dead_by_reason"]:
         dead = ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())
         lines.append(f"  dead frames: {dead}")
+    for rank in r.get("ranks", []):
+        mark = " (slowest)" if rank["rank"] == r.get("slowest_rank") else ""
+        rate = "-" if rank["batches_per_s"] is None else f"{rank['batches_per_s']:.1f}/s"
+        epoch = "-" if rank["epoch"] is None else f"{rank['epoch']}:{rank['epoch_progress']}"
+        lines.append(
+            f"  rank {rank['rank']}{mark}: {rank['verdict']}, depth {rank['depth']}/{r['hwm']}, "
+            f"stall {fmt_pct(rank['stall'])}, {rate}, epoch {epoch}, {rank['trainer']}"
+        )
     if r["shm_segments"]:
         lines.append(
             f"  shared memory here: {r['shm_segments']} segments, {fmt_bytes(r['shm_bytes'])}"

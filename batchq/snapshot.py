@@ -24,7 +24,7 @@ from batchq import codec
 from batchq.errors import FrameError
 from batchq.keys import QueueKeys
 
-__all__ = ["HEADER_PEEK_BYTES", "QueueSnapshot", "read_snapshots"]
+__all__ = ["HEADER_PEEK_BYTES", "QueueSnapshot", "RankSnapshot", "read_snapshots"]
 
 #: How much of a frame stored by reference is read to find its header (GETRANGE 0 N-1).
 HEADER_PEEK_BYTES = 65536
@@ -39,6 +39,34 @@ def _int(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0
+
+
+@dataclass
+class RankSnapshot:
+    """One rank of a data-parallel trainer (world > 1), read with its queue.
+
+    Attributes:
+        rank: the rank.
+        depth: LLEN of its data list.
+        trainer: its figures (as the queue's trainer hash).
+        history: its history samples, newest first.
+        claim_deadline_ms: its claim's deadline (0: none).
+        done: it finished the run (``close(finished=True)``).
+    """
+
+    rank: int
+    depth: int
+    trainer: dict[str, str]
+    history: list[dict[str, Any]]
+    claim_deadline_ms: int
+    done: bool
+
+    def figure(self, name: str) -> float | None:
+        """One of the rank's figures as a float, None if absent or malformed."""
+        try:
+            return float(self.trainer[name])
+        except (KeyError, ValueError):
+            return None
 
 
 @dataclass
@@ -62,6 +90,7 @@ class QueueSnapshot:
         leases: shards leased by live producers, None when not read.
         autoscalers: live ``serve --workers auto`` registered on the queue.
         last_decision: the newest entry of the scalelog (parsed), None if none.
+        ranks: each rank of a data-parallel trainer (meta ``world`` > 1), else empty.
     """
 
     queue: str
@@ -78,6 +107,12 @@ class QueueSnapshot:
     leases: int | None = None
     autoscalers: int = 0
     last_decision: dict[str, Any] | None = None
+    ranks: list[RankSnapshot] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        """The run's number of trainer ranks (1: a single trainer)."""
+        return max(1, _int(self.meta.get("world") or 1))
 
     @property
     def hwm(self) -> int:
@@ -129,6 +164,26 @@ def _header_time(buf: bytes | None) -> float | None:
     except FrameError:
         return None
     return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
+
+
+def _add_rank(snap: QueueSnapshot, what: str, value: Any) -> None:
+    """File one of a rank's three reads (depth first) into ``snap.ranks``."""
+    if what == "rank_depth":
+        r = len(snap.ranks)
+        snap.ranks.append(
+            RankSnapshot(
+                rank=r,
+                depth=int(value),
+                trainer={},
+                history=[],
+                claim_deadline_ms=_int(snap.meta.get(f"claim_deadline:{r}")),
+                done=snap.meta.get(f"done:{r}") == "1",
+            )
+        )
+    elif what == "rank_trainer":
+        snap.ranks[-1].trainer = {_text(a): _text(b) for a, b in value.items()}
+    else:
+        snap.ranks[-1].history = _history(value)
 
 
 def read_snapshots(
@@ -197,10 +252,16 @@ def read_snapshots(
         )
         oldest.append(last)
 
-    # The second round trip: leases of live producers, headers of referenced frames.
+    # The second round trip: leases of live producers, headers of referenced frames, the
+    # ranks of data-parallel trainers.
     pipe = client.pipeline(transaction=False)
     todo: list[tuple[int, str]] = []
     for i, (k, snap, last) in enumerate(zip(keys, snaps, oldest, strict=True)):
+        for r in range(snap.world if snap.world > 1 else 0):
+            pipe.llen(k.data_of(r, snap.world))
+            pipe.hgetall(k.trainer_of(r, snap.world))
+            pipe.lrange(k.history_of(r, snap.world), 0, history - 1 if history >= 0 else -1)
+            todo += [(i, "rank_depth"), (i, "rank_trainer"), (i, "rank_history")]
         if leases:
             for p in snap.alive:
                 pipe.llen(k.lease(p))
@@ -219,7 +280,9 @@ def read_snapshots(
             snap.leases = 0
     if todo:
         for (i, what), value in zip(todo, pipe.execute(), strict=True):
-            if what == "lease":
+            if what.startswith("rank_"):
+                _add_rank(snaps[i], what, value)
+            elif what == "lease":
                 snaps[i].leases = (snaps[i].leases or 0) + int(value)
             else:
                 snaps[i].oldest_t = _header_time(value)

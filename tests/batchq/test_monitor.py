@@ -141,7 +141,7 @@ def check_schema(row: dict[str, Any]) -> None:
     assert tuple(row) == STATUS_FIELDS
     for name, typ in _documented("status").items():
         assert isinstance(row[name], _TYPES[typ]) and not isinstance(row[name], bool), name
-    assert row["schema"] == monitor.STATUS_SCHEMA_VERSION == 3
+    assert row["schema"] == monitor.STATUS_SCHEMA_VERSION == 4
     for p in row["producers"]:
         assert tuple(p) == PRODUCER_FIELDS
         for name, typ in _documented("producer").items():

@@ -337,3 +337,46 @@ def test_elastic_resume_keeps_every_epoch_exact(
     assert got == want  # exactly the epoch, plus the documented pads
     for e in range(1, epochs):
         check_epoch(plan[e], after[e], new)
+
+
+def test_status_and_exporter_show_each_rank(
+    redis_url: str, queue_name: str, producer_thread: Any, redis_client: Any
+) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from batchq.exporter import BatchqCollector
+    from batchq.monitor import render_table, status_rows
+
+    producer_thread(numbered(EXAMPLES, BATCH))
+    streams = [
+        ServerDataStream(
+            ("features", "targets"), url=redis_url, queue=queue_name, rank=r, world_size=2
+        )
+        for r in range(2)
+    ]
+    fast, slow = (s.get_epoch_iterator() for s in streams)
+    for _ in range(8):
+        next(fast)
+    next(slow)
+    # The pops report figures about once a second: wait for both ranks'.
+    wait_until(
+        lambda: all(
+            r["epoch_progress"] for r in status_rows(redis_client, [queue_name])[0]["ranks"]
+        ),
+        timeout_s=15,
+        what="both ranks' figures",
+    )
+    (row,) = status_rows(redis_client, [queue_name])
+    assert row["world_size"] == 2
+    assert [r["rank"] for r in row["ranks"]] == [0, 1]
+    assert [r["trainer"] for r in row["ranks"]] == ["attached", "attached"]
+    assert row["slowest_rank"] == 1
+    assert "rank 1 (slowest)" in render_table([row])
+    registry = CollectorRegistry()
+    registry.register(BatchqCollector(redis_client, [queue_name]))
+    text = generate_latest(registry).decode()
+    assert f'batchq_rank_depth_items{{queue="{queue_name}",rank="1"}}' in text
+    assert f'batchq_slowest_rank{{queue="{queue_name}"}} 1.0' in text
+    for s in streams:
+        s.close()
