@@ -36,9 +36,10 @@ def _require_matplotlib() -> None:
         raise ConfigError(f"{MISSING} ({e})") from None
 
 
-def load_history(client: Any, queue: str) -> list[dict[str, Any]]:
-    """The queue's history samples, oldest first (malformed ones skipped)."""
-    raw = client.lrange(QueueKeys(queue).history, 0, -1)
+def load_history(client: Any, queue: str, rank: int = 0, world: int = 1) -> list[dict[str, Any]]:
+    """The queue's history samples (a data-parallel trainer's: those of one rank),
+    oldest first (malformed ones skipped)."""
+    raw = client.lrange(QueueKeys(queue).history_of(rank, world), 0, -1)
     samples = []
     for item in reversed(raw):
         try:
@@ -91,7 +92,12 @@ def _mark_changes(axes: list[Any], t: list[float], change: list[float | None]) -
 
 
 def plot_report(
-    samples: list[dict[str, Any]], out: str | Path, *, queue: str, hwm: int = 0
+    samples: list[dict[str, Any]],
+    out: str | Path,
+    *,
+    queue: str,
+    hwm: int = 0,
+    ranks: dict[int, list[dict[str, Any]]] | None = None,
 ) -> Path:
     """Plot depth, stall % and throughput against seconds since the first sample.
 
@@ -100,6 +106,8 @@ def plot_report(
         out: the image's path; its suffix picks the format (png, svg, pdf).
         queue: the queue's name, for the title.
         hwm: the queue's cap, drawn as a line on the depth plot (0: not drawn).
+        ranks: a data-parallel trainer's samples per rank: depth, stall and rate get a
+            line per rank (``samples`` is one rank's, for the producers' side).
 
     Returns:
         The path written.
@@ -116,7 +124,7 @@ def plot_report(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    t0 = samples[0]["t"]
+    t0 = min(s[0]["t"] for s in [samples, *(ranks or {}).values()] if s)
     t = [s["t"] - t0 for s in samples]
 
     def series(name: str, scale: float = 1.0) -> list[float]:
@@ -128,17 +136,33 @@ def plot_report(
         4, 1, sharex=True, height_ratios=[1, 1, 1.3, 0.8]
     )
     sz = sizing_series(samples)
-    depth_ax.step(t, series("depth"), where="post", color="tab:blue", label="depth")
+    if ranks:
+        for r, rs in sorted(ranks.items()):
+            rt = [x["t"] - t0 for x in rs]
+            depth_ax.step(
+                rt, [float(x.get("depth", 0) or 0) for x in rs], where="post", label=f"rank {r}"
+            )
+            stall_ax.plot(
+                rt, [100.0 * float(x.get("stall", 0) or 0) for x in rs], label=f"rank {r}"
+            )
+            rate_ax.plot(
+                rt, [float(x.get("batches_per_s", 0) or 0) for x in rs], label=f"rank {r} took"
+            )
+        stall_ax.legend(loc="upper right", fontsize="small")
+    else:
+        depth_ax.step(t, series("depth"), where="post", color="tab:blue", label="depth")
     if hwm:
         depth_ax.axhline(hwm, color="tab:gray", linestyle="--", label=f"hwm {hwm}")
     depth_ax.set_ylabel("frames in the queue")
     depth_ax.set_ylim(bottom=0)
     depth_ax.legend(loc="upper right")
-    stall_ax.plot(t, series("stall", 100.0), color="tab:red")
-    stall_ax.fill_between(t, series("stall", 100.0), color="tab:red", alpha=0.2)
+    if not ranks:
+        stall_ax.plot(t, series("stall", 100.0), color="tab:red")
+        stall_ax.fill_between(t, series("stall", 100.0), color="tab:red", alpha=0.2)
     stall_ax.set_ylabel("trainer waiting (%)")
     stall_ax.set_ylim(0, 100)
-    rate_ax.plot(t, series("batches_per_s"), color="tab:green", label="trainer took")
+    if not ranks:
+        rate_ax.plot(t, series("batches_per_s"), color="tab:green", label="trainer took")
     for name, color, style in (
         ("demand", "tab:red", "--"),
         ("supply", "tab:blue", "-."),
@@ -189,11 +213,20 @@ def run_report(args: argparse.Namespace) -> int:
     client = make_client(url, socket_timeout_s=10.0)
     try:
         where = describe_url(url)
-        samples = call(lambda: load_history(client, queue), f"reading queue {queue} at {where}")
-        hwm_raw = call(lambda: client.hget(QueueKeys(queue).meta, "hwm"), "reading the hwm")
+        hwm_raw, world_raw = call(
+            lambda: client.hmget(QueueKeys(queue).meta, ["hwm", "world"]), "reading the hwm"
+        )
+        world = int(world_raw or 1)
+        ranks: dict[int, list[dict[str, Any]]] = {}
+        for r in range(world):
+            ranks[r] = call(
+                lambda r=r: load_history(client, queue, r, world),  # type: ignore[misc]
+                f"reading queue {queue} at {where}",
+            )
+        samples = ranks[0]
     finally:
         client.close()
     hwm = int(hwm_raw) if hwm_raw else 0
-    path = plot_report(samples, args.out, queue=queue, hwm=hwm)
+    path = plot_report(samples, args.out, queue=queue, hwm=hwm, ranks=ranks if world > 1 else None)
     print(f"wrote {path} ({len(samples)} samples of queue {queue!r})")
     return 0

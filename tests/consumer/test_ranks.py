@@ -339,8 +339,8 @@ def test_elastic_resume_keeps_every_epoch_exact(
         check_epoch(plan[e], after[e], new)
 
 
-def test_status_and_exporter_show_each_rank(
-    redis_url: str, queue_name: str, producer_thread: Any, redis_client: Any
+def test_status_exporter_and_report_show_each_rank(
+    redis_url: str, queue_name: str, producer_thread: Any, redis_client: Any, tmp_path: Path
 ) -> None:
     from prometheus_client import generate_latest
     from prometheus_client.registry import CollectorRegistry
@@ -378,5 +378,10 @@ def test_status_and_exporter_show_each_rank(
     text = generate_latest(registry).decode()
     assert f'batchq_rank_depth_items{{queue="{queue_name}",rank="1"}}' in text
     assert f'batchq_slowest_rank{{queue="{queue_name}"}} 1.0' in text
+    from batchq.cli import main
+
+    out = tmp_path / "report.png"
+    assert main(["report", "--url", redis_url, "--queue", queue_name, "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
     for s in streams:
         s.close()
