@@ -1,0 +1,56 @@
+"""consumer.balance: ranks even their counts through Redis (fakeredis)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from batchq.errors import RankLost
+from batchq.keys import QueueKeys
+from consumer.balance import Balancer
+
+KEYS = QueueKeys("q")
+
+
+def balancer(fake_redis: Any, even: str, rank: int = 0, timeout_s: float = 5.0) -> Balancer:
+    return Balancer(fake_redis, KEYS, rank, 2, even, timeout_s, keep=2)
+
+
+def test_pad_yields_its_own_first_batches_up_to_the_largest_count(fake_redis: Any) -> None:
+    fake_redis.hset(KEYS.counts, "0:1", "=5")
+    b = balancer(fake_redis, "pad")
+    got = list(b.balance(0, iter(["a", "b", "c"]), lambda: None))  # type: ignore[arg-type]
+    assert got == ["a", "b", "c", "a", "b"]
+    assert b.padded == 2
+    assert fake_redis.hget(KEYS.counts, "0:0") == b"=3"
+
+
+def test_drop_ends_where_the_shortest_share_ends(fake_redis: Any) -> None:
+    fake_redis.hset(KEYS.counts, "0:1", "=2")
+    cut = []
+    b = balancer(fake_redis, "drop")
+    got = list(b.balance(0, iter(["a", "b", "c", "d"]), lambda: cut.append(1)))  # type: ignore[arg-type]
+    assert got == ["a", "b"] and cut == [1] and b.cuts == 1
+    assert fake_redis.hget(KEYS.counts, "0:0") == b"=2"
+
+
+def test_drop_yields_a_batch_only_once_every_rank_has_one_as_far(fake_redis: Any) -> None:
+    fake_redis.hset(KEYS.counts, "0:1", "1")  # the other rank holds its first batch only
+    b = balancer(fake_redis, "drop", timeout_s=0.3)
+    it = b.balance(0, iter(["a", "b"]), lambda: None)  # type: ignore[arg-type]
+    assert next(it) == "a"
+    with pytest.raises(RankLost, match=r"ranks \[1\]"):
+        next(it)  # the other rank never gets a second batch
+
+
+def test_a_silent_rank_is_named_after_the_timeout(fake_redis: Any) -> None:
+    b = balancer(fake_redis, "pad", rank=1, timeout_s=0.2)
+    with pytest.raises(RankLost, match=r"epoch 0: ranks \[0\]"):
+        list(b.balance(0, iter(["a"]), lambda: None))  # type: ignore[arg-type]
+
+
+def test_old_counts_go(fake_redis: Any) -> None:
+    fake_redis.hset(KEYS.counts, mapping={"0:0": "=3", "1:0": "=3"})
+    balancer(fake_redis, "pad").start_epoch(2)
+    assert fake_redis.hkeys(KEYS.counts) == [b"1:0"]

@@ -1,0 +1,80 @@
+"""consumer.rank_state: picking, checking and re-splitting ranks' states."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from batchq.errors import ConfigError, StepMismatch
+from batchq.ranks import RankLayout
+from consumer.rank_state import (
+    check_rank_state,
+    elastic_state,
+    pick_rank_state,
+    remap_pairs,
+    resume_run_id,
+)
+
+
+def state(
+    rank: int, world: int, consumed: dict[str, int], done: list[int], **kw: Any
+) -> dict[str, Any]:
+    out = {
+        "version": 1, "queue": "q", "run": "r1", "fingerprint": "f", "shards": 6,
+        "plan_shards": 22, "epoch": 0, "consumed": consumed, "done": done, "rank": rank,
+        "world_size": world, "even_batches": "pad", "step": 3,
+    }  # fmt: skip
+    out.update(kw)
+    return out
+
+
+def test_the_same_world_takes_its_own_state() -> None:
+    states = [state(r, 2, {}, []) for r in range(2)]
+    assert pick_rank_state(states, 1, 2) is states[1]
+    assert pick_rank_state(states[0], 0, 2) is states[0]
+
+
+def test_states_of_different_steps_are_refused_naming_them() -> None:
+    states = [state(0, 2, {}, [], step=3), state(1, 2, {}, [], step=4)]
+    with pytest.raises(StepMismatch, match="rank 0: step 3, rank 1: step 4"):
+        pick_rank_state(states, 0, 2)
+
+
+def test_a_state_of_another_rank_is_refused() -> None:
+    with pytest.raises(ConfigError, match="state of rank 1 of world_size 2 given to rank 0"):
+        check_rank_state(state(1, 2, {}, []), 0, 2)
+
+
+def test_elastic_four_to_two_re_splits_the_rest() -> None:
+    # 22 one-batch shards, 4 ranks, each yielded its first 3 slots: shards 0..11 done.
+    done = {"0": 1, "1": 1, "2": 1}
+    states = [state(r, 4, done, [0, 1, 2]) for r in range(4)]
+    new = [elastic_state(states, r, 2) for r in range(2)]
+    assert [s["remap"] for s in new] == [new[0]["remap"]] * 2  # every rank computes it
+    assert [shard for shard, _ in new[0]["remap"]] == list(range(12, 22))
+    layout = RankLayout(22, 2, "pad")
+    assert new[0]["shards"] == layout.per_rank == 11
+    assert new[0]["done"] == list(range(5, 11))  # 5 units each, the rest empty
+    pairs, slots = remap_pairs(new[0], layout)
+    assert slots == {i: 12 + i for i in range(10)}
+    assert pairs == [(f"0:{s}", "d") for s in range(10, 22)]
+    assert resume_run_id(new[0], 2) == resume_run_id(new[1], 2) != resume_run_id(new[0], 4)
+
+
+def test_elastic_two_to_three_pads_with_the_first_units_and_keeps_partial_shards() -> None:
+    # Shards of several batches: rank 0 is 2 batches into its local shard 1 (shard 2).
+    states = [state(0, 2, {"0": 3, "1": 2}, [0]), state(1, 2, {"0": 3}, [0])]
+    new = elastic_state(states, 0, 3)
+    units = new["remap"]
+    assert units[0] == [2, 2]  # shard 2, 2 batches had
+    assert Counter(s for s, _ in units[:20]) == Counter(range(2, 22))
+    assert len(units) == 21 and units[20] == units[0]  # one pad: the first unit again
+    assert new["consumed"] == {"0": 2}
+
+
+def test_elastic_to_a_single_trainer_is_refused() -> None:
+    states = [state(r, 2, {}, []) for r in range(2)]
+    with pytest.raises(ConfigError, match="world_size >= 2"):
+        pick_rank_state(states, 0, 1)
