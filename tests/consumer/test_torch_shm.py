@@ -1,0 +1,43 @@
+"""The torch adapter over shared memory: tensors stay valid as long as they are held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from pipelines import examples_of, numbered
+
+from batchq import shm
+from consumer import ServerDataStream
+from producer import Producer
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(shm.host_identity() is None, reason="no writable /dev/shm")
+
+EXAMPLES, BATCH = 200, 10
+
+
+def test_tensors_over_shared_memory_stay_valid_while_referenced(
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer]
+) -> None:
+    from consumer.torch import TorchStream
+
+    producer = producer_thread(numbered(EXAMPLES, BATCH), hwm=3)  # a pool of 8 segments
+    stream = ServerDataStream(("features", "targets"), url=redis_url, queue=queue_name)
+    held: list[tuple[Any, list[int]]] = []
+    with TorchStream(stream) as ts:
+        for _ in range(3):  # 60 batches through a pool of 8 segments: reuse is certain
+            for i, (features, _targets) in enumerate(ts):
+                assert isinstance(features, torch.Tensor)
+                features.add_(0)  # writable in place: the tensor owns its memory
+                if i % 10 == 0:  # kept (6 of them, fewer than the pool); the rest let go
+                    held.append((features, examples_of(features.numpy())))
+        plan = numbered(EXAMPLES, BATCH).get_epoch_iterator()
+        expected = [examples_of(f) for f, _ in plan]
+        # Segments of the batches let go were reused while the kept ones were held.
+        assert producer._transport.shm_frames >= 50
+        ts.close(finished=True)
+    # Every tensor kept, epochs later, still holds its own batch.
+    assert [examples_of(t.numpy()) for t, _ in held] == [seen for _, seen in held]
+    assert [seen for _, seen in held[:2]] == [expected[0], expected[10]]
