@@ -8,7 +8,10 @@ For each batch shape, in the same run against the same redis-server, alternating
 * ``stream``: ``batchq serve streams:constant_stream`` (the same pre-built batch, see
   ``bench/streams.py``) into a plain :class:`consumer.ServerDataStream` (numpy views);
 * ``torch``: the same producer into :class:`consumer.torch.TorchStream` (writable CPU
-  tensors, zero-copy).
+  tensors, zero-copy). Producer and trainer share this host, so ``stream`` and ``torch``
+  get their frames through shared memory (the default transport);
+* ``torch_redis``: ``torch`` with ``transport='redis'`` on both sides: every byte
+  through Redis, the path of producers on other hosts.
 
 The loop either touches one element of each batch (``touch``) or copies the whole batch
 (``copy``: numpy's copy, over the tensor's memory for tensors, so that every kind does
@@ -55,7 +58,7 @@ SHAPES: list[tuple[str, tuple[int, ...], str]] = [
     ("256x3x64x64 float32", (256, 3, 64, 64), "float32"),  # 12.6 MB
     ("64x3x224x224 uint8", (64, 3, 224, 224), "uint8"),  # 9.6 MB
 ]
-KINDS = ("loader", "stream", "torch")
+KINDS = ("loader", "stream", "torch", "torch_redis")
 LOOPS = ("touch", "copy")
 warnings.filterwarnings("ignore", message="This DataLoader will create")
 
@@ -119,9 +122,12 @@ def measure(
         argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
         argv += ["streams:constant_stream", "--url", url, "--queue", queue]
         argv += ["--hwm", str(args.hwm), "--requests-per-shard", "1"]
-        proc = spawn(argv, env=env)
-        stream = ServerDataStream(("x",), url=url, queue=queue, hwm=args.hwm, timeout_s=30)
-        source: Any = TorchStream(stream) if kind == "torch" else stream
+        transport = "redis" if kind == "torch_redis" else "auto"
+        proc = spawn([*argv, "--transport", transport], env=env)
+        stream = ServerDataStream(
+            ("x",), url=url, queue=queue, hwm=args.hwm, timeout_s=30, transport=transport
+        )
+        source: Any = TorchStream(stream) if kind.startswith("torch") else stream
 
         def epochs() -> Iterator[Any]:
             while True:
@@ -222,6 +228,8 @@ def bench(url: str, args: Any) -> dict[str, Any]:
                 "torch_vs_loader": med["torch"] / med["loader"],
                 "stream_vs_loader": med["stream"] / med["loader"],
                 "torch_vs_stream": med["torch"] / med["stream"],
+                "shm_vs_redis": med["torch"] / med["torch_redis"],
+                "redis_vs_loader": med["torch_redis"] / med["loader"],
             }
     return results
 
@@ -230,7 +238,7 @@ def print_table(results: dict[str, Any]) -> None:
     """Median batches/s per kind, and the ratios."""
     head = f"{'case':<28}{'loader':>9}{'stream':>9}{'torch':>9}"
     head += f"{'torch/loader':>14}{'stream/loader':>15}{'torch/stream':>14}"
-    head += f"{'CPU ms/batch stream torch':>28}"
+    head += f"{'CPU ms/batch stream torch':>28}{'torch redis':>13}{'shm/redis':>11}"
     print(f"\n{head}\n{'-' * len(head)}")
     for case, r in results.items():
         if "median" not in r:
@@ -240,6 +248,7 @@ def print_table(results: dict[str, Any]) -> None:
             f"{case:<28}{m['loader']:9.1f}{m['stream']:9.1f}{m['torch']:9.1f}"
             f"{r['torch_vs_loader']:14.2f}{r['stream_vs_loader']:15.2f}{r['torch_vs_stream']:14.3f}"
             f"{r['median_cpu_ms']['stream']:16.2f}{r['median_cpu_ms']['torch']:7.2f}"
+            f"{m['torch_redis']:13.1f}{r['shm_vs_redis']:11.2f}"
         )
     for case, r in results.items():
         if "torch_vs_stream_rounds" in r:
@@ -250,7 +259,9 @@ def print_table(results: dict[str, Any]) -> None:
             )
     print(
         "\nGoal (issue 13): torch/stream >= 0.98, i.e. the adapter adds at most 2 % to "
-        "batchq's own time (also compare the trainer's CPU per batch, less noisy)."
+        "batchq's own time (also compare the trainer's CPU per batch, less noisy). "
+        "Goal (issue 14): 12.6 MB batches (256x3x64x64 float32) through shared memory at "
+        "least 1.5x the DataLoader (torch/loader)."
     )
 
 
