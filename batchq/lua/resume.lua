@@ -9,7 +9,8 @@
 -- ARGV[4] fingerprint  ARGV[5] hwm ('' to let the first producer set it)
 -- ARGV[6] S  ARGV[7] window  ARGV[8] batches per epoch
 -- ARGV[9] rank  ARGV[10] world size  ARGV[11] 'pad' | 'drop'
--- ARGV[12] the step (batches yielded) the ranks resume from
+-- ARGV[12] the step (batches yielded) the ranks resume from; -1 after Redis lost the
+--          queue's state (each rank recovers from its own position)
 -- ARGV[13] '1' if this rank held the new run already (the job resumes again): with the
 --          run's step its counters start again at ARGV[3], with another step the run
 --          starts again from this checkpoint
@@ -43,6 +44,9 @@ local function add_pairs()
 end
 
 local again = ARGV[13] == '1' and m[3] ~= step  -- the job resumes another checkpoint
+-- Step -1: not a checkpoint but Redis' lost state: each rank is where it is, so each
+-- sets only its own counters (a rank's neighbours may be in another epoch).
+local recovering = step == '-1'
 if m[2] == new_run and not again then
   -- A retried resume whose first reply was lost, or another rank of the job resumed
   -- first: producers may have pushed frames of the new run already; keep them.
@@ -50,6 +54,8 @@ if m[2] == new_run and not again then
   if ARGV[13] == '1' then
     redis.call('HSET', KEYS[1], 'next' .. sfx, first, 'floor' .. sfx, first)
     if world > 1 then redis.call('DEL', KEYS[8]) end
+  elseif recovering then
+    redis.call('HSET', KEYS[1], 'next' .. sfx, first, 'floor' .. sfx, first)
   end
   add_pairs()
   return {'OK', new_run}
@@ -63,7 +69,9 @@ redis.call('HSET', KEYS[1], 'run', new_run, 'next', first, 'floor', first,
 if world > 1 then
   redis.call('HSET', KEYS[1], 'world', world, 'even', even, 'resume_step', step)
   for r = 0, world - 1 do
-    redis.call('HSET', KEYS[1], 'next:' .. r, first, 'floor:' .. r, first)
+    if not recovering or tostring(r) == rank then
+      redis.call('HSET', KEYS[1], 'next:' .. r, first, 'floor:' .. r, first)
+    end
     -- Ranks join the new run by resuming into it: none has held it yet, but this one.
     redis.call('HDEL', KEYS[1], 'done:' .. r)
     if tostring(r) ~= rank then redis.call('HDEL', KEYS[1], 'claimed:' .. r) end

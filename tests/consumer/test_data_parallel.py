@@ -385,3 +385,52 @@ def test_status_exporter_and_report_show_each_rank(
     assert out.stat().st_size > 0
     for s in streams:
         s.close()
+
+
+def test_ranks_survive_redis_restarting_empty(
+    tmp_path: Path, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    import threading
+
+    from batchq.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
+    server.start()
+    try:
+        argv = serve_argv("--hwm", "4", "--heartbeat-ttl-s", "2")
+        argv[argv.index("--url") + 1] = server.url
+        env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=2)
+        for _ in range(2):
+            spawn_proc(argv, env=env)
+        got: list[list[tuple[int, list[int]]]] = [[], []]
+        halfway, errors = threading.Event(), []
+
+        def rank(r: int) -> None:
+            try:
+                with ServerDataStream(
+                    ("features", "targets"), url=server.url, queue=queue_name, rank=r,
+                    world_size=2, stall_s=1.0, timeout_s=60,
+                ) as stream:  # fmt: skip
+                    for _ in range(3):
+                        for f, _ in stream.get_epoch_iterator():
+                            got[r].append((stream.epoch, examples_of(f)))
+                            if r == 0 and len(got[0]) == 15:
+                                halfway.set()
+                    stream.close(finished=True)
+            except BaseException as e:
+                errors.append(e)
+                halfway.set()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        assert halfway.wait(timeout=60)
+        server.kill()
+        server.restart(wipe=True)
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        for e, plan in enumerate(plans(3)):
+            check_epoch(plan, [[b for ep, b in g if ep == e] for g in got], 2)
+    finally:
+        server.stop()
