@@ -129,6 +129,7 @@ from batchq.rank_status import rank_rows, slowest_rank
 from batchq.shm import DEFAULT_SHM_DIR, segments_usage
 from batchq.snapshot import QueueSnapshot, read_snapshots
 from batchq.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
+from batchq.verdict import recent_depths as verdict_depths
 
 __all__ = [
     "PRODUCER_FIELDS",
@@ -260,13 +261,7 @@ def _as_slowest_rank(snap: QueueSnapshot, slowest: int | None) -> QueueSnapshot:
 
 def recent_depths(snap: QueueSnapshot) -> list[float]:
     """This read's depth and those of the trainer's history samples of the last RECENT_S."""
-    since = snap.now_ms / 1000 - RECENT_S
-    out = [float(snap.depth)]
-    for sample in snap.history:
-        t, depth = sample.get("t"), sample.get("depth")
-        if isinstance(t, int | float) and isinstance(depth, int | float) and t >= since:
-            out.append(float(depth))
-    return out
+    return verdict_depths(snap.depth, snap.history, snap.now_ms / 1000)
 
 
 def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchq.snapshot import QueueSnapshot, RankSnapshot
-from batchq.verdict import FIGURES_FRESH_S, RECENT_S, judge
+from batchq.verdict import FIGURES_FRESH_S, judge, recent_depths
 
 __all__ = ["RANK_FIELDS", "rank_rows", "slowest_rank"]
 
@@ -38,16 +38,6 @@ def _state(snap: QueueSnapshot, rank: RankSnapshot) -> str:
     return "attached" if rank.claim_deadline_ms > snap.now_ms else "detached"
 
 
-def _depths(snap: QueueSnapshot, rank: RankSnapshot) -> list[float]:
-    since = snap.now_ms / 1000 - RECENT_S
-    out = [float(rank.depth)]
-    for sample in rank.history:
-        t, depth = sample.get("t"), sample.get("depth")
-        if isinstance(t, int | float) and isinstance(depth, int | float) and t >= since:
-            out.append(float(depth))
-    return out
-
-
 def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer."""
     rows = []
@@ -60,7 +50,7 @@ def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
         verdict, reason = judge(
             trainer=state,
             producers_alive=len(snap.alive),
-            depths=_depths(snap, rank),
+            depths=recent_depths(rank.depth, rank.history, snap.now_ms / 1000),
             hwm=snap.hwm,
             stall=stall if fresh else None,
         )

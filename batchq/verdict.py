@@ -60,6 +60,7 @@ __all__ = [
     "cause",
     "judge",
     "near_cap",
+    "recent_depths",
 ]
 
 #: The trainer's stall fraction at and above which the pipeline is input-bound.
@@ -76,6 +77,17 @@ CAUSES = ("transport-saturated", "cpu-starved", "slow-producer")
 TRANSPORT_SHORTFALL = 0.6
 #: Per-producer rate at the most producers under this fraction of that at the fewest.
 STARVED_DROP = 0.8
+
+
+def recent_depths(depth: float, history: Sequence[dict[str, Any]], now_s: float) -> list[float]:
+    """``depth`` and the depths of the history samples of the last RECENT_S before
+    ``now_s`` (what :func:`judge` takes)."""
+    out = [float(depth)]
+    for sample in history:
+        t, d = sample.get("t"), sample.get("depth")
+        if isinstance(t, int | float) and isinstance(d, int | float) and t >= now_s - RECENT_S:
+            out.append(float(d))
+    return out
 
 
 def near_cap(depth: float, hwm: int) -> bool:

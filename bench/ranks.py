@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,11 @@ import time
 import uuid
 from typing import Any
 
-from scaling import SIGNALS, _counts, _redis  # bench/ is this script's folder
+from scaling import SIGNALS, _counts, _redis, producer_command  # bench/: this folder
 
 from batchq.cli.demo import _wait_for_producers
 from batchq.procs import spawn, stop_group
 from consumer import ServerDataStream
-
-ENV = "BATCHQ_DEMO_"
 
 
 def _rank(
@@ -76,12 +73,7 @@ def _rank(
 def run(url: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """R ranks against --producers producer processes on a fresh queue."""
     queue = f"ranks-{world}-{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ)
-    env |= {ENV + "EXAMPLES": str(args.examples), ENV + "FEATURES": str(args.features)}
-    env |= {ENV + "BATCH_SIZE": str(args.batch_size), ENV + "LOAD_MS": str(args.load_ms)}
-    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
-    argv += ["batchq.cli.demo:tutorial_stream", "--url", url, "--queue", queue]
-    argv += ["--hwm", str(args.hwm)]
+    argv, env = producer_command(url, queue, args.hwm, args)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with SIGNALS.deferred():

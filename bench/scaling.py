@@ -124,15 +124,23 @@ def train(get_iterator: Callable[[], Iterator[Any]], args: argparse.Namespace) -
     return out
 
 
-def run_batchq(url: str, n: int, hwm: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Train against ``n`` producer processes on a fresh queue; stop them all after."""
-    queue = f"scaling-{n}-{uuid.uuid4().hex[:8]}"
+def producer_command(
+    url: str, queue: str, hwm: int, args: argparse.Namespace
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of one ``batchq serve`` of the tutorial stream."""
     env = dict(os.environ)
     env |= {ENV + "EXAMPLES": str(args.examples), ENV + "FEATURES": str(args.features)}
     env |= {ENV + "BATCH_SIZE": str(args.batch_size), ENV + "LOAD_MS": str(args.load_ms)}
     argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
     argv += ["batchq.cli.demo:tutorial_stream", "--url", url, "--queue", queue]
     argv += ["--hwm", str(hwm)]
+    return argv, env
+
+
+def run_batchq(url: str, n: int, hwm: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train against ``n`` producer processes on a fresh queue; stop them all after."""
+    queue = f"scaling-{n}-{uuid.uuid4().hex[:8]}"
+    argv, env = producer_command(url, queue, hwm, args)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with SIGNALS.deferred():

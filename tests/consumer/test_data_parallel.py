@@ -434,3 +434,23 @@ def test_ranks_survive_redis_restarting_empty(
             check_epoch(plan, [[b for ep, b in g if ep == e] for g in got], 2)
     finally:
         server.stop()
+
+
+def test_a_rank_that_stops_never_holds_the_producers_serving_the_others(
+    redis_url: str, queue_name: str, producers: Any
+) -> None:
+    producers(2)  # hwm 4: rank 1's list fills as soon as it stops reading
+    ranks = [
+        ServerDataStream(
+            ("features", "targets"), url=redis_url, queue=queue_name, rank=r, world_size=2
+        )
+        for r in range(2)
+    ]
+    quitter = ranks[1].get_epoch_iterator()
+    next(quitter)
+    next(quitter)
+    ranks[1].close()  # its claim goes; its list stays full
+    got = [[examples_of(f) for f, _ in ranks[0].get_epoch_iterator()] for _ in range(3)]
+    for plan, share in zip(plans(3), got, strict=True):
+        assert share == plan[0::2]  # rank 0's whole share (22 slots), every epoch
+    ranks[0].close(finished=True)
