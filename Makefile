@@ -19,7 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
-	$(BIN)/mypy batchq
+	$(BIN)/mypy batchq producer consumer
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

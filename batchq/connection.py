@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import Encoder, PythonRespSerializer
+from redis.connection import Encoder, PythonRespSerializer  # type: ignore[attr-defined]
 from redis.retry import Retry
 
 from batchq.errors import (
@@ -174,7 +174,7 @@ class _PiecesPacker(PythonRespSerializer):
             head = tuple(args[0].split()) if isinstance(args[0], str) else args[:1]
             return [_pack_command((*head, *args[1:]))]
         if not any(isinstance(a, Pieces) for a in args):
-            return list(super().pack(*args))
+            return list(super().pack(*args))  # type: ignore[no-untyped-call]
         # Pack around each Pieces argument: the other arguments go through redis-py.
         output: list[Any] = [f"*{len(args)}\r\n".encode()]
         for arg in args:
@@ -200,7 +200,7 @@ def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S)
     Returns:
         A client returning bytes (decode_responses off).
     """
-    encoder = Encoder("utf-8", "strict", False)
+    encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
     pool = redis.ConnectionPool.from_url(
         url,
         socket_timeout=socket_timeout_s,

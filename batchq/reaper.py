@@ -114,7 +114,7 @@ def record_client(client: redis.Redis, keys: QueueKeys, field: str) -> bool:
         False if the server refuses CLIENT ID (ACL): death is then told by the TTL only.
     """
     try:
-        ident = int(client.execute_command("CLIENT", "ID"))
+        ident = int(client.execute_command("CLIENT", "ID"))  # type: ignore[no-untyped-call]
         call(lambda: client.hset(keys.clients, field, ident), "recording", client)
     except redis.ResponseError as e:
         log.debug("queue %s: CLIENT ID refused (%s): death by TTL only", keys.queue, e)
@@ -127,7 +127,9 @@ def record_client(client: redis.Redis, keys: QueueKeys, field: str) -> bool:
 def connected_ids(client: redis.Redis) -> set[int] | None:
     """The ids of every connection the server has open, or None if CLIENT LIST is refused."""
     try:
-        raw = client.execute_command("CLIENT", "LIST", NEVER_DECODE=True)
+        raw = client.execute_command(  # type: ignore[no-untyped-call]
+            "CLIENT", "LIST", NEVER_DECODE=True
+        )
     except redis.ResponseError:
         return None
     except redis_errors as e:

@@ -172,7 +172,7 @@ class Descriptor:
 
 def encode_descriptor(segment: str, gen: int, length: int, host: str) -> bytes:
     """The list element that stands for a frame held in ``segment``."""
-    body = msgpack.packb({"seg": segment, "gen": gen, "len": length, "host": host})
+    body: bytes = msgpack.packb({"seg": segment, "gen": gen, "len": length, "host": host})
     return DESCRIPTOR_MAGIC + body
 
 

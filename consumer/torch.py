@@ -66,7 +66,7 @@ def _numpy_dtype(source: str, wanted: Any) -> Any:
     return wanted
 
 
-class TorchStream(IterableDataset):
+class TorchStream(IterableDataset[Any]):
     """Yields a :class:`ServerDataStream`'s batches as tuples (or dicts) of tensors.
 
     Args:

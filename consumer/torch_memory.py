@@ -138,7 +138,7 @@ def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype | None:
 
 
 def _module_for(device: torch.device) -> ModuleType | None:
-    module = getattr(torch, device.type, None)
+    module: ModuleType | None = getattr(torch, device.type, None)
     needed = ("Stream", "Event", "current_stream", "stream")
     if module is None or not all(hasattr(module, name) for name in needed):
         return None

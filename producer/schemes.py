@@ -97,7 +97,8 @@ def _permutation(
         perm = np.random.default_rng([seed, epoch]).permutation(len(indices))
     if isinstance(indices, range) and indices.start == 0 and indices.step == 1:
         return perm
-    return np.asarray(indices, dtype=np.int64)[perm]
+    out: np.ndarray = np.asarray(indices, dtype=np.int64)[perm]
+    return out
 
 
 def _normalize_examples(examples: Any) -> range | list[int]:
