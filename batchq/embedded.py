@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from batchq.errors import BatchQueueError, ConfigError, ConnectionLost
+from batchq.errors import BatchQueueError, ConfigError, ConnectionLost, ServerError
 from batchq.procs import die_with_parent_preexec, stop_group
 
 __all__ = ["EmbeddedRedis", "find_redis_server", "redis_server_version", "url_or_embedded"]
@@ -164,7 +164,7 @@ class EmbeddedRedis:
     def port(self) -> int:
         """The TCP port on 127.0.0.1 (known once started, or when given)."""
         if self._port is None:
-            raise BatchQueueError("EmbeddedRedis has no port yet: call start()")
+            raise ServerError("EmbeddedRedis has no port yet: call start()")
         return self._port
 
     @property
@@ -176,7 +176,7 @@ class EmbeddedRedis:
     def pid(self) -> int:
         """The server's pid, also its process group id (the last one once stopped)."""
         if self._proc is None:
-            raise BatchQueueError("EmbeddedRedis was never started")
+            raise ServerError("EmbeddedRedis was never started")
         return self._proc.pid
 
     @property
@@ -267,7 +267,7 @@ class EmbeddedRedis:
                 delay = min(delay * 2, 0.1)
         finally:
             client.close()
-        raise BatchQueueError(
+        raise ServerError(
             f"redis-server exited with code {code} while starting on port {port}; "
             f"log tail:\n{self._log_tail()}"
         )

@@ -4,6 +4,18 @@ Every error batchq raises derives from :class:`BatchQueueError`. Where Fuel rais
 builtin (``ValueError``, ``TypeError``, ...), the batchq error subclasses both, so
 ported code that catches Fuel's errors keeps working. redis-py errors are converted at
 the boundary (``raise ConnectionLost(...) from e``).
+
+Groups, to catch a kind of trouble at once:
+
+- :class:`ConfigError` (also ValueError): a value batchq cannot use, e.g.
+  :class:`RedisConfigError`, :class:`WorldSizeMismatch`, :class:`StepMismatch`;
+- :class:`RunEnded`: this client's part in the run is over, and it must join or claim
+  again (:class:`RunFinished`, :class:`RunChanged`, :class:`StateLost`,
+  :class:`TrainerConflict`);
+- :class:`ProtocolError`: Redis answered something batchq's scripts never answer (a
+  script of another version, a foreign writer);
+- :class:`ServerError`: the embedded redis-server cannot be used;
+- :class:`StreamStopped`: the stream was closed, or its reader thread stopped.
 """
 
 from __future__ import annotations
@@ -86,7 +98,24 @@ class LengthUnknown(BatchQueueError, TypeError):
     """``len()`` of a stream whose pipeline cannot tell its batches per epoch."""
 
 
-class TrainerConflict(BatchQueueError):
+class RunEnded(BatchQueueError):
+    """This client's part in the run is over (finished, replaced, lost or taken)."""
+
+
+class ProtocolError(BatchQueueError):
+    """A script's reply that batchq's scripts never give (another version, a foreign
+    writer); the message names the reply."""
+
+
+class ServerError(BatchQueueError):
+    """The embedded redis-server is not running or could not start."""
+
+
+class StreamStopped(BatchQueueError):
+    """A ServerDataStream used after close(), or whose reader thread stopped."""
+
+
+class TrainerConflict(RunEnded):
     """Another trainer holds the queue's run (its claim is live)."""
 
 
@@ -152,15 +181,15 @@ class PipelineMismatch(BatchQueueError):
         self.got = got
 
 
-class StateLost(BatchQueueError):
+class StateLost(RunEnded):
     """Redis lost the queue's state (its incarnation key is gone or changed)."""
 
 
-class RunFinished(BatchQueueError):
+class RunFinished(RunEnded):
     """The trainer ended the run with ``close(finished=True)``."""
 
 
-class RunChanged(BatchQueueError):
+class RunChanged(RunEnded):
     """The queue moved on to another run; this client's run is over."""
 
 

@@ -28,6 +28,7 @@ from batchq.errors import (
     ConnectionLost,
     FrameError,
     ProducersLost,
+    ProtocolError,
     RunChanged,
     StateLost,
     TrainerConflict,
@@ -333,7 +334,7 @@ class Reader(ReaderGuards, threading.Thread):
             raise RunChanged(f"{what}: the run changed under this trainer")
         if status == Status.CLAIM_LOST:
             raise TrainerConflict(f"{what}: this trainer's claim was taken over by another")
-        raise BatchQueueError(f"{what}: unexpected reply {status!r}")
+        raise ProtocolError(f"{what}: unexpected reply {status!r}")
 
     def _check_producers(self) -> None:
         with self.cond:

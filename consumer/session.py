@@ -17,8 +17,8 @@ import redis
 
 from batchq.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
-    BatchQueueError,
     ProducersLost,
+    RunChanged,
     StepMismatch,
     TrainerConflict,
     WorldSizeMismatch,
@@ -222,7 +222,7 @@ class Session:
                 self.acquire()
                 continue
             if run != self.run:
-                raise BatchQueueError(f"queue {self.keys.queue}: the run changed while starting")
+                raise RunChanged(f"queue {self.keys.queue}: the run changed while starting")
             if b"shards" in meta:
                 self.plan = Plan(meta)
                 return self.plan

@@ -20,12 +20,12 @@ from batchq.admin import check_eviction_policy
 from batchq.codec import Frame, FrameKind
 from batchq.connection import make_client, resolve_url, retrying, tune_malloc
 from batchq.errors import (
-    BatchQueueError,
     ConfigError,
     ConnectionLost,
     LengthUnknown,
     ProducerFailed,
     ProducersLost,
+    StreamStopped,
 )
 from batchq.keys import QueueKeys
 from batchq.ranks import RankLayout
@@ -498,7 +498,7 @@ class ServerDataStream(FuelStreamMixin):
         """Begin the next epoch: its frames (what wrappers such as the torch adapter read;
         the yielded ones count as consumed in :meth:`state_dict`)."""
         if self._closed:
-            raise BatchQueueError("this ServerDataStream is closed")
+            raise StreamStopped("this ServerDataStream is closed")
         self._start()
         self.epoch += 1
         return self._iterate_frames(self.epoch)
@@ -519,7 +519,7 @@ class ServerDataStream(FuelStreamMixin):
     def _iterate_frames(self, epoch: int) -> Iterator[Frame]:
         reader, ledger = self._reader, self._ledger
         if reader is None or ledger is None:  # pragma: no cover - _start sets both
-            raise BatchQueueError("the reader did not start")
+            raise StreamStopped("the reader did not start")
         with reader.cond:
             ledger.start_epoch(epoch)
             reader.cond.notify_all()
@@ -622,7 +622,7 @@ class ServerDataStream(FuelStreamMixin):
                 if reader.error is not None:
                     raise reader.error
                 if not reader.is_alive():
-                    raise BatchQueueError("the reader thread stopped")
+                    raise StreamStopped("the reader thread stopped")
                 reader.cond.wait(timeout=BLOCK_S)
         finally:
             reader.waiting_since = None

@@ -26,6 +26,7 @@ from batchq.errors import (
     ConfigError,
     ConnectionLost,
     PipelineMismatch,
+    ProtocolError,
     RunFinished,
 )
 from batchq.keys import QueueKeys, check_name
@@ -432,7 +433,7 @@ class Producer(ShardPusher):
             log.info("producer %s: %s; joining again", self.id, status)
             self._join()
             return
-        raise BatchQueueError(f"producer {self.id}: unexpected reply {status!r}")
+        raise ProtocolError(f"producer {self.id}: unexpected reply {status!r}")
 
 
 def start_server(
