@@ -20,7 +20,6 @@ import redis
 from batchq import codec
 from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
-from batchq.errors import AuthFailed, ConnectionLost, PipelineMismatch, RunFinished
 from batchq.keys import QueueKeys
 from batchq.protocol import Status, decode_reply
 from batchq.scripts import SCRIPTS, execute_pipeline
@@ -159,47 +158,64 @@ class ShardPusher:
                 pad slot rebuilds an earlier shard); None: the shard itself.
         """
         label = shard if slot is None else slot
+        batches = iter(self.plan.iter_shard_marked(epoch, shard))
         k = 0
-        batches = self.plan.iter_shard_marked(epoch, shard)
         started = time.perf_counter()
-        try:
-            for batch, last in batches:
-                # The time the pipeline took for this batch (monitoring).
-                produce_ms = int((time.perf_counter() - started) * 1000)
-                if k < skip and not last:
-                    k += 1
-                    continue
-                if k < skip:  # the trainer has every batch: only the count is news
+        while True:
+            self._transport.refresh(self.client)  # shared memory or Redis, this batch
+            # Only the user's pipeline (next) and what it made (encoding its arrays) are
+            # "the pipeline raised"; Redis' errors come from outside this block.
+            try:
+                step = next(batches, None)
+                frame = None
+                if step is not None and k >= skip:
+                    frame = self._encode_batch(epoch, label, k, *step)
+            except Exception as e:
+                self._pipeline_failed(epoch, label, k, entry, e)
+                return
+            if step is None:
+                break
+            last = step[1]
+            produce_ms = int((time.perf_counter() - started) * 1000)  # monitoring
+            if frame is None:  # k < skip: the trainer has this batch
+                if last:  # ... and every one: only the count is news
                     self._push_end(epoch, label, k + 1, entry)
                     return
-                if not self._push_batch(epoch, label, k, batch, last, entry, produce_ms):
-                    return
                 k += 1
-                started = time.perf_counter()
-        except (ConnectionLost, RunFinished, PipelineMismatch, AuthFailed, redis.RedisError):
-            raise  # Redis' trouble, not the pipeline's: never an attempt against the shard
-        except Exception as e:  # the user's pipeline raised
-            log.exception(
-                "producer %s: pipeline raised in epoch %d shard %d", self.id, epoch, shard
-            )
-            if self._retry_elsewhere(epoch, shard, entry):
+                continue
+            if not self._push_batch(frame, entry, last, produce_ms):
                 return
-            frame = codec.encode_frame(
-                codec.FrameKind.ERROR,
-                run=self._run,
-                epoch=epoch,
-                shard=label,
-                k=k,
-                producer=self.id,
-                last=True,
-                count=k,
-                error="".join(traceback.format_exception(e)),
-                error_name=type(e).__name__,
-            )
-            self._push(frame, entry, last=True)
-            return
+            k += 1
+            started = time.perf_counter()
         if k == 0:  # a shard without batches still says that it ended
             self._push_end(epoch, label, 0, entry)
+
+    def _pipeline_failed(
+        self, epoch: int, label: int, k: int, entry: str, error: Exception
+    ) -> None:
+        """Count the failure; retry the shard elsewhere, or tell the trainer (ERROR)."""
+        log.error(
+            "producer %s: pipeline raised in epoch %d shard %d",
+            self.id,
+            epoch,
+            label,
+            exc_info=error,
+        )
+        if self._retry_elsewhere(epoch, label, entry):
+            return
+        frame = codec.encode_frame(
+            codec.FrameKind.ERROR,
+            run=self._run,
+            epoch=epoch,
+            shard=label,
+            k=k,
+            producer=self.id,
+            last=True,
+            count=k,
+            error="".join(traceback.format_exception(error)),
+            error_name=type(error).__name__,
+        )
+        self._push(frame, entry, last=True)
 
     def _push_end(self, epoch: int, shard: int, count: int, entry: str) -> None:
         frame = codec.encode_frame(
@@ -240,19 +256,13 @@ class ShardPusher:
             self._handle_status(reply[0])
         return True
 
-    def _push_batch(
-        self,
-        epoch: int,
-        shard: int,
-        k: int,
-        batch: Any,
-        last: bool,
-        entry: str,
-        produce_ms: int = 0,
-    ) -> bool:
+    def _encode_batch(
+        self, epoch: int, shard: int, k: int, batch: Any, last: bool
+    ) -> Pieces | memoryview | ShmFrame:
+        """One batch's frame: into shared memory, else pieces for Redis (raises what the
+        codec finds wrong with the pipeline's arrays)."""
         data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
-        self._transport.refresh(self.client)
-        frame = self._transport.encode(  # into shared memory, else pieces for Redis
+        return self._transport.encode(
             run=self._run,
             epoch=epoch,
             shard=shard,
@@ -267,6 +277,10 @@ class ShardPusher:
             max_frame_bytes=self.max_frame_bytes,
             produced_at=time.time(),
         )
+
+    def _push_batch(
+        self, frame: Pieces | memoryview | ShmFrame, entry: str, last: bool, produce_ms: int
+    ) -> bool:
         pushed = self._push(frame, entry, last=last, produce_ms=produce_ms)
         if not pushed and isinstance(frame, ShmFrame):
             frame.abandon()  # its descriptor never reached the list

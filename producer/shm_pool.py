@@ -65,8 +65,9 @@ class Segment:
         return self.gen
 
     def abandon(self, gen: int) -> None:
-        """The frame of ``gen`` never reached the list: the segment is free again."""
-        if gen == self.gen:
+        """The frame of ``gen`` never reached the list: the segment is free again (a no-op
+        once the pool let it go: the run changed while the frame waited at the cap)."""
+        if gen == self.gen and not self.mm.closed:
             _U64.pack_into(self.mm, OFF_RELEASED, gen)
 
     def unlink(self) -> None:
