@@ -35,8 +35,9 @@ def test_tensors_over_shared_memory_stay_valid_while_referenced(
                     held.append((features, examples_of(features.numpy())))
         plan = numbered(EXAMPLES, BATCH).get_epoch_iterator()
         expected = [examples_of(f) for f, _ in plan]
-        # Segments of the batches let go were reused while the kept ones were held.
-        assert producer._transport.shm_frames >= 50
+        # Segments of the batches let go were reused while the kept ones were held: far
+        # more frames went through shared memory than the pool has segments (8).
+        assert producer._transport.shm_frames >= 3 * 8
         ts.close(finished=True)
     # Every tensor kept, epochs later, still holds its own batch.
     assert [examples_of(t.numpy()) for t, _ in held] == [seen for _, seen in held]
