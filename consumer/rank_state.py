@@ -1,4 +1,6 @@
-"""Checkpoint states of a data-parallel job's ranks: picking, checking, naming the run.
+"""Checkpoint states: checking them, and those of a data-parallel job's ranks.
+
+:func:`check_state` validates any ``state_dict()`` (it comes from a file).
 
 Every rank saves its own ``state_dict()``: its position in its own share (local shards,
 see :mod:`batchq.ranks`) plus ``rank``, ``world_size``, ``even_batches``,
@@ -18,6 +20,7 @@ from batchq.ranks import RankLayout
 
 __all__ = [
     "check_rank_state",
+    "check_state",
     "elastic_state",
     "pick_rank_state",
     "remap_pairs",
@@ -155,3 +158,30 @@ def resume_run_id(state: dict[str, Any], world: int) -> str:
     # Not the step: a rank resuming from another step must find the run and be refused.
     text = f"resume:{state.get('run')}:{world}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def check_state(state: Any, queue: str) -> dict[str, Any]:
+    """Validate a state dict, naming what is wrong (it comes from a file)."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"state {state!r} is not valid: expected a dict from state_dict()")
+    if state.get("version") != 1:
+        raise ConfigError(f"state version {state.get('version')!r} is not valid: expected 1")
+    if state.get("queue") not in (None, queue):
+        raise ConfigError(f"state is of queue {state.get('queue')!r}, this stream reads {queue!r}")
+    if not state.get("run"):
+        return dict(state)  # taken before the first iteration: nothing to resume
+    for name, kind in (("run", str), ("fingerprint", str), ("shards", int), ("epoch", int)):
+        if not isinstance(state.get(name), kind):
+            raise ConfigError(
+                f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
+            )
+    consumed, done = state.get("consumed"), state.get("done")
+    if not isinstance(consumed, dict) or not all(
+        str(k).isdigit() and isinstance(v, int) and v >= 0 for k, v in consumed.items()
+    ):
+        raise ConfigError(
+            f"state['consumed'] = {consumed!r} is not valid: expected shard -> batches"
+        )
+    if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
+        raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")
+    return dict(state)

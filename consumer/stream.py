@@ -34,7 +34,13 @@ from consumer.fuel_stream import FuelStreamMixin
 from consumer.ledger import Ledger
 from consumer.prepare import FramePrep
 from consumer.progress import EpochProgress
-from consumer.rank_state import check_rank_state, pick_rank_state, remap_pairs, resume_run_id
+from consumer.rank_state import (
+    check_rank_state,
+    check_state,
+    pick_rank_state,
+    remap_pairs,
+    resume_run_id,
+)
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
 from consumer.shm_frames import TrainerShm
@@ -333,7 +339,7 @@ class ServerDataStream(FuelStreamMixin):
         if self._reader is not None or self._closed:
             raise ConfigError("load_state_dict must be called before the first iteration")
         state = pick_rank_state(state, self.rank, self.world_size)
-        self._resume = _check_state(state, self.keys.queue)
+        self._resume = check_state(state, self.keys.queue)
         if self._resume.get("run"):
             check_rank_state(self._resume, self.rank, self.world_size)
             self._step = int(self._resume.get("step", 0))
@@ -626,30 +632,3 @@ class ServerDataStream(FuelStreamMixin):
                 reader.cond.wait(timeout=BLOCK_S)
         finally:
             reader.waiting_since = None
-
-
-def _check_state(state: Any, queue: str) -> dict[str, Any]:
-    """Validate a state dict, naming what is wrong (it comes from a file)."""
-    if not isinstance(state, dict):
-        raise ConfigError(f"state {state!r} is not valid: expected a dict from state_dict()")
-    if state.get("version") != 1:
-        raise ConfigError(f"state version {state.get('version')!r} is not valid: expected 1")
-    if state.get("queue") not in (None, queue):
-        raise ConfigError(f"state is of queue {state.get('queue')!r}, this stream reads {queue!r}")
-    if not state.get("run"):
-        return dict(state)  # taken before the first iteration: nothing to resume
-    for name, kind in (("run", str), ("fingerprint", str), ("shards", int), ("epoch", int)):
-        if not isinstance(state.get(name), kind):
-            raise ConfigError(
-                f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
-            )
-    consumed, done = state.get("consumed"), state.get("done")
-    if not isinstance(consumed, dict) or not all(
-        str(k).isdigit() and isinstance(v, int) and v >= 0 for k, v in consumed.items()
-    ):
-        raise ConfigError(
-            f"state['consumed'] = {consumed!r} is not valid: expected shard -> batches"
-        )
-    if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
-        raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")
-    return dict(state)
