@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pipelines import examples_of, numbered
+from train import argv as train_argv
+from train import lines
 from waiting import wait_until
 
 from batchq.errors import ConfigError, StepMismatch, TrainerConflict, WorldSizeMismatch
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 220, 10  # 22 batches (one per shard) per epoch: 4 ranks need 2 pads
-SUPPORT_DIR = Path(__file__).resolve().parent.parent / "support"
 
 
 def plans(epochs: int) -> list[list[list[int]]]:
@@ -26,32 +26,10 @@ def plans(epochs: int) -> list[list[list[int]]]:
     return [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(epochs)]
 
 
-def lines(path: Path) -> list[tuple[int, list[int]]]:
-    if not path.exists():
-        return []
-    return [tuple(json.loads(line)) for line in path.read_text().splitlines()]  # type: ignore[misc]
-
-
 def rank_argv(
     url: str, queue: str, out: Path, epochs: int, rank: int, world: int, *extra: str
 ) -> list[str]:
-    return [
-        sys.executable,
-        str(SUPPORT_DIR / "train.py"),
-        "--url",
-        url,
-        "--queue",
-        queue,
-        "--epochs",
-        str(epochs),
-        "--out",
-        str(out),
-        "--rank",
-        str(rank),
-        "--world",
-        str(world),
-        *extra,
-    ]
+    return train_argv(url, queue, out, epochs, "--rank", str(rank), "--world", str(world), *extra)
 
 
 @pytest.fixture

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pipelines import examples_of, numbered
+from train import argv as train_argv
+from train import lines
 from waiting import wait_until
 
 from batchq.embedded import EmbeddedRedis
@@ -19,7 +20,6 @@ from batchq.keys import QueueKeys
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 200, 10  # 20 batches (shards) per epoch
-SUPPORT_DIR = Path(__file__).resolve().parent.parent / "support"
 
 
 def reference(epochs: int) -> list[tuple[int, list[int]]]:
@@ -27,31 +27,9 @@ def reference(epochs: int) -> list[tuple[int, list[int]]]:
     return [(e, examples_of(f)) for e in range(epochs) for f, _ in stream.get_epoch_iterator()]
 
 
-def lines(path: Path) -> list[tuple[int, list[int]]]:
-    if not path.exists():
-        return []
-    return [tuple(json.loads(line)) for line in path.read_text().splitlines()]  # type: ignore[misc]
-
-
 def position(state: dict[str, Any]) -> int:
     """Batches consumed before a state (ordered: a prefix of each epoch)."""
     return state["epoch"] * (EXAMPLES // BATCH) + sum(state["consumed"].values())
-
-
-def train_argv(url: str, queue: str, out: Path, epochs: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        str(SUPPORT_DIR / "train.py"),
-        "--url",
-        url,
-        "--queue",
-        queue,
-        "--epochs",
-        str(epochs),
-        "--out",
-        str(out),
-        *extra,
-    ]
 
 
 @pytest.fixture

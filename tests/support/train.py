@@ -3,7 +3,8 @@
 Reads epochs from a queue and writes one JSON line per batch yielded (epoch, the
 example indices) to --out, flushed; with --state-out, after each batch it also saves
 state_dict() there (atomically). With --state-in it first resumes from that file (a state,
-or a list of every rank's states).
+or a list of every rank's states). The tests build its command line with :func:`argv` and
+read what it wrote with :func:`lines`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,25 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from pipelines import examples_of
 
 from consumer import ServerDataStream
+
+
+def argv(url: str, queue: str, out: Path, epochs: int, *extra: str) -> list[str]:
+    """The command line of this script (a trainer reading ``epochs`` epochs)."""
+    script = str(Path(__file__).resolve())
+    return [sys.executable, script, "--url", url, "--queue", queue, "--epochs", str(epochs),
+            "--out", str(out), *extra]  # fmt: skip
+
+
+def lines(path: Path) -> list[tuple[int, list[int]]]:
+    """What a trainer wrote to --out: (epoch, example indices) per batch."""
+    if not path.exists():
+        return []
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines()]  # type: ignore[misc]
 
 
 def main() -> int:
