@@ -203,23 +203,21 @@ class ShardPusher:
         )
         if self._retry_elsewhere(epoch, label, entry):
             return
-        frame = codec.encode_frame(
-            codec.FrameKind.ERROR,
-            run=self._run,
-            epoch=epoch,
-            shard=label,
-            k=k,
-            producer=self.id,
-            last=True,
-            count=k,
-            error="".join(traceback.format_exception(error)),
-            error_name=type(error).__name__,
-        )
-        self._push(frame, entry, last=True)
+        self._push_end(epoch, label, k, entry, error=error)
 
-    def _push_end(self, epoch: int, shard: int, count: int, entry: str) -> None:
+    def _push_end(
+        self, epoch: int, shard: int, count: int, entry: str, error: Exception | None = None
+    ) -> None:
+        """The shard's end after ``count`` batches: an END frame, or with ``error`` the
+        ERROR frame carrying the pipeline's traceback."""
+        extra: dict[str, Any] = {}
+        if error is not None:
+            extra = {
+                "error": "".join(traceback.format_exception(error)),
+                "error_name": type(error).__name__,
+            }
         frame = codec.encode_frame(
-            codec.FrameKind.END,
+            codec.FrameKind.END if error is None else codec.FrameKind.ERROR,
             run=self._run,
             epoch=epoch,
             shard=shard,
@@ -227,6 +225,7 @@ class ShardPusher:
             producer=self.id,
             last=True,
             count=count,
+            **extra,
         )
         self._push(frame, entry, last=True)
 

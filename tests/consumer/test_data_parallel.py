@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,38 @@ def rank_argv(
     url: str, queue: str, out: Path, epochs: int, rank: int, world: int, *extra: str
 ) -> list[str]:
     return train_argv(url, queue, out, epochs, "--rank", str(rank), "--world", str(world), *extra)
+
+
+def spawn_ranks(
+    spawn_proc: Any,
+    url: str,
+    queue: str,
+    outs: list[Path],
+    epochs: int,
+    *extra: str,
+    per_rank: Callable[[int], list[str]] = lambda r: [],
+) -> list[Any]:
+    """One trainer process per rank (as many as ``outs``), each writing to its own file."""
+    world = len(outs)
+    return [
+        spawn_proc(rank_argv(url, queue, outs[r], epochs, r, world, *extra, *per_rank(r)))
+        for r in range(world)
+    ]  # fmt: skip
+
+
+def checkpoint_ranks(
+    spawn_proc: Any, url: str, queue: str, tmp: Path, epochs: int, world: int, stop: int
+) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Ranks that read ``stop`` batches each, saving their states, then stop."""
+    outs = [tmp / f"a{r}.jsonl" for r in range(world)]
+    states = [tmp / f"s{r}.json" for r in range(world)]
+    procs = spawn_ranks(
+        spawn_proc, url, queue, outs, epochs, "--stop-after", str(stop),
+        per_rank=lambda r: ["--state-out", str(states[r])],
+    )  # fmt: skip
+    for proc in procs:
+        assert proc.wait(timeout=60) == 3
+    return outs, [json.loads(s.read_text()) for s in states]
 
 
 @pytest.fixture
@@ -99,46 +132,13 @@ def test_all_ranks_resume_exactly_from_one_step(
 ) -> None:
     producers(2)
     world, epochs = 2, 3
-    outs = [tmp_path / f"a{r}.jsonl" for r in range(world)]
-    states = [tmp_path / f"s{r}.json" for r in range(world)]
-    first = [
-        spawn_proc(
-            rank_argv(
-                redis_url,
-                queue_name,
-                outs[r],
-                epochs,
-                r,
-                world,
-                "--state-out",
-                str(states[r]),
-                "--stop-after",
-                "15",
-            )
-        )
-        for r in range(world)
-    ]
-    for proc in first:
-        assert proc.wait(timeout=60) == 3
-    saved = [json.loads(s.read_text()) for s in states]
+    outs, saved = checkpoint_ranks(spawn_proc, redis_url, queue_name, tmp_path, epochs, world, 15)
     assert {s["step"] for s in saved} == {15}
     outs_b = [tmp_path / f"b{r}.jsonl" for r in range(world)]
-    second = [
-        spawn_proc(
-            rank_argv(
-                redis_url,
-                queue_name,
-                outs_b[r],
-                epochs,
-                r,
-                world,
-                "--state-in",
-                str(states[r]),
-                "--finish",
-            )
-        )
-        for r in range(world)
-    ]
+    second = spawn_ranks(
+        spawn_proc, redis_url, queue_name, outs_b, epochs, "--finish",
+        per_rank=lambda r: ["--state-in", str(tmp_path / f"s{r}.json")],
+    )  # fmt: skip
     for proc in second:
         assert proc.wait(timeout=90) == 0
     together = [tmp_path / f"t{r}.jsonl" for r in range(world)]
@@ -257,46 +257,13 @@ def test_elastic_resume_keeps_every_epoch_exact(
 ) -> None:
     producers(2)
     epochs = 3
-    outs = [tmp_path / f"a{r}.jsonl" for r in range(old)]
-    states = [tmp_path / f"s{r}.json" for r in range(old)]
-    first = [
-        spawn_proc(
-            rank_argv(
-                redis_url,
-                queue_name,
-                outs[r],
-                epochs,
-                r,
-                old,
-                "--state-out",
-                str(states[r]),
-                "--stop-after",
-                str(stop),
-            )
-        )
-        for r in range(old)
-    ]
-    for proc in first:
-        assert proc.wait(timeout=60) == 3
-    saved = [json.loads(s.read_text()) for s in states]
+    outs, saved = checkpoint_ranks(spawn_proc, redis_url, queue_name, tmp_path, epochs, old, stop)
     (tmp_path / "all.json").write_text(json.dumps(saved))
     outs_b = [tmp_path / f"b{r}.jsonl" for r in range(new)]
-    second = [
-        spawn_proc(
-            rank_argv(
-                redis_url,
-                queue_name,
-                outs_b[r],
-                epochs,
-                r,
-                new,
-                "--state-in",
-                str(tmp_path / "all.json"),
-                "--finish",
-            )
-        )
-        for r in range(new)
-    ]
+    second = spawn_ranks(
+        spawn_proc, redis_url, queue_name, outs_b, epochs, "--finish",
+        "--state-in", str(tmp_path / "all.json"),
+    )  # fmt: skip
     for proc in second:
         assert proc.wait(timeout=90) == 0
     plan = plans(epochs)
