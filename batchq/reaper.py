@@ -9,15 +9,15 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import redis
 
+from batchq import scripts
 from batchq.connection import call, redis_errors
 from batchq.errors import ConnectionLost
 from batchq.keys import QueueKeys
-from batchq.protocol import Status, decode_reply
-from batchq.scripts import SCRIPTS
+from batchq.layout import time_ms
+from batchq.protocol import Status
 
 __all__ = ["connected_ids", "reap_dead", "reap_gone", "record_client", "requeue_gaps", "server_ms"]
 
@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 
 def server_ms(client: redis.Redis) -> int:
     """Redis' clock in milliseconds (deadlines use it, never a host's clock)."""
-    sec, usec = call(client.time, "reading the server's clock")
-    return int(sec) * 1000 + int(usec) // 1000
+    return time_ms(call(client.time, "reading the server's clock"))
 
 
 def _members(client: redis.Redis, keys: QueueKeys, low: int | str, high: int | str) -> list[str]:
@@ -55,14 +54,13 @@ def reap_dead(
     dead = _members(client, keys, "-inf", now_ms)
     if not dead:
         return 0, 0
-    script_keys = [keys.incarnation, keys.producers, keys.work, keys.stats]
-    script_keys += [keys.lease(p) for p in dead]
-    reply = decode_reply(SCRIPTS["reap"](client, script_keys, [incarnation, "dead", *dead]))
-    if reply[0] != Status.OK:
+    reply = scripts.reap(client, keys, incarnation=incarnation, why="dead", producers=dead)
+    if reply.status != Status.OK:
         return 0, 0
-    if reply[1]:
-        log.info("queue %s: reaped %d dead producer(s), %d shard(s) back", keys.queue, *reply[1:])
-    return int(reply[1]), int(reply[2])
+    if reply.first:
+        log.info("queue %s: reaped %d dead producer(s), %d shard(s) back", keys.queue,
+                 reply.first, reply.second)  # fmt: skip
+    return reply.first, reply.second
 
 
 def requeue_gaps(
@@ -88,16 +86,17 @@ def requeue_gaps(
         return []
     now_ms = server_ms(client)
     alive = _members(client, keys, now_ms, "+inf")
-    data = keys.data if rank is None else rank[0]
-    script_keys = [keys.meta, keys.incarnation, keys.work, data, keys.producers]
-    script_keys += [keys.stats, *(keys.lease(p) for p in alive)]
-    args: list[Any] = [incarnation, run, len(shards), *shards, *alive]
-    if rank is not None:
-        args += ["", rank[1], *rank[2]]
-    reply = decode_reply(SCRIPTS["requeue"](client, script_keys, args))
-    if reply[0] != Status.OK:
-        return []
-    requeued = [int(g) for g in reply[1:]]
+    reply = scripts.requeue(
+        client,
+        keys,
+        incarnation=incarnation,
+        run=run,
+        data=keys.data if rank is None else rank[0],
+        shards=shards,
+        alive=alive,
+        rank=None if rank is None else (rank[1], rank[2]),
+    )
+    requeued = reply.requeued
     if requeued:
         log.warning("queue %s: shards with a gap handed back: %s", keys.queue, requeued)
     return requeued
@@ -161,27 +160,23 @@ def reap_gone(client: redis.Redis, keys: QueueKeys, incarnation: str) -> tuple[i
     connected = connected_ids(client)
     if connected is None:
         return None
-    pairs: list[str] = []
-    gone: list[str] = []
+    closed: dict[str, str] = {}
     for p in alive:
         main = recorded.get(p.encode(), b"").decode()
         beat = recorded.get(f"{p}:hb".encode(), b"").decode()
         ids = [int(x) for x in (main, beat) if x.isdigit()]
         if ids and not any(i in connected for i in ids):
-            pairs += [p, f"{main},{beat}"]
-            gone.append(p)
-    if not gone:
+            closed[p] = f"{main},{beat}"
+    if not closed:
         return 0, 0
-    script_keys = [keys.incarnation, keys.producers, keys.work, keys.stats, keys.clients]
-    script_keys += [keys.lease(p) for p in gone]
-    reply = decode_reply(SCRIPTS["gone"](client, script_keys, [incarnation, *pairs]))
-    if reply[0] != Status.OK:
+    reply = scripts.gone(client, keys, incarnation=incarnation, closed=closed)
+    if reply.status != Status.OK:
         return 0, 0
-    if int(reply[1]):
+    if reply.first:
         log.info(
             "queue %s: reaped %s producer(s) whose connections closed, %s shard(s) back",
             keys.queue,
-            reply[1],
-            reply[2],
+            reply.first,
+            reply.second,
         )
-    return int(reply[1]), int(reply[2])
+    return reply.first, reply.second

@@ -17,12 +17,14 @@ from typing import Any, NamedTuple
 
 import redis
 
-from batchq import codec
+from batchq import codec, scripts
 from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
 from batchq.keys import QueueKeys
-from batchq.protocol import Status, decode_reply
-from batchq.scripts import SCRIPTS, execute_pipeline
+from batchq.layout import time_ms
+from batchq.lua_scripts import Call, execute_pipeline
+from batchq.protocol import Status
+from batchq.replies import LeaseReply, PushReply
 from producer.sharding import ShardPlan
 from producer.transport import ShmFrame, Transport
 
@@ -66,13 +68,9 @@ class Lease(NamedTuple):
     shard: int | None = None  # the shard to build, where a resume remapped the slot
 
     @classmethod
-    def from_reply(cls, reply: list[Any], token: str, shards: int) -> Lease:
-        """From lease.lua's {'OK', g, skip[, slots, world[, shard]]} (the rest only in
-        replies of data-parallel runs; S and 1 before)."""
-        slots = int(reply[3]) if len(reply) > 3 else shards
-        world = int(reply[4]) if len(reply) > 4 else 1
-        shard = int(reply[5]) if len(reply) > 5 else None
-        return cls(int(reply[1]), int(reply[2]), token, slots, world, shard)
+    def from_reply(cls, reply: LeaseReply, token: str, shards: int) -> Lease:
+        """From lease.lua's OK reply (world 1 says no slots: the plan's S)."""
+        return cls(reply.g, reply.skip, token, reply.slots or shards, reply.world, reply.shard)
 
 
 class ShardPusher:
@@ -102,7 +100,7 @@ class ShardPusher:
     _oom_logged: bool
     _transport: Transport
 
-    def _lease_request(self, prefetch: bool = False) -> tuple[list[str], list[Any], str]:
+    def _lease_request(self, prefetch: bool = False) -> tuple[Call[LeaseReply], str]:
         raise NotImplementedError  # pragma: no cover - Producer implements it
 
     def _handle_status(self, status: str) -> None:
@@ -231,28 +229,29 @@ class ShardPusher:
 
     def _retry_elsewhere(self, epoch: int, shard: int, entry: str) -> bool:
         """Count the failure; True if the shard went back to the work list for a retry."""
-        k = self.keys
-        reply = decode_reply(
-            SCRIPTS["fail"](
-                self.client,
-                [k.meta, k.incarnation, k.work, k.lease(self.id), k.failures, k.stats],
-                [self._incarnation, self._run, entry, entry.split(":")[0], self.max_attempts],
-            )
+        reply = scripts.fail(
+            self.client,
+            self.keys,
+            incarnation=self._incarnation,
+            run=self._run,
+            producer=self.id,
+            entry=entry,
+            max_attempts=self.max_attempts,
         )
-        if reply[0] == Status.RETRY:
+        if reply.status == Status.RETRY:
             log.warning(
                 "producer %s: epoch %d shard %d failed (attempt %d of %d); handed back",
                 self.id,
                 epoch,
                 shard,
-                reply[1],
+                reply.first,
                 self.max_attempts,
             )
             return True
-        if reply[0] == Status.GIVE_UP:
+        if reply.status == Status.GIVE_UP:
             return False
-        if reply[0] != Status.LEASE_LOST:
-            self._handle_status(reply[0])
+        if reply.status != Status.LEASE_LOST:
+            self._handle_status(reply.status)
         return True
 
     def _encode_batch(
@@ -294,20 +293,9 @@ class ShardPusher:
         if not shm and len(frame) > self.inline_max_bytes:
             self._frame_seq += 1
             ref = self.keys.frame(self.id, self._frame_seq)
-        keys = [
-            self.keys.meta,
-            self.keys.incarnation,
-            self._data_key,
-            self.keys.stats,
-            self.keys.producers,
-            self.keys.lease(self.id),
-            self.keys.pstats,
-        ]
         element: Any = frame if ref is None else codec.encode_ref(ref)
         if isinstance(frame, ShmFrame):
             element = frame.element
-        if ref is not None:
-            keys.append(ref)
         stored = False
         blocked_since: float | None = None
         full_since = 0.0
@@ -325,23 +313,26 @@ class ShardPusher:
                 now = time.monotonic()
                 blocked_ms = int((now - blocked_since) * 1000)
                 blocked_since = now
-            args = [
-                self._incarnation,
-                self._run,
-                self.id,
-                entry,
-                element,
-                int(last),
-                self.heartbeat_ttl_ms,
-                len(frame),
-                blocked_ms,
-                produce_ms,
-            ]
+            request = scripts.push_call(
+                self.keys,
+                data=self._data_key,
+                frame_key=ref,
+                incarnation=self._incarnation,
+                run=self._run,
+                producer=self.id,
+                entry=entry,
+                element=element,
+                last=last,
+                heartbeat_ttl_ms=self.heartbeat_ttl_ms,
+                frame_bytes=len(frame),
+                blocked_ms=blocked_ms,
+                produce_ms=produce_ms,
+            )
             store = frame if ref is not None and not stored else None
             if isinstance(store, ShmFrame):  # pragma: no cover - never stored by reference
                 store = None
             try:
-                replies = self._send(ref, store, keys, args, lease_next)
+                replies = self._send(ref, store, request, lease_next)
             except redis.ResponseError as e:
                 if not is_oom(e):
                     raise
@@ -356,14 +347,14 @@ class ShardPusher:
                 stored = True
                 self._pending_ref = ref
             if lease_next is not None:
-                lease_reply = decode_reply(replies.pop())
-                if lease_reply[0] == Status.OK:
+                lease_reply = lease_next[0].parse(replies.pop())
+                if lease_reply.status == Status.OK:
                     self._prefetched = Lease.from_reply(
-                        lease_reply, lease_next[2], self.plan.shards
+                        lease_reply, lease_next[1], self.plan.shards
                     )
                 lease_next = None
-            reply = decode_reply(replies[-1])
-            status = reply[0]
+            reply = request.parse(replies[-1])
+            status = reply.status
             if status == Status.OK:
                 self._pending_ref = None
                 return True
@@ -386,7 +377,7 @@ class ShardPusher:
                 continue
             if status == Status.WRONG_TYPE:
                 # A foreign writer replaced a queue key: keep the shard, wait for a repair.
-                self._note_wrong_type(str(reply[1]), str(reply[2]))
+                self._note_wrong_type(reply.key, reply.found)
                 self._stop.wait(WAIT_S)
                 continue
             if ref is not None:
@@ -415,7 +406,7 @@ class ShardPusher:
                 pipe.llen(k.data_of(r, world))
 
         meta, now, *depths = execute_pipeline(self.client, build)
-        now_ms = now[0] * 1000 + now[1] // 1000
+        now_ms = time_ms(now)
         reading = [d is not None and int(d) > now_ms and meta[world + r] is None
                    for r, d in enumerate(meta[:world])]  # fmt: skip
         live = reading[self._rank]
@@ -424,15 +415,12 @@ class ShardPusher:
         )
         if live and not starving:
             return False
-        reply = decode_reply(
-            SCRIPTS["handback"](
-                self.client,
-                [k.meta, k.incarnation, k.work, k.lease(self.id)],
-                [self._incarnation, self._run, entry, entry.split(":")[0]],
-            )
-        )
-        if reply[0] not in (Status.OK, Status.LEASE_LOST):
-            self._handle_status(reply[0])
+        reply = scripts.handback(
+            self.client, self.keys, incarnation=self._incarnation, run=self._run,
+            producer=self.id, entry=entry,
+        )  # fmt: skip
+        if reply.status not in (Status.OK, Status.LEASE_LOST):
+            self._handle_status(reply.status)
         why = "another rank's list is empty" if live else "it is not reading"
         log.info(
             "producer %s: rank %d's list is full, %s: %s handed back",
@@ -447,9 +435,8 @@ class ShardPusher:
         self,
         ref: str | None,
         store: Pieces | memoryview | None,
-        keys: list[str],
-        args: list[Any],
-        lease: tuple[list[str], list[Any], str] | None = None,
+        push: Call[PushReply],
+        lease: tuple[Call[LeaseReply], str] | None = None,
     ) -> list[Any]:
         """One round trip: store the frame under its key if asked, the capped push, and
         the next lease if asked."""
@@ -457,8 +444,8 @@ class ShardPusher:
         def build(pipe: Any) -> None:
             if store is not None:
                 pipe.set(ref, store, px=PENDING_FRAME_TTL_MS)
-            SCRIPTS["push"].queue(pipe, keys, args)
+            push.queue(pipe)
             if lease is not None:
-                SCRIPTS["lease"].queue(pipe, lease[0], lease[1])
+                lease[0].queue(pipe)
 
         return execute_pipeline(self.client, build)

@@ -19,8 +19,9 @@ from typing import Any
 
 import redis
 
+from batchq import scripts
 from batchq.admin import check_eviction_policy, is_oom
-from batchq.connection import call, is_wrong_type, make_client, resolve_url, tune_malloc
+from batchq.connection import Backoff, call, is_wrong_type, make_client, resolve_url, tune_malloc
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -30,10 +31,12 @@ from batchq.errors import (
     RunFinished,
 )
 from batchq.keys import QueueKeys, check_name
-from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
+from batchq.layout import lease_entry
+from batchq.lua_scripts import Call
+from batchq.protocol import PROTOCOL_VERSION, Status
 from batchq.ranks import rank_field, shard_of_slot
 from batchq.reaper import reap_dead, record_client, server_ms
-from batchq.scripts import SCRIPTS
+from batchq.replies import JoinReply, LeaseReply, status_error
 from producer.pushing import INLINE_MAX_BYTES, Lease, ShardPusher
 from producer.sharding import ShardPlan
 from producer.transport import Transport
@@ -190,7 +193,7 @@ class Producer(ShardPusher):
                         lease.shard
                         if lease.shard is not None
                         else shard_of_slot(slot, self.plan.shards),
-                        f"{lease.g}:{lease.token}",
+                        lease_entry(lease.g, lease.token),
                         lease.skip,
                         slot=slot,
                     )
@@ -218,8 +221,7 @@ class Producer(ShardPusher):
         Raises:
             ConnectionLost: Redis stayed unreachable for reconnect_timeout_s.
         """
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        delay_s = 0.1
+        backoff = Backoff(self.reconnect_timeout_s, self._stop.wait)
         log.warning("producer %s: %s; reconnecting", self.id, error)
         while not self._stop.is_set():
             try:
@@ -229,16 +231,12 @@ class Producer(ShardPusher):
                 log.warning("producer %s: reconnected", self.id)
                 return
             except ConnectionLost as e:
-                if time.monotonic() + delay_s > deadline:
+                if not backoff.pause():
                     raise ConnectionLost(
                         f"producer {self.id}: Redis unreachable for "
                         f"{self.reconnect_timeout_s:g} s: {e}"
                     ) from e
-                log.warning(
-                    "producer %s: still no Redis (%s); retrying in %.1f s", self.id, e, delay_s
-                )
-                self._stop.wait(delay_s)
-                delay_s = min(delay_s * 2, 2.0)
+                log.warning("producer %s: still no Redis (%s); retrying", self.id, e)
 
     def _heartbeat_loop(self) -> None:
         client = make_client(self.url)
@@ -313,18 +311,19 @@ class Producer(ShardPusher):
         while True:
             wait = time.monotonic() < deadline
             reply = self._join_once(no_create=wait)
-            if reply[0] != Status.WAIT:
+            if reply.status != Status.WAIT:
                 break
             if self._stop.wait(0.25):
                 return
-        if reply[0] == Status.FINISHED:
+        if reply.status == Status.FINISHED:
             raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
-        if reply[0] == Status.MISMATCH:
-            what, expected = reply[1], reply[2]
-            got = self.plan.fingerprint if what == "fingerprint" else str(self.hwm)
-            raise PipelineMismatch(what, expected, got)
-        self._incarnation, self._run = reply[1], reply[2]
-        self._world = int(reply[7]) if len(reply) > 7 else 1
+        if reply.status == Status.MISMATCH:
+            got = self.plan.fingerprint if reply.what == "fingerprint" else str(self.hwm)
+            raise PipelineMismatch(reply.what, reply.expected, got)
+        if reply.status != Status.OK:
+            raise status_error(reply.status, f"producer {self.id} joining")
+        self._incarnation, self._run = reply.incarnation, reply.run
+        self._world = reply.world
         if self._record_id:
             # Redis tells a killed producer by its closed connection (batchq.reaper).
             self._record_id = record_client(self.client, self.keys, self.id)
@@ -342,38 +341,37 @@ class Producer(ShardPusher):
             self.keys.queue,
             self._run,
             self.plan.shards,
-            reply[3],
+            reply.hwm,
         )
 
-    def _join_once(self, *, no_create: bool) -> list[Any]:
-        k = self.keys
-        keys = [k.meta, k.incarnation, k.producers, k.lease(self.id), k.work, k.data]
-        keys += [k.failures, k.ledger]
-        args: list[Any] = [
-            self.id,
-            self.plan.fingerprint,
-            self.hwm,
-            self.plan.shards,
-            self.window,
-            uuid.uuid4().hex[:16],
-            uuid.uuid4().hex,
-            self.heartbeat_ttl_ms,
-            PROTOCOL_VERSION,
-            -1 if self.plan.epoch_batches is None else self.plan.epoch_batches,
-            self._run,
-            int(FINISHED_GRACE_S * 1000),
-            "1" if no_create else "0",
-        ]
-        return decode_reply(SCRIPTS["join"](self.client, keys, args))
+    def _join_once(self, *, no_create: bool) -> JoinReply:
+        return scripts.join(
+            self.client,
+            self.keys,
+            producer=self.id,
+            fingerprint=self.plan.fingerprint,
+            hwm=self.hwm,
+            shards=self.plan.shards,
+            window=self.window,
+            new_run=uuid.uuid4().hex[:16],
+            new_incarnation=uuid.uuid4().hex,
+            heartbeat_ttl_ms=self.heartbeat_ttl_ms,
+            version=PROTOCOL_VERSION,
+            epoch_batches=self.plan.epoch_batches,
+            served=self._run,
+            grace_ms=int(FINISHED_GRACE_S * 1000),
+            no_create=no_create,
+        )
 
     def _leave(self) -> None:
         try:
             if self._pending_ref:
                 self.client.delete(self._pending_ref)
-            k = self.keys
-            keys = [k.incarnation, k.producers, k.work, k.stats, k.lease(self.id)]
-            SCRIPTS["reap"](self.client, keys, [self._incarnation, "leave", self.id])
-            self.client.hdel(k.clients, self.id, f"{self.id}:hb")
+            scripts.reap(
+                self.client, self.keys, incarnation=self._incarnation, why="leave",
+                producers=[self.id],
+            )  # fmt: skip
+            self.client.hdel(self.keys.clients, self.id, f"{self.id}:hb")
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
         self._transport.close(self._finished)
@@ -383,17 +381,21 @@ class Producer(ShardPusher):
 
     # -- leasing -----------------------------------------------------------------------
 
-    def _lease_request(self, prefetch: bool = False) -> tuple[list[str], list[Any], str]:
-        """Keys, arguments and token of the next lease request."""
+    def _lease_request(self, prefetch: bool = False) -> tuple[Call[LeaseReply], str]:
+        """The next lease request, and its token."""
         self._lease_seq += 1
         token = f"{self.id}.{self._lease_seq}"
-        k = self.keys
-        keys = [k.meta, k.incarnation, k.work, k.lease(self.id), k.producers, k.ledger]
-        if self._world > 1:  # where lease.lua looks for room, and remapped slots
-            keys += [*k.rank_data(self._world), k.remap]
-        args: list[Any] = [self._incarnation, self._run, self.id, token, self.heartbeat_ttl_ms]
-        args.append("1" if prefetch else "0")
-        return keys, args, token
+        request = scripts.lease_call(
+            self.keys,
+            incarnation=self._incarnation,
+            run=self._run,
+            producer=self.id,
+            token=token,
+            heartbeat_ttl_ms=self.heartbeat_ttl_ms,
+            prefetch=prefetch,
+            world=self._world,
+        )
+        return request, token
 
     def _lease(self) -> Lease | None:
         """Lease the next shard, or None."""
@@ -401,9 +403,9 @@ class Producer(ShardPusher):
             # Leased in the same round trip as the previous shard's last push.
             lease, self._prefetched = self._prefetched, None
             return lease
-        keys, args, token = self._lease_request()
+        request, token = self._lease_request()
         try:
-            reply = decode_reply(SCRIPTS["lease"](self.client, keys, args))
+            reply = request.run(self.client)
         except redis.ResponseError as e:
             if not is_oom(e):
                 raise
@@ -417,7 +419,7 @@ class Producer(ShardPusher):
             self._lease_seq -= 1
             self._stop.wait(0.5)
             return None
-        status = reply[0]
+        status = reply.status
         if status == Status.OK:
             return Lease.from_reply(reply, token, self.plan.shards)
         if status == Status.WAIT:

@@ -1,35 +1,43 @@
 -- claim.lua: a trainer (one rank of a job) acquires, refreshes, releases or finishes its
 -- claim on the run.
--- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] work  KEYS[5] wake
--- KEYS[6] failures  KEYS[7] ledger
--- KEYS[8..] (data-parallel) every rank's data list, the counts and remap hashes:
---          dropped with the run
--- ARGV[1] claim token  ARGV[2] claim ttl (ms)
--- ARGV[3] 'acquire' | 'refresh' | 'release' | 'finish'
--- ARGV[4] run id to use if a new run starts  ARGV[5] incarnation to use if the queue
---         must be created  ARGV[6] run id to take over ('' for none)
--- ARGV[7] protocol version
--- ARGV[8] rank (default 0)  ARGV[9] world size (default 1)  ARGV[10] 'pad' | 'drop'
--- ARGV[11] a second run id to take over: the run that the job's first resuming rank
---          created (see resume.lua), '' for none
 -- A rank's claim lives in meta fields '<name>:<rank>' (world 1: '<name>'), see
 -- batchq/ranks.py.
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence[, held (world > 1; 0/1:
---              this rank had claimed the resumed run ARGV[11] before)]}
+--              this rank had claimed the resumed run `resumed` before)]}
 --              or {'CONFLICT', ms until the other claim lapses},
 --                 {'WORLD', the run's world size} (a live rank of the run has another)
 -- refresh/release/finish return {'OK'} or {'CLAIM_LOST'}; a rank's finish returns
 --              {'OK', 1} when it was the last rank (the run ended), else {'OK', 0}
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local op = ARGV[3]
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local data_key = KEYS[3]         -- LIST
+local work_key = KEYS[4]         -- LIST   shards handed back
+local wake_key = KEYS[5]         -- LIST
+local failures_key = KEYS[6]     -- HASH
+local ledger_key = KEYS[7]       -- HASH
+-- KEYS[8..]: (data-parallel) every rank's data list, the counts and remap hashes:
+-- dropped with the run
+local token = ARGV[1]            -- the trainer's claim token
+local claim_ttl_ms = tonumber(ARGV[2])
+local op = ARGV[3]               -- 'acquire' | 'refresh' | 'release' | 'finish'
+local run_id = ARGV[4]           -- run id to use if a new run starts
+local new_incarnation = ARGV[5]  -- incarnation to use if the queue must be created
+local takeover_run = ARGV[6]     -- run id to take over ('' for none)
+local version = ARGV[7]          -- protocol version
 local rank = ARGV[8] or '0'
 local world = tonumber(ARGV[9] or '1')
+local even = ARGV[10] or 'pad'   -- 'pad' | 'drop'
+local resumed = ARGV[11] or ''   -- a second run id to take over: the run that the job's
+                                 -- first resuming rank created (resume.lua), or ''
+local first_rank_data = 8
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function f(name, r)
   if world == 1 then return name end
   return name .. ':' .. (r or rank)
 end
-local m = redis.call('HMGET', KEYS[1], 'run', f('claim'), f('claim_deadline'), f('claimed'),
+local m = redis.call('HMGET', meta_key, 'run', f('claim'), f('claim_deadline'), f('claimed'),
   'finished', 'world')
 local run_world = tonumber(m[6] or '1')
 
@@ -39,7 +47,7 @@ local function others_live()
     if run_world == 1 or tostring(r) ~= rank then
       local name = 'claim_deadline'
       if run_world > 1 then name = name .. ':' .. r end
-      if tonumber(redis.call('HGET', KEYS[1], name) or '0') > now then return true end
+      if tonumber(redis.call('HGET', meta_key, name) or '0') > now then return true end
     end
   end
   return false
@@ -47,54 +55,54 @@ end
 
 -- A retried finish whose first reply was lost: the run (or this rank) is finished.
 if op == 'finish' and m[5] == '1' then return {'OK', 1} end
-if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', KEYS[1], f('done')) == '1' then
+if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', meta_key, f('done')) == '1' then
   return {'OK', 0}
 end
 if op ~= 'acquire' then
-  if m[2] ~= ARGV[1] then return {'CLAIM_LOST'} end
+  if m[2] ~= token then return {'CLAIM_LOST'} end
   if op == 'refresh' then
-    redis.call('HSET', KEYS[1], f('claim_deadline'), now + tonumber(ARGV[2]))
+    redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
   elseif op == 'release' then
-    redis.call('HDEL', KEYS[1], f('claim'), f('claim_deadline'))
+    redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
   elseif op == 'finish' then
-    redis.call('HDEL', KEYS[1], f('claim'), f('claim_deadline'))
+    redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
     if world > 1 then
       -- Every rank finishes the run; the last one ends it.
-      redis.call('HSET', KEYS[1], f('done'), 1)
+      redis.call('HSET', meta_key, f('done'), 1)
       for r = 0, world - 1 do
-        if redis.call('HGET', KEYS[1], f('done', r)) ~= '1' then return {'OK', 0} end
+        if redis.call('HGET', meta_key, f('done', r)) ~= '1' then return {'OK', 0} end
       end
     end
     -- Producers see 'finished' on their next call and exit; the frames left are useless.
-    redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6])
-    for i = 8, #KEYS do redis.call('DEL', KEYS[i]) end
-    redis.call('HSET', KEYS[1], 'finished', 1, 'finished_at', now)
+    redis.call('DEL', data_key, work_key, wake_key, failures_key)
+    for i = first_rank_data, #KEYS do redis.call('DEL', KEYS[i]) end
+    redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
     if world > 1 then return {'OK', 1} end
   end
   return {'OK'}
 end
 
-local inc = redis.call('GET', KEYS[2])
-if m[2] == ARGV[1] and m[1] and inc and m[5] ~= '1' then
+local inc = redis.call('GET', incarnation_key)
+if m[2] == token and m[1] and inc and m[5] ~= '1' then
   -- A retried acquire whose first reply was lost: this trainer holds the claim already.
-  -- new_run is 1 if that first try started the run (it minted the run id ARGV[4]).
-  redis.call('HSET', KEYS[1], f('claim_deadline'), now + tonumber(ARGV[2]))
+  -- new_run is 1 if that first try started the run (it minted the run id run_id).
+  redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
   local again = 0
-  if m[1] == ARGV[4] then again = 1 end
-  return {'OK', inc, m[1], again, tonumber(redis.call('HGET', KEYS[1], 'fence') or 0)}
+  if m[1] == run_id then again = 1 end
+  return {'OK', inc, m[1], again, tonumber(redis.call('HGET', meta_key, 'fence') or 0)}
 end
 
-local takeover = m[1] and ((ARGV[6] ~= '' and ARGV[6] == m[1]) or
-  ((ARGV[11] or '') ~= '' and ARGV[11] == m[1]))
-if m[2] and m[2] ~= ARGV[1] and tonumber(m[3] or 0) > now and not takeover then
+local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
+  (resumed ~= '' and resumed == m[1]))
+if m[2] and m[2] ~= token and tonumber(m[3] or 0) > now and not takeover then
   return {'CONFLICT', tonumber(m[3]) - now}
 end
 
 local new_run, held = 0, 0
-if m[4] == '1' and (ARGV[11] or '') ~= '' and m[1] == ARGV[11] then held = 1 end
+if m[4] == '1' and resumed ~= '' and m[1] == resumed then held = 1 end
 if not inc then
-  inc = ARGV[5]
-  redis.call('SET', KEYS[2], inc)
+  inc = new_incarnation
+  redis.call('SET', incarnation_key, inc)
   m[1] = false
 end
 local other_world = m[1] and m[5] ~= '1' and run_world ~= world and not takeover
@@ -104,20 +112,20 @@ if (not m[1]) or m[5] == '1' or (m[4] == '1' and not takeover) or other_world th
   -- another world size that nobody holds: start a new run. The producers see
   -- RUN_CHANGED and join it; frames of the old run are dropped here and, should any
   -- still arrive, by the trainer (the run id is in every frame).
-  redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
-  for i = 8, #KEYS do redis.call('DEL', KEYS[i]) end
-  redis.call('HSET', KEYS[1], 'version', ARGV[7], 'run', ARGV[4], 'next', 0, 'floor', 0)
+  redis.call('DEL', meta_key, data_key, work_key, wake_key, failures_key, ledger_key)
+  for i = first_rank_data, #KEYS do redis.call('DEL', KEYS[i]) end
+  redis.call('HSET', meta_key, 'version', version, 'run', run_id, 'next', 0, 'floor', 0)
   if world > 1 then
-    redis.call('HSET', KEYS[1], 'world', world, 'even', ARGV[10] or 'pad')
+    redis.call('HSET', meta_key, 'world', world, 'even', even)
     for r = 0, world - 1 do
-      redis.call('HSET', KEYS[1], 'next:' .. r, 0, 'floor:' .. r, 0)
+      redis.call('HSET', meta_key, 'next:' .. r, 0, 'floor:' .. r, 0)
     end
   end
-  m[1] = ARGV[4]
+  m[1] = run_id
   new_run, held = 1, 0
 end
-redis.call('HSET', KEYS[1], f('claim'), ARGV[1], f('claim_deadline'), now + tonumber(ARGV[2]),
+redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
   f('claimed'), 1)
-local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
+local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
 if world == 1 then return {'OK', inc, m[1], new_run, fence} end
 return {'OK', inc, m[1], new_run, fence, held}

@@ -1,12 +1,18 @@
 -- handback.lua: a producer gives a leased shard back untouched (its rank's data list
 -- stayed full: a data-parallel rank that stopped popping must not hold the producers).
--- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] work  KEYS[4] lease (this producer's)
--- ARGV[1] incarnation  ARGV[2] run  ARGV[3] lease entry '<g>:<token>'  ARGV[4] g
 -- Returns {'OK'} (the shard is at the back of the work list: leased again once its
 -- rank has room), {'LEASE_LOST'}, {'STATE_LOST'}, {'RUN_CHANGED'}
-local incarnation, run, entry, g = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-if redis.call('GET', KEYS[2]) ~= incarnation then return {'STATE_LOST'} end
-if redis.call('HGET', KEYS[1], 'run') ~= run then return {'RUN_CHANGED'} end
-if redis.call('LREM', KEYS[4], 1, entry) == 0 then return {'LEASE_LOST'} end
-redis.call('RPUSH', KEYS[3], g)
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local work_key = KEYS[3]         -- LIST   shards handed back
+local lease_key = KEYS[4]        -- LIST   this producer's leases
+local incarnation = ARGV[1]
+local run = ARGV[2]
+local entry = ARGV[3]            -- lease entry '<g>:<token>'
+local g = ARGV[4]
+
+if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
+if redis.call('HGET', meta_key, 'run') ~= run then return {'RUN_CHANGED'} end
+if redis.call('LREM', lease_key, 1, entry) == 0 then return {'LEASE_LOST'} end
+redis.call('RPUSH', work_key, g)
 return {'OK'}

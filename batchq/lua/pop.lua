@@ -1,51 +1,59 @@
 -- pop.lua: the trainer pops up to N frames; pops first, then wakes producers.
--- KEYS[1] meta  KEYS[2] incarnation  KEYS[3] data  KEYS[4] wake  KEYS[5] stats
--- KEYS[6] producers  KEYS[7] trainer (HASH of recent figures)  KEYS[8] history
--- KEYS[9] pstats (read only: the live producers' build totals for the history sample)
--- ARGV[1] incarnation  ARGV[2] run  ARGV[3] claim token
--- ARGV[4] max frames to pop (0: only account, e.g. the trainer's last figures at close)
--- ARGV[5] the trainer's floor (oldest incomplete global shard)
--- ARGV[6] claim ttl (ms)
--- ARGV[7] frames popped outside this script since the last call (BRPOP)
--- ARGV[8] bytes received since the last call  ARGV[9] ms spent waiting for data
--- ARGV[10] ms the trainer spent between batches (its own work) since the last call
--- ARGV[11] epochs completed since the last call
--- ARGV[12] wait-time histogram increments, 'c1,c2,...' per bucket ('' for none)
--- ARGV[13] the trainer's figures as a JSON object ('' for none): stored in KEYS[7]
--- ARGV[14] a history sample as a JSON object ('' for none): pushed on KEYS[8] (capped),
---          with the queue side of the moment added (see batchq.sizing): 'producers'
---          alive, 'pushed' frames, and the live producers' 'built' batches and 'build_ms'
--- ARGV[15] the rank's meta field suffix: '' (world 1) or ':<rank>' (batchq/ranks.py);
---          KEYS[3], KEYS[7] and KEYS[8] are then that rank's data list, figures and
---          history
 -- Returns {'OK', producers alive, depth before the pop, {elements...}}
 --      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'},
 --         {'WRONG_TYPE', key, type} (a foreign writer put another type under a queue key)
 -- At maxmemory Redis refuses a script whose first write may grow memory, so the pop
 -- comes first and the bookkeeping after it, through pcall.
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local data_key = KEYS[3]         -- LIST   the data list (this rank's, data-parallel)
+local wake_key = KEYS[4]         -- LIST   producers blocked at the hwm wait on it
+local stats_key = KEYS[5]        -- HASH   queue counters
+local producers_key = KEYS[6]    -- ZSET   producer -> heartbeat deadline (ms)
+local trainer_key = KEYS[7]      -- HASH   the trainer's (rank's) recent figures
+local history_key = KEYS[8]      -- LIST   the trainer's (rank's) history samples
+local pstats_key = KEYS[9]       -- HASH   read only: the producers' build totals
+local incarnation = ARGV[1]
+local run = ARGV[2]
+local token = ARGV[3]            -- the trainer's claim token
+local room = tonumber(ARGV[4])   -- max frames to pop (0: only account, e.g. at close)
+local floor = tonumber(ARGV[5])  -- the trainer's floor (oldest incomplete shard)
+local claim_ttl_ms = tonumber(ARGV[6])
+local extra_popped = tonumber(ARGV[7])  -- frames popped outside this script (BRPOP)
+local nbytes = tonumber(ARGV[8])        -- bytes received since the last call
+local waited_ms = tonumber(ARGV[9])     -- spent waiting for data
+local busy_ms = tonumber(ARGV[10])      -- the trainer's own work between batches
+local epochs = tonumber(ARGV[11])       -- epochs completed since the last call
+local buckets = ARGV[12]         -- wait-time histogram increments 'c1,c2,...' or ''
+local figures = ARGV[13]         -- the trainer's figures, JSON object, or ''
+local sample = ARGV[14]          -- a history sample, JSON object, or '': the queue side
+                                 -- of the moment is added (batchq.sizing)
+local sfx = ARGV[15] or ''       -- meta field suffix: '' (world 1) or ':<rank>'
+local wake_cap = tonumber(ARGV[16])     -- the wake list's length cap
+local history_cap = tonumber(ARGV[17])  -- history samples kept
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for i, want in ipairs({'hash', 'string', 'list'}) do
-  local kind = redis.call('TYPE', KEYS[i]).ok
-  if kind ~= want and kind ~= 'none' then
-    if i == 3 then
+local typed = {{meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}}
+for _, kw in ipairs(typed) do
+  local kind = redis.call('TYPE', kw[1]).ok
+  if kind ~= kw[2] and kind ~= 'none' then
+    if kw[1] == data_key then
       -- Keep the claim while the trainer waits for the list to be repaired.
-      redis.pcall('HSET', KEYS[1], 'claim_deadline' .. (ARGV[15] or ''),
-        now + tonumber(ARGV[6]))
+      redis.pcall('HSET', meta_key, 'claim_deadline' .. sfx, now + claim_ttl_ms)
     end
-    return {'WRONG_TYPE', KEYS[i], kind}
+    return {'WRONG_TYPE', kw[1], kind}
   end
 end
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'STATE_LOST'} end
-local sfx = ARGV[15] or ''
-local m = redis.call('HMGET', KEYS[1], 'run', 'claim' .. sfx, 'hwm', 'floor' .. sfx)
-if m[1] ~= ARGV[2] then return {'RUN_CHANGED'} end
-if m[2] ~= ARGV[3] then return {'CLAIM_LOST'} end
+if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
+local m = redis.call('HMGET', meta_key, 'run', 'claim' .. sfx, 'hwm', 'floor' .. sfx)
+if m[1] ~= run then return {'RUN_CHANGED'} end
+if m[2] ~= token then return {'CLAIM_LOST'} end
 
-local depth = redis.call('LLEN', KEYS[3])
+local depth = redis.call('LLEN', data_key)
 local items = {}
-if depth > 0 and tonumber(ARGV[4]) > 0 then
-  items = redis.call('RPOP', KEYS[3], math.min(tonumber(ARGV[4]), depth))
+if depth > 0 and room > 0 then
+  items = redis.call('RPOP', data_key, math.min(room, depth))
 end
 -- Bookkeeping through pcall: with nothing popped a full server cannot make an empty poll
 -- fail, and with frames popped a foreign type under a bookkeeping key (wake, stats)
@@ -54,65 +62,60 @@ local call = redis.pcall
 
 local wake = 0
 if #items > 0 and m[3] and depth >= tonumber(m[3]) then wake = #items end
-local floor = tonumber(ARGV[5])
 if m[4] and floor > tonumber(m[4]) then
-  call('HSET', KEYS[1], 'floor' .. sfx, floor)
+  call('HSET', meta_key, 'floor' .. sfx, floor)
   wake = wake + 1
 end
 if wake > 0 then
-  for _ = 1, math.min(wake, 8) do call('LPUSH', KEYS[4], '1') end
-  call('LTRIM', KEYS[4], 0, 7)
+  for _ = 1, math.min(wake, wake_cap) do call('LPUSH', wake_key, '1') end
+  call('LTRIM', wake_key, 0, wake_cap - 1)
 end
-call('HSET', KEYS[1], 'claim_deadline' .. sfx, now + tonumber(ARGV[6]))
-local popped = #items + tonumber(ARGV[7])
-if popped > 0 then call('HINCRBY', KEYS[5], 'popped', popped) end
-local nbytes = tonumber(ARGV[8])
-if nbytes > 0 then call('HINCRBY', KEYS[5], 'popped_bytes', nbytes) end
-local waited = tonumber(ARGV[9])
-if waited > 0 then call('HINCRBY', KEYS[5], 'trainer_wait_ms', waited) end
-local busy = tonumber(ARGV[10])
-if busy > 0 then call('HINCRBY', KEYS[5], 'trainer_busy_ms', busy) end
-local epochs = tonumber(ARGV[11])
-if epochs > 0 then call('HINCRBY', KEYS[5], 'epochs_completed', epochs) end
-if ARGV[12] ~= '' then
+call('HSET', meta_key, 'claim_deadline' .. sfx, now + claim_ttl_ms)
+local popped = #items + extra_popped
+if popped > 0 then call('HINCRBY', stats_key, 'popped', popped) end
+if nbytes > 0 then call('HINCRBY', stats_key, 'popped_bytes', nbytes) end
+if waited_ms > 0 then call('HINCRBY', stats_key, 'trainer_wait_ms', waited_ms) end
+if busy_ms > 0 then call('HINCRBY', stats_key, 'trainer_busy_ms', busy_ms) end
+if epochs > 0 then call('HINCRBY', stats_key, 'epochs_completed', epochs) end
+if buckets ~= '' then
   local i = 0
-  for c in string.gmatch(ARGV[12], '[^,]+') do
-    if c ~= '0' then call('HINCRBY', KEYS[5], 'wait_bucket:' .. i, tonumber(c)) end
+  for c in string.gmatch(buckets, '[^,]+') do
+    if c ~= '0' then call('HINCRBY', stats_key, 'wait_bucket:' .. i, tonumber(c)) end
     i = i + 1
   end
 end
-if ARGV[13] ~= '' then
-  local figures = cjson.decode(ARGV[13])
-  for field, value in pairs(figures) do call('HSET', KEYS[7], field, tostring(value)) end
-  call('HSET', KEYS[7], 'updated_ms', now)
+if figures ~= '' then
+  for field, value in pairs(cjson.decode(figures)) do
+    call('HSET', trainer_key, field, tostring(value))
+  end
+  call('HSET', trainer_key, 'updated_ms', now)
 end
-if ARGV[14] ~= '' then
-  local sample = ARGV[14]
+if sample ~= '' then
   local ok, s = pcall(cjson.decode, sample)
   if ok and type(s) == 'table' then
-    local live = redis.call('ZRANGEBYSCORE', KEYS[6], now, '+inf')
+    local live = redis.call('ZRANGEBYSCORE', producers_key, now, '+inf')
     local built, build_ms = 0, 0
-    if #live > 0 and KEYS[9] then  -- a caller of the 8-key layout adds no totals
+    if #live > 0 and pstats_key then  -- a caller of the 8-key layout adds no totals
       local fields = {}
       for _, p in ipairs(live) do
         fields[#fields + 1] = p .. ':batches'
         fields[#fields + 1] = p .. ':produce_ms'
       end
-      local v = redis.call('HMGET', KEYS[9], unpack(fields))
+      local v = redis.call('HMGET', pstats_key, unpack(fields))
       for i = 1, #v, 2 do
         built = built + (tonumber(v[i]) or 0)
         build_ms = build_ms + (tonumber(v[i + 1]) or 0)
       end
     end
     s['producers'] = #live
-    s['pushed'] = tonumber(redis.call('HGET', KEYS[5], 'pushed')) or 0
+    s['pushed'] = tonumber(redis.call('HGET', stats_key, 'pushed')) or 0
     s['built'] = built
     s['build_ms'] = build_ms
     sample = cjson.encode(s)
   end
-  call('LPUSH', KEYS[8], sample)
-  call('LTRIM', KEYS[8], 0, 3599)
+  call('LPUSH', history_key, sample)
+  call('LTRIM', history_key, 0, history_cap - 1)
 end
-local alive = redis.pcall('ZCOUNT', KEYS[6], now, '+inf')
+local alive = redis.pcall('ZCOUNT', producers_key, now, '+inf')
 if type(alive) ~= 'number' then alive = 0 end  -- a foreign type: the frames still go out
 return {'OK', alive, depth, items}

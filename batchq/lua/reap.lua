@@ -1,32 +1,38 @@
 -- reap.lua: hand the leases of dead (or leaving) producers back to the work list.
--- KEYS[1] incarnation  KEYS[2] producers  KEYS[3] work  KEYS[4] stats
--- KEYS[5..] lease lists, one per producer in ARGV[3..]
--- ARGV[1] incarnation  ARGV[2] 'dead' (only if the heartbeat deadline has passed) or
---         'leave' (unconditionally: the producer is stopping)
--- ARGV[3..] producer ids
 -- Returns {'OK', producers reaped, shards returned} or {'STATE_LOST'}
+local incarnation_key = KEYS[1]  -- STRING
+local producers_key = KEYS[2]    -- ZSET   producer -> heartbeat deadline (ms)
+local work_key = KEYS[3]         -- LIST   shards handed back
+local stats_key = KEYS[4]        -- HASH   queue counters
+-- KEYS[5..]: the lease lists, one per producer of ARGV[3..]
+local incarnation = ARGV[1]
+local why = ARGV[2]              -- 'dead' (only if the heartbeat deadline has passed) or
+                                 -- 'leave' (unconditionally: the producer is stopping)
+-- ARGV[3..]: producer ids
+local first_lease, first_producer = 5, 3
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'STATE_LOST'} end
+if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local reaped, returned = 0, 0
-for i = 3, #ARGV do
+for i = first_producer, #ARGV do
   local p = ARGV[i]
-  local lease = KEYS[i + 2]
-  local deadline = redis.call('ZSCORE', KEYS[2], p)
-  if ARGV[2] == 'leave' or (deadline and tonumber(deadline) < now) then
+  local lease = KEYS[first_lease + i - first_producer]
+  local deadline = redis.call('ZSCORE', producers_key, p)
+  if why == 'leave' or (deadline and tonumber(deadline) < now) then
     -- Back to the front, in the order they were held, so the oldest is redone first.
     local held = redis.call('LRANGE', lease, 0, -1)
     for j = #held, 1, -1 do
       local g = string.match(held[j], '^(%d+):')
       if g then
-        redis.call('LPUSH', KEYS[3], g)
+        redis.call('LPUSH', work_key, g)
         returned = returned + 1
       end
     end
     redis.call('DEL', lease)
-    redis.call('ZREM', KEYS[2], p)
+    redis.call('ZREM', producers_key, p)
     reaped = reaped + 1
   end
 end
-if returned > 0 then redis.call('HINCRBY', KEYS[4], 'redone_shards', returned) end
+if returned > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', returned) end
 return {'OK', reaped, returned}

@@ -8,12 +8,19 @@ from typing import Any
 import pytest
 import redis
 
+from batchq import scripts
 from batchq.connection import make_client
 from batchq.keys import QueueKeys
+from batchq.layout import HISTORY_CAP, WAKE_CAP
+from batchq.lua_scripts import build_call
 from batchq.protocol import decode_reply
-from batchq.scripts import SCRIPTS
 
 TTL_MS = 10_000
+
+
+def raw(name: str, client: redis.Redis, keys: dict, args: dict, **tails: Any) -> list:
+    """Run a script with its header's names, returning its decoded raw reply."""
+    return build_call(name, decode_reply, keys, args, **tails).run(client)
 
 
 class Q:
@@ -35,77 +42,70 @@ class Q:
         grace: int = 60_000,
     ) -> list:
         k = self.k
-        reply = decode_reply(
-            SCRIPTS["join"](
-                self.c,
-                [
-                    k.meta,
-                    k.incarnation,
-                    k.producers,
-                    k.lease(p),
-                    k.work,
-                    k.data,
-                    k.failures,
-                    k.ledger,
-                ],
-                [
-                    p,
-                    fp,
-                    hwm,
-                    shards,
-                    window,
-                    "run1",
-                    "inc1",
-                    TTL_MS,
-                    "1",
-                    shards,
-                    self.run,
-                    grace,
-                    "0",
-                ],
-            )
-        )
+        reply = raw(
+            "join",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "producers": k.producers,
+             "lease": k.lease(p), "work": k.work, "data": k.data, "failures": k.failures,
+             "ledger": k.ledger},
+            {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
+             "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
+             "version": "1", "epoch_batches": shards, "served": self.run, "grace_ms": grace,
+             "no_create": "0"},
+        )  # fmt: skip
         if reply[0] == "OK":
             self.inc, self.run = reply[1], reply[2]
         return reply
 
     def lease(self, p: str, token: str) -> list:
         k = self.k
-        return decode_reply(
-            SCRIPTS["lease"](
-                self.c,
-                [k.meta, k.incarnation, k.work, k.lease(p), k.producers, k.ledger],
-                [self.inc, self.run, p, token, TTL_MS, "0"],
-            )
-        )
+        return raw(
+            "lease",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "work": k.work, "lease": k.lease(p),
+             "producers": k.producers, "ledger": k.ledger},
+            {"incarnation": self.inc, "run": self.run, "producer": p, "token": token,
+             "heartbeat_ttl_ms": TTL_MS, "prefetch": "0"},
+        )  # fmt: skip
 
     def push(self, p: str, entry: str, element: bytes, last: bool = False) -> list:
         k = self.k
-        return decode_reply(
-            SCRIPTS["push"](
-                self.c,
-                [k.meta, k.incarnation, k.data, k.stats, k.producers, k.lease(p), k.pstats],
-                [self.inc, self.run, p, entry, element, int(last), TTL_MS, len(element), 0, 3],
-            )
-        )
+        return raw(
+            "push",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "stats": k.stats,
+             "producers": k.producers, "lease": k.lease(p), "pstats": k.pstats, "frame": None},
+            {"incarnation": self.inc, "run": self.run, "producer": p, "entry": entry,
+             "element": element, "last": int(last), "heartbeat_ttl_ms": TTL_MS,
+             "frame_bytes": len(element), "blocked_ms": 0, "produce_ms": 3},
+        )  # fmt: skip
 
     def claim(self, token: str, op: str = "acquire", takeover: str = "") -> list:
         k = self.k
-        return decode_reply(
-            SCRIPTS["claim"](
-                self.c,
-                [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures, k.ledger],
-                [token, TTL_MS, op, "run2", "inc2", takeover, "1"],
-            )
-        )
+        return raw(
+            "claim",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "work": k.work,
+             "wake": k.wake, "failures": k.failures, "ledger": k.ledger},
+            {"token": token, "claim_ttl_ms": TTL_MS, "op": op, "run_id": "run2",
+             "new_incarnation": "inc2", "takeover_run": takeover, "version": "1",
+             "rank": 0, "world": 1, "even": "pad", "resumed": ""},
+        )  # fmt: skip
 
     def pop(self, token: str, n: int = 10, floor: int = 0) -> Any:
+        """The raw reply (its frames stay bytes)."""
         k = self.k
-        return SCRIPTS["pop"](
-            self.c,
-            [k.meta, k.incarnation, k.data, k.wake, k.stats, k.producers, k.trainer, k.history],
-            [self.inc, self.run, token, n, floor, TTL_MS, 0, 0, 0, 0, 0, "", "", ""],
-        )
+        return build_call(
+            "pop",
+            lambda reply: reply,
+            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "wake": k.wake,
+             "stats": k.stats, "producers": k.producers, "trainer": k.trainer,
+             "history": k.history, "pstats": k.pstats},
+            {"incarnation": self.inc, "run": self.run, "token": token, "room": n,
+             "floor": floor, "claim_ttl_ms": TTL_MS, "extra_popped": 0, "nbytes": 0,
+             "waited_ms": 0, "busy_ms": 0, "epochs": 0, "buckets": "", "figures": "",
+             "sample": "", "sfx": "", "wake_cap": WAKE_CAP, "history_cap": HISTORY_CAP},
+        ).run(self.c)  # fmt: skip
 
 
 @pytest.fixture
@@ -183,10 +183,8 @@ def test_lease_lost_after_reap_and_returned_shards_go_first(q: Q) -> None:
     assert q.lease("p1", "a")[1] == "0"
     assert q.lease("p1", "b")[1] == "1"
     k = q.k
-    reply = SCRIPTS["reap"](
-        q.c, [k.incarnation, k.producers, k.work, k.stats, k.lease("p1")], [q.inc, "leave", "p1"]
-    )
-    assert decode_reply(reply) == ["OK", 1, 2]
+    reply = scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
+    assert (reply.status, reply.first, reply.second) == ("OK", 1, 2)
     assert q.c.hget(k.stats, "redone_shards") == b"2"
     assert q.lease("p2", "c")[1] == "0"  # the returned shards, in order, before fresh ones
     assert q.lease("p2", "d")[1] == "1"
@@ -198,10 +196,8 @@ def test_dead_reap_spares_live_producers(q: Q) -> None:
     q.join("p1")
     q.lease("p1", "a")
     k = q.k
-    reply = SCRIPTS["reap"](
-        q.c, [k.incarnation, k.producers, k.work, k.stats, k.lease("p1")], [q.inc, "dead", "p1"]
-    )
-    assert decode_reply(reply) == ["OK", 0, 0]
+    reply = scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
+    assert (reply.status, reply.first, reply.second) == ("OK", 0, 0)
     assert q.c.llen(k.lease("p1")) == 1
 
 

@@ -13,11 +13,11 @@ import pytest
 from pipelines import FailOnExample, examples_of, numbered
 from waiting import wait_until
 
+from batchq import scripts
 from batchq.connection import make_client
 from batchq.errors import PipelineMismatch, ProducerFailed
 from batchq.keys import QueueKeys
 from batchq.protocol import decode_reply
-from batchq.scripts import SCRIPTS
 from consumer import ServerDataStream
 from producer import Producer
 
@@ -178,59 +178,37 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
     keys = QueueKeys(queue_name)
     setup = make_client(redis_url)
     inc = run = ""
-    keys_for_join = [keys.meta, keys.incarnation, keys.producers]
     for p in range(producers):
-        reply = decode_reply(
-            SCRIPTS["join"](
-                setup,
-                [
-                    *keys_for_join,
-                    keys.lease(f"p{p}"),
-                    keys.work,
-                    keys.data,
-                    keys.failures,
-                    keys.ledger,
-                ],
-                [f"p{p}", "fp", hwm, 1000, 1000, "r", "i", 60_000, "1", 1000, "", 60_000, "0"],
-            )
-        )
-        inc, run = reply[1], reply[2]
-        SCRIPTS["lease"](
-            setup,
-            [
-                keys.meta,
-                keys.incarnation,
-                keys.work,
-                keys.lease(f"p{p}"),
-                keys.producers,
-                keys.ledger,
-            ],
-            [inc, run, f"p{p}", "t", 60_000, "0"],
-        )
+        joined = scripts.join(
+            setup, keys, producer=f"p{p}", fingerprint="fp", hwm=hwm, shards=1000,
+            window=1000, new_run="r", new_incarnation="i", heartbeat_ttl_ms=60_000,
+            version="1", epoch_batches=1000, served="", grace_ms=60_000, no_create=False,
+        )  # fmt: skip
+        inc, run = joined.incarnation, joined.run
+        scripts.lease_call(
+            keys, incarnation=inc, run=run, producer=f"p{p}", token="t",
+            heartbeat_ttl_ms=60_000, prefetch=False, world=1,
+        ).run(setup)  # fmt: skip
     token = "trainer"
-    SCRIPTS["claim"](
-        setup,
-        [keys.meta, keys.incarnation, keys.data, keys.work, keys.wake, keys.failures, keys.ledger],
-        [token, 60_000, "acquire", "r2", "i2", "", "1"],
-    )
+    scripts.claim(
+        setup, keys, op="acquire", token=token, claim_ttl_ms=60_000, run_id="r2",
+        new_incarnation="i2", takeover_run="", version="1", rank=0, world=1, even="pad",
+        resumed="",
+    )  # fmt: skip
     stop = threading.Event()
     depths: list[int] = []
     popped: list[bytes] = []
-
-    keys_for_push = [keys.meta, keys.incarnation, keys.data, keys.stats, keys.producers]
 
     def producer(p: int) -> None:
         client = make_client(redis_url)
         entry = decode_reply(client.lrange(keys.lease(f"p{p}"), 0, -1))[0]
         for i in range(frames_each):
             while True:
-                status = decode_reply(
-                    SCRIPTS["push"](
-                        client,
-                        [*keys_for_push, keys.lease(f"p{p}"), keys.pstats],
-                        [inc, run, f"p{p}", entry, f"{p}:{i}", 0, 60_000, 4, 0, 0],
-                    )
-                )[0]
+                status = scripts.push_call(
+                    keys, data=keys.data, frame_key=None, incarnation=inc, run=run,
+                    producer=f"p{p}", entry=entry, element=f"{p}:{i}", last=False,
+                    heartbeat_ttl_ms=60_000, frame_bytes=4, blocked_ms=0, produce_ms=0,
+                ).run(client).status  # fmt: skip
                 if status == "OK":
                     break
                 client.blpop([keys.wake], timeout=0.05)
@@ -242,18 +220,15 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
             depths.append(client.llen(keys.data))
         client.close()
 
-    keys_for_pop = [keys.meta, keys.incarnation, keys.data, keys.wake, keys.stats]
-    keys_for_pop += [keys.producers, keys.trainer, keys.history]
-
     def trainer_pops() -> None:
         client = make_client(redis_url)
         while len(popped) < producers * frames_each and not stop.is_set():
-            reply = SCRIPTS["pop"](
-                client,
-                keys_for_pop,
-                [inc, run, token, 2, 0, 60_000, 0, 0, 0, 0, 0, "", "", ""],
-            )
-            popped.extend(reply[3])
+            reply = scripts.pop(
+                client, keys, data=keys.data, trainer=keys.trainer, history=keys.history,
+                incarnation=inc, run=run, token=token, room=2, floor=0, claim_ttl_ms=60_000,
+                extra_popped=0, nbytes=0, figures=(0, 0, 0, "", "", ""), suffix="",
+            )  # fmt: skip
+            popped.extend(reply.elements)
         client.close()
 
     threads = [threading.Thread(target=producer, args=(p,)) for p in range(producers)]
