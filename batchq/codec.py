@@ -77,8 +77,8 @@ from batchq._codec_values import (
     short,
     unpack_header,
 )
-from batchq.connection import Pieces
 from batchq.errors import ConfigError, FrameError
+from batchq.pieces import Pieces
 
 __all__ = [
     "FORMAT_VERSION",

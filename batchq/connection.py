@@ -22,6 +22,7 @@ import ctypes.util
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,17 +41,22 @@ from batchq.errors import (
     RedisConfigError,
     WrongKeyType,
 )
+from batchq.pieces import Pieces
 
 __all__ = [
+    "BACKOFF_FIRST_S",
+    "BACKOFF_MAX_S",
     "DEFAULT_SOCKET_TIMEOUT_S",
     "DEFAULT_URL",
     "ENV_URL",
+    "Backoff",
     "Pieces",
     "call",
     "convert_error",
     "describe_url",
     "is_wrong_type",
     "make_client",
+    "reconnect",
     "redis_errors",
     "resolve_url",
     "retrying",
@@ -115,32 +121,6 @@ def describe_url(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
     return parts._replace(netloc=netloc).geturl()
-
-
-class Pieces:
-    """One Redis value sent as several buffers, back to back, without joining them.
-
-    A command argument of this type is written as one bulk string (its total length,
-    then each buffer as it is): a frame's header and its arrays' own memory go to the
-    socket without being copied into one buffer first.
-
-    Args:
-        buffers: the value's parts, in order (bytes, or byte-format memoryviews).
-        nbytes: their total length.
-    """
-
-    def __init__(self, buffers: list[bytes | memoryview], nbytes: int) -> None:
-        self.buffers = buffers
-        self.nbytes = nbytes
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __bytes__(self) -> bytes:
-        return b"".join(bytes(b) for b in self.buffers)
-
-    def __repr__(self) -> str:
-        return f"Pieces({len(self.buffers)} buffers, {self.nbytes} bytes)"
 
 
 _pack_command: Callable[..., bytes] | None
@@ -209,7 +189,9 @@ def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S)
         command_packer=_PiecesPacker(_BUFFER_CUTOFF, encoder.encode),
         health_check_interval=0,
     )
-    return redis.Redis(connection_pool=pool)
+    # from_pool: the client owns its pool, so close() really closes its connections
+    # (a client given connection_pool= leaves them open).
+    return redis.Redis.from_pool(pool)
 
 
 def is_wrong_type(error: BaseException) -> bool:
@@ -313,6 +295,34 @@ def call(fn: Callable[[], T], what: str, client: Any = None) -> T:
         raise converted from e
 
 
+BACKOFF_FIRST_S = 0.05  # the first pause of a reconnect or wait loop, then doubled
+BACKOFF_MAX_S = 1.0  # ... up to this: Redis back from a restart is noticed within 1 s
+
+
+class Backoff:
+    """The pauses of every reconnect and retry loop: doubling from
+    :data:`BACKOFF_FIRST_S` to :data:`BACKOFF_MAX_S`, until ``timeout_s`` has passed.
+
+    Args:
+        timeout_s: the loop gives up once its next pause would end past this.
+        wait: how to pause (``Event.wait`` makes the loop stoppable).
+    """
+
+    def __init__(self, timeout_s: float, wait: Callable[[float], object] = time.sleep) -> None:
+        self.timeout_s = timeout_s
+        self.delay_s = BACKOFF_FIRST_S
+        self._wait = wait
+        self._deadline = time.monotonic() + timeout_s
+
+    def pause(self) -> bool:
+        """Wait the next pause; False (at once) if it would end past the deadline."""
+        if time.monotonic() + self.delay_s > self._deadline:
+            return False
+        self._wait(self.delay_s)
+        self.delay_s = min(2 * self.delay_s, BACKOFF_MAX_S)
+        return True
+
+
 def retrying(
     fn: Callable[[], T],
     what: str,
@@ -332,22 +342,41 @@ def retrying(
         ConnectionLost: Redis did not answer for ``timeout_s``.
         AuthFailed, RedisConfigError: at once (retrying cannot help).
     """
-    deadline = time.monotonic() + timeout_s
-    delay_s = 0.05
+    backoff = Backoff(timeout_s)
     logged = False
     while True:
         try:
             return call(fn, what, client)
         except ConnectionLost as e:
-            if time.monotonic() + delay_s > deadline or (halt is not None and halt()):
+            if (halt is not None and halt()) or not backoff.pause():
                 raise ConnectionLost(
                     f"Redis unreachable for {timeout_s:g} s while {what}: {e}"
                 ) from e
             if not logged:
                 log.warning("%s; retrying for up to %g s", e, timeout_s)
                 logged = True
-            time.sleep(delay_s)
-            delay_s = min(2 * delay_s, 1.0)
+
+
+def reconnect(client: redis.Redis, timeout_s: float, halt: threading.Event) -> bool:
+    """Wait until ``client`` answers PING again (the reconnect loop of the producer and
+    the trainer's reader).
+
+    Returns:
+        True once it answers; False if ``halt`` was set meanwhile.
+
+    Raises:
+        ConnectionLost: no answer for ``timeout_s``.
+        AuthFailed, RedisConfigError: at once (retrying cannot help).
+    """
+    backoff = Backoff(timeout_s, halt.wait)
+    while not halt.is_set():
+        try:
+            call(client.ping, "reconnecting", client)
+            return True
+        except ConnectionLost as e:
+            if not backoff.pause():
+                raise ConnectionLost(f"Redis unreachable for {timeout_s:g} s: {e}") from e
+    return False
 
 
 _tuned = False

@@ -63,3 +63,15 @@ def test_pieces_travel_as_one_value(redis_url: str, queue_name: str) -> None:
     assert size == len(value) and echoed == bytes(value)
     assert client.get(key) == bytes(value)
     client.close()
+
+
+def test_backoff_doubles_up_to_its_cap_and_stops_at_the_deadline() -> None:
+    from batchq.connection import BACKOFF_FIRST_S, BACKOFF_MAX_S, Backoff
+
+    waited: list[float] = []
+    backoff = Backoff(3.0, wait=waited.append)  # a fake wait: the clock does not move
+    for _ in range(8):
+        assert backoff.pause()
+    assert waited[:3] == [BACKOFF_FIRST_S, 2 * BACKOFF_FIRST_S, 4 * BACKOFF_FIRST_S]
+    assert max(waited) == BACKOFF_MAX_S
+    assert Backoff(0.0, wait=waited.append).pause() is False  # past the deadline: no pause
