@@ -20,24 +20,23 @@ from typing import Any
 import msgpack
 import redis
 
-from batchq import codec
+from batchq import codec, scripts
 from batchq.admin import is_oom
-from batchq.connection import call, is_wrong_type
+from batchq.connection import call, is_wrong_type, reconnect
 from batchq.errors import (
     BatchQueueError,
     ConnectionLost,
     FrameError,
     ProducersLost,
-    ProtocolError,
-    RunChanged,
     StateLost,
-    TrainerConflict,
 )
 from batchq.keys import QueueKeys
+from batchq.layout import DEAD_CAP, ledger_field, parse_ledger_field
+from batchq.lua_scripts import execute_pipeline
 from batchq.protocol import Status
 from batchq.ranks import RankLayout
 from batchq.reaper import reap_dead, requeue_gaps
-from batchq.scripts import SCRIPTS, execute_pipeline
+from batchq.replies import status_error
 from batchq.shm import is_descriptor
 from consumer.guards import ReaderGuards, ref_error
 from consumer.ledger import Ledger
@@ -46,14 +45,13 @@ from consumer.session import Session
 from consumer.shm_frames import TrainerShm
 from consumer.stats import TrainerStats
 
-__all__ = ["DEAD_LIST_MAX", "Reader"]
+__all__ = ["Reader"]
 
 log = logging.getLogger(__name__)
 
 # When the list is empty the reader blocks on BRPOP this long at most, so that the claim
 # is refreshed and a lost producer is noticed; well below the socket timeout.
 BLOCK_S = 0.2
-DEAD_LIST_MAX = 1000
 
 
 class Reader(ReaderGuards, threading.Thread):
@@ -112,6 +110,7 @@ class Reader(ReaderGuards, threading.Thread):
         self.error: BaseException | None = None
         self.waiting_since: float | None = None  # set by the iterator while it waits
         self._halt = threading.Event()
+        self._flush_on_stop = False
         self._extra_popped = 0
         self._bytes = 0
         self.stats = stats or TrainerStats()
@@ -134,8 +133,14 @@ class Reader(ReaderGuards, threading.Thread):
 
     # -- called by the iterator (other thread) -----------------------------------------
 
-    def stop(self) -> None:
-        """Ask the thread to stop and wait for it (bounded)."""
+    def stop(self, flush: bool = False) -> None:
+        """Ask the thread to stop and wait for it (bounded).
+
+        Args:
+            flush: the thread sends the accounting not yet sent before it ends (and
+                closes its client): nothing else pops, even if the join gives up.
+        """
+        self._flush_on_stop = flush
         self._halt.set()
         with self.cond:
             self.cond.notify_all()
@@ -187,6 +192,10 @@ class Reader(ReaderGuards, threading.Thread):
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+        finally:
+            if self._flush_on_stop and self.error is None:
+                self.flush()
+            self.client.close()
 
     def _refresh_claim(self) -> None:
         self.session.refresh(self.client)
@@ -199,21 +208,9 @@ class Reader(ReaderGuards, threading.Thread):
             ConnectionLost: no answer for timeout_s.
         """
         log.warning("queue %s: %s; reconnecting", self.keys.queue, error)
-        deadline = time.monotonic() + self.timeout_s
-        delay_s = 0.05
-        while not self._halt.is_set():
-            try:
-                # AuthFailed and RedisConfigError are not retried: they propagate.
-                call(self.client.ping, "reconnecting", self.client)
-                log.warning("queue %s: reconnected", self.keys.queue)
-                return
-            except ConnectionLost as e:
-                if time.monotonic() + delay_s > deadline:
-                    raise ConnectionLost(
-                        f"queue {self.keys.queue}: Redis unreachable for {self.timeout_s:g} s"
-                    ) from e
-                self._halt.wait(delay_s)
-                delay_s = min(2 * delay_s, 1.0)
+        # AuthFailed and RedisConfigError are not retried: they propagate.
+        if reconnect(self.client, self.timeout_s, self._halt):
+            log.warning("queue %s: reconnected", self.keys.queue)
 
     def _recover(self, error: StateLost) -> None:
         """Redis lost the queue: re-create the run from what this trainer has received.
@@ -224,7 +221,7 @@ class Reader(ReaderGuards, threading.Thread):
         log.warning("%s: %s; republishing the ledger", self.session.what, error)
         s = self.session
         s.resume_run = ""
-        s.acquire()
+        s.acquire(client=self.client)
         if self.layout is not None:
             # Every rank recovers into the same run, named after the new incarnation.
             s.resume_run = hashlib.sha1(f"lost:{s.incarnation}".encode()).hexdigest()[:16]
@@ -243,8 +240,8 @@ class Reader(ReaderGuards, threading.Thread):
             return pairs
         out = []
         for field, value in pairs:
-            epoch, local = field.split(":")
-            out.append((f"{epoch}:{self.layout.slot(int(local), self.session.rank)}", value))
+            epoch, local = parse_ledger_field(field)
+            out.append((ledger_field(epoch, self.layout.slot(local, self.session.rank)), value))
         return out
 
     def flush(self) -> None:
@@ -266,43 +263,38 @@ class Reader(ReaderGuards, threading.Thread):
                     self._popped_once = True
             floor = self.ledger.floor()
         s = self.session
-        keys = [
-            self.keys.meta,
-            self.keys.incarnation,
-            s.data_key,
-            self.keys.wake,
-            self.keys.stats,
-            self.keys.producers,
-            self.keys.trainer_of(s.rank, s.world),
-            self.keys.history_of(s.rank, s.world),
-            self.keys.pstats,
-        ]
-        args: list[Any] = [
-            self.session.incarnation,
-            self.session.run,
-            self.session.token,
-            room,
-            floor,
-            self.session.claim_ttl_ms,
-            self._extra_popped,
-            self._bytes,
-            *self.stats.drain(self._depth, force=room == 0),
-            s.suffix,
-        ]
+        figures = self.stats.drain(self._depth, force=room == 0)
+        extra, nbytes = self._extra_popped, self._bytes
         # Counted as sent before the call: if its reply is lost the script may have run,
         # and sending them again would count them twice (an undercount is the lesser harm).
         self._extra_popped = self._bytes = 0
-        reply = SCRIPTS["pop"](self.client, keys, args)
+        reply = scripts.pop(
+            self.client,
+            self.keys,
+            data=s.data_key,
+            trainer=self.keys.trainer_of(s.rank, s.world),
+            history=self.keys.history_of(s.rank, s.world),
+            incarnation=s.incarnation,
+            run=s.run,
+            token=s.token,
+            room=room,
+            floor=floor,
+            claim_ttl_ms=s.claim_ttl_ms,
+            extra_popped=extra,
+            nbytes=nbytes,
+            figures=figures,
+            suffix=s.suffix,
+        )
         self._last_claim = time.monotonic()
-        status = reply[0].decode()
-        if status == Status.WRONG_TYPE:
-            self._wrong_type(reply[1].decode(), reply[2].decode())
+        if reply.status == Status.WRONG_TYPE:
+            self._wrong_type(reply.key, reply.found)
             return
         self._wrong_since = None
-        if status != Status.OK:
-            self._raise_status(status)
+        if reply.status != Status.OK:
+            raise status_error(reply.status, s.what)
         self._published_floor = max(self._published_floor, floor)
-        alive, self._depth, elements = int(reply[1]), int(reply[2]), list(reply[3])
+        alive, self._depth = reply.alive, reply.depth
+        elements: list[Any] = reply.elements
         if room == 0:
             return
         if alive:
@@ -325,16 +317,6 @@ class Reader(ReaderGuards, threading.Thread):
             self._extra_popped = 1
             elements = [popped[1]]
         self._file(self._fetch(elements))
-
-    def _raise_status(self, status: str) -> None:
-        what = self.session.what
-        if status == Status.STATE_LOST:
-            raise StateLost(f"{what}: Redis lost the queue's state")
-        if status == Status.RUN_CHANGED:
-            raise RunChanged(f"{what}: the run changed under this trainer")
-        if status == Status.CLAIM_LOST:
-            raise TrainerConflict(f"{what}: this trainer's claim was taken over by another")
-        raise ProtocolError(f"{what}: unexpected reply {status!r}")
 
     def _check_producers(self) -> None:
         with self.cond:
@@ -445,6 +427,7 @@ class Reader(ReaderGuards, threading.Thread):
 
     def _file(self, fetched: list[tuple[Any, bytes, str]]) -> None:
         frames = []
+        stale = 0
         for raw, _element, _key in fetched:
             if raw is None:
                 continue
@@ -457,7 +440,7 @@ class Reader(ReaderGuards, threading.Thread):
                 self._dead(bytes(raw[:4096]), e)
                 continue
             if frame.run != self.session.run:
-                self.ledger.stale += 1
+                stale += 1  # counted below, under the ledger's lock
                 continue
             if self.layout is not None:
                 local = self.layout.local(frame.shard, self.session.rank)
@@ -474,6 +457,7 @@ class Reader(ReaderGuards, threading.Thread):
             self._last_frame = time.monotonic()
         bad: list[tuple[bytes, FrameError]] = []
         with self.cond:
+            self.ledger.stale += stale
             for frame, raw in frames:
                 reason = self.ledger.impossible(frame)
                 if reason is None:
@@ -497,7 +481,7 @@ class Reader(ReaderGuards, threading.Thread):
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.lpush(self.keys.dead, record)
-            pipe.ltrim(self.keys.dead, 0, DEAD_LIST_MAX - 1)
+            pipe.ltrim(self.keys.dead, 0, DEAD_CAP - 1)
             pipe.hincrby(self.keys.stats, f"dead:{error.reason}", 1)
             pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as e:

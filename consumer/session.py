@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ from typing import Any
 
 import redis
 
+from batchq import scripts
 from batchq.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
     ProducersLost,
@@ -24,9 +26,10 @@ from batchq.errors import (
     WorldSizeMismatch,
 )
 from batchq.keys import QueueKeys
-from batchq.protocol import PROTOCOL_VERSION, Status, decode_reply
+from batchq.protocol import PROTOCOL_VERSION, Status
 from batchq.ranks import RankLayout
-from batchq.scripts import SCRIPTS
+from batchq.replies import ClaimReply, CountReply, status_error
+from batchq.scripts import ClaimOp
 
 __all__ = ["Plan", "Session"]
 
@@ -91,6 +94,9 @@ class Session:
         self.data_key = keys.data_of(rank, world)
         self.held = False  # this rank had claimed the run before (a second resume)
         self.resume_run = ""  # the run id the job's ranks resume into (see resume)
+        # run, incarnation, held and plan change on the reader's thread too (recovery
+        # after Redis lost the queue's state): written under this lock, read by position.
+        self._lock = threading.Lock()
 
     @property
     def what(self) -> str:
@@ -102,40 +108,46 @@ class Session:
         """This job's split of a plan of ``shards`` shards among its ranks."""
         return RankLayout(shards, self.world, self.even)
 
-    def _data_lists(self) -> list[str]:
+    def _data_lists(self, client: redis.Redis) -> list[str]:
         # Every rank's list (of this world, and of the one before if larger) and the
         # ranks' counts: a new run drops them all.
         world = self.world
         with contextlib.suppress(redis.RedisError, ValueError):  # this world's, at least
-            world = max(world, int(self.client.hget(self.keys.meta, "world") or 1))
+            world = max(world, int(client.hget(self.keys.meta, "world") or 1))
         if world == 1:
             return []
         return [*self.keys.rank_data(world), self.keys.counts, self.keys.remap]
 
-    def _keys(self) -> list[str]:
-        k = self.keys
-        return [k.meta, k.incarnation, k.data, k.work, k.wake, k.failures, k.ledger]
+    def _retry(self, fn: Any, what: str, client: redis.Redis | None = None) -> Any:
+        return retrying(
+            fn, f"{what} (queue {self.keys.queue})", self.retry_s, client=client or self.client
+        )
 
-    def _retry(self, fn: Any, what: str) -> Any:
-        return retrying(fn, f"{what} (queue {self.keys.queue})", self.retry_s, client=self.client)
+    def position(self) -> tuple[str, Plan | None]:
+        """(run, plan), read together: the reader's recovery may change both."""
+        with self._lock:
+            return self.run, self.plan
 
-    def _claim(self, client: redis.Redis, op: str, takeover: str = "", run: str = "") -> list[Any]:
-        args: list[Any] = [
-            self.token,
-            self.claim_ttl_ms,
-            op,
-            run or uuid.uuid4().hex[:16],
-            uuid.uuid4().hex,
-            takeover,
-            PROTOCOL_VERSION,
-            self.rank,
-            self.world,
-            self.even,
-            self.resume_run,
-        ]
-        keys = self._keys() + (self._data_lists() if op in ("acquire", "finish") else [])
+    def _claim(
+        self, client: redis.Redis, op: ClaimOp, takeover: str = "", run: str = ""
+    ) -> ClaimReply:
         try:
-            return decode_reply(SCRIPTS["claim"](client, keys, args))
+            return scripts.claim(
+                client,
+                self.keys,
+                op=op,
+                token=self.token,
+                claim_ttl_ms=self.claim_ttl_ms,
+                run_id=run or uuid.uuid4().hex[:16],
+                new_incarnation=uuid.uuid4().hex,
+                takeover_run=takeover,
+                version=PROTOCOL_VERSION,
+                rank=self.rank,
+                world=self.world,
+                even=self.even,
+                resumed=self.resume_run,
+                rank_lists=self._data_lists(client) if op in ("acquire", "finish") else (),
+            )
         except redis.ResponseError as e:
             if not is_wrong_type(e):
                 raise
@@ -149,31 +161,39 @@ class Session:
             k.wake: "list", k.failures: "hash", k.ledger: "hash",
         }  # fmt: skip
 
-    def acquire(self, takeover: str = "") -> bool:
+    def acquire(self, takeover: str = "", client: redis.Redis | None = None) -> bool:
         """Claim the queue; True if that started a new run.
 
         Args:
             takeover: a run id: take the claim over even while another trainer's claim
                 is live, if the queue still runs that run (resuming a checkpoint).
+            client: the calling thread's client (the reader's own; default the
+                stream's).
 
         Raises:
             TrainerConflict: another trainer's claim is live.
         """
         run = uuid.uuid4().hex[:16]  # the same on a retry: claim.lua knows its own try
-        reply = self._retry(lambda: self._claim(self.client, "acquire", takeover, run), "claiming")
-        if reply[0] == Status.CONFLICT:
+        client = client or self.client
+        reply: ClaimReply = self._retry(
+            lambda: self._claim(client, "acquire", takeover, run), "claiming", client
+        )
+        if reply.status == Status.CONFLICT:
             rank = f" as rank {self.rank}" if self.world > 1 else ""
             raise TrainerConflict(
                 f"queue {self.keys.queue} is held{rank} by another trainer (its claim lapses "
-                f"in {int(reply[1]) / 1000:.1f} s unless it is alive); use another queue, or "
+                f"in {reply.value / 1000:.1f} s unless it is alive); use another queue, or "
                 "resume its run with load_state_dict"
             )
-        if reply[0] == Status.WORLD:
-            raise WorldSizeMismatch(self.keys.queue, int(reply[1]), self.world)
-        self.incarnation, self.run = reply[1], reply[2]
-        self.held = len(reply) > 5 and bool(int(reply[5]))
+        if reply.status == Status.WORLD:
+            raise WorldSizeMismatch(self.keys.queue, reply.value, self.world)
+        if reply.status != Status.OK:
+            raise status_error(reply.status, self.what)
+        with self._lock:
+            self.incarnation, self.run = reply.incarnation, reply.run
+            self.held = reply.held
         self.claimed = True
-        return bool(int(reply[3]))
+        return reply.new_run
 
     def refresh(self, client: redis.Redis) -> None:
         """Keep the claim alive (the reader calls this while its buffer is full).
@@ -181,8 +201,9 @@ class Session:
         Raises:
             TrainerConflict: the claim was taken over.
         """
-        if self._claim(client, "refresh")[0] != Status.OK:
-            raise TrainerConflict(f"{self.what}: this trainer's claim was taken over by another")
+        status = self._claim(client, "refresh").status
+        if status != Status.OK:
+            raise status_error(status, self.what)
 
     def release(self, finished: bool) -> bool:
         """Give the claim up; with ``finished`` the run ends and producers exit (a rank:
@@ -193,12 +214,12 @@ class Session:
         """
         if not self.claimed:
             return False
-        op = "finish" if finished else "release"
-        reply = self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
+        op: ClaimOp = "finish" if finished else "release"
+        reply: ClaimReply = self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
         self.claimed = False
         if not finished:
             return False
-        return len(reply) < 2 or bool(int(reply[1]))
+        return reply.value != 0
 
     def wait_for_plan(self, timeout_s: float, block_s: float) -> Plan:
         """Wait (bounded) until a producer has published the run's plan (S and hwm).
@@ -224,7 +245,8 @@ class Session:
             if run != self.run:
                 raise RunChanged(f"queue {self.keys.queue}: the run changed while starting")
             if b"shards" in meta:
-                self.plan = Plan(meta)
+                with self._lock:
+                    self.plan = Plan(meta)
                 return self.plan
             if time.monotonic() > deadline:
                 raise ProducersLost(0, [], timeout_s)
@@ -268,45 +290,46 @@ class Session:
         plan = self.plan
         same = plan is not None and plan.fingerprint == fingerprint and plan.hwm != ""
         run = self.resume_run if self.world > 1 and self.resume_run else uuid.uuid4().hex[:16]
-        args: list[Any] = [
-            self.token,
-            run,
-            first_shard,
-            fingerprint,
-            plan.hwm if same and plan else "",
-            plan.shards if plan else (shards or 0),
-            plan.window if plan else 1,
-            plan.epoch_batches if plan else -1,
-            self.rank,
-            self.world,
-            self.even,
-            step,
-            "1" if self.held else "0",
-            "" if remap is None else remap[0],
-            0 if remap is None else len(remap[1]),
-        ]
-        for slot, shard in (remap[1] if remap else {}).items():
-            args += [slot, shard]
-        for field, value in ledger:
-            args += [field, value]
-        k = self.keys
-        keys = [k.meta, k.incarnation, k.data, k.work, k.failures, k.ledger, k.wake]
+        pairs = list(ledger)
+        lists: list[str] = []
         if self.world > 1:  # this rank's list first (dropped on a second resume), remap last
-            keys += [self.data_key, *(d for d in self._data_lists() if d != self.data_key)]
-        try:
-            reply = decode_reply(
-                self._retry(lambda: SCRIPTS["resume"](client, keys, args), "resuming")
+            lists = [self.data_key, *(d for d in self._data_lists(client) if d != self.data_key)]
+
+        def call() -> CountReply:
+            return scripts.resume(
+                client,
+                self.keys,
+                rank_lists=lists,
+                token=self.token,
+                new_run=run,
+                first=first_shard,
+                fingerprint=fingerprint,
+                hwm=plan.hwm if same and plan else "",
+                shards=plan.shards if plan else (shards or 0),
+                window=plan.window if plan else 1,
+                epoch_batches=plan.epoch_batches if plan else -1,
+                rank=self.rank,
+                world=self.world,
+                even=self.even,
+                step=step,
+                held=self.held,
+                remap=remap,
+                ledger=pairs,
             )
+
+        try:
+            reply: CountReply = self._retry(call, "resuming", client)
         except redis.ResponseError as e:
             if not is_wrong_type(e):
                 raise
             raise wrong_type_error(client, self._types(), e) from e
-        if reply[0] == Status.STEP:
+        if reply.status == Status.STEP:
             raise StepMismatch(
                 f"{self.what}: resumed from a state at step {step}, but the job's other "
-                f"ranks resumed from step {reply[1]}; expected the states of one checkpoint"
+                f"ranks resumed from step {reply.text}; expected the states of one checkpoint"
             )
-        if reply[0] != Status.OK:
+        if reply.status != Status.OK:
             raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
-        self.run = reply[1]
-        log.info("queue %s: resumed at shard %d as run %s", k.queue, first_shard, self.run)
+        with self._lock:
+            self.run = reply.text
+        log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)

@@ -257,9 +257,9 @@ class ServerDataStream(FuelStreamMixin):
             return
         self._closed = True
         if self._reader is not None:
-            self._reader.stop()
-            if self._reader.error is None:
-                self._reader.flush()  # the last epoch's figures
+            # The reader sends the last epoch's figures itself, as its last act: only
+            # its thread ever pops, even when stopping takes longer than the join.
+            self._reader.stop(flush=True)
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.
@@ -301,11 +301,11 @@ class ServerDataStream(FuelStreamMixin):
             return {"version": 1, "queue": self.keys.queue, "run": "", "fingerprint": ""}
         with self._reader_cond():
             epoch, counts, done = self._ledger.consumed(held_back)
-        plan = self._session.plan
+        run, plan = self._session.position()
         state = {
             "version": 1,
             "queue": self.keys.queue,
-            "run": self._session.run,
+            "run": run,
             "fingerprint": plan.fingerprint if plan else "",
             "shards": self._ledger.shards,
             "epoch": epoch,
