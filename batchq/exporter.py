@@ -81,7 +81,6 @@ from prometheus_client.core import (
 from batchq.errors import ConfigError
 from batchq.monitor import WAIT_BUCKETS_S, list_queues, row_from_snapshot
 from batchq.snapshot import QueueSnapshot, read_snapshots
-from batchq.verdict import FIGURES_FRESH_S
 
 __all__ = ["METRIC_NAMES", "BatchqCollector", "MetricsServer", "start_exporter"]
 
@@ -265,7 +264,7 @@ class BatchqCollector:
                 g["age"].add_metric(q, row["oldest_age_s"])
             g["alive"].add_metric(q, len(snap.alive))
             g["attached"].add_metric(q, 1 if row["trainer"] == "attached" else 0)
-            fresh = row["figures_age_s"] is not None and row["figures_age_s"] <= FIGURES_FRESH_S
+            fresh = row["figures_fresh"]
             if fresh and row["stall"] is not None:
                 g["stall"].add_metric(q, row["stall"])
             if fresh and row["epoch"] is not None:

@@ -80,6 +80,10 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        the fields of batchq.rank_status.RANK_FIELDS
                                        (empty for a single trainer)
     slowest_rank          int|null     the rank furthest behind (batchq.rank_status)
+    figures_fresh         bool         figures_age_s <= batchq.verdict.FIGURES_FRESH_S: the
+                                       stall and epoch describe the trainer now (the one
+                                       rule the table, top, report and the exporter read;
+                                       added to schema 4 at its end, nothing else moved)
 
 For a data-parallel trainer (world_size > 1) ``depth`` is the sum of the ranks' lists
 and the trainer figures (stall, rates, epoch) are the slowest rank's.
@@ -168,7 +172,7 @@ STATUS_FIELDS = (
     "verdict_cause", "demand_batches_per_s", "busy_ms_per_batch", "producer_batches_per_s",
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
-    "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank",
+    "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
 )  # fmt: skip
 
 PRODUCER_FIELDS = (
@@ -336,6 +340,7 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
     row.update(_sizing(snap, row, fresh))
     row.update(shm_segments=shm_segments, shm_bytes=shm_bytes)
     row.update(world_size=snap.world, ranks=ranks, slowest_rank=slowest)
+    row["figures_fresh"] = fresh
     return row
 
 

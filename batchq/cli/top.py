@@ -37,7 +37,7 @@ from batchq.monitor import (
 )
 from batchq.sizing import recent_samples
 from batchq.snapshot import QueueSnapshot, read_snapshots
-from batchq.verdict import FIGURES_FRESH_S, RECENT_S
+from batchq.verdict import RECENT_S
 
 __all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]
 
@@ -96,7 +96,7 @@ class TopState:
                 self.depth[q] = deque((float(s.get("depth", 0)) for s in past), self.width)
                 self.stall[q] = deque((float(s.get("stall", 0)) for s in past), self.width)
             self.depth[q].append(float(row["depth"]))  # a data-parallel run: all its lists
-            fresh = row["figures_age_s"] is not None and row["figures_age_s"] <= FIGURES_FRESH_S
+            fresh = row["figures_fresh"]
             if fresh and row["stall"] is not None:
                 self.stall[q].append(float(row["stall"]))
             row["rate_in"] = row["rate_out"] = None

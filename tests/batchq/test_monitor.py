@@ -109,7 +109,7 @@ def _documented(section: str) -> dict[str, str]:
     doc = monitor.__doc__ or ""
     status, producer = doc.split("A producer object")
     text = status if section == "status" else producer
-    types = r"str\|null|int\|null|float\|null|object\|null|str|int|float|object|list"
+    types = r"str\|null|int\|null|float\|null|object\|null|str|int|float|object|list|bool"
     spec = re.compile(rf"^    (\w+)\s+({types})\s+\S")
     return {m[1]: m[2] for line in text.splitlines() if (m := spec.match(line))}
 
@@ -133,6 +133,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "int|null": (int, type(None)),
     "str|null": (str, type(None)),
     "object|null": (dict, type(None)),
+    "bool": (bool,),
 }
 
 
@@ -140,7 +141,8 @@ def check_schema(row: dict[str, Any]) -> None:
     """Assert a status row (parsed JSON) matches the documented schema exactly."""
     assert tuple(row) == STATUS_FIELDS
     for name, typ in _documented("status").items():
-        assert isinstance(row[name], _TYPES[typ]) and not isinstance(row[name], bool), name
+        assert isinstance(row[name], _TYPES[typ]), name
+        assert typ == "bool" or not isinstance(row[name], bool), name  # a number, not a flag
     assert row["schema"] == monitor.STATUS_SCHEMA_VERSION == 4
     for p in row["producers"]:
         assert tuple(p) == PRODUCER_FIELDS
