@@ -182,15 +182,20 @@ class Call(Generic[R]):
 def _ordered(
     name: str, what: str, declared: tuple[str, ...], given: Mapping[str, Any]
 ) -> list[Any]:
-    if set(given) != set(declared):
+    # On every push: a lookup per name and a length check (same length, every declared
+    # name present: the same names), no sets built.
+    try:
+        values = [given[n] for n in declared]
+    except KeyError:
+        values = []
+    if len(values) != len(declared) or len(given) != len(declared):
         missing, extra = sorted(set(declared) - set(given)), sorted(set(given) - set(declared))
         raise ProtocolError(f"{name}.lua declares {what} {list(declared)}; the call misses "
                             f"{missing} and names {extra}")  # fmt: skip
-    values = [given[n] for n in declared]
     # Only a trailing key may be left out (push's frame_key: inline frames have none).
     while values and values[-1] is None:
         values.pop()
-    if any(v is None for v in values):
+    if None in values:
         raise ProtocolError(f"{name}.lua: only trailing {what} may be None: {dict(given)}")
     return values
 
