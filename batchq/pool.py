@@ -39,6 +39,7 @@ import redis
 
 from batchq.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
 from batchq.keys import QueueKeys
+from batchq.layout import SCALELOG_CAP, time_ms
 from batchq.monitor import queue_status
 from batchq.procs import stop_group
 from batchq.verdict import near_cap
@@ -48,7 +49,6 @@ __all__ = ["SCALELOG_CAP", "WorkerPool", "cpu_seconds", "host_idle"]
 log = logging.getLogger(__name__)
 
 #: Decisions kept on the queue's scalelog list.
-SCALELOG_CAP = 500
 #: A worker that has not joined this long after its start no longer counts as pending.
 JOIN_GRACE_S = 30.0
 
@@ -195,7 +195,7 @@ class WorkerPool:
         return idle_cores, worker_cores
 
     def _figures(self, now_s: float) -> Figures:
-        now_ms = _server_ms(self.client)
+        now_ms = time_ms(self.client.time())
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(self.keys.scalers, {self.id: now_ms + 3_000 + 3_000 * self.tick_s})
         pipe.zremrangebyscore(self.keys.scalers, "-inf", now_ms)
@@ -280,11 +280,6 @@ class WorkerPool:
             holder = self.client.get(self.keys.scale)
             if _is(holder, self.id):
                 self.client.delete(self.keys.scale)
-
-
-def _server_ms(client: redis.Redis) -> int:
-    sec, usec = client.time()
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 def _is(holder: bytes | str | None, scaler: str) -> bool:

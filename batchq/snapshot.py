@@ -23,6 +23,7 @@ import redis
 from batchq import codec
 from batchq.errors import FrameError
 from batchq.keys import QueueKeys
+from batchq.layout import time_ms
 
 __all__ = ["HEADER_PEEK_BYTES", "QueueSnapshot", "RankSnapshot", "read_snapshots"]
 
@@ -224,8 +225,7 @@ def read_snapshots(
         pipe.zrange(k.scalers, 0, -1, withscores=True)
         pipe.lindex(k.scalelog, 0)
     replies = pipe.execute()
-    sec, usec = replies[0]
-    now_ms = int(sec) * 1000 + int(usec) // 1000
+    now_ms = time_ms(replies[0])
     snaps: list[QueueSnapshot] = []
     oldest: list[bytes | None] = []
     per = 11
