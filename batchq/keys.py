@@ -65,12 +65,22 @@ import re
 
 from batchq.errors import ConfigError
 
-__all__ = ["PREFIX", "SHM_HOST_FIELD", "QueueKeys", "check_name", "queue_from_meta_key"]
+__all__ = [
+    "PREFIX",
+    "SHM_HOST_FIELD",
+    "SHM_LOOKAHEAD_FIELD",
+    "QueueKeys",
+    "check_name",
+    "queue_from_meta_key",
+]
 
 PREFIX = "bq"
 # The meta field where the trainer publishes its host identity (batchq.shm): producers
 # that see their own use shared memory.
 SHM_HOST_FIELD = "shm_host"
+# ... and beside it how many decoded frames it may hold ahead of its caller (its hwm):
+# a producer sizes its pool of segments by it (producer/transport.py).
+SHM_LOOKAHEAD_FIELD = "shm_lookahead"
 
 # Queue names and producer ids become parts of key names: keep them to a safe alphabet,
 # without braces (they would move the hash tag) or colons (they separate fields).

@@ -231,7 +231,7 @@ class Reader(ReaderGuards, threading.Thread):
         plan = s.plan
         # Not a checkpoint: the ranks are where they are (no step to agree on).
         s.resume(self.client, first, plan.fingerprint if plan else "", pairs, step=-1)
-        self.shm.publish(self.client)
+        self.shm.publish(self.client, self.hwm)
         self.shm.new_run(self.session.run)
 
     def global_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -35,7 +35,7 @@ import redis
 
 from batchq.connection import call
 from batchq.errors import FrameError
-from batchq.keys import SHM_HOST_FIELD, QueueKeys
+from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
 from batchq.shm import (
     DEFAULT_SHM_DIR,
     HEADER,
@@ -99,13 +99,16 @@ class TrainerShm:
         self.frames = 0  # frames received through shared memory
         self.swept = 0  # segments of gone producers removed by sweep()
 
-    def publish(self, client: redis.Redis) -> None:
-        """Tell the producers this trainer's host (or that it takes nothing by shm)."""
+    def publish(self, client: redis.Redis, lookahead: int) -> None:
+        """Tell the producers this trainer's host and its look-ahead (the decoded frames
+        it may hold ahead of its caller), or that it takes nothing by shared memory."""
+        meta = self.keys.meta
         if self.identity is None:
-            call(lambda: client.hdel(self.keys.meta, SHM_HOST_FIELD), "publishing the host")
+            fields = (SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD)
+            call(lambda: client.hdel(meta, *fields), "publishing the host")
         else:
-            ident = self.identity
-            call(lambda: client.hset(self.keys.meta, SHM_HOST_FIELD, ident), "publishing")
+            items: list[str | int] = [SHM_HOST_FIELD, self.identity, SHM_LOOKAHEAD_FIELD, lookahead]
+            call(lambda: client.hset(meta, items=items), "publishing the host")
 
     def new_run(self, run: str) -> None:
         """A run started: segments of other runs of this queue on this host go."""

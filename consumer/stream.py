@@ -408,7 +408,7 @@ class ServerDataStream(FuelStreamMixin):
             session.resume_run = resume_run_id(resume, self.world_size)
         new_run = session.acquire(takeover=resume["run"] if resume else "")
         self._session = session
-        self._shm.publish(self._client)
+        self._shm.publish(self._client, self.hwm)
         if new_run:
             self._delete_frames()
         if resume is None:

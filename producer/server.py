@@ -83,7 +83,8 @@ class Producer(ShardPusher):
             'redis' (never); None reads ``BATCHQ_TRANSPORT``, else 'auto'.
         shm_dir: the shared-memory folder (default /dev/shm).
         shm_segments: the most shared-memory segments this producer holds at once
-            (default 2 x hwm + 2; one frame each).
+            (one frame each; default: what the run can hold of its frames, ranks x
+            (hwm + the trainer's look-ahead + 2) + 1, see :mod:`producer.transport`).
         shm_max_bytes: the most bytes of segments it holds at once (default: only
             the folder's own size limits it).
     """
@@ -156,8 +157,9 @@ class Producer(ShardPusher):
         self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
         self._oom_logged = False
         self._finished = False
-        segments = shm_segments if shm_segments is not None else 2 * hwm + 2
-        self._transport = Transport(transport, shm_dir, self.keys, self.id, segments, shm_max_bytes)
+        self._transport = Transport(
+            transport, shm_dir, self.keys, self.id, shm_segments, shm_max_bytes, hwm=hwm
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -334,7 +336,7 @@ class Producer(ShardPusher):
                 log.debug("producer %s: axis labels not published: %s", self.id, e)
         self._lease_seq = 0
         self._prefetched = None  # a lease of the run we left is gone
-        self._transport.joined(self.client, self._run)
+        self._transport.joined(self.client, self._run, self._world)
         log.info(
             "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
             self.id,

@@ -6,6 +6,13 @@ identity (:func:`batchq.shm.host_identity`, meta field
 :data:`batchq.keys.SHM_HOST_FIELD`): a producer started before the trainer switches
 once the identity appears, and back to Redis when a trainer from another host takes
 over. It reads the field at every join and at most once a second while serving.
+
+The pool holds at most ``shm_segments`` segments; by default just enough that a
+trainer keeping up never makes a frame fall back to Redis: per rank of the run, the
+rank's data list (hwm), the decoded frames the rank's reader holds ahead of its caller
+(its look-ahead, published beside the host: :data:`batchq.keys.SHM_LOOKAHEAD_FIELD`)
+and the two batches the caller has in hand (the one it uses, the one it is handed
+next), plus the one being written.
 ``transport='redis'`` never uses shared memory. Either way, frames that do not get a
 segment (the folder is full, ``shm_max_bytes`` is reached, or every segment still holds
 a batch the trainer keeps) go through Redis: one warning for a full folder, never an
@@ -23,7 +30,7 @@ import redis
 from batchq import codec
 from batchq.connection import Pieces, call
 from batchq.errors import ConfigError
-from batchq.keys import SHM_HOST_FIELD, QueueKeys
+from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
 from batchq.shm import (
     DEFAULT_SHM_DIR,
     encode_descriptor,
@@ -33,11 +40,31 @@ from batchq.shm import (
 )
 from producer.shm_pool import FULL, Segment, SegmentPool
 
-__all__ = ["REFRESH_S", "ShmFrame", "Transport"]
+__all__ = ["DEFAULT_LOOKAHEAD", "MAX_LOOKAHEAD", "REFRESH_S", "ShmFrame", "Transport", "pool_size"]
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 1.0  # how often a serving producer looks at the trainer's host identity
+DEFAULT_LOOKAHEAD = 10  # a trainer that published none: the consumer's default hwm
+# Whatever meta says, a pool never grows past this look-ahead (memory stays bounded).
+MAX_LOOKAHEAD = 1024
+IN_HAND = 2  # batches a rank's caller holds: the one it uses and the one handed next
+
+
+def pool_size(hwm: int, lookahead: int, world: int) -> int:
+    """The default pool: what a run of ``world`` ranks can hold of one producer's
+    frames at once (every list, look-ahead and hand full of them), plus the frame
+    being written."""
+    return world * (hwm + lookahead + IN_HAND) + 1
+
+
+def _lookahead(value: object) -> int:
+    """The published look-ahead, or the default where meta holds none or nonsense."""
+    try:
+        n = int(value) if isinstance(value, bytes | str) else DEFAULT_LOOKAHEAD
+    except ValueError:
+        return DEFAULT_LOOKAHEAD
+    return min(n, MAX_LOOKAHEAD) if n >= 1 else DEFAULT_LOOKAHEAD
 
 
 class ShmFrame:
@@ -65,8 +92,10 @@ class Transport:
         shm_dir: the shared-memory folder.
         queue: the queue's keys.
         producer: the producer's id.
-        max_segments: the most segments the producer holds at once.
+        max_segments: the most segments the producer holds at once (None: follow the
+            run's shape, :func:`pool_size`).
         max_bytes: the most bytes of segments it holds at once (None: no own limit).
+        hwm: the run's hwm (for the default pool size).
     """
 
     def __init__(
@@ -75,28 +104,35 @@ class Transport:
         shm_dir: str | None,
         keys: QueueKeys,
         producer: str,
-        max_segments: int,
+        max_segments: int | None,
         max_bytes: int | None = None,
+        *,
+        hwm: int = 1,
     ) -> None:
         self.mode = resolve_transport(transport)
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
-        if max_segments < 1:
+        if max_segments is not None and (not isinstance(max_segments, int) or max_segments < 1):
             raise ConfigError(f"shm_segments {max_segments!r} is not valid: expected >= 1")
         self.keys = keys
         self.producer = producer
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
-        self.pool = SegmentPool(self.shm_dir, keys.queue, producer, max_segments, max_bytes)
+        self._fixed = max_segments
+        self._hwm = hwm
+        self._world = 1
+        size = max_segments or pool_size(hwm, DEFAULT_LOOKAHEAD, 1)
+        self.pool = SegmentPool(self.shm_dir, keys.queue, producer, size, max_bytes)
         self.active = False
         self._checked = -REFRESH_S
         self._warned = False
         self.shm_frames = 0  # frames sent through shared memory
         self.fallbacks = 0  # frames that wanted shared memory and went through Redis
 
-    def joined(self, client: redis.Redis, run: str) -> None:
+    def joined(self, client: redis.Redis, run: str, world: int = 1) -> None:
         """After a join: a new run drops the old segments, a rejoin of the same run
-        retires them; look at the trainer's host."""
+        retires them; look at the trainer's host. ``world``: the run's ranks."""
         if self.identity is None:
             return
+        self._world = max(1, world)
         if run == self.pool.run:
             self.pool.retire()  # a rejoin: never reuse a segment from before it
         else:
@@ -121,8 +157,11 @@ class Transport:
         if not force and now - self._checked < REFRESH_S:
             return
         self._checked = now
-        value = call(lambda: client.hget(self.keys.meta, SHM_HOST_FIELD), "reading meta")
+        fields = (SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD)
+        value, lookahead = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
         active = isinstance(value, bytes) and value.decode() == self.identity
+        if self._fixed is None:
+            self.pool.max_segments = pool_size(self._hwm, _lookahead(lookahead), self._world)
         if active != self.active:
             log.info(
                 "producer %s: frames now travel through %s",

@@ -13,7 +13,7 @@ import pytest
 
 from batchq import codec, shm
 from batchq.errors import FrameError
-from batchq.keys import SHM_HOST_FIELD, QueueKeys
+from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
 from consumer.shm_frames import TrainerShm
 from producer.transport import ShmFrame, Transport
 
@@ -24,7 +24,7 @@ FIELDS: dict[str, Any] = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "produc
 def pair(tmp_path: Path, fake_redis: fakeredis.FakeRedis) -> tuple[Transport, TrainerShm]:
     keys = QueueKeys("q")
     trainer = TrainerShm(keys, "auto", str(tmp_path))
-    trainer.publish(fake_redis)
+    trainer.publish(fake_redis, 10)
     producer = Transport("auto", str(tmp_path), keys, "p", 2)
     producer.joined(fake_redis, "ab12")
     assert producer.active
@@ -62,9 +62,19 @@ def test_trainer_without_shm_publishes_nothing(
     tmp_path: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     keys = QueueKeys("q")
-    fake_redis.hset(keys.meta, SHM_HOST_FIELD, "stale")
-    TrainerShm(keys, "redis", str(tmp_path)).publish(fake_redis)
-    assert fake_redis.hget(keys.meta, SHM_HOST_FIELD) is None
+    fake_redis.hset(keys.meta, mapping={SHM_HOST_FIELD: "stale", SHM_LOOKAHEAD_FIELD: 4})
+    TrainerShm(keys, "redis", str(tmp_path)).publish(fake_redis, 10)
+    assert fake_redis.hmget(keys.meta, [SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD]) == [None, None]
+
+
+def test_trainer_publishes_its_host_and_look_ahead_together(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    keys = QueueKeys("q")
+    trainer = TrainerShm(keys, "auto", str(tmp_path))
+    trainer.publish(fake_redis, 7)
+    host, lookahead = fake_redis.hmget(keys.meta, [SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD])
+    assert host == (trainer.identity or "").encode() and lookahead == b"7"
 
 
 def reason(trainer: TrainerShm, element: bytes) -> str:
@@ -135,7 +145,7 @@ def test_sweep_removes_only_free_segments_of_producers_that_are_gone(
 ) -> None:
     keys = QueueKeys("q")
     trainer = TrainerShm(keys, "auto", str(tmp_path))
-    trainer.publish(fake_redis)
+    trainer.publish(fake_redis, 10)
     trainer.new_run("ab12")
     pools = {}
     for name in ("gone", "alive"):
@@ -161,7 +171,7 @@ def test_a_rejoin_of_the_same_run_never_reuses_an_old_segment(
 ) -> None:
     keys = QueueKeys("q")
     trainer = TrainerShm(keys, "auto", str(tmp_path))
-    trainer.publish(fake_redis)
+    trainer.publish(fake_redis, 10)
     producer = Transport("auto", str(tmp_path), keys, "p", 4)
     producer.joined(fake_redis, "ab12")
     busy = send(producer, np.ones(100))

@@ -14,9 +14,10 @@ import pytest
 from small_tmpfs import small_tmpfs
 
 from batchq import shm
-from batchq.keys import SHM_HOST_FIELD, QueueKeys
+from batchq.errors import ConfigError
+from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
 from producer.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
-from producer.transport import ShmFrame, Transport
+from producer.transport import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, ShmFrame, Transport, pool_size
 
 FIELDS: dict[str, Any] = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "producer": "p"}
 
@@ -127,6 +128,47 @@ def test_transport_follows_the_trainers_published_host(
     with caplog.at_level(logging.INFO):
         transport.refresh(fake_redis, force=True)
     assert not transport.active and "through Redis" in caplog.text
+
+
+def test_pool_size_covers_every_list_look_ahead_and_hand_of_the_run() -> None:
+    assert pool_size(3, 10, 1) == 3 + 10 + 2 + 1  # list, look-ahead, in hand; one written
+    assert pool_size(3, 10, 4) == 4 * (3 + 10 + 2) + 1  # every rank's may be all ours
+
+
+@pytest.mark.parametrize(
+    ("published", "expected"),
+    [
+        (b"4", pool_size(5, 4, 2)),
+        (None, pool_size(5, DEFAULT_LOOKAHEAD, 2)),  # an older trainer: its default hwm
+        (b"0", pool_size(5, DEFAULT_LOOKAHEAD, 2)),
+        (b"lots", pool_size(5, DEFAULT_LOOKAHEAD, 2)),
+        (b"99999999999", pool_size(5, MAX_LOOKAHEAD, 2)),  # memory stays bounded
+    ],
+)
+def test_the_pool_follows_the_trainers_published_look_ahead(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis, published: bytes | None, expected: int
+) -> None:
+    keys = QueueKeys("q")
+    transport = Transport("auto", str(tmp_path), keys, "p", None, hwm=5)
+    fake_redis.hset(keys.meta, SHM_HOST_FIELD, transport.identity or "")
+    if published is not None:
+        fake_redis.hset(keys.meta, SHM_LOOKAHEAD_FIELD, published)
+    transport.joined(fake_redis, "ab12", world=2)
+    assert transport.active and transport.pool.max_segments == expected
+
+
+def test_an_explicit_shm_segments_is_kept_whatever_the_trainer_publishes(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    keys = QueueKeys("q")
+    transport = Transport("auto", str(tmp_path), keys, "p", 3, hwm=5)
+    fake_redis.hset(
+        keys.meta, mapping={SHM_HOST_FIELD: transport.identity or "", SHM_LOOKAHEAD_FIELD: 50}
+    )
+    transport.joined(fake_redis, "ab12")
+    assert transport.pool.max_segments == 3
+    with pytest.raises(ConfigError, match="shm_segments 0"):
+        Transport("auto", str(tmp_path), keys, "p", 0)
 
 
 def test_transport_redis_never_maps_anything(
