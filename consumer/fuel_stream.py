@@ -15,6 +15,7 @@ from typing import Any
 from batchq.connection import call
 from batchq.errors import ConfigError
 from consumer.prepare import FramePrep, decode_axis_labels
+from consumer.state_keys import RUN_KEY
 
 __all__ = ["FuelStreamMixin"]
 
@@ -105,5 +106,5 @@ class FuelStreamMixin:
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(**saved["config"])  # type: ignore[misc]  # a fresh stream
-        if saved["state"].get("run"):
+        if saved["state"].get(RUN_KEY):
             self.load_state_dict(saved["state"])

@@ -17,6 +17,23 @@ from typing import Any
 
 from batchq.errors import ConfigError, StepMismatch
 from batchq.ranks import RankLayout
+from consumer.state_keys import (
+    CONSUMED_KEY,
+    DONE_KEY,
+    EPOCH_KEY,
+    EVEN_BATCHES_KEY,
+    FINGERPRINT_KEY,
+    PLAN_SHARDS_KEY,
+    QUEUE_KEY,
+    RANK_KEY,
+    REMAP_KEY,
+    RUN_KEY,
+    SHARDS_KEY,
+    STATE_VERSION,
+    STEP_KEY,
+    VERSION_KEY,
+    WORLD_SIZE_KEY,
+)
 
 __all__ = [
     "check_rank_state",
@@ -44,11 +61,11 @@ def pick_rank_state(
     states = list(state)
     if not all(isinstance(s, dict) for s in states):
         raise ConfigError("states are not valid: expected a list of state_dict() dicts")
-    steps = {int(s.get("step", 0)) for s in states if s.get("run")}
+    steps = {int(s.get(STEP_KEY, 0)) for s in states if s.get(RUN_KEY)}
     if len(steps) > 1:
         where = ", ".join(f"rank {s.get('rank')}: step {s.get('step')}" for s in states)
         raise StepMismatch(f"the states are of different steps ({where}); expected one checkpoint")
-    worlds = {s.get("world_size", 1) for s in states}
+    worlds = {s.get(WORLD_SIZE_KEY, 1) for s in states}
     if len(worlds) != 1 or len(states) != next(iter(worlds)):
         raise ConfigError(
             f"{len(states)} states of world_size {sorted(worlds)}: expected one state per "
@@ -56,7 +73,7 @@ def pick_rank_state(
         )
     if worlds != {world}:
         return elastic_state(states, rank, world)
-    mine = [s for s in states if s.get("rank", 0) == rank]
+    mine = [s for s in states if s.get(RANK_KEY, 0) == rank]
     if len(mine) != 1:
         raise ConfigError(f"the states hold {len(mine)} states of rank {rank}: expected one")
     return mine[0]
@@ -81,40 +98,40 @@ def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[s
             "world_size >= 2 (a single trainer cannot take a job's share apart yet)"
         )
     first = states[0]
-    for key in ("run", "epoch", "plan_shards", "fingerprint", "even_batches"):
+    for key in (RUN_KEY, EPOCH_KEY, PLAN_SHARDS_KEY, FINGERPRINT_KEY, EVEN_BATCHES_KEY):
         values = {repr(s.get(key)) for s in states}
         if len(values) != 1:
             raise ConfigError(
                 f"the states disagree on {key!r} ({sorted(values)}): expected one job"
             )
-    by_rank = {int(s.get("rank", 0)): s for s in states}
-    old = RankLayout(int(first["plan_shards"]), len(states), str(first["even_batches"]))
+    by_rank = {int(s.get(RANK_KEY, 0)): s for s in states}
+    old = RankLayout(int(first[PLAN_SHARDS_KEY]), len(states), str(first[EVEN_BATCHES_KEY]))
     units: list[tuple[int, int]] = []  # (shard, batches had) still to yield
     for shard in range(old.shards):
         owner = by_rank[shard % old.world]
         local = shard // old.world
-        if local in owner["done"]:
+        if local in owner[DONE_KEY]:
             continue
-        units.append((shard, int(owner["consumed"].get(str(local), 0))))
+        units.append((shard, int(owner[CONSUMED_KEY].get(str(local), 0))))
     new = RankLayout(old.shards, world, old.even)
     share = (-(-len(units) // world) if new.even == "pad" else len(units) // world) if units else 0
     remap = [list(units[u % len(units)]) for u in range(share * world)] if units else []
     own = range(rank, share * world, world)
     return {
-        "version": 1,
-        "queue": first.get("queue"),
-        "run": first["run"],
-        "fingerprint": first["fingerprint"],
-        "shards": new.per_rank,
-        "plan_shards": old.shards,
-        "epoch": int(first["epoch"]),
-        "consumed": {str(u // world): remap[u][1] for u in own if remap[u][1]},
-        "done": list(range(share, new.per_rank)),
-        "rank": rank,
-        "world_size": world,
-        "even_batches": old.even,
-        "step": int(first.get("step", 0)),
-        "remap": remap,
+        VERSION_KEY: STATE_VERSION,
+        QUEUE_KEY: first.get(QUEUE_KEY),
+        RUN_KEY: first[RUN_KEY],
+        FINGERPRINT_KEY: first[FINGERPRINT_KEY],
+        SHARDS_KEY: new.per_rank,
+        PLAN_SHARDS_KEY: old.shards,
+        EPOCH_KEY: int(first[EPOCH_KEY]),
+        CONSUMED_KEY: {str(u // world): remap[u][1] for u in own if remap[u][1]},
+        DONE_KEY: list(range(share, new.per_rank)),
+        RANK_KEY: rank,
+        WORLD_SIZE_KEY: world,
+        EVEN_BATCHES_KEY: old.even,
+        STEP_KEY: int(first.get(STEP_KEY, 0)),
+        REMAP_KEY: remap,
     }
 
 
@@ -123,7 +140,7 @@ def remap_pairs(
 ) -> tuple[list[tuple[str, str]], dict[int, int]]:
     """For an :func:`elastic_state`: the ledger pairs of every slot of the resumed epoch
     (batches had, or done for the slots past the re-split) and slot -> shard to build."""
-    epoch, remap = int(state["epoch"]), state["remap"]
+    epoch, remap = int(state[EPOCH_KEY]), state[REMAP_KEY]
     pairs = []
     for slot in range(layout.slots):
         if slot >= len(remap):
@@ -139,13 +156,13 @@ def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
     Raises:
         ConfigError: naming the state's rank/world and this stream's.
     """
-    saved_world, saved_rank = state.get("world_size", 1), state.get("rank", 0)
+    saved_world, saved_rank = state.get(WORLD_SIZE_KEY, 1), state.get(RANK_KEY, 0)
     if saved_world != world or saved_rank != rank:
         raise ConfigError(
             f"state of rank {saved_rank!r} of world_size {saved_world!r} given to rank "
             f"{rank} of world_size {world}: expected this rank's own state"
         )
-    step = state.get("step", 0)
+    step = state.get(STEP_KEY, 0)
     if not isinstance(step, int) or step < 0:
         raise ConfigError(f"state['step'] = {step!r} is not valid: expected an integer >= 0")
 
@@ -164,18 +181,18 @@ def check_state(state: Any, queue: str) -> dict[str, Any]:
     """Validate a state dict, naming what is wrong (it comes from a file)."""
     if not isinstance(state, dict):
         raise ConfigError(f"state {state!r} is not valid: expected a dict from state_dict()")
-    if state.get("version") != 1:
+    if state.get(VERSION_KEY) != STATE_VERSION:
         raise ConfigError(f"state version {state.get('version')!r} is not valid: expected 1")
-    if state.get("queue") not in (None, queue):
+    if state.get(QUEUE_KEY) not in (None, queue):
         raise ConfigError(f"state is of queue {state.get('queue')!r}, this stream reads {queue!r}")
-    if not state.get("run"):
+    if not state.get(RUN_KEY):
         return dict(state)  # taken before the first iteration: nothing to resume
-    for name, kind in (("run", str), ("fingerprint", str), ("shards", int), ("epoch", int)):
+    for name, kind in ((RUN_KEY, str), (FINGERPRINT_KEY, str), (SHARDS_KEY, int), (EPOCH_KEY, int)):
         if not isinstance(state.get(name), kind):
             raise ConfigError(
                 f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
             )
-    consumed, done = state.get("consumed"), state.get("done")
+    consumed, done = state.get(CONSUMED_KEY), state.get(DONE_KEY)
     if not isinstance(consumed, dict) or not all(
         str(k).isdigit() and isinstance(v, int) and v >= 0 for k, v in consumed.items()
     ):

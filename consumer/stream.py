@@ -44,6 +44,23 @@ from consumer.rank_state import (
 from consumer.reader import BLOCK_S, Reader
 from consumer.session import Plan, Session
 from consumer.shm_frames import TrainerShm
+from consumer.state_keys import (
+    CONSUMED_KEY,
+    DONE_KEY,
+    EPOCH_KEY,
+    EVEN_BATCHES_KEY,
+    FINGERPRINT_KEY,
+    PLAN_SHARDS_KEY,
+    QUEUE_KEY,
+    RANK_KEY,
+    REMAP_KEY,
+    RUN_KEY,
+    SHARDS_KEY,
+    STATE_VERSION,
+    STEP_KEY,
+    VERSION_KEY,
+    WORLD_SIZE_KEY,
+)
 from consumer.stats import TrainerStats
 
 __all__ = ["ServerDataStream"]
@@ -266,7 +283,7 @@ class ServerDataStream(FuelStreamMixin):
             self._connect()
             self._session = self._new_session()
             resume = self._resume or {}
-            self._session.acquire(takeover=str(resume.get("run") or ""))
+            self._session.acquire(takeover=str(resume.get(RUN_KEY) or ""))
         if self._client is None:
             return
         try:
@@ -298,27 +315,34 @@ class ServerDataStream(FuelStreamMixin):
         if self._ledger is None or self._session is None:
             if self._resume is not None:
                 return dict(self._resume)
-            return {"version": 1, "queue": self.keys.queue, "run": "", "fingerprint": ""}
+            return {
+                VERSION_KEY: STATE_VERSION,
+                QUEUE_KEY: self.keys.queue,
+                RUN_KEY: "",
+                FINGERPRINT_KEY: "",
+            }
         with self._reader_cond():
             epoch, counts, done = self._ledger.consumed(held_back)
         run, plan = self._session.position()
         state = {
-            "version": 1,
-            "queue": self.keys.queue,
-            "run": run,
-            "fingerprint": plan.fingerprint if plan else "",
-            "shards": self._ledger.shards,
-            "epoch": epoch,
-            "consumed": {str(s): n for s, n in counts.items()},
-            "done": done,
+            VERSION_KEY: STATE_VERSION,
+            QUEUE_KEY: self.keys.queue,
+            RUN_KEY: run,
+            FINGERPRINT_KEY: plan.fingerprint if plan else "",
+            SHARDS_KEY: self._ledger.shards,
+            EPOCH_KEY: epoch,
+            CONSUMED_KEY: {str(s): n for s, n in counts.items()},
+            DONE_KEY: done,
         }
         if self.world_size > 1:
             state.update(
-                rank=self.rank,
-                world_size=self.world_size,
-                even_batches=self.even_batches,
-                plan_shards=self._plan_shards,
-                step=self._step + self._yielded - sum((held_back or {}).values()),
+                {
+                    RANK_KEY: self.rank,
+                    WORLD_SIZE_KEY: self.world_size,
+                    EVEN_BATCHES_KEY: self.even_batches,
+                    PLAN_SHARDS_KEY: self._plan_shards,
+                    STEP_KEY: self._step + self._yielded - sum((held_back or {}).values()),
+                }
             )
         return state
 
@@ -340,10 +364,10 @@ class ServerDataStream(FuelStreamMixin):
             raise ConfigError("load_state_dict must be called before the first iteration")
         state = pick_rank_state(state, self.rank, self.world_size)
         self._resume = check_state(state, self.keys.queue)
-        if self._resume.get("run"):
+        if self._resume.get(RUN_KEY):
             check_rank_state(self._resume, self.rank, self.world_size)
-            self._step = int(self._resume.get("step", 0))
-        self.epoch = self._resume.get("epoch", 0) - 1 if self._resume.get("run") else -1
+            self._step = int(self._resume.get(STEP_KEY, 0))
+        self.epoch = self._resume.get(EPOCH_KEY, 0) - 1 if self._resume.get(RUN_KEY) else -1
 
     def __enter__(self) -> ServerDataStream:
         return self
@@ -403,10 +427,10 @@ class ServerDataStream(FuelStreamMixin):
         self._connect()
         check_eviction_policy(self._client)
         session = self._new_session()
-        resume = self._resume if self._resume and self._resume.get("run") else None
+        resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
         if resume is not None:
             session.resume_run = resume_run_id(resume, self.world_size)
-        new_run = session.acquire(takeover=resume["run"] if resume else "")
+        new_run = session.acquire(takeover=resume[RUN_KEY] if resume else "")
         self._session = session
         self._shm.publish(self._client, self.hwm)
         if new_run:
@@ -421,25 +445,25 @@ class ServerDataStream(FuelStreamMixin):
             # shape comes from the checkpoint then.
             meta = self._retry(lambda: self._client.hgetall(self.keys.meta), "reading meta")
             session.plan = Plan(meta) if b"shards" in meta else None
-            shards, epoch = int(resume["shards"]), int(resume["epoch"])
-            self._plan_shards = int(resume.get("plan_shards", shards))
+            shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
+            self._plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
             layout = session.layout(self._plan_shards)
             ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
-            done = set(resume["done"])
+            done = set(resume[DONE_KEY])
             pairs = []
-            for shard in sorted(done | {int(k) for k in resume["consumed"]}):
-                had = int(resume["consumed"].get(str(shard), 0))
+            for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
+                had = int(resume[CONSUMED_KEY].get(str(shard), 0))
                 ledger.preload(epoch, shard, had, done=shard in done)
                 slot = layout.slot(shard, self.rank)
                 pairs.append((f"{epoch}:{slot}", "d" if shard in done else str(had)))
             remap = None
-            if "remap" in resume:  # another number of ranks: the epoch's rest re-split
+            if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
                 pairs, slots = remap_pairs(resume, layout)
                 remap = (epoch, slots)
             session.resume(
                 self._client,
                 epoch * shards,
-                resume["fingerprint"],
+                resume[FINGERPRINT_KEY],
                 pairs,
                 step=self._step,
                 shards=self._plan_shards,

@@ -1,0 +1,55 @@
+"""The keys of a trainer's checkpoint state (``ServerDataStream.state_dict()``), once.
+
+A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
+
+    version       1 (STATE_VERSION)
+    queue         the queue's name
+    run           the run id ('' before the first batch: nothing to resume)
+    fingerprint   the pipeline's fingerprint (producers of another pipeline are refused)
+    shards        S, the shards of one epoch (a rank: its own share)
+    epoch         the oldest epoch not yet yielded completely
+    consumed      shard -> batches of it yielded in that epoch (keys are strings: JSON)
+    done          shards of that epoch yielded completely
+  data-parallel ranks (world_size > 1) add:
+    rank, world_size, even_batches ('pad' | 'drop'), plan_shards (the plan's S),
+    step (batches the rank yielded: every rank of one checkpoint has the same),
+  and a state re-split for another number of ranks (consumer/rank_state.py) adds:
+    remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CONSUMED_KEY",
+    "DONE_KEY",
+    "EPOCH_KEY",
+    "EVEN_BATCHES_KEY",
+    "FINGERPRINT_KEY",
+    "PLAN_SHARDS_KEY",
+    "QUEUE_KEY",
+    "RANK_KEY",
+    "REMAP_KEY",
+    "RUN_KEY",
+    "SHARDS_KEY",
+    "STATE_VERSION",
+    "STEP_KEY",
+    "VERSION_KEY",
+    "WORLD_SIZE_KEY",
+]
+
+STATE_VERSION = 1
+
+VERSION_KEY = "version"
+QUEUE_KEY = "queue"
+RUN_KEY = "run"
+FINGERPRINT_KEY = "fingerprint"
+SHARDS_KEY = "shards"
+EPOCH_KEY = "epoch"
+CONSUMED_KEY = "consumed"
+DONE_KEY = "done"
+RANK_KEY = "rank"
+WORLD_SIZE_KEY = "world_size"
+EVEN_BATCHES_KEY = "even_batches"
+PLAN_SHARDS_KEY = "plan_shards"
+STEP_KEY = "step"
+REMAP_KEY = "remap"

@@ -1,0 +1,42 @@
+"""consumer.state_keys: a checkpoint's keys are a file format, pinned here."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchq.errors import ConfigError
+from consumer import ServerDataStream, state_keys
+from consumer.rank_state import check_state, elastic_state
+
+# Checkpoints saved by earlier versions must keep loading: these names never change.
+SAVED_NAMES = {
+    "VERSION_KEY": "version", "QUEUE_KEY": "queue", "RUN_KEY": "run",
+    "FINGERPRINT_KEY": "fingerprint", "SHARDS_KEY": "shards", "EPOCH_KEY": "epoch",
+    "CONSUMED_KEY": "consumed", "DONE_KEY": "done", "RANK_KEY": "rank",
+    "WORLD_SIZE_KEY": "world_size", "EVEN_BATCHES_KEY": "even_batches",
+    "PLAN_SHARDS_KEY": "plan_shards", "STEP_KEY": "step", "REMAP_KEY": "remap",
+}  # fmt: skip
+KNOWN = set(SAVED_NAMES.values())
+
+
+def test_the_key_names_are_those_checkpoints_were_saved_with() -> None:
+    assert {n: getattr(state_keys, n) for n in SAVED_NAMES} == SAVED_NAMES
+    assert state_keys.STATE_VERSION == 1
+    assert sorted(state_keys.__all__) == sorted([*SAVED_NAMES, "STATE_VERSION"])
+
+
+def test_every_state_written_uses_only_those_keys() -> None:
+    fresh = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q").state_dict()
+    assert set(fresh) <= KNOWN
+    old = [
+        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
+         "plan_shards": 6, "epoch": 0, "consumed": {}, "done": [], "rank": r,
+         "world_size": 2, "even_batches": "pad", "step": 0}
+        for r in range(2)
+    ]  # fmt: skip
+    assert set(elastic_state(old, 0, 3)) <= KNOWN
+
+
+def test_another_version_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="state version 2 is not valid: expected 1"):
+        check_state({"version": 2, "run": "r"}, "q")
