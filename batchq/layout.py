@@ -7,7 +7,9 @@ Entries and fields:
   (:mod:`batchq.ranks`), token unique per lease request;
 * a ledger field (the ledger hash, resume.lua's pairs): ``'<epoch>:<slot>'`` -> ``'d'``
   (done) or the batches the trainer already has;
-* a counts field (data-parallel run-time evening): ``'<epoch>:<rank>'`` -> batches;
+* a counts field (data-parallel run-time evening): ``'<epoch>:<rank>'`` -> the
+  batches the rank has yielded so far, ``'=<n>'`` once its share ended at n
+  (:func:`count_value`, :func:`parse_count_value`);
 * the server clock: ``TIME`` is (seconds, microseconds); scripts and Python use ms,
   :func:`time_ms`.
 
@@ -27,10 +29,12 @@ __all__ = [
     "HISTORY_CAP",
     "SCALELOG_CAP",
     "WAKE_CAP",
+    "count_value",
     "counts_field",
     "entry_slot",
     "lease_entry",
     "ledger_field",
+    "parse_count_value",
     "parse_ledger_field",
     "time_ms",
 ]
@@ -70,6 +74,21 @@ def parse_ledger_field(field: str) -> tuple[int, int]:
 def counts_field(epoch: int, rank: int) -> str:
     """The counts hash's field of a rank's final count in an epoch."""
     return f"{epoch}:{rank}"
+
+
+def count_value(n: int, final: bool) -> str:
+    """A counts field's value: the rank's batches so far, or its final count."""
+    return f"={n}" if final else str(n)
+
+
+def parse_count_value(value: bytes) -> tuple[int, bool]:
+    """(batches, final) of a counts field's value.
+
+    Raises:
+        ValueError: neither ``'<n>'`` nor ``'=<n>'``.
+    """
+    text = value.decode()
+    return int(text.removeprefix("=")), text.startswith("=")
 
 
 def time_ms(reply: Sequence[int | str | bytes]) -> int:

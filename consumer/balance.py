@@ -31,6 +31,7 @@ from batchq.codec import Frame
 from batchq.connection import call
 from batchq.errors import RankLost
 from batchq.keys import QueueKeys
+from batchq.layout import count_value, counts_field, parse_count_value
 
 __all__ = ["POLL_S", "Balancer"]
 
@@ -72,9 +73,9 @@ class Balancer:
         self.cuts = 0  # epochs whose share 'drop' ended early to even the counts
 
     def _publish(self, epoch: int, n: int, final: bool) -> None:
-        value = f"={n}" if final else str(n)
+        field, value = counts_field(epoch, self.rank), count_value(n, final)
         call(
-            lambda: self.client.hset(self.keys.counts, f"{epoch}:{self.rank}", value),
+            lambda: self.client.hset(self.keys.counts, field, value),
             "publishing the rank's count",
             self.client,
         )
@@ -83,15 +84,14 @@ class Balancer:
         """The other ranks' (count, final) for ``epoch``, for those that said one."""
         ranks = [r for r in range(self.world) if r != self.rank]
         values: list[Any] = call(
-            lambda: self.client.hmget(self.keys.counts, [f"{epoch}:{r}" for r in ranks]),
+            lambda: self.client.hmget(self.keys.counts, [counts_field(epoch, r) for r in ranks]),
             "reading the ranks' counts",
             self.client,
         )
         out = {}
         for r, value in zip(ranks, values, strict=True):
             if value is not None:
-                text = value.decode()
-                out[r] = (int(text.lstrip("=")), text.startswith("="))
+                out[r] = parse_count_value(value)
         return out
 
     def _wait(self, epoch: int, done: Callable[[dict[int, tuple[int, bool]]], bool]) -> Any:
@@ -109,7 +109,7 @@ class Balancer:
         """Forget this rank's counts of epochs before the previous one."""
         if epoch >= 2:
             call(
-                lambda: self.client.hdel(self.keys.counts, f"{epoch - 2}:{self.rank}"),
+                lambda: self.client.hdel(self.keys.counts, counts_field(epoch - 2, self.rank)),
                 "dropping old counts",
                 self.client,
             )
