@@ -1,10 +1,18 @@
 """Building a leased shard and pushing its frames under the hwm (the producer's hot path).
 
-:class:`ShardPusher` is the part of :class:`producer.server.Producer` that turns one
-leased shard into frames: it builds the batches, encodes them, pushes each through the
-capped-push script (inline, or stored by reference first), waits at the hwm or at
-Redis' maxmemory, folds the END into the last batch, asks for the next lease in the
-same round trip, and reports a failing pipeline (retry elsewhere, or an ERROR frame).
+:class:`ShardPusher` turns one leased shard into frames: it builds the batches,
+encodes them, pushes each through the capped-push script (inline, or stored by
+reference first), waits at the hwm or at Redis' maxmemory, folds the END into the last
+batch, asks for the next lease in the same round trip, and reports a failing pipeline
+(retry elsewhere, or an ERROR frame).
+
+:class:`producer.server.Producer` owns one and hands it everything it uses explicitly:
+fixed :class:`PushSettings`, the client, the plan, the transport, the run it serves
+(:class:`RunPosition`, which only the producer's join writes), its stop event, and two
+callables: ``lease_request(prefetch)`` (the next lease's call and token) and
+``on_status(status)`` (a reply that is the producer's business: the run finished or
+changed). Only the pipeline's ``next()`` and the encoding of what it made count as
+"the pipeline raised"; Redis' errors propagate as Redis errors.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import redis
@@ -34,6 +44,8 @@ __all__ = [
     "PENDING_FRAME_TTL_MS",
     "WAIT_S",
     "Lease",
+    "PushSettings",
+    "RunPosition",
     "ShardPusher",
 ]
 
@@ -73,40 +85,88 @@ class Lease(NamedTuple):
         return cls(reply.g, reply.skip, token, reply.slots or shards, reply.world, reply.shard)
 
 
-class ShardPusher:
-    """Serving one leased shard; mixed into :class:`producer.server.Producer`."""
+@dataclass(frozen=True)
+class PushSettings:
+    """What a producer's pushes carry that never changes while it serves."""
 
-    # Set by Producer.__init__ (and its join): what the hot path reads.
     keys: QueueKeys
-    client: redis.Redis
-    id: str
-    plan: ShardPlan
+    producer: str
     sources: tuple[str, ...]
     checksum: bool
     max_frame_bytes: int | None
     inline_max_bytes: int
     heartbeat_ttl_ms: int
     max_attempts: int
-    oom_waits: int
-    _stop: threading.Event
-    _run: str
-    _incarnation: str
-    _frame_seq: int
-    _pending_ref: str | None
-    _prefetched: Lease | None
-    _data_key: str  # the data list of the rank the current shard is for
-    _rank: int
-    _world: int
-    _oom_logged: bool
-    _transport: Transport
 
-    def _lease_request(self, prefetch: bool = False) -> tuple[Call[LeaseReply], str]:
-        raise NotImplementedError  # pragma: no cover - Producer implements it
 
-    def _handle_status(self, status: str) -> None:
-        raise NotImplementedError  # pragma: no cover - Producer implements it
+@dataclass
+class RunPosition:
+    """The run a producer serves: written by its join only, read by its pusher."""
 
-    def _note_oom(self, error: redis.ResponseError) -> None:
+    run: str = ""
+    incarnation: str = ""
+    world: int = 1  # ranks of the run's trainer (batchq/ranks.py)
+
+
+LeaseRequest = Callable[[bool], tuple[Call[LeaseReply], str]]
+
+
+class ShardPusher:
+    """Serving one leased shard at a time for one producer.
+
+    Args:
+        settings: the producer's fixed settings.
+        client: the producer's client (the serving thread's).
+        plan: the shard plan of the producer's pipeline.
+        transport: shared memory or Redis, per frame.
+        position: the run served (the producer's join updates it in place).
+        stop: set when the producer stops.
+        lease_request: ``(prefetch) -> (call, token)``: the next lease request.
+        on_status: handles a reply status that is not the pusher's (the run finished,
+            changed, the producer was reaped: raises or joins again).
+    """
+
+    def __init__(
+        self,
+        settings: PushSettings,
+        client: redis.Redis,
+        plan: ShardPlan,
+        transport: Transport,
+        position: RunPosition,
+        stop: threading.Event,
+        lease_request: LeaseRequest,
+        on_status: Callable[[str], None],
+    ) -> None:
+        self.keys = settings.keys
+        self.id = settings.producer
+        self.sources = settings.sources
+        self.checksum = settings.checksum
+        self.max_frame_bytes = settings.max_frame_bytes
+        self.inline_max_bytes = settings.inline_max_bytes
+        self.heartbeat_ttl_ms = settings.heartbeat_ttl_ms
+        self.max_attempts = settings.max_attempts
+        self.client = client
+        self.plan = plan
+        self._transport = transport
+        self._pos = position
+        self._stop = stop
+        self._lease_request = lease_request
+        self._on_status = on_status
+        self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
+        self._oom_logged = False
+        self._frame_seq = 0
+        self.pending_ref: str | None = None  # a frame stored by reference, not yet listed
+        self.prefetched: Lease | None = None  # leased with the last push
+        self._data_key = self.keys.data  # the data list of the current shard's rank
+        self._rank = 0
+        self._wrong_logged: tuple[str, str] | None = None
+
+    def aim(self, rank: int, world: int) -> None:
+        """The next shard is for ``rank`` of ``world``: push into that rank's list."""
+        self._rank = rank
+        self._data_key = self.keys.data_of(rank, world)
+
+    def note_oom(self, error: redis.ResponseError) -> None:
         """Log Redis' OOM once, then count quietly (``oom_waits``)."""
         self.oom_waits += 1
         if not self._oom_logged:
@@ -117,10 +177,9 @@ class ShardPusher:
                 error,
             )
 
-    def _note_wrong_type(self, key: str, got: str) -> None:
+    def note_wrong_type(self, key: str, got: str) -> None:
         """Log a replaced queue key (once per key and type)."""
-        seen = getattr(self, "_wrong_logged", None)
-        if seen == (key, got):
+        if self._wrong_logged == (key, got):
             return
         self._wrong_logged = (key, got)
         log.warning(
@@ -131,7 +190,7 @@ class ShardPusher:
             got,
         )
 
-    def _wait_for_room(self) -> None:
+    def wait_for_room(self) -> None:
         # Blocks until a trainer's pop wakes us or WAIT_S passes: no spinning. A trainer
         # that just arrived published its host before popping: look at it next time.
         self._transport.recheck()
@@ -140,12 +199,12 @@ class ShardPusher:
         except redis.ResponseError as e:
             if not is_wrong_type(e):
                 raise
-            self._note_wrong_type(self.keys.wake, "key of another type")
+            self.note_wrong_type(self.keys.wake, "key of another type")
             self._stop.wait(WAIT_S)
 
     # -- building and pushing a shard --------------------------------------------------
 
-    def _serve_shard(
+    def serve_shard(
         self, epoch: int, shard: int, entry: str, skip: int = 0, slot: int | None = None
     ) -> None:
         """Build a shard and push its batches from batch ``skip`` on (the trainer has the
@@ -216,7 +275,7 @@ class ShardPusher:
             }
         frame = codec.encode_frame(
             codec.FrameKind.END if error is None else codec.FrameKind.ERROR,
-            run=self._run,
+            run=self._pos.run,
             epoch=epoch,
             shard=shard,
             k=count,
@@ -232,8 +291,8 @@ class ShardPusher:
         reply = scripts.fail(
             self.client,
             self.keys,
-            incarnation=self._incarnation,
-            run=self._run,
+            incarnation=self._pos.incarnation,
+            run=self._pos.run,
             producer=self.id,
             entry=entry,
             max_attempts=self.max_attempts,
@@ -251,7 +310,7 @@ class ShardPusher:
         if reply.status == Status.GIVE_UP:
             return False
         if reply.status != Status.LEASE_LOST:
-            self._handle_status(reply.status)
+            self._on_status(reply.status)
         return True
 
     def _encode_batch(
@@ -261,7 +320,7 @@ class ShardPusher:
         codec finds wrong with the pipeline's arrays)."""
         data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
         return self._transport.encode(
-            run=self._run,
+            run=self._pos.run,
             epoch=epoch,
             shard=shard,
             k=k,
@@ -302,8 +361,8 @@ class ShardPusher:
         # The shard's last push also asks for the next lease: one round trip saved per
         # shard (per batch for map-style pipelines). Only on the first send.
         lease_next = None
-        if last and self._prefetched is None:
-            lease_next = self._lease_request(prefetch=True)
+        if last and self.prefetched is None:
+            lease_next = self._lease_request(True)
         while True:
             if self._stop.is_set():
                 return False
@@ -317,8 +376,8 @@ class ShardPusher:
                 self.keys,
                 data=self._data_key,
                 frame_key=ref,
-                incarnation=self._incarnation,
-                run=self._run,
+                incarnation=self._pos.incarnation,
+                run=self._pos.run,
                 producer=self.id,
                 entry=entry,
                 element=element,
@@ -337,38 +396,36 @@ class ShardPusher:
                 if not is_oom(e):
                     raise
                 # Redis is full (noeviction): backpressure, like the hwm; nothing is lost.
-                self._note_oom(e)
+                self.note_oom(e)
                 if blocked_since is None:
                     blocked_since = time.monotonic()
                 stored = False
-                self._wait_for_room()
+                self.wait_for_room()
                 continue
             if ref is not None:
                 stored = True
-                self._pending_ref = ref
+                self.pending_ref = ref
             if lease_next is not None:
                 lease_reply = lease_next[0].parse(replies.pop())
                 if lease_reply.status == Status.OK:
-                    self._prefetched = Lease.from_reply(
-                        lease_reply, lease_next[1], self.plan.shards
-                    )
+                    self.prefetched = Lease.from_reply(lease_reply, lease_next[1], self.plan.shards)
                 lease_next = None
             reply = request.parse(replies[-1])
             status = reply.status
             if status == Status.OK:
-                self._pending_ref = None
+                self.pending_ref = None
                 return True
             if status == Status.FULL:
                 if blocked_since is None:
                     blocked_since = full_since = time.monotonic()
-                elif self._world > 1 and time.monotonic() - full_since >= HANDBACK_S:
+                elif self._pos.world > 1 and time.monotonic() - full_since >= HANDBACK_S:
                     full_since = time.monotonic()  # looked at once per HANDBACK_S
                     if self._hand_back(entry):
                         if ref is not None:
                             self.client.delete(ref)
-                            self._pending_ref = None
+                            self.pending_ref = None
                         return False
-                self._wait_for_room()
+                self.wait_for_room()
                 continue
             if blocked_since is not None:
                 blocked_since = time.monotonic()
@@ -377,16 +434,16 @@ class ShardPusher:
                 continue
             if status == Status.WRONG_TYPE:
                 # A foreign writer replaced a queue key: keep the shard, wait for a repair.
-                self._note_wrong_type(reply.key, reply.found)
+                self.note_wrong_type(reply.key, reply.found)
                 self._stop.wait(WAIT_S)
                 continue
             if ref is not None:
                 self.client.delete(ref)
-                self._pending_ref = None
+                self.pending_ref = None
             if status == Status.LEASE_LOST:
                 log.info("producer %s: lease %s was taken back; dropping it", self.id, entry)
                 return False
-            self._handle_status(status)
+            self._on_status(status)
             return False
 
     def _hand_back(self, entry: str) -> bool:
@@ -395,7 +452,7 @@ class ShardPusher:
         if another rank still reading has an empty list: it may be waiting for this
         producer, while this rank waits for the others (its share of an epoch is
         evened, consumer/balance.py), so holding on could stall them all."""
-        k, world = self.keys, self._world
+        k, world = self.keys, self._pos.world
         fields = [f"claim_deadline:{r}" for r in range(world)]
         fields += [f"done:{r}" for r in range(world)]
 
@@ -416,11 +473,11 @@ class ShardPusher:
         if live and not starving:
             return False
         reply = scripts.handback(
-            self.client, self.keys, incarnation=self._incarnation, run=self._run,
+            self.client, self.keys, incarnation=self._pos.incarnation, run=self._pos.run,
             producer=self.id, entry=entry,
         )  # fmt: skip
         if reply.status not in (Status.OK, Status.LEASE_LOST):
-            self._handle_status(reply.status)
+            self._on_status(reply.status)
         why = "another rank's list is empty" if live else "it is not reading"
         log.info(
             "producer %s: rank %d's list is full, %s: %s handed back",

@@ -37,7 +37,7 @@ from batchq.protocol import PROTOCOL_VERSION, Status
 from batchq.ranks import rank_field, shard_of_slot
 from batchq.reaper import reap_dead, record_client, server_ms
 from batchq.replies import JoinReply, LeaseReply, status_error
-from producer.pushing import INLINE_MAX_BYTES, Lease, ShardPusher
+from producer.pushing import INLINE_MAX_BYTES, Lease, PushSettings, RunPosition, ShardPusher
 from producer.sharding import ShardPlan
 from producer.transport import Transport
 
@@ -55,7 +55,7 @@ def _default_producer_id() -> str:
     return f"{host[:40] or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Producer(ShardPusher):
+class Producer:
     """Serves one stream into one queue.
 
     Args:
@@ -143,23 +143,39 @@ class Producer(ShardPusher):
         self._axis_labels = _axis_labels_json(stream)  # for the trainer's axis_labels
         self.client = make_client(url)
         self._stop = threading.Event()
-        self._incarnation = ""
-        self._run = ""
-        self._frame_seq = 0
+        self._pos = RunPosition()  # the run served: only _join writes it
         self._lease_seq = 0
-        self._pending_ref: str | None = None
         self._heartbeat: threading.Thread | None = None
-        self._prefetched: Lease | None = None  # leased with the last push
-        self._world = 1  # ranks of the run's trainer (batchq/ranks.py)
-        self._data_key = self.keys.data
-        self._rank = 0
         self._record_id = True  # False once the server refused CLIENT ID (ACL)
-        self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
-        self._oom_logged = False
         self._finished = False
         self._transport = Transport(
             transport, shm_dir, self.keys, self.id, shm_segments, shm_max_bytes, hwm=hwm
         )
+        settings = PushSettings(
+            self.keys,
+            self.id,
+            self.sources,
+            checksum,
+            max_frame_bytes,
+            inline_max_bytes,
+            self.heartbeat_ttl_ms,
+            max_attempts,
+        )
+        self._pusher = ShardPusher(
+            settings,
+            self.client,
+            self.plan,
+            self._transport,
+            self._pos,
+            self._stop,
+            self._lease_request,
+            self._handle_status,
+        )
+
+    @property
+    def oom_waits(self) -> int:
+        """Pushes and leases refused by Redis at maxmemory (waited out, nothing lost)."""
+        return self._pusher.oom_waits
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -188,9 +204,8 @@ class Producer(ShardPusher):
                     if lease is None:
                         continue
                     epoch, slot = divmod(lease.g, lease.slots)
-                    self._rank = slot % lease.world
-                    self._data_key = self.keys.data_of(self._rank, lease.world)
-                    self._serve_shard(
+                    self._pusher.aim(slot % lease.world, lease.world)
+                    self._pusher.serve_shard(
                         epoch,
                         lease.shard
                         if lease.shard is not None
@@ -206,7 +221,7 @@ class Producer(ShardPusher):
                     # serving once it is repaired (nothing was leased by the failed call).
                     if not is_wrong_type(e):
                         raise
-                    self._note_wrong_type("read by a lease or join", f"foreign type ({e})")
+                    self._pusher.note_wrong_type("read by a lease or join", f"foreign type ({e})")
                     self._stop.wait(0.5)
                     self._rejoin()
         except RunFinished as e:
@@ -257,7 +272,7 @@ class Producer(ShardPusher):
                 now_ms = server_ms(client)
                 deadline_ms = now_ms + self.heartbeat_ttl_ms
                 client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
-                reap_dead(client, self.keys, self._incarnation, now_ms)
+                reap_dead(client, self.keys, self._pos.incarnation, now_ms)
                 self._check_orphaned(client, now_ms)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 # At maxmemory the heartbeat is refused too; pushes report that once.
@@ -284,7 +299,7 @@ class Producer(ShardPusher):
         """
         if self.orphan_exit_s is None:
             return
-        world = self._world
+        world = self._pos.world
         deadlines = client.hmget(
             self.keys.meta, [rank_field("claim_deadline", r, world) for r in range(world)]
         )
@@ -309,7 +324,7 @@ class Producer(ShardPusher):
         # After Redis lost the queue's state the trainer re-creates the run from its
         # ledger: a producer that had joined before waits for that (bounded) instead of
         # creating a fresh run that would re-plan from scratch.
-        deadline = time.monotonic() + (self.orphan_wait_s if self._incarnation else 0.0)
+        deadline = time.monotonic() + (self.orphan_wait_s if self._pos.incarnation else 0.0)
         while True:
             wait = time.monotonic() < deadline
             reply = self._join_once(no_create=wait)
@@ -324,8 +339,8 @@ class Producer(ShardPusher):
             raise PipelineMismatch(reply.what, reply.expected, got)
         if reply.status != Status.OK:
             raise status_error(reply.status, f"producer {self.id} joining")
-        self._incarnation, self._run = reply.incarnation, reply.run
-        self._world = reply.world
+        self._pos.incarnation, self._pos.run = reply.incarnation, reply.run
+        self._pos.world = reply.world
         if self._record_id:
             # Redis tells a killed producer by its closed connection (batchq.reaper).
             self._record_id = record_client(self.client, self.keys, self.id)
@@ -335,13 +350,13 @@ class Producer(ShardPusher):
             except redis.RedisError as e:
                 log.debug("producer %s: axis labels not published: %s", self.id, e)
         self._lease_seq = 0
-        self._prefetched = None  # a lease of the run we left is gone
-        self._transport.joined(self.client, self._run, self._world)
+        self._pusher.prefetched = None  # a lease of the run we left is gone
+        self._transport.joined(self.client, self._pos.run, self._pos.world)
         log.info(
             "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
             self.id,
             self.keys.queue,
-            self._run,
+            self._pos.run,
             self.plan.shards,
             reply.hwm,
         )
@@ -360,17 +375,17 @@ class Producer(ShardPusher):
             heartbeat_ttl_ms=self.heartbeat_ttl_ms,
             version=PROTOCOL_VERSION,
             epoch_batches=self.plan.epoch_batches,
-            served=self._run,
+            served=self._pos.run,
             grace_ms=int(FINISHED_GRACE_S * 1000),
             no_create=no_create,
         )
 
     def _leave(self) -> None:
         try:
-            if self._pending_ref:
-                self.client.delete(self._pending_ref)
+            if self._pusher.pending_ref:
+                self.client.delete(self._pusher.pending_ref)
             scripts.reap(
-                self.client, self.keys, incarnation=self._incarnation, why="leave",
+                self.client, self.keys, incarnation=self._pos.incarnation, why="leave",
                 producers=[self.id],
             )  # fmt: skip
             self.client.hdel(self.keys.clients, self.id, f"{self.id}:hb")
@@ -389,21 +404,21 @@ class Producer(ShardPusher):
         token = f"{self.id}.{self._lease_seq}"
         request = scripts.lease_call(
             self.keys,
-            incarnation=self._incarnation,
-            run=self._run,
+            incarnation=self._pos.incarnation,
+            run=self._pos.run,
             producer=self.id,
             token=token,
             heartbeat_ttl_ms=self.heartbeat_ttl_ms,
             prefetch=prefetch,
-            world=self._world,
+            world=self._pos.world,
         )
         return request, token
 
     def _lease(self) -> Lease | None:
         """Lease the next shard, or None."""
-        if self._prefetched is not None:
+        if self._pusher.prefetched is not None:
             # Leased in the same round trip as the previous shard's last push.
-            lease, self._prefetched = self._prefetched, None
+            lease, self._pusher.prefetched = self._pusher.prefetched, None
             return lease
         request, token = self._lease_request()
         try:
@@ -411,9 +426,9 @@ class Producer(ShardPusher):
         except redis.ResponseError as e:
             if not is_oom(e):
                 raise
-            self._note_oom(e)
+            self._pusher.note_oom(e)
             self._lease_seq -= 1
-            self._wait_for_room()
+            self._pusher.wait_for_room()
             return None
         except ConnectionLost as e:
             # The same token makes a retried lease idempotent.
@@ -425,7 +440,7 @@ class Producer(ShardPusher):
         if status == Status.OK:
             return Lease.from_reply(reply, token, self.plan.shards)
         if status == Status.WAIT:
-            self._wait_for_room()
+            self._pusher.wait_for_room()
             return None
         self._handle_status(status)
         return None

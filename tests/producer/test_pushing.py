@@ -1,21 +1,29 @@
-"""producer.pushing on its own: what counts as "the user's pipeline raised"."""
+"""producer.pushing on its own: a ShardPusher built from explicit parts (no Producer),
+and what counts as "the user's pipeline raised"."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
 
-from producer import Producer
+from batchq import scripts
+from batchq.keys import QueueKeys
+from batchq.protocol import Status
+from batchq.replies import CountReply
 from producer.datasets import IndexableDataset
+from producer.pushing import PushSettings, RunPosition, ShardPusher
 from producer.schemes import SequentialScheme
+from producer.sharding import ShardPlan
 from producer.streams import DataStream
 from producer.transformers import Mapping
+from producer.transport import Transport
 
 
-def _producer(fail_at: int | None = None) -> Producer:
+def _pusher(fail_at: int | None = None, statuses: list[str] | None = None) -> ShardPusher:
     def boom(batch: Any) -> Any:
         if fail_at is not None and int(batch[0][0]) == fail_at:
             raise ValueError("the user's bug")
@@ -23,21 +31,34 @@ def _producer(fail_at: int | None = None) -> Producer:
 
     dataset = IndexableDataset({"x": np.arange(40)})
     stream = Mapping(DataStream(dataset, iteration_scheme=SequentialScheme(40, 10)), boom)
-    p = Producer(stream, "redis://127.0.0.1:1/0", "q", transport="redis")
-    p._run, p._incarnation = "run", "inc"
-    return p
+    keys = QueueKeys("q")
+    settings = PushSettings(keys, "p", ("x",), False, None, 256 * 1024, 10_000, 3)
+
+    def no_lease(prefetch: bool) -> Any:
+        pytest.fail("asked for a lease")
+
+    return ShardPusher(
+        settings,
+        redis.Redis.from_url("redis://127.0.0.1:1/0"),  # never reached: pushes are patched
+        ShardPlan(stream, None),
+        Transport("redis", None, keys, "p", None),
+        RunPosition("run", "inc"),
+        threading.Event(),
+        no_lease,
+        (statuses if statuses is not None else []).append,
+    )
 
 
 def test_a_pipeline_that_raises_is_counted_against_the_shard() -> None:
-    p = _producer(fail_at=0)
+    p = _pusher(fail_at=0)
     failed: list[tuple[int, int, str]] = []
     p._retry_elsewhere = lambda e, s, entry: failed.append((e, s, entry)) or True  # type: ignore[method-assign]
-    p._serve_shard(0, 0, "0:t")
+    p.serve_shard(0, 0, "0:t")
     assert failed == [(0, 0, "0:t")]
 
 
 def test_a_redis_error_while_pushing_is_a_redis_error_not_the_pipelines() -> None:
-    p = _producer()
+    p = _pusher()
     p._retry_elsewhere = lambda *a: pytest.fail("counted against the shard")  # type: ignore[method-assign]
 
     def push(*args: Any, **kwargs: Any) -> bool:
@@ -45,13 +66,46 @@ def test_a_redis_error_while_pushing_is_a_redis_error_not_the_pipelines() -> Non
 
     p._push = push  # type: ignore[method-assign]
     with pytest.raises(redis.ResponseError, match="NOPERM"):
-        p._serve_shard(0, 0, "0:t")
+        p.serve_shard(0, 0, "0:t")
 
 
 def test_a_shard_the_trainer_has_entirely_sends_only_its_count() -> None:
-    p = _producer()
+    p = _pusher()
     ends: list[tuple[int, int, int]] = []
     p._push_end = lambda e, s, count, entry: ends.append((e, s, count))  # type: ignore[method-assign]
     p._push = lambda *a, **k: pytest.fail("pushed a batch the trainer has")  # type: ignore[method-assign]
-    p._serve_shard(0, 2, "2:t", skip=1)
+    p.serve_shard(0, 2, "2:t", skip=1)
     assert ends == [(0, 2, 1)]
+
+
+def test_every_batch_of_a_shard_is_pushed_in_order_the_last_one_marked() -> None:
+    p = _pusher()
+    pushed: list[tuple[Any, bool]] = []
+
+    def push(frame: Any, entry: str, *, last: bool, produce_ms: int = 0) -> bool:
+        assert entry == "0:t"
+        pushed.append((frame, last))
+        return True
+
+    p._push = push  # type: ignore[method-assign]
+    p.serve_shard(0, 0, "0:t")
+    expected = list(p.plan.iter_shard_marked(0, 0))
+    assert len(pushed) == len(expected) >= 1
+    assert [last for _, last in pushed] == [last for _, last in expected]
+
+
+def test_a_status_that_is_not_the_pushers_goes_to_the_producer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    statuses: list[str] = []
+    p = _pusher(statuses=statuses)
+    reply = CountReply(Status.FINISHED)
+    monkeypatch.setattr(scripts, "fail", lambda *a, **k: reply)
+    assert p._retry_elsewhere(0, 0, "0:t") is True
+    assert statuses == [Status.FINISHED]
+
+
+def test_aim_points_the_pushes_at_a_ranks_list() -> None:
+    p = _pusher()
+    p.aim(2, 4)
+    assert p._data_key == QueueKeys("q").data_of(2, 4)
