@@ -102,7 +102,7 @@ def test_data_list_replaced_then_repaired(
         wait_until(lambda: reader._wrong_since is not None, what="the trainer to notice")
         # Any producer: one waiting at the look-ahead window touches no data list.
         wait_until(
-            lambda: any(getattr(p, "_wrong_logged", None) for p in producers),
+            lambda: any(p._pusher._wrong_logged for p in producers),
             what="a producer to notice",
         )
         redis_client.delete(keys.data)  # repaired
@@ -151,7 +151,7 @@ def test_bookkeeping_key_replaced_then_repaired(
         served = [examples_of(next(it)[0])]
         redis_client.set(key, "rogue")  # SET replaces a key of any type
         wait_until(
-            lambda: any(getattr(p, "_wrong_logged", None) for p in producers),
+            lambda: any(p._pusher._wrong_logged for p in producers),
             what="a producer to notice",
         )
         redis_client.delete(key)
