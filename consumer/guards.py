@@ -18,6 +18,7 @@ from batchq.connection import is_wrong_type
 from batchq.errors import ConnectionLost, FrameError, WrongKeyType
 from batchq.keys import QueueKeys
 from batchq.reaper import reap_gone
+from consumer.buffer import Buffer
 from consumer.session import Session
 
 __all__ = ["REAP_CLOSED_S", "REAP_IDLE_S", "ReaderGuards", "ref_error"]
@@ -44,7 +45,7 @@ class ReaderGuards:
     session: Session
     cond: threading.Condition
     timeout_s: float
-    waiting_since: float | None
+    buffer: Buffer
     _halt: threading.Event
     _last_frame: float
     _wrong_since: float | None
@@ -82,7 +83,7 @@ class ReaderGuards:
         TTL (its sockets stay open).
         """
         with self.cond:
-            since = self.waiting_since
+            since = self.buffer.waiting_since
         now = time.monotonic()
         if self._no_client_list:
             return

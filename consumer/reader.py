@@ -38,8 +38,8 @@ from batchq.ranks import RankLayout
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.replies import status_error
 from batchq.shm import is_descriptor
+from consumer.buffer import Buffer
 from consumer.guards import ReaderGuards, ref_error
-from consumer.ledger import Ledger
 from consumer.receive import getdel_into
 from consumer.session import Session
 from consumer.shm_frames import TrainerShm
@@ -61,7 +61,7 @@ class Reader(ReaderGuards, threading.Thread):
         client: a client from :func:`batchq.connection.make_client` (owned by the reader).
         keys: the queue's keys.
         session: the trainer's claim on the queue (shared with the stream).
-        ledger: where frames go.
+        buffer: where frames go (the ledger behind its lock, shared with the iterator).
         hwm: the trainer's prefetch bound (frames held but not handed out).
         timeout_s: raise ProducersLost after this long with no producer alive.
         writable: writable arrays: frames stored by reference are received into buffers
@@ -82,7 +82,7 @@ class Reader(ReaderGuards, threading.Thread):
         client: redis.Redis,
         keys: QueueKeys,
         session: Session,
-        ledger: Ledger,
+        buffer: Buffer,
         *,
         hwm: int,
         timeout_s: float,
@@ -99,16 +99,17 @@ class Reader(ReaderGuards, threading.Thread):
         self.client = client
         self.keys = keys
         self.session = session
-        self.ledger = ledger
+        self.buffer = buffer
+        # The reader's own reads of the ledger take the buffer's lock; the iterator's
+        # side goes through the buffer's methods only.
+        self.ledger = buffer.ledger
         self.hwm = hwm
         self.timeout_s = timeout_s
         self.writable = writable
         self.max_frame_bytes = max_frame_bytes
         self.on_bad_frame = on_bad_frame
         self.prepare = prepare
-        self.cond = threading.Condition()
-        self.error: BaseException | None = None
-        self.waiting_since: float | None = None  # set by the iterator while it waits
+        self.cond = buffer.cond
         self._halt = threading.Event()
         self._flush_on_stop = False
         self._extra_popped = 0
@@ -142,8 +143,7 @@ class Reader(ReaderGuards, threading.Thread):
         """
         self._flush_on_stop = flush
         self._halt.set()
-        with self.cond:
-            self.cond.notify_all()
+        self.buffer.wake()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=BLOCK_S * 10)
 
@@ -189,11 +189,9 @@ class Reader(ReaderGuards, threading.Thread):
                     self._recover(e)
         except BaseException as e:  # handed to the iterator, which raises it
             log.debug("reader stopped by %r", e)
-            with self.cond:
-                self.error = e
-                self.cond.notify_all()
+            self.buffer.fail(e)
         finally:
-            if self._flush_on_stop and self.error is None:
+            if self._flush_on_stop and self.buffer.error is None:
                 self.flush()
             self.client.close()
 
@@ -320,7 +318,7 @@ class Reader(ReaderGuards, threading.Thread):
 
     def _check_producers(self) -> None:
         with self.cond:
-            waiting = self.waiting_since is not None
+            waiting = self.buffer.waiting_since is not None
         if not waiting:
             return
         now = time.monotonic()
@@ -455,22 +453,8 @@ class Reader(ReaderGuards, threading.Thread):
             frames.append((frame, raw))
         if frames:
             self._last_frame = time.monotonic()
-        bad: list[tuple[bytes, FrameError]] = []
-        with self.cond:
-            self.ledger.stale += stale
-            for frame, raw in frames:
-                reason = self.ledger.impossible(frame)
-                if reason is None:
-                    self.ledger.add(frame)
-                else:
-                    bad.append((raw[:4096], FrameError("impossible", reason)))
-            for frame, why in self.ledger.purged:
-                where = f"epoch {frame.epoch} shard {frame.shard} k {frame.k}"
-                bad.append((b"", FrameError("impossible", f"{where} ({frame.producer}): {why}")))
-            self.ledger.purged.clear()
-            self.cond.notify_all()
-        for element, error in bad:
-            self._dead(element, error)
+        for element, reason in self.buffer.put(frames, stale):
+            self._dead(element, FrameError("impossible", reason))
 
     def _dead(self, element: bytes, error: FrameError) -> None:
         """Move a bad element to the dead list with its reason, count it, apply the policy."""

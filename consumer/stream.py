@@ -7,7 +7,6 @@ popped before the first iteration.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import warnings
@@ -30,6 +29,7 @@ from batchq.errors import (
 from batchq.keys import QueueKeys
 from batchq.ranks import RankLayout
 from consumer.balance import Balancer
+from consumer.buffer import Buffer
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.ledger import Ledger
 from consumer.prepare import FramePrep
@@ -197,7 +197,8 @@ class ServerDataStream(FuelStreamMixin):
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
         self._reader: Reader | None = None
-        self._ledger: Ledger | None = None
+        self._ledger: Ledger | None = None  # built here; once read, the buffer's
+        self._buffer: Buffer | None = None
         self._session: Session | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
@@ -321,8 +322,7 @@ class ServerDataStream(FuelStreamMixin):
                 RUN_KEY: "",
                 FINGERPRINT_KEY: "",
             }
-        with self._reader_cond():
-            epoch, counts, done = self._ledger.consumed(held_back)
+        epoch, counts, done = self._buffer_of(self._ledger).consumed(held_back)
         run, plan = self._session.position()
         state = {
             VERSION_KEY: STATE_VERSION,
@@ -401,8 +401,9 @@ class ServerDataStream(FuelStreamMixin):
             tune_malloc()
             self._client = make_client(self.url)
 
-    def _reader_cond(self) -> Any:
-        return self._reader.cond if self._reader is not None else contextlib.nullcontext()
+    def _buffer_of(self, ledger: Ledger) -> Buffer:
+        """The buffer that owns ``ledger`` (one of its own before the reader starts)."""
+        return self._buffer if self._buffer is not None else Buffer(ledger)
 
     def _retry(self, fn: Any, what: str) -> Any:
         """Run one of the stream's own Redis calls through the bounded reconnect."""
@@ -476,12 +477,13 @@ class ServerDataStream(FuelStreamMixin):
             ledger.epoch_batches = session.plan.epoch_batches
         self._shm.new_run(session.run)  # other runs' segments: nothing will pop them
         self._ledger = ledger
+        self._buffer = Buffer(ledger)
         self._even_up(layout, session.plan)
         self._reader = Reader(
             make_client(self.url),
             self.keys,
             session,
-            ledger,
+            self._buffer,
             hwm=self.hwm,
             timeout_s=self.timeout_s,
             writable=self.writable,
@@ -535,11 +537,7 @@ class ServerDataStream(FuelStreamMixin):
 
     def _frame_ready(self) -> bool:
         """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
-        reader, ledger = self._reader, self._ledger
-        if reader is None or ledger is None:
-            return False
-        with reader.cond:
-            return reader.error is not None or ledger.epoch_done() or ledger.next_frame_ready()
+        return self._buffer is not None and self._reader is not None and self._buffer.ready()
 
     @staticmethod
     def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:
@@ -547,19 +545,17 @@ class ServerDataStream(FuelStreamMixin):
             yield frame.as_dict() if as_dict else frame.data
 
     def _iterate_frames(self, epoch: int) -> Iterator[Frame]:
-        reader, ledger = self._reader, self._ledger
-        if reader is None or ledger is None:  # pragma: no cover - _start sets both
+        reader, buffer = self._reader, self._buffer
+        if reader is None or buffer is None:  # pragma: no cover - _start sets both
             raise StreamStopped("the reader did not start")
-        with reader.cond:
-            ledger.start_epoch(epoch)
-            reader.cond.notify_all()
+        buffer.start_epoch(epoch)
         self._stats.start_epoch(epoch)
         bar = self._progress_bar(epoch)
         handed_out: float | None = None  # when the previous batch left this generator
-        frames = self._ledger_frames(reader, ledger)
+        frames = self._buffer_frames(reader, buffer)
         if self._balancer is not None:
             self._balancer.start_epoch(epoch)
-            frames = self._balancer.balance(epoch, frames, lambda: self._cut(reader, ledger))
+            frames = self._balancer.balance(epoch, frames, buffer.cut_epoch)
         try:
             while True:
                 asked = time.monotonic()
@@ -582,32 +578,20 @@ class ServerDataStream(FuelStreamMixin):
             if bar is not None:
                 bar.close()
 
-    def _ledger_frames(self, reader: Reader, ledger: Ledger) -> Iterator[Frame]:
-        while (frame := self._next(reader, ledger)) is not None:
+    def _buffer_frames(self, reader: Reader, buffer: Buffer) -> Iterator[Frame]:
+        while (frame := self._next(reader, buffer)) is not None:
             static = self._static
             if static is not None and static.slot(frame.shard, self.rank) >= static.shards:
                 self._pads += 1  # a pad slot: one of the epoch's first batches again
             yield frame
 
-    @staticmethod
-    def _cut(reader: Reader, ledger: Ledger) -> None:
-        with reader.cond:
-            ledger.cut_epoch()
-            reader.cond.notify_all()
-
-    def _next(self, reader: Reader, ledger: Ledger) -> Any:
+    def _next(self, reader: Reader, buffer: Buffer) -> Any:
         """The next batch frame of the epoch (waiting for it), or None at its end."""
         while True:
-            with reader.cond:
-                self.max_buffered = max(self.max_buffered, ledger.buffered)
-                frame = ledger.next_frame()
-                if frame is None:
-                    if ledger.epoch_done():
-                        reader.cond.notify_all()
-                        return None
-                    self._wait(reader, ledger)
-                    continue
-                reader.cond.notify_all()  # room in the prefetch buffer
+            frame = buffer.take(reader.is_alive, BLOCK_S)
+            self.max_buffered = buffer.max_buffered
+            if frame is None:
+                return None
             if frame.kind != FrameKind.ERROR:
                 return frame
             if self.on_producer_error != "skip":
@@ -625,8 +609,7 @@ class ServerDataStream(FuelStreamMixin):
                 frame.shard,
                 frame.error_name,
             )
-            with reader.cond:
-                ledger.skip_error(frame)
+            buffer.skip_error(frame)
 
     def _progress_bar(self, epoch: int) -> EpochProgress | None:
         if not self.progress:
@@ -643,16 +626,3 @@ class ServerDataStream(FuelStreamMixin):
         """The trainer's figures: stall fraction of the last epoch and of the last 100
         batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`)."""
         return self._stats.snapshot()
-
-    def _wait(self, reader: Reader, ledger: Ledger) -> None:
-        """Wait (holding reader.cond) until a frame arrives or the reader fails."""
-        reader.waiting_since = time.monotonic()
-        try:
-            while ledger.next_frame_ready() is False and not ledger.epoch_done():
-                if reader.error is not None:
-                    raise reader.error
-                if not reader.is_alive():
-                    raise StreamStopped("the reader thread stopped")
-                reader.cond.wait(timeout=BLOCK_S)
-        finally:
-            reader.waiting_since = None
