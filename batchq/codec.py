@@ -85,6 +85,7 @@ __all__ = [
     "MAGIC",
     "REF_MAGIC",
     "Frame",
+    "FrameHeader",
     "FrameKind",
     "decode_frame",
     "decode_ref",
@@ -164,6 +165,41 @@ class Frame:
         return dict(zip(self.sources, self.data, strict=True))
 
 
+@dataclass(frozen=True)
+class FrameHeader:
+    """What a frame says about itself, everything but its arrays (the encoders' input).
+
+    Attributes:
+        kind: BATCH, END or ERROR. END implies ``last=True``; END and ERROR carry no data.
+        run: the run id.
+        epoch: the epoch (>= 0).
+        shard: the shard's index (>= 0).
+        k: the batch's position in its shard (>= 0).
+        producer: the producer's id.
+        sources: the source names, unique; one value per source in the data.
+        g: the global batch index, -1 when unknown.
+        last: whether this is the shard's last frame; then ``count`` is required.
+        count: the number of batches in the shard (only with ``last``).
+        error: the traceback text (ERROR frames; required there).
+        error_name: the exception's class name (ERROR frames).
+        produced_at: the producer's wall time, for monitoring.
+    """
+
+    kind: FrameKind
+    run: str
+    epoch: int
+    shard: int
+    k: int
+    producer: str
+    sources: Sequence[str] = ()
+    g: int = -1
+    last: bool = False
+    count: int | None = None
+    error: str | None = None
+    error_name: str | None = None
+    produced_at: float | None = None
+
+
 def _is_int(value: Any, low: int) -> bool:
     return type(value) is int and value >= low
 
@@ -172,23 +208,11 @@ def _is_int(value: Any, low: int) -> bool:
 
 
 def encode_frame(
-    kind: FrameKind,
-    *,
-    run: str,
-    epoch: int,
-    shard: int,
-    k: int,
-    producer: str,
-    sources: Sequence[str] = (),
+    header: FrameHeader,
     data: Sequence[Any] = (),
-    g: int = -1,
-    last: bool = False,
-    count: int | None = None,
-    error: str | None = None,
-    error_name: str | None = None,
+    *,
     checksum: bool = False,
     max_frame_bytes: int | None = None,
-    produced_at: float | None = None,
 ) -> memoryview:
     """Encode one frame into a single freshly allocated buffer.
 
@@ -196,23 +220,11 @@ def encode_frame(
     into their place (non-contiguous arrays are gathered by that same copy).
 
     Args:
-        kind: BATCH, END or ERROR. END implies ``last=True``; END and ERROR carry no data.
-        run: the run id.
-        epoch: the epoch (>= 0).
-        shard: the shard's index (>= 0).
-        k: the batch's position in its shard (>= 0).
-        producer: the producer's id.
-        sources: the source names, unique.
+        header: what the frame says about itself (:class:`FrameHeader`).
         data: one value per source: an ``np.ndarray`` of an allowed dtype, a numpy scalar,
             an object array of such arrays or values (ragged data), or a plain Python value.
-        g: the global batch index, -1 when unknown.
-        last: whether this is the shard's last frame; then ``count`` is required.
-        count: the number of batches in the shard (only with ``last``).
-        error: the traceback text (ERROR frames; required there).
-        error_name: the exception's class name (ERROR frames).
         checksum: store a crc32 of the buffer region.
         max_frame_bytes: refuse (before allocating) frames larger than this.
-        produced_at: the producer's wall time, for monitoring.
 
     Returns:
         The encoded frame.
@@ -221,19 +233,23 @@ def encode_frame(
         ConfigError: an argument is invalid, a value cannot be encoded, or the frame
             would exceed ``max_frame_bytes``.
     """
-    kind, header, packed, data_start, total, copies = _prepare(
-        kind, run, epoch, shard, k, producer, sources, data, g, last, count, error,
-        error_name, checksum, max_frame_bytes, produced_at,
-    )  # fmt: skip
+    kind, fields, packed, data_start, total, copies = _prepare(
+        header, data, checksum, max_frame_bytes
+    )
     # Not bytearray(total): zero-filling MBs that the copies overwrite cost two thirds of
     # the copy itself (measured at 4.8 MB). Only the gaps (padding) are zeroed.
     buf = np.empty(total, dtype=np.uint8)
-    _fill(buf, kind, header, packed, data_start, copies, checksum)
+    _fill(buf, kind, fields, packed, data_start, copies, checksum)
     return memoryview(buf)  # type: ignore[arg-type]
 
 
 def encode_frame_into(
-    alloc: Callable[[int], Any], kind: FrameKind, **fields: Any
+    alloc: Callable[[int], Any],
+    header: FrameHeader,
+    data: Sequence[Any] = (),
+    *,
+    checksum: bool = False,
+    max_frame_bytes: int | None = None,
 ) -> tuple[int, Any] | None:
     """Encode one frame straight into a buffer that ``alloc`` hands out (a shared-memory
     segment): the same bytes as :func:`encode_frame`, each array copied once, into place.
@@ -241,8 +257,7 @@ def encode_frame_into(
     Args:
         alloc: called with the frame's size once it is known; returns a writable buffer
             of at least that size, or None (then nothing is written).
-        kind: BATCH, END or ERROR.
-        **fields: the keyword arguments of :func:`encode_frame`.
+        header, data, checksum, max_frame_bytes: as :func:`encode_frame`.
 
     Returns:
         (the frame's length, the buffer ``alloc`` returned), or None when it returned None.
@@ -250,18 +265,8 @@ def encode_frame_into(
     Raises:
         ConfigError: as :func:`encode_frame`, or the buffer is smaller than the frame.
     """
-    names = ("run", "epoch", "shard", "k", "producer")
-    run, epoch, shard, k, producer = (fields.pop(name) for name in names)
-    opts: dict[str, Any] = {
-        "sources": (), "data": (), "g": -1, "last": False, "count": None, "error": None,
-        "error_name": None, "checksum": False, "max_frame_bytes": None, "produced_at": None,
-    }  # fmt: skip
-    unknown = set(fields) - set(opts)
-    if unknown:
-        raise ConfigError(f"encode_frame_into: unknown arguments {sorted(unknown)}")
-    opts.update(fields)
-    kind, header, packed, data_start, total, copies = _prepare(
-        kind, run, epoch, shard, k, producer, *opts.values()
+    kind, packed_header, packed, data_start, total, copies = _prepare(
+        header, data, checksum, max_frame_bytes
     )
     target = alloc(total)
     if target is None:
@@ -269,7 +274,7 @@ def encode_frame_into(
     buf = np.frombuffer(target, dtype=np.uint8)
     if buf.size < total:
         raise ConfigError(f"frame of {total} bytes does not fit in {buf.size} bytes")
-    _fill(buf[:total], kind, header, packed, data_start, copies, bool(opts["checksum"]))
+    _fill(buf[:total], kind, packed_header, packed, data_start, copies, checksum)
     return total, target
 
 
@@ -302,23 +307,11 @@ def _fill(
 
 
 def encode_frame_pieces(
-    kind: FrameKind,
-    *,
-    run: str,
-    epoch: int,
-    shard: int,
-    k: int,
-    producer: str,
-    sources: Sequence[str] = (),
+    header: FrameHeader,
     data: Sequence[Any] = (),
-    g: int = -1,
-    last: bool = False,
-    count: int | None = None,
-    error: str | None = None,
-    error_name: str | None = None,
+    *,
     checksum: bool = False,
     max_frame_bytes: int | None = None,
-    produced_at: float | None = None,
 ) -> Pieces:
     """Encode one frame as buffers that are sent back to back, without copying arrays.
 
@@ -327,10 +320,9 @@ def encode_frame_pieces(
     producer's hot path sends them straight to the socket (see
     :class:`batchq.connection.Pieces`), so a contiguous batch is never copied in Python.
     """
-    kind, header, packed, data_start, total, copies = _prepare(
-        kind, run, epoch, shard, k, producer, sources, data, g, last, count, error,
-        error_name, checksum, max_frame_bytes, produced_at,
-    )  # fmt: skip
+    kind, fields, packed, data_start, total, copies = _prepare(
+        header, data, checksum, max_frame_bytes
+    )
     pieces: list[bytes | memoryview] = []
     cursor = data_start
     for arr, desc in copies:
@@ -344,37 +336,27 @@ def encode_frame_pieces(
     head = bytearray(data_start if copies else PREFIX.size + len(packed))
     if checksum:
         PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
-        head[PREFIX.size : PREFIX.size + len(packed)] = pack_header(header, 0)
+        head[PREFIX.size : PREFIX.size + len(packed)] = pack_header(fields, 0)
         crc = zlib.crc32(head)
         for piece in pieces:
             crc = zlib.crc32(piece, crc)
-        packed = pack_header(header, crc)
+        packed = pack_header(fields, crc)
     PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
     head[PREFIX.size : PREFIX.size + len(packed)] = packed
     return Pieces([bytes(head), *pieces], total)
 
 
 def _prepare(
-    kind: FrameKind,
-    run: str,
-    epoch: int,
-    shard: int,
-    k: int,
-    producer: str,
-    sources: Sequence[str],
-    data: Sequence[Any],
-    g: int,
-    last: bool,
-    count: int | None,
-    error: str | None,
-    error_name: str | None,
-    checksum: bool,
-    max_frame_bytes: int | None,
-    produced_at: float | None,
+    spec: FrameHeader, data: Sequence[Any], checksum: bool, max_frame_bytes: int | None
 ) -> tuple[FrameKind, dict[str, Any], bytes, int, int, list[Copy]]:
-    """Validate, build the header and place the arrays: what both encoders share."""
-    kind = _check_kind(kind)
-    sources, data = tuple(sources), tuple(data)
+    """Validate, build the header and place the arrays: what the encoders share."""
+    if not isinstance(spec, FrameHeader):
+        raise ConfigError(f"header {spec!r} is not valid: expected a FrameHeader")
+    kind = _check_kind(spec.kind)
+    run, epoch, shard, k, produced_at = spec.run, spec.epoch, spec.shard, spec.k, spec.produced_at
+    last, count, error, error_name = spec.last, spec.count, spec.error, spec.error_name
+    producer, g = spec.producer, spec.g
+    sources, data = tuple(spec.sources), tuple(data)
     if len(sources) != len(data):
         raise ConfigError(f"{len(sources)} sources but {len(data)} data values")
     header: dict[str, Any] = {

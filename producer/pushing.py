@@ -273,7 +273,7 @@ class ShardPusher:
                 "error": "".join(traceback.format_exception(error)),
                 "error_name": type(error).__name__,
             }
-        frame = codec.encode_frame(
+        header = codec.FrameHeader(
             codec.FrameKind.END if error is None else codec.FrameKind.ERROR,
             run=self._pos.run,
             epoch=epoch,
@@ -284,6 +284,7 @@ class ShardPusher:
             count=count,
             **extra,
         )
+        frame = codec.encode_frame(header)
         self._push(frame, entry, last=True)
 
     def _retry_elsewhere(self, epoch: int, shard: int, entry: str) -> bool:
@@ -319,7 +320,8 @@ class ShardPusher:
         """One batch's frame: into shared memory, else pieces for Redis (raises what the
         codec finds wrong with the pipeline's arrays)."""
         data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
-        return self._transport.encode(
+        header = codec.FrameHeader(
+            codec.FrameKind.BATCH,
             run=self._pos.run,
             epoch=epoch,
             shard=shard,
@@ -327,12 +329,12 @@ class ShardPusher:
             g=-1 if self.plan.shard_batches is None else self.plan.shard_batches * shard + k,
             producer=self.id,
             sources=self.sources,
-            data=data,
             last=last,
             count=k + 1 if last else None,
-            checksum=self.checksum,
-            max_frame_bytes=self.max_frame_bytes,
             produced_at=time.time(),
+        )
+        return self._transport.encode(
+            header, data, checksum=self.checksum, max_frame_bytes=self.max_frame_bytes
         )
 
     def _push_batch(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -175,23 +176,40 @@ class Transport:
         cap: a trainer that just arrived publishes its host before its first pop)."""
         self._checked = -REFRESH_S
 
-    def encode(self, **fields: Any) -> Pieces | ShmFrame:
-        """Encode a BATCH frame: into a segment when shared memory is on and one is free,
-        else as pieces for Redis. Arguments and errors as :func:`codec.encode_frame`."""
+    def encode(
+        self,
+        header: codec.FrameHeader,
+        data: Sequence[Any],
+        *,
+        checksum: bool = False,
+        max_frame_bytes: int | None = None,
+    ) -> Pieces | ShmFrame:
+        """Encode a frame: into a segment when shared memory is on and one is free, else
+        as pieces for Redis. Arguments and errors as :func:`codec.encode_frame`."""
         if self.active:
-            frame = self._encode_shm(fields)
+            frame = self._encode_shm(header, data, checksum, max_frame_bytes)
             if frame is not None:
                 return frame
-        return codec.encode_frame_pieces(codec.FrameKind.BATCH, **fields)
+        return codec.encode_frame_pieces(
+            header, data, checksum=checksum, max_frame_bytes=max_frame_bytes
+        )
 
-    def _encode_shm(self, fields: dict[str, Any]) -> ShmFrame | None:
+    def _encode_shm(
+        self,
+        header: codec.FrameHeader,
+        data: Sequence[Any],
+        checksum: bool,
+        max_frame_bytes: int | None,
+    ) -> ShmFrame | None:
         got: list[Segment | str] = []
 
         def alloc(nbytes: int) -> memoryview | None:
             got.append(self.pool.acquire(nbytes))
             return got[0].body(nbytes) if isinstance(got[0], Segment) else None
 
-        result = codec.encode_frame_into(alloc, codec.FrameKind.BATCH, **dict(fields))
+        result = codec.encode_frame_into(
+            alloc, header, data, checksum=checksum, max_frame_bytes=max_frame_bytes
+        )
         segment = got[0] if got else None
         if result is None or not isinstance(segment, Segment):
             self.fallbacks += 1

@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from frame_args import encode_with
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -22,6 +23,7 @@ from batchq.codec import (
     MAGIC,
     REF_MAGIC,
     Frame,
+    FrameHeader,
     FrameKind,
     decode_frame,
     decode_ref,
@@ -45,7 +47,7 @@ def enc(*sources_data: tuple[str, Any], **kw: Any) -> bytes:
     kind = args.pop("kind", FrameKind.BATCH)
     sources = tuple(s for s, _ in sources_data)
     data = tuple(d for _, d in sources_data)
-    return bytes(encode_frame(kind, sources=sources, data=data, **args))
+    return bytes(encode_with(encode_frame, kind, sources=sources, data=data, **args))
 
 
 def reaches(arr: np.ndarray, buf: object) -> bool:
@@ -365,8 +367,10 @@ def test_batch_header_fields_round_trip() -> None:
 
 def test_bytearray_and_memoryview_input() -> None:
     arr = np.arange(12, dtype="<i4").reshape(3, 4)
-    raw = encode_frame(FrameKind.BATCH, run="r", epoch=0, shard=0, k=0, producer="p",
-                       sources=("a",), data=(arr,))  # fmt: skip
+    header = FrameHeader(
+        FrameKind.BATCH, run="r", epoch=0, shard=0, k=0, producer="p", sources=("a",)
+    )
+    raw = encode_frame(header, (arr,))
     assert isinstance(raw, memoryview) and raw.nbytes == len(bytes(raw))
     for buf in (raw, bytearray(raw), memoryview(bytes(raw))):
         (got,) = decode_frame(buf).data
@@ -844,7 +848,7 @@ def test_bad_encode_arguments(kw: dict[str, Any]) -> None:
     args.update(kw)
     kind = args.pop("kind", FrameKind.BATCH)
     with pytest.raises(ConfigError):
-        encode_frame(kind, **args)
+        encode_with(encode_frame, kind, **args)
 
 
 def test_max_frame_bytes_on_encode() -> None:
@@ -937,7 +941,7 @@ def test_pieces_are_the_same_bytes_as_the_frame(checksum: bool) -> None:
     ]
     kw: dict[str, Any] = {"run": "r", "epoch": 1, "shard": 2, "k": 3, "producer": "p"}
     kw.update(sources=[f"s{i}" for i in range(len(data))], data=data, checksum=checksum)
-    whole = bytes(encode_frame(FrameKind.BATCH, **kw))
-    pieces = encode_frame_pieces(FrameKind.BATCH, **kw)
+    whole = bytes(encode_with(encode_frame, FrameKind.BATCH, **kw))
+    pieces = encode_with(encode_frame_pieces, FrameKind.BATCH, **kw)
     assert len(pieces) == len(whole) and bytes(pieces) == whole
     assert all(not isinstance(b, memoryview) or b.format == "B" for b in pieces.buffers)

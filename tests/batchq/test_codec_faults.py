@@ -8,6 +8,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from frame_args import encode_with
 
 from batchq import codec
 from batchq.codec import FrameKind, decode_frame, encode_frame, encode_frame_pieces
@@ -20,7 +21,7 @@ def frame(checksum: bool = True, **kw: Any) -> bytes:
         data=(np.arange(50, dtype="<i4"),), checksum=checksum,
     )  # fmt: skip
     args.update(kw)
-    return bytes(encode_frame(FrameKind.BATCH, **args))
+    return bytes(encode_with(encode_frame, FrameKind.BATCH, **args))
 
 
 def header_span(buf: bytes) -> tuple[int, int]:
@@ -57,8 +58,8 @@ def test_pieces_and_single_buffer_agree_with_the_checksum() -> None:
         run="r", epoch=0, shard=1, k=0, producer="p", sources=("a", "b"),
         data=(np.arange(7, dtype="<f4"), np.ones((3, 3), dtype="<u1")), checksum=True,
     )  # fmt: skip
-    whole = bytes(encode_frame(FrameKind.BATCH, **kw))
-    assert bytes(encode_frame_pieces(FrameKind.BATCH, **kw)) == whole
+    whole = bytes(encode_with(encode_frame, FrameKind.BATCH, **kw))
+    assert bytes(encode_with(encode_frame_pieces, FrameKind.BATCH, **kw)) == whole
     assert decode_frame(whole).k == 0
 
 

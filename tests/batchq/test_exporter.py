@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchq import exporter as exporter_module
 from batchq.cli import main
-from batchq.codec import FrameKind, encode_frame
+from batchq.codec import FrameHeader, FrameKind, encode_frame
 from batchq.connection import make_client
 from batchq.exporter import METRIC_NAMES, BatchqCollector, start_exporter
 from batchq.keys import QueueKeys
@@ -213,7 +213,9 @@ def test_the_command_serves_until_a_signal_and_exits_0(
 ) -> None:
     keys = QueueKeys(queue_name)
     redis_client.hset(keys.meta, mapping={"run": "r", "hwm": 5})
-    frame = encode_frame(FrameKind.END, run="r", epoch=0, shard=0, k=0, producer="p", count=0)
+    frame = encode_frame(
+        FrameHeader(FrameKind.END, run="r", epoch=0, shard=0, k=0, producer="p", count=0)
+    )
     redis_client.lpush(keys.data, bytes(frame), bytes(frame))
     port = _free_port() if sig == signal.SIGTERM else 0
     # The stack's exact command (`batchq exporter --port P --url URL`), and one with --queue.

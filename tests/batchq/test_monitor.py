@@ -18,8 +18,8 @@ import redis
 
 from batchq import monitor
 from batchq.cli import main
+from batchq.codec import FrameHeader, encode_frame, encode_ref, peek_header
 from batchq.codec import FrameKind as K
-from batchq.codec import encode_frame, encode_ref, peek_header
 from batchq.errors import ConfigError, FrameError
 from batchq.keys import QueueKeys
 from batchq.monitor import PRODUCER_FIELDS, STATUS_FIELDS, row_from_snapshot, status_rows
@@ -33,12 +33,10 @@ from producer import Producer
 
 def _frame(t: float | None = 123.5, n: int = 1000) -> bytes:
     data = (np.arange(n, dtype=np.float32),)
-    return bytes(
-        encode_frame(
-            K.BATCH, run="r", epoch=1, shard=2, k=0, producer="p", sources=("x",), data=data,
-            produced_at=t,
-        )
-    )  # fmt: skip
+    header = FrameHeader(
+        K.BATCH, run="r", epoch=1, shard=2, k=0, producer="p", sources=("x",), produced_at=t
+    )
+    return bytes(encode_frame(header, data))
 
 
 def test_peek_header_reads_a_truncated_frame_and_validates_like_decode() -> None:

@@ -17,7 +17,7 @@ import redis
 from rich.console import Console
 
 from batchq.cli.top import TopState, render_top, run_top, sparkline
-from batchq.codec import FrameKind, encode_frame
+from batchq.codec import FrameHeader, FrameKind, encode_frame
 from batchq.keys import QueueKeys
 from batchq.snapshot import QueueSnapshot, read_snapshots
 
@@ -95,7 +95,9 @@ def busy_queue(redis_client: redis.Redis, queue_name: str) -> Iterator[str]:
     redis_client.zadd(keys.producers, producers)
     for p in producers:
         redis_client.hset(keys.pstats, mapping={f"{p}:batches": 50, f"{p}:produce_ms": 1500})
-    frame = encode_frame(FrameKind.END, run="r", epoch=0, shard=0, k=0, producer="p", count=0)
+    frame = encode_frame(
+        FrameHeader(FrameKind.END, run="r", epoch=0, shard=0, k=0, producer="p", count=0)
+    )
     redis_client.lpush(keys.data, *[bytes(frame)] * 2)
     redis_client.hset(keys.stats, mapping={"pushed": 200, "popped": 198})
     redis_client.hset(

@@ -35,16 +35,18 @@ def rogue(run: str, epoch: int, shard: int, k: int, *, last: bool = False, count
     features = np.full((BATCH, FEATURES), -1, dtype=np.int64)
     return bytes(
         codec.encode_frame(
-            codec.FrameKind.BATCH,
-            run=run,
-            epoch=epoch,
-            shard=shard,
-            k=k,
-            producer="rogue",
-            sources=("features", "targets"),
-            data=(features, np.arange(BATCH)),
-            last=last,
-            count=count,
+            codec.FrameHeader(
+                codec.FrameKind.BATCH,
+                run=run,
+                epoch=epoch,
+                shard=shard,
+                k=k,
+                producer="rogue",
+                sources=("features", "targets"),
+                last=last,
+                count=count,
+            ),
+            (features, np.arange(BATCH)),
         )
     )
 
@@ -99,16 +101,18 @@ def test_impossible_frame_is_dead_listed_and_the_epochs_stay_exact(
 def frame(epoch: int, shard: int, k: int, *, last: bool = False, count: int | None = None):  # type: ignore[no-untyped-def]
     return codec.decode_frame(
         codec.encode_frame(
-            codec.FrameKind.BATCH,
-            run="r",
-            epoch=epoch,
-            shard=shard,
-            k=k,
-            producer="p",
-            sources=("x",),
-            data=(np.zeros(1),),
-            last=last,
-            count=count,
+            codec.FrameHeader(
+                codec.FrameKind.BATCH,
+                run="r",
+                epoch=epoch,
+                shard=shard,
+                k=k,
+                producer="p",
+                sources=("x",),
+                last=last,
+                count=count,
+            ),
+            (np.zeros(1),),
         )
     )
 

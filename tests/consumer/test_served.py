@@ -161,7 +161,7 @@ def test_bad_frames_are_skipped_by_policy_and_go_to_the_dead_list(
     producer_thread(numbered(40, 20, shuffled=False), hwm=10)
     wait_until(lambda: redis_client.llen(keys.data) >= 2, what="frames")
     old = codec.encode_frame(
-        codec.FrameKind.BATCH, run="old-run", epoch=0, shard=1, k=0, producer="x"
+        codec.FrameHeader(codec.FrameKind.BATCH, run="old-run", epoch=0, shard=1, k=0, producer="x")
     )
     # The right end is popped first: these two come before the producer's frames.
     redis_client.rpush(keys.data, bytes(old), b"garbage that is no frame")

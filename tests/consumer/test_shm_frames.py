@@ -10,8 +10,10 @@ from typing import Any
 import fakeredis
 import numpy as np
 import pytest
+from frame_args import encode_with
 
 from batchq import codec, shm
+from batchq.codec import FrameKind
 from batchq.errors import FrameError
 from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
 from consumer.shm_frames import TrainerShm
@@ -32,7 +34,7 @@ def pair(tmp_path: Path, fake_redis: fakeredis.FakeRedis) -> tuple[Transport, Tr
 
 
 def send(producer: Transport, value: np.ndarray) -> ShmFrame:
-    frame = producer.encode(**FIELDS, sources=("x",), data=(value,))
+    frame = encode_with(producer.encode, FrameKind.BATCH, **FIELDS, sources=("x",), data=(value,))
     assert isinstance(frame, ShmFrame)
     return frame
 

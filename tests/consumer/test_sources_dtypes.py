@@ -128,14 +128,10 @@ def test_bad_sources_are_refused() -> None:
 
 def _frame(**data: Any) -> codec.Frame:
     raw = codec.encode_frame(
-        codec.FrameKind.BATCH,
-        run="r",
-        epoch=0,
-        shard=0,
-        k=0,
-        producer="p",
-        sources=list(data),
-        data=list(data.values()),
+        codec.FrameHeader(
+            codec.FrameKind.BATCH, run="r", epoch=0, shard=0, k=0, producer="p", sources=list(data)
+        ),
+        list(data.values()),
     )
     return codec.decode_frame(bytes(raw))
 

@@ -355,10 +355,10 @@ def test_pinning_hook_reuses_buffers_once_batches_are_dropped() -> None:
     from batchq import codec
 
     def frame(value: int) -> Any:
-        raw = codec.encode_frame(
-            codec.FrameKind.BATCH, run="r", epoch=0, shard=value, k=0, producer="p",
-            sources=["x"], data=[np.full((4, 4), value, dtype=np.float32)],
-        )  # fmt: skip
+        header = codec.FrameHeader(
+            codec.FrameKind.BATCH, run="r", epoch=0, shard=value, k=0, producer="p", sources=["x"]
+        )
+        raw = codec.encode_frame(header, [np.full((4, 4), value, dtype=np.float32)])
         return codec.decode_frame(bytes(raw))
 
     kept = ts._pin(frame(1)).data[0]

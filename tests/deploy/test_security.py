@@ -63,15 +63,17 @@ def object_dtype_frame(path: Path, run: str) -> bytes:
     """A frame with a valid prefix and header whose first item claims dtype '|O' over
     the pickle's bytes (a decoder that trusted dtypes would build an object array)."""
     good = codec.encode_frame(
-        codec.FrameKind.BATCH,
-        run=run,
-        epoch=0,
-        shard=0,
-        k=0,
-        g=0,
-        producer="intruder",
-        sources=("features", "targets"),
-        data=(np.zeros((1, 8), dtype=np.int64), 0),
+        codec.FrameHeader(
+            codec.FrameKind.BATCH,
+            run=run,
+            epoch=0,
+            shard=0,
+            k=0,
+            g=0,
+            producer="intruder",
+            sources=("features", "targets"),
+        ),
+        (np.zeros((1, 8), dtype=np.int64), 0),
     )
     hlen = PREFIX.unpack_from(good)[4]
     header = msgpack.unpackb(bytes(good[PREFIX.size : PREFIX.size + hlen]))

@@ -11,9 +11,11 @@ from typing import Any
 import fakeredis
 import numpy as np
 import pytest
+from frame_args import encode_with
 from small_tmpfs import small_tmpfs
 
 from batchq import shm
+from batchq.codec import FrameKind
 from batchq.errors import ConfigError
 from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
 from producer.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
@@ -117,10 +119,12 @@ def test_transport_follows_the_trainers_published_host(
     data = (np.arange(1000, dtype=np.float32),)
     fields = {**FIELDS, "sources": ("x",), "data": data}
     assert not transport.active
-    assert not isinstance(transport.encode(**fields), ShmFrame)  # no trainer yet
+    assert not isinstance(
+        encode_with(transport.encode, FrameKind.BATCH, **fields), ShmFrame
+    )  # no trainer yet
     fake_redis.hset(keys.meta, SHM_HOST_FIELD, transport.identity or "")
     transport.refresh(fake_redis, force=True)
-    frame = transport.encode(**fields)
+    frame = encode_with(transport.encode, FrameKind.BATCH, **fields)
     assert isinstance(frame, ShmFrame) and len(frame) > 4000
     desc = shm.decode_descriptor(frame.element, "q")
     assert (desc.segment, desc.gen, desc.length) == (frame.segment.name, 1, len(frame))
@@ -179,7 +183,9 @@ def test_transport_redis_never_maps_anything(
     fake_redis.hset(keys.meta, SHM_HOST_FIELD, auto.identity or "")
     transport = Transport("redis", str(tmp_path), keys, "p", 4)
     transport.joined(fake_redis, "ab12")
-    frame = transport.encode(**FIELDS, sources=("x",), data=(np.zeros(10),))
+    frame = encode_with(
+        transport.encode, FrameKind.BATCH, **FIELDS, sources=("x",), data=(np.zeros(10),)
+    )
     assert not isinstance(frame, ShmFrame) and os.listdir(tmp_path) == []
 
 
@@ -192,7 +198,10 @@ def test_a_full_folder_warns_once_and_frames_go_through_redis(
     transport.joined(fake_redis, "ab12")
     data = (np.zeros(60_000, dtype=np.uint8),)
     with caplog.at_level(logging.WARNING):
-        frames = [transport.encode(**FIELDS, sources=("x",), data=data) for _ in range(4)]
+        frames = [
+            encode_with(transport.encode, FrameKind.BATCH, **FIELDS, sources=("x",), data=data)
+            for _ in range(4)
+        ]
     assert isinstance(frames[0], ShmFrame)
     assert not any(isinstance(f, ShmFrame) for f in frames[1:])
     assert transport.fallbacks == 3
