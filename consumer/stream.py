@@ -313,7 +313,7 @@ class ServerDataStream(FuelStreamMixin):
 
     def _state(self, held_back: dict[int, int] | None) -> dict[str, Any]:
         """:meth:`state_dict`, less batches a wrapper holds (shard -> count)."""
-        if self._ledger is None or self._session is None:
+        if self._buffer is None or self._session is None:
             if self._resume is not None:
                 return dict(self._resume)
             return {
@@ -322,14 +322,14 @@ class ServerDataStream(FuelStreamMixin):
                 RUN_KEY: "",
                 FINGERPRINT_KEY: "",
             }
-        epoch, counts, done = self._buffer_of(self._ledger).consumed(held_back)
+        epoch, counts, done = self._buffer.consumed(held_back)
         run, plan = self._session.position()
         state = {
             VERSION_KEY: STATE_VERSION,
             QUEUE_KEY: self.keys.queue,
             RUN_KEY: run,
             FINGERPRINT_KEY: plan.fingerprint if plan else "",
-            SHARDS_KEY: self._ledger.shards,
+            SHARDS_KEY: self._buffer.ledger.shards,
             EPOCH_KEY: epoch,
             CONSUMED_KEY: {str(s): n for s, n in counts.items()},
             DONE_KEY: done,
@@ -400,10 +400,6 @@ class ServerDataStream(FuelStreamMixin):
         if self._client is None:
             tune_malloc()
             self._client = make_client(self.url)
-
-    def _buffer_of(self, ledger: Ledger) -> Buffer:
-        """The buffer that owns ``ledger`` (one of its own before the reader starts)."""
-        return self._buffer if self._buffer is not None else Buffer(ledger)
 
     def _retry(self, fn: Any, what: str) -> Any:
         """Run one of the stream's own Redis calls through the bounded reconnect."""
