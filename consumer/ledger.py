@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchq.codec import Frame, FrameKind
+from batchq.layout import DONE, ledger_field
 
 __all__ = ["Ledger", "ShardState"]
 
@@ -215,9 +216,9 @@ class Ledger:
         for epoch in sorted(e for e in self._epochs if e >= self.epoch):
             for shard, state in sorted(self._epochs[epoch].items()):
                 if state.complete and state.error is None:
-                    pairs.append((f"{epoch}:{shard}", "d"))
+                    pairs.append((ledger_field(epoch, shard), DONE))
                 elif state.prefix:
-                    pairs.append((f"{epoch}:{shard}", str(state.prefix)))
+                    pairs.append((ledger_field(epoch, shard), str(state.prefix)))
         return pairs
 
     def skip_error(self, frame: Frame) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchq.errors import ConfigError, StepMismatch
+from batchq.layout import DONE, ledger_field
 from batchq.ranks import RankLayout
 from consumer.state_keys import (
     CONSUMED_KEY,
@@ -144,9 +145,9 @@ def remap_pairs(
     pairs = []
     for slot in range(layout.slots):
         if slot >= len(remap):
-            pairs.append((f"{epoch}:{slot}", "d"))
+            pairs.append((ledger_field(epoch, slot), DONE))
         elif remap[slot][1]:
-            pairs.append((f"{epoch}:{slot}", str(remap[slot][1])))
+            pairs.append((ledger_field(epoch, slot), str(remap[slot][1])))
     return pairs, {slot: int(unit[0]) for slot, unit in enumerate(remap)}
 
 

@@ -27,6 +27,7 @@ from batchq.errors import (
     StreamStopped,
 )
 from batchq.keys import QueueKeys
+from batchq.layout import DONE, ledger_field
 from batchq.ranks import RankLayout
 from consumer.balance import Balancer
 from consumer.buffer import Buffer
@@ -438,36 +439,7 @@ class ServerDataStream(FuelStreamMixin):
             layout = session.layout(plan.shards)
             ledger = Ledger(layout.per_rank, ordered=self.ordered, first_epoch=0)
         else:
-            # A producer may never have joined this Redis (it restarted): the plan's
-            # shape comes from the checkpoint then.
-            meta = self._retry(lambda: self._client.hgetall(self.keys.meta), "reading meta")
-            session.plan = Plan(meta) if b"shards" in meta else None
-            shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
-            self._plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
-            layout = session.layout(self._plan_shards)
-            ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
-            done = set(resume[DONE_KEY])
-            pairs = []
-            for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
-                had = int(resume[CONSUMED_KEY].get(str(shard), 0))
-                ledger.preload(epoch, shard, had, done=shard in done)
-                slot = layout.slot(shard, self.rank)
-                pairs.append((f"{epoch}:{slot}", "d" if shard in done else str(had)))
-            remap = None
-            if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
-                pairs, slots = remap_pairs(resume, layout)
-                remap = (epoch, slots)
-            session.resume(
-                self._client,
-                epoch * shards,
-                resume[FINGERPRINT_KEY],
-                pairs,
-                step=self._step,
-                shards=self._plan_shards,
-                remap=remap,
-            )
-            if session.plan is None:
-                session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
+            layout, ledger = self._resume_at(session, resume)
         if session.plan is not None:
             ledger.window = session.plan.window if session.plan.has_window else None
             ledger.epoch_batches = session.plan.epoch_batches
@@ -492,6 +464,42 @@ class ServerDataStream(FuelStreamMixin):
             layout=layout,
         )
         self._reader.start()
+
+    def _resume_at(self, session: Session, resume: dict[str, Any]) -> tuple[RankLayout, Ledger]:
+        """Recreate the checkpoint's position: the ledger preloaded with what the state
+        says was yielded, the same pairs sent to resume.lua (the producers re-plan the
+        saved epoch from them)."""
+        # A producer may never have joined this Redis (it restarted): the plan's
+        # shape comes from the checkpoint then.
+        meta = self._retry(lambda: self._client.hgetall(self.keys.meta), "reading meta")
+        session.plan = Plan(meta) if b"shards" in meta else None
+        shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
+        self._plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
+        layout = session.layout(self._plan_shards)
+        ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
+        done = set(resume[DONE_KEY])
+        pairs = []
+        for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
+            had = int(resume[CONSUMED_KEY].get(str(shard), 0))
+            ledger.preload(epoch, shard, had, done=shard in done)
+            slot = layout.slot(shard, self.rank)
+            pairs.append((ledger_field(epoch, slot), DONE if shard in done else str(had)))
+        remap = None
+        if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
+            pairs, slots = remap_pairs(resume, layout)
+            remap = (epoch, slots)
+        session.resume(
+            self._client,
+            epoch * shards,
+            resume[FINGERPRINT_KEY],
+            pairs,
+            step=self._step,
+            shards=self._plan_shards,
+            remap=remap,
+        )
+        if session.plan is None:
+            session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
+        return layout, ledger
 
     def _even_up(self, layout: RankLayout, plan: Plan | None) -> None:
         """How this rank's counts come out equal: by the slots alone where every shard is
