@@ -205,7 +205,6 @@ class ServerDataStream(FuelStreamMixin):
         self._closed = False
         # Batches handed out, by the producer that made them (monitoring, tests).
         self.producers_seen: Counter[str] = Counter()
-        self.max_buffered = 0  # the most frames the reader held at once
         self.progress = progress
         self._stats = TrainerStats()
         self._plan_shards = 0  # S of the run's plan, once known
@@ -593,7 +592,6 @@ class ServerDataStream(FuelStreamMixin):
         """The next batch frame of the epoch (waiting for it), or None at its end."""
         while True:
             frame = buffer.take(reader.is_alive, BLOCK_S)
-            self.max_buffered = buffer.max_buffered
             if frame is None:
                 return None
             if frame.kind != FrameKind.ERROR:
@@ -624,6 +622,11 @@ class ServerDataStream(FuelStreamMixin):
                 self._session.plan.epoch_batches if self._session.plan.epoch_batches >= 0 else None
             )
         return EpochProgress(epoch, total)
+
+    @property
+    def max_buffered(self) -> int:
+        """The most frames the reader held at once (not yet handed out)."""
+        return self._buffer.max_buffered if self._buffer is not None else 0
 
     @property
     def stats(self) -> dict[str, Any]:
