@@ -32,7 +32,7 @@ from batchq.errors import (
 )
 from batchq.keys import QueueKeys
 from batchq.layout import DEAD_CAP, ledger_field, parse_ledger_field
-from batchq.lua_scripts import execute_pipeline
+from batchq.lua_scripts import execute_pipeline, round_trip
 from batchq.protocol import Status
 from batchq.ranks import RankLayout
 from batchq.reaper import reap_dead, requeue_gaps
@@ -301,11 +301,9 @@ class Reader(ReaderGuards, threading.Thread):
         if not elements:
             self._check_producers()
             try:
-                popped = call(
-                    lambda: self.client.brpop([s.data_key], timeout=BLOCK_S),
-                    "waiting for data",
-                    self.client,
-                )
+                popped = round_trip(
+                    self.client, [("BRPOP", s.data_key, BLOCK_S)], "waiting for data"
+                )[0]
             except redis.ResponseError as e:
                 if not is_wrong_type(e):
                     raise

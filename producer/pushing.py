@@ -32,7 +32,7 @@ from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
 from batchq.keys import QueueKeys
 from batchq.layout import time_ms
-from batchq.lua_scripts import Call, execute_pipeline
+from batchq.lua_scripts import Call, Command, execute_pipeline, round_trip
 from batchq.protocol import Status
 from batchq.replies import LeaseReply, PushReply
 from producer.sharding import ShardPlan
@@ -499,12 +499,10 @@ class ShardPusher:
     ) -> list[Any]:
         """One round trip: store the frame under its key if asked, the capped push, and
         the next lease if asked."""
-
-        def build(pipe: Any) -> None:
-            if store is not None:
-                pipe.set(ref, store, px=PENDING_FRAME_TTL_MS)
-            push.queue(pipe)
-            if lease is not None:
-                lease[0].queue(pipe)
-
-        return execute_pipeline(self.client, build)
+        commands: list[Command] = []
+        if store is not None and ref is not None:
+            commands.append(("SET", ref, store, "PX", PENDING_FRAME_TTL_MS))
+        commands.append(push.command())
+        if lease is not None:
+            commands.append(lease[0].command())
+        return round_trip(self.client, commands, "pushing a frame")

@@ -18,13 +18,28 @@ LITERAL_INDEX = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
 
 
 class Recorder:
-    """Stands in for a client: records the EVALSHA a wrapper sends."""
+    """Stands in for a client, its pool and its connection: records the EVALSHA a
+    wrapper sends (lua_scripts.round_trip) and replies STATE_LOST."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[Any], list[Any]]] = []
+        self.connection_pool = self
 
-    def evalsha(self, sha: str, numkeys: int, *rest: Any) -> list[Any]:
-        self.calls.append((sha, list(rest[:numkeys]), list(rest[numkeys:])))
+    def get_connection(self) -> Recorder:
+        return self
+
+    def release(self, connection: Recorder) -> None:
+        pass
+
+    def pack_commands(self, commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return commands
+
+    def send_packed_command(self, commands: list[tuple[Any, ...]]) -> None:
+        for name, sha, numkeys, *rest in commands:
+            assert name == "EVALSHA"
+            self.calls.append((sha, list(rest[:numkeys]), list(rest[numkeys:])))
+
+    def read_response(self) -> list[Any]:
         return [b"STATE_LOST"]
 
 
