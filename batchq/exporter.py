@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -80,7 +80,7 @@ from prometheus_client.core import (
 
 from batchq.errors import ConfigError
 from batchq.monitor import WAIT_BUCKETS_S, list_queues, row_from_snapshot
-from batchq.snapshot import QueueSnapshot, read_snapshots
+from batchq.snapshot import read_snapshots
 
 __all__ = ["METRIC_NAMES", "BatchqCollector", "MetricsServer", "start_exporter"]
 
@@ -129,9 +129,89 @@ METRIC_NAMES = (
 _Q = ["queue"]
 _QP = ["queue", "producer"]
 
+Row = dict[str, Any]
+# Gauges per queue: (name, help, the value from its status row; None: no sample).
+_GAUGES: tuple[tuple[str, str, Callable[[Row], float | None]], ...] = (
+    ("queue_depth_items", "Frames in the data list (LLEN)", lambda r: r["depth"]),
+    ("queue_capacity_items", "The run's cap (hwm) on the data list", lambda r: r["hwm"]),
+    (
+        "queue_depth_bytes",
+        "Bytes in the data list (depth x the mean frame size; 0 when empty)",
+        lambda r: r["bytes_held"],
+    ),
+    (
+        "queue_oldest_frame_age_seconds",
+        "Age of the oldest frame in the list, by its producer's clock (0 when empty)",
+        lambda r: 0.0 if r["depth"] == 0 else r["oldest_age_s"],
+    ),
+    (
+        "producers_alive",
+        "Producers whose heartbeat has not lapsed",
+        lambda r: r["producers_alive"],
+    ),
+    (
+        "trainer_attached",
+        "1 while a trainer holds the queue",
+        lambda r: 1 if r["trainer"] == "attached" else 0,
+    ),
+    (
+        "trainer_stall_ratio",
+        "Fraction of its last 100 batches' time the trainer waited for data",
+        lambda r: r["stall"] if r["figures_fresh"] else None,
+    ),
+    (
+        "trainer_epoch",
+        "The trainer's current epoch",
+        lambda r: r["epoch"] if r["figures_fresh"] else None,
+    ),
+    (
+        "trainer_demand_batches_per_second",
+        "Batches/s the trainer would take if it never waited (1 / its busy time per batch)",
+        lambda r: r["demand_batches_per_s"],
+    ),
+    (
+        "supply_batches_per_second",
+        "The live producers' summed pipeline rate (blocked time excluded)",
+        lambda r: r["supply_batches_per_s"],
+    ),
+    (
+        "producer_rate_batches_per_second",
+        "The observed pipeline rate of one producer",
+        lambda r: r["producer_batches_per_s"],
+    ),
+    (
+        "recommended_producers",
+        "Producers that meet the trainer's demand at the observed rate, with a margin",
+        lambda r: r["recommended_producers"],
+    ),
+)
+# Counters per queue: (name, help, the row field).
+_COUNTERS = (
+    ("frames_pushed", "Frames pushed into the data list", "pushed"),
+    ("frames_popped", "Frames popped by the trainer", "popped"),
+    ("bytes_pushed", "Bytes pushed into the data list", "pushed_bytes"),
+    ("bytes_popped", "Bytes the trainer received", "popped_bytes"),
+    ("producers_blocked_seconds", "Time producers spent blocked at the hwm", "producer_blocked_s"),
+    ("trainer_busy_seconds", "Time the trainer spent between batches", "trainer_busy_s"),
+    ("epochs_completed", "Epochs the trainer finished", "epochs_completed"),
+    ("shards_done", "Shards whose last frame was pushed", "shards_done"),
+    ("redone_shards", "Shards handed back to be built again", "redone_shards"),
+)
+# Counters per live producer: (name, help, the producer object's field).
+_PRODUCER_COUNTERS = (
+    ("frames_pushed", "Frames this producer pushed", "batches"),
+    ("bytes_pushed", "Bytes this producer pushed", "bytes"),
+    ("build_seconds", "Time this producer's pipeline spent building batches", "build_s"),
+    ("blocked_seconds", "Time this producer spent blocked at the hwm", "blocked_s"),
+)
+_BOUNDS = [repr(b) for b in WAIT_BUCKETS_S] + ["+Inf"]
+
 
 class BatchqCollector:
     """A prometheus-client collector reading the queues on every scrape.
+
+    Every value is a field of the queue's status row (:mod:`batchq.monitor`): a figure
+    is computed once, there, for ``status``, ``top``, ``report`` and this exporter.
 
     Args:
         client: a Redis client returning bytes (thread-safe: scrapes may overlap).
@@ -161,156 +241,64 @@ class BatchqCollector:
             return
         up.add_metric([], 1)
         yield up
-        yield from self._families(snaps)
-
-    def _families(self, snaps: list[QueueSnapshot]) -> Iterable[Metric]:
-        g = {
-            "depth": GaugeMetricFamily(
-                "batchq_queue_depth_items", "Frames in the data list (LLEN)", labels=_Q
-            ),
-            "cap": GaugeMetricFamily(
-                "batchq_queue_capacity_items", "The run's cap (hwm) on the data list", labels=_Q
-            ),
-            "bytes": GaugeMetricFamily(
-                "batchq_queue_depth_bytes",
-                "Bytes in the data list (depth x the mean frame size; 0 when empty)",
-                labels=_Q,
-            ),
-            "age": GaugeMetricFamily(
-                "batchq_queue_oldest_frame_age_seconds",
-                "Age of the oldest frame in the list, by its producer's clock (0 when empty)",
-                labels=_Q,
-            ),
-            "alive": GaugeMetricFamily(
-                "batchq_producers_alive", "Producers whose heartbeat has not lapsed", labels=_Q
-            ),
-            "attached": GaugeMetricFamily(
-                "batchq_trainer_attached", "1 while a trainer holds the queue", labels=_Q
-            ),
-            "stall": GaugeMetricFamily(
-                "batchq_trainer_stall_ratio",
-                "Fraction of its last 100 batches' time the trainer waited for data",
-                labels=_Q,
-            ),
-            "epoch": GaugeMetricFamily(
-                "batchq_trainer_epoch", "The trainer's current epoch", labels=_Q
-            ),
-            "demand": GaugeMetricFamily(
-                "batchq_trainer_demand_batches_per_second",
-                "Batches/s the trainer would take if it never waited (1 / its busy time per batch)",
-                labels=_Q,
-            ),
-            "supply": GaugeMetricFamily(
-                "batchq_supply_batches_per_second",
-                "The live producers' summed pipeline rate (blocked time excluded)",
-                labels=_Q,
-            ),
-            "per_producer": GaugeMetricFamily(
-                "batchq_producer_rate_batches_per_second",
-                "The observed pipeline rate of one producer",
-                labels=_Q,
-            ),
-            "recommended": GaugeMetricFamily(
-                "batchq_recommended_producers",
-                "Producers that meet the trainer's demand at the observed rate, with a margin",
-                labels=_Q,
-            ),
-        }
-        decisions = CounterMetricFamily(
-            "batchq_autoscale_decisions",
-            "Decisions of `serve --workers auto`: workers added or retired",
-            labels=["queue", "action"],
-        )
-        c = {
-            name: CounterMetricFamily(f"batchq_{name}", doc, labels=_Q)
-            for name, doc in (
-                ("frames_pushed", "Frames pushed into the data list"),
-                ("frames_popped", "Frames popped by the trainer"),
-                ("bytes_pushed", "Bytes pushed into the data list"),
-                ("bytes_popped", "Bytes the trainer received"),
-                ("producers_blocked_seconds", "Time producers spent blocked at the hwm"),
-                ("trainer_busy_seconds", "Time the trainer spent between batches"),
-                ("epochs_completed", "Epochs the trainer finished"),
-                ("shards_done", "Shards whose last frame was pushed"),
-                ("redone_shards", "Shards handed back to be built again"),
-            )
-        }
-        dead = CounterMetricFamily(
-            "batchq_dead_frames", "Frames that failed validation", labels=["queue", "reason"]
-        )
-        p = {
-            name: CounterMetricFamily(f"batchq_producer_{name}", doc, labels=_QP)
-            for name, doc in (
-                ("frames_pushed", "Frames this producer pushed"),
-                ("bytes_pushed", "Bytes this producer pushed"),
-                ("build_seconds", "Time this producer's pipeline spent building batches"),
-                ("blocked_seconds", "Time this producer spent blocked at the hwm"),
-            )
-        }
-        wait = HistogramMetricFamily(
-            "batchq_trainer_wait_seconds", "The trainer's wait for each batch", labels=_Q
-        )
-        snaps_rows = []
-        for snap in snaps:
-            q, s = [snap.queue], snap.stats
-            row = row_from_snapshot(snap)
-            snaps_rows.append(row)
-            g["depth"].add_metric(q, row["depth"])
-            g["cap"].add_metric(q, snap.hwm)
-            g["bytes"].add_metric(q, row["bytes_held"])
-            if snap.depth == 0:
-                g["age"].add_metric(q, 0.0)
-            elif row["oldest_age_s"] is not None:
-                g["age"].add_metric(q, row["oldest_age_s"])
-            g["alive"].add_metric(q, len(snap.alive))
-            g["attached"].add_metric(q, 1 if row["trainer"] == "attached" else 0)
-            fresh = row["figures_fresh"]
-            if fresh and row["stall"] is not None:
-                g["stall"].add_metric(q, row["stall"])
-            if fresh and row["epoch"] is not None:
-                g["epoch"].add_metric(q, row["epoch"])
-            for key, fig in (
-                ("demand", "demand_batches_per_s"),
-                ("supply", "supply_batches_per_s"),
-                ("per_producer", "producer_batches_per_s"),
-                ("recommended", "recommended_producers"),
-            ):
-                if row[fig] is not None:
-                    g[key].add_metric(q, row[fig])
-            for action in ("add", "retire"):
-                decisions.add_metric([snap.queue, action], s.get(f"autoscale_{action}", 0))
-            c["frames_pushed"].add_metric(q, s.get("pushed", 0))
-            c["frames_popped"].add_metric(q, s.get("popped", 0))
-            c["bytes_pushed"].add_metric(q, s.get("pushed_bytes", 0))
-            c["bytes_popped"].add_metric(q, s.get("popped_bytes", 0))
-            c["producers_blocked_seconds"].add_metric(q, s.get("producer_blocked_ms", 0) / 1000)
-            c["trainer_busy_seconds"].add_metric(q, s.get("trainer_busy_ms", 0) / 1000)
-            c["epochs_completed"].add_metric(q, s.get("epochs_completed", 0))
-            c["shards_done"].add_metric(q, s.get("shards_done", 0))
-            c["redone_shards"].add_metric(q, s.get("redone_shards", 0))
-            for reason, count in row["dead_by_reason"].items():
-                dead.add_metric([snap.queue, reason], count)
-            buckets, total = [], 0
-            for i, bound in enumerate((*WAIT_BUCKETS_S, float("inf"))):
-                total += s.get(f"wait_bucket:{i}", 0)
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), total))
-            wait.add_metric(q, buckets, s.get("trainer_wait_ms", 0) / 1000)
-            for prod in row["producers"]:
-                labels = [snap.queue, prod["id"]]
-                p["frames_pushed"].add_metric(labels, prod["batches"])
-                p["bytes_pushed"].add_metric(labels, prod["bytes"])
-                p["build_seconds"].add_metric(labels, prod["build_s"])
-                p["blocked_seconds"].add_metric(labels, prod["blocked_s"])
-        yield from g.values()
-        yield from _rank_families(snaps_rows)
-        yield from c.values()
-        yield wait
-        yield dead
-        yield decisions
-        yield from p.values()
+        rows = [row_from_snapshot(snap) for snap in snaps]
+        yield from _queue_families(rows)
+        yield from _rank_families(rows)
+        yield from _producer_families(rows)
 
 
-def _rank_families(rows: list[dict[str, Any]]) -> Iterable[Metric]:
+def _queue_families(rows: list[Row]) -> Iterable[Metric]:
+    """The per-queue gauges, counters, the wait histogram, dead frames and decisions."""
+    gauges = [(GaugeMetricFamily(f"batchq_{n}", doc, labels=_Q), v) for n, doc, v in _GAUGES]
+    counters = [
+        (CounterMetricFamily(f"batchq_{n}", doc, labels=_Q), field) for n, doc, field in _COUNTERS
+    ]
+    wait = HistogramMetricFamily(
+        "batchq_trainer_wait_seconds", "The trainer's wait for each batch", labels=_Q
+    )
+    dead = CounterMetricFamily(
+        "batchq_dead_frames", "Frames that failed validation", labels=["queue", "reason"]
+    )
+    decisions = CounterMetricFamily(
+        "batchq_autoscale_decisions",
+        "Decisions of `serve --workers auto`: workers added or retired",
+        labels=["queue", "action"],
+    )
+    for row in rows:
+        q = [row["queue"]]
+        for gauge, value_of in gauges:
+            value = value_of(row)
+            if value is not None:
+                gauge.add_metric(q, value)
+        for counter, field in counters:
+            counter.add_metric(q, row[field])
+        buckets = list(zip(_BOUNDS, row["wait_buckets"], strict=True))
+        wait.add_metric(q, buckets, row["trainer_wait_s"])
+        for reason, count in row["dead_by_reason"].items():
+            dead.add_metric([row["queue"], reason], count)
+        decisions.add_metric([row["queue"], "add"], row["autoscale_added"])
+        decisions.add_metric([row["queue"], "retire"], row["autoscale_retired"])
+    yield from (gauge for gauge, _ in gauges)
+    yield from (counter for counter, _ in counters)
+    yield wait
+    yield dead
+    yield decisions
+
+
+def _producer_families(rows: list[Row]) -> Iterable[Metric]:
+    """The per-producer counters (label ``producer``) of the live producers."""
+    fams = [
+        (CounterMetricFamily(f"batchq_producer_{n}", doc, labels=_QP), field)
+        for n, doc, field in _PRODUCER_COUNTERS
+    ]
+    for row in rows:
+        for prod in row["producers"]:
+            for fam, field in fams:
+                fam.add_metric([row["queue"], prod["id"]], prod[field])
+    yield from (fam for fam, _ in fams)
+
+
+def _rank_families(rows: list[Row]) -> Iterable[Metric]:
     """The per-rank metrics of data-parallel trainers (label ``rank``)."""
     labels = ["queue", "rank"]
     fams = {

@@ -55,6 +55,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
 
+The fields of the meta, stats and trainer hashes are named in :mod:`batchq.fields`, the
+formats of entries and values in :mod:`batchq.layout`.
+
 Only the data list's name contains "data"; producer ids and queue names may not contain
 the characters that would break that (see :func:`check_name`).
 """
@@ -67,20 +70,12 @@ from batchq.errors import ConfigError
 
 __all__ = [
     "PREFIX",
-    "SHM_HOST_FIELD",
-    "SHM_LOOKAHEAD_FIELD",
     "QueueKeys",
     "check_name",
     "queue_from_meta_key",
 ]
 
 PREFIX = "bq"
-# The meta field where the trainer publishes its host identity (batchq.shm): producers
-# that see their own use shared memory.
-SHM_HOST_FIELD = "shm_host"
-# ... and beside it how many decoded frames it may hold ahead of its caller (its hwm):
-# a producer sizes its pool of segments by it (producer/transport.py).
-SHM_LOOKAHEAD_FIELD = "shm_lookahead"
 
 # Queue names and producer ids become parts of key names: keep them to a safe alphabet,
 # without braces (they would move the hash tag) or colons (they separate fields).

@@ -24,7 +24,7 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     pushed_bytes          int          bytes pushed
     trainer               str          'attached', 'detached' or 'finished'
     dead                  int          frames in the dead list (capped)
-    schema                int          2
+    schema                int          4 (STATUS_SCHEMA_VERSION)
     popped_bytes          int          bytes popped
     bytes_held            int          estimate of the bytes in the data list (see below)
     fill                  float        depth / hwm (0.0 when hwm is 0)
@@ -84,6 +84,10 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        stall and epoch describe the trainer now (the one
                                        rule the table, top, report and the exporter read;
                                        added to schema 4 at its end, nothing else moved)
+    wait_buckets          list         the trainer's waits per batch, counted into the
+                                       buckets of WAIT_BUCKETS_S and a last +Inf one,
+                                       cumulative (the exporter's histogram); added to
+                                       schema 4 at its end after figures_fresh
 
 For a data-parallel trainer (world_size > 1) ``depth`` is the sum of the ranks' lists
 and the trainer figures (stall, rates, epoch) are the slowest rank's.
@@ -128,6 +132,14 @@ from typing import Any
 import redis
 
 from batchq import sizing
+from batchq.fields import (
+    MetaField,
+    StatsField,
+    TrainerField,
+    autoscale_field,
+    dead_field,
+    wait_bucket_field,
+)
 from batchq.keys import QueueKeys, queue_from_meta_key
 from batchq.rank_status import rank_rows, slowest_rank
 from batchq.shm import DEFAULT_SHM_DIR, segments_usage
@@ -173,6 +185,7 @@ STATUS_FIELDS = (
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
+    "wait_buckets",
 )  # fmt: skip
 
 PRODUCER_FIELDS = (
@@ -234,21 +247,22 @@ def _bytes_held(snap: QueueSnapshot) -> int:
         sum(c.get("batches", 0) for c in counters),
     )
     if not frames:
-        nbytes, frames = snap.stats.get("pushed_bytes", 0), snap.stats.get("pushed", 0)
+        stats = snap.stats
+        nbytes, frames = stats.get(StatsField.PUSHED_BYTES, 0), stats.get(StatsField.PUSHED, 0)
     return round(snap.depth * nbytes / frames) if frames else 0
 
 
 def trainer_state(snap: QueueSnapshot) -> str:
     """'finished', 'attached' (a live claim; a rank's for data-parallel trainers) or
     'detached'."""
-    if snap.meta.get("finished") == "1":
+    if snap.meta.get(MetaField.FINISHED) == "1":
         return "finished"
     if snap.ranks:
         return (
             "attached" if any(r.claim_deadline_ms > snap.now_ms for r in snap.ranks) else "detached"
         )
-    deadline = _int(snap.meta.get("claim_deadline"))
-    return "attached" if snap.meta.get("claim") and deadline > snap.now_ms else "detached"
+    deadline = _int(snap.meta.get(MetaField.CLAIM_DEADLINE))
+    return "attached" if snap.meta.get(MetaField.CLAIM) and deadline > snap.now_ms else "detached"
 
 
 def _as_slowest_rank(snap: QueueSnapshot, slowest: int | None) -> QueueSnapshot:
@@ -268,80 +282,106 @@ def recent_depths(snap: QueueSnapshot) -> list[float]:
     return verdict_depths(snap.depth, snap.history, snap.now_ms / 1000)
 
 
+def _counters(stats: dict[str, int]) -> dict[str, Any]:
+    """The row's fields read from the stats hash (cumulative counters)."""
+    f = StatsField
+    waits, total = [], 0
+    for i in range(len(WAIT_BUCKETS_S) + 1):  # cumulative, as the exporter's le buckets
+        total += stats.get(wait_bucket_field(i), 0)
+        waits.append(total)
+    dead = dead_field("")
+    return {
+        "pushed": stats.get(f.PUSHED, 0),
+        "popped": stats.get(f.POPPED, 0),
+        "pushed_bytes": stats.get(f.PUSHED_BYTES, 0),
+        "popped_bytes": stats.get(f.POPPED_BYTES, 0),
+        "producer_blocked_s": stats.get(f.PRODUCER_BLOCKED_MS, 0) / 1000,
+        "shards_done": stats.get(f.SHARDS_DONE, 0),
+        "redone_shards": stats.get(f.REDONE_SHARDS, 0),
+        "epochs_completed": stats.get(f.EPOCHS_COMPLETED, 0),
+        "dead_by_reason": {
+            k.removeprefix(dead): v for k, v in sorted(stats.items()) if k.startswith(dead) and v
+        },
+        "trainer_wait_s": stats.get(f.TRAINER_WAIT_MS, 0) / 1000,
+        "trainer_busy_s": stats.get(f.TRAINER_BUSY_MS, 0) / 1000,
+        "autoscale_added": stats.get(autoscale_field("add"), 0),
+        "autoscale_retired": stats.get(autoscale_field("retire"), 0),
+        "wait_buckets": waits,
+    }
+
+
+def _figures(snap: QueueSnapshot) -> dict[str, Any]:
+    """The row's fields read from the trainer's figures, and whether they are fresh."""
+    f = TrainerField
+    updated = snap.figure(f.UPDATED_MS)
+    age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
+    epoch, progress = snap.figure(f.EPOCH), snap.figure(f.EPOCH_PROGRESS)
+    epoch_batches = _int(snap.meta.get(MetaField.EPOCH_BATCHES))
+    return {
+        "figures_age_s": age,
+        "figures_fresh": age is not None and age <= FIGURES_FRESH_S,
+        "stall": snap.figure(f.STALL_FRACTION_RECENT),
+        "stall_epoch": snap.figure(f.STALL_FRACTION_EPOCH),
+        "trainer_batches_per_s": snap.figure(f.BATCHES_PER_S),
+        "trainer_mb_per_s": snap.figure(f.MB_PER_S),
+        "wait_p50_s": snap.figure(f.WAIT_P50_S),
+        "wait_p90_s": snap.figure(f.WAIT_P90_S),
+        "wait_p99_s": snap.figure(f.WAIT_P99_S),
+        "epoch": None if epoch is None or epoch < 0 else int(epoch),
+        "epoch_progress": None if progress is None else int(progress),
+        "epoch_fraction": _ratio(progress, epoch_batches) if progress is not None else None,
+    }
+
+
 def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
     """One queue's status row (see the module docstring for the fields)."""
     ranks = rank_rows(snap)
     slowest = slowest_rank(ranks)
     if snap.ranks:
         snap = _as_slowest_rank(snap, slowest)
-    stats, meta, hwm = snap.stats, snap.meta, snap.hwm
+    meta, hwm = snap.meta, snap.hwm
+    figures = _figures(snap)
+    fresh = figures["figures_fresh"]
     trainer = trainer_state(snap)
-    shm_segments, shm_bytes = segments_usage(DEFAULT_SHM_DIR, snap.queue)  # this host's
-    updated = snap.figure("updated_ms")
-    figures_age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
-    fresh = figures_age is not None and figures_age <= FIGURES_FRESH_S
     producers = [_producer(snap, p, d) for p, d in snap.alive.items()]
     rates = [p["batches_per_s"] for p in producers if p["batches_per_s"] is not None]
-    epoch = snap.figure("epoch")
-    progress = snap.figure("epoch_progress")
-    epoch_batches = _int(meta.get("epoch_batches"))
-    stall = snap.figure("stall_fraction_recent")
     verdict, reason = judge(
         trainer=trainer,
         producers_alive=len(snap.alive),
         depths=recent_depths(snap),
         hwm=hwm,
-        stall=stall if fresh else None,
+        stall=figures["stall"] if fresh else None,
     )
+    shm_segments, shm_bytes = segments_usage(DEFAULT_SHM_DIR, snap.queue)  # this host's
     row: dict[str, Any] = {
         "queue": snap.queue,
-        "run": meta.get("run", ""),
+        "run": meta.get(MetaField.RUN, ""),
         "depth": snap.depth,
         "hwm": hwm,
         "producers_alive": len(snap.alive),
         "leases": snap.leases or 0,
-        "shards_per_epoch": _int(meta.get("shards")),
-        "epoch_batches": epoch_batches,
-        "pushed": stats.get("pushed", 0),
-        "popped": stats.get("popped", 0),
-        "pushed_bytes": stats.get("pushed_bytes", 0),
+        "shards_per_epoch": _int(meta.get(MetaField.SHARDS)),
+        "epoch_batches": _int(meta.get(MetaField.EPOCH_BATCHES)),
         "trainer": trainer,
         "dead": snap.dead,
         "schema": STATUS_SCHEMA_VERSION,
-        "popped_bytes": stats.get("popped_bytes", 0),
         "bytes_held": _bytes_held(snap),
         "fill": snap.depth / hwm if hwm else 0.0,
         "oldest_age_s": snap.oldest_age_s,
-        "producer_blocked_s": stats.get("producer_blocked_ms", 0) / 1000,
-        "shards_done": stats.get("shards_done", 0),
-        "redone_shards": stats.get("redone_shards", 0),
-        "epochs_completed": stats.get("epochs_completed", 0),
-        "dead_by_reason": {
-            k[5:]: v for k, v in sorted(stats.items()) if k.startswith("dead:") and v
-        },
-        "trainer_wait_s": stats.get("trainer_wait_ms", 0) / 1000,
-        "trainer_busy_s": stats.get("trainer_busy_ms", 0) / 1000,
-        "figures_age_s": figures_age,
-        "stall": stall,
-        "stall_epoch": snap.figure("stall_fraction_epoch"),
-        "trainer_batches_per_s": snap.figure("batches_per_s"),
-        "trainer_mb_per_s": snap.figure("mb_per_s"),
-        "wait_p50_s": snap.figure("wait_p50_s"),
-        "wait_p90_s": snap.figure("wait_p90_s"),
-        "wait_p99_s": snap.figure("wait_p99_s"),
-        "epoch": None if epoch is None or epoch < 0 else int(epoch),
-        "epoch_progress": None if progress is None else int(progress),
-        "epoch_fraction": _ratio(progress, epoch_batches) if progress is not None else None,
         "producers": producers,
         "supply_batches_per_s": sum(rates) if rates else None,
         "verdict": verdict,
         "verdict_reason": reason,
+        "shm_segments": shm_segments,
+        "shm_bytes": shm_bytes,
+        "world_size": snap.world,
+        "ranks": ranks,
+        "slowest_rank": slowest,
+        **_counters(snap.stats),
+        **figures,
     }
     row.update(_sizing(snap, row, fresh))
-    row.update(shm_segments=shm_segments, shm_bytes=shm_bytes)
-    row.update(world_size=snap.world, ranks=ranks, slowest_rank=slowest)
-    row["figures_fresh"] = fresh
-    return row
+    return {name: row[name] for name in STATUS_FIELDS}  # the documented order
 
 
 def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, Any]:
@@ -379,8 +419,6 @@ def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, 
         "recommended_producers": recommended,
         "producers_deficit": None if recommended is None else recommended - len(snap.alive),
         "autoscalers": snap.autoscalers,
-        "autoscale_added": snap.stats.get("autoscale_add", 0),
-        "autoscale_retired": snap.stats.get("autoscale_retire", 0),
         "autoscale_last": snap.last_decision,
     }
     if why:

@@ -38,6 +38,7 @@ from typing import Any
 import redis
 
 from batchq.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
+from batchq.fields import autoscale_field
 from batchq.keys import QueueKeys
 from batchq.layout import SCALELOG_CAP, time_ms
 from batchq.monitor import queue_status
@@ -266,7 +267,7 @@ class WorkerPool:
         )  # fmt: skip
         with self._quiet():
             pipe = self.client.pipeline(transaction=False)
-            pipe.hincrby(self.keys.stats, f"autoscale_{decision.action}", decision.count)
+            pipe.hincrby(self.keys.stats, autoscale_field(decision.action), decision.count)
             pipe.lpush(self.keys.scalelog, json.dumps(entry))
             pipe.ltrim(self.keys.scalelog, 0, SCALELOG_CAP - 1)
             pipe.execute()

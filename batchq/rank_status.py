@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchq.fields import MetaField, TrainerField
 from batchq.snapshot import QueueSnapshot, RankSnapshot
 from batchq.verdict import FIGURES_FRESH_S, judge, recent_depths
 
@@ -33,7 +34,7 @@ RANK_FIELDS = (
 
 
 def _state(snap: QueueSnapshot, rank: RankSnapshot) -> str:
-    if snap.meta.get("finished") == "1" or rank.done:
+    if snap.meta.get(MetaField.FINISHED) == "1" or rank.done:
         return "finished"
     return "attached" if rank.claim_deadline_ms > snap.now_ms else "detached"
 
@@ -42,10 +43,10 @@ def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer."""
     rows = []
     for rank in snap.ranks:
-        updated = rank.figure("updated_ms")
+        updated = rank.figure(TrainerField.UPDATED_MS)
         age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
         fresh = age is not None and age <= FIGURES_FRESH_S
-        stall = rank.figure("stall_fraction_recent")
+        stall = rank.figure(TrainerField.STALL_FRACTION_RECENT)
         state = _state(snap, rank)
         verdict, reason = judge(
             trainer=state,
@@ -54,7 +55,7 @@ def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
             hwm=snap.hwm,
             stall=stall if fresh else None,
         )
-        epoch, progress = rank.figure("epoch"), rank.figure("epoch_progress")
+        epoch, progress = rank.figure(TrainerField.EPOCH), rank.figure(TrainerField.EPOCH_PROGRESS)
         rows.append(
             {
                 "rank": rank.rank,
@@ -62,7 +63,7 @@ def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
                 "fill": rank.depth / snap.hwm if snap.hwm else 0.0,
                 "trainer": state,
                 "stall": stall,
-                "batches_per_s": rank.figure("batches_per_s"),
+                "batches_per_s": rank.figure(TrainerField.BATCHES_PER_S),
                 "epoch": None if epoch is None or epoch < 0 else int(epoch),
                 "epoch_progress": None if progress is None else int(progress),
                 "figures_age_s": age,

@@ -6,7 +6,7 @@ carries a small *descriptor* under the same capped push as any frame. This modul
 what both sides share; the producer's pool is :mod:`producer.transport`, the trainer's
 mapping :mod:`consumer.shm_frames`.
 
-Host identity (published by the trainer in meta field :data:`batchq.keys.SHM_HOST_FIELD`)::
+Host identity (published by the trainer in meta field :data:`batchq.fields.MetaField.SHM_HOST`)::
 
     <boot id>:<st_dev of shm_dir>:<st_ino of shm_dir>:<effective uid>
 

@@ -22,8 +22,10 @@ import redis
 
 from batchq import codec
 from batchq.errors import FrameError
+from batchq.fields import MetaField
 from batchq.keys import QueueKeys
 from batchq.layout import time_ms
+from batchq.ranks import rank_field
 
 __all__ = ["HEADER_PEEK_BYTES", "QueueSnapshot", "RankSnapshot", "read_snapshots"]
 
@@ -113,12 +115,12 @@ class QueueSnapshot:
     @property
     def world(self) -> int:
         """The run's number of trainer ranks (1: a single trainer)."""
-        return max(1, _int(self.meta.get("world") or 1))
+        return max(1, _int(self.meta.get(MetaField.WORLD) or 1))
 
     @property
     def hwm(self) -> int:
         """The run's cap (0 before a producer joined)."""
-        return _int(self.meta.get("hwm"))
+        return _int(self.meta.get(MetaField.HWM))
 
     @property
     def oldest_age_s(self) -> float | None:
@@ -177,8 +179,10 @@ def _add_rank(snap: QueueSnapshot, what: str, value: Any) -> None:
                 depth=int(value),
                 trainer={},
                 history=[],
-                claim_deadline_ms=_int(snap.meta.get(f"claim_deadline:{r}")),
-                done=snap.meta.get(f"done:{r}") == "1",
+                claim_deadline_ms=_int(
+                    snap.meta.get(rank_field(MetaField.CLAIM_DEADLINE, r, snap.world))
+                ),
+                done=snap.meta.get(rank_field(MetaField.DONE, r, snap.world)) == "1",
             )
         )
     elif what == "rank_trainer":

@@ -14,6 +14,7 @@ from typing import Any
 
 from batchq.connection import call
 from batchq.errors import ConfigError
+from batchq.fields import MetaField
 from consumer.prepare import FramePrep, decode_axis_labels
 from consumer.state_keys import RUN_KEY
 
@@ -62,7 +63,7 @@ class FuelStreamMixin:
         """Source -> axis names: the constructor's, else those the producers published
         (read once the stream has started; None before, or if they published none)."""
         if self._axis_labels is None and self._client is not None:
-            raw = call(lambda: self._client.hget(self.keys.meta, "axis_labels"), "reading")
+            raw = call(lambda: self._client.hget(self.keys.meta, MetaField.AXIS_LABELS), "reading")
             self._axis_labels = decode_axis_labels(raw, self.sources)
         return self._axis_labels
 

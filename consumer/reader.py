@@ -30,6 +30,7 @@ from batchq.errors import (
     ProducersLost,
     StateLost,
 )
+from batchq.fields import dead_field
 from batchq.keys import QueueKeys
 from batchq.layout import DEAD_CAP, ledger_field, parse_ledger_field
 from batchq.lua_scripts import execute_pipeline, round_trip
@@ -464,7 +465,7 @@ class Reader(ReaderGuards, threading.Thread):
             pipe = self.client.pipeline(transaction=False)
             pipe.lpush(self.keys.dead, record)
             pipe.ltrim(self.keys.dead, 0, DEAD_CAP - 1)
-            pipe.hincrby(self.keys.stats, f"dead:{error.reason}", 1)
+            pipe.hincrby(self.keys.stats, dead_field(error.reason), 1)
             pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise ConnectionLost(f"Redis connection lost while recording a bad frame: {e}") from e

@@ -25,6 +25,7 @@ from batchq.errors import (
     TrainerConflict,
     WorldSizeMismatch,
 )
+from batchq.fields import MetaField
 from batchq.keys import QueueKeys
 from batchq.protocol import PROTOCOL_VERSION, Status
 from batchq.ranks import RankLayout
@@ -43,14 +44,15 @@ class Plan:
         def get(name: str, default: str = "") -> str:
             return meta.get(name.encode(), default.encode()).decode()
 
-        self.fingerprint = get("fingerprint")
-        self.hwm = get("hwm")
-        self.shards = int(get("shards", "0"))
-        self.window = int(get("window", "1"))
-        self.has_window = b"window" in meta  # published by the run's first producer
-        self.epoch_batches = int(get("epoch_batches", "-1"))
-        self.world = int(get("world", "1"))
-        self.even = get("even", "pad")
+        f = MetaField
+        self.fingerprint = get(f.FINGERPRINT)
+        self.hwm = get(f.HWM)
+        self.shards = int(get(f.SHARDS, "0"))
+        self.window = int(get(f.WINDOW, "1"))
+        self.has_window = f.WINDOW.encode() in meta  # published by the run's first producer
+        self.epoch_batches = int(get(f.EPOCH_BATCHES, "-1"))
+        self.world = int(get(f.WORLD, "1"))
+        self.even = get(f.EVEN, "pad")
 
 
 class Session:
@@ -113,7 +115,7 @@ class Session:
         # ranks' counts: a new run drops them all.
         world = self.world
         with contextlib.suppress(redis.RedisError, ValueError):  # this world's, at least
-            world = max(world, int(client.hget(self.keys.meta, "world") or 1))
+            world = max(world, int(client.hget(self.keys.meta, MetaField.WORLD) or 1))
         if world == 1:
             return []
         return [*self.keys.rank_data(world), self.keys.counts, self.keys.remap]
@@ -233,7 +235,7 @@ class Session:
                 lambda: self.client.hgetall(self.keys.meta), "reading the plan"
             )
             inc = self._retry(lambda: self.client.get(self.keys.incarnation), "reading the plan")
-            run = meta.get(b"run", b"").decode()
+            run = meta.get(MetaField.RUN.encode(), b"").decode()
             if not run or (inc or b"").decode() != self.incarnation:
                 # Redis restarted empty (or the queue was reset) before any producer
                 # joined: nothing was popped, so claiming afresh loses nothing.
@@ -244,7 +246,7 @@ class Session:
                 continue
             if run != self.run:
                 raise RunChanged(f"queue {self.keys.queue}: the run changed while starting")
-            if b"shards" in meta:
+            if MetaField.SHARDS.encode() in meta:
                 with self._lock:
                     self.plan = Plan(meta)
                 return self.plan

@@ -35,7 +35,8 @@ import redis
 
 from batchq.connection import call
 from batchq.errors import FrameError
-from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
+from batchq.fields import MetaField
+from batchq.keys import QueueKeys
 from batchq.shm import (
     DEFAULT_SHM_DIR,
     HEADER,
@@ -104,10 +105,15 @@ class TrainerShm:
         it may hold ahead of its caller), or that it takes nothing by shared memory."""
         meta = self.keys.meta
         if self.identity is None:
-            fields = (SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD)
+            fields = (MetaField.SHM_HOST, MetaField.SHM_LOOKAHEAD)
             call(lambda: client.hdel(meta, *fields), "publishing the host")
         else:
-            items: list[str | int] = [SHM_HOST_FIELD, self.identity, SHM_LOOKAHEAD_FIELD, lookahead]
+            items: list[str | int] = [
+                MetaField.SHM_HOST,
+                self.identity,
+                MetaField.SHM_LOOKAHEAD,
+                lookahead,
+            ]
             call(lambda: client.hset(meta, items=items), "publishing the host")
 
     def new_run(self, run: str) -> None:

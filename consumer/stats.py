@@ -16,6 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
+from batchq.fields import TrainerField
 from batchq.monitor import WAIT_BUCKETS_S  # the histogram's bucket bounds (s); last is +Inf
 
 __all__ = ["WAIT_BUCKETS_S", "TrainerStats"]
@@ -73,7 +74,7 @@ class TrainerStats:
     def _close_epoch(self) -> None:
         total = self._epoch_wait_s + self._epoch_busy_s
         self.last_epoch = {
-            "epoch": self.epoch,
+            TrainerField.EPOCH: self.epoch,
             "batches": self.epoch_batches,
             "seconds": total,
             "stall_fraction": self._epoch_wait_s / total if total else 0.0,
@@ -111,19 +112,19 @@ class TrainerStats:
             out: dict[str, Any] = {
                 "batches": self.batches,
                 "bytes": self.bytes,
-                "epoch": self.epoch,
-                "epoch_progress": self.epoch_batches,
-                "stall_fraction_epoch": epoch_stall,
+                TrainerField.EPOCH: self.epoch,
+                TrainerField.EPOCH_PROGRESS: self.epoch_batches,
+                TrainerField.STALL_FRACTION_EPOCH: epoch_stall,
                 "last_epoch": dict(self.last_epoch),
             }
         waits = sorted(w for w, _, _, _ in recent)
         spent = sum(w + b for w, b, _, _ in recent)
-        out["stall_fraction_recent"] = sum(waits) / spent if spent else 0.0
-        out["wait_p50_s"] = _percentile(waits, 0.5)
-        out["wait_p90_s"] = _percentile(waits, 0.9)
-        out["wait_p99_s"] = _percentile(waits, 0.99)
-        out["batches_per_s"] = len(recent) / spent if spent else 0.0
-        out["mb_per_s"] = sum(n for _, _, n, _ in recent) / 1e6 / spent if spent else 0.0
+        out[TrainerField.STALL_FRACTION_RECENT] = sum(waits) / spent if spent else 0.0
+        out[TrainerField.WAIT_P50_S] = _percentile(waits, 0.5)
+        out[TrainerField.WAIT_P90_S] = _percentile(waits, 0.9)
+        out[TrainerField.WAIT_P99_S] = _percentile(waits, 0.99)
+        out[TrainerField.BATCHES_PER_S] = len(recent) / spent if spent else 0.0
+        out[TrainerField.MB_PER_S] = sum(n for _, _, n, _ in recent) / 1e6 / spent if spent else 0.0
         return out
 
     def drain(self, depth: int, force: bool = False) -> list[Any]:
@@ -146,26 +147,16 @@ class TrainerStats:
         figures = history = ""
         if due and self.batches:
             snap = self.snapshot()
-            keep = (
-                "epoch",
-                "epoch_progress",
-                "stall_fraction_epoch",
-                "stall_fraction_recent",
-                "wait_p50_s",
-                "wait_p90_s",
-                "wait_p99_s",
-                "batches_per_s",
-                "mb_per_s",
-            )
-            figures = json.dumps({k: round(float(snap[k]), 6) for k in keep})
+            published = TrainerField.PUBLISHED  # the trainer hash's fields (pop.lua)
+            figures = json.dumps({k: round(float(snap[k]), 6) for k in published})
             history = json.dumps(
                 {
                     "t": round(time.time(), 3),
                     "depth": depth,
                     "batches": snap["batches"],
-                    "stall": round(snap["stall_fraction_recent"], 4),
-                    "batches_per_s": round(snap["batches_per_s"], 3),
-                    "mb_per_s": round(snap["mb_per_s"], 3),
+                    "stall": round(snap[TrainerField.STALL_FRACTION_RECENT], 4),
+                    "batches_per_s": round(snap[TrainerField.BATCHES_PER_S], 3),
+                    "mb_per_s": round(snap[TrainerField.MB_PER_S], 3),
                 }
             )
         return [wait_ms, busy_ms, epochs, buckets, figures, history]

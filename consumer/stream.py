@@ -26,6 +26,7 @@ from batchq.errors import (
     ProducersLost,
     StreamStopped,
 )
+from batchq.fields import MetaField
 from batchq.keys import QueueKeys
 from batchq.layout import DONE, ledger_field
 from batchq.ranks import RankLayout
@@ -235,7 +236,7 @@ class ServerDataStream(FuelStreamMixin):
         total = self._plan_len()
         if self.world_size == 1:
             return total
-        shards = self._retry(lambda: self._client.hget(self.keys.meta, "shards"), "reading")
+        shards = self._retry(lambda: self._client.hget(self.keys.meta, MetaField.SHARDS), "reading")
         if shards is None or int(shards) != total:
             raise LengthUnknown(
                 f"queue {self.keys.queue}: with shards of more than one batch a rank's share "
@@ -248,7 +249,8 @@ class ServerDataStream(FuelStreamMixin):
         deadline = time.monotonic() + self.timeout_s
         while True:
             value = self._retry(
-                lambda: self._client.hget(self.keys.meta, "epoch_batches"), "reading the plan"
+                lambda: self._client.hget(self.keys.meta, MetaField.EPOCH_BATCHES),
+                "reading the plan",
             )
             if value is not None and int(value) >= 0:
                 return int(value)
@@ -471,7 +473,7 @@ class ServerDataStream(FuelStreamMixin):
         # A producer may never have joined this Redis (it restarted): the plan's
         # shape comes from the checkpoint then.
         meta = self._retry(lambda: self._client.hgetall(self.keys.meta), "reading meta")
-        session.plan = Plan(meta) if b"shards" in meta else None
+        session.plan = Plan(meta) if MetaField.SHARDS.encode() in meta else None
         shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
         self._plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
         layout = session.layout(self._plan_shards)

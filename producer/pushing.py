@@ -30,10 +30,12 @@ import redis
 from batchq import codec, scripts
 from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
+from batchq.fields import MetaField
 from batchq.keys import QueueKeys
 from batchq.layout import time_ms
 from batchq.lua_scripts import Call, Command, execute_pipeline, round_trip
 from batchq.protocol import Status
+from batchq.ranks import rank_field
 from batchq.replies import LeaseReply, PushReply
 from producer.sharding import ShardPlan
 from producer.transport import ShmFrame, Transport
@@ -455,8 +457,8 @@ class ShardPusher:
         producer, while this rank waits for the others (its share of an epoch is
         evened, consumer/balance.py), so holding on could stall them all."""
         k, world = self.keys, self._pos.world
-        fields = [f"claim_deadline:{r}" for r in range(world)]
-        fields += [f"done:{r}" for r in range(world)]
+        fields = [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
+        fields += [rank_field(MetaField.DONE, r, world) for r in range(world)]
 
         def build(pipe: Any) -> None:
             pipe.hmget(k.meta, fields)

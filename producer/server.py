@@ -30,6 +30,7 @@ from batchq.errors import (
     ProtocolError,
     RunFinished,
 )
+from batchq.fields import MetaField
 from batchq.keys import QueueKeys, check_name
 from batchq.layout import lease_entry
 from batchq.lua_scripts import Call
@@ -301,7 +302,7 @@ class Producer:
             return
         world = self._pos.world
         deadlines = client.hmget(
-            self.keys.meta, [rank_field("claim_deadline", r, world) for r in range(world)]
+            self.keys.meta, [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
         )
         if any(d and int(d) > now_ms for d in deadlines):
             self._unclaimed_since_ms = None
@@ -346,7 +347,7 @@ class Producer:
             self._record_id = record_client(self.client, self.keys, self.id)
         if self._axis_labels is not None:
             try:  # a convenience for the trainer (ServerDataStream.axis_labels): best effort
-                self.client.hset(self.keys.meta, "axis_labels", self._axis_labels)
+                self.client.hset(self.keys.meta, MetaField.AXIS_LABELS, self._axis_labels)
             except redis.RedisError as e:
                 log.debug("producer %s: axis labels not published: %s", self.id, e)
         self._lease_seq = 0

@@ -3,14 +3,14 @@
 ``transport='auto'`` (the default; ``BATCHQ_TRANSPORT`` sets it where the argument is
 not given) uses shared memory exactly while the run's trainer has published this host's
 identity (:func:`batchq.shm.host_identity`, meta field
-:data:`batchq.keys.SHM_HOST_FIELD`): a producer started before the trainer switches
+:data:`batchq.fields.MetaField.SHM_HOST`): a producer started before the trainer switches
 once the identity appears, and back to Redis when a trainer from another host takes
 over. It reads the field at every join and at most once a second while serving.
 
 The pool holds at most ``shm_segments`` segments; by default just enough that a
 trainer keeping up never makes a frame fall back to Redis: per rank of the run, the
 rank's data list (hwm), the decoded frames the rank's reader holds ahead of its caller
-(its look-ahead, published beside the host: :data:`batchq.keys.SHM_LOOKAHEAD_FIELD`)
+(its look-ahead, published beside the host: :data:`batchq.fields.MetaField.SHM_LOOKAHEAD`)
 and the two batches the caller has in hand (the one it uses, the one it is handed
 next), plus the one being written.
 ``transport='redis'`` never uses shared memory. Either way, frames that do not get a
@@ -31,7 +31,8 @@ import redis
 from batchq import codec
 from batchq.connection import Pieces, call
 from batchq.errors import ConfigError
-from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
+from batchq.fields import MetaField
+from batchq.keys import QueueKeys
 from batchq.shm import (
     DEFAULT_SHM_DIR,
     encode_descriptor,
@@ -158,7 +159,7 @@ class Transport:
         if not force and now - self._checked < REFRESH_S:
             return
         self._checked = now
-        fields = (SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD)
+        fields = (MetaField.SHM_HOST, MetaField.SHM_LOOKAHEAD)
         value, lookahead = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
         active = isinstance(value, bytes) and value.decode() == self.identity
         if self._fixed is None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from batchq.connection import call, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
+from batchq.fields import MetaField
 from batchq.keys import QueueKeys, check_name
 from batchq.sizing import delivered_rate, demand_rate, sample_rate
 
@@ -214,7 +215,8 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         where = describe_url(url)
         hwm_raw, world_raw = call(
-            lambda: client.hmget(QueueKeys(queue).meta, ["hwm", "world"]), "reading the hwm"
+            lambda: client.hmget(QueueKeys(queue).meta, [MetaField.HWM, MetaField.WORLD]),
+            "reading the hwm",
         )
         world = int(world_raw or 1)
         ranks: dict[int, list[dict[str, Any]]] = {}

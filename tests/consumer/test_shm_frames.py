@@ -15,7 +15,8 @@ from frame_args import encode_with
 from batchq import codec, shm
 from batchq.codec import FrameKind
 from batchq.errors import FrameError
-from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
+from batchq.fields import MetaField
+from batchq.keys import QueueKeys
 from consumer.shm_frames import TrainerShm
 from producer.transport import ShmFrame, Transport
 
@@ -64,9 +65,12 @@ def test_trainer_without_shm_publishes_nothing(
     tmp_path: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     keys = QueueKeys("q")
-    fake_redis.hset(keys.meta, mapping={SHM_HOST_FIELD: "stale", SHM_LOOKAHEAD_FIELD: 4})
+    fake_redis.hset(keys.meta, mapping={MetaField.SHM_HOST: "stale", MetaField.SHM_LOOKAHEAD: 4})
     TrainerShm(keys, "redis", str(tmp_path)).publish(fake_redis, 10)
-    assert fake_redis.hmget(keys.meta, [SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD]) == [None, None]
+    assert fake_redis.hmget(keys.meta, [MetaField.SHM_HOST, MetaField.SHM_LOOKAHEAD]) == [
+        None,
+        None,
+    ]
 
 
 def test_trainer_publishes_its_host_and_look_ahead_together(
@@ -75,7 +79,7 @@ def test_trainer_publishes_its_host_and_look_ahead_together(
     keys = QueueKeys("q")
     trainer = TrainerShm(keys, "auto", str(tmp_path))
     trainer.publish(fake_redis, 7)
-    host, lookahead = fake_redis.hmget(keys.meta, [SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD])
+    host, lookahead = fake_redis.hmget(keys.meta, [MetaField.SHM_HOST, MetaField.SHM_LOOKAHEAD])
     assert host == (trainer.identity or "").encode() and lookahead == b"7"
 
 

@@ -21,7 +21,8 @@ from waiting import wait_until
 from batchq import shm
 from batchq.cli import main
 from batchq.embedded import EmbeddedRedis
-from batchq.keys import SHM_HOST_FIELD, QueueKeys
+from batchq.fields import MetaField
+from batchq.keys import QueueKeys
 from batchq.monitor import queue_status
 from consumer import ServerDataStream
 from producer import Producer
@@ -76,7 +77,7 @@ def test_exact_epochs_through_shared_memory_and_bounded(
         assert producer._transport.shm_frames >= stream._shm.frames >= 60 - 4 - fallbacks
         assert held is not None
         np.testing.assert_array_equal(held, held_copy)
-        assert redis_client.hget(QueueKeys(queue_name).meta, SHM_HOST_FIELD)
+        assert redis_client.hget(QueueKeys(queue_name).meta, MetaField.SHM_HOST)
         stats = redis_client.hgetall(QueueKeys(queue_name).stats)
         assert int(stats[b"pushed_bytes"]) > 60 * BATCH * FEATURES * 8  # the batches' size
         stream.close(finished=True)

@@ -17,7 +17,8 @@ from small_tmpfs import small_tmpfs
 from batchq import shm
 from batchq.codec import FrameKind
 from batchq.errors import ConfigError
-from batchq.keys import SHM_HOST_FIELD, SHM_LOOKAHEAD_FIELD, QueueKeys
+from batchq.fields import MetaField
+from batchq.keys import QueueKeys
 from producer.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 from producer.transport import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, ShmFrame, Transport, pool_size
 
@@ -122,13 +123,13 @@ def test_transport_follows_the_trainers_published_host(
     assert not isinstance(
         encode_with(transport.encode, FrameKind.BATCH, **fields), ShmFrame
     )  # no trainer yet
-    fake_redis.hset(keys.meta, SHM_HOST_FIELD, transport.identity or "")
+    fake_redis.hset(keys.meta, MetaField.SHM_HOST, transport.identity or "")
     transport.refresh(fake_redis, force=True)
     frame = encode_with(transport.encode, FrameKind.BATCH, **fields)
     assert isinstance(frame, ShmFrame) and len(frame) > 4000
     desc = shm.decode_descriptor(frame.element, "q")
     assert (desc.segment, desc.gen, desc.length) == (frame.segment.name, 1, len(frame))
-    fake_redis.hset(keys.meta, SHM_HOST_FIELD, "another-host:1:2")  # a takeover elsewhere
+    fake_redis.hset(keys.meta, MetaField.SHM_HOST, "another-host:1:2")  # a takeover elsewhere
     with caplog.at_level(logging.INFO):
         transport.refresh(fake_redis, force=True)
     assert not transport.active and "through Redis" in caplog.text
@@ -154,9 +155,9 @@ def test_the_pool_follows_the_trainers_published_look_ahead(
 ) -> None:
     keys = QueueKeys("q")
     transport = Transport("auto", str(tmp_path), keys, "p", None, hwm=5)
-    fake_redis.hset(keys.meta, SHM_HOST_FIELD, transport.identity or "")
+    fake_redis.hset(keys.meta, MetaField.SHM_HOST, transport.identity or "")
     if published is not None:
-        fake_redis.hset(keys.meta, SHM_LOOKAHEAD_FIELD, published)
+        fake_redis.hset(keys.meta, MetaField.SHM_LOOKAHEAD, published)
     transport.joined(fake_redis, "ab12", world=2)
     assert transport.active and transport.pool.max_segments == expected
 
@@ -167,7 +168,8 @@ def test_an_explicit_shm_segments_is_kept_whatever_the_trainer_publishes(
     keys = QueueKeys("q")
     transport = Transport("auto", str(tmp_path), keys, "p", 3, hwm=5)
     fake_redis.hset(
-        keys.meta, mapping={SHM_HOST_FIELD: transport.identity or "", SHM_LOOKAHEAD_FIELD: 50}
+        keys.meta,
+        mapping={MetaField.SHM_HOST: transport.identity or "", MetaField.SHM_LOOKAHEAD: 50},
     )
     transport.joined(fake_redis, "ab12")
     assert transport.pool.max_segments == 3
@@ -180,7 +182,7 @@ def test_transport_redis_never_maps_anything(
 ) -> None:
     keys = QueueKeys("q")
     auto = Transport("auto", str(tmp_path), keys, "p", 4)
-    fake_redis.hset(keys.meta, SHM_HOST_FIELD, auto.identity or "")
+    fake_redis.hset(keys.meta, MetaField.SHM_HOST, auto.identity or "")
     transport = Transport("redis", str(tmp_path), keys, "p", 4)
     transport.joined(fake_redis, "ab12")
     frame = encode_with(
@@ -194,7 +196,7 @@ def test_a_full_folder_warns_once_and_frames_go_through_redis(
 ) -> None:
     keys = QueueKeys("q")
     transport = Transport("auto", str(tmp_path), keys, "p", 8, max_bytes=100_000)
-    fake_redis.hset(keys.meta, SHM_HOST_FIELD, transport.identity or "")
+    fake_redis.hset(keys.meta, MetaField.SHM_HOST, transport.identity or "")
     transport.joined(fake_redis, "ab12")
     data = (np.zeros(60_000, dtype=np.uint8),)
     with caplog.at_level(logging.WARNING):
