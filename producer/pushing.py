@@ -30,13 +30,11 @@ import redis
 from batchq import codec, scripts
 from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
-from batchq.fields import MetaField
 from batchq.keys import QueueKeys
-from batchq.layout import time_ms
-from batchq.lua_scripts import Call, Command, execute_pipeline, round_trip
+from batchq.lua_scripts import Call, Command, round_trip
 from batchq.protocol import Status
-from batchq.ranks import rank_field
 from batchq.replies import LeaseReply, PushReply
+from producer.blocking import HANDBACK_S, Waiting, hand_back_reason
 from producer.sharding import ShardPlan
 from producer.transport import ShmFrame, Transport
 
@@ -64,10 +62,6 @@ INLINE_MAX_BYTES = 256 * 1024
 # A frame stored by reference but not yet in the list expires after this long, so a
 # producer killed at the hwm leaves nothing behind; in the list it never expires.
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
-# A data-parallel producer blocked this long at a rank's full list looks whether that
-# rank's trainer is still alive; if not, the shard goes back to the work list so that
-# one stopped rank never holds the producers serving the others.
-HANDBACK_S = 1.0
 
 
 class Lease(NamedTuple):
@@ -352,48 +346,26 @@ class ShardPusher:
     ) -> bool:
         """Push one frame, waiting at the hwm; False if the shard was taken from us."""
         ref = None
-        shm = isinstance(frame, ShmFrame)  # the list gets its small descriptor, inline
-        if not shm and len(frame) > self.inline_max_bytes:
+        element: Any = frame
+        if isinstance(frame, ShmFrame):  # the list gets its small descriptor, inline
+            element = frame.element
+        elif len(frame) > self.inline_max_bytes:
             self._frame_seq += 1
             ref = self.keys.frame(self.id, self._frame_seq)
-        element: Any = frame if ref is None else codec.encode_ref(ref)
-        if isinstance(frame, ShmFrame):
-            element = frame.element
-        stored = False
-        blocked_since: float | None = None
-        full_since = 0.0
+            element = codec.encode_ref(ref)
         # The shard's last push also asks for the next lease: one round trip saved per
         # shard (per batch for map-style pipelines). Only on the first send.
-        lease_next = None
-        if last and self.prefetched is None:
-            lease_next = self._lease_request(True)
-        while True:
-            if self._stop.is_set():
-                return False
-            blocked_ms = 0
-            if blocked_since is not None:
-                # Only the time since the last try: each try reports its own wait.
-                now = time.monotonic()
-                blocked_ms = int((now - blocked_since) * 1000)
-                blocked_since = now
+        lease_next = self._lease_request(True) if last and self.prefetched is None else None
+        wait = Waiting()
+        stored = False  # the frame is under its key (sent once, again after GONE)
+        while not self._stop.is_set():
             request = scripts.push_call(
-                self.keys,
-                data=self._data_key,
-                frame_key=ref,
-                incarnation=self._pos.incarnation,
-                run=self._pos.run,
-                producer=self.id,
-                entry=entry,
-                element=element,
-                last=last,
-                heartbeat_ttl_ms=self.heartbeat_ttl_ms,
-                frame_bytes=len(frame),
-                blocked_ms=blocked_ms,
-                produce_ms=produce_ms,
-            )
-            store = frame if ref is not None and not stored else None
-            if isinstance(store, ShmFrame):  # pragma: no cover - never stored by reference
-                store = None
+                self.keys, data=self._data_key, frame_key=ref, incarnation=self._pos.incarnation,
+                run=self._pos.run, producer=self.id, entry=entry, element=element, last=last,
+                heartbeat_ttl_ms=self.heartbeat_ttl_ms, frame_bytes=len(frame),
+                blocked_ms=wait.since_last_try_ms(), produce_ms=produce_ms,
+            )  # fmt: skip
+            store = None if stored or isinstance(frame, ShmFrame) or ref is None else frame
             try:
                 replies = self._send(ref, store, request, lease_next)
             except redis.ResponseError as e:
@@ -401,8 +373,7 @@ class ShardPusher:
                     raise
                 # Redis is full (noeviction): backpressure, like the hwm; nothing is lost.
                 self.note_oom(e)
-                if blocked_since is None:
-                    blocked_since = time.monotonic()
+                wait.start()
                 stored = False
                 self.wait_for_room()
                 continue
@@ -410,71 +381,62 @@ class ShardPusher:
                 stored = True
                 self.pending_ref = ref
             if lease_next is not None:
-                lease_reply = lease_next[0].parse(replies.pop())
-                if lease_reply.status == Status.OK:
-                    self.prefetched = Lease.from_reply(lease_reply, lease_next[1], self.plan.shards)
+                self._note_prefetch(lease_next, replies.pop())
                 lease_next = None
             reply = request.parse(replies[-1])
-            status = reply.status
-            if status == Status.OK:
-                self.pending_ref = None
-                return True
-            if status == Status.FULL:
-                if blocked_since is None:
-                    blocked_since = full_since = time.monotonic()
-                elif self._pos.world > 1 and time.monotonic() - full_since >= HANDBACK_S:
-                    full_since = time.monotonic()  # looked at once per HANDBACK_S
-                    if self._hand_back(entry):
-                        if ref is not None:
-                            self.client.delete(ref)
-                            self.pending_ref = None
-                        return False
-                self.wait_for_room()
-                continue
-            if blocked_since is not None:
-                blocked_since = time.monotonic()
-            if status == Status.GONE:
-                stored = False
-                continue
-            if status == Status.WRONG_TYPE:
-                # A foreign writer replaced a queue key: keep the shard, wait for a repair.
-                self.note_wrong_type(reply.key, reply.found)
-                self._stop.wait(WAIT_S)
-                continue
-            if ref is not None:
-                self.client.delete(ref)
-                self.pending_ref = None
-            if status == Status.LEASE_LOST:
-                log.info("producer %s: lease %s was taken back; dropping it", self.id, entry)
+            pushed = self._after(reply, entry, ref, wait)
+            if pushed is not None:
+                return pushed
+            stored = stored and reply.status != Status.GONE
+        return False
+
+    def _note_prefetch(self, request: tuple[Call[LeaseReply], str], raw: Any) -> None:
+        """Keep the lease that rode with a shard's last push, if it was granted."""
+        reply = request[0].parse(raw)
+        if reply.status == Status.OK:
+            self.prefetched = Lease.from_reply(reply, request[1], self.plan.shards)
+
+    def _after(self, reply: PushReply, entry: str, ref: str | None, wait: Waiting) -> bool | None:
+        """What a push's reply means: True pushed, False the shard is no longer ours,
+        None try again (after waiting for room where the list was full)."""
+        status = reply.status
+        if status == Status.OK:
+            self.pending_ref = None
+            return True
+        if status == Status.FULL:
+            # A data-parallel rank's full list: once per HANDBACK_S, maybe hand back.
+            blocked = wait.start()
+            if blocked and self._pos.world > 1 and wait.hand_back_due() and self._hand_back(entry):
+                self._drop_ref(ref)
                 return False
-            self._on_status(status)
+            self.wait_for_room()
+            return None
+        wait.restart()
+        if status == Status.GONE:  # the stored frame expired: store it again
+            return None
+        if status == Status.WRONG_TYPE:
+            # A foreign writer replaced a queue key: keep the shard, wait for a repair.
+            self.note_wrong_type(reply.key, reply.found)
+            self._stop.wait(WAIT_S)
+            return None
+        self._drop_ref(ref)
+        if status == Status.LEASE_LOST:
+            log.info("producer %s: lease %s was taken back; dropping it", self.id, entry)
             return False
+        self._on_status(status)
+        return False
+
+    def _drop_ref(self, ref: str | None) -> None:
+        """Delete a frame stored by reference that will never be listed."""
+        if ref is not None:
+            self.client.delete(ref)
+            self.pending_ref = None
 
     def _hand_back(self, entry: str) -> bool:
         """At a data-parallel rank's full list for HANDBACK_S: hand the shard back (and
-        say so) if that rank's trainer holds no live claim (it crashed, or closed), or
-        if another rank still reading has an empty list: it may be waiting for this
-        producer, while this rank waits for the others (its share of an epoch is
-        evened, consumer/balance.py), so holding on could stall them all."""
-        k, world = self.keys, self._pos.world
-        fields = [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
-        fields += [rank_field(MetaField.DONE, r, world) for r in range(world)]
-
-        def build(pipe: Any) -> None:
-            pipe.hmget(k.meta, fields)
-            pipe.time()
-            for r in range(world):
-                pipe.llen(k.data_of(r, world))
-
-        meta, now, *depths = execute_pipeline(self.client, build)
-        now_ms = time_ms(now)
-        reading = [d is not None and int(d) > now_ms and meta[world + r] is None
-                   for r, d in enumerate(meta[:world])]  # fmt: skip
-        live = reading[self._rank]
-        starving = any(
-            depth == 0 and reading[r] for r, depth in enumerate(depths) if r != self._rank
-        )
-        if live and not starving:
+        say why) when :func:`producer.blocking.hand_back_reason` finds a reason."""
+        why = hand_back_reason(self.client, self.keys, self._rank, self._pos.world)
+        if why is None:
             return False
         reply = scripts.handback(
             self.client, self.keys, incarnation=self._pos.incarnation, run=self._pos.run,
@@ -482,7 +444,6 @@ class ShardPusher:
         )  # fmt: skip
         if reply.status not in (Status.OK, Status.LEASE_LOST):
             self._on_status(reply.status)
-        why = "another rank's list is empty" if live else "it is not reading"
         log.info(
             "producer %s: rank %d's list is full, %s: %s handed back",
             self.id,

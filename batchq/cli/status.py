@@ -6,7 +6,8 @@ import argparse
 
 from batchq.connection import call, describe_url, make_client, resolve_url
 from batchq.keys import check_name
-from batchq.monitor import list_queues, render_table, status_rows
+from batchq.monitor import list_queues, status_rows
+from batchq.status_text import render_table
 
 __all__ = ["run_status"]
 

@@ -28,15 +28,10 @@ from rich.text import Text
 from batchq.connection import call, describe_url, make_client, redis_errors, resolve_url
 from batchq.errors import BatchQueueError, ConfigError
 from batchq.keys import check_name
-from batchq.monitor import (
-    fmt_age,
-    fmt_bytes,
-    fmt_pct,
-    list_queues,
-    row_from_snapshot,
-)
+from batchq.monitor import list_queues, row_from_snapshot
 from batchq.sizing import recent_samples
 from batchq.snapshot import QueueSnapshot, read_snapshots
+from batchq.status_text import fmt_age, fmt_bytes, fmt_pct
 from batchq.verdict import RECENT_S
 
 __all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]

@@ -19,7 +19,8 @@ from batchq.autoscale import AUTO_MAX_WORKERS, Figures, ScalePolicy, ScaleState,
 from batchq.cli import main
 from batchq.errors import ConfigError
 from batchq.keys import QueueKeys
-from batchq.monitor import queue_status, render_table
+from batchq.monitor import queue_status
+from batchq.status_text import render_table
 
 # --------------------------------------------------------------------------- parsing
 

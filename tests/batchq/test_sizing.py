@@ -12,7 +12,8 @@ from waiting import wait_until
 
 from batchq import sizing
 from batchq.keys import QueueKeys
-from batchq.monitor import queue_status, render_table
+from batchq.monitor import queue_status
+from batchq.status_text import render_table
 from batchq.verdict import cause
 
 # --------------------------------------------------------------------------- arithmetic

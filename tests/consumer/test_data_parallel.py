@@ -291,7 +291,8 @@ def test_status_exporter_and_report_show_each_rank(
     from prometheus_client.registry import CollectorRegistry
 
     from batchq.exporter import BatchqCollector
-    from batchq.monitor import render_table, status_rows
+    from batchq.monitor import status_rows
+    from batchq.status_text import render_table
 
     producer_thread(numbered(EXAMPLES, BATCH))
     streams = [
