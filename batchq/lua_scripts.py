@@ -54,6 +54,7 @@ Command = tuple[Arg | Pieces, ...]  # a command's name and arguments, as sent
 R = TypeVar("R")
 
 _LUA_DIR = Path(__file__).resolve().parent / "lua"
+_SHARED = (_LUA_DIR / "lib" / "shared.lua").read_text()
 _NAMED = re.compile(r"^local (\w+) = (?:tonumber\()?(KEYS|ARGV)\[(\d+)\]")
 _TAIL = re.compile(r"^-- (KEYS|ARGV)\[(\d+)\.\.\]:")
 KEY_SUFFIX = "_key"
@@ -116,9 +117,11 @@ class Script:
         # Next to this module, not resources.files("batchq"): run from a folder holding a
         # checkout named batchq, "batchq" is a namespace package over both, whose
         # MultiplexedPath cannot join two parts (TypeError) and may pick the wrong one.
-        self.source = (_LUA_DIR / f"{name}.lua").read_text()
+        text = (_LUA_DIR / f"{name}.lua").read_text()
+        self.header = parse_header(name, text)
+        # What several scripts do is written once, in lib/shared.lua, put before each.
+        self.source = _SHARED + text
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
-        self.header = parse_header(name, self.source)
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg]) -> None:
         """Add an EVALSHA of this script to a pipeline (see :func:`execute_pipeline`)."""

@@ -31,8 +31,7 @@ local resumed = ARGV[11] or ''   -- a second run id to take over: the run that t
                                  -- first resuming rank created (resume.lua), or ''
 local first_rank_data = 8
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = server_now_ms()
 local function f(name, r)
   if world == 1 then return name end
   return name .. ':' .. (r or rank)

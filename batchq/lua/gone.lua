@@ -21,15 +21,7 @@ for i = first_pair, #ARGV - 1, 2 do
   local ids = (redis.call('HGET', clients_key, p) or '') .. ',' ..
     (redis.call('HGET', clients_key, p .. ':hb') or '')
   if ids == expected and redis.call('ZSCORE', producers_key, p) then
-    local held = redis.call('LRANGE', lease, 0, -1)
-    for j = #held, 1, -1 do
-      local g = string.match(held[j], '^(%d+):')
-      if g then
-        redis.call('LPUSH', work_key, g)
-        returned = returned + 1
-      end
-    end
-    redis.call('DEL', lease)
+    returned = returned + hand_back_leases(lease, work_key)
     redis.call('ZREM', producers_key, p)
     redis.call('HDEL', clients_key, p, p .. ':hb')
     reaped = reaped + 1

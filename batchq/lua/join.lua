@@ -28,8 +28,7 @@ local no_create = ARGV[13]       -- '1': create no queue and no run (after Redis
                                  -- queue's state the trainer re-creates it from its
                                  -- ledger; producers wait for that)
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = server_now_ms()
 
 local inc = redis.call('GET', incarnation_key)
 local run = redis.call('HGET', meta_key, 'run')
@@ -72,14 +71,11 @@ end
 
 -- Leases this producer id still holds from an earlier life go back to the front of the
 -- work list when they belong to this run; leases of an older run are simply dropped.
-local held = redis.call('LRANGE', lease_key, 0, -1)
 if served == run then
-  for i = #held, 1, -1 do
-    local g = string.match(held[i], '^(%d+):')
-    if g then redis.call('LPUSH', work_key, g) end
-  end
+  hand_back_leases(lease_key, work_key)
+else
+  redis.call('DEL', lease_key)
 end
-redis.call('DEL', lease_key)
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world')
 if m[4] then return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4])} end

@@ -29,8 +29,7 @@ local prefetch = ARGV[6]         -- '1' when sent right behind a shard's last pu
                                  -- sits on a second shard another producer could build
 local first_rank_data = 7
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'next', 'floor', 'window', 'shards',
   'world', 'even', 'hwm', 'remap_epoch')

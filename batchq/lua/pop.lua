@@ -32,8 +32,7 @@ local sfx = ARGV[15] or ''       -- meta field suffix: '' (world 1) or ':<rank>'
 local wake_cap = tonumber(ARGV[16])     -- the wake list's length cap
 local history_cap = tonumber(ARGV[17])  -- history samples kept
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = server_now_ms()
 local typed = {{meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}}
 for _, kw in ipairs(typed) do
   local kind = redis.call('TYPE', kw[1]).ok

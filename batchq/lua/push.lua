@@ -21,8 +21,7 @@ local frame_bytes = tonumber(ARGV[8])
 local blocked_ms = tonumber(ARGV[9])  -- spent blocked at the hwm since the last try
 local produce_ms = tonumber(ARGV[10]) -- the pipeline took to build this batch
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = server_now_ms()
 -- Every key's type first: a foreign type found half-way would leave a frame pushed and
 -- its lease held (a script's writes are not rolled back).
 local typed = {

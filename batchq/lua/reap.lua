@@ -11,8 +11,7 @@ local why = ARGV[2]              -- 'dead' (only if the heartbeat deadline has p
 -- ARGV[3..]: producer ids
 local first_lease, first_producer = 5, 3
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local reaped, returned = 0, 0
 for i = first_producer, #ARGV do
@@ -20,16 +19,7 @@ for i = first_producer, #ARGV do
   local lease = KEYS[first_lease + i - first_producer]
   local deadline = redis.call('ZSCORE', producers_key, p)
   if why == 'leave' or (deadline and tonumber(deadline) < now) then
-    -- Back to the front, in the order they were held, so the oldest is redone first.
-    local held = redis.call('LRANGE', lease, 0, -1)
-    for j = #held, 1, -1 do
-      local g = string.match(held[j], '^(%d+):')
-      if g then
-        redis.call('LPUSH', work_key, g)
-        returned = returned + 1
-      end
-    end
-    redis.call('DEL', lease)
+    returned = returned + hand_back_leases(lease, work_key)
     redis.call('ZREM', producers_key, p)
     reaped = reaped + 1
   end
