@@ -484,17 +484,7 @@ def decode_frame(
     ]
     crc = header.get("crc")
     if crc is not None:
-        if not _is_int(crc, 0) or crc > 0xFFFFFFFF:
-            raise FrameError("bad_header", f"'crc' is {short(crc)}, expected a uint32")
-        end = PREFIX.size + hlen
-        if bytes(view[end - 9 : end]) != _CRC_TAIL + crc.to_bytes(4, "big"):
-            raise FrameError("bad_header", "'crc' is not the header's last, fixed-width entry")
-        if verify_checksum:
-            found = zlib.crc32(view[end:], zlib.crc32(_CRC_ZERO, zlib.crc32(view[: end - 4])))
-            if found != crc:
-                raise FrameError(
-                    "bad_checksum", f"frame crc32 {found:#010x} differs from {crc:#010x}"
-                )
+        _check_crc(view, PREFIX.size + hlen, crc, verify_checksum)
     source = buf if isinstance(buf, bytes | bytearray) else view
     t = header.get("t")
     return Frame(
@@ -505,6 +495,20 @@ def decode_frame(
         error=header.get("err"), error_name=header.get("ename"), nbytes=size,
         produced_at=None if t is None else float(t),
     )  # fmt: skip
+
+
+def _check_crc(view: memoryview, header_end: int, crc: Any, verify: bool) -> None:
+    """The header's crc entry is well-formed (a uint32, its last fixed-width entry) and,
+    if ``verify``, matches the frame (computed with the crc's own bytes zero)."""
+    if not _is_int(crc, 0) or crc > 0xFFFFFFFF:
+        raise FrameError("bad_header", f"'crc' is {short(crc)}, expected a uint32")
+    end = header_end
+    if bytes(view[end - 9 : end]) != _CRC_TAIL + crc.to_bytes(4, "big"):
+        raise FrameError("bad_header", "'crc' is not the header's last, fixed-width entry")
+    if verify:
+        found = zlib.crc32(view[end:], zlib.crc32(_CRC_ZERO, zlib.crc32(view[: end - 4])))
+        if found != crc:
+            raise FrameError("bad_checksum", f"frame crc32 {found:#010x} differs from {crc:#010x}")
 
 
 def peek_header(buf: bytes | bytearray | memoryview) -> dict[str, Any]:

@@ -217,77 +217,103 @@ def read_snapshots(
     pipe = client.pipeline(transaction=False)
     pipe.time()
     for k in keys:
-        pipe.hgetall(k.meta)
-        pipe.llen(k.data)
-        pipe.zrange(k.producers, 0, -1, withscores=True)
-        pipe.hgetall(k.stats)
-        pipe.llen(k.dead)
-        pipe.hgetall(k.pstats)
-        pipe.hgetall(k.trainer)
-        pipe.lrange(k.history, 0, history - 1 if history >= 0 else -1)
-        pipe.lindex(k.data, -1)
-        pipe.zrange(k.scalers, 0, -1, withscores=True)
-        pipe.lindex(k.scalelog, 0)
+        _queue_reads(pipe, k, history)
     replies = pipe.execute()
     now_ms = time_ms(replies[0])
-    snaps: list[QueueSnapshot] = []
-    oldest: list[bytes | None] = []
-    per = 11
-    for i, k in enumerate(keys):
-        meta, depth, producers, stats, dead, pstats, trainer, hist, last, scalers, decision = (
-            replies[1 + i * per : 1 + (i + 1) * per]
-        )
-        alive = {_text(p): float(s) for p, s in producers if float(s) >= now_ms}
-        snaps.append(
-            QueueSnapshot(
-                queue=k.queue,
-                now_ms=now_ms,
-                meta={_text(a): _text(b) for a, b in meta.items()},
-                depth=int(depth),
-                alive=dict(sorted(alive.items())),
-                stats={_text(a): _int(b) for a, b in stats.items()},
-                dead=int(dead),
-                pstats=_pstats(pstats),
-                trainer={_text(a): _text(b) for a, b in trainer.items()},
-                history=_history(hist) if history else [],
-                autoscalers=sum(1 for _, score in scalers if float(score) >= now_ms),
-                last_decision=next(iter(_history([decision] if decision else [])), None),
-            )
-        )
-        oldest.append(last)
-
+    firsts = [
+        _from_replies(k, now_ms, replies[1 + i * _PER_QUEUE : 1 + (i + 1) * _PER_QUEUE], history)
+        for i, k in enumerate(keys)
+    ]
     # The second round trip: leases of live producers, headers of referenced frames, the
     # ranks of data-parallel trainers.
     pipe = client.pipeline(transaction=False)
-    todo: list[tuple[int, str]] = []
-    for i, (k, snap, last) in enumerate(zip(keys, snaps, oldest, strict=True)):
-        for r in range(snap.world if snap.world > 1 else 0):
-            pipe.llen(k.data_of(r, snap.world))
-            pipe.hgetall(k.trainer_of(r, snap.world))
-            pipe.lrange(k.history_of(r, snap.world), 0, history - 1 if history >= 0 else -1)
-            todo += [(i, "rank_depth"), (i, "rank_trainer"), (i, "rank_history")]
-        if leases:
-            for p in snap.alive:
-                pipe.llen(k.lease(p))
-                todo.append((i, "lease"))
-        if last is not None and codec.is_ref(last):
-            try:
-                ref = codec.decode_ref(last, k.frame_prefix)
-            except FrameError:
-                continue
-            pipe.getrange(ref, 0, HEADER_PEEK_BYTES - 1)
-            todo.append((i, "ref"))
-        else:
-            snap.oldest_t = _header_time(last)
-    if leases:
-        for snap in snaps:
-            snap.leases = 0
+    todo: list[tuple[QueueSnapshot, str]] = []
+    for k, (snap, last) in zip(keys, firsts, strict=True):
+        todo += [(snap, what) for what in _later_reads(pipe, k, snap, last, history, leases)]
     if todo:
-        for (i, what), value in zip(todo, pipe.execute(), strict=True):
-            if what.startswith("rank_"):
-                _add_rank(snaps[i], what, value)
-            elif what == "lease":
-                snaps[i].leases = (snaps[i].leases or 0) + int(value)
-            else:
-                snaps[i].oldest_t = _header_time(value)
-    return snaps
+        for (snap, what), value in zip(todo, pipe.execute(), strict=True):
+            _file_later(snap, what, value)
+    return [snap for snap, _ in firsts]
+
+
+_PER_QUEUE = 11  # the reads _queue_reads queues for each queue, in order
+
+
+def _queue_reads(pipe: Any, k: QueueKeys, history: int) -> None:
+    """The first round trip's reads of one queue (see :func:`_from_replies`)."""
+    pipe.hgetall(k.meta)
+    pipe.llen(k.data)
+    pipe.zrange(k.producers, 0, -1, withscores=True)
+    pipe.hgetall(k.stats)
+    pipe.llen(k.dead)
+    pipe.hgetall(k.pstats)
+    pipe.hgetall(k.trainer)
+    pipe.lrange(k.history, 0, history - 1 if history >= 0 else -1)
+    pipe.lindex(k.data, -1)
+    pipe.zrange(k.scalers, 0, -1, withscores=True)
+    pipe.lindex(k.scalelog, 0)
+
+
+def _from_replies(
+    k: QueueKeys, now_ms: int, replies: list[Any], history: int
+) -> tuple[QueueSnapshot, bytes | None]:
+    """One queue's snapshot from its first-round replies, and its oldest element."""
+    meta, depth, producers, stats, dead, pstats, trainer, hist, last, scalers, decision = replies
+    alive = {_text(p): float(s) for p, s in producers if float(s) >= now_ms}
+    snap = QueueSnapshot(
+        queue=k.queue,
+        now_ms=now_ms,
+        meta={_text(a): _text(b) for a, b in meta.items()},
+        depth=int(depth),
+        alive=dict(sorted(alive.items())),
+        stats={_text(a): _int(b) for a, b in stats.items()},
+        dead=int(dead),
+        pstats=_pstats(pstats),
+        trainer={_text(a): _text(b) for a, b in trainer.items()},
+        history=_history(hist) if history else [],
+        autoscalers=sum(1 for _, score in scalers if float(score) >= now_ms),
+        last_decision=next(iter(_history([decision] if decision else [])), None),
+    )
+    return snap, last
+
+
+def _later_reads(
+    pipe: Any,
+    k: QueueKeys,
+    snap: QueueSnapshot,
+    last: bytes | None,
+    history: int,
+    leases: bool,
+) -> list[str]:
+    """Queue the second round's reads of one queue; what each reply is, in order."""
+    what: list[str] = []
+    for r in range(snap.world if snap.world > 1 else 0):
+        pipe.llen(k.data_of(r, snap.world))
+        pipe.hgetall(k.trainer_of(r, snap.world))
+        pipe.lrange(k.history_of(r, snap.world), 0, history - 1 if history >= 0 else -1)
+        what += ["rank_depth", "rank_trainer", "rank_history"]
+    if leases:
+        snap.leases = 0
+        for p in snap.alive:
+            pipe.llen(k.lease(p))
+            what.append("lease")
+    if last is not None and codec.is_ref(last):
+        try:
+            ref = codec.decode_ref(last, k.frame_prefix)
+        except FrameError:
+            return what
+        pipe.getrange(ref, 0, HEADER_PEEK_BYTES - 1)
+        what.append("ref")
+    else:
+        snap.oldest_t = _header_time(last)
+    return what
+
+
+def _file_later(snap: QueueSnapshot, what: str, value: Any) -> None:
+    """File one second-round reply into its snapshot."""
+    if what.startswith("rank_"):
+        _add_rank(snap, what, value)
+    elif what == "lease":
+        snap.leases = (snap.leases or 0) + int(value)
+    else:
+        snap.oldest_t = _header_time(value)

@@ -268,22 +268,12 @@ class Reader(ReaderGuards, threading.Thread):
         # and sending them again would count them twice (an undercount is the lesser harm).
         self._extra_popped = self._bytes = 0
         reply = scripts.pop(
-            self.client,
-            self.keys,
-            data=s.data_key,
+            self.client, self.keys, data=s.data_key,
             trainer=self.keys.trainer_of(s.rank, s.world),
-            history=self.keys.history_of(s.rank, s.world),
-            incarnation=s.incarnation,
-            run=s.run,
-            token=s.token,
-            room=room,
-            floor=floor,
-            claim_ttl_ms=s.claim_ttl_ms,
-            extra_popped=extra,
-            nbytes=nbytes,
-            figures=figures,
-            suffix=s.suffix,
-        )
+            history=self.keys.history_of(s.rank, s.world), incarnation=s.incarnation,
+            run=s.run, token=s.token, room=room, floor=floor, claim_ttl_ms=s.claim_ttl_ms,
+            extra_popped=extra, nbytes=nbytes, figures=figures, suffix=s.suffix,
+        )  # fmt: skip
         self._last_claim = time.monotonic()
         if reply.status == Status.WRONG_TYPE:
             self._wrong_type(reply.key, reply.found)

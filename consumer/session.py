@@ -299,25 +299,15 @@ class Session:
 
         def call() -> CountReply:
             return scripts.resume(
-                client,
-                self.keys,
-                rank_lists=lists,
-                token=self.token,
-                new_run=run,
-                first=first_shard,
-                fingerprint=fingerprint,
+                client, self.keys, rank_lists=lists, token=self.token, new_run=run,
+                first=first_shard, fingerprint=fingerprint,
                 hwm=plan.hwm if same and plan else "",
                 shards=plan.shards if plan else (shards or 0),
                 window=plan.window if plan else 1,
-                epoch_batches=plan.epoch_batches if plan else -1,
-                rank=self.rank,
-                world=self.world,
-                even=self.even,
-                step=step,
-                held=self.held,
-                remap=remap,
+                epoch_batches=plan.epoch_batches if plan else -1, rank=self.rank,
+                world=self.world, even=self.even, step=step, held=self.held, remap=remap,
                 ledger=pairs,
-            )
+            )  # fmt: skip
 
         try:
             reply: CountReply = self._retry(call, "resuming", client)
@@ -325,6 +315,13 @@ class Session:
             if not is_wrong_type(e):
                 raise
             raise wrong_type_error(client, self._types(), e) from e
+        self._check_resumed(reply, step)
+        with self._lock:
+            self.run = reply.text
+        log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)
+
+    def _check_resumed(self, reply: CountReply, step: int) -> None:
+        """Raise what resume.lua's reply says went wrong, if anything."""
         if reply.status == Status.STEP:
             raise StepMismatch(
                 f"{self.what}: resumed from a state at step {step}, but the job's other "
@@ -332,6 +329,3 @@ class Session:
             )
         if reply.status != Status.OK:
             raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
-        with self._lock:
-            self.run = reply.text
-        log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)

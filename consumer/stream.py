@@ -154,27 +154,9 @@ class ServerDataStream(FuelStreamMixin):
         self._config = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
         }
-        if sources is not None and (
-            isinstance(sources, str)
-            or not all(isinstance(s, str) for s in sources)
-            or len(set(sources)) != len(sources)
-        ):
-            raise ConfigError(
-                f"sources {sources!r} is not valid: expected a tuple of distinct names"
-            )
-        if not isinstance(hwm, int) or hwm < 1:
-            raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
-        if timeout_s <= 0:
-            raise ConfigError(f"timeout_s {timeout_s!r} is not valid: expected > 0")
-        if on_bad_frame not in ("raise", "skip"):
-            raise ConfigError(f"on_bad_frame {on_bad_frame!r} is not valid: 'raise' or 'skip'")
+        _check_options(self._config)
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
-        RankLayout(1, world_size, even_batches)  # validates world_size and even_batches
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ConfigError(
-                f"rank {rank!r} is not valid: expected an integer in [0, {world_size})"
-            )
         self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
         self._step = 0  # batches yielded before this stream's ledger (a resume)
         self._yielded = 0  # batches this stream yielded
@@ -190,10 +172,6 @@ class ServerDataStream(FuelStreamMixin):
         self.claim_ttl_ms = int(claim_ttl_s * 1000)
         self.max_frame_bytes = max_frame_bytes
         self.on_bad_frame = on_bad_frame
-        if on_producer_error not in ("raise", "skip"):
-            raise ConfigError(
-                f"on_producer_error {on_producer_error!r} is not valid: 'raise' or 'skip'"
-            )
         self.on_producer_error = on_producer_error
         self.stall_s = stall_s
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
@@ -635,3 +613,31 @@ class ServerDataStream(FuelStreamMixin):
         """The trainer's figures: stall fraction of the last epoch and of the last 100
         batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`)."""
         return self._stats.snapshot()
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse a constructor argument that cannot work, naming it and what was expected
+    (the rest are checked where they are used: the URL, the queue's name, dtypes).
+
+    Raises:
+        ConfigError: the first invalid argument.
+    """
+    sources = options["sources"]
+    if sources is not None and (
+        isinstance(sources, str)
+        or not all(isinstance(s, str) for s in sources)
+        or len(set(sources)) != len(sources)
+    ):
+        raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of distinct names")
+    hwm = options["hwm"]
+    if not isinstance(hwm, int) or hwm < 1:
+        raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
+    if options["timeout_s"] <= 0:
+        raise ConfigError(f"timeout_s {options['timeout_s']!r} is not valid: expected > 0")
+    for name in ("on_bad_frame", "on_producer_error"):
+        if options[name] not in ("raise", "skip"):
+            raise ConfigError(f"{name} {options[name]!r} is not valid: 'raise' or 'skip'")
+    rank, world_size = options["rank"], options["world_size"]
+    RankLayout(1, world_size, options["even_batches"])  # checks world_size, even_batches
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank!r} is not valid: expected an integer in [0, {world_size})")

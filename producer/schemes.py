@@ -445,39 +445,49 @@ def cross_validation(
             Fuel) the counts are invalid, or not divisible while ``strict``.
     """
 
-    def check() -> tuple[int, int]:
-        examples = _check_count("num_examples", num_examples)
-        folds = _check_count("num_folds", num_folds)
-        if not 1 <= folds <= max(examples, 1):
-            raise ConfigError(
-                f"num_folds={folds} is not valid: expected 1 <= num_folds <= "
-                f"num_examples ({examples})"
-            )
-        if strict and examples % folds:
-            raise ConfigError(
-                f"{examples} examples are not divisible into {folds} evenly-sized "
-                "folds; pass strict=False to allow folds of different sizes"
-            )
-        return examples, folds
-
-    def fold(i: int, examples: int, folds: int) -> tuple[Any, ...]:
-        begin = examples * i // folds
-        end = examples * (i + 1) // folds
-        train = scheme_class([*range(begin), *range(end, examples)], **kwargs)  # type: ignore[call-arg]
-        valid = scheme_class(list(range(begin, end)), **kwargs)  # type: ignore[call-arg]
-        return (train, valid) if strict else (train, valid, end - begin)
-
     def folds() -> Iterator[tuple[Any, ...]]:
         # A generator, as Fuel's: bad counts raise at the first next(), where Fuel raises.
-        examples, count = check()
+        examples, count = _check_folds(num_examples, num_folds, strict)
         for i in range(count):
-            yield fold(i, examples, count)
+            yield _fold(scheme_class, i, examples, count, strict, kwargs)
 
     if which_fold is None:
         return folds()
-    examples, count = check()
+    examples, count = _check_folds(num_examples, num_folds, strict)
     if not 0 <= _check_count("which_fold", which_fold) < count:
         raise ConfigError(
             f"which_fold={which_fold!r} is not valid: expected 0 <= which_fold < {count}"
         )
-    return fold(int(which_fold), examples, count)
+    return _fold(scheme_class, int(which_fold), examples, count, strict, kwargs)
+
+
+def _check_folds(num_examples: Any, num_folds: Any, strict: bool) -> tuple[int, int]:
+    """(examples, folds) of a cross-validation, checked (see :func:`cross_validation`)."""
+    examples = _check_count("num_examples", num_examples)
+    folds = _check_count("num_folds", num_folds)
+    if not 1 <= folds <= max(examples, 1):
+        raise ConfigError(
+            f"num_folds={folds} is not valid: expected 1 <= num_folds <= num_examples ({examples})"
+        )
+    if strict and examples % folds:
+        raise ConfigError(
+            f"{examples} examples are not divisible into {folds} evenly-sized "
+            "folds; pass strict=False to allow folds of different sizes"
+        )
+    return examples, folds
+
+
+def _fold(
+    scheme_class: type[IterationScheme],
+    i: int,
+    examples: int,
+    folds: int,
+    strict: bool,
+    kwargs: dict[str, Any],
+) -> tuple[Any, ...]:
+    """Fold ``i``'s (train, valid[, valid size]) schemes."""
+    begin = examples * i // folds
+    end = examples * (i + 1) // folds
+    train = scheme_class([*range(begin), *range(end, examples)], **kwargs)  # type: ignore[call-arg]
+    valid = scheme_class(list(range(begin, end)), **kwargs)  # type: ignore[call-arg]
+    return (train, valid) if strict else (train, valid, end - begin)

@@ -51,6 +51,26 @@ log = logging.getLogger(__name__)
 FINISHED_GRACE_S = 60.0
 
 
+def _check_options(
+    hwm: Any, window: Any, heartbeat_ttl_s: float, max_attempts: Any, orphan_exit_s: float | None
+) -> None:
+    """Refuse a Producer argument that cannot work, naming it and what was expected.
+
+    Raises:
+        ConfigError: the first invalid argument.
+    """
+    if not isinstance(hwm, int) or hwm < 1:
+        raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"window {window!r} is not valid: expected an integer >= 1")
+    if heartbeat_ttl_s <= 0:
+        raise ConfigError(f"heartbeat_ttl_s {heartbeat_ttl_s!r} is not valid: expected > 0")
+    if not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ConfigError(f"max_attempts {max_attempts!r} is not valid: expected >= 1")
+    if orphan_exit_s is not None and orphan_exit_s <= 0:
+        raise ConfigError(f"orphan_exit_s {orphan_exit_s!r} is not valid: expected > 0")
+
+
 def _default_producer_id() -> str:
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
     return f"{host[:40] or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -113,12 +133,7 @@ class Producer:
         shm_segments: int | None = None,
         shm_max_bytes: int | None = None,
     ) -> None:
-        if not isinstance(hwm, int) or hwm < 1:
-            raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
-        if window is not None and (not isinstance(window, int) or window < 1):
-            raise ConfigError(f"window {window!r} is not valid: expected an integer >= 1")
-        if heartbeat_ttl_s <= 0:
-            raise ConfigError(f"heartbeat_ttl_s {heartbeat_ttl_s!r} is not valid: expected > 0")
+        _check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
         self.stream = stream
         self.url = url
         self.keys = QueueKeys(queue)
@@ -130,12 +145,8 @@ class Producer:
         self.max_frame_bytes = max_frame_bytes
         self.checksum = checksum
         self.reconnect_timeout_s = reconnect_timeout_s
-        if not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ConfigError(f"max_attempts {max_attempts!r} is not valid: expected >= 1")
         self.max_attempts = max_attempts
         self.orphan_wait_s = orphan_wait_s
-        if orphan_exit_s is not None and orphan_exit_s <= 0:
-            raise ConfigError(f"orphan_exit_s {orphan_exit_s!r} is not valid: expected > 0")
         self.orphan_exit_s = orphan_exit_s
         self._unclaimed_since_ms: int | None = None  # server clock
         self.orphaned = False  # serve() stopped because no trainer claimed the run
@@ -153,25 +164,13 @@ class Producer:
             transport, shm_dir, self.keys, self.id, shm_segments, shm_max_bytes, hwm=hwm
         )
         settings = PushSettings(
-            self.keys,
-            self.id,
-            self.sources,
-            checksum,
-            max_frame_bytes,
-            inline_max_bytes,
-            self.heartbeat_ttl_ms,
-            max_attempts,
-        )
+            self.keys, self.id, self.sources, checksum, max_frame_bytes, inline_max_bytes,
+            self.heartbeat_ttl_ms, max_attempts,
+        )  # fmt: skip
         self._pusher = ShardPusher(
-            settings,
-            self.client,
-            self.plan,
-            self._transport,
-            self._pos,
-            self._stop,
-            self._lease_request,
-            self._handle_status,
-        )
+            settings, self.client, self.plan, self._transport, self._pos, self._stop,
+            self._lease_request, self._handle_status,
+        )  # fmt: skip
 
     @property
     def oom_waits(self) -> int:
