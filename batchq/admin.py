@@ -8,6 +8,7 @@ import redis
 
 from batchq.connection import call
 from batchq.keys import QueueKeys
+from batchq.protocol import as_text
 
 __all__ = ["check_eviction_policy", "delete_queue", "is_oom"]
 
@@ -37,8 +38,8 @@ def check_eviction_policy(client: redis.Redis) -> str | None:
         reply = client.config_get("maxmemory*")
     except redis.RedisError:
         return None
-    policy = str(_text(reply.get("maxmemory-policy", b"noeviction")))
-    maxmemory = int(_text(reply.get("maxmemory", b"0")) or 0)
+    policy = str(as_text(reply.get("maxmemory-policy", b"noeviction")))
+    maxmemory = int(as_text(reply.get("maxmemory", b"0")) or 0)
     if maxmemory and policy != "noeviction":
         log.warning(
             "Redis maxmemory-policy is %r with maxmemory=%d: Redis may evict queue keys "
@@ -47,10 +48,6 @@ def check_eviction_policy(client: redis.Redis) -> str | None:
             maxmemory,
         )
     return policy
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def delete_queue(client: redis.Redis, queue: str) -> int:

@@ -141,6 +141,7 @@ from batchq.fields import (
     wait_bucket_field,
 )
 from batchq.keys import QueueKeys, queue_from_meta_key
+from batchq.protocol import as_int
 from batchq.rank_status import rank_rows, slowest_rank
 from batchq.shm import DEFAULT_SHM_DIR, segments_usage
 from batchq.snapshot import QueueSnapshot, read_snapshots
@@ -199,13 +200,6 @@ def list_queues(client: redis.Redis) -> list[str]:
     return sorted(names)
 
 
-def _int(value: str | None) -> int:
-    try:
-        return int(value or 0)
-    except ValueError:
-        return 0
-
-
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
@@ -256,7 +250,7 @@ def trainer_state(snap: QueueSnapshot) -> str:
         return (
             "attached" if any(r.claim_deadline_ms > snap.now_ms for r in snap.ranks) else "detached"
         )
-    deadline = _int(snap.meta.get(MetaField.CLAIM_DEADLINE))
+    deadline = as_int(snap.meta.get(MetaField.CLAIM_DEADLINE))
     return "attached" if snap.meta.get(MetaField.CLAIM) and deadline > snap.now_ms else "detached"
 
 
@@ -311,7 +305,7 @@ def _figures(snap: QueueSnapshot) -> dict[str, Any]:
     updated = snap.figure(f.UPDATED_MS)
     age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
     epoch, progress = snap.figure(f.EPOCH), snap.figure(f.EPOCH_PROGRESS)
-    epoch_batches = _int(snap.meta.get(MetaField.EPOCH_BATCHES))
+    epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES))
     return {
         "figures_age_s": age,
         "figures_fresh": age is not None and age <= FIGURES_FRESH_S,
@@ -355,8 +349,8 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
         "hwm": hwm,
         "producers_alive": len(snap.alive),
         "leases": snap.leases or 0,
-        "shards_per_epoch": _int(meta.get(MetaField.SHARDS)),
-        "epoch_batches": _int(meta.get(MetaField.EPOCH_BATCHES)),
+        "shards_per_epoch": as_int(meta.get(MetaField.SHARDS)),
+        "epoch_batches": as_int(meta.get(MetaField.EPOCH_BATCHES)),
         "trainer": trainer,
         "dead": snap.dead,
         "schema": STATUS_SCHEMA_VERSION,

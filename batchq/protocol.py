@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PROTOCOL_VERSION", "Status", "decode_reply"]
+__all__ = ["PROTOCOL_VERSION", "Status", "as_int", "as_text", "decode_reply"]
 
 # Written into meta by whoever creates a run; bump on any incompatible change of the
 # key layout, the scripts' replies or the frame header.
@@ -46,3 +46,17 @@ def decode_reply(reply: Any) -> list[Any]:
         else:
             out.append(item)
     return out
+
+
+def as_text(value: Any) -> str:
+    """A Redis reply's value as text (bytes decoded as UTF-8)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def as_int(value: Any) -> int:
+    """A Redis reply's value as an int: 0 when it is absent or not a number (a field a
+    foreign writer mangled must not break a status read)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0

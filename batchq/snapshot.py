@@ -25,23 +25,13 @@ from batchq.errors import FrameError
 from batchq.fields import MetaField
 from batchq.keys import QueueKeys
 from batchq.layout import time_ms
+from batchq.protocol import as_int, as_text
 from batchq.ranks import rank_field
 
 __all__ = ["HEADER_PEEK_BYTES", "QueueSnapshot", "RankSnapshot", "read_snapshots"]
 
 #: How much of a frame stored by reference is read to find its header (GETRANGE 0 N-1).
 HEADER_PEEK_BYTES = 65536
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
 
 
 @dataclass
@@ -115,12 +105,12 @@ class QueueSnapshot:
     @property
     def world(self) -> int:
         """The run's number of trainer ranks (1: a single trainer)."""
-        return max(1, _int(self.meta.get(MetaField.WORLD) or 1))
+        return max(1, as_int(self.meta.get(MetaField.WORLD) or 1))
 
     @property
     def hwm(self) -> int:
         """The run's cap (0 before a producer joined)."""
-        return _int(self.meta.get(MetaField.HWM))
+        return as_int(self.meta.get(MetaField.HWM))
 
     @property
     def oldest_age_s(self) -> float | None:
@@ -140,9 +130,9 @@ class QueueSnapshot:
 def _pstats(raw: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for key, value in raw.items():
-        producer, sep, name = _text(key).rpartition(":")
+        producer, sep, name = as_text(key).rpartition(":")
         if sep:
-            out.setdefault(producer, {})[name] = _int(value)
+            out.setdefault(producer, {})[name] = as_int(value)
     return out
 
 
@@ -179,14 +169,14 @@ def _add_rank(snap: QueueSnapshot, what: str, value: Any) -> None:
                 depth=int(value),
                 trainer={},
                 history=[],
-                claim_deadline_ms=_int(
+                claim_deadline_ms=as_int(
                     snap.meta.get(rank_field(MetaField.CLAIM_DEADLINE, r, snap.world))
                 ),
                 done=snap.meta.get(rank_field(MetaField.DONE, r, snap.world)) == "1",
             )
         )
     elif what == "rank_trainer":
-        snap.ranks[-1].trainer = {_text(a): _text(b) for a, b in value.items()}
+        snap.ranks[-1].trainer = {as_text(a): as_text(b) for a, b in value.items()}
     else:
         snap.ranks[-1].history = _history(value)
 
@@ -259,17 +249,17 @@ def _from_replies(
 ) -> tuple[QueueSnapshot, bytes | None]:
     """One queue's snapshot from its first-round replies, and its oldest element."""
     meta, depth, producers, stats, dead, pstats, trainer, hist, last, scalers, decision = replies
-    alive = {_text(p): float(s) for p, s in producers if float(s) >= now_ms}
+    alive = {as_text(p): float(s) for p, s in producers if float(s) >= now_ms}
     snap = QueueSnapshot(
         queue=k.queue,
         now_ms=now_ms,
-        meta={_text(a): _text(b) for a, b in meta.items()},
+        meta={as_text(a): as_text(b) for a, b in meta.items()},
         depth=int(depth),
         alive=dict(sorted(alive.items())),
-        stats={_text(a): _int(b) for a, b in stats.items()},
+        stats={as_text(a): as_int(b) for a, b in stats.items()},
         dead=int(dead),
         pstats=_pstats(pstats),
-        trainer={_text(a): _text(b) for a, b in trainer.items()},
+        trainer={as_text(a): as_text(b) for a, b in trainer.items()},
         history=_history(hist) if history else [],
         autoscalers=sum(1 for _, score in scalers if float(score) >= now_ms),
         last_decision=next(iter(_history([decision] if decision else [])), None),
