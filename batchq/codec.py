@@ -52,7 +52,7 @@ whole header before touching numpy, never copies array bytes (arrays are read-on
 malformation into :class:`~batchq.errors.FrameError`.
 
 Large frames may live under their own Redis key; the list then holds a *reference*
-element, ``REF_MAGIC + key`` (see :func:`encode_ref`, :func:`decode_ref`).
+element instead (:mod:`batchq.refs`).
 """
 
 from __future__ import annotations
@@ -83,27 +83,21 @@ from batchq.pieces import Pieces
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
-    "REF_MAGIC",
     "Frame",
     "FrameHeader",
     "FrameKind",
     "decode_frame",
-    "decode_ref",
     "encode_frame",
     "encode_frame_into",
     "encode_frame_pieces",
-    "encode_ref",
     "is_frame",
-    "is_ref",
     "peek_header",
 ]
 
 MAGIC = b"BQF"
 FORMAT_VERSION = 1
-REF_MAGIC = b"BQR\x01"
 
 _RESERVED = b"\x00\x00\x00"
-_MAX_REF_KEY = 1024  # bytes; a reference names a Redis key, not a payload
 
 
 # How a crc entry ends a header: the key "crc" (fixstr), then a uint32 marker.
@@ -561,60 +555,6 @@ def _read_header(view: memoryview, size: int) -> tuple[FrameKind, int, dict[Any,
 
 
 # --------------------------------------------------------------------------- references
-
-
-def encode_ref(key: str) -> bytes:
-    """Encode a reference element that points at the Redis key holding a large frame.
-
-    Raises:
-        ConfigError: the key is empty, too long, or contains whitespace/control chars.
-    """
-    if not isinstance(key, str) or not _key_ok(key):
-        raise ConfigError(f"reference key {key!r}: expected a printable str without spaces")
-    encoded = key.encode("utf-8")
-    if len(encoded) > _MAX_REF_KEY:
-        raise ConfigError(f"reference key of {len(encoded)} bytes, at most {_MAX_REF_KEY}")
-    return REF_MAGIC + encoded
-
-
-def decode_ref(elem: bytes | bytearray | memoryview, key_prefix: str) -> str:
-    """Decode a reference element and check that it names a key of this queue.
-
-    Args:
-        elem: the list element.
-        key_prefix: the prefix every frame key of this queue starts with.
-
-    Returns:
-        The key.
-
-    Raises:
-        FrameError: ``bad_ref`` when the element is not a valid reference under
-            ``key_prefix``.
-    """
-    if not is_ref(elem):
-        raise FrameError("bad_ref", f"starts with {bytes(elem[:4])!r}, expected {REF_MAGIC!r}")
-    raw = bytes(elem[len(REF_MAGIC) :])
-    if len(raw) > _MAX_REF_KEY:
-        raise FrameError("bad_ref", f"key of {len(raw)} bytes, at most {_MAX_REF_KEY}")
-    try:
-        key = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise FrameError("bad_ref", f"key {raw[:64]!r} is not utf-8") from None
-    if not _key_ok(key) or not key.startswith(key_prefix):
-        raise FrameError(
-            "bad_ref", f"key {key[:200]!r}: expected a printable key starting with {key_prefix!r}"
-        )
-    return key
-
-
-def _key_ok(key: str) -> bool:
-    # isprintable() is False for control, format and separator characters except " ".
-    return bool(key) and key.isprintable() and " " not in key
-
-
-def is_ref(elem: Any) -> bool:
-    """Whether ``elem`` looks like a reference element (a cheap prefix check)."""
-    return isinstance(elem, bytes | bytearray | memoryview) and bytes(elem[:4]) == REF_MAGIC
 
 
 def is_frame(elem: Any) -> bool:

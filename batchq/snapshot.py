@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from batchq import codec
+from batchq import codec, refs
 from batchq.errors import FrameError
 from batchq.fields import MetaField
 from batchq.keys import QueueKeys
@@ -287,9 +287,9 @@ def _later_reads(
         for p in snap.alive:
             pipe.llen(k.lease(p))
             what.append("lease")
-    if last is not None and codec.is_ref(last):
+    if last is not None and refs.is_ref(last):
         try:
-            ref = codec.decode_ref(last, k.frame_prefix)
+            ref = refs.decode_ref(last, k.frame_prefix)
         except FrameError:
             return what
         pipe.getrange(ref, 0, HEADER_PEEK_BYTES - 1)

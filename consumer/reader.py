@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import redis
 
-from batchq import codec, scripts
+from batchq import codec, refs, scripts
 from batchq.admin import is_oom
 from batchq.connection import call, is_wrong_type, reconnect
 from batchq.errors import (
@@ -343,7 +343,7 @@ class Reader(ReaderGuards, threading.Thread):
     def _fetch(self, elements: list[bytes]) -> list[tuple[Any, bytes, str]]:
         """Resolve references and shared-memory descriptors: (frame or None, the list
         element, the ref key or '')."""
-        refs: list[tuple[int, str]] = []
+        stored: list[tuple[int, str]] = []
         out: list[tuple[Any, bytes, str]] = []
         for i, element in enumerate(elements):
             if is_descriptor(element):
@@ -352,29 +352,29 @@ class Reader(ReaderGuards, threading.Thread):
                 except FrameError as e:
                     self._dead(element, e)
                     out.append((None, element, ""))
-            elif codec.is_ref(element):
+            elif refs.is_ref(element):
                 try:
-                    key = codec.decode_ref(element, self.keys.frame_prefix)
+                    key = refs.decode_ref(element, self.keys.frame_prefix)
                 except FrameError as e:
                     self._dead(element, e)
                     out.append((None, element, ""))
                     continue
-                refs.append((i, key))
+                stored.append((i, key))
                 out.append((None, element, key))
             else:
                 out.append((element, element, ""))
-        if refs and self.max_frame_bytes is not None:
-            refs = self._refuse_oversized(refs, out)
-        if refs:
+        if stored and self.max_frame_bytes is not None:
+            stored = self._refuse_oversized(stored, out)
+        if stored:
             # Straight from the socket into buffers the trainer owns: no copy in redis-py
             # (half the trainer's CPU per 12.6 MB frame, bench/torch_loader.py), and
             # writable arrays need none either. A key of another type answers an error
             # in its place (a bad frame below), not for the whole round.
-            names = [k for _, k in refs]
+            names = [k for _, k in stored]
             replies: list[Any] = call(
                 lambda: getdel_into(self.client, names, raise_on_error=False), "fetching frames"
             )
-            for (i, key), value in zip(refs, replies, strict=True):
+            for (i, key), value in zip(stored, replies, strict=True):
                 element = out[i][1]
                 if isinstance(value, Exception):
                     # Another type under a frame's name (a foreign writer): a bad frame.

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from batchq import codec, scripts
+from batchq import codec, refs, scripts
 from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
 from batchq.keys import QueueKeys
@@ -352,7 +352,7 @@ class ShardPusher:
         elif len(frame) > self.inline_max_bytes:
             self._frame_seq += 1
             ref = self.keys.frame(self.id, self._frame_seq)
-            element = codec.encode_ref(ref)
+            element = refs.encode_ref(ref)
         # The shard's last push also asks for the next lease: one round trip saved per
         # shard (per batch for map-style pipelines). Only on the first send.
         lease_next = self._lease_request(True) if last and self.prefetched is None else None

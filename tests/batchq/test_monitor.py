@@ -18,11 +18,12 @@ import redis
 
 from batchq import monitor
 from batchq.cli import main
-from batchq.codec import FrameHeader, encode_frame, encode_ref, peek_header
+from batchq.codec import FrameHeader, encode_frame, peek_header
 from batchq.codec import FrameKind as K
 from batchq.errors import ConfigError, FrameError
 from batchq.keys import QueueKeys
 from batchq.monitor import PRODUCER_FIELDS, STATUS_FIELDS, row_from_snapshot, status_rows
+from batchq.refs import encode_ref
 from batchq.snapshot import read_snapshots
 from batchq.verdict import STALL_INPUT_BOUND, judge, near_cap
 from consumer import ServerDataStream

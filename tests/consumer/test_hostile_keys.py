@@ -16,7 +16,7 @@ import redis
 from pipelines import Slow, examples_of, numbered
 from waiting import wait_until
 
-from batchq import codec
+from batchq import refs
 from batchq.errors import WrongKeyType
 from batchq.keys import QueueKeys
 from consumer import ServerDataStream
@@ -70,7 +70,7 @@ def test_reference_to_another_type_is_a_bad_frame(
             redis_client.hset(evil, "a", "1")
         else:
             redis_client.rpush(evil, "a")
-        redis_client.rpush(keys.data, codec.encode_ref(evil))  # popped next
+        redis_client.rpush(keys.data, refs.encode_ref(evil))  # popped next
         served += [examples_of(f) for f, _ in it]
         served += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
         assert stream._reader is not None and stream._reader.bad_frames == 1
