@@ -21,17 +21,12 @@ from hypothesis.extra import numpy as hnp
 
 from batchq.codec import (
     MAGIC,
-    REF_MAGIC,
     Frame,
     FrameHeader,
     FrameKind,
     decode_frame,
-    decode_ref,
     encode_frame,
     encode_frame_pieces,
-    encode_ref,
-    is_frame,
-    is_ref,
 )
 from batchq.errors import ConfigError, FrameError
 
@@ -867,57 +862,6 @@ def test_numpy_integers_are_accepted_as_coordinates() -> None:
 
 def test_end_frames_are_always_last() -> None:
     assert decode_frame(enc(kind=FrameKind.END, count=2)).last is True
-
-
-# --------------------------------------------------------------------------- references
-
-
-@pytest.mark.parametrize("key", ["bq:q:frame:1:2:3", "bq:q:frame:ünï", "bq:q:" + "x" * 500])
-def test_ref_round_trip(key: str) -> None:
-    elem = encode_ref(key)
-    assert elem.startswith(REF_MAGIC)
-    assert is_ref(elem) and not is_frame(elem)
-    assert decode_ref(elem, "bq:q:") == key
-    assert decode_ref(bytearray(elem), "bq:q:") == key
-
-
-def test_is_frame_and_is_ref_are_cheap_prefix_checks() -> None:
-    assert is_frame(VALID) and not is_ref(VALID)
-    assert is_frame(bytearray(VALID)) and is_frame(memoryview(VALID))
-    for other in (b"", b"BQ", b"xyz", "BQF...", None, 5):
-        assert not is_frame(other) and not is_ref(other)
-
-
-@pytest.mark.parametrize(
-    "elem",
-    [
-        b"",
-        b"BQR",
-        b"BQR\x02bq:q:k",  # wrong ref version
-        VALID,
-        REF_MAGIC,  # empty key
-        REF_MAGIC + b"\xff\xfe",  # not utf-8
-        REF_MAGIC + b"other:q:k",  # another queue's key
-        REF_MAGIC + b"bq:q:a b",
-        REF_MAGIC + b"bq:q:a\tb",
-        REF_MAGIC + b"bq:q:a\nb",
-        REF_MAGIC + b"bq:q:a\x00b",
-        REF_MAGIC + b"bq:q:a\x7fb",
-        REF_MAGIC + "bq:q:a\u2028b".encode(),
-        REF_MAGIC + "bq:q:a\u00a0b".encode(),
-        REF_MAGIC + b"bq:q:" + b"x" * 2000,
-    ],
-)
-def test_bad_refs(elem: bytes) -> None:
-    with pytest.raises(FrameError) as info:
-        decode_ref(elem, "bq:q:")
-    assert info.value.reason == "bad_ref"
-
-
-@pytest.mark.parametrize("key", ["", "a b", "a\nb", "a\x00b", 5, "x" * 2000])
-def test_encode_ref_rejects_bad_keys(key: Any) -> None:
-    with pytest.raises(ConfigError):
-        encode_ref(key)
 
 
 def test_frame_is_frozen_and_as_dict() -> None:
