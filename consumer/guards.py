@@ -14,7 +14,7 @@ import time
 
 import redis
 
-from batchq.connection import is_wrong_type
+from batchq.connection import is_wrong_type, redis_errors
 from batchq.errors import ConnectionLost, FrameError, WrongKeyType
 from batchq.keys import QueueKeys
 from batchq.reaper import reap_gone
@@ -110,6 +110,6 @@ def ref_error(key: str, error: Exception) -> FrameError:
         return FrameError(
             "wrong_type", f"frame key {key!r} holds another Redis type, expected a string"
         )
-    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
+    if isinstance(error, redis_errors):
         raise ConnectionLost(f"Redis connection lost while fetching {key!r}: {error}") from error
     return FrameError("bad_ref", f"frame key {key!r} could not be read: {error}")

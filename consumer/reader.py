@@ -22,7 +22,7 @@ import redis
 
 from batchq import codec, refs, scripts
 from batchq.admin import is_oom
-from batchq.connection import call, is_wrong_type, reconnect
+from batchq.connection import call, is_wrong_type, reconnect, redis_errors
 from batchq.errors import (
     BatchQueueError,
     ConnectionLost,
@@ -457,7 +457,7 @@ class Reader(ReaderGuards, threading.Thread):
             pipe.ltrim(self.keys.dead, 0, DEAD_CAP - 1)
             pipe.hincrby(self.keys.stats, dead_field(error.reason), 1)
             pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except redis_errors as e:  # the one tuple of connection errors (batchq.connection)
             raise ConnectionLost(f"Redis connection lost while recording a bad frame: {e}") from e
         except redis.ResponseError as e:
             # The dead list or the counters replaced by a foreign type (or Redis full):

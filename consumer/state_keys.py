@@ -19,6 +19,9 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 __all__ = [
     "CONSUMED_KEY",
     "DONE_KEY",
@@ -35,6 +38,9 @@ __all__ = [
     "STEP_KEY",
     "VERSION_KEY",
     "WORLD_SIZE_KEY",
+    "position_state",
+    "rank_fields",
+    "unstarted_state",
 ]
 
 STATE_VERSION = 1
@@ -53,3 +59,44 @@ EVEN_BATCHES_KEY = "even_batches"
 PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
 REMAP_KEY = "remap"
+
+
+def unstarted_state(queue: str) -> dict[str, Any]:
+    """The state of a stream that has not read anything: nothing to resume."""
+    return {VERSION_KEY: STATE_VERSION, QUEUE_KEY: queue, RUN_KEY: "", FINGERPRINT_KEY: ""}
+
+
+def position_state(
+    queue: str,
+    run: str,
+    fingerprint: str,
+    shards: int,
+    epoch: int,
+    consumed: Mapping[int, int],
+    done: Sequence[int],
+) -> dict[str, Any]:
+    """The state at a position: ``consumed`` shard -> batches yielded of ``epoch``,
+    ``done`` its shards yielded completely."""
+    return {
+        VERSION_KEY: STATE_VERSION,
+        QUEUE_KEY: queue,
+        RUN_KEY: run,
+        FINGERPRINT_KEY: fingerprint,
+        SHARDS_KEY: shards,
+        EPOCH_KEY: epoch,
+        CONSUMED_KEY: {str(s): n for s, n in consumed.items()},
+        DONE_KEY: list(done),
+    }
+
+
+def rank_fields(
+    rank: int, world_size: int, even_batches: str, plan_shards: int, step: int
+) -> dict[str, Any]:
+    """What a data-parallel rank's state adds (world_size > 1)."""
+    return {
+        RANK_KEY: rank,
+        WORLD_SIZE_KEY: world_size,
+        EVEN_BATCHES_KEY: even_batches,
+        PLAN_SHARDS_KEY: plan_shards,
+        STEP_KEY: step,
+    }

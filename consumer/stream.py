@@ -50,18 +50,15 @@ from consumer.state_keys import (
     CONSUMED_KEY,
     DONE_KEY,
     EPOCH_KEY,
-    EVEN_BATCHES_KEY,
     FINGERPRINT_KEY,
     PLAN_SHARDS_KEY,
-    QUEUE_KEY,
-    RANK_KEY,
     REMAP_KEY,
     RUN_KEY,
     SHARDS_KEY,
-    STATE_VERSION,
     STEP_KEY,
-    VERSION_KEY,
-    WORLD_SIZE_KEY,
+    position_state,
+    rank_fields,
+    unstarted_state,
 )
 from consumer.stats import TrainerStats
 
@@ -296,33 +293,17 @@ class ServerDataStream(FuelStreamMixin):
         if self._buffer is None or self._session is None:
             if self._resume is not None:
                 return dict(self._resume)
-            return {
-                VERSION_KEY: STATE_VERSION,
-                QUEUE_KEY: self.keys.queue,
-                RUN_KEY: "",
-                FINGERPRINT_KEY: "",
-            }
+            return unstarted_state(self.keys.queue)
         epoch, counts, done = self._buffer.consumed(held_back)
         run, plan = self._session.position()
-        state = {
-            VERSION_KEY: STATE_VERSION,
-            QUEUE_KEY: self.keys.queue,
-            RUN_KEY: run,
-            FINGERPRINT_KEY: plan.fingerprint if plan else "",
-            SHARDS_KEY: self._buffer.ledger.shards,
-            EPOCH_KEY: epoch,
-            CONSUMED_KEY: {str(s): n for s, n in counts.items()},
-            DONE_KEY: done,
-        }
+        state = position_state(
+            self.keys.queue, run, plan.fingerprint if plan else "", self._buffer.ledger.shards,
+            epoch, counts, done,
+        )  # fmt: skip
         if self.world_size > 1:
-            state.update(
-                {
-                    RANK_KEY: self.rank,
-                    WORLD_SIZE_KEY: self.world_size,
-                    EVEN_BATCHES_KEY: self.even_batches,
-                    PLAN_SHARDS_KEY: self._plan_shards,
-                    STEP_KEY: self._step + self._yielded - sum((held_back or {}).values()),
-                }
+            step = self._step + self._yielded - sum((held_back or {}).values())
+            state |= rank_fields(
+                self.rank, self.world_size, self.even_batches, self._plan_shards, step
             )
         return state
 

@@ -22,7 +22,8 @@ KNOWN = set(SAVED_NAMES.values())
 def test_the_key_names_are_those_checkpoints_were_saved_with() -> None:
     assert {n: getattr(state_keys, n) for n in SAVED_NAMES} == SAVED_NAMES
     assert state_keys.STATE_VERSION == 1
-    assert sorted(state_keys.__all__) == sorted([*SAVED_NAMES, "STATE_VERSION"])
+    builders = ["position_state", "rank_fields", "unstarted_state"]
+    assert sorted(state_keys.__all__) == sorted([*SAVED_NAMES, "STATE_VERSION", *builders])
 
 
 def test_every_state_written_uses_only_those_keys() -> None:
@@ -40,3 +41,18 @@ def test_every_state_written_uses_only_those_keys() -> None:
 def test_another_version_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match="state version 2 is not valid: expected 1"):
         check_state({"version": 2, "run": "r"}, "q")
+
+
+def test_the_builders_write_the_documented_state() -> None:
+    assert state_keys.unstarted_state("q") == {
+        "version": 1, "queue": "q", "run": "", "fingerprint": ""
+    }  # fmt: skip
+    state = state_keys.position_state("q", "r1", "fp", 4, 2, {0: 3, 2: 1}, [1])
+    assert state == {
+        "version": 1, "queue": "q", "run": "r1", "fingerprint": "fp", "shards": 4,
+        "epoch": 2, "consumed": {"0": 3, "2": 1}, "done": [1],
+    }  # fmt: skip
+    assert check_state(state, "q") == state  # what is written loads
+    ranks = state_keys.rank_fields(1, 2, "pad", 8, 40)
+    assert ranks == {"rank": 1, "world_size": 2, "even_batches": "pad", "plan_shards": 8,
+                     "step": 40}  # fmt: skip
