@@ -21,6 +21,7 @@ from batchq.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
     ProducersLost,
     RunChanged,
+    StateLost,
     StepMismatch,
     TrainerConflict,
     WorldSizeMismatch,
@@ -202,8 +203,13 @@ class Session:
 
         Raises:
             TrainerConflict: the claim was taken over.
+            StateLost: there is no claim because Redis lost the queue.
         """
         status = self._claim(client, "refresh").status
+        if status == Status.CLAIM_LOST and not self._same_incarnation(client):
+            # No claim because Redis lost the queue (restarted empty, and perhaps a
+            # producer made a new one since): not a takeover. Callers re-create the run.
+            raise StateLost(f"{self.what}: Redis lost the queue's state")
         if status != Status.OK:
             raise status_error(status, self.what)
 
@@ -252,11 +258,19 @@ class Session:
                 return self.plan
             if time.monotonic() > deadline:
                 raise ProducersLost(0, [], timeout_s)
-            self._retry(lambda: self.refresh(self.client), "refreshing the claim")
+            try:
+                self._retry(lambda: self.refresh(self.client), "refreshing the claim")
+            except StateLost:
+                continue  # emptied during the refresh: the case above, on the next look
             self._retry(
                 lambda: self.client.blpop([self.keys.wake], timeout=block_s),
                 "waiting for the plan",
             )
+
+    def _same_incarnation(self, client: redis.Redis) -> bool:
+        """Whether the queue in Redis is still the one this session claimed."""
+        inc = self._retry(lambda: client.get(self.keys.incarnation), "reading the queue", client)
+        return bool(inc) and inc.decode() == self.incarnation
 
     def resume(
         self,

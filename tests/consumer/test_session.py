@@ -8,9 +8,11 @@ import pytest
 import redis
 
 from batchq import scripts
+from batchq.admin import delete_queue
 from batchq.connection import make_client
-from batchq.errors import StepMismatch, TrainerConflict
+from batchq.errors import StateLost, StepMismatch, TrainerConflict
 from batchq.keys import QueueKeys
+from batchq.protocol import PROTOCOL_VERSION
 from consumer.session import Session
 
 TTL_MS = 10_000
@@ -97,3 +99,59 @@ def test_a_claim_reply_is_typed(client: redis.Redis, queue_name: str) -> None:
         even="pad", resumed="",
     )  # fmt: skip
     assert (reply.status, reply.incarnation, reply.run, reply.new_run) == ("OK", "i1", "r1", True)
+
+
+def test_redis_emptied_while_waiting_for_the_plan_claims_the_new_run(
+    client: redis.Redis, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Redis restarted empty while the claim's refresh was in flight, and a producer
+    # joined first (a new queue, a new run, no claim): the retried refresh finds no claim
+    # of ours. That is not another trainer: the wait claims the new run and goes on.
+    keys = QueueKeys(queue_name)
+    s = Session(client, keys, TTL_MS)
+    s.acquire()
+    old_run, real_refresh = s.run, s.refresh
+    restarted: list[bool] = []
+
+    def refresh_across_a_restart(c: redis.Redis) -> None:
+        if not restarted:
+            restarted.append(True)
+            delete_queue(client, queue_name)
+            joined = scripts.join(
+                client, keys, producer="p", fingerprint="fp", hwm=3, shards=4, window=6,
+                new_run="producers-run", new_incarnation="producers-inc",
+                heartbeat_ttl_ms=TTL_MS, version=PROTOCOL_VERSION, epoch_batches=None,
+                served="", grace_ms=1, no_create=False,
+            )  # fmt: skip
+            assert joined.status == "OK"
+        real_refresh(c)
+
+    monkeypatch.setattr(s, "refresh", refresh_across_a_restart)
+    plan = s.wait_for_plan(timeout_s=10, block_s=0.05)
+    assert plan.shards == 4
+    assert (s.run, s.incarnation) == ("producers-run", "producers-inc") != (old_run, "")
+    assert client.hget(keys.meta, "claim") == s.token.encode()
+
+
+def test_a_real_takeover_while_waiting_for_the_plan_still_fails(
+    client: redis.Redis, queue_name: str
+) -> None:
+    keys = QueueKeys(queue_name)
+    s = Session(client, keys, TTL_MS)
+    s.acquire()
+    Session(client, keys, TTL_MS).acquire(takeover=s.run)  # same queue state: a takeover
+    with pytest.raises(TrainerConflict, match="taken over"):
+        s.wait_for_plan(timeout_s=10, block_s=0.05)
+
+
+def test_a_refresh_after_redis_lost_the_queue_is_state_lost_not_a_takeover(
+    client: redis.Redis, queue_name: str
+) -> None:
+    # The reader refreshes while its buffer is full: after Redis restarted empty it must
+    # re-create the run (StateLost), not stop the job as if another trainer took over.
+    keys = QueueKeys(queue_name)
+    s = Session(client, keys, TTL_MS)
+    s.acquire()
+    delete_queue(client, queue_name)
+    with pytest.raises(StateLost, match="lost the queue"):
+        s.refresh(client)
