@@ -283,11 +283,14 @@ def claim(
     world: int,
     even: str,
     resumed: str,
+    incarnation: str = "",
     rank_lists: Sequence[str] = (),
 ) -> ClaimReply:
     """Acquire, refresh, release or finish a trainer's claim (claim.lua).
 
     Args:
+        incarnation: refresh, release, finish: the queue's incarnation the claim was
+            made in; another (Redis lost the queue) answers STATE_LOST.
         rank_lists: what a new or finished run drops besides the queue's own lists
             (data-parallel: every rank's data list, the counts and remap hashes).
     """
@@ -299,7 +302,7 @@ def claim(
         {"token": token, "claim_ttl_ms": claim_ttl_ms, "op": op, "run_id": run_id,
          "new_incarnation": new_incarnation, "takeover_run": takeover_run,
          "version": version, "rank": rank, "world": world, "even": even,
-         "resumed": resumed},
+         "resumed": resumed, "incarnation": incarnation},
         more_keys=rank_lists,
     ).run(client)  # fmt: skip
 

@@ -149,6 +149,7 @@ class Session:
                 world=self.world,
                 even=self.even,
                 resumed=self.resume_run,
+                incarnation="" if op == "acquire" else self.incarnation,
                 rank_lists=self._data_lists(client) if op in ("acquire", "finish") else (),
             )
         except redis.ResponseError as e:
@@ -205,11 +206,10 @@ class Session:
             TrainerConflict: the claim was taken over.
             StateLost: there is no claim because Redis lost the queue.
         """
+        # STATE_LOST (Redis lost the queue, perhaps re-made since by a producer) is not
+        # a takeover: callers claim again or re-create the run (claim.lua compares the
+        # incarnation the claim was made in).
         status = self._claim(client, "refresh").status
-        if status == Status.CLAIM_LOST and not self._same_incarnation(client):
-            # No claim because Redis lost the queue (restarted empty, and perhaps a
-            # producer made a new one since): not a takeover. Callers re-create the run.
-            raise StateLost(f"{self.what}: Redis lost the queue's state")
         if status != Status.OK:
             raise status_error(status, self.what)
 
@@ -266,11 +266,6 @@ class Session:
                 lambda: self.client.blpop([self.keys.wake], timeout=block_s),
                 "waiting for the plan",
             )
-
-    def _same_incarnation(self, client: redis.Redis) -> bool:
-        """Whether the queue in Redis is still the one this session claimed."""
-        inc = self._retry(lambda: client.get(self.keys.incarnation), "reading the queue", client)
-        return bool(inc) and inc.decode() == self.incarnation
 
     def resume(
         self,

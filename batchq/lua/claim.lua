@@ -6,7 +6,7 @@
 --              this rank had claimed the resumed run `resumed` before)]}
 --              or {'CONFLICT', ms until the other claim lapses},
 --                 {'WORLD', the run's world size} (a live rank of the run has another)
--- refresh/release/finish return {'OK'} or {'CLAIM_LOST'}; a rank's finish returns
+-- refresh/release/finish return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; a rank's finish returns
 --              {'OK', 1} when it was the last rank (the run ended), else {'OK', 0}
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
@@ -29,6 +29,9 @@ local world = tonumber(ARGV[9] or '1')
 local even = ARGV[10] or 'pad'   -- 'pad' | 'drop'
 local resumed = ARGV[11] or ''   -- a second run id to take over: the run that the job's
                                  -- first resuming rank created (resume.lua), or ''
+local incarnation = ARGV[12] or ''  -- refresh/release/finish: the queue's incarnation the
+                                 -- claim was made in (another, or none: Redis lost the
+                                 -- queue, STATE_LOST; not a takeover); acquire: ''
 local first_rank_data = 8
 
 local now = server_now_ms()
@@ -58,6 +61,9 @@ if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', meta_key, f(
   return {'OK', 0}
 end
 if op ~= 'acquire' then
+  if incarnation ~= '' and redis.call('GET', incarnation_key) ~= incarnation then
+    return {'STATE_LOST'}
+  end
   if m[2] ~= token then return {'CLAIM_LOST'} end
   if op == 'refresh' then
     redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)

@@ -79,7 +79,7 @@ WRAPPERS: dict[str, Any] = {
     ),
     "claim": lambda c: scripts.claim(
         c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
-        takeover_run="", version="1", rank=0, world=2, even="pad", resumed="",
+        takeover_run="", version="1", rank=0, world=2, even="pad", resumed="", incarnation="",
         rank_lists=K.rank_data(2),
     ),
     "pop": lambda c: scripts.pop(

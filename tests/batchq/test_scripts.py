@@ -89,7 +89,7 @@ class Q:
              "wake": k.wake, "failures": k.failures, "ledger": k.ledger},
             {"token": token, "claim_ttl_ms": TTL_MS, "op": op, "run_id": "run2",
              "new_incarnation": "inc2", "takeover_run": takeover, "version": "1",
-             "rank": 0, "world": 1, "even": "pad", "resumed": ""},
+             "rank": 0, "world": 1, "even": "pad", "resumed": "", "incarnation": ""},
         )  # fmt: skip
 
     def pop(self, token: str, n: int = 10, floor: int = 0) -> Any:
