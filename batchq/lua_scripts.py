@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 
 import redis
 
+from batchq import held
 from batchq.connection import convert_error
 from batchq.errors import ProtocolError
 from batchq.pieces import Pieces
@@ -281,17 +282,19 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> l
     about as much CPU again as the commands it sends (a pipeline object, its retry
     wrapper, response callbacks, a reset: ~60 us a round trip on this project's 2-core
     machine, where a PING costs 80 us); this writes the packed commands and reads each
-    reply from one pooled connection. Replies are raw (no callbacks): scripts have none,
+    reply from one connection. Replies are raw (no callbacks): scripts have none,
     and the few other commands sent this way are read as Redis replies them.
 
     An error reply is raised after every reply has been read, so the connection stays in
-    step and goes back to the pool; a connection that failed half-way is closed, never
-    reused. On NOSCRIPT (a new or restarted server) every script is loaded and the
-    commands sent again once: as for :func:`execute_pipeline`, what batchq sends this
-    way is idempotent.
+    step; a connection that failed half-way is closed before anything reads it again.
+    On NOSCRIPT (a new or restarted server) every script is loaded and the commands sent
+    again once: as for :func:`execute_pipeline`, what batchq sends this way is idempotent.
+    The connection is the calling thread's own where it holds the client
+    (:func:`batchq.held.hold`: the producer's serving thread, the trainer's reader), else
+    the pool's.
 
     Args:
-        client: the client whose pool lends the connection.
+        client: the client whose connection carries the commands.
         commands: each command's name and arguments.
         what: what the commands do, for a connection error's message.
 
@@ -324,8 +327,7 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> l
 
 def _send_and_read(client: redis.Redis, commands: Sequence[Command]) -> list[Any]:
     """One write, then one read per command; error replies are returned in place."""
-    pool = client.connection_pool
-    conn: Any = pool.get_connection()  # redis-py types its connections loosely
+    conn, is_held = held.borrow(client)  # the owner thread's own, or the pool's
     try:
         conn.send_packed_command(conn.pack_commands(commands))
         replies: list[Any] = []
@@ -341,4 +343,4 @@ def _send_and_read(client: redis.Redis, commands: Sequence[Command]) -> list[Any
         conn.disconnect()
         raise
     finally:
-        pool.release(conn)
+        held.give_back(client, conn, is_held)

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from batchq import scripts
+from batchq import held, scripts
 from batchq.admin import check_eviction_policy, is_oom
 from batchq.connection import Backoff, call, is_wrong_type, make_client, resolve_url, tune_malloc
 from batchq.errors import (
@@ -191,6 +191,7 @@ class Producer:
             ConnectionLost: Redis could not be reached.
         """
         tune_malloc()
+        held.hold(self.client)  # this thread pushes: one connection, no pool per batch
         check_eviction_policy(self.client)
         try:
             self._join()
@@ -394,6 +395,7 @@ class Producer:
         self._transport.close(self._finished)
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
+        held.release(self.client)
         self.client.close()
 
     # -- leasing -----------------------------------------------------------------------
