@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import redis
 
-from batchq import codec, refs, scripts
+from batchq import codec, held, refs, scripts
 from batchq.admin import is_oom
 from batchq.connection import call, is_wrong_type, reconnect, redis_errors
 from batchq.errors import (
@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 # When the list is empty the reader blocks on BRPOP this long at most, so that the claim
 # is refreshed and a lost producer is noticed; well below the socket timeout.
 BLOCK_S = 0.2
+# A trainer that keeps up gets its frames one by one by BRPOP, each right after it was
+# pushed. It then skips the pop script (about half its CPU per frame and a third of
+# Redis') while the list stays empty and the last script ran at most this long ago: the
+# claim, the accounting and the wakes ride on the next one (docs/design.md, "Popping").
+QUICK_S = 0.05
 
 
 class Reader(ReaderGuards, threading.Thread):
@@ -128,6 +133,8 @@ class Reader(ReaderGuards, threading.Thread):
         self._last_gone = 0.0
         self._no_client_list = False
         self._published_floor = -1  # the floor the last successful pop sent
+        self._quick = False  # the last BRPOP left the list empty: BRPOP-only may follow
+        self._last_script = 0.0  # monotonic time of the last pop script
         self.shm = shm or TrainerShm(keys, "redis", None)
         # Ranks of a data-parallel job read their own list and file their own slots,
         # renumbered as local shards (batchq/ranks.py).
@@ -151,6 +158,7 @@ class Reader(ReaderGuards, threading.Thread):
     # -- the thread --------------------------------------------------------------------
 
     def run(self) -> None:
+        held.hold(self.client)  # this thread pops: one connection, no pool per batch
         try:
             while not self._halt.is_set():
                 with self.cond:
@@ -194,6 +202,7 @@ class Reader(ReaderGuards, threading.Thread):
         finally:
             if self._flush_on_stop and self.buffer.error is None:
                 self.flush()
+            held.release(self.client)
             self.client.close()
 
     def _refresh_claim(self) -> None:
@@ -251,6 +260,9 @@ class Reader(ReaderGuards, threading.Thread):
             log.debug("queue %s: last figures not sent: %s", self.keys.queue, e)
 
     def _pop_round(self, room: int | None = None) -> None:
+        if room is None and self._quick and self._quick_ok():
+            self._take(self._brpop())
+            return
         with self.cond:
             if room is None:
                 room = max(1, self.hwm - self.ledger.buffered)
@@ -274,7 +286,8 @@ class Reader(ReaderGuards, threading.Thread):
             run=s.run, token=s.token, room=room, floor=floor, claim_ttl_ms=s.claim_ttl_ms,
             extra_popped=extra, nbytes=nbytes, figures=figures, suffix=s.suffix,
         )  # fmt: skip
-        self._last_claim = time.monotonic()
+        self._last_claim = self._last_script = time.monotonic()
+        self._quick = False
         if reply.status == Status.WRONG_TYPE:
             self._wrong_type(reply.key, reply.found)
             return
@@ -289,21 +302,54 @@ class Reader(ReaderGuards, threading.Thread):
         if alive:
             self._last_alive = time.monotonic()
         self._reap_closed()
-        if not elements:
-            self._check_producers()
-            try:
-                popped = round_trip(
-                    self.client, [("BRPOP", s.data_key, BLOCK_S)], "waiting for data"
-                )[0]
-            except redis.ResponseError as e:
-                if not is_wrong_type(e):
-                    raise
-                return  # replaced since the pop script looked: its next call says so
-            if popped is None:
-                return
-            self._extra_popped = 1
-            elements = [popped[1]]
-        self._file(self._fetch(elements))
+        if elements:
+            self._file(self._fetch(elements))
+            return
+        self._check_producers()
+        self._take(self._brpop())
+
+    def _quick_ok(self) -> bool:
+        """May this round be a BRPOP alone? Only while the pop script's work can wait:
+        it ran less than QUICK_S ago and the floor moved less than a quarter of the
+        producers' window since it was published (a producer at the window's edge then
+        still has three quarters of it to build meanwhile)."""
+        if time.monotonic() - self._last_script >= QUICK_S:
+            return False
+        plan = self.session.plan
+        step = max(1, (plan.window if plan else 1) // 4)
+        with self.cond:
+            return self.ledger.floor() - self._published_floor < step
+
+    def _brpop(self) -> Any:
+        """Wait for one frame (BLOCK_S at most); the list's length after it says whether
+        the next round may be a BRPOP alone. Returns the element or None."""
+        self._quick = False
+        try:
+            popped, depth = round_trip(
+                self.client,
+                [("BRPOP", self.session.data_key, BLOCK_S), ("LLEN", self.session.data_key)],
+                "waiting for data",
+            )
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            return None  # replaced since the pop script looked: its next call says so
+        if popped is None:
+            return None
+        # Only while the list is empty, and was not full before this pop: a producer
+        # refused at the hwm waits for the wake that only the pop script sends (it counts
+        # the frames popped here for that).
+        plan = self.session.plan
+        cap = int(plan.hwm) if plan and plan.hwm.isdigit() else 1
+        self._quick = depth == 0 and depth + 1 < cap
+        return popped[1]
+
+    def _take(self, element: Any) -> None:
+        """File a frame popped outside the pop script (counted with the next one)."""
+        if element is None:
+            return
+        self._extra_popped += 1
+        self._file(self._fetch([element]))
 
     def _check_producers(self) -> None:
         with self.cond:

@@ -59,8 +59,11 @@ end
 -- cannot lose them.
 local call = redis.pcall
 
+-- Producers refused at the hwm wait for a wake: one per frame taken from a full list,
+-- counting those BRPOP took since the last call (the list held them too).
+local popped = #items + extra_popped
 local wake = 0
-if #items > 0 and m[3] and depth >= tonumber(m[3]) then wake = #items end
+if popped > 0 and m[3] and depth + extra_popped >= tonumber(m[3]) then wake = popped end
 if m[4] and floor > tonumber(m[4]) then
   call('HSET', meta_key, 'floor' .. sfx, floor)
   wake = wake + 1
@@ -70,7 +73,6 @@ if wake > 0 then
   call('LTRIM', wake_key, 0, wake_cap - 1)
 end
 call('HSET', meta_key, 'claim_deadline' .. sfx, now + claim_ttl_ms)
-local popped = #items + extra_popped
 if popped > 0 then call('HINCRBY', stats_key, 'popped', popped) end
 if nbytes > 0 then call('HINCRBY', stats_key, 'popped_bytes', nbytes) end
 if waited_ms > 0 then call('HINCRBY', stats_key, 'trainer_wait_ms', waited_ms) end

@@ -92,7 +92,7 @@ class Q:
              "rank": 0, "world": 1, "even": "pad", "resumed": "", "incarnation": ""},
         )  # fmt: skip
 
-    def pop(self, token: str, n: int = 10, floor: int = 0) -> Any:
+    def pop(self, token: str, n: int = 10, floor: int = 0, extra_popped: int = 0) -> Any:
         """The raw reply (its frames stay bytes)."""
         k = self.k
         return build_call(
@@ -102,7 +102,7 @@ class Q:
              "stats": k.stats, "producers": k.producers, "trainer": k.trainer,
              "history": k.history, "pstats": k.pstats},
             {"incarnation": self.inc, "run": self.run, "token": token, "room": n,
-             "floor": floor, "claim_ttl_ms": TTL_MS, "extra_popped": 0, "nbytes": 0,
+             "floor": floor, "claim_ttl_ms": TTL_MS, "extra_popped": extra_popped, "nbytes": 0,
              "waited_ms": 0, "busy_ms": 0, "epochs": 0, "buckets": "", "figures": "",
              "sample": "", "sfx": "", "wake_cap": WAKE_CAP, "history_cap": HISTORY_CAP},
         ).run(self.c)  # fmt: skip
@@ -150,6 +150,24 @@ def test_push_never_exceeds_the_hwm_and_pop_wakes_producers(q: Q) -> None:
     assert stats[b"pushed"] == b"4" and stats[b"popped"] == b"1" and stats[b"shards_done"] == b"1"
     pstats = q.c.hgetall(q.k.pstats)
     assert pstats[b"p1:batches"] == b"4" and pstats[b"p1:produce_ms"] == b"12"
+
+
+def test_frames_brpop_took_from_a_full_list_wake_producers_at_the_next_pop(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    for i in range(3):
+        q.push("p1", "0:t1", b"f%d" % i)
+    assert q.push("p1", "0:t1", b"f3") == ["FULL", 3]  # the producer now waits for a wake
+    assert q.claim("tok")[0] == "OK"
+    assert q.c.brpop([q.k.data], timeout=1) == (q.k.data.encode(), b"f0")  # the reader's BRPOP
+    reply = q.pop("tok", n=0, extra_popped=1)  # the next pop script counts it
+    assert reply[0] == b"OK" and reply[3] == []
+    assert q.c.llen(q.k.wake) == 1  # 2 left + 1 taken: the list was at the cap
+    assert int(q.c.hget(q.k.stats, "popped") or 0) == 1
+    q.c.delete(q.k.wake)
+    q.c.brpop([q.k.data], timeout=1)
+    q.pop("tok", n=0, extra_popped=1)  # 1 left + 1 taken: below the cap, nobody waits
+    assert q.c.llen(q.k.wake) == 0
 
 
 def test_racing_pushes_at_hwm_minus_one_admit_exactly_one(q: Q, redis_url: str) -> None:

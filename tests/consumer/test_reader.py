@@ -1,5 +1,6 @@
 """consumer.reader: one thread pops, with its own client, and closing never adds a
-second popper (issue 10, point 2)."""
+second popper (issue 10, point 2); a trainer that keeps up skips the pop script
+(issue 14)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import redis
 from pipelines import examples_of, numbered
 
+from batchq import scripts
 from batchq.keys import QueueKeys
-from consumer import ServerDataStream
+from consumer import ServerDataStream, reader
 from consumer.reader import Reader
 
 
@@ -60,3 +62,38 @@ def test_close_sends_the_last_figures_from_the_reader_thread_only(
     stats = redis_client.hgetall(QueueKeys(queue_name).stats)
     assert int(stats[b"popped"]) >= 10  # the batches (and any separate END frame)
     assert int(stats.get(b"epochs_completed", 0)) == 1
+
+
+def test_a_trainer_that_keeps_up_takes_frames_by_brpop_between_pop_scripts(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    producer_thread: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The producer is the slow side (10 ms a batch): the list is empty whenever the
+    # reader looks, so after the first BRPOP each round may be a BRPOP alone. Only the
+    # list and the floor decide here (no clock), and the window is wide.
+    monkeypatch.setenv("TEST_SLOW_MS", "10")
+    monkeypatch.setattr(reader, "QUICK_S", 3600.0)
+    pops: list[int] = []
+    original = scripts.pop
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        pops.append(kwargs["extra_popped"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(scripts, "pop", counting)
+    producer_thread(numbered(200, 10), hwm=4, window=1000)
+    with ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, hwm=3, timeout_s=20
+    ) as stream:
+        got = [examples_of(f) for f, _ in stream.get_epoch_iterator()]
+        during = len(pops)
+    assert sorted(x for batch in got for x in batch) == list(range(200))
+    assert during < len(got) / 2  # 20 batches, far fewer pop scripts
+    assert max(pops) > 1  # frames taken outside the script, counted with the next one
+    # Every frame was counted once, the BRPOP-only ones by the pop script after them
+    # (the close's flush sends the last).
+    stats = redis_client.hgetall(QueueKeys(queue_name).stats)
+    assert int(stats[b"popped"]) == int(stats[b"pushed"])
