@@ -39,20 +39,31 @@ class _Held:
 # Keyed weakly: a client that is dropped takes its entry (and its connection) along.
 _HELD: weakref.WeakKeyDictionary[redis.Redis, _Held] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+# The process's pid, kept current across forks: os.getpid() is a system call per round
+# trip otherwise.
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def hold(client: redis.Redis) -> None:
     """The calling thread owns ``client``'s round trips from now on: they reuse one
     connection, taken from the pool at the first one."""
     with _LOCK:
-        _HELD[client] = _Held(threading.get_ident(), os.getpid())
+        _HELD[client] = _Held(threading.get_ident(), _pid)
 
 
 def release(client: redis.Redis) -> None:
     """Give the held connection back to the pool (idempotent; any thread)."""
     with _LOCK:
         held = _HELD.pop(client, None)
-    if held is not None and held.conn is not None and held.pid == os.getpid():
+    if held is not None and held.conn is not None and held.pid == _pid:
         client.connection_pool.release(held.conn)
 
 
@@ -60,7 +71,7 @@ def borrow(client: redis.Redis) -> tuple[Any, bool]:
     """A connection for one round trip: ``(conn, held)``; a connection that is not held
     goes back with :func:`give_back`."""
     held = _HELD.get(client)
-    if held is None or held.thread != threading.get_ident() or held.pid != os.getpid():
+    if held is None or held.thread != threading.get_ident() or held.pid != _pid:
         return client.connection_pool.get_connection(), False
     if held.conn is None:
         held.conn = client.connection_pool.get_connection()

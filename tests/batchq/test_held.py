@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from typing import Any
 
@@ -92,3 +93,21 @@ def test_a_dropped_client_takes_its_entry_along(redis_url: str) -> None:
     del client
     gc.collect()
     assert len(held._HELD) == before - 1
+
+
+def test_a_forked_child_uses_the_pool_not_its_parents_connection(redis_url: str) -> None:
+    client = make_client(redis_url)
+    held.hold(client)
+    try:
+        _client_id(client)
+        pid = os.fork()
+        if pid == 0:  # the child only asks which connection it would get, then leaves
+            os.setpgid(0, 0)
+            _conn, is_held = held.borrow(client)
+            os._exit(1 if is_held else 0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert held.borrow(client)[1]  # the parent keeps its own
+    finally:
+        held.release(client)
+        client.close()
