@@ -14,6 +14,7 @@ array travels as a list of its elements, each an array or a msgpack value.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -103,6 +104,12 @@ def pack_header(header: dict[str, Any], crc: int | None) -> bytes:
     Raises:
         ConfigError: a field cannot be packed (a str with lone surrogates).
     """
+    if crc is None:
+        # Every frame packs its header twice or more (layout): the whole map at once is
+        # half the CPU of field by field, and the same bytes.
+        with contextlib.suppress(TypeError, ValueError, OverflowError):  # named below
+            packed: bytes = msgpack.packb(header, use_bin_type=True)
+            return packed
     packer = msgpack.Packer(use_bin_type=True)
     parts = [packer.pack_map_header(len(header) + (crc is not None))]
     try:
