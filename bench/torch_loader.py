@@ -21,8 +21,9 @@ CPU per batch, and the ratios torch/loader, stream/loader and torch/stream; the 
 for this adapter is that torch/stream stays >= 0.98 (at most 2 % added to batchq's own
 time). Because separate runs swing with the machine's load, the overhead is also
 measured *paired* (first): two producers run all along, one per queue, and each round
-reads ``--chunk`` batches through a plain stream, then as many through a TorchStream;
-the median of the per-round ratios torch/stream is printed. Figures are printed, never
+reads ``--chunk`` batches through a plain stream, then as many through a TorchStream,
+each from a settled queue (``SETTLE_S`` after the other's reading); the median of the
+per-round ratios torch/stream is printed. Figures are printed, never
 asserted.
 
     python bench/torch_loader.py [--url URL] [--repeats 3] [--seconds 4] [--rounds 20] [--json]
@@ -54,6 +55,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
 from streams import ENV_BATCHES, ENV_DTYPE, ENV_SHAPE, make_batch  # noqa: E402
 
+SETTLE_S = 0.3  # paired rounds: the idle queue refills this long before it is read
 SHAPES: list[tuple[str, tuple[int, ...], str]] = [
     ("256x3x64x64 float32", (256, 3, 64, 64), "float32"),  # 12.6 MB
     ("64x3x224x224 uint8", (64, 3, 224, 224), "uint8"),  # 9.6 MB
@@ -184,6 +186,10 @@ def overhead(url: str, shape: tuple[int, ...], dtype: str, args: Any) -> list[fl
         for _ in range(args.rounds):
             rates = []
             for feed in feeds:
+                # Both feeds start a reading from a settled queue: read right after the
+                # other, a feed would find its buffer still refilling from its last turn
+                # (two plain streams read in turn without this: ~0.4 "overhead").
+                time.sleep(SETTLE_S)
                 t0 = time.perf_counter()
                 for _ in range(args.chunk):
                     _touch(next(feed))

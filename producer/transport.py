@@ -17,6 +17,13 @@ next), plus the one being written.
 segment (the folder is full, ``shm_max_bytes`` is reached, or every segment still holds
 a batch the trainer keeps) go through Redis: one warning for a full folder, never an
 error, never a lost batch.
+
+When every segment still holds a batch, the trainer usually lets one go within a step
+(its caller moves on to the next batch): the producer waits up to
+:data:`NO_ROOM_WAIT_S` for that before it sends the frame through Redis, which costs both
+sides about ten times as much CPU as the frame it would have waited for. A wait that
+timed out (a trainer keeping batches: a list of them, a slow step) makes the next frames
+go through Redis at once, until a segment is free again.
 """
 
 from __future__ import annotations
@@ -40,13 +47,27 @@ from batchq.shm import (
     remove_segments,
     resolve_transport,
 )
-from producer.shm_pool import FULL, Segment, SegmentPool
+from producer.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 
-__all__ = ["DEFAULT_LOOKAHEAD", "MAX_LOOKAHEAD", "REFRESH_S", "ShmFrame", "Transport", "pool_size"]
+__all__ = [
+    "DEFAULT_LOOKAHEAD",
+    "MAX_LOOKAHEAD",
+    "NO_ROOM_POLL_S",
+    "NO_ROOM_WAIT_S",
+    "REFRESH_S",
+    "ShmFrame",
+    "Transport",
+    "pool_size",
+]
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 1.0  # how often a serving producer looks at the trainer's host identity
+# Every segment holds a batch: wait this long for the trainer to let one go, looking
+# every NO_ROOM_POLL_S (bench/torch_loader.py, two queues read in turn: without the
+# wait about one 12.6 MB frame in ten went through Redis at the turn, at ~10x the cost).
+NO_ROOM_WAIT_S = 0.02
+NO_ROOM_POLL_S = 0.0005
 DEFAULT_LOOKAHEAD = 10  # a trainer that published none: the consumer's default hwm
 # Whatever meta says, a pool never grows past this look-ahead (memory stays bounded).
 MAX_LOOKAHEAD = 1024
@@ -128,6 +149,8 @@ class Transport:
         self._warned = False
         self.shm_frames = 0  # frames sent through shared memory
         self.fallbacks = 0  # frames that wanted shared memory and went through Redis
+        self.no_room_waits = 0  # frames that waited for the trainer to let a segment go
+        self._patient = True  # the last wait for a segment did not time out
 
     def joined(self, client: redis.Redis, run: str, world: int = 1) -> None:
         """After a join: a new run drops the old segments, a rejoin of the same run
@@ -205,7 +228,7 @@ class Transport:
         got: list[Segment | str] = []
 
         def alloc(nbytes: int) -> memoryview | None:
-            got.append(self.pool.acquire(nbytes))
+            got.append(self._acquire(nbytes))
             return got[0].body(nbytes) if isinstance(got[0], Segment) else None
 
         result = codec.encode_frame_into(
@@ -229,6 +252,18 @@ class Transport:
         self.shm_frames += 1
         element = encode_descriptor(segment.name, gen, nbytes, self.identity or "")
         return ShmFrame(element, nbytes, segment, gen)
+
+    def _acquire(self, nbytes: int) -> Segment | str:
+        """A segment from the pool, waiting a little for one the trainer lets go."""
+        got = self.pool.acquire(nbytes)
+        if got == NO_ROOM and self._patient:
+            self.no_room_waits += 1
+            deadline = time.monotonic() + NO_ROOM_WAIT_S
+            while got == NO_ROOM and time.monotonic() < deadline:
+                time.sleep(NO_ROOM_POLL_S)
+                got = self.pool.acquire(nbytes)
+        self._patient = got != NO_ROOM
+        return got
 
     def close(self, finished: bool) -> None:
         """The producer leaves: remove its segments (see :meth:`SegmentPool.close`)."""
