@@ -1,19 +1,27 @@
-"""A connection held by the one thread that owns a client's hot path.
+"""The connection that the one thread owning a client's hot path uses, without the pool's
+checks.
 
 The pool's ``get_connection``/``release`` pair costs more client CPU than the round trip
-it wraps: a ``select`` on the socket to check it holds no stale data, two locks, a pid
-check and redis-py's observability counters each way. Measured on this project's 2-core
-machine, a PING through the pool costs 130-150 us of client CPU, on a held connection
+it wraps: a ``select`` on the socket to check it holds no stale data, a pid check, and
+redis-py's observability counters and events each way. Measured on this project's
+2-core machine, a PING through the pool costs 130-150 us of client CPU, without them
 65-80 us; the producer pushes and the trainer pops every batch this way.
 
 A thread that owns a client (the producer's serving thread, the trainer's reader)
-:func:`hold` s it: :func:`lua_scripts.round_trip` then takes that thread's connection
-from here instead of the pool, and every other thread (or a forked child) still goes
-through the pool. What the pool's checks gave is kept by the one caller,
-:func:`lua_scripts.round_trip`: a connection that failed or was interrupted half-way is
-disconnected before anything else reads it (it reconnects, authenticated, on its next
-use), so a held connection is never out of step. :func:`release` gives it back (the
-owner's close); a client dropped without it takes its held connection along.
+:func:`hold` s it. :func:`lua_scripts.round_trip` then :func:`borrow` s that thread's
+connection: the one it used last, moved from the pool's idle list to its in-use set
+under the pool's lock, and moved back by :func:`give_back`. Between round trips it is
+an idle connection of the pool like any other, so the thread's other commands (redis-py's
+own, which go through the pool) reuse it and the client keeps one connection, as before
+(an extra one per process cost the maxmemory headroom that the trainer's claim needs,
+tests/consumer/test_limits.py). Where another thread took it meanwhile, or the pool is
+of a kind without those lists, or in a forked child, the round trip goes through the
+pool as usual.
+
+What the pool's checks gave is kept by the one caller, :func:`lua_scripts.round_trip`: a
+connection that failed or was interrupted half-way is disconnected before anything reads
+it again (it reconnects, authenticated, at its next use), so no one is handed a
+connection that is out of step.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ __all__ = ["borrow", "give_back", "hold", "release"]
 class _Held:
     thread: int  # the owner's threading.get_ident()
     pid: int  # the process that held it: a forked child uses the pool
-    conn: Any = None  # redis-py types its connections loosely
+    conn: Any = None  # the owner's last connection (redis-py types them loosely)
+    direct: bool = True  # the pool has the idle list and in-use set this module moves
 
 
-# Keyed weakly: a client that is dropped takes its entry (and its connection) along.
+# Keyed weakly: a client that is dropped takes its entry along.
 _HELD: weakref.WeakKeyDictionary[redis.Redis, _Held] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 # The process's pid, kept current across forks: os.getpid() is a system call per round
@@ -53,32 +62,51 @@ os.register_at_fork(after_in_child=_forked)
 
 
 def hold(client: redis.Redis) -> None:
-    """The calling thread owns ``client``'s round trips from now on: they reuse one
-    connection, taken from the pool at the first one."""
+    """The calling thread owns ``client``'s round trips from now on."""
     with _LOCK:
         _HELD[client] = _Held(threading.get_ident(), _pid)
 
 
 def release(client: redis.Redis) -> None:
-    """Give the held connection back to the pool (idempotent; any thread)."""
+    """The owner stops (its close): round trips go through the pool again (idempotent)."""
     with _LOCK:
-        held = _HELD.pop(client, None)
-    if held is not None and held.conn is not None and held.pid == _pid:
-        client.connection_pool.release(held.conn)
+        _HELD.pop(client, None)
 
 
 def borrow(client: redis.Redis) -> tuple[Any, bool]:
-    """A connection for one round trip: ``(conn, held)``; a connection that is not held
-    goes back with :func:`give_back`."""
+    """A connection for one round trip: ``(conn, direct)``; give it back with
+    :func:`give_back`."""
     held = _HELD.get(client)
+    pool: Any = client.connection_pool
     if held is None or held.thread != threading.get_ident() or held.pid != _pid:
-        return client.connection_pool.get_connection(), False
-    if held.conn is None:
-        held.conn = client.connection_pool.get_connection()
-    return held.conn, True
+        return pool.get_connection(), False
+    conn = held.conn
+    if conn is not None and held.direct:
+        try:
+            with pool._lock:
+                pool._available_connections.remove(conn)
+                pool._in_use_connections.add(conn)
+            return conn, True
+        except ValueError:  # another thread has it: take another the usual way
+            pass
+        except AttributeError:  # a pool without those lists: the usual way from now on
+            held.direct = False
+    # Lent the usual way this time (and given back so): the next round trip takes it
+    # directly.
+    held.conn = pool.get_connection()
+    return held.conn, False
 
 
-def give_back(client: redis.Redis, conn: Any, held: bool) -> None:
+def give_back(client: redis.Redis, conn: Any, direct: bool) -> None:
     """End a round trip started with :func:`borrow`."""
-    if not held:
-        client.connection_pool.release(conn)
+    pool: Any = client.connection_pool
+    if direct:
+        with pool._lock:
+            if conn in pool._in_use_connections:
+                pool._in_use_connections.remove(conn)
+                pool._available_connections.append(conn)
+                return
+        # The pool forgot it (reset): it is not the pool's to take back.
+        conn.disconnect()
+        return
+    pool.release(conn)

@@ -289,9 +289,9 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> l
     step; a connection that failed half-way is closed before anything reads it again.
     On NOSCRIPT (a new or restarted server) every script is loaded and the commands sent
     again once: as for :func:`execute_pipeline`, what batchq sends this way is idempotent.
-    The connection is the calling thread's own where it holds the client
-    (:func:`batchq.held.hold`: the producer's serving thread, the trainer's reader), else
-    the pool's.
+    Where the calling thread holds the client (:func:`batchq.held.hold`: the producer's
+    serving thread, the trainer's reader) its connection is taken from the pool without
+    the pool's checks, else the pool lends one.
 
     Args:
         client: the client whose connection carries the commands.
@@ -327,7 +327,7 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> l
 
 def _send_and_read(client: redis.Redis, commands: Sequence[Command]) -> list[Any]:
     """One write, then one read per command; error replies are returned in place."""
-    conn, is_held = held.borrow(client)  # the owner thread's own, or the pool's
+    conn, direct = held.borrow(client)  # the owner thread's connection, or the pool's
     try:
         conn.send_packed_command(conn.pack_commands(commands))
         replies: list[Any] = []
@@ -343,4 +343,4 @@ def _send_and_read(client: redis.Redis, commands: Sequence[Command]) -> list[Any
         conn.disconnect()
         raise
     finally:
-        held.give_back(client, conn, is_held)
+        held.give_back(client, conn, direct)

@@ -1,8 +1,8 @@
-"""batchq.held: the owner thread's round trips reuse one connection, others use the pool."""
+"""batchq.held: the owner thread's round trips reuse its connection without the pool's
+checks, and the client still keeps one connection."""
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 from typing import Any
@@ -21,30 +21,48 @@ def _client_id(client: redis.Redis) -> int:
     return int(reply)
 
 
-def _in_other_thread(client: redis.Redis) -> int:
-    out: list[int] = []
-    t = threading.Thread(target=lambda: out.append(_client_id(client)))
+def _in_other_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
     t.start()
     t.join(timeout=10)
-    assert out, "the other thread's round trip did not finish"
+    assert out, "the other thread's call did not finish"
     return out[0]
 
 
-def test_the_owner_reuses_one_connection_and_other_threads_use_the_pool(redis_url: str) -> None:
+def test_the_owner_and_redis_py_share_one_connection(redis_url: str) -> None:
     client = make_client(redis_url)
     try:
         held.hold(client)
         mine = _client_id(client)
         assert _client_id(client) == mine
+        assert int(client.client_id()) == mine  # redis-py's own commands reuse it
+        assert _in_other_thread(lambda: _client_id(client)) == mine  # idle: anyone's
         pool: Any = client.connection_pool
-        assert len(pool._in_use_connections) == 1  # held: out of the pool between trips
-        other = _in_other_thread(client)
-        assert other != mine  # the held connection is never lent to another thread
-        assert _client_id(client) == mine
+        assert len(pool._available_connections) == 1 and not pool._in_use_connections
         held.release(client)
         held.release(client)  # idempotent
-        assert len(pool._in_use_connections) == 0
-        assert {_client_id(client), _in_other_thread(client)} <= {mine, other}
+        assert _client_id(client) == mine
+    finally:
+        held.release(client)
+        client.close()
+
+
+def test_the_owner_takes_another_connection_while_another_thread_has_its_own(
+    redis_url: str,
+) -> None:
+    client = make_client(redis_url)
+    held.hold(client)
+    try:
+        mine = _client_id(client)
+        pool: Any = client.connection_pool
+        taken = pool.get_connection()  # what another thread would be using now
+        taken.send_command("CLIENT", "ID")
+        assert int(taken.read_response()) == mine
+        other = _client_id(client)
+        assert other != mine  # never the connection someone else is reading from
+        pool.release(taken)
+        assert _client_id(client) == other  # its last one, from now on
     finally:
         held.release(client)
         client.close()
@@ -59,7 +77,7 @@ def test_a_held_connection_that_fails_half_way_is_reconnected_in_step(redis_url:
         with pytest.raises(ConnectionLost, match="blocking"):
             # BRPOP blocks longer than the socket waits: its reply comes after we gave up.
             round_trip(client, [("PING",), ("BRPOP", key, 1)], "blocking")
-        # Had the held connection stayed open, this would read the late BRPOP's nil.
+        # Had the connection stayed open, this would read the late BRPOP's nil.
         assert round_trip(client, [("RPUSH", key, "v"), ("RPOP", key)], "testing") == [1, b"v"]
         assert _client_id(client) != first  # a new connection, authenticated again
     finally:
@@ -84,30 +102,21 @@ def test_a_killed_held_connection_is_lost_once_then_reconnects(
         client.close()
 
 
-def test_a_dropped_client_takes_its_entry_along(redis_url: str) -> None:
-    client = make_client(redis_url)
-    held.hold(client)
-    _client_id(client)
-    before = len(held._HELD)
-    client.close()
-    del client
-    gc.collect()
-    assert len(held._HELD) == before - 1
-
-
-def test_a_forked_child_uses_the_pool_not_its_parents_connection(redis_url: str) -> None:
+def test_a_forked_child_uses_the_pool_as_usual(redis_url: str) -> None:
     client = make_client(redis_url)
     held.hold(client)
     try:
         _client_id(client)
         pid = os.fork()
-        if pid == 0:  # the child only asks which connection it would get, then leaves
+        if pid == 0:  # the child only asks which way it would go, then leaves
             os.setpgid(0, 0)
-            _conn, is_held = held.borrow(client)
-            os._exit(1 if is_held else 0)
+            _conn, direct = held.borrow(client)
+            os._exit(1 if direct else 0)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert held.borrow(client)[1]  # the parent keeps its own
+        conn, direct = held.borrow(client)
+        assert direct  # the parent goes on directly
+        held.give_back(client, conn, direct)
     finally:
         held.release(client)
         client.close()
