@@ -20,9 +20,9 @@ from typing import Any
 import msgpack
 import redis
 
-from batchq import codec, held, refs, scripts
+from batchq import codec, held, scripts
 from batchq.admin import is_oom
-from batchq.connection import call, is_wrong_type, reconnect, redis_errors
+from batchq.connection import is_wrong_type, reconnect, redis_errors
 from batchq.errors import (
     BatchQueueError,
     ConnectionLost,
@@ -33,15 +33,14 @@ from batchq.errors import (
 from batchq.fields import dead_field
 from batchq.keys import QueueKeys
 from batchq.layout import DEAD_CAP, ledger_field, parse_ledger_field
-from batchq.lua_scripts import execute_pipeline, round_trip
+from batchq.lua_scripts import round_trip
 from batchq.protocol import Status
 from batchq.ranks import RankLayout
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.replies import status_error
-from batchq.shm import is_descriptor
 from consumer.buffer import Buffer
-from consumer.guards import ReaderGuards, ref_error
-from consumer.receive import getdel_into
+from consumer.fetch import Fetcher
+from consumer.guards import ReaderGuards
 from consumer.session import Session
 from consumer.shm_frames import TrainerShm
 from consumer.stats import TrainerStats
@@ -136,6 +135,7 @@ class Reader(ReaderGuards, threading.Thread):
         self._quick = False  # the last BRPOP left the list empty: BRPOP-only may follow
         self._last_script = 0.0  # monotonic time of the last pop script
         self.shm = shm or TrainerShm(keys, "redis", None)
+        self._fetcher = Fetcher(client, keys, self.shm, max_frame_bytes, self._dead)
         # Ranks of a data-parallel job read their own list and file their own slots,
         # renumbered as local shards (batchq/ranks.py).
         self.layout = layout if layout is not None and layout.world > 1 else None
@@ -303,7 +303,7 @@ class Reader(ReaderGuards, threading.Thread):
             self._last_alive = time.monotonic()
         self._reap_closed()
         if elements:
-            self._file(self._fetch(elements))
+            self._file(self._fetcher.fetch(elements))
             return
         self._check_producers()
         self._take(self._brpop())
@@ -349,7 +349,7 @@ class Reader(ReaderGuards, threading.Thread):
         if element is None:
             return
         self._extra_popped += 1
-        self._file(self._fetch([element]))
+        self._file(self._fetcher.fetch([element]))
 
     def _check_producers(self) -> None:
         with self.cond:
@@ -385,78 +385,6 @@ class Reader(ReaderGuards, threading.Thread):
             [self.layout.to_global(n, s.rank) for n in candidates],
             rank=(s.data_key, f"next{s.suffix}", candidates),
         )
-
-    def _fetch(self, elements: list[bytes]) -> list[tuple[Any, bytes, str]]:
-        """Resolve references and shared-memory descriptors: (frame or None, the list
-        element, the ref key or '')."""
-        stored: list[tuple[int, str]] = []
-        out: list[tuple[Any, bytes, str]] = []
-        for i, element in enumerate(elements):
-            if is_descriptor(element):
-                try:  # a read-only array over the segment, owning the batch
-                    out.append((self.shm.resolve(element), element, ""))
-                except FrameError as e:
-                    self._dead(element, e)
-                    out.append((None, element, ""))
-            elif refs.is_ref(element):
-                try:
-                    key = refs.decode_ref(element, self.keys.frame_prefix)
-                except FrameError as e:
-                    self._dead(element, e)
-                    out.append((None, element, ""))
-                    continue
-                stored.append((i, key))
-                out.append((None, element, key))
-            else:
-                out.append((element, element, ""))
-        if stored and self.max_frame_bytes is not None:
-            stored = self._refuse_oversized(stored, out)
-        if stored:
-            # Straight from the socket into buffers the trainer owns: no copy in redis-py
-            # (half the trainer's CPU per 12.6 MB frame, bench/torch_loader.py), and
-            # writable arrays need none either. A key of another type answers an error
-            # in its place (a bad frame below), not for the whole round.
-            names = [k for _, k in stored]
-            replies: list[Any] = call(
-                lambda: getdel_into(self.client, names, raise_on_error=False), "fetching frames"
-            )
-            for (i, key), value in zip(stored, replies, strict=True):
-                element = out[i][1]
-                if isinstance(value, Exception):
-                    # Another type under a frame's name (a foreign writer): a bad frame.
-                    self._dead(element, ref_error(key, value))
-                    value = None
-                elif value is None:
-                    self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
-                out[i] = (value, element, key)
-        return out
-
-    def _refuse_oversized(
-        self, refs: list[tuple[int, str]], out: list[tuple[Any, bytes, str]]
-    ) -> list[tuple[int, str]]:
-        """Drop referenced frames above max_frame_bytes without fetching them."""
-        sizes = execute_pipeline(
-            self.client, lambda pipe: [pipe.strlen(k) for _, k in refs], raise_on_error=False
-        )
-        keep = []
-        for (i, key), size in zip(refs, sizes, strict=True):
-            if isinstance(size, Exception):
-                self._dead(out[i][1], ref_error(key, size))
-                out[i] = (None, out[i][1], "")
-            elif int(size) > (self.max_frame_bytes or 0):
-                self._drop_key(key)
-                error = FrameError(
-                    "too_large",
-                    f"frame {key!r} has {size} bytes, above max_frame_bytes="
-                    f"{self.max_frame_bytes}; not fetched",
-                )
-                self._dead(out[i][1], error)
-            else:
-                keep.append((i, key))
-        return keep
-
-    def _drop_key(self, key: str) -> None:
-        call(lambda: self.client.delete(key), "dropping an oversized frame")
 
     def _file(self, fetched: list[tuple[Any, bytes, str]]) -> None:
         frames = []
