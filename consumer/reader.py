@@ -1,9 +1,9 @@
 """The trainer's prefetching reader: a thread that pops, fetches and decodes frames.
 
 While the caller trains on one batch, this thread pops the next frames (up to the
-trainer's hwm, more only when the next batch in order is still missing), fetches frames
-stored by reference in the same round trip pattern, decodes them (zero-copy) and files
-them in the ledger. It also keeps the trainer's claim alive, publishes the trainer's
+trainer's hwm, more only when the next batch in order is still missing), resolves them
+(:mod:`consumer.fetch`: frames stored by reference fetched, shared memory mapped),
+decodes them (zero-copy) and files them in the ledger. It also keeps the trainer's claim alive, publishes the trainer's
 floor (the look-ahead window's base) and notices when no producer is left.
 """
 
