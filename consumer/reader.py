@@ -3,8 +3,9 @@
 While the caller trains on one batch, this thread pops the next frames (up to the
 trainer's hwm, more only when the next batch in order is still missing), resolves them
 (:mod:`consumer.fetch`: frames stored by reference fetched, shared memory mapped),
-decodes them (zero-copy) and files them in the ledger. It also keeps the trainer's claim alive, publishes the trainer's
-floor (the look-ahead window's base) and notices when no producer is left.
+decodes them (zero-copy) and files them in the ledger. It also keeps the trainer's
+claim alive, publishes the trainer's floor (the look-ahead window's base) and notices
+when no producer is left.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ BLOCK_S = 0.2
 # A trainer that keeps up gets its frames one by one by BRPOP, each right after it was
 # pushed. It then skips the pop script (about half its CPU per frame and a third of
 # Redis') while the list stays empty and the last script ran at most this long ago: the
-# claim, the accounting and the wakes ride on the next one (docs/design.md, "Popping").
+# claim, the accounting and the wakes ride on the next one (docs/design.md, "The
+# trainer").
 QUICK_S = 0.05
 
 
