@@ -6,7 +6,7 @@ import fakeredis
 import pytest
 import redis
 
-from batchq import scripts
+from batchq import held, scripts
 from batchq.connection import make_client
 from batchq.errors import ConnectionLost
 from batchq.keys import QueueKeys
@@ -47,9 +47,12 @@ def test_an_error_reply_is_raised_after_every_reply_is_read(redis_url: str) -> N
         client.close()
 
 
-def test_a_connection_that_fails_half_way_is_never_reused(redis_url: str) -> None:
+@pytest.mark.parametrize("hold", [False, True], ids=["pooled", "held"])
+def test_a_connection_that_fails_half_way_is_never_reused(redis_url: str, hold: bool) -> None:
     client = make_client(redis_url, socket_timeout_s=0.2)
     key = "bq:{rt-timeout}:empty"
+    if hold:  # the owner thread's connection (batchq.held) is disconnected all the same
+        held.hold(client)
     try:
         with pytest.raises(ConnectionLost, match="blocking"):
             # BRPOP blocks longer than the socket waits: its reply comes after we gave up.
@@ -57,5 +60,6 @@ def test_a_connection_that_fails_half_way_is_never_reused(redis_url: str) -> Non
         # Had that connection gone back, this would read the late BRPOP's nil first.
         assert round_trip(client, [("RPUSH", key, "v"), ("RPOP", key)], "testing") == [1, b"v"]
     finally:
+        held.release(client)
         client.delete(key)
         client.close()

@@ -10,10 +10,10 @@ import fakeredis
 import numpy as np
 import pytest
 from frame_args import encode_with
+from shm_pair import shm_pair
 
 from batchq import codec
 from batchq.codec import FrameKind
-from batchq.keys import QueueKeys
 from batchq.pieces import Pieces
 from consumer.shm_frames import TrainerShm
 from producer import transport as transport_module
@@ -24,13 +24,7 @@ FIELDS: dict[str, Any] = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "produc
 
 @pytest.fixture
 def pair(tmp_path: Path, fake_redis: fakeredis.FakeRedis) -> tuple[Transport, TrainerShm]:
-    keys = QueueKeys("q")
-    trainer = TrainerShm(keys, "auto", str(tmp_path))
-    trainer.publish(fake_redis, 10)
-    producer = Transport("auto", str(tmp_path), keys, "p", 1)  # one segment
-    producer.joined(fake_redis, "ab12")
-    assert producer.active
-    return producer, trainer
+    return shm_pair(tmp_path, fake_redis, 1)
 
 
 def send(producer: Transport, k: int) -> Any:
