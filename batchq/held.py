@@ -61,10 +61,15 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+_POOL_PARTS = ("_lock", "_available_connections", "_in_use_connections")
+
+
 def hold(client: redis.Redis) -> None:
     """The calling thread owns ``client``'s round trips from now on."""
+    # redis-py's ConnectionPool has these (5.x to 8.x); another kind goes the usual way.
+    direct = all(hasattr(client.connection_pool, part) for part in _POOL_PARTS)
     with _LOCK:
-        _HELD[client] = _Held(threading.get_ident(), _pid)
+        _HELD[client] = _Held(threading.get_ident(), _pid, direct=direct)
 
 
 def release(client: redis.Redis) -> None:
@@ -82,15 +87,12 @@ def borrow(client: redis.Redis) -> tuple[Any, bool]:
         return pool.get_connection(), False
     conn = held.conn
     if conn is not None and held.direct:
-        try:
-            with pool._lock:
+        with pool._lock:
+            if conn in pool._available_connections:
                 pool._available_connections.remove(conn)
                 pool._in_use_connections.add(conn)
-            return conn, True
-        except ValueError:  # another thread has it: take another the usual way
-            pass
-        except AttributeError:  # a pool without those lists: the usual way from now on
-            held.direct = False
+                return conn, True
+        # Another thread has it (or the pool dropped it): take one the usual way.
     # Lent the usual way this time (and given back so): the next round trip takes it
     # directly.
     held.conn = pool.get_connection()

@@ -103,3 +103,18 @@ def test_a_forked_child_uses_the_pool_as_usual(redis_url: str) -> None:
     finally:
         held.release(client)
         client.close()
+
+
+def test_a_pool_of_another_kind_is_used_the_usual_way(redis_url: str) -> None:
+    client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(redis_url))
+    held.hold(client)
+    try:
+        mine = _client_id(client)
+        conn, direct = held.borrow(client)
+        assert not direct  # no idle list to move it out of: lent and released by the pool
+        held.give_back(client, conn, direct)
+        assert _client_id(client) == mine
+    finally:
+        held.release(client)
+        client.connection_pool.disconnect()
+        client.close()
