@@ -40,7 +40,7 @@ from batchq.ranks import RankLayout
 from batchq.reaper import reap_dead, requeue_gaps
 from batchq.replies import status_error
 from consumer.buffer import Buffer
-from consumer.fetch import Fetcher
+from consumer.fetch import Fetched, Fetcher
 from consumer.guards import ReaderGuards
 from consumer.session import Session
 from consumer.shm_frames import TrainerShm
@@ -338,12 +338,12 @@ class Reader(ReaderGuards, threading.Thread):
             return None  # replaced since the pop script looked: its next call says so
         if popped is None:
             return None
-        # Only while the list is empty, and was not full before this pop: a producer
-        # refused at the hwm waits for the wake that only the pop script sends (it counts
-        # the frames popped here for that).
+        # Only while the list is empty, and was not full before this pop (it held this
+        # one frame, below a cap of 2 or more): a producer refused at the hwm waits for
+        # the wake that only the pop script sends (it counts the frames popped here).
         plan = self.session.plan
         cap = int(plan.hwm) if plan and plan.hwm.isdigit() else 1
-        self._quick = depth == 0 and depth + 1 < cap
+        self._quick = depth == 0 and cap > 1
         return popped[1]
 
     def _take(self, element: Any) -> None:
@@ -388,7 +388,7 @@ class Reader(ReaderGuards, threading.Thread):
             rank=(s.data_key, f"next{s.suffix}", candidates),
         )
 
-    def _file(self, fetched: list[tuple[Any, bytes, str]]) -> None:
+    def _file(self, fetched: list[Fetched]) -> None:
         frames = []
         stale = 0
         for raw, _element, _key in fetched:
