@@ -57,10 +57,8 @@ element instead (:mod:`batchq.refs`).
 
 from __future__ import annotations
 
-import enum
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -78,6 +76,16 @@ from batchq._codec_values import (
     unpack_header,
 )
 from batchq.errors import ConfigError, FrameError
+from batchq.frame import (
+    FORMAT_VERSION,
+    KINDS,
+    MAGIC,
+    Frame,
+    FrameHeader,
+    FrameKind,
+    header_problem,
+    is_int,
+)
 from batchq.pieces import Pieces
 
 __all__ = [
@@ -94,108 +102,12 @@ __all__ = [
     "peek_header",
 ]
 
-MAGIC = b"BQF"
-FORMAT_VERSION = 1
-
 _RESERVED = b"\x00\x00\x00"
 
 
 # How a crc entry ends a header: the key "crc" (fixstr), then a uint32 marker.
 _CRC_TAIL = b"\xa3crc\xce"
 _CRC_ZERO = bytes(4)
-
-
-class FrameKind(enum.IntEnum):
-    """What a frame carries."""
-
-    BATCH = 1
-    END = 2
-    ERROR = 3
-
-
-_KINDS = frozenset(FrameKind)  # IntEnum members hash like their ints: `byte in _KINDS`
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: data holds arrays, whose == is elementwise
-class Frame:
-    """A decoded frame.
-
-    Attributes:
-        kind: BATCH, END or ERROR.
-        run: the run id.
-        epoch: the epoch.
-        shard: the shard's index inside the epoch.
-        k: the batch's position in its shard.
-        g: the global batch index in plan order, -1 when unknown.
-        producer: the producer's id.
-        last: whether this is the shard's last frame.
-        count: the number of batches in the shard when ``last``, else None.
-        sources: the source names.
-        data: the decoded values, in ``sources`` order.
-        error: the producer's traceback text (ERROR frames), else None.
-        error_name: the exception's class name (ERROR frames), else None.
-        nbytes: the encoded frame's length.
-        produced_at: the producer's wall time at encoding, if it sent one.
-    """
-
-    kind: FrameKind
-    run: str
-    epoch: int
-    shard: int
-    k: int
-    g: int
-    producer: str
-    last: bool
-    count: int | None
-    sources: tuple[str, ...]
-    data: tuple[Any, ...]
-    error: str | None
-    error_name: str | None
-    nbytes: int
-    produced_at: float | None
-
-    def as_dict(self) -> dict[str, Any]:
-        """Return the data as a dict from source name to value."""
-        return dict(zip(self.sources, self.data, strict=True))
-
-
-@dataclass(frozen=True)
-class FrameHeader:
-    """What a frame says about itself, everything but its arrays (the encoders' input).
-
-    Attributes:
-        kind: BATCH, END or ERROR. END implies ``last=True``; END and ERROR carry no data.
-        run: the run id.
-        epoch: the epoch (>= 0).
-        shard: the shard's index (>= 0).
-        k: the batch's position in its shard (>= 0).
-        producer: the producer's id.
-        sources: the source names, unique; one value per source in the data.
-        g: the global batch index, -1 when unknown.
-        last: whether this is the shard's last frame; then ``count`` is required.
-        count: the number of batches in the shard (only with ``last``).
-        error: the traceback text (ERROR frames; required there).
-        error_name: the exception's class name (ERROR frames).
-        produced_at: the producer's wall time, for monitoring.
-    """
-
-    kind: FrameKind
-    run: str
-    epoch: int
-    shard: int
-    k: int
-    producer: str
-    sources: Sequence[str] = ()
-    g: int = -1
-    last: bool = False
-    count: int | None = None
-    error: str | None = None
-    error_name: str | None = None
-    produced_at: float | None = None
-
-
-def _is_int(value: Any, low: int) -> bool:
-    return type(value) is int and value >= low
 
 
 # --------------------------------------------------------------------------- encoding
@@ -359,7 +271,7 @@ def _prepare(
     }  # fmt: skip
     optional = {"n": _plain(count), "err": error, "ename": error_name, "t": produced_at}
     header.update((key, value) for key, value in optional.items() if value is not None)
-    problem = _header_problem(kind, header)
+    problem = header_problem(kind, header)
     if problem:
         raise ConfigError(f"cannot encode the frame: {problem}")
     if produced_at is not None:
@@ -386,47 +298,6 @@ def _check_kind(kind: Any) -> FrameKind:
         return FrameKind(kind)
     except (TypeError, ValueError):
         raise ConfigError(f"kind {kind!r}: expected a FrameKind (1, 2 or 3)") from None
-
-
-_FIELDS: dict[str, tuple[str, type]] = {
-    "run": ("run id", str), "ep": ("epoch", int), "sh": ("shard", int), "k": ("k", int),
-    "g": ("g", int), "pid": ("producer", str), "last": ("last", bool), "src": ("sources", list),
-}  # fmt: skip
-_LOW = {"ep": 0, "sh": 0, "k": 0, "g": -1}
-
-
-def _header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
-    """Say what is wrong with a header's fields (not its items), or None.
-
-    Shared by the encoder (which raises ConfigError) and the decoder (FrameError), so
-    that both sides hold the same rules.
-    """
-    for key, (name, typ) in _FIELDS.items():
-        value = header.get(key)
-        # bool is an int subclass: only "last" may be one.
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            return f"{key!r} ({name}) is {short(value)}, expected a {typ.__name__}"
-        if key in _LOW and header[key] < _LOW[key]:
-            return f"{key!r} ({name}) is {value}, expected >= {_LOW[key]}"
-    src = header["src"]
-    if not all(isinstance(s, str) for s in src) or len(set(src)) != len(src):
-        return f"'src' (sources) is {short(src)}, expected unique strs"
-    last, count = header["last"], header.get("n")
-    if last != ("n" in header) or (last and not _is_int(count, 0)):
-        return f"'n' (count) is {short(count)} with last={last}; expected an int >= 0 iff last"
-    if kind is not FrameKind.BATCH and src:
-        return f"{kind.name} frames carry no data, got sources {short(src)}"
-    err, ename = header.get("err"), header.get("ename")
-    if kind is FrameKind.ERROR and not isinstance(err, str):
-        return f"'err' (error) is {short(err)}; ERROR frames need the traceback text"
-    if kind is not FrameKind.ERROR and (err is not None or ename is not None):
-        return f"'err'/'ename' (error, error_name) belong to ERROR frames, not {kind.name}"
-    if ename is not None and not isinstance(ename, str):
-        return f"'ename' (error_name) is {short(ename)}, expected a str"
-    t = header.get("t")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
-        return f"'t' (produced_at) is {short(t)}, expected a float"
-    return None
 
 
 # --------------------------------------------------------------------------- decoding
@@ -494,7 +365,7 @@ def decode_frame(
 def _check_crc(view: memoryview, header_end: int, crc: Any, verify: bool) -> None:
     """The header's crc entry is well-formed (a uint32, its last fixed-width entry) and,
     if ``verify``, matches the frame (computed with the crc's own bytes zero)."""
-    if not _is_int(crc, 0) or crc > 0xFFFFFFFF:
+    if not is_int(crc, 0) or crc > 0xFFFFFFFF:
         raise FrameError("bad_header", f"'crc' is {short(crc)}, expected a uint32")
     end = header_end
     if bytes(view[end - 9 : end]) != _CRC_TAIL + crc.to_bytes(4, "big"):
@@ -540,7 +411,7 @@ def _read_header(view: memoryview, size: int) -> tuple[FrameKind, int, dict[Any,
         raise FrameError("bad_magic", f"starts with {bytes(view[:4])!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise FrameError("bad_version", f"format version {version}, expected {FORMAT_VERSION}")
-    if kind not in _KINDS:
+    if kind not in KINDS:
         raise FrameError("bad_kind", f"kind {kind}, expected 1 (BATCH), 2 (END) or 3 (ERROR)")
     if reserved != _RESERVED:
         raise FrameError("bad_header", f"reserved bytes {reserved!r}, expected zeros")
@@ -548,7 +419,7 @@ def _read_header(view: memoryview, size: int) -> tuple[FrameKind, int, dict[Any,
         raise FrameError("too_short", f"header of {hlen} bytes ends past the {size} bytes given")
     header = unpack_header(view[PREFIX.size : PREFIX.size + hlen])
     frame_kind = FrameKind(kind)
-    problem = _header_problem(frame_kind, header)
+    problem = header_problem(frame_kind, header)
     if problem:
         raise FrameError("bad_header", problem)
     return frame_kind, hlen, header
