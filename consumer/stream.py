@@ -28,7 +28,6 @@ from batchq.errors import (
 )
 from batchq.fields import MetaField
 from batchq.keys import QueueKeys
-from batchq.layout import DONE, ledger_field
 from batchq.ranks import RankLayout
 from consumer.balance import Balancer
 from consumer.buffer import Buffer
@@ -40,27 +39,22 @@ from consumer.rank_state import (
     check_rank_state,
     check_state,
     pick_rank_state,
-    remap_pairs,
     resume_run_id,
 )
 from consumer.reader import BLOCK_S, Reader
+from consumer.run_start import delete_old_frames, resume_position
 from consumer.session import Plan, Session
 from consumer.shm_frames import TrainerShm
 from consumer.state_keys import (
-    CONSUMED_KEY,
-    DONE_KEY,
     EPOCH_KEY,
-    FINGERPRINT_KEY,
-    PLAN_SHARDS_KEY,
-    REMAP_KEY,
     RUN_KEY,
-    SHARDS_KEY,
     STEP_KEY,
     position_state,
     rank_fields,
     unstarted_state,
 )
 from consumer.stats import TrainerStats
+from consumer.stream_options import check_stream_options
 
 __all__ = ["ServerDataStream"]
 
@@ -151,7 +145,7 @@ class ServerDataStream(FuelStreamMixin):
         self._config = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
         }
-        _check_options(self._config)
+        check_stream_options(self._config)
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
         self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
@@ -267,7 +261,7 @@ class ServerDataStream(FuelStreamMixin):
         try:
             # Frames and segments go with the run: at its last rank's finish.
             if self._session is not None and self._session.release(finished):
-                self._delete_frames()
+                delete_old_frames(self._client, self.keys, self.timeout_s)
                 self._shm.finish()
         except ConnectionLost as e:
             # The claim lapses by itself; a finished run cannot be announced, though.
@@ -392,14 +386,24 @@ class ServerDataStream(FuelStreamMixin):
         self._session = session
         self._shm.publish(self._client, self.hwm)
         if new_run:
-            self._delete_frames()
+            delete_old_frames(self._client, self.keys, self.timeout_s)
         if resume is None:
             plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
             self._plan_shards = plan.shards
             layout = session.layout(plan.shards)
             ledger = Ledger(layout.per_rank, ordered=self.ordered, first_epoch=0)
         else:
-            layout, ledger = self._resume_at(session, resume)
+            layout, ledger, self._plan_shards = resume_position(
+                session,
+                self._client,
+                self.keys,
+                resume,
+                rank=self.rank,
+                ordered=self.ordered,
+                step=self._step,
+                timeout_s=self.timeout_s,
+                block_s=BLOCK_S,
+            )
         if session.plan is not None:
             ledger.window = session.plan.window if session.plan.has_window else None
             ledger.epoch_batches = session.plan.epoch_batches
@@ -425,42 +429,6 @@ class ServerDataStream(FuelStreamMixin):
         )
         self._reader.start()
 
-    def _resume_at(self, session: Session, resume: dict[str, Any]) -> tuple[RankLayout, Ledger]:
-        """Recreate the checkpoint's position: the ledger preloaded with what the state
-        says was yielded, the same pairs sent to resume.lua (the producers re-plan the
-        saved epoch from them)."""
-        # A producer may never have joined this Redis (it restarted): the plan's
-        # shape comes from the checkpoint then.
-        meta = self._retry(lambda: self._client.hgetall(self.keys.meta), "reading meta")
-        session.plan = Plan(meta) if MetaField.SHARDS.encode() in meta else None
-        shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
-        self._plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
-        layout = session.layout(self._plan_shards)
-        ledger = Ledger(shards, ordered=self.ordered, first_epoch=epoch)
-        done = set(resume[DONE_KEY])
-        pairs = []
-        for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
-            had = int(resume[CONSUMED_KEY].get(str(shard), 0))
-            ledger.preload(epoch, shard, had, done=shard in done)
-            slot = layout.slot(shard, self.rank)
-            pairs.append((ledger_field(epoch, slot), DONE if shard in done else str(had)))
-        remap = None
-        if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
-            pairs, slots = remap_pairs(resume, layout)
-            remap = (epoch, slots)
-        session.resume(
-            self._client,
-            epoch * shards,
-            resume[FINGERPRINT_KEY],
-            pairs,
-            step=self._step,
-            shards=self._plan_shards,
-            remap=remap,
-        )
-        if session.plan is None:
-            session.plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
-        return layout, ledger
-
     def _even_up(self, layout: RankLayout, plan: Plan | None) -> None:
         """How this rank's counts come out equal: by the slots alone where every shard is
         one batch (pads counted as they are yielded), else by telling the other ranks
@@ -479,16 +447,6 @@ class ServerDataStream(FuelStreamMixin):
             self.timeout_s,
             keep=self.hwm,
         )
-
-    def _delete_frames(self) -> None:
-        # Frames stored by reference by an older run: nobody will pop their names.
-        def scan() -> list[Any]:
-            return list(self._client.scan_iter(match=self.keys.frame_pattern, count=1000))
-
-        names = self._retry(scan, "listing old frames")
-        for i in range(0, len(names), 500):
-            chunk = names[i : i + 500]
-            self._retry(lambda chunk=chunk: self._client.delete(*chunk), "deleting old frames")
 
     def _open_epoch(self) -> Iterator[Frame]:
         """Begin the next epoch: its frames (what wrappers such as the torch adapter read;
@@ -594,31 +552,3 @@ class ServerDataStream(FuelStreamMixin):
         """The trainer's figures: stall fraction of the last epoch and of the last 100
         batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`)."""
         return self._stats.snapshot()
-
-
-def _check_options(options: dict[str, Any]) -> None:
-    """Refuse a constructor argument that cannot work, naming it and what was expected
-    (the rest are checked where they are used: the URL, the queue's name, dtypes).
-
-    Raises:
-        ConfigError: the first invalid argument.
-    """
-    sources = options["sources"]
-    if sources is not None and (
-        isinstance(sources, str)
-        or not all(isinstance(s, str) for s in sources)
-        or len(set(sources)) != len(sources)
-    ):
-        raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of distinct names")
-    hwm = options["hwm"]
-    if not isinstance(hwm, int) or hwm < 1:
-        raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
-    if options["timeout_s"] <= 0:
-        raise ConfigError(f"timeout_s {options['timeout_s']!r} is not valid: expected > 0")
-    for name in ("on_bad_frame", "on_producer_error"):
-        if options[name] not in ("raise", "skip"):
-            raise ConfigError(f"{name} {options[name]!r} is not valid: 'raise' or 'skip'")
-    rank, world_size = options["rank"], options["world_size"]
-    RankLayout(1, world_size, options["even_batches"])  # checks world_size, even_batches
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank!r} is not valid: expected an integer in [0, {world_size})")

@@ -1,0 +1,38 @@
+"""The checks of :class:`consumer.ServerDataStream`'s constructor arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchq.errors import ConfigError
+from batchq.ranks import RankLayout
+
+__all__ = ["check_stream_options"]
+
+
+def check_stream_options(options: dict[str, Any]) -> None:
+    """Refuse a constructor argument that cannot work, naming it and what was expected
+    (the rest are checked where they are used: the URL, the queue's name, dtypes).
+
+    Raises:
+        ConfigError: the first invalid argument.
+    """
+    sources = options["sources"]
+    if sources is not None and (
+        isinstance(sources, str)
+        or not all(isinstance(s, str) for s in sources)
+        or len(set(sources)) != len(sources)
+    ):
+        raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of distinct names")
+    hwm = options["hwm"]
+    if not isinstance(hwm, int) or hwm < 1:
+        raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
+    if options["timeout_s"] <= 0:
+        raise ConfigError(f"timeout_s {options['timeout_s']!r} is not valid: expected > 0")
+    for name in ("on_bad_frame", "on_producer_error"):
+        if options[name] not in ("raise", "skip"):
+            raise ConfigError(f"{name} {options[name]!r} is not valid: 'raise' or 'skip'")
+    rank, world_size = options["rank"], options["world_size"]
+    RankLayout(1, world_size, options["even_batches"])  # checks world_size, even_batches
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank!r} is not valid: expected an integer in [0, {world_size})")

@@ -1,0 +1,47 @@
+"""ServerDataStream's constructor arguments: each wrong one is named, with what was expected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from batchq.errors import ConfigError
+from consumer import ServerDataStream
+from consumer.stream_options import check_stream_options
+
+GOOD: dict[str, Any] = {
+    "sources": ("x",), "hwm": 10, "timeout_s": 1.0, "on_bad_frame": "raise",
+    "on_producer_error": "skip", "rank": 0, "world_size": 2, "even_batches": "pad",
+}  # fmt: skip
+
+
+def test_good_options_pass() -> None:
+    check_stream_options(dict(GOOD))
+    check_stream_options(dict(GOOD, sources=None, rank=1))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("sources", "x", "expected a tuple of distinct names"),
+        ("sources", ("x", "x"), "expected a tuple of distinct names"),
+        ("hwm", 0, "hwm 0 is not valid"),
+        ("hwm", 2.5, "hwm 2.5 is not valid"),
+        ("timeout_s", 0, "expected > 0"),
+        ("on_bad_frame", "ignore", "'raise' or 'skip'"),
+        ("on_producer_error", None, "on_producer_error None"),
+        ("rank", 2, "expected an integer in [0, 2)"),
+        ("world_size", 0, "world_size"),
+        ("even_batches", "round", "even_batches"),
+    ],
+)
+def test_a_wrong_option_is_named(name: str, value: Any, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_stream_options(dict(GOOD, **{name: value}))
+    assert says in str(info.value)
+
+
+def test_the_stream_checks_them_when_built() -> None:
+    with pytest.raises(ConfigError, match="hwm -1"):
+        ServerDataStream(("x",), hwm=-1)
