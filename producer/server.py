@@ -35,9 +35,10 @@ from batchq.keys import QueueKeys, check_name
 from batchq.layout import lease_entry
 from batchq.lua_scripts import Call
 from batchq.protocol import PROTOCOL_VERSION, Status
-from batchq.ranks import rank_field, shard_of_slot
-from batchq.reaper import reap_dead, record_client, server_ms
+from batchq.ranks import shard_of_slot
+from batchq.reaper import record_client
 from batchq.replies import JoinReply, LeaseReply, status_error
+from producer.heartbeat import Heartbeat
 from producer.pushing import INLINE_MAX_BYTES, Lease, PushSettings, RunPosition, ShardPusher
 from producer.sharding import ShardPlan
 from producer.transport import Transport
@@ -148,8 +149,6 @@ class Producer:
         self.max_attempts = max_attempts
         self.orphan_wait_s = orphan_wait_s
         self.orphan_exit_s = orphan_exit_s
-        self._unclaimed_since_ms: int | None = None  # server clock
-        self.orphaned = False  # serve() stopped because no trainer claimed the run
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
         self._axis_labels = _axis_labels_json(stream)  # for the trainer's axis_labels
@@ -157,7 +156,9 @@ class Producer:
         self._stop = threading.Event()
         self._pos = RunPosition()  # the run served: only _join writes it
         self._lease_seq = 0
-        self._heartbeat: threading.Thread | None = None
+        self._beat = Heartbeat(
+            url, self.keys, self.id, self.heartbeat_ttl_ms, self._pos, self._stop, orphan_exit_s
+        )
         self._record_id = True  # False once the server refused CLIENT ID (ACL)
         self._finished = False
         self._transport = Transport(
@@ -171,6 +172,11 @@ class Producer:
             settings, self.client, self.plan, self._transport, self._pos, self._stop,
             self._lease_request, self._handle_status,
         )  # fmt: skip
+
+    @property
+    def orphaned(self) -> bool:
+        """Whether serve() stopped because no trainer claimed the run (orphan_exit_s)."""
+        return self._beat.orphaned
 
     @property
     def oom_waits(self) -> int:
@@ -195,10 +201,7 @@ class Producer:
         check_eviction_policy(self.client)
         try:
             self._join()
-            self._heartbeat = threading.Thread(
-                target=self._heartbeat_loop, name="batchq-heartbeat", daemon=True
-            )
-            self._heartbeat.start()
+            self._beat.start()
             while not self._stop.is_set():
                 try:
                     lease = self._lease()
@@ -256,31 +259,6 @@ class Producer:
                     ) from e
                 log.warning("producer %s: still no Redis (%s); retrying", self.id, e)
 
-    def _heartbeat_loop(self) -> None:
-        client = make_client(self.url)
-        interval_s = self.heartbeat_ttl_ms / 3000
-        record = True  # the heartbeat's CLIENT ID, re-recorded each beat (it may reconnect)
-        while True:
-            if record:
-                try:
-                    record = record_client(client, self.keys, f"{self.id}:hb")
-                except (redis.RedisError, OSError, BatchQueueError) as e:
-                    log.debug("producer %s: client id not recorded: %s", self.id, e)
-            if self._stop.wait(interval_s):
-                break
-            try:
-                # XX: a producer already declared dead must join again, not revive.
-                now_ms = server_ms(client)
-                deadline_ms = now_ms + self.heartbeat_ttl_ms
-                client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
-                reap_dead(client, self.keys, self._pos.incarnation, now_ms)
-                self._check_orphaned(client, now_ms)
-            except (redis.RedisError, OSError, BatchQueueError) as e:
-                # At maxmemory the heartbeat is refused too; pushes report that once.
-                level = logging.DEBUG if is_oom(e) else logging.WARNING
-                log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
-        client.close()
-
     def _rejoin(self) -> None:
         """Join again after a foreign type broke a call mid-shard: join.lua hands this
         producer's leases back to the work list, so no shard stays held by nobody."""
@@ -290,36 +268,6 @@ class Producer:
             if not is_wrong_type(e):
                 raise
             # Still broken: the next lease fails the same way and brings us back here.
-
-    def _check_orphaned(self, client: redis.Redis, now_ms: int) -> None:
-        """Stop once no trainer has held a live claim on the run for orphan_exit_s.
-
-        A crashed trainer leaves its run for a restarted one to resume, which is right,
-        but not for ever: producers of an abandoned run would serve (and hold memory in
-        Redis) until someone kills them.
-        """
-        if self.orphan_exit_s is None:
-            return
-        world = self._pos.world
-        deadlines = client.hmget(
-            self.keys.meta, [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
-        )
-        if any(d and int(d) > now_ms for d in deadlines):
-            self._unclaimed_since_ms = None
-            return
-        if self._unclaimed_since_ms is None:
-            self._unclaimed_since_ms = now_ms
-            return
-        if now_ms - self._unclaimed_since_ms >= self.orphan_exit_s * 1000:
-            log.warning(
-                "producer %s: no trainer has claimed the run of queue %s for %g s "
-                "(--orphan-exit-s); exiting",
-                self.id,
-                self.keys.queue,
-                self.orphan_exit_s,
-            )
-            self.orphaned = True
-            self._stop.set()
 
     def _join(self) -> None:
         # After Redis lost the queue's state the trainer re-creates the run from its
@@ -393,8 +341,7 @@ class Producer:
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
         self._transport.close(self._finished)
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
+        self._beat.join(timeout_s=5)
         held.release(self.client)
         self.client.close()
 

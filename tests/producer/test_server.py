@@ -103,11 +103,11 @@ def test_another_pipeline_on_the_same_run_is_refused(
 def test_without_a_trainer_for_orphan_exit_s_the_producer_stops(producer: Producer) -> None:
     producer._join()
     now_ms = 1_000_000
-    producer._check_orphaned(producer.client, now_ms)  # the clock starts
+    producer._beat.check_orphaned(producer.client, now_ms)  # the clock starts
     assert not producer.orphaned
-    producer._check_orphaned(producer.client, now_ms + 4_999)
+    producer._beat.check_orphaned(producer.client, now_ms + 4_999)
     assert not producer.orphaned
-    producer._check_orphaned(producer.client, now_ms + 5_000)
+    producer._beat.check_orphaned(producer.client, now_ms + 5_000)
     assert producer.orphaned and producer._stop.is_set()
 
 
@@ -115,11 +115,11 @@ def test_a_live_claim_resets_the_orphan_clock(
     producer: Producer, redis_client: redis.Redis
 ) -> None:
     producer._join()
-    producer._check_orphaned(producer.client, 1_000)
+    producer._beat.check_orphaned(producer.client, 1_000)
     redis_client.hset(producer.keys.meta, MetaField.CLAIM_DEADLINE, 10_000)
-    producer._check_orphaned(producer.client, 6_000)  # a trainer holds it
+    producer._beat.check_orphaned(producer.client, 6_000)  # a trainer holds it
     redis_client.hdel(producer.keys.meta, MetaField.CLAIM_DEADLINE)
-    producer._check_orphaned(producer.client, 11_000)  # counting again from here
+    producer._beat.check_orphaned(producer.client, 11_000)  # counting again from here
     assert not producer.orphaned
 
 
