@@ -97,10 +97,15 @@ def test_a_trainer_slower_than_its_producer_still_gets_every_frame_by_shm(
         producer = producer_thread(numbered(EXAMPLES, BATCH), hwm=3)
         it = stream.get_epoch_iterator()
         got = [examples_of(next(it)[0])]
-        wait_until(lambda: producer._transport.shm_frames > 0, what="the switch to shm")
+        # The producer started first: what it made before it saw the trainer's host went
+        # through Redis (at most the batch taken, the look-ahead, the list and the one
+        # at the cap). It looks at the host again after its first wait at the cap, so
+        # the switch comes while this loop waits for full lists: not waited for here,
+        # where nothing is consumed (a producer blocked at the cap with a frame made for
+        # Redis would never make another).
         for features, _ in it:
-            # Every batch held but this one and the one before it lies in a segment.
-            # (The producer goes on into the next epochs: both always fill.)
+            # Every batch held but this one and the one before it lies in a segment once
+            # switched. (The producer goes on into the next epochs: both always fill.)
             wait_until(
                 lambda: (
                     stream._ledger is not None
@@ -111,6 +116,7 @@ def test_a_trainer_slower_than_its_producer_still_gets_every_frame_by_shm(
             )
             got.append(examples_of(features))
         assert producer._transport.fallbacks == 0
+        assert producer._transport.shm_frames >= 20 - (1 + 4 + 3 + 1 + 1)
         assert producer._transport.pool.max_segments == pool_size(3, 4, 1)
         stream.close(finished=True)
     assert got == reference(1)
