@@ -73,8 +73,8 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     autoscale_retired     int          workers they retired
     autoscale_last        object|null  their newest decision: t (unix s), scaler, action,
                                        count, workers, reason, figures (batchq.pool)
-    shm_segments          int          the queue's shared-memory segments in /dev/shm on
-                                       the host that runs status (batchq.shm)
+    shm_segments          int          the queue's shared-memory segments in /dev/shm (or
+                                       --shm-dir) on the host that runs status (batchq.shm)
     shm_bytes             int          bytes allocated to them
     world_size            int          the trainer's ranks (1: a single trainer)
     ranks                 list         per rank of a data-parallel trainer: objects with
@@ -322,8 +322,9 @@ def _figures(snap: QueueSnapshot) -> dict[str, Any]:
     }
 
 
-def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
-    """One queue's status row (see the module docstring for the fields)."""
+def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+    """One queue's status row (see the module docstring for the fields); its segments
+    are counted in ``shm_dir``."""
     ranks = rank_rows(snap)
     slowest = slowest_rank(ranks)
     if snap.ranks:
@@ -341,7 +342,7 @@ def row_from_snapshot(snap: QueueSnapshot) -> dict[str, Any]:
         hwm=hwm,
         stall=figures["stall"] if fresh else None,
     )
-    shm_segments, shm_bytes = segments_usage(DEFAULT_SHM_DIR, snap.queue)  # this host's
+    shm_segments, shm_bytes = segments_usage(shm_dir, snap.queue)  # this host's
     row: dict[str, Any] = {
         "queue": snap.queue,
         "run": meta.get(MetaField.RUN, ""),
@@ -415,11 +416,13 @@ def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, 
     return out
 
 
-def status_rows(client: redis.Redis, queues: list[str]) -> list[dict[str, Any]]:
+def status_rows(
+    client: redis.Redis, queues: list[str], shm_dir: str = DEFAULT_SHM_DIR
+) -> list[dict[str, Any]]:
     """The status rows of ``queues``, read together (see :func:`read_snapshots`)."""
-    return [row_from_snapshot(s) for s in read_snapshots(client, queues)]
+    return [row_from_snapshot(s, shm_dir) for s in read_snapshots(client, queues)]
 
 
-def queue_status(client: redis.Redis, queue: str) -> dict[str, Any]:
+def queue_status(client: redis.Redis, queue: str, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
     """One queue's status row (see the module docstring for the fields)."""
-    return status_rows(client, [queue])[0]
+    return status_rows(client, [queue], shm_dir)[0]

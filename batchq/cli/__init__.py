@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(status)
     status.add_argument("--queue", default=None, help="only this queue")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--shm-dir",
+        default="/dev/shm",
+        help="where this host's segments are counted (shm_segments, shm_bytes; default /dev/shm)",
+    )
     _add_monitoring(sub)
     config = sub.add_parser(
         "config",

@@ -21,7 +21,10 @@ def run_status(args: argparse.Namespace) -> int:
             names = [check_name(args.queue, "queue")]
         else:
             names = call(lambda: list_queues(client), f"listing queues at {describe_url(url)}")
-        rows = call(lambda: status_rows(client, names), f"reading queues at {describe_url(url)}")
+        rows = call(
+            lambda: status_rows(client, names, args.shm_dir),
+            f"reading queues at {describe_url(url)}",
+        )
     finally:
         client.close()
     print(render_table(rows, as_json=args.json))

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from batchq.errors import ConfigError, FrameError
 from batchq.keys import QueueKeys
 from batchq.monitor import PRODUCER_FIELDS, STATUS_FIELDS, row_from_snapshot, status_rows
 from batchq.refs import encode_ref
+from batchq.shm import segment_name
 from batchq.snapshot import read_snapshots
 from batchq.verdict import STALL_INPUT_BOUND, judge, near_cap
 from consumer import ServerDataStream
@@ -362,3 +364,20 @@ def test_status_table_has_a_verdict_line_per_queue(
     assert header.split()[:3] == ["QUEUE", "DEPTH/HWM", "PRODUCERS"]
     assert first.split()[:2] == [queue_name, "1/4"]
     assert f"{queue_name}: IDLE: no trainer attached" in out
+
+
+def test_status_counts_the_segments_in_the_folder_it_is_given(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    redis_client.hset(QueueKeys(queue_name).meta, mapping={"run": "ab12", "hwm": 4})
+    (tmp_path / segment_name(queue_name, "ab12", "p", 1)).write_bytes(b"\0" * 8192)
+    (tmp_path / segment_name("another", "ab12", "p", 1)).write_bytes(b"\0" * 8192)
+    assert monitor.queue_status(redis_client, queue_name, str(tmp_path))["shm_segments"] == 1
+    argv = ["status", "--url", redis_url, "--queue", queue_name, "--json"]
+    assert main([*argv, "--shm-dir", str(tmp_path)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["shm_segments"] == 1 and row["shm_bytes"] >= 8192
