@@ -61,8 +61,9 @@ class MetaField:
     SHM_HOST: Final = "shm_host"  # the trainer's shared-memory host identity
     SHM_LOOKAHEAD: Final = "shm_lookahead"  # the trainer's look-ahead, in frames
 
-    #: Fields a data-parallel run keeps once per rank (``'<name>:<r>'``).
-    PER_RANK: Final = (CLAIM, CLAIM_DEADLINE, CLAIMED, DONE, NEXT, FLOOR)
+    #: Fields a data-parallel run keeps once per rank (``'<name>:<r>'``): ranks may
+    #: run on different hosts, so each publishes its own shared-memory host.
+    PER_RANK: Final = (CLAIM, CLAIM_DEADLINE, CLAIMED, DONE, NEXT, FLOOR, SHM_HOST, SHM_LOOKAHEAD)
 
 
 class StatsField:

@@ -32,6 +32,7 @@ class Status:
     WORLD = "WORLD"  # {'WORLD', world}: the run's live ranks use another world size
     STEP = "STEP"  # {'STEP', step}: the job's other ranks resumed from another step
     WRONG_TYPE = "WRONG_TYPE"  # {'WRONG_TYPE', key, type found}: a foreign writer
+    REROUTE = "REROUTE"  # push.lua: the rank's trainer is not on the descriptor's host
 
 
 def decode_reply(reply: Any) -> list[Any]:

@@ -16,6 +16,7 @@ from typing import Literal
 
 import redis
 
+from batchq.fields import MetaField
 from batchq.keys import QueueKeys
 from batchq.layout import HISTORY_CAP, WAKE_CAP, entry_slot
 from batchq.lua_scripts import (
@@ -137,9 +138,13 @@ def push_call(
     frame_bytes: int,
     blocked_ms: int,
     produce_ms: int,
+    shm_host: str = "",
+    host_field: str = MetaField.SHM_HOST,
 ) -> Call[PushReply]:
     """The capped push of one frame (push.lua) into ``data`` (a rank's list, or the
-    queue's); ``frame_key`` names a frame stored by reference (None: inline)."""
+    queue's); ``frame_key`` names a frame stored by reference (None: inline).
+    ``shm_host``: the element is a shared-memory descriptor of that host, pushed only
+    while meta's ``host_field`` (the rank's published host) says the same."""
     return build_call(
         "push",
         PushReply.parse,
@@ -148,7 +153,8 @@ def push_call(
          "pstats": keys.pstats, "frame": frame_key},
         {"incarnation": incarnation, "run": run, "producer": producer, "entry": entry,
          "element": element, "last": _flag(last), "heartbeat_ttl_ms": heartbeat_ttl_ms,
-         "frame_bytes": frame_bytes, "blocked_ms": blocked_ms, "produce_ms": produce_ms},
+         "frame_bytes": frame_bytes, "blocked_ms": blocked_ms, "produce_ms": produce_ms,
+         "shm_host": shm_host, "host_field": host_field},
     )  # fmt: skip
 
 

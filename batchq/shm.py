@@ -64,6 +64,7 @@ __all__ = [
     "HEADER",
     "HEADER_BYTES",
     "SEGMENT_MAGIC",
+    "SEGMENT_MODE",
     "Descriptor",
     "SegmentName",
     "decode_descriptor",
@@ -82,6 +83,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = "/dev/shm"
 SEGMENT_MAGIC = b"BQSG"
+SEGMENT_MODE = 0o600  # a segment's mode; the trainer refuses one with another
 DESCRIPTOR_MAGIC = b"BQM\x01"
 HEADER = struct.Struct("<4sIQQQQ24x")
 HEADER_BYTES = 64  # == HEADER.size
@@ -105,9 +107,12 @@ def resolve_transport(transport: str | None) -> str:
     Raises:
         ConfigError: not one of 'auto', 'redis'.
     """
-    value = transport if transport is not None else os.environ.get(ENV_TRANSPORT) or "auto"
+    if transport is not None:
+        value, what = transport, "transport"
+    else:
+        value, what = os.environ.get(ENV_TRANSPORT) or "auto", ENV_TRANSPORT
     if value not in TRANSPORTS:
-        raise ConfigError(f"transport {value!r} is not valid: expected 'auto', 'shm' or 'redis'")
+        raise ConfigError(f"{what} {value!r} is not valid: expected 'auto', 'shm' or 'redis'")
     return "auto" if value == "shm" else value
 
 

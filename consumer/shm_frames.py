@@ -7,15 +7,22 @@ so every array of the batch is a view whose ``.base`` chain holds the owner (arr
 memoryview -> owner -> mapping); a tensor made with ``torch.from_numpy`` holds the array.
 ``weakref.finalize(owner, ...)`` writes ``released = gen`` into the segment's header
 only when the owner is freed, i.e. when no array, view or tensor of the batch is left
-(a dropped duplicate, a bad frame or a ``writable=True`` copy: at once). The producer
-overwrites a segment only when ``released == gen``. A segment is mapped once and the
-mapping is shared by its generations; it is unmapped when the last owner over it is
-gone and the cache dropped it.
+(a bad frame, or a ``writable=True`` trainer's batch, which is copied into memory of
+its own: at once). The torch adapter instead asks for writable views
+(``views_writable``): its tensors are the segment's memory, zero-copy, and hold it as
+long as they are referenced. A second descriptor of the same generation (a duplicate, a
+replayed push) gets the same owner, never one of its own, so dropping it releases
+nothing; one whose generation was released already is stale (the producer may be
+writing the next one). The producer overwrites a segment only when ``released == gen``.
+A segment is mapped once and the mapping is shared by its generations; it is unmapped
+when the last owner over it is gone and the cache dropped it.
 
 Every descriptor is checked before a byte is read: this queue's segment name (no path,
 no other queue), this host, a regular file of this user opened without following
-links, big enough, and holding the generation the descriptor names. Anything else is a
-bad frame (:class:`~batchq.errors.FrameError`, to the dead list with its reason).
+links, with mode 0600 and one link (a hard link to another queue's segment would have
+the trainer release that queue's batch), big enough, and holding the generation the
+descriptor names, not released yet. Anything else is a bad frame
+(:class:`~batchq.errors.FrameError`, to the dead list with its reason).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from batchq.connection import call
 from batchq.errors import FrameError
 from batchq.fields import MetaField
 from batchq.keys import QueueKeys
+from batchq.ranks import rank_field
 from batchq.shm import (
     DEFAULT_SHM_DIR,
     HEADER,
@@ -44,6 +52,7 @@ from batchq.shm import (
     OFF_RELEASED,
     OFF_RETIRED,
     SEGMENT_MAGIC,
+    SEGMENT_MODE,
     decode_descriptor,
     host_identity,
     list_segments,
@@ -80,20 +89,37 @@ class TrainerShm:
         keys: the queue's keys.
         transport: 'auto' or 'redis' (None: ``BATCHQ_TRANSPORT``, else 'auto').
         shm_dir: the shared-memory folder (default /dev/shm).
-        writable: the trainer asked for writable arrays: the owner is writable, so the
-            batch's arrays can be made writable in place (the segment is the batch's own
-            until it is released: the producer does not touch it before), no copy.
+        writable: the trainer asked for writable arrays: each batch is copied out of
+            its segment into memory of its own (the arrays own it), and the segment is
+            released at once.
+        rank: the trainer's rank (its host is published per rank: ranks of one job may
+            run on different hosts).
+        world: the job's number of ranks.
     """
 
     def __init__(
-        self, keys: QueueKeys, transport: str | None, shm_dir: str | None, writable: bool = False
+        self,
+        keys: QueueKeys,
+        transport: str | None,
+        shm_dir: str | None,
+        writable: bool = False,
+        *,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         self.keys = keys
         self.writable = writable
+        self.views_writable = False  # the torch adapter's zero-copy writable tensors
+        self.host_field = rank_field(MetaField.SHM_HOST, rank, world)
+        self.lookahead_field = rank_field(MetaField.SHM_LOOKAHEAD, rank, world)
         self.mode = resolve_transport(transport)
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
         self._mapped: OrderedDict[str, tuple[int, int, mmap.mmap, int]] = OrderedDict()
+        # (segment, generation) -> the live owner of that batch: duplicates share it.
+        self._owners: weakref.WeakValueDictionary[tuple[str, int], Any] = (
+            weakref.WeakValueDictionary()
+        )
         self._run = ""  # the run this trainer reads (set by new_run)
         self._mapped_run = ""  # the run of the segments in the mapping cache
         self._swept = time.monotonic()
@@ -102,25 +128,29 @@ class TrainerShm:
 
     def publish(self, client: redis.Redis, lookahead: int) -> None:
         """Tell the producers this trainer's host and its look-ahead (the decoded frames
-        it may hold ahead of its caller), or that it takes nothing by shared memory."""
+        it may hold ahead of its caller), or that it takes nothing by shared memory.
+
+        Called after every acquire and resume: those scripts drop the published host
+        (a takeover, a new run), so that no descriptor for the previous trainer's host
+        is pushed into this trainer's list (push.lua checks it)."""
         meta = self.keys.meta
         if self.identity is None:
-            fields = (MetaField.SHM_HOST, MetaField.SHM_LOOKAHEAD)
+            fields = (self.host_field, self.lookahead_field)
             call(lambda: client.hdel(meta, *fields), "publishing the host")
         else:
             items: list[str | int] = [
-                MetaField.SHM_HOST,
+                self.host_field,
                 self.identity,
-                MetaField.SHM_LOOKAHEAD,
+                self.lookahead_field,
                 lookahead,
             ]
             call(lambda: client.hset(meta, items=items), "publishing the host")
 
     def new_run(self, run: str) -> None:
-        """A run started: segments of other runs of this queue on this host go."""
+        """A run started: segments of other runs of this queue on this host go (also
+        for a trainer that takes nothing by shared memory: a killed run's are left)."""
         self._run = run
-        if self.identity is not None:
-            remove_segments(self.shm_dir, self.keys.queue, keep_run=run)
+        remove_segments(self.shm_dir, self.keys.queue, keep_run=run)
 
     def maybe_sweep(self, client: redis.Redis) -> int:
         """Every SWEEP_S: remove this run's segments of producers that are gone (killed
@@ -171,12 +201,11 @@ class TrainerShm:
 
     def finish(self) -> None:
         """The run finished: every segment of this queue on this host goes."""
-        if self.identity is not None:
-            remove_segments(self.shm_dir, self.keys.queue)
+        remove_segments(self.shm_dir, self.keys.queue)
 
-    def resolve(self, element: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """The frame's bytes for a descriptor: an array owning the batch
-        (read-only unless the trainer asked for writable arrays).
+    def resolve(self, element: bytes) -> np.ndarray[Any, np.dtype[np.uint8]] | memoryview:
+        """The frame's bytes for a descriptor: a read-only array owning the batch, or
+        for a ``writable=True`` trainer a copy of its own (the segment released).
 
         Raises:
             FrameError: a bad descriptor (``shm_bad``, ``shm_outside``,
@@ -199,17 +228,28 @@ class TrainerShm:
                 f"segment {desc.segment} has {size - HEADER_BYTES} bytes, "
                 f"the descriptor says {desc.length}",
             )
-        magic, _version, gen, _released, _retired, length = HEADER.unpack_from(mm)
+        magic, _version, gen, released, _retired, length = HEADER.unpack_from(mm)
         if magic != SEGMENT_MAGIC or gen != desc.gen or length != desc.length:
             raise FrameError(
                 "shm_stale",
                 f"segment {desc.segment} holds generation {gen} of {length} bytes, "
                 f"the descriptor names generation {desc.gen} of {desc.length}",
             )
-        owner = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=HEADER_BYTES)
-        owner.flags.writeable = self.writable
-        weakref.finalize(owner, _release, mm, desc.gen, path, ino)
+        owner = self._owners.get((desc.segment, gen))
+        if owner is None:
+            if released >= gen:
+                raise FrameError(
+                    "shm_stale",
+                    f"segment {desc.segment}: generation {gen} was released already",
+                )
+            owner = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=HEADER_BYTES)
+            owner.flags.writeable = self.views_writable
+            weakref.finalize(owner, _release, mm, desc.gen, path, ino)
+            self._owners[(desc.segment, gen)] = owner
         self.frames += 1
+        if self.writable:
+            # Copied into memory the arrays own; the owner goes here: released at once.
+            return memoryview(bytearray(owner))
         return owner
 
     def _map(self, name: str, path: str) -> tuple[int, int, mmap.mmap, int]:
@@ -226,7 +266,8 @@ class TrainerShm:
             self._mapped.move_to_end(name)
             return cached
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO named as a segment must not block the open.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise FrameError("shm_missing", f"segment {path} does not exist") from None
         except OSError as e:  # ELOOP: a symlink; EACCES: not ours
@@ -237,11 +278,20 @@ class TrainerShm:
                 raise FrameError(
                     "shm_outside", f"segment {path} is not a regular file of this user"
                 )
+            if stat.S_IMODE(st.st_mode) != SEGMENT_MODE or st.st_nlink != 1:
+                raise FrameError(
+                    "shm_outside",
+                    f"segment {path} has mode {stat.S_IMODE(st.st_mode):04o} and "
+                    f"{st.st_nlink} links, expected {SEGMENT_MODE:04o} and 1",
+                )
             if st.st_size < HEADER_BYTES:
                 raise FrameError(
                     "shm_wrong_size", f"segment {path} has {st.st_size} bytes, below its header"
                 )
-            mm = mmap.mmap(fd, st.st_size)
+            try:
+                mm = mmap.mmap(fd, st.st_size)
+            except (OSError, ValueError) as e:  # ENOMEM: vm.max_map_count reached
+                raise FrameError("shm_missing", f"segment {path} cannot be mapped: {e}") from None
         finally:
             os.close(fd)
         entry = (st.st_ino, st.st_size, mm, st.st_dev)

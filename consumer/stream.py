@@ -92,7 +92,8 @@ class ServerDataStream(FuelStreamMixin):
             in-process); False yields in arrival order.
         writable: yield writable arrays instead of read-only views: frames stored by
             reference (over 256 KiB) are received into buffers of their own, which the
-            arrays then own (no copy); smaller frames are copied once.
+            arrays then own (no copy); smaller frames, and frames through shared
+            memory (whose segment is then released at once), are copied once.
         claim_ttl_s: the trainer's claim lapses this long after its last heartbeat.
         max_frame_bytes: frames larger than this are refused (dead list).
         on_bad_frame: 'raise' a FrameError for a frame that fails validation, or 'skip'.
@@ -181,7 +182,9 @@ class ServerDataStream(FuelStreamMixin):
         self._balancer: Balancer | None = None  # evens counts at run time (ranks)
         self._static: RankLayout | None = None  # where pads are known slots (ranks)
         self._pads = 0  # pad slots yielded
-        self._shm = TrainerShm(self.keys, transport, shm_dir, writable=writable)
+        self._shm = TrainerShm(
+            self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
+        )
 
     # -- Fuel's interface --------------------------------------------------------------
 
@@ -384,7 +387,8 @@ class ServerDataStream(FuelStreamMixin):
             session.resume_run = resume_run_id(resume, self.world_size)
         new_run = session.acquire(takeover=resume[RUN_KEY] if resume else "")
         self._session = session
-        self._shm.publish(self._client, self.hwm)
+        if resume is None:  # a resume publishes once resumed (resume.lua drops the host)
+            self._shm.publish(self._client, self.hwm)
         if new_run:
             delete_old_frames(self._client, self.keys, self.timeout_s)
         if resume is None:
@@ -404,6 +408,7 @@ class ServerDataStream(FuelStreamMixin):
                 timeout_s=self.timeout_s,
                 block_s=BLOCK_S,
             )
+            self._shm.publish(self._client, self.hwm)
         if session.plan is not None:
             ledger.window = session.plan.window if session.plan.has_window else None
             ledger.epoch_batches = session.plan.epoch_batches

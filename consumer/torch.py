@@ -113,7 +113,10 @@ class TorchStream(IterableDataset[Any]):
         merged.update(check_dtypes({s: _numpy_dtype(s, d) for s, d in (dtypes or {}).items()}))
         # Writable frames: each tensor owns its frame's memory (no copy for large frames).
         stream.writable = True
-        stream._shm.writable = True  # a shared-memory batch's segment is its own too
+        # A shared-memory batch's segment is its own too, until its tensors are dropped:
+        # writable views over it, not the copy a writable=True stream makes.
+        stream._shm.writable = False
+        stream._shm.views_writable = True
         stream._prep = FramePrep(stream._prep.sources, merged, stream.keys.queue, writable=True)
         if pin_memory is None:
             pin_memory = self.device.type != "cpu"

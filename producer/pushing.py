@@ -330,7 +330,11 @@ class ShardPusher:
             produced_at=time.time(),
         )
         return self._transport.encode(
-            header, data, checksum=self.checksum, max_frame_bytes=self.max_frame_bytes
+            header,
+            data,
+            checksum=self.checksum,
+            max_frame_bytes=self.max_frame_bytes,
+            rank=self._rank,
         )
 
     def _push_batch(
@@ -347,8 +351,9 @@ class ShardPusher:
         """Push one frame, waiting at the hwm; False if the shard was taken from us."""
         ref = None
         element: Any = frame
+        shm_host = ""
         if isinstance(frame, ShmFrame):  # the list gets its small descriptor, inline
-            element = frame.element
+            element, shm_host = frame.element, frame.host
         elif len(frame) > self.inline_max_bytes:
             self._frame_seq += 1
             ref = self.keys.frame(self.id, self._frame_seq)
@@ -364,6 +369,7 @@ class ShardPusher:
                 run=self._pos.run, producer=self.id, entry=entry, element=element, last=last,
                 heartbeat_ttl_ms=self.heartbeat_ttl_ms, frame_bytes=len(frame),
                 blocked_ms=wait.since_last_try_ms(), produce_ms=produce_ms,
+                shm_host=shm_host, host_field=self._transport.host_field(self._rank),
             )  # fmt: skip
             store = None if stored or isinstance(frame, ShmFrame) or ref is None else frame
             try:
@@ -384,6 +390,10 @@ class ShardPusher:
                 self._note_prefetch(lease_next, replies.pop())
                 lease_next = None
             reply = request.parse(replies[-1])
+            if reply.status == Status.REROUTE and isinstance(frame, ShmFrame):
+                # The rank's trainer is not on this host (any more): the frame itself.
+                self._transport.rerouted()
+                return self._push(frame.detach(), entry, last=last, produce_ms=produce_ms)
             pushed = self._after(reply, entry, ref, wait)
             if pushed is not None:
                 return pushed

@@ -25,6 +25,7 @@ from batchq.shm import (
     OFF_RELEASED,
     OFF_RETIRED,
     SEGMENT_MAGIC,
+    SEGMENT_MODE,
     segment_name,
 )
 
@@ -148,7 +149,7 @@ class SegmentPool:
             name = segment_name(self.queue, self.run, self.producer, self._n)
             path = os.path.join(self.shm_dir, name)
             try:
-                fd = os.open(path, flags, 0o600)
+                fd = os.open(path, flags, SEGMENT_MODE)
                 break
             except FileExistsError:  # left by an earlier process with this id: skip it
                 continue
@@ -156,7 +157,7 @@ class SegmentPool:
                 self.last_error = f"cannot create {path}: {e}"
                 return FULL
         try:
-            os.fchmod(fd, 0o600)
+            os.fchmod(fd, SEGMENT_MODE)
             # Reserve the pages now: on a full tmpfs this fails with ENOSPC, where a
             # sparse file would fault (SIGBUS) on the first write past the limit.
             os.posix_fallocate(fd, 0, size)

@@ -1,14 +1,17 @@
 """Which way a producer's frames travel: shared memory on the trainer's host, else Redis.
 
 ``transport='auto'`` (the default; ``BATCHQ_TRANSPORT`` sets it where the argument is
-not given) uses shared memory exactly while the run's trainer has published this host's
-identity (:func:`batchq.shm.host_identity`, meta field
-:data:`batchq.fields.MetaField.SHM_HOST`): a producer started before the trainer switches
-once the identity appears, and back to Redis when a trainer from another host takes
-over. It reads the field at every join and at most once a second while serving.
+not given) uses shared memory for a frame exactly while the trainer (the rank) it goes
+to has published this host's identity (:func:`batchq.shm.host_identity`, meta field
+:data:`batchq.fields.MetaField.SHM_HOST`, one per rank): a producer started before the
+trainer switches once the identity appears, and back to Redis when a trainer from
+another host takes over; ranks on other hosts get their frames through Redis. It reads
+the fields at every join and at most once a second while serving; push.lua refuses a
+descriptor whose host is not the rank's published one at that moment (``REROUTE``:
+the producer sends the frame itself), so a lagging read never misroutes a frame.
 
 The pool holds at most ``shm_segments`` segments; by default just enough that a
-trainer keeping up never makes a frame fall back to Redis: per rank of the run, the
+trainer keeping up never makes a frame fall back to Redis: per rank on this host, the
 rank's data list (hwm), the decoded frames the rank's reader holds ahead of its caller
 (its look-ahead, published beside the host: :data:`batchq.fields.MetaField.SHM_LOOKAHEAD`)
 and the two batches the caller has in hand (the one it uses, the one it is handed
@@ -40,6 +43,7 @@ from batchq.connection import Pieces, call
 from batchq.errors import ConfigError
 from batchq.fields import MetaField
 from batchq.keys import QueueKeys
+from batchq.ranks import rank_field
 from batchq.shm import (
     DEFAULT_SHM_DIR,
     encode_descriptor,
@@ -93,11 +97,12 @@ def _lookahead(value: object) -> int:
 class ShmFrame:
     """A frame written into a segment; the list gets :attr:`element`, its descriptor."""
 
-    def __init__(self, element: bytes, nbytes: int, segment: Segment, gen: int) -> None:
+    def __init__(self, element: bytes, nbytes: int, segment: Segment, gen: int, host: str) -> None:
         self.element = element
         self.nbytes = nbytes
         self.segment = segment
         self.gen = gen
+        self.host = host  # the identity the descriptor names
 
     def __len__(self) -> int:
         return self.nbytes  # the batch's size, for the accounting
@@ -105,6 +110,13 @@ class ShmFrame:
     def abandon(self) -> None:
         """The push was refused for good: the segment is free again."""
         self.segment.abandon(self.gen)
+
+    def detach(self) -> memoryview:
+        """The frame's bytes copied out of the segment, which is free again (the push
+        was refused with REROUTE: the frame goes through Redis instead)."""
+        data = memoryview(bytes(self.segment.body(self.nbytes)))
+        self.abandon()
+        return data
 
 
 class Transport:
@@ -134,8 +146,13 @@ class Transport:
     ) -> None:
         self.mode = resolve_transport(transport)
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
-        if max_segments is not None and (not isinstance(max_segments, int) or max_segments < 1):
-            raise ConfigError(f"shm_segments {max_segments!r} is not valid: expected >= 1")
+        for name, value in (("shm_segments", max_segments), ("shm_max_bytes", max_bytes)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ConfigError(
+                    f"{name} {value!r} is not valid: expected an integer >= 1 or None"
+                )
         self.keys = keys
         self.producer = producer
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
@@ -144,20 +161,21 @@ class Transport:
         self._world = 1
         size = max_segments or pool_size(hwm, DEFAULT_LOOKAHEAD, 1)
         self.pool = SegmentPool(self.shm_dir, keys.queue, producer, size, max_bytes)
-        self.active = False
+        self._local: tuple[int, ...] = ()  # the ranks whose trainer is on this host
         self._checked = -REFRESH_S
         self._warned = False
         self.shm_frames = 0  # frames sent through shared memory
         self.fallbacks = 0  # frames that wanted shared memory and went through Redis
         self.no_room_waits = 0  # frames that waited for the trainer to let a segment go
+        self.reroutes = 0  # descriptors push.lua refused: the frame went through Redis
         self._patient = True  # the last wait for a segment did not time out
 
     def joined(self, client: redis.Redis, run: str, world: int = 1) -> None:
         """After a join: a new run drops the old segments, a rejoin of the same run
         retires them; look at the trainer's host. ``world``: the run's ranks."""
+        self._world = max(1, world)
         if self.identity is None:
             return
-        self._world = max(1, world)
         if run == self.pool.run:
             self.pool.retire()  # a rejoin: never reuse a segment from before it
         else:
@@ -174,26 +192,51 @@ class Transport:
             )
         self.refresh(client, force=True)
 
+    @property
+    def active(self) -> bool:
+        """Whether some rank's trainer is on this host (frames for it use segments)."""
+        return bool(self._local)
+
+    def active_for(self, rank: int) -> bool:
+        """Whether frames for ``rank`` go into segments."""
+        return rank in self._local
+
+    def host_field(self, rank: int) -> str:
+        """The meta field where ``rank`` publishes its host."""
+        return rank_field(MetaField.SHM_HOST, rank, self._world)
+
     def refresh(self, client: redis.Redis, *, force: bool = False) -> None:
-        """Follow the trainer's published host identity (at most once a second)."""
+        """Follow the trainers' published host identities (at most once a second)."""
         if self.identity is None:
             return
         now = time.monotonic()
         if not force and now - self._checked < REFRESH_S:
             return
         self._checked = now
-        fields = (MetaField.SHM_HOST, MetaField.SHM_LOOKAHEAD)
-        value, lookahead = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
-        active = isinstance(value, bytes) and value.decode() == self.identity
+        world = self._world
+        fields = [self.host_field(r) for r in range(world)]
+        fields += [rank_field(MetaField.SHM_LOOKAHEAD, r, world) for r in range(world)]
+        values = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
+        hosts, lookaheads = values[:world], values[world:]
+        local = tuple(
+            r for r, v in enumerate(hosts) if isinstance(v, bytes) and v.decode() == self.identity
+        )
         if self._fixed is None:
-            self.pool.max_segments = pool_size(self._hwm, _lookahead(lookahead), self._world)
-        if active != self.active:
-            log.info(
-                "producer %s: frames now travel through %s",
-                self.producer,
-                f"shared memory in {self.shm_dir}" if active else "Redis",
-            )
-            self.active = active
+            # Room for what each rank on this host can hold (pool_size), one in the making.
+            held = sum(pool_size(self._hwm, _lookahead(lookaheads[r]), 1) - 1 for r in local)
+            self.pool.max_segments = held + 1
+        if local != self._local:
+            where = f"shared memory in {self.shm_dir}" if local else "Redis"
+            if world > 1 and local:
+                where += f" for ranks {', '.join(map(str, local))} (Redis for the others)"
+            log.info("producer %s: frames now travel through %s", self.producer, where)
+            self._local = local
+
+    def rerouted(self) -> None:
+        """A push was refused with REROUTE (the rank's published host changed): count
+        it, and read the hosts at the next :meth:`refresh`."""
+        self.reroutes += 1
+        self.recheck()
 
     def recheck(self) -> None:
         """Look at the trainer's host at the next :meth:`refresh` (after waiting at the
@@ -207,10 +250,12 @@ class Transport:
         *,
         checksum: bool = False,
         max_frame_bytes: int | None = None,
+        rank: int = 0,
     ) -> Pieces | ShmFrame:
-        """Encode a frame: into a segment when shared memory is on and one is free, else
-        as pieces for Redis. Arguments and errors as :func:`codec.encode_frame`."""
-        if self.active:
+        """Encode a frame for ``rank``: into a segment when its trainer is on this host
+        and one is free, else as pieces for Redis. Arguments and errors as
+        :func:`codec.encode_frame`."""
+        if rank in self._local:
             frame = self._encode_shm(header, data, checksum, max_frame_bytes)
             if frame is not None:
                 return frame
@@ -250,8 +295,9 @@ class Transport:
         nbytes = result[0]
         gen = segment.commit(nbytes)
         self.shm_frames += 1
-        element = encode_descriptor(segment.name, gen, nbytes, self.identity or "")
-        return ShmFrame(element, nbytes, segment, gen)
+        host = self.identity or ""
+        element = encode_descriptor(segment.name, gen, nbytes, host)
+        return ShmFrame(element, nbytes, segment, gen, host)
 
     def _acquire(self, nbytes: int) -> Segment | str:
         """A segment from the pool, waiting a little for one the trainer lets go."""

@@ -92,6 +92,7 @@ if m[2] == token and m[1] and inc and m[5] ~= '1' then
   -- A retried acquire whose first reply was lost: this trainer holds the claim already.
   -- new_run is 1 if that first try started the run (it minted the run id run_id).
   redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
+  redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
   local again = 0
   if m[1] == run_id then again = 1 end
   return {'OK', inc, m[1], again, tonumber(redis.call('HGET', meta_key, 'fence') or 0)}
@@ -131,6 +132,10 @@ if (not m[1]) or m[5] == '1' or (m[4] == '1' and not takeover) or other_world th
 end
 redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
   f('claimed'), 1)
+-- The previous trainer's host goes: until this one publishes its own (right after),
+-- no shared-memory descriptor is pushed for this rank (push.lua), so none of another
+-- host's can reach it.
+redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
 local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
 if world == 1 then return {'OK', inc, m[1], new_run, fence} end
 return {'OK', inc, m[1], new_run, fence, held}

@@ -1,7 +1,9 @@
 -- push.lua: push one frame below the hwm (the capped push).
 -- Returns {'OK', depth} or {'FULL', depth}, {'GONE'} (the referenced frame expired:
 -- store it again), {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'},
--- {'FINISHED'}, {'WRONG_TYPE', key, type} (a foreign writer replaced the data list: wait)
+-- {'FINISHED'}, {'WRONG_TYPE', key, type} (a foreign writer replaced the data list: wait),
+-- {'REROUTE'} (a shared-memory descriptor for a host the rank's trainer has not
+-- published: send the frame itself)
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local data_key = KEYS[3]         -- LIST   the data list (a rank's, data-parallel)
@@ -20,6 +22,8 @@ local heartbeat_ttl_ms = tonumber(ARGV[7])
 local frame_bytes = tonumber(ARGV[8])
 local blocked_ms = tonumber(ARGV[9])  -- spent blocked at the hwm since the last try
 local produce_ms = tonumber(ARGV[10]) -- the pipeline took to build this batch
+local shm_host = ARGV[11]        -- the host a descriptor's segment is on; '' for a frame
+local host_field = ARGV[12]      -- the meta field of the rank's published host
 
 local now = server_now_ms()
 -- Every key's type first: a foreign type found half-way would leave a frame pushed and
@@ -33,12 +37,15 @@ for _, kw in ipairs(typed) do
   if kind ~= kw[2] and kind ~= 'none' then return {'WRONG_TYPE', kw[1], kind} end
 end
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
-local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm')
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', host_field)
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] == '1' then return {'FINISHED'} end
 if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
+-- A descriptor goes only into the list of a trainer on its host: one whose trainer
+-- changed (a takeover, another rank's host) would get a segment it cannot map.
+if shm_host ~= '' and m[4] ~= shm_host then return {'REROUTE'} end
 if blocked_ms > 0 then
   redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
   redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)

@@ -77,7 +77,7 @@ end
 redis.call('DEL', data_key, work_key, failures_key, ledger_key)
 for i = first_rank_data, #KEYS do redis.call('DEL', KEYS[i]) end
 redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
-  'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch')
+  'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'shm_host', 'shm_lookahead')
 redis.call('HSET', meta_key, 'run', new_run, 'next', first, 'floor', first,
   'fingerprint', fingerprint)
 if world > 1 then
@@ -87,7 +87,8 @@ if world > 1 then
       redis.call('HSET', meta_key, 'next:' .. r, first, 'floor:' .. r, first)
     end
     -- Ranks join the new run by resuming into it: none has held it yet, but this one.
-    redis.call('HDEL', meta_key, 'done:' .. r)
+    -- Each publishes its host again once resumed (the previous job's may be elsewhere).
+    redis.call('HDEL', meta_key, 'done:' .. r, 'shm_host:' .. r, 'shm_lookahead:' .. r)
     if tostring(r) ~= rank then redis.call('HDEL', meta_key, 'claimed:' .. r) end
   end
 end

@@ -68,7 +68,9 @@ class Q:
              "heartbeat_ttl_ms": TTL_MS, "prefetch": "0"},
         )  # fmt: skip
 
-    def push(self, p: str, entry: str, element: bytes, last: bool = False) -> list:
+    def push(
+        self, p: str, entry: str, element: bytes, last: bool = False, shm_host: str = ""
+    ) -> list:
         k = self.k
         return raw(
             "push",
@@ -77,7 +79,8 @@ class Q:
              "producers": k.producers, "lease": k.lease(p), "pstats": k.pstats, "frame": None},
             {"incarnation": self.inc, "run": self.run, "producer": p, "entry": entry,
              "element": element, "last": int(last), "heartbeat_ttl_ms": TTL_MS,
-             "frame_bytes": len(element), "blocked_ms": 0, "produce_ms": 3},
+             "frame_bytes": len(element), "blocked_ms": 0, "produce_ms": 3, "shm_host": shm_host,
+             "host_field": "shm_host"},
         )  # fmt: skip
 
     def claim(self, token: str, op: str = "acquire", takeover: str = "") -> list:
@@ -150,6 +153,26 @@ def test_push_never_exceeds_the_hwm_and_pop_wakes_producers(q: Q) -> None:
     assert stats[b"pushed"] == b"4" and stats[b"popped"] == b"1" and stats[b"shards_done"] == b"1"
     pstats = q.c.hgetall(q.k.pstats)
     assert pstats[b"p1:batches"] == b"4" and pstats[b"p1:produce_ms"] == b"12"
+
+
+def test_a_descriptor_is_pushed_only_while_its_host_is_the_trainers(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    assert q.push("p1", "0:t1", b"BQM\x01d0", shm_host="here") == ["REROUTE"]  # none yet
+    q.c.hset(q.k.meta, "shm_host", "here")
+    assert q.push("p1", "0:t1", b"BQM\x01d1", shm_host="here")[0] == "OK"
+    q.c.hset(q.k.meta, "shm_host", "elsewhere")  # a trainer on another host took over
+    assert q.push("p1", "0:t1", b"BQM\x01d2", shm_host="here") == ["REROUTE"]
+    assert q.push("p1", "0:t1", b"frame", last=True)[0] == "OK"  # a frame goes anywhere
+    assert q.c.lrange(q.k.data, 0, -1) == [b"frame", b"BQM\x01d1"]
+    assert q.c.llen(q.k.lease("p1")) == 0 and q.c.hget(q.k.stats, "pushed") == b"2"
+
+
+def test_an_acquire_drops_the_published_host_until_the_trainer_publishes_its_own(q: Q) -> None:
+    q.join("p1")
+    q.c.hset(q.k.meta, mapping={"shm_host": "old-host", "shm_lookahead": 10})
+    assert q.claim("tok")[0] == "OK"
+    assert q.c.hmget(q.k.meta, ["shm_host", "shm_lookahead"]) == [None, None]
 
 
 def test_frames_brpop_took_from_a_full_list_wake_producers_at_the_next_pop(q: Q) -> None:

@@ -105,3 +105,6 @@ def test_transport_setting_from_the_argument_then_the_environment(
     assert shm.resolve_transport("shm") == "auto"  # shared memory where it can be used
     with pytest.raises(ConfigError, match="'tcp'"):
         shm.resolve_transport("tcp")
+    monkeypatch.setenv(shm.ENV_TRANSPORT, "zmq")
+    with pytest.raises(ConfigError, match="BATCHQ_TRANSPORT 'zmq' is not valid"):
+        shm.resolve_transport(None)

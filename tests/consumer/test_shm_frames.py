@@ -18,6 +18,7 @@ from batchq.codec import FrameKind
 from batchq.errors import FrameError
 from batchq.fields import MetaField
 from batchq.keys import QueueKeys
+from consumer.prepare import make_writable
 from consumer.shm_frames import TrainerShm
 from producer.transport import ShmFrame, Transport
 
@@ -54,6 +55,37 @@ def test_views_own_the_segment_until_the_last_one_goes(pair: Any) -> None:
     del part
     gc.collect()
     assert first.segment.is_free()
+
+
+def test_a_writable_trainer_copies_the_batch_and_releases_its_segment_at_once(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    producer, _ = shm_pair(tmp_path, fake_redis, 2)
+    trainer = TrainerShm(QueueKeys("q"), "auto", str(tmp_path), writable=True)
+    frame = send(producer, np.arange(100, dtype=np.float32))
+    raw = trainer.resolve(frame.element)
+    gc.collect()
+    assert frame.segment.is_free()  # the arrays will own a copy: nothing holds it
+    (x,) = codec.decode_frame(raw).data
+    x = make_writable(x)
+    assert x.flags.writeable
+    x[0] = 7.0
+    np.testing.assert_array_equal(x[1:], np.arange(1, 100, dtype=np.float32))
+
+
+def test_a_duplicate_descriptor_shares_the_batch_and_releases_nothing(pair: Any) -> None:
+    producer, trainer = pair
+    frame = send(producer, np.arange(100, dtype=np.float32))
+    (x,) = codec.decode_frame(trainer.resolve(frame.element)).data
+    duplicate = trainer.resolve(frame.element)  # a replayed push, say: dropped below
+    del duplicate
+    gc.collect()
+    assert not frame.segment.is_free()  # `x` still holds the batch
+    del x
+    gc.collect()
+    assert frame.segment.is_free()
+    # Released: the producer may be writing the next frame there already.
+    assert reason(trainer, frame.element) == "shm_stale"
 
 
 def test_trainer_without_shm_publishes_nothing(
@@ -137,8 +169,19 @@ def test_symlinks_and_foreign_files_are_outside(pair: Any, tmp_path: Path) -> No
     garbage = shm.segment_name("q", "ab12", "evil", 3)
     (tmp_path / garbage).write_bytes(b"\xff" * 4096)  # right size, no segment header
     assert reason(trainer, shm.encode_descriptor(garbage, 1, 100, trainer.identity)) == (
+        "shm_outside"  # mode 0644: not a segment a producer made
+    )
+    os.chmod(tmp_path / garbage, 0o600)
+    assert reason(trainer, shm.encode_descriptor(garbage, 1, 100, trainer.identity)) == (
         "shm_stale"
     )
+    # A hard link to a real segment (another queue's, say): releasing through it would
+    # hand that queue's batch back.
+    real = send(_producer, np.arange(10))
+    linked = shm.segment_name("q", "ab12", "evil", 4)
+    os.link(tmp_path / real.segment.name, tmp_path / linked)
+    hard = shm.encode_descriptor(linked, real.gen, len(real), trainer.identity)
+    assert reason(trainer, hard) == "shm_outside"
 
 
 def test_sweep_removes_only_free_segments_of_producers_that_are_gone(

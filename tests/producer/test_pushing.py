@@ -4,26 +4,33 @@ and what counts as "the user's pipeline raised"."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
+import fakeredis
 import numpy as np
 import pytest
 import redis
+from shm_pair import shm_pair
 
-from batchq import scripts
+from batchq import codec, scripts, shm
 from batchq.keys import QueueKeys
 from batchq.protocol import Status
 from batchq.replies import CountReply
 from producer.datasets import IndexableDataset
-from producer.pushing import PushSettings, RunPosition, ShardPusher
+from producer.pushing import Lease, PushSettings, RunPosition, ShardPusher
 from producer.schemes import SequentialScheme
 from producer.sharding import ShardPlan
 from producer.streams import DataStream
 from producer.transformers import Mapping
-from producer.transport import Transport
+from producer.transport import ShmFrame, Transport
 
 
-def _pusher(fail_at: int | None = None, statuses: list[str] | None = None) -> ShardPusher:
+def _pusher(
+    fail_at: int | None = None,
+    statuses: list[str] | None = None,
+    transport: Transport | None = None,
+) -> ShardPusher:
     def boom(batch: Any) -> Any:
         if fail_at is not None and int(batch[0][0]) == fail_at:
             raise ValueError("the user's bug")
@@ -41,7 +48,7 @@ def _pusher(fail_at: int | None = None, statuses: list[str] | None = None) -> Sh
         settings,
         redis.Redis.from_url("redis://127.0.0.1:1/0"),  # never reached: pushes are patched
         ShardPlan(stream, None),
-        Transport("redis", None, keys, "p", None),
+        transport or Transport("redis", None, keys, "p", None),
         RunPosition("run", "inc"),
         threading.Event(),
         no_lease,
@@ -109,3 +116,29 @@ def test_aim_points_the_pushes_at_a_ranks_list() -> None:
     p = _pusher()
     p.aim(2, 4)
     assert p._data_key == QueueKeys("q").data_of(2, 4)
+
+
+def test_a_descriptor_refused_with_reroute_goes_through_redis_and_frees_its_segment(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport, _trainer = shm_pair(tmp_path, fake_redis, 2)
+    p = _pusher(transport=transport)
+    p.prefetched = Lease(1, 0, "t", 4, 1)  # the next lease is in hand: none rides along
+    frame = p._encode_batch(0, 0, 0, (np.arange(10),), True)
+    assert isinstance(frame, ShmFrame)
+    pushed: list[tuple[bytes, str]] = []
+    real_push_call = scripts.push_call
+
+    def push_call(keys: QueueKeys, **kw: Any) -> Any:
+        pushed.append((bytes(kw["element"]), kw["shm_host"]))
+        return real_push_call(keys, **kw)
+
+    monkeypatch.setattr(scripts, "push_call", push_call)
+    replies = iter([[b"REROUTE"], [b"OK", 1]])
+    p._send = lambda *args: [next(replies)]  # type: ignore[method-assign]
+    assert p._push_batch(frame, "0:t", True, 0) is True
+    (descriptor, host), (inline, no_host) = pushed
+    assert shm.is_descriptor(descriptor) and host == transport.identity
+    assert not shm.is_descriptor(inline) and no_host == ""
+    assert codec.decode_frame(inline).data[0].tolist() == list(range(10))
+    assert frame.segment.is_free() and transport.reroutes == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -19,6 +20,7 @@ from batchq.codec import FrameKind
 from batchq.errors import ConfigError
 from batchq.fields import MetaField
 from batchq.keys import QueueKeys
+from batchq.ranks import rank_field
 from producer.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 from producer.transport import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD, ShmFrame, Transport, pool_size
 
@@ -155,11 +157,35 @@ def test_the_pool_follows_the_trainers_published_look_ahead(
 ) -> None:
     keys = QueueKeys("q")
     transport = Transport("auto", str(tmp_path), keys, "p", None, hwm=5)
-    fake_redis.hset(keys.meta, MetaField.SHM_HOST, transport.identity or "")
-    if published is not None:
-        fake_redis.hset(keys.meta, MetaField.SHM_LOOKAHEAD, published)
+    for rank in (0, 1):  # both ranks of the job on this host
+        fake_redis.hset(keys.meta, rank_field(MetaField.SHM_HOST, rank, 2), transport.identity)
+        if published is not None:
+            fake_redis.hset(keys.meta, rank_field(MetaField.SHM_LOOKAHEAD, rank, 2), published)
     transport.joined(fake_redis, "ab12", world=2)
     assert transport.active and transport.pool.max_segments == expected
+
+
+def test_frames_for_a_rank_on_another_host_go_through_redis(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    keys = QueueKeys("q")
+    transport = Transport("auto", str(tmp_path), keys, "p", None, hwm=5)
+    fake_redis.hset(
+        keys.meta,
+        mapping={
+            "shm_host:0": "another-host:1:2:3",
+            "shm_host:1": transport.identity,
+            "shm_lookahead:1": 4,
+        },
+    )
+    transport.joined(fake_redis, "ab12", world=2)
+    assert not transport.active_for(0) and transport.active_for(1)
+    assert transport.pool.max_segments == pool_size(5, 4, 1)  # room for rank 1's alone
+    fields = {**FIELDS, "sources": ("x",), "data": (np.zeros(10),)}
+    to_rank_0 = encode_with(functools.partial(transport.encode, rank=0), FrameKind.BATCH, **fields)
+    to_rank_1 = encode_with(functools.partial(transport.encode, rank=1), FrameKind.BATCH, **fields)
+    assert not isinstance(to_rank_0, ShmFrame) and isinstance(to_rank_1, ShmFrame)
+    assert transport.host_field(1) == "shm_host:1"
 
 
 def test_an_explicit_shm_segments_is_kept_whatever_the_trainer_publishes(
@@ -175,6 +201,12 @@ def test_an_explicit_shm_segments_is_kept_whatever_the_trainer_publishes(
     assert transport.pool.max_segments == 3
     with pytest.raises(ConfigError, match="shm_segments 0"):
         Transport("auto", str(tmp_path), keys, "p", 0)
+
+
+@pytest.mark.parametrize("bad", ["1g", 0, -5, 1.5, True])
+def test_a_bad_shm_max_bytes_is_refused_naming_it(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(ConfigError, match=f"shm_max_bytes {bad!r} is not valid"):
+        Transport("auto", str(tmp_path), QueueKeys("q"), "p", None, bad)
 
 
 def test_transport_redis_never_maps_anything(
