@@ -231,7 +231,7 @@ class Reader(ReaderGuards, threading.Thread):
         log.warning("%s: %s; republishing the ledger", self.session.what, error)
         s = self.session
         s.resume_run = ""
-        s.acquire(client=self.client)
+        s.acquire(client=self.client, resuming=True)
         if self.layout is not None:
             # Every rank recovers into the same run, named after the new incarnation.
             s.resume_run = hashlib.sha1(f"lost:{s.incarnation}".encode()).hexdigest()[:16]
@@ -241,7 +241,6 @@ class Reader(ReaderGuards, threading.Thread):
         plan = s.plan
         # Not a checkpoint: the ranks are where they are (no step to agree on).
         s.resume(self.client, first, plan.fingerprint if plan else "", pairs, step=-1)
-        self.shm.publish(self.client, self.hwm)
         self.shm.new_run(self.session.run)
 
     def global_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:

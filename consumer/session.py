@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
@@ -97,6 +97,10 @@ class Session:
         self.data_key = keys.data_of(rank, world)
         self.held = False  # this rank had claimed the run before (a second resume)
         self.resume_run = ""  # the run id the job's ranks resume into (see resume)
+        # Called with the acting client after every acquire not followed by a resume,
+        # and after every resume: claim.lua and resume.lua drop the rank's published
+        # shared-memory host, which the trainer publishes again here (consumer.shm_frames).
+        self.publish: Callable[[redis.Redis], None] | None = None
         # run, incarnation, held and plan change on the reader's thread too (recovery
         # after Redis lost the queue's state): written under this lock, read by position.
         self._lock = threading.Lock()
@@ -165,7 +169,9 @@ class Session:
             k.wake: "list", k.failures: "hash", k.ledger: "hash",
         }  # fmt: skip
 
-    def acquire(self, takeover: str = "", client: redis.Redis | None = None) -> bool:
+    def acquire(
+        self, takeover: str = "", client: redis.Redis | None = None, *, resuming: bool = False
+    ) -> bool:
         """Claim the queue; True if that started a new run.
 
         Args:
@@ -173,6 +179,7 @@ class Session:
                 is live, if the queue still runs that run (resuming a checkpoint).
             client: the calling thread's client (the reader's own; default the
                 stream's).
+            resuming: a :meth:`resume` follows (which publishes; see :attr:`publish`).
 
         Raises:
             TrainerConflict: another trainer's claim is live.
@@ -197,6 +204,8 @@ class Session:
             self.incarnation, self.run = reply.incarnation, reply.run
             self.held = reply.held
         self.claimed = True
+        if self.publish is not None and not resuming:
+            self.publish(client)
         return reply.new_run
 
     def refresh(self, client: redis.Redis) -> None:
@@ -327,6 +336,8 @@ class Session:
         self._check_resumed(reply, step)
         with self._lock:
             self.run = reply.text
+        if self.publish is not None:
+            self.publish(client)
         log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)
 
     def _check_resumed(self, reply: CountReply, step: int) -> None:

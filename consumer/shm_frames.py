@@ -12,10 +12,12 @@ its own: at once). The torch adapter instead asks for writable views
 (``views_writable``): its tensors are the segment's memory, zero-copy, and hold it as
 long as they are referenced. A second descriptor of the same generation (a duplicate, a
 replayed push) gets the same owner, never one of its own, so dropping it releases
-nothing; one whose generation was released already is stale (the producer may be
-writing the next one). The producer overwrites a segment only when ``released == gen``.
-A segment is mapped once and the mapping is shared by its generations; it is unmapped
-when the last owner over it is gone and the cache dropped it.
+nothing; once released, a descriptor of a batch this trainer had (the last SEEN_MAX it
+resolved) is a duplicate and dropped unread, like any duplicate frame, and any other
+of a released generation is stale (the producer may be writing the next one). The
+producer overwrites a segment only when ``released == gen``. A segment is mapped once
+and the mapping is shared by its generations; it is unmapped when the last owner over
+it is gone and the cache dropped it.
 
 Every descriptor is checked before a byte is read: this queue's segment name (no path,
 no other queue), this host, a regular file of this user opened without following
@@ -61,12 +63,13 @@ from batchq.shm import (
     resolve_transport,
 )
 
-__all__ = ["MAX_MAPPED", "SWEEP_S", "TrainerShm"]
+__all__ = ["MAX_MAPPED", "SEEN_MAX", "SWEEP_S", "TrainerShm"]
 
 log = logging.getLogger(__name__)
 
 MAX_MAPPED = 1024  # segments kept mapped; older ones are unmapped once unreferenced
 SWEEP_S = 5.0  # how often the reader looks for segments of producers that are gone
+SEEN_MAX = 8192  # batches remembered as had (segment, inode, generation): duplicates
 _U64 = struct.Struct("<Q")
 
 
@@ -116,10 +119,13 @@ class TrainerShm:
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
         self._mapped: OrderedDict[str, tuple[int, int, mmap.mmap, int]] = OrderedDict()
-        # (segment, generation) -> the live owner of that batch: duplicates share it.
-        self._owners: weakref.WeakValueDictionary[tuple[str, int], Any] = (
+        # (segment, inode, generation) -> the live owner of that batch: duplicates
+        # share it; and the batches resolved lately, to know a late duplicate.
+        self._owners: weakref.WeakValueDictionary[tuple[str, int, int], Any] = (
             weakref.WeakValueDictionary()
         )
+        self._seen: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        self.duplicates = 0  # descriptors of batches already had, dropped unread
         self._run = ""  # the run this trainer reads (set by new_run)
         self._mapped_run = ""  # the run of the segments in the mapping cache
         self._swept = time.monotonic()
@@ -203,9 +209,10 @@ class TrainerShm:
         """The run finished: every segment of this queue on this host goes."""
         remove_segments(self.shm_dir, self.keys.queue)
 
-    def resolve(self, element: bytes) -> np.ndarray[Any, np.dtype[np.uint8]] | memoryview:
+    def resolve(self, element: bytes) -> np.ndarray[Any, np.dtype[np.uint8]] | memoryview | None:
         """The frame's bytes for a descriptor: a read-only array owning the batch, or
-        for a ``writable=True`` trainer a copy of its own (the segment released).
+        for a ``writable=True`` trainer a copy of its own (the segment released); None
+        for a duplicate of a batch this trainer had and released (dropped unread).
 
         Raises:
             FrameError: a bad descriptor (``shm_bad``, ``shm_outside``,
@@ -229,13 +236,17 @@ class TrainerShm:
                 f"the descriptor says {desc.length}",
             )
         magic, _version, gen, released, _retired, length = HEADER.unpack_from(mm)
+        key = (desc.segment, ino, desc.gen)
+        owner = self._owners.get(key)
+        if owner is None and key in self._seen:
+            self.duplicates += 1  # a replayed push of a batch already had: never read
+            return None
         if magic != SEGMENT_MAGIC or gen != desc.gen or length != desc.length:
             raise FrameError(
                 "shm_stale",
                 f"segment {desc.segment} holds generation {gen} of {length} bytes, "
                 f"the descriptor names generation {desc.gen} of {desc.length}",
             )
-        owner = self._owners.get((desc.segment, gen))
         if owner is None:
             if released >= gen:
                 raise FrameError(
@@ -245,7 +256,10 @@ class TrainerShm:
             owner = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=HEADER_BYTES)
             owner.flags.writeable = self.views_writable
             weakref.finalize(owner, _release, mm, desc.gen, path, ino)
-            self._owners[(desc.segment, gen)] = owner
+            self._owners[key] = owner
+            self._seen[key] = None
+            if len(self._seen) > SEEN_MAX:
+                self._seen.popitem(last=False)
         self.frames += 1
         if self.writable:
             # Copied into memory the arrays own; the owner goes here: released at once.

@@ -366,7 +366,7 @@ class ServerDataStream(FuelStreamMixin):
         )
 
     def _new_session(self) -> Session:
-        return Session(
+        session = Session(
             self._client,
             self.keys,
             self.claim_ttl_ms,
@@ -375,6 +375,9 @@ class ServerDataStream(FuelStreamMixin):
             world=self.world_size,
             even=self.even_batches,
         )
+        # This trainer's host, after every claim and resume (they drop it).
+        session.publish = lambda client: self._shm.publish(client, self.hwm)
+        return session
 
     def _start(self) -> None:
         if self._reader is not None:
@@ -385,10 +388,10 @@ class ServerDataStream(FuelStreamMixin):
         resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
         if resume is not None:
             session.resume_run = resume_run_id(resume, self.world_size)
-        new_run = session.acquire(takeover=resume[RUN_KEY] if resume else "")
+        new_run = session.acquire(
+            takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
+        )
         self._session = session
-        if resume is None:  # a resume publishes once resumed (resume.lua drops the host)
-            self._shm.publish(self._client, self.hwm)
         if new_run:
             delete_old_frames(self._client, self.keys, self.timeout_s)
         if resume is None:
@@ -408,7 +411,6 @@ class ServerDataStream(FuelStreamMixin):
                 timeout_s=self.timeout_s,
                 block_s=BLOCK_S,
             )
-            self._shm.publish(self._client, self.hwm)
         if session.plan is not None:
             ledger.window = session.plan.window if session.plan.has_window else None
             ledger.epoch_batches = session.plan.epoch_batches

@@ -155,11 +155,12 @@ class ShardPusher:
         self.prefetched: Lease | None = None  # leased with the last push
         self._data_key = self.keys.data  # the data list of the current shard's rank
         self._rank = 0
+        self._world = 1
         self._wrong_logged: tuple[str, str] | None = None
 
     def aim(self, rank: int, world: int) -> None:
         """The next shard is for ``rank`` of ``world``: push into that rank's list."""
-        self._rank = rank
+        self._rank, self._world = rank, world
         self._data_key = self.keys.data_of(rank, world)
 
     def note_oom(self, error: redis.ResponseError) -> None:
@@ -369,7 +370,7 @@ class ShardPusher:
                 run=self._pos.run, producer=self.id, entry=entry, element=element, last=last,
                 heartbeat_ttl_ms=self.heartbeat_ttl_ms, frame_bytes=len(frame),
                 blocked_ms=wait.since_last_try_ms(), produce_ms=produce_ms,
-                shm_host=shm_host, host_field=self._transport.host_field(self._rank),
+                shm_host=shm_host, host_field=self._transport.host_field(self._rank, self._world),
             )  # fmt: skip
             store = None if stored or isinstance(frame, ShmFrame) or ref is None else frame
             try:

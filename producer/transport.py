@@ -201,9 +201,10 @@ class Transport:
         """Whether frames for ``rank`` go into segments."""
         return rank in self._local
 
-    def host_field(self, rank: int) -> str:
-        """The meta field where ``rank`` publishes its host."""
-        return rank_field(MetaField.SHM_HOST, rank, self._world)
+    @staticmethod
+    def host_field(rank: int, world: int) -> str:
+        """The meta field where ``rank`` of ``world`` publishes its host."""
+        return rank_field(MetaField.SHM_HOST, rank, world)
 
     def refresh(self, client: redis.Redis, *, force: bool = False) -> None:
         """Follow the trainers' published host identities (at most once a second)."""
@@ -214,7 +215,7 @@ class Transport:
             return
         self._checked = now
         world = self._world
-        fields = [self.host_field(r) for r in range(world)]
+        fields = [self.host_field(r, world) for r in range(world)]
         fields += [rank_field(MetaField.SHM_LOOKAHEAD, r, world) for r in range(world)]
         values = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
         hosts, lookaheads = values[:world], values[world:]

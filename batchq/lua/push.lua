@@ -43,13 +43,13 @@ if m[2] == '1' then return {'FINISHED'} end
 if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
--- A descriptor goes only into the list of a trainer on its host: one whose trainer
--- changed (a takeover, another rank's host) would get a segment it cannot map.
-if shm_host ~= '' and m[4] ~= shm_host then return {'REROUTE'} end
 if blocked_ms > 0 then
   redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
   redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
 end
+-- A descriptor goes only into the list of a trainer on its host: one whose trainer
+-- changed (a takeover, another rank's host) would get a segment it cannot map.
+if shm_host ~= '' and m[4] ~= shm_host then return {'REROUTE'} end
 -- The stored frame expired, or a foreign writer put another type there: store it again.
 if frame_key and redis.call('TYPE', frame_key).ok ~= 'string' then return {'GONE'} end
 

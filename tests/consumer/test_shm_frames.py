@@ -71,6 +71,7 @@ def test_a_writable_trainer_copies_the_batch_and_releases_its_segment_at_once(
     assert x.flags.writeable
     x[0] = 7.0
     np.testing.assert_array_equal(x[1:], np.arange(1, 100, dtype=np.float32))
+    assert trainer.resolve(frame.element) is None  # a duplicate: had, released, not read
 
 
 def test_a_duplicate_descriptor_shares_the_batch_and_releases_nothing(pair: Any) -> None:
@@ -84,8 +85,14 @@ def test_a_duplicate_descriptor_shares_the_batch_and_releases_nothing(pair: Any)
     del x
     gc.collect()
     assert frame.segment.is_free()
-    # Released: the producer may be writing the next frame there already.
-    assert reason(trainer, frame.element) == "shm_stale"
+    # Released: the producer may be writing the next frame there already. This
+    # trainer had that batch: a late duplicate, dropped unread; another trainer
+    # (which never had it) finds the generation stale.
+    assert trainer.resolve(frame.element) is None and trainer.duplicates == 1
+    stranger = TrainerShm(QueueKeys("q"), "auto", trainer.shm_dir)
+    assert reason(stranger, frame.element) == "shm_stale"
+    send(producer, np.zeros(100))  # the segment reused: the old descriptor is still had
+    assert trainer.resolve(frame.element) is None and trainer.duplicates == 2
 
 
 def test_trainer_without_shm_publishes_nothing(

@@ -121,3 +121,45 @@ def test_a_takeover_from_another_host_gets_the_rest_exactly_and_no_bad_frame(
     assert dead_frames(redis_client, queue_name) == {}
     assert second._shm.frames == 0 and producer._transport.shm_frames > 0
     second.close(finished=True)
+
+
+def test_a_trainer_that_claims_again_before_any_producer_publishes_its_host_again(
+    redis_url: str,
+    queue_name: str,
+    producer_thread: Callable[..., Producer],
+    redis_client: Any,
+) -> None:
+    keys = QueueKeys(queue_name)
+    stream = trainer(redis_url, queue_name)
+    got: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            got.extend(examples_of(f) for f, _ in stream.get_epoch_iterator())
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    wait_until(lambda: redis_client.hget(keys.meta, "shm_host") or errors, what="the host")
+    old = redis_client.get(keys.incarnation)
+    redis_client.delete(keys.meta, keys.incarnation)  # the queue's state lost (a reset)
+    # The trainer, waiting for a plan, claims the queue again: that drops the host, so
+    # it must publish it again, or every frame would go through Redis.
+    wait_until(
+        lambda: (
+            errors
+            or (
+                redis_client.get(keys.incarnation) not in (None, old)
+                and redis_client.hget(keys.meta, "shm_host")
+            )
+        ),
+        what="the host published again after the new claim",
+    )
+    producer = producer_thread(numbered(EXAMPLES, BATCH), hwm=3)
+    reader.join(timeout=60)
+    assert not errors, errors
+    assert len(got) == EXAMPLES // BATCH
+    assert stream._shm.frames > 0 and producer._transport.shm_frames > 0
+    stream.close(finished=True)

@@ -185,7 +185,7 @@ def test_frames_for_a_rank_on_another_host_go_through_redis(
     to_rank_0 = encode_with(functools.partial(transport.encode, rank=0), FrameKind.BATCH, **fields)
     to_rank_1 = encode_with(functools.partial(transport.encode, rank=1), FrameKind.BATCH, **fields)
     assert not isinstance(to_rank_0, ShmFrame) and isinstance(to_rank_1, ShmFrame)
-    assert transport.host_field(1) == "shm_host:1"
+    assert transport.host_field(1, 2) == "shm_host:1"
 
 
 def test_an_explicit_shm_segments_is_kept_whatever_the_trainer_publishes(
