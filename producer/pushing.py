@@ -341,7 +341,12 @@ class ShardPusher:
     def _push_batch(
         self, frame: Pieces | memoryview | ShmFrame, entry: str, last: bool, produce_ms: int
     ) -> bool:
-        pushed = self._push(frame, entry, last=last, produce_ms=produce_ms)
+        try:
+            pushed = self._push(frame, entry, last=last, produce_ms=produce_ms)
+        except BaseException:
+            if isinstance(frame, ShmFrame):  # the reply was lost: maybe listed, maybe not
+                self._transport.uncertain(frame, self._data_key)
+            raise
         if not pushed and isinstance(frame, ShmFrame):
             frame.abandon()  # its descriptor never reached the list
         return pushed

@@ -31,6 +31,7 @@ go through Redis at once, until a segment is free again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ REFRESH_S = 1.0  # how often a serving producer looks at the trainer's host iden
 NO_ROOM_WAIT_S = 0.02
 NO_ROOM_POLL_S = 0.0005
 DEFAULT_LOOKAHEAD = 10  # a trainer that published none: the consumer's default hwm
+MAX_UNCERTAIN = 64  # pushes whose reply was lost, remembered until the next join
 # Whatever meta says, a pool never grows past this look-ahead (memory stays bounded).
 MAX_LOOKAHEAD = 1024
 IN_HAND = 2  # batches a rank's caller holds: the one it uses and the one handed next
@@ -168,6 +170,9 @@ class Transport:
         self.fallbacks = 0  # frames that wanted shared memory and went through Redis
         self.no_room_waits = 0  # frames that waited for the trainer to let a segment go
         self.reroutes = 0  # descriptors push.lua refused: the frame went through Redis
+        # Descriptors whose push lost its reply, with their data list: looked at when the
+        # producer joins again (see joined).
+        self._uncertain: list[tuple[ShmFrame, str]] = []
         self._patient = True  # the last wait for a segment did not time out
 
     def joined(self, client: redis.Redis, run: str, world: int = 1) -> None:
@@ -177,6 +182,7 @@ class Transport:
         if self.identity is None:
             return
         if run == self.pool.run:
+            self._drop_unlisted(client)
             self.pool.retire()  # a rejoin: never reuse a segment from before it
         else:
             self.pool.reset(run)
@@ -191,6 +197,28 @@ class Transport:
                 self.shm_dir, self.keys.queue, keep_run=run, keep_producers=alive - {self.producer}
             )
         self.refresh(client, force=True)
+
+    def uncertain(self, frame: ShmFrame, data_key: str) -> None:
+        """A push of ``frame`` into ``data_key`` failed before its reply came back."""
+        self._uncertain = [*self._uncertain[-(MAX_UNCERTAIN - 1) :], (frame, data_key)]
+
+    def _drop_unlisted(self, client: redis.Redis) -> None:
+        """At a rejoin: a segment whose push lost its reply and whose descriptor is not in
+        its list never reached it, or the trainer popped it already (then mapped it:
+        the reconnect took longer than a pop's resolve), so it goes now; left to the
+        retirement, it would stay until the run ends."""
+        uncertain, self._uncertain = self._uncertain, []
+        for frame, data_key in uncertain:
+            seg = frame.segment
+            if seg not in self.pool.segments or seg.gen != frame.gen or seg.is_free():
+                continue
+            listed = call(
+                functools.partial(client.lpos, data_key, frame.element),  # type: ignore[arg-type]
+                "reading the list",
+            )
+            if listed is None:
+                self.pool.segments.remove(seg)
+                seg.unlink()
 
     @property
     def active(self) -> bool:

@@ -14,6 +14,7 @@ import redis
 from shm_pair import shm_pair
 
 from batchq import codec, scripts, shm
+from batchq.errors import ConnectionLost
 from batchq.keys import QueueKeys
 from batchq.protocol import Status
 from batchq.replies import CountReply
@@ -142,3 +143,20 @@ def test_a_descriptor_refused_with_reroute_goes_through_redis_and_frees_its_segm
     assert not shm.is_descriptor(inline) and no_host == ""
     assert codec.decode_frame(inline).data[0].tolist() == list(range(10))
     assert frame.segment.is_free() and transport.reroutes == 1
+
+
+def test_a_descriptor_whose_push_lost_its_connection_is_remembered_as_uncertain(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    transport, _trainer = shm_pair(tmp_path, fake_redis, 2)
+    p = _pusher(transport=transport)
+    p.prefetched = Lease(1, 0, "t", 4, 1)
+    frame = p._encode_batch(0, 0, 0, (np.arange(10),), True)
+
+    def send(*args: Any) -> list[Any]:
+        raise ConnectionLost("Redis connection lost while pushing a frame")
+
+    p._send = send  # type: ignore[method-assign]
+    with pytest.raises(ConnectionLost):
+        p._push_batch(frame, "0:t", True, 0)
+    assert transport._uncertain == [(frame, QueueKeys("q").data)]

@@ -258,3 +258,23 @@ def test_joining_removes_other_runs_segments_of_producers_no_longer_alive(
     Transport("auto", str(tmp_path), keys, "p", 4).joined(fake_redis, "ab12")
     left = set(os.listdir(tmp_path))
     assert left == {names["alive, old run"], names["dead, this run"]}
+
+
+def test_a_push_that_lost_its_reply_frees_its_segment_at_the_rejoin_unless_it_is_listed(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    keys = QueueKeys("q")
+    transport = Transport("auto", str(tmp_path), keys, "p", 4)
+    fake_redis.hset(keys.meta, MetaField.SHM_HOST, transport.identity or "")
+    transport.joined(fake_redis, "ab12")
+    data = (np.zeros(1000),)
+    fields = {**FIELDS, "sources": ("x",), "data": data}
+    lost = encode_with(transport.encode, FrameKind.BATCH, **fields)
+    listed = encode_with(transport.encode, FrameKind.BATCH, **fields)
+    assert isinstance(lost, ShmFrame) and isinstance(listed, ShmFrame)
+    fake_redis.lpush(keys.data, listed.element)  # this one's push went through
+    transport.uncertain(lost, keys.data)
+    transport.uncertain(listed, keys.data)
+    transport.joined(fake_redis, "ab12")  # the rejoin after the reconnect
+    assert not os.path.exists(lost.segment.path)  # never listed: it would have stayed
+    assert os.path.exists(listed.segment.path)  # the trainer will pop, release, remove
