@@ -275,7 +275,12 @@ def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = 
         raise converted from e
 
 
-def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> list[Any]:
+def round_trip(
+    client: redis.Redis,
+    commands: Sequence[Command],
+    what: str,
+    between: Callable[[], None] | None = None,
+) -> list[Any]:
     """Send ``commands`` in one write and read their raw replies: the hot paths' pipeline.
 
     Every push and every pop of a batch is one of these. redis-py's ``Pipeline`` costs
@@ -297,6 +302,9 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> l
         client: the client whose connection carries the commands.
         commands: each command's name and arguments.
         what: what the commands do, for a connection error's message.
+        between: work to do while the commands travel (after the write, before the
+            first read; once, not again on a NOSCRIPT resend). It must not use Redis
+            on this thread (the connection is not idle) and must not raise.
 
     Returns:
         The replies, in order.
@@ -309,7 +317,7 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> l
     """
     try:
         for attempt in (0, 1):
-            replies = _send_and_read(client, commands)
+            replies = _send_and_read(client, commands, between if attempt == 0 else None)
             errors = [r for r in replies if isinstance(r, redis.ResponseError)]
             if not errors:
                 return replies
@@ -325,11 +333,16 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], what: str) -> l
         raise converted from e
 
 
-def _send_and_read(client: redis.Redis, commands: Sequence[Command]) -> list[Any]:
-    """One write, then one read per command; error replies are returned in place."""
+def _send_and_read(
+    client: redis.Redis, commands: Sequence[Command], between: Callable[[], None] | None
+) -> list[Any]:
+    """One write, ``between()``, then one read per command; error replies are returned
+    in place."""
     conn, direct = held.borrow(client)  # the owner thread's connection, or the pool's
     try:
         conn.send_packed_command(conn.pack_commands(commands))
+        if between is not None:
+            between()
         replies: list[Any] = []
         for _ in commands:
             try:

@@ -106,11 +106,14 @@ def lease_call(
     producer: str,
     token: str,
     heartbeat_ttl_ms: int,
-    prefetch: bool,
+    prefetch: int,
     world: int,
+    after: str = "",
 ) -> Call[LeaseReply]:
     """A producer's next lease (lease.lua); a data-parallel run (``world`` > 1) adds
-    every rank's data list and the remap hash."""
+    every rank's data list and the remap hash. ``prefetch`` k > 0: it rides behind the
+    last push of the shard whose lease entry is ``after``, and is granted only if that
+    push went through and the producer then holds fewer than k leases."""
     tail = [*keys.rank_data(world), keys.remap] if world > 1 else []
     return build_call(
         "lease",
@@ -118,7 +121,7 @@ def lease_call(
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
          "lease": keys.lease(producer), "producers": keys.producers, "ledger": keys.ledger},
         {"incarnation": incarnation, "run": run, "producer": producer, "token": token,
-         "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": _flag(prefetch)},
+         "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": int(prefetch), "after": after},
         more_keys=tail,
     )  # fmt: skip
 

@@ -3,13 +3,15 @@
 :class:`ShardPusher` turns one leased shard into frames: it builds the batches,
 encodes them, pushes each through the capped-push script (inline, or stored by
 reference first), waits at the hwm or at Redis' maxmemory, folds the END into the last
-batch, asks for the next lease in the same round trip, and reports a failing pipeline
-(retry elsewhere, or an ERROR frame).
+batch, asks for the next lease in the same round trip (and, for shards that build
+quickly, builds the next shard's first batch while that round trip travels:
+:mod:`producer.ahead`), and reports a failing pipeline (retry elsewhere, or an ERROR
+frame).
 
 :class:`producer.server.Producer` owns one and hands it everything it uses explicitly:
 fixed :class:`PushSettings`, the client, the plan, the transport, the run it serves
 (:class:`RunPosition`, which only the producer's join writes), its stop event, and two
-callables: ``lease_request(prefetch)`` (the next lease's call and token) and
+callables: ``lease_request(prefetch, after)`` (the next lease's call and token) and
 ``on_status(status)`` (a reply that is the producer's business: the run finished or
 changed). Only the pipeline's ``next()`` and the encoding of what it made count as
 "the pipeline raised"; Redis' errors propagate as Redis errors.
@@ -23,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 
@@ -31,9 +33,12 @@ from batchq import codec, refs, scripts
 from batchq.admin import is_oom
 from batchq.connection import Pieces, call, is_wrong_type
 from batchq.keys import QueueKeys
+from batchq.layout import lease_entry
 from batchq.lua_scripts import Call, Command, round_trip
 from batchq.protocol import Status
+from batchq.ranks import shard_of_slot
 from batchq.replies import LeaseReply, PushReply
+from producer.ahead import Ahead, Lease, Ready
 from producer.blocking import HANDBACK_S, Waiting, hand_back_reason
 from producer.sharding import ShardPlan
 from producer.transport import ShmFrame, Transport
@@ -64,23 +69,6 @@ INLINE_MAX_BYTES = 256 * 1024
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
 
 
-class Lease(NamedTuple):
-    """One leased slot (see :mod:`batchq.ranks`): its global number, the batches the
-    trainer has already, the lease's token, and the run's slots per epoch and world."""
-
-    g: int
-    skip: int
-    token: str
-    slots: int
-    world: int
-    shard: int | None = None  # the shard to build, where a resume remapped the slot
-
-    @classmethod
-    def from_reply(cls, reply: LeaseReply, token: str, shards: int) -> Lease:
-        """From lease.lua's OK reply (world 1 says no slots: the plan's S)."""
-        return cls(reply.g, reply.skip, token, reply.slots or shards, reply.world, reply.shard)
-
-
 @dataclass(frozen=True)
 class PushSettings:
     """What a producer's pushes carry that never changes while it serves."""
@@ -104,7 +92,7 @@ class RunPosition:
     world: int = 1  # ranks of the run's trainer (batchq/ranks.py)
 
 
-LeaseRequest = Callable[[bool], tuple[Call[LeaseReply], str]]
+LeaseRequest = Callable[[int, str], tuple[Call[LeaseReply], str]]
 
 
 class ShardPusher:
@@ -117,7 +105,8 @@ class ShardPusher:
         transport: shared memory or Redis, per frame.
         position: the run served (the producer's join updates it in place).
         stop: set when the producer stops.
-        lease_request: ``(prefetch) -> (call, token)``: the next lease request.
+        lease_request: ``(prefetch, after) -> (call, token)``: the next lease request
+            (see :func:`batchq.scripts.lease_call`).
         on_status: handles a reply status that is not the pusher's (the run finished,
             changed, the producer was reaped: raises or joins again).
     """
@@ -152,7 +141,7 @@ class ShardPusher:
         self._oom_logged = False
         self._frame_seq = 0
         self.pending_ref: str | None = None  # a frame stored by reference, not yet listed
-        self.prefetched: Lease | None = None  # leased with the last push
+        self.ahead = Ahead()  # leased with the last pushes; the next shard built ahead
         self._data_key = self.keys.data  # the data list of the current shard's rank
         self._rank = 0
         self._world = 1
@@ -212,32 +201,41 @@ class ShardPusher:
                 pad slot rebuilds an earlier shard); None: the shard itself.
         """
         label = shard if slot is None else slot
-        batches = iter(self.plan.iter_shard_marked(epoch, shard))
+        ready = self.ahead.take_ready(entry)
+        batches = ready.batches if ready else iter(self.plan.iter_shard_marked(epoch, shard))
         k = 0
-        started = time.perf_counter()
+        started = ready.started if ready else time.perf_counter()
+        built_s = 0.0  # building this shard took, pushes apart
         while True:
-            self._transport.refresh(self.client)  # shared memory or Redis, this batch
             # Only the user's pipeline (next) and what it made (encoding its arrays) are
             # "the pipeline raised"; Redis' errors come from outside this block.
             try:
-                step = next(batches, None)
-                frame = None
-                if step is not None and k >= skip:
-                    frame = self._encode_batch(epoch, label, k, *step)
+                if ready is not None:  # the first batch, built while the last push travelled
+                    step, frame, error, ready = ready.step, ready.frame, ready.error, None
+                    if error is not None:
+                        raise error
+                else:
+                    self._transport.refresh(self.client)  # shared memory or Redis
+                    step = next(batches, None)
+                    frame = None
+                    if step is not None and k >= skip:
+                        frame = self._encode_batch(epoch, label, k, *step)
             except Exception as e:
                 self._pipeline_failed(epoch, label, k, entry, e)
                 return
             if step is None:
                 break
             last = step[1]
-            produce_ms = int((time.perf_counter() - started) * 1000)  # monitoring
+            took_s = time.perf_counter() - started
+            built_s += took_s
+            produce_ms = int(took_s * 1000)  # monitoring
             if frame is None:  # k < skip: the trainer has this batch
                 if last:  # ... and every one: only the count is news
                     self._push_end(epoch, label, k + 1, entry)
                     return
                 k += 1
                 continue
-            if not self._push_batch(frame, entry, last, produce_ms):
+            if not self._push_batch(frame, entry, last, produce_ms, built_s):
                 return
             k += 1
             started = time.perf_counter()
@@ -312,7 +310,7 @@ class ShardPusher:
         return True
 
     def _encode_batch(
-        self, epoch: int, shard: int, k: int, batch: Any, last: bool
+        self, epoch: int, shard: int, k: int, batch: Any, last: bool, rank: int | None = None
     ) -> Pieces | memoryview | ShmFrame:
         """One batch's frame: into shared memory, else pieces for Redis (raises what the
         codec finds wrong with the pipeline's arrays)."""
@@ -335,14 +333,19 @@ class ShardPusher:
             data,
             checksum=self.checksum,
             max_frame_bytes=self.max_frame_bytes,
-            rank=self._rank,
+            rank=self._rank if rank is None else rank,
         )
 
     def _push_batch(
-        self, frame: Pieces | memoryview | ShmFrame, entry: str, last: bool, produce_ms: int
+        self,
+        frame: Pieces | memoryview | ShmFrame,
+        entry: str,
+        last: bool,
+        produce_ms: int,
+        built_s: float = 1.0,
     ) -> bool:
         try:
-            pushed = self._push(frame, entry, last=last, produce_ms=produce_ms)
+            pushed = self._push(frame, entry, last=last, produce_ms=produce_ms, built_s=built_s)
         except BaseException:
             if isinstance(frame, ShmFrame):  # the reply was lost: maybe listed, maybe not
                 self._transport.uncertain(frame, self._data_key)
@@ -352,9 +355,18 @@ class ShardPusher:
         return pushed
 
     def _push(
-        self, frame: Pieces | memoryview | ShmFrame, entry: str, *, last: bool, produce_ms: int = 0
+        self,
+        frame: Pieces | memoryview | ShmFrame,
+        entry: str,
+        *,
+        last: bool,
+        produce_ms: int = 0,
+        built_s: float = 1.0,
     ) -> bool:
-        """Push one frame, waiting at the hwm; False if the shard was taken from us."""
+        """Push one frame, waiting at the hwm; False if the shard was taken from us.
+
+        ``built_s``: how long the shard took to build; under AHEAD_MAX_BUILD_S its last
+        push asks to hold two leases ahead (:mod:`producer.ahead`)."""
         ref = None
         element: Any = frame
         shm_host = ""
@@ -364,9 +376,17 @@ class ShardPusher:
             self._frame_seq += 1
             ref = self.keys.frame(self.id, self._frame_seq)
             element = refs.encode_ref(ref)
-        # The shard's last push also asks for the next lease: one round trip saved per
-        # shard (per batch for map-style pipelines). Only on the first send.
-        lease_next = self._lease_request(True) if last and self.prefetched is None else None
+        # The shard's last push also asks for the next lease (two ahead for a quick
+        # shard): one round trip saved per shard (per batch for map-style pipelines).
+        # Only on the first send, which also builds the next shard if it is leased.
+        leases: list[tuple[Call[LeaseReply], str]] = []
+        between = None
+        if last:
+            want = self.ahead.wanted(built_s)
+            more = want - len(self.ahead.leases)
+            leases = [self._lease_request(want, entry) for _ in range(more)]
+            if self.ahead.leases and self.ahead.ready is None:
+                between = self._build_ahead
         wait = Waiting()
         stored = False  # the frame is under its key (sent once, again after GONE)
         while not self._stop.is_set():
@@ -379,7 +399,7 @@ class ShardPusher:
             )  # fmt: skip
             store = None if stored or isinstance(frame, ShmFrame) or ref is None else frame
             try:
-                replies = self._send(ref, store, request, lease_next)
+                replies = self._send(ref, store, request, leases, between)
             except redis.ResponseError as e:
                 if not is_oom(e):
                     raise
@@ -392,25 +412,53 @@ class ShardPusher:
             if ref is not None:
                 stored = True
                 self.pending_ref = ref
-            if lease_next is not None:
-                self._note_prefetch(lease_next, replies.pop())
-                lease_next = None
+            if leases:
+                self._note_prefetch(leases, replies[len(replies) - len(leases) :])
+                del replies[len(replies) - len(leases) :]
+                leases = []
+            between = None
             reply = request.parse(replies[-1])
             if reply.status == Status.REROUTE and isinstance(frame, ShmFrame):
                 # The rank's trainer is not on this host (any more): the frame itself.
                 self._transport.rerouted()
-                return self._push(frame.detach(), entry, last=last, produce_ms=produce_ms)
+                detached = frame.detach()
+                return self._push(
+                    detached, entry, last=last, produce_ms=produce_ms, built_s=built_s
+                )
             pushed = self._after(reply, entry, ref, wait)
             if pushed is not None:
                 return pushed
             stored = stored and reply.status != Status.GONE
         return False
 
-    def _note_prefetch(self, request: tuple[Call[LeaseReply], str], raw: Any) -> None:
-        """Keep the lease that rode with a shard's last push, if it was granted."""
-        reply = request[0].parse(raw)
-        if reply.status == Status.OK:
-            self.prefetched = Lease.from_reply(reply, request[1], self.plan.shards)
+    def _note_prefetch(self, requests: list[tuple[Call[LeaseReply], str]], raw: list[Any]) -> None:
+        """Keep the leases that rode with a shard's last push, those granted."""
+        for (call_, token), value in zip(requests, raw, strict=True):
+            reply = call_.parse(value)
+            if reply.status == Status.OK:
+                self.ahead.leases.append(Lease.from_reply(reply, token, self.plan.shards))
+
+    def _build_ahead(self) -> None:
+        """Build the next leased shard's first batch (while the last push travels: no
+        Redis here). What the pipeline raises is kept for the serving loop."""
+        lease = self.ahead.leases[0]
+        if lease.skip:  # the trainer has some of it (a resume): built the usual way
+            return
+        epoch, slot = divmod(lease.g, lease.slots)
+        shard = lease.shard if lease.shard is not None else shard_of_slot(slot, self.plan.shards)
+        started = time.perf_counter()
+        batches = iter(self.plan.iter_shard_marked(epoch, shard))
+        step: tuple[Any, bool] | None = None
+        frame: Any = None
+        error: Exception | None = None
+        try:
+            step = next(batches, None)
+            if step is not None:
+                frame = self._encode_batch(epoch, slot, 0, *step, rank=slot % lease.world)
+        except Exception as e:  # the serving loop reports it, as if raised there
+            error = e
+        entry = lease_entry(lease.g, lease.token)
+        self.ahead.ready = Ready(entry, batches, step, frame, error, started)
 
     def _after(self, reply: PushReply, entry: str, ref: str | None, wait: Waiting) -> bool | None:
         """What a push's reply means: True pushed, False the shard is no longer ours,
@@ -418,6 +466,7 @@ class ShardPusher:
         status = reply.status
         if status == Status.OK:
             self.pending_ref = None
+            self.ahead.depth = reply.depth  # 1: the trainer had taken everything before
             return True
         if status == Status.FULL:
             # A data-parallel rank's full list: once per HANDBACK_S, maybe hand back.
@@ -474,14 +523,14 @@ class ShardPusher:
         ref: str | None,
         store: Pieces | memoryview | None,
         push: Call[PushReply],
-        lease: tuple[Call[LeaseReply], str] | None = None,
+        leases: list[tuple[Call[LeaseReply], str]] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> list[Any]:
         """One round trip: store the frame under its key if asked, the capped push, and
-        the next lease if asked."""
+        the next leases if asked; ``between`` runs while it travels."""
         commands: list[Command] = []
         if store is not None and ref is not None:
             commands.append(("SET", ref, store, "PX", PENDING_FRAME_TTL_MS))
         commands.append(push.command())
-        if lease is not None:
-            commands.append(lease[0].command())
-        return round_trip(self.client, commands, "pushing a frame")
+        commands += [lease[0].command() for lease in leases or ()]
+        return round_trip(self.client, commands, "pushing a frame", between)

@@ -299,7 +299,7 @@ class Producer:
             except redis.RedisError as e:
                 log.debug("producer %s: axis labels not published: %s", self.id, e)
         self._lease_seq = 0
-        self._pusher.prefetched = None  # a lease of the run we left is gone
+        self._pusher.ahead.drop()  # leases of the run we left are gone, and what was built
         self._transport.joined(self.client, self._pos.run, self._pos.world)
         log.info(
             "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
@@ -340,6 +340,7 @@ class Producer:
             self.client.hdel(self.keys.clients, self.id, f"{self.id}:hb")
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
+        self._pusher.ahead.drop()  # a frame built ahead: its segment is free again
         self._transport.close(self._finished)
         self._beat.join(timeout_s=5)
         held.release(self.client)
@@ -347,8 +348,9 @@ class Producer:
 
     # -- leasing -----------------------------------------------------------------------
 
-    def _lease_request(self, prefetch: bool = False) -> tuple[Call[LeaseReply], str]:
-        """The next lease request, and its token."""
+    def _lease_request(self, prefetch: int = 0, after: str = "") -> tuple[Call[LeaseReply], str]:
+        """The next lease request, and its token (``prefetch``, ``after``: see
+        :func:`batchq.scripts.lease_call`)."""
         self._lease_seq += 1
         token = f"{self.id}.{self._lease_seq}"
         request = scripts.lease_call(
@@ -360,15 +362,15 @@ class Producer:
             heartbeat_ttl_ms=self.heartbeat_ttl_ms,
             prefetch=prefetch,
             world=self._pos.world,
+            after=after,
         )
         return request, token
 
     def _lease(self) -> Lease | None:
         """Lease the next shard, or None."""
-        if self._pusher.prefetched is not None:
-            # Leased in the same round trip as the previous shard's last push.
-            lease, self._pusher.prefetched = self._pusher.prefetched, None
-            return lease
+        if self._pusher.ahead.leases:
+            # Leased in the same round trip as an earlier shard's last push.
+            return self._pusher.ahead.leases.popleft()
         request, token = self._lease_request()
         try:
             reply = request.run(self.client)

@@ -23,10 +23,13 @@ local producer = ARGV[3]
 local token = ARGV[4]            -- unique per lease request: a retried request with the
                                  -- same token gets the same shard
 local heartbeat_ttl_ms = tonumber(ARGV[5])
-local prefetch = ARGV[6]         -- '1' when sent right behind a shard's last push: lease
-                                 -- only if that push went through (the lease list is
-                                 -- empty), so that a producer blocked at the hwm never
-                                 -- sits on a second shard another producer could build
+local prefetch = tonumber(ARGV[6])  -- k > 0 when sent right behind a shard's last push:
+                                 -- lease only if that push went through (its entry `after`
+                                 -- left the lease list) and the producer then holds fewer
+                                 -- than k leases (k = 2: the one it builds next while this
+                                 -- reply travels), so that a producer blocked at the hwm
+                                 -- never sits on a further shard another could build
+local after = ARGV[7]            -- the lease entry of the push this rides behind
 local first_rank_data = 7
 
 local now = server_now_ms()
@@ -61,7 +64,10 @@ local function had(g)
   return tonumber(v or '0')
 end
 
-if prefetch == '1' and redis.call('LLEN', lease_key) > 0 then return {'BUSY'} end
+if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
+    redis.call('LLEN', lease_key) >= prefetch) then
+  return {'BUSY'}
+end
 
 local suffix = ':' .. token
 for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do

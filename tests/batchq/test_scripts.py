@@ -57,7 +57,7 @@ class Q:
             self.inc, self.run = reply[1], reply[2]
         return reply
 
-    def lease(self, p: str, token: str) -> list:
+    def lease(self, p: str, token: str, prefetch: int = 0, after: str = "") -> list:
         k = self.k
         return raw(
             "lease",
@@ -65,7 +65,7 @@ class Q:
             {"meta": k.meta, "incarnation": k.incarnation, "work": k.work, "lease": k.lease(p),
              "producers": k.producers, "ledger": k.ledger},
             {"incarnation": self.inc, "run": self.run, "producer": p, "token": token,
-             "heartbeat_ttl_ms": TTL_MS, "prefetch": "0"},
+             "heartbeat_ttl_ms": TTL_MS, "prefetch": prefetch, "after": after},
         )  # fmt: skip
 
     def push(
@@ -153,6 +153,19 @@ def test_push_never_exceeds_the_hwm_and_pop_wakes_producers(q: Q) -> None:
     assert stats[b"pushed"] == b"4" and stats[b"popped"] == b"1" and stats[b"shards_done"] == b"1"
     pstats = q.c.hgetall(q.k.pstats)
     assert pstats[b"p1:batches"] == b"4" and pstats[b"p1:produce_ms"] == b"12"
+
+
+def test_a_prefetch_is_granted_only_behind_a_push_that_went_through_and_under_k(q: Q) -> None:
+    q.join("p1", window=10)
+    assert q.lease("p1", "t0")[:2] == ["OK", "0"]
+    # Behind a push that did not go through (its entry is still held): never, whatever k.
+    assert q.lease("p1", "t1", prefetch=2, after="0:t0") == ["BUSY"]
+    q.push("p1", "0:t0", b"f0", last=True)  # went through: the entry is gone
+    assert q.lease("p1", "t1", prefetch=2, after="0:t0")[:2] == ["OK", "1"]
+    assert q.lease("p1", "t2", prefetch=2, after="0:t0")[:2] == ["OK", "2"]  # one ahead
+    assert q.lease("p1", "t3", prefetch=2, after="0:t0") == ["BUSY"]  # holds 2 already
+    assert q.lease("p1", "t3", prefetch=1, after="0:t0") == ["BUSY"]  # k=1: only if none
+    assert q.c.lrange(q.k.lease("p1"), 0, -1) == [b"1:t1", b"2:t2"]
 
 
 def test_a_descriptor_is_pushed_only_while_its_host_is_the_trainers(q: Q) -> None:

@@ -31,6 +31,7 @@ def _pusher(
     fail_at: int | None = None,
     statuses: list[str] | None = None,
     transport: Transport | None = None,
+    leasing: bool = False,
 ) -> ShardPusher:
     def boom(batch: Any) -> Any:
         if fail_at is not None and int(batch[0][0]) == fail_at:
@@ -42,8 +43,14 @@ def _pusher(
     keys = QueueKeys("q")
     settings = PushSettings(keys, "p", ("x",), False, None, 256 * 1024, 10_000, 3)
 
-    def no_lease(prefetch: bool) -> Any:
-        pytest.fail("asked for a lease")
+    def no_lease(prefetch: int, after: str) -> Any:
+        if not leasing:
+            pytest.fail("asked for a lease")
+        call = scripts.lease_call(
+            keys, incarnation="inc", run="run", producer="p", token="t9",
+            heartbeat_ttl_ms=10_000, prefetch=prefetch, world=1, after=after,
+        )  # fmt: skip
+        return call, "t9"
 
     return ShardPusher(
         settings,
@@ -90,7 +97,7 @@ def test_every_batch_of_a_shard_is_pushed_in_order_the_last_one_marked() -> None
     p = _pusher()
     pushed: list[tuple[Any, bool]] = []
 
-    def push(frame: Any, entry: str, *, last: bool, produce_ms: int = 0) -> bool:
+    def push(frame: Any, entry: str, *, last: bool, produce_ms: int = 0, **_: Any) -> bool:
         assert entry == "0:t"
         pushed.append((frame, last))
         return True
@@ -124,7 +131,7 @@ def test_a_descriptor_refused_with_reroute_goes_through_redis_and_frees_its_segm
 ) -> None:
     transport, _trainer = shm_pair(tmp_path, fake_redis, 2)
     p = _pusher(transport=transport)
-    p.prefetched = Lease(1, 0, "t", 4, 1)  # the next lease is in hand: none rides along
+    p.ahead.leases.append(Lease(1, 0, "t", 4, 1))  # the next lease is in hand: none rides along
     frame = p._encode_batch(0, 0, 0, (np.arange(10),), True)
     assert isinstance(frame, ShmFrame)
     pushed: list[tuple[bytes, str]] = []
@@ -150,7 +157,7 @@ def test_a_descriptor_whose_push_lost_its_connection_is_remembered_as_uncertain(
 ) -> None:
     transport, _trainer = shm_pair(tmp_path, fake_redis, 2)
     p = _pusher(transport=transport)
-    p.prefetched = Lease(1, 0, "t", 4, 1)
+    p.ahead.leases.append(Lease(1, 0, "t", 4, 1))
     frame = p._encode_batch(0, 0, 0, (np.arange(10),), True)
 
     def send(*args: Any) -> list[Any]:
@@ -160,3 +167,46 @@ def test_a_descriptor_whose_push_lost_its_connection_is_remembered_as_uncertain(
     with pytest.raises(ConnectionLost):
         p._push_batch(frame, "0:t", True, 0)
     assert transport._uncertain == [(frame, QueueKeys("q").data)]
+
+
+def test_the_next_leased_shard_is_built_while_the_last_push_travels() -> None:
+    p = _pusher(leasing=True)
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))  # shard 1, leased ahead
+    p.ahead.depth = 1
+    order: list[str] = []
+
+    def send(ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None) -> Any:
+        order.append("sent")
+        if between is not None:
+            between()
+            order.append("built")
+        order.append("read")
+        return [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))]
+
+    p._send = send  # type: ignore[method-assign]
+    p.serve_shard(0, 0, "0:t0")
+    assert order[-3:] == ["sent", "built", "read"]  # the last push built shard 1 meanwhile
+    ready = p.ahead.ready
+    assert ready is not None and ready.entry == "1:t1" and ready.error is None
+    expected = next(iter(p.plan.iter_shard_marked(0, 1)))
+    assert ready.step is not None and ready.step[1] == expected[1]
+    pushed: list[Any] = []
+    p._push = lambda frame, *a, **k: pushed.append(frame) or True  # type: ignore[method-assign]
+    p.serve_shard(0, 1, "1:t1")  # served from what was built: the same frame object
+    assert pushed[0] is ready.frame and p.ahead.ready is None
+
+
+def test_a_pipeline_error_met_while_building_ahead_is_reported_by_that_shard() -> None:
+    p = _pusher(fail_at=10, leasing=True)  # shard 1's first batch raises
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.depth = 1
+    p._send = lambda ref, store, push, leases=None, between=None: (  # type: ignore[method-assign]
+        between() if between else None,
+        [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))],
+    )[1]
+    p.serve_shard(0, 0, "0:t0")
+    assert p.ahead.ready is not None and isinstance(p.ahead.ready.error, ValueError)
+    failed: list[tuple[int, int, str]] = []
+    p._retry_elsewhere = lambda e, s, entry: failed.append((e, s, entry)) or True  # type: ignore[method-assign]
+    p.serve_shard(0, 1, "1:t1")
+    assert failed == [(0, 1, "1:t1")]

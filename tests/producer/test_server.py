@@ -81,11 +81,11 @@ def test_leaving_hands_the_leases_back_oldest_first(
 def test_a_prefetched_lease_is_served_before_asking_redis(producer: Producer) -> None:
     producer._join()
     held = Lease(g=7, skip=0, token="t", slots=4, world=1)
-    producer._pusher.prefetched = held
+    producer._pusher.ahead.leases.append(held)
     seq = producer._lease_seq
     assert producer._lease() is held
     assert producer._lease_seq == seq  # no request was made
-    assert producer._pusher.prefetched is None
+    assert not producer._pusher.ahead.leases
 
 
 def test_another_pipeline_on_the_same_run_is_refused(
