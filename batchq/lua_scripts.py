@@ -280,6 +280,8 @@ def round_trip(
     commands: Sequence[Command],
     what: str,
     between: Callable[[], None] | None = None,
+    *,
+    keep_errors: bool = False,
 ) -> list[Any]:
     """Send ``commands`` in one write and read their raw replies: the hot paths' pipeline.
 
@@ -305,6 +307,9 @@ def round_trip(
         between: work to do while the commands travel (after the write, before the
             first read; once, not again on a NOSCRIPT resend). It must not use Redis
             on this thread (the connection is not idle) and must not raise.
+        keep_errors: return error replies in place instead of raising the first
+            (NOSCRIPT is still handled): for a caller that must know which of its
+            commands went through (a push that went through while its lease hit OOM).
 
     Returns:
         The replies, in order.
@@ -319,7 +324,8 @@ def round_trip(
         for attempt in (0, 1):
             replies = _send_and_read(client, commands, between if attempt == 0 else None)
             errors = [r for r in replies if isinstance(r, redis.ResponseError)]
-            if not errors:
+            noscript = any(isinstance(e, redis.exceptions.NoScriptError) for e in errors)
+            if not errors or (keep_errors and not noscript):
                 return replies
             if attempt == 0 and any(isinstance(e, redis.exceptions.NoScriptError) for e in errors):
                 load_all(client)

@@ -18,8 +18,8 @@ costs at most that) and the trainer is waiting (the producer's last push found t
 list empty: a trainer-bound run gains nothing, and a frame built ahead there would
 take a segment the pool keeps for the list), and lease.lua grants a prefetch only if
 the push it rides behind went through (its entry left the lease list) and the producer
-then holds fewer than k leases: a producer blocked at the hwm never sits on a further
-shard.
+then holds fewer than k leases: a producer blocked at the hwm is never granted another
+shard (it keeps the one it held ahead, already built: at most two in all).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Ready:
         step: the first (batch, last), or None for a shard without batches.
         frame: its encoded frame (None with ``error`` or without batches).
         error: what the pipeline or the encoding raised, if it did.
-        started: when building began (perf_counter), for the produce time.
+        took_s: how long building it took (the produce time, and whether it was quick).
     """
 
     entry: str
@@ -74,7 +74,7 @@ class Ready:
     step: tuple[Any, bool] | None
     frame: Any
     error: Exception | None
-    started: float
+    took_s: float
 
     def discard(self) -> None:
         """Never to be pushed: a segment it holds is free again."""

@@ -31,7 +31,7 @@ import redis
 
 from batchq import codec, refs, scripts
 from batchq.admin import is_oom
-from batchq.connection import Pieces, call, is_wrong_type
+from batchq.connection import Pieces, call, convert_error, is_wrong_type
 from batchq.keys import QueueKeys
 from batchq.layout import lease_entry
 from batchq.lua_scripts import Call, Command, round_trip
@@ -204,14 +204,16 @@ class ShardPusher:
         ready = self.ahead.take_ready(entry)
         batches = ready.batches if ready else iter(self.plan.iter_shard_marked(epoch, shard))
         k = 0
-        started = ready.started if ready else time.perf_counter()
+        started = time.perf_counter()
         built_s = 0.0  # building this shard took, pushes apart
+        ready_took: float | None = None
         while True:
             # Only the user's pipeline (next) and what it made (encoding its arrays) are
             # "the pipeline raised"; Redis' errors come from outside this block.
             try:
                 if ready is not None:  # the first batch, built while the last push travelled
-                    step, frame, error, ready = ready.step, ready.frame, ready.error, None
+                    step, frame, error = ready.step, ready.frame, ready.error
+                    ready_took, ready = ready.took_s, None
                     if error is not None:
                         raise error
                 else:
@@ -226,7 +228,8 @@ class ShardPusher:
             if step is None:
                 break
             last = step[1]
-            took_s = time.perf_counter() - started
+            took_s = time.perf_counter() - started if ready_took is None else ready_took
+            ready_took = None
             built_s += took_s
             produce_ms = int(took_s * 1000)  # monitoring
             if frame is None:  # k < skip: the trainer has this batch
@@ -398,25 +401,26 @@ class ShardPusher:
                 shm_host=shm_host, host_field=self._transport.host_field(self._rank, self._world),
             )  # fmt: skip
             store = None if stored or isinstance(frame, ShmFrame) or ref is None else frame
-            try:
-                replies = self._send(ref, store, request, leases, between)
-            except redis.ResponseError as e:
-                if not is_oom(e):
-                    raise
+            replies = self._send(ref, store, request, leases, between)
+            between = None  # built once, whatever the replies say
+            # Each command's own reply: an OOM refused that command alone (a script that
+            # writes is refused before it runs), so a lease's OOM never hides a push that
+            # went through, and leases refused behind a refused push are asked again.
+            granted = self._note_prefetch(leases, replies[len(replies) - len(leases) :])
+            leases = [r for r, ok in zip(leases, granted, strict=True) if not ok]
+            del replies[len(replies) - len(granted) :]
+            oom = next((r for r in replies if isinstance(r, redis.ResponseError)), None)
+            if oom is not None:
                 # Redis is full (noeviction): backpressure, like the hwm; nothing is lost.
-                self.note_oom(e)
+                self.note_oom(oom)
                 wait.start()
                 stored = False
                 self.wait_for_room()
                 continue
+            leases = []
             if ref is not None:
                 stored = True
                 self.pending_ref = ref
-            if leases:
-                self._note_prefetch(leases, replies[len(replies) - len(leases) :])
-                del replies[len(replies) - len(leases) :]
-                leases = []
-            between = None
             reply = request.parse(replies[-1])
             if reply.status == Status.REROUTE and isinstance(frame, ShmFrame):
                 # The rank's trainer is not on this host (any more): the frame itself.
@@ -431,18 +435,24 @@ class ShardPusher:
             stored = stored and reply.status != Status.GONE
         return False
 
-    def _note_prefetch(self, requests: list[tuple[Call[LeaseReply], str]], raw: list[Any]) -> None:
-        """Keep the leases that rode with a shard's last push, those granted."""
+    def _note_prefetch(
+        self, requests: list[tuple[Call[LeaseReply], str]], raw: list[Any]
+    ) -> list[bool]:
+        """Keep the leases that rode with a shard's last push, those granted; returns
+        which were (a refused one, OOM, is not)."""
+        granted = []
         for (call_, token), value in zip(requests, raw, strict=True):
-            reply = call_.parse(value)
-            if reply.status == Status.OK:
+            reply = None if isinstance(value, redis.ResponseError) else call_.parse(value)
+            if reply is not None and reply.status == Status.OK:
                 self.ahead.leases.append(Lease.from_reply(reply, token, self.plan.shards))
+            granted.append(reply is not None and reply.status == Status.OK)
+        return granted
 
     def _build_ahead(self) -> None:
         """Build the next leased shard's first batch (while the last push travels: no
         Redis here). What the pipeline raises is kept for the serving loop."""
         lease = self.ahead.leases[0]
-        if lease.skip:  # the trainer has some of it (a resume): built the usual way
+        if lease.skip or self.ahead.ready is not None:  # a resume's shard; built already
             return
         epoch, slot = divmod(lease.g, lease.slots)
         shard = lease.shard if lease.shard is not None else shard_of_slot(slot, self.plan.shards)
@@ -458,7 +468,8 @@ class ShardPusher:
         except Exception as e:  # the serving loop reports it, as if raised there
             error = e
         entry = lease_entry(lease.g, lease.token)
-        self.ahead.ready = Ready(entry, batches, step, frame, error, started)
+        took_s = time.perf_counter() - started
+        self.ahead.ready = Ready(entry, batches, step, frame, error, took_s)
 
     def _after(self, reply: PushReply, entry: str, ref: str | None, wait: Waiting) -> bool | None:
         """What a push's reply means: True pushed, False the shard is no longer ours,
@@ -533,4 +544,11 @@ class ShardPusher:
             commands.append(("SET", ref, store, "PX", PENDING_FRAME_TTL_MS))
         commands.append(push.command())
         commands += [lease[0].command() for lease in leases or ()]
-        return round_trip(self.client, commands, "pushing a frame", between)
+        replies = round_trip(self.client, commands, "pushing a frame", between, keep_errors=True)
+        for r in replies:  # OOM is the caller's, per command; any other error is raised
+            if isinstance(r, redis.ResponseError) and not is_oom(r):
+                converted = convert_error(r, "pushing a frame", self.client)
+                if converted is None:
+                    raise r
+                raise converted from r
+        return replies

@@ -15,7 +15,8 @@ trainer keeping up never makes a frame fall back to Redis: per rank on this host
 rank's data list (hwm), the decoded frames the rank's reader holds ahead of its caller
 (its look-ahead, published beside the host: :data:`batchq.fields.MetaField.SHM_LOOKAHEAD`)
 and the two batches the caller has in hand (the one it uses, the one it is handed
-next), plus the one being written.
+next), plus the producer's own two: the one being pushed and the next one, built
+ahead (:mod:`producer.ahead`).
 ``transport='redis'`` never uses shared memory. Either way, frames that do not get a
 segment (the folder is full, ``shm_max_bytes`` is reached, or every segment still holds
 a batch the trainer keeps) go through Redis: one warning for a full folder, never an
@@ -78,13 +79,14 @@ MAX_UNCERTAIN = 64  # pushes whose reply was lost, remembered until the next joi
 # Whatever meta says, a pool never grows past this look-ahead (memory stays bounded).
 MAX_LOOKAHEAD = 1024
 IN_HAND = 2  # batches a rank's caller holds: the one it uses and the one handed next
+OUTSIDE = 2  # a producer's frames outside the list: the one pushed, one built ahead
 
 
 def pool_size(hwm: int, lookahead: int, world: int) -> int:
     """The default pool: what a run of ``world`` ranks can hold of one producer's
     frames at once (every list, look-ahead and hand full of them), plus the frame
-    being written."""
-    return world * (hwm + lookahead + IN_HAND) + 1
+    being pushed and the one built ahead."""
+    return world * (hwm + lookahead + IN_HAND) + OUTSIDE
 
 
 def _lookahead(value: object) -> int:
@@ -251,9 +253,9 @@ class Transport:
             r for r, v in enumerate(hosts) if isinstance(v, bytes) and v.decode() == self.identity
         )
         if self._fixed is None:
-            # Room for what each rank on this host can hold (pool_size), one in the making.
-            held = sum(pool_size(self._hwm, _lookahead(lookaheads[r]), 1) - 1 for r in local)
-            self.pool.max_segments = held + 1
+            # Room for what each rank on this host can hold (pool_size), and our own two.
+            held = sum(pool_size(self._hwm, _lookahead(lookaheads[r]), 1) - OUTSIDE for r in local)
+            self.pool.max_segments = held + OUTSIDE
         if local != self._local:
             where = f"shared memory in {self.shm_dir}" if local else "Redis"
             if world > 1 and local:

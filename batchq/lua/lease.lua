@@ -28,7 +28,7 @@ local prefetch = tonumber(ARGV[6])  -- k > 0 when sent right behind a shard's la
                                  -- left the lease list) and the producer then holds fewer
                                  -- than k leases (k = 2: the one it builds next while this
                                  -- reply travels), so that a producer blocked at the hwm
-                                 -- never sits on a further shard another could build
+                                 -- is never granted a further shard another could build
 local after = ARGV[7]            -- the lease entry of the push this rides behind
 local first_rank_data = 7
 
@@ -64,17 +64,19 @@ local function had(g)
   return tonumber(v or '0')
 end
 
-if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
-    redis.call('LLEN', lease_key) >= prefetch) then
-  return {'BUSY'}
-end
-
+-- A retried request first (its first reply was lost): the same shard, even if the
+-- producer now holds k leases with it.
 local suffix = ':' .. token
 for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
   if string.sub(e, -#suffix) == suffix then
     local g = string.sub(e, 1, #e - #suffix)
     return granted(g, math.max(had(tonumber(g)), 0))
   end
+end
+
+if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
+    redis.call('LLEN', lease_key) >= prefetch) then
+  return {'BUSY'}
 end
 
 if world > 1 then

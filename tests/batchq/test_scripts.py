@@ -166,6 +166,8 @@ def test_a_prefetch_is_granted_only_behind_a_push_that_went_through_and_under_k(
     assert q.lease("p1", "t3", prefetch=2, after="0:t0") == ["BUSY"]  # holds 2 already
     assert q.lease("p1", "t3", prefetch=1, after="0:t0") == ["BUSY"]  # k=1: only if none
     assert q.c.lrange(q.k.lease("p1"), 0, -1) == [b"1:t1", b"2:t2"]
+    # A retried request (its reply lost) gets its shard again, though 2 are held.
+    assert q.lease("p1", "t2", prefetch=2, after="0:t0")[:2] == ["OK", "2"]
 
 
 def test_a_descriptor_is_pushed_only_while_its_host_is_the_trainers(q: Q) -> None:

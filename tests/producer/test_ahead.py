@@ -35,10 +35,10 @@ def test_a_ready_shard_is_handed_to_its_own_lease_only(
     )
     assert isinstance(frame, ShmFrame)
     ahead = Ahead()
-    ahead.ready = Ready("3:t", iter(()), (None, True), frame, None, 0.0)
+    ahead.ready = Ready("3:t", iter(()), (None, True), frame, None, 0.001)
     assert ahead.take_ready("4:t") is None  # another lease: discarded, its segment freed
     assert frame.segment.is_free() and ahead.ready is None
-    ahead.ready = Ready("3:t", iter(()), None, None, None, 0.0)
+    ahead.ready = Ready("3:t", iter(()), None, None, None, 0.001)
     assert ahead.take_ready("3:t") is not None
 
 
@@ -51,7 +51,7 @@ def test_dropping_frees_the_built_frame_and_forgets_the_leases(
     )
     ahead = Ahead()
     ahead.leases.append(Lease(3, 0, "t", 4, 1))
-    ahead.ready = Ready("3:t", iter(()), (None, True), frame, None, 0.0)
+    ahead.ready = Ready("3:t", iter(()), (None, True), frame, None, 0.001)
     ahead.drop()
     assert not ahead.leases and ahead.ready is None
     assert isinstance(frame, ShmFrame) and frame.segment.is_free()

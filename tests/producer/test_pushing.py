@@ -210,3 +210,56 @@ def test_a_pipeline_error_met_while_building_ahead_is_reported_by_that_shard() -
     p._retry_elsewhere = lambda e, s, entry: failed.append((e, s, entry)) or True  # type: ignore[method-assign]
     p.serve_shard(0, 1, "1:t1")
     assert failed == [(0, 1, "1:t1")]
+
+
+def test_a_lease_refused_for_oom_never_hides_the_push_that_went_through() -> None:
+    p = _pusher(leasing=True)
+    p.ahead.depth = 1
+    sends: list[int] = []
+    oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+
+    def send(ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None) -> Any:
+        sends.append(len(leases or ()))
+        return [[b"OK", 1], *([oom] * len(leases or ()))]  # the push went through
+
+    p._send = send  # type: ignore[method-assign]
+    p.serve_shard(0, 0, "0:t0")  # would be LEASE_LOST (and drop the listed frame) if resent
+    assert sends == [2] and not p.ahead.leases and p.oom_waits == 0
+
+
+def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
+    p = _pusher(leasing=True)
+    p.ahead.depth = 1
+    oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+    replies = iter([[oom, [b"BUSY"], [b"BUSY"]], [[b"OK", 1], [b"OK", 1, 0], [b"OK", 2, 0]]])
+    sends: list[int] = []
+
+    def send(ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None) -> Any:
+        sends.append(len(leases or ()))
+        return next(replies)
+
+    p._send = send  # type: ignore[method-assign]
+    p.wait_for_room = lambda: None  # type: ignore[method-assign]
+    p.serve_shard(0, 0, "0:t0")
+    assert sends == [2, 2] and p.oom_waits == 1
+    assert [lease.g for lease in p.ahead.leases] == [1, 2]
+
+
+def test_a_push_sent_again_after_oom_does_not_build_the_next_shard_again() -> None:
+    p = _pusher(leasing=True)
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.depth = 1
+    oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+    replies = iter([[oom, [b"BUSY"]], [[b"OK", 1], [b"BUSY"]]])
+    built: list[Any] = []
+
+    def send(ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None) -> Any:
+        if between is not None:
+            between()
+            built.append(p.ahead.ready)
+        return next(replies)
+
+    p._send = send  # type: ignore[method-assign]
+    p.wait_for_room = lambda: None  # type: ignore[method-assign]
+    p.serve_shard(0, 0, "0:t0")
+    assert len(built) == 1 and p.ahead.ready is built[0]

@@ -138,8 +138,8 @@ def test_transport_follows_the_trainers_published_host(
 
 
 def test_pool_size_covers_every_list_look_ahead_and_hand_of_the_run() -> None:
-    assert pool_size(3, 10, 1) == 3 + 10 + 2 + 1  # list, look-ahead, in hand; one written
-    assert pool_size(3, 10, 4) == 4 * (3 + 10 + 2) + 1  # every rank's may be all ours
+    assert pool_size(3, 10, 1) == 3 + 10 + 2 + 2  # list, look-ahead, in hand; pushed, ahead
+    assert pool_size(3, 10, 4) == 4 * (3 + 10 + 2) + 2  # every rank's may be all ours
 
 
 @pytest.mark.parametrize(
