@@ -13,6 +13,7 @@ import fakeredis
 import numpy as np
 import pytest
 from frame_args import encode_with
+from shm_pair import shm_pair
 from small_tmpfs import small_tmpfs
 
 from batchq import shm
@@ -264,9 +265,7 @@ def test_a_push_that_lost_its_reply_frees_its_segment_at_the_rejoin_unless_it_is
     tmp_path: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     keys = QueueKeys("q")
-    transport = Transport("auto", str(tmp_path), keys, "p", 4)
-    fake_redis.hset(keys.meta, MetaField.SHM_HOST, transport.identity or "")
-    transport.joined(fake_redis, "ab12")
+    transport, _trainer = shm_pair(tmp_path, fake_redis, 4)
     data = (np.zeros(1000),)
     fields = {**FIELDS, "sources": ("x",), "data": data}
     lost = encode_with(transport.encode, FrameKind.BATCH, **fields)
