@@ -208,6 +208,9 @@ class ShardPusher:
         built_s = 0.0  # building this shard took, pushes apart
         ready_took: float | None = None
         while True:
+            # Shared memory or Redis, from this batch on (also for a batch built ahead:
+            # its frame is made already, the next ones are not).
+            self._transport.refresh(self.client)
             # Only the user's pipeline (next) and what it made (encoding its arrays) are
             # "the pipeline raised"; Redis' errors come from outside this block.
             try:
@@ -217,7 +220,6 @@ class ShardPusher:
                     if error is not None:
                         raise error
                 else:
-                    self._transport.refresh(self.client)  # shared memory or Redis
                     step = next(batches, None)
                     frame = None
                     if step is not None and k >= skip:

@@ -263,3 +263,21 @@ def test_a_push_sent_again_after_oom_does_not_build_the_next_shard_again() -> No
     p.wait_for_room = lambda: None  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:t0")
     assert len(built) == 1 and p.ahead.ready is built[0]
+
+
+def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host() -> None:
+    p = _pusher(leasing=True)
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.depth = 1
+    p._send = lambda ref, store, push, leases=None, between=None: (  # type: ignore[method-assign]
+        between() if between else None,
+        [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))],
+    )[1]
+    p.serve_shard(0, 0, "0:t0")
+    assert p.ahead.ready is not None
+    refreshed: list[Any] = []
+    p._transport.refresh = lambda client, **kw: refreshed.append(client)  # type: ignore[method-assign]
+    p.serve_shard(0, 1, "1:t1")  # every batch of it was built ahead
+    # Without this a producer that started before the trainer, once every shard is
+    # built ahead, would never see the trainer's host appear (tests/consumer/test_torch_shm).
+    assert refreshed
