@@ -196,14 +196,21 @@ def test_the_next_leased_shard_is_built_while_the_last_push_travels() -> None:
     assert pushed[0] is ready.frame and p.ahead.ready is None
 
 
+def _pushed_and_busy(
+    ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None
+) -> list[Any]:
+    """A push round trip that runs ``between`` (the build ahead), pushes, and grants no
+    further lease."""
+    if between is not None:
+        between()
+    return [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))]
+
+
 def test_a_pipeline_error_met_while_building_ahead_is_reported_by_that_shard() -> None:
     p = _pusher(fail_at=10, leasing=True)  # shard 1's first batch raises
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
     p.ahead.depth = 1
-    p._send = lambda ref, store, push, leases=None, between=None: (  # type: ignore[method-assign]
-        between() if between else None,
-        [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))],
-    )[1]
+    p._send = _pushed_and_busy  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:t0")
     assert p.ahead.ready is not None and isinstance(p.ahead.ready.error, ValueError)
     failed: list[tuple[int, int, str]] = []
@@ -269,10 +276,7 @@ def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host
     p = _pusher(leasing=True)
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
     p.ahead.depth = 1
-    p._send = lambda ref, store, push, leases=None, between=None: (  # type: ignore[method-assign]
-        between() if between else None,
-        [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))],
-    )[1]
+    p._send = _pushed_and_busy  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:t0")
     assert p.ahead.ready is not None
     refreshed: list[Any] = []
