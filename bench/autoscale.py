@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/scaling.py
 
 from scaling import ENV, SIGNALS, _counts, _redis, run_batchq
 
-from batchq.connection import make_client
-from batchq.keys import QueueKeys
-from batchq.monitor import queue_status
-from batchq.procs import spawn, stop_group
+from batchq.client.connection import make_client
+from batchq.host.procs import spawn, stop_group
+from batchq.monitoring.rows import queue_status
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 
 

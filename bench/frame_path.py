@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batchq.connection import make_client, tune_malloc
-from batchq.embedded import EmbeddedRedis
+from batchq.client.connection import make_client, tune_malloc
+from batchq.host.embedded import EmbeddedRedis
 
 CAPPED_PUSH = """
 if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end

@@ -33,7 +33,7 @@ from typing import Any
 from scaling import SIGNALS, _counts, _redis, producer_command  # bench/: this folder
 
 from batchq.cli.demo import _wait_for_producers
-from batchq.procs import spawn, stop_group
+from batchq.host.procs import spawn, stop_group
 from consumer import ServerDataStream
 
 

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from batchq.cli.demo import Bottleneck, _wait_for_producers
-from batchq.connection import resolve_url
-from batchq.procs import spawn, stop_group
+from batchq.client.connection import resolve_url
+from batchq.host.procs import spawn, stop_group
 from consumer import ServerDataStream
 from producer.datasets import IndexableDataset
 from producer.schemes import ShuffledScheme
@@ -160,7 +160,7 @@ def _redis(url: str | None) -> Iterator[str]:
     if url:
         yield resolve_url(url)
         return
-    from batchq.embedded import EmbeddedRedis
+    from batchq.host.embedded import EmbeddedRedis
 
     server = EmbeddedRedis()
     server.start()

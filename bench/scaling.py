@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchq.cli.demo import _wait_for_producers, tutorial_stream
-from batchq.connection import resolve_url
-from batchq.procs import spawn, stop_group
+from batchq.client.connection import resolve_url
+from batchq.host.procs import spawn, stop_group
 from consumer import ServerDataStream
-from producer.sharding import find_root
+from producer.serving.sharding import find_root
 
 _DatasetBase: Any = object
 try:
@@ -260,7 +260,7 @@ def _redis(url: str | None) -> Iterator[str]:
     if url:
         yield resolve_url(url)
         return
-    from batchq.embedded import EmbeddedRedis
+    from batchq.host.embedded import EmbeddedRedis
 
     server = EmbeddedRedis()
     try:

@@ -5,7 +5,7 @@ For each batch shape, measured against the same redis-server in the same run:
 * ``raw``: a producer process LPUSHes pre-built bytes of the batch's size; this process
   BRPOPs them. Cap: the producer pushes only while the list holds fewer than hwm
   elements (LPUSH's reply is the new length; at the hwm it polls LLEN every 0.5 ms).
-  Both sides use :func:`batchq.connection.make_client` and :func:`tune_malloc`.
+  Both sides use :func:`batchq.client.connection.make_client` and :func:`tune_malloc`.
 * ``batchq``: ``batchq serve streams:constant_stream`` (a dataset that returns one
   pre-built array, see ``bench/streams.py``) and a :class:`consumer.ServerDataStream`
   iterating epoch after epoch (``--epoch-batches`` per epoch), both with
@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 import batchq
-from batchq.connection import make_client, tune_malloc
-from batchq.embedded import url_or_embedded
-from batchq.procs import spawn, stop_group
+from batchq.client.connection import make_client, tune_malloc
+from batchq.host.embedded import url_or_embedded
+from batchq.host.procs import spawn, stop_group
 from consumer import ServerDataStream
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))

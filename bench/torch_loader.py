@@ -46,8 +46,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from batchq.embedded import url_or_embedded
-from batchq.procs import spawn, stop_group
+from batchq.host.embedded import url_or_embedded
+from batchq.host.procs import spawn, stop_group
 from consumer import ServerDataStream
 from consumer.torch import TorchStream
 

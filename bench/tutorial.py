@@ -41,8 +41,8 @@ from redis.connection import AbstractConnection
 
 import batchq
 from batchq.cli.demo import tutorial_stream
-from batchq.embedded import url_or_embedded
-from batchq.procs import spawn, stop_group
+from batchq.host.embedded import url_or_embedded
+from batchq.host.procs import spawn, stop_group
 from consumer import ServerDataStream
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -1,7 +1,7 @@
 """Equal batch counts on every rank when the plan cannot tell them in advance.
 
 Where every shard is one batch, a rank's share of an epoch is a fixed number of slots
-(:mod:`batchq.ranks`) and counts are equal by construction. Where shards hold several
+(:mod:`batchq.protocol.ranks`) and counts are equal by construction. Where shards hold several
 batches (or a Filter drops some) they are only known as the epoch is read, so the ranks
 of a job tell each other their counts through one hash (``bq:{Q}:counts``, field
 ``'<epoch>:<rank>'``: ``'<n>'`` batches in hand so far, ``'=<n>'`` the rank's final count
@@ -27,11 +27,11 @@ from typing import Any
 
 import redis
 
-from batchq.codec import Frame
-from batchq.connection import call
+from batchq.client.connection import call
 from batchq.errors import RankLost
-from batchq.keys import QueueKeys
-from batchq.layout import count_value, counts_field, parse_count_value
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import count_value, counts_field, parse_count_value
+from batchq.wire.codec import Frame
 
 __all__ = ["POLL_S", "Balancer"]
 

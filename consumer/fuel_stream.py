@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from batchq.connection import call
+from batchq.client.connection import call
 from batchq.errors import ConfigError
-from batchq.fields import MetaField
-from consumer.prepare import FramePrep, decode_axis_labels
+from batchq.protocol.fields import MetaField
+from consumer.reader.prepare import FramePrep, decode_axis_labels
 from consumer.state_keys import RUN_KEY
 
 __all__ = ["FuelStreamMixin"]

@@ -3,7 +3,7 @@
 :func:`check_state` validates any ``state_dict()`` (it comes from a file).
 
 Every rank saves its own ``state_dict()``: its position in its own share (local shards,
-see :mod:`batchq.ranks`) plus ``rank``, ``world_size``, ``even_batches``,
+see :mod:`batchq.protocol.ranks`) plus ``rank``, ``world_size``, ``even_batches``,
 ``plan_shards`` (S) and ``step`` (batches yielded since the job began). The ranks of
 one checkpoint resume into one run whose id every rank computes alike
 (:func:`resume_run_id`), so the first to resume creates it and the others join it.
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchq.errors import ConfigError, StepMismatch
-from batchq.layout import DONE, ledger_field
-from batchq.ranks import RankLayout
+from batchq.protocol.layout import DONE, ledger_field
+from batchq.protocol.ranks import RankLayout
 from consumer.state_keys import (
     CONSUMED_KEY,
     DONE_KEY,
@@ -86,7 +86,7 @@ def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[s
     The rest of the checkpointed epoch, every shard of the plan that no old rank had
     yielded completely (a partly yielded one from its next batch; the old pads are
     padding and go), in plan order, is re-split among the new ranks as slots are
-    (:mod:`batchq.ranks`): unit u goes to rank u % world, pads repeat the first units.
+    (:mod:`batchq.protocol.ranks`): unit u goes to rank u % world, pads repeat the first units.
     Every new rank computes the same ``remap`` (new slot -> [shard, batches had]); the
     epoch's slots past it are empty (done).
 

@@ -2,7 +2,7 @@
 the frames an older run stored by reference deleted.
 
 :class:`consumer.ServerDataStream` calls these once, at its first epoch; every Redis call
-goes through :func:`batchq.connection.retrying`, so a connection dropped meanwhile is
+goes through :func:`batchq.client.connection.retrying`, so a connection dropped meanwhile is
 survived within the stream's ``timeout_s``.
 """
 
@@ -12,13 +12,13 @@ from typing import Any, NamedTuple
 
 import redis
 
-from batchq.connection import retrying
-from batchq.fields import MetaField
-from batchq.keys import QueueKeys
-from batchq.layout import DONE, ledger_field
-from batchq.ranks import RankLayout
-from consumer.ledger import Ledger
+from batchq.client.connection import retrying
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import DONE, ledger_field
+from batchq.protocol.ranks import RankLayout
 from consumer.rank_state import remap_pairs
+from consumer.reader.ledger import Ledger
 from consumer.session import Plan, Session
 from consumer.state_keys import (
     CONSUMED_KEY,

@@ -16,8 +16,7 @@ from typing import Any
 
 import redis
 
-from batchq import scripts
-from batchq.connection import is_wrong_type, retrying, wrong_type_error
+from batchq.client.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
     ProducersLost,
     RunChanged,
@@ -26,12 +25,13 @@ from batchq.errors import (
     TrainerConflict,
     WorldSizeMismatch,
 )
-from batchq.fields import MetaField
-from batchq.keys import QueueKeys
-from batchq.protocol import PROTOCOL_VERSION, Status
-from batchq.ranks import RankLayout
-from batchq.replies import ClaimReply, CountReply, status_error
-from batchq.scripts import ClaimOp
+from batchq.protocol import scripts
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.ranks import RankLayout
+from batchq.protocol.replies import ClaimReply, CountReply, status_error
+from batchq.protocol.scripts import ClaimOp
+from batchq.protocol.words import PROTOCOL_VERSION, Status
 
 __all__ = ["Plan", "Session"]
 
@@ -68,7 +68,7 @@ class Session:
             retrying while the connection is lost (the reader has its own reconnect).
         rank: this trainer's rank in a data-parallel job (0 for a single trainer).
         world: the job's number of ranks (1: a single trainer).
-        even: how ranks get equal counts, 'pad' or 'drop' (see :mod:`batchq.ranks`).
+        even: how ranks get equal counts, 'pad' or 'drop' (see :mod:`batchq.protocol.ranks`).
     """
 
     def __init__(
@@ -92,14 +92,14 @@ class Session:
         self.plan: Plan | None = None
         self.claimed = False
         self.rank, self.world, self.even = rank, world, even
-        # A rank's meta fields end in ':<rank>' (world 1: nothing), see batchq/ranks.py.
+        # A rank's meta fields end in ':<rank>' (world 1: nothing), see batchq/protocol/ranks.py.
         self.suffix = "" if world == 1 else f":{rank}"
         self.data_key = keys.data_of(rank, world)
         self.held = False  # this rank had claimed the run before (a second resume)
         self.resume_run = ""  # the run id the job's ranks resume into (see resume)
         # Called with the acting client after every acquire not followed by a resume,
         # and after every resume: claim.lua and resume.lua drop the rank's published
-        # shared-memory host, which the trainer publishes again here (consumer.shm_frames).
+        # shared-memory host, which the trainer publishes again here (consumer.reader.shm_frames).
         self.publish: Callable[[redis.Redis], None] | None = None
         # run, incarnation, held and plan change on the reader's thread too (recovery
         # after Redis lost the queue's state): written under this lock, read by position.

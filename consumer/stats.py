@@ -16,8 +16,8 @@ import time
 from collections import deque
 from typing import Any
 
-from batchq.fields import TrainerField
-from batchq.monitor import WAIT_BUCKETS_S  # the histogram's bucket bounds (s); last is +Inf
+from batchq.monitoring.rows import WAIT_BUCKETS_S  # the histogram's bucket bounds (s); last is +Inf
+from batchq.protocol.fields import TrainerField
 
 __all__ = ["WAIT_BUCKETS_S", "TrainerStats"]
 

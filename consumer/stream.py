@@ -15,9 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from batchq.admin import check_eviction_policy
-from batchq.codec import Frame, FrameKind
-from batchq.connection import make_client, resolve_url, retrying, tune_malloc
+from batchq.client.admin import check_eviction_policy
+from batchq.client.connection import make_client, resolve_url, retrying, tune_malloc
 from batchq.errors import (
     ConfigError,
     ConnectionLost,
@@ -26,14 +25,12 @@ from batchq.errors import (
     ProducersLost,
     StreamStopped,
 )
-from batchq.fields import MetaField
-from batchq.keys import QueueKeys
-from batchq.ranks import RankLayout
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.ranks import RankLayout
+from batchq.wire.codec import Frame, FrameKind
 from consumer.balance import Balancer
-from consumer.buffer import Buffer
 from consumer.fuel_stream import FuelStreamMixin
-from consumer.ledger import Ledger
-from consumer.prepare import FramePrep
 from consumer.progress import EpochProgress
 from consumer.rank_state import (
     check_rank_state,
@@ -41,10 +38,13 @@ from consumer.rank_state import (
     pick_rank_state,
     resume_run_id,
 )
-from consumer.reader import BLOCK_S, Reader
+from consumer.reader.buffer import Buffer
+from consumer.reader.ledger import Ledger
+from consumer.reader.prepare import FramePrep
+from consumer.reader.shm_frames import TrainerShm
+from consumer.reader.thread import BLOCK_S, Reader
 from consumer.run_start import delete_old_frames, resume_position
 from consumer.session import Plan, Session
-from consumer.shm_frames import TrainerShm
 from consumer.state_keys import (
     EPOCH_KEY,
     RUN_KEY,

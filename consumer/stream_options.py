@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchq.errors import ConfigError
-from batchq.ranks import RankLayout
+from batchq.protocol.ranks import RankLayout
 
 __all__ = ["check_stream_options"]
 

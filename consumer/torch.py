@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from batchq.errors import BatchQueueError, ConfigError
-from consumer.prepare import FramePrep, check_dtypes
+from consumer.reader.prepare import FramePrep, check_dtypes
 from consumer.stream import ServerDataStream
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
 

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchq.embedded import EmbeddedRedis
-from batchq.procs import spawn, stop_group
+from batchq.host.embedded import EmbeddedRedis
+from batchq.host.procs import spawn, stop_group
 
 ROOT = Path(os.environ["BATCHQ_STACK_ROOT"])
 _VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from batchq.connection import ENV_URL, describe_url, resolve_url
+from batchq.client.connection import ENV_URL, describe_url, resolve_url
 from batchq.errors import BatchQueueError
 from consumer import ServerDataStream
 

@@ -19,9 +19,17 @@ from typing import Any
 
 import redis
 
-from batchq import held, scripts
-from batchq.admin import check_eviction_policy, is_oom
-from batchq.connection import Backoff, call, is_wrong_type, make_client, resolve_url, tune_malloc
+from batchq.client import held
+from batchq.client.admin import check_eviction_policy, is_oom
+from batchq.client.connection import (
+    Backoff,
+    call,
+    is_wrong_type,
+    make_client,
+    resolve_url,
+    tune_malloc,
+)
+from batchq.client.reaper import record_client
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -30,18 +38,18 @@ from batchq.errors import (
     ProtocolError,
     RunFinished,
 )
-from batchq.fields import MetaField
-from batchq.keys import QueueKeys, check_name
-from batchq.layout import lease_entry
-from batchq.lua_scripts import Call
-from batchq.protocol import PROTOCOL_VERSION, Status
-from batchq.ranks import shard_of_slot
-from batchq.reaper import record_client
-from batchq.replies import JoinReply, LeaseReply, status_error
-from producer.heartbeat import Heartbeat
-from producer.pushing import INLINE_MAX_BYTES, Lease, PushSettings, RunPosition, ShardPusher
-from producer.sharding import ShardPlan
-from producer.transport import Transport
+from batchq.protocol import scripts
+from batchq.protocol.calls import Call
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys, check_name
+from batchq.protocol.layout import lease_entry
+from batchq.protocol.ranks import shard_of_slot
+from batchq.protocol.replies import JoinReply, LeaseReply, status_error
+from batchq.protocol.words import PROTOCOL_VERSION, Status
+from producer.serving.heartbeat import Heartbeat
+from producer.serving.pushing import INLINE_MAX_BYTES, Lease, PushSettings, RunPosition, ShardPusher
+from producer.serving.sharding import ShardPlan
+from producer.serving.transport import Transport
 
 __all__ = ["Producer", "start_server"]
 
@@ -82,14 +90,14 @@ class Producer:
 
     Args:
         stream: a DataStream or transformer chain (Fuel's API).
-        url: the Redis URL (see :func:`batchq.connection.resolve_url`).
+        url: the Redis URL (see :func:`batchq.client.connection.resolve_url`).
         queue: the queue's name.
         hwm: the most elements the queue's data list may hold.
         producer_id: this producer's id (default: host-pid-random).
         window: look-ahead in shards past the trainer's oldest incomplete shard
             (default 2 x hwm).
         requests_per_shard: how many consecutive requests make a shard (default: the
-            smallest exact cut of the pipeline, see :mod:`producer.sharding`).
+            smallest exact cut of the pipeline, see :mod:`producer.serving.sharding`).
         heartbeat_ttl_s: a producer silent for this long is declared dead.
         inline_max_bytes: frames larger than this travel by reference.
         max_frame_bytes: refuse to push a batch larger than this.
@@ -106,7 +114,7 @@ class Producer:
         shm_dir: the shared-memory folder (default /dev/shm).
         shm_segments: the most shared-memory segments this producer holds at once
             (one frame each; default: what the run can hold of its frames, ranks x
-            (hwm + the trainer's look-ahead + 2) + 1, see :mod:`producer.transport`).
+            (hwm + the trainer's look-ahead + 2) + 1, see :mod:`producer.serving.transport`).
         shm_max_bytes: the most bytes of segments it holds at once (default: only
             the folder's own size limits it).
     """
@@ -291,7 +299,7 @@ class Producer:
         self._pos.incarnation, self._pos.run = reply.incarnation, reply.run
         self._pos.world = reply.world
         if self._record_id:
-            # Redis tells a killed producer by its closed connection (batchq.reaper).
+            # Redis tells a killed producer by its closed connection (batchq.client.reaper).
             self._record_id = record_client(self.client, self.keys, self.id)
         if self._axis_labels is not None:
             try:  # a convenience for the trainer (ServerDataStream.axis_labels): best effort
@@ -350,7 +358,7 @@ class Producer:
 
     def _lease_request(self, prefetch: int = 0, after: str = "") -> tuple[Call[LeaseReply], str]:
         """The next lease request, and its token (``prefetch``, ``after``: see
-        :func:`batchq.scripts.lease_call`)."""
+        :func:`batchq.protocol.scripts.lease_call`)."""
         self._lease_seq += 1
         token = f"{self.id}.{self._lease_seq}"
         request = scripts.lease_call(

@@ -1,6 +1,6 @@
 """Fixtures for the whole suite: one real redis-server per session, fakeredis, processes.
 
-The real server is a private :class:`~batchq.embedded.EmbeddedRedis` on a free loopback
+The real server is a private :class:`~batchq.host.embedded.EmbeddedRedis` on a free loopback
 port (never 6379); tests share it, so a test only ever deletes its own queue's keys
 (never FLUSHALL/FLUSHDB). Processes started through ``spawn_proc`` are stopped, with
 their whole process group, when the test ends, even when it fails.
@@ -21,11 +21,11 @@ import fakeredis
 import pytest
 import redis
 
-from batchq.admin import delete_queue
-from batchq.embedded import EmbeddedRedis
+from batchq.client.admin import delete_queue
 from batchq.errors import ConfigError
-from batchq.procs import StdSpec, spawn, stop_group
-from batchq.shm import DEFAULT_SHM_DIR, remove_segments
+from batchq.host.embedded import EmbeddedRedis
+from batchq.host.procs import StdSpec, spawn, stop_group
+from batchq.wire.shm import DEFAULT_SHM_DIR, remove_segments
 
 TESTS_DIR = Path(__file__).resolve().parent
 # Modules the tests and their producer processes import (tests/support/pipelines.py);
@@ -115,7 +115,7 @@ def fake_redis() -> Iterator[fakeredis.FakeRedis]:
 
 @pytest.fixture
 def spawn_proc() -> Iterator[SpawnFn]:
-    """A :func:`batchq.procs.spawn` that stops every group it started when the test ends.
+    """A :func:`batchq.host.procs.spawn` that stops every group it started when the test ends.
 
     Yields:
         ``spawn_proc(argv, *, env=None, cwd=None, stdout=None, stderr=None) -> Popen``.

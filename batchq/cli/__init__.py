@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchq.cli.factory_args import add_factory_args
-from batchq.connection import ENV_URL
+from batchq.client.connection import ENV_URL
 from batchq.errors import BatchQueueError
 
 __all__ = ["main"]
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         default="1",
         help="producer processes to run: N, or MIN:MAX / auto (1:16) to scale on the "
-        "trainer's demand (batchq.autoscale)",
+        "trainer's demand (batchq.host.autoscale)",
     )
     serve.add_argument(
         "--requests-per-shard",
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "its data list) against its hwm, bytes held, the oldest frame's age, producers "
         "alive and their rates, leases, the trainer's stall and epoch, frames served, "
         "and a verdict: input-bound, trainer-bound or balanced. --json prints the rows "
-        "documented in batchq/monitor.py (schema version 2).",
+        "documented in batchq/monitoring/rows.py (schema version 2).",
     )
     _add_url(status)
     status.add_argument("--queue", default=None, help="only this queue")

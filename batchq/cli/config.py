@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from batchq.cli.factory_args import shown
-from batchq.connection import describe_url
+from batchq.client.connection import describe_url
 from batchq.errors import ConfigError
 
 __all__ = ["apply_environment", "env_name", "run_config", "settings"]

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from batchq.connection import describe_url, make_client
-from batchq.embedded import url_or_embedded
+from batchq.client.connection import describe_url, make_client
 from batchq.errors import ConfigError, ProducersLost
-from batchq.monitor import queue_status
-from batchq.procs import spawn, stop_group
-from batchq.verdict import judge
+from batchq.host.embedded import url_or_embedded
+from batchq.host.procs import spawn, stop_group
+from batchq.monitoring.rows import queue_status
+from batchq.monitoring.verdict import judge
 from consumer import ServerDataStream
 from producer.datasets import IndexableDataset
 from producer.schemes import ShuffledScheme

@@ -7,9 +7,9 @@ import signal
 import threading
 from typing import Any
 
-from batchq.connection import describe_url, make_client, resolve_url
+from batchq.client.connection import describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
-from batchq.keys import check_name
+from batchq.protocol.keys import check_name
 
 __all__ = ["run_exporter"]
 
@@ -19,7 +19,7 @@ MISSING = "batchq exporter needs prometheus-client: pip install 'batchq[exporter
 def run_exporter(args: argparse.Namespace) -> int:
     """Serve ``/metrics`` until SIGTERM or SIGINT; 0 when stopped by either."""
     try:
-        from batchq.exporter import start_exporter
+        from batchq.monitoring.exporter import start_exporter
     except ImportError as e:
         raise ConfigError(f"{MISSING} ({e})") from None
     queues = [check_name(q, "queue") for q in args.queue or []]

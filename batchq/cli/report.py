@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchq.connection import call, describe_url, make_client, resolve_url
+from batchq.client.connection import call, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
-from batchq.fields import MetaField
-from batchq.keys import QueueKeys, check_name
-from batchq.sizing import delivered_rate, demand_rate, sample_rate
+from batchq.monitoring.sizing import delivered_rate, demand_rate, sample_rate
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys, check_name
 
 __all__ = ["MISSING", "load_history", "plot_report", "run_report", "sizing_series"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchq.admin import delete_queue
-from batchq.connection import describe_url, make_client, resolve_url
-from batchq.keys import QueueKeys, check_name
-from batchq.monitor import queue_status
-from batchq.shm import remove_segments
+from batchq.client.admin import delete_queue
+from batchq.client.connection import describe_url, make_client, resolve_url
+from batchq.monitoring.rows import queue_status
+from batchq.protocol.keys import QueueKeys, check_name
+from batchq.wire.shm import remove_segments
 
 __all__ = ["run_reset"]
 

@@ -12,12 +12,12 @@ import sys
 import threading
 from typing import Any
 
-from batchq.autoscale import ScalePolicy
 from batchq.cli.factory_args import ENV_ARGS, call_factory
-from batchq.connection import ENV_URL, make_client, resolve_url
+from batchq.client.connection import ENV_URL, make_client, resolve_url
 from batchq.errors import ConfigError
-from batchq.pool import WorkerPool
-from batchq.procs import spawn, stop_group
+from batchq.host.autoscale import ScalePolicy
+from batchq.host.pool import WorkerPool
+from batchq.host.procs import spawn, stop_group
 
 __all__ = ["load_factory", "run_serve"]
 
@@ -105,7 +105,9 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
-    if policy.auto:  # --workers auto or MIN:MAX: batchq.autoscale decides, batchq.pool acts
+    if (
+        policy.auto
+    ):  # --workers auto or MIN:MAX: batchq.host.autoscale decides, batchq.host.pool acts
         client = make_client(url)
         try:
             pool = WorkerPool(client, args.queue, policy, lambda: spawn(argv, env=env))

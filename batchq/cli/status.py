@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from batchq.connection import call, describe_url, make_client, resolve_url
-from batchq.keys import check_name
-from batchq.monitor import list_queues, status_rows
-from batchq.status_text import render_table
+from batchq.client.connection import call, describe_url, make_client, resolve_url
+from batchq.monitoring.rows import list_queues, status_rows
+from batchq.monitoring.text import render_table
+from batchq.protocol.keys import check_name
 
 __all__ = ["run_status"]
 

@@ -1,15 +1,15 @@
 """``batchq top``: the queues live, with sparklines of depth and stall (rich).
 
-Each refresh reads every queue shown in one round trip (:func:`batchq.monitor.status_rows`
+Each refresh reads every queue shown in one round trip (:func:`batchq.monitoring.rows.status_rows`
 underneath) and appends this read's depth and the trainer's stall to the sparklines,
 which start from the trainer's history list (one sample a second) the first time a queue
 is seen. Frame rates in and out (and each producer's push rate) are the differences of the
 counters between two refreshes, over the Redis server's clock; on the first screen (and
 with ``--once``) the rates in and out come from the stored history instead (frames
-pushed and batches taken over its last :data:`batchq.verdict.RECENT_S` seconds, by the
+pushed and batches taken over its last :data:`batchq.monitoring.verdict.RECENT_S` seconds, by the
 trainer's clock), so they show at once. A producer's build rate is its batches per
-second of pipeline time (see :mod:`batchq.monitor`); the producers line shows what the
-pool needs (:mod:`batchq.sizing`).
+second of pipeline time (see :mod:`batchq.monitoring.rows`); the producers line shows what the
+pool needs (:mod:`batchq.monitoring.sizing`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
-from batchq.connection import call, describe_url, make_client, redis_errors, resolve_url
+from batchq.client.connection import call, describe_url, make_client, redis_errors, resolve_url
 from batchq.errors import BatchQueueError, ConfigError
-from batchq.keys import check_name
-from batchq.monitor import list_queues, row_from_snapshot
-from batchq.sizing import recent_samples
-from batchq.snapshot import QueueSnapshot, read_snapshots
-from batchq.status_text import fmt_age, fmt_bytes, fmt_pct
-from batchq.verdict import RECENT_S
+from batchq.monitoring.rows import list_queues, row_from_snapshot
+from batchq.monitoring.sizing import recent_samples
+from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
+from batchq.monitoring.text import fmt_age, fmt_bytes, fmt_pct
+from batchq.monitoring.verdict import RECENT_S
+from batchq.protocol.keys import check_name
 
 __all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from batchq.errors import RankLost
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
 from consumer.balance import Balancer
 
 KEYS = QueueKeys("q")

@@ -18,10 +18,10 @@ import redis
 from faultproxy import FaultProxy
 from pipelines import examples_of, numbered
 
-from batchq.keys import QueueKeys
-from batchq.scripts import SCRIPTS
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.scripts import SCRIPTS
 from consumer import ServerDataStream
-from consumer.reader import Reader
+from consumer.reader.thread import Reader
 
 EXAMPLES, BATCH = 200, 10
 

@@ -290,9 +290,9 @@ def test_status_exporter_and_report_show_each_rank(
     from prometheus_client import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
-    from batchq.exporter import BatchqCollector
-    from batchq.monitor import status_rows
-    from batchq.status_text import render_table
+    from batchq.monitoring.exporter import BatchqCollector
+    from batchq.monitoring.rows import status_rows
+    from batchq.monitoring.text import render_table
 
     producer_thread(numbered(EXAMPLES, BATCH))
     streams = [
@@ -338,7 +338,7 @@ def test_ranks_survive_redis_restarting_empty(
 ) -> None:
     import threading
 
-    from batchq.embedded import EmbeddedRedis
+    from batchq.host.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
     server.start()

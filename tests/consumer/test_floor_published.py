@@ -15,7 +15,7 @@ import redis
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 
 

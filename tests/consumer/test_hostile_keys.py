@@ -16,9 +16,9 @@ import redis
 from pipelines import Slow, examples_of, numbered
 from waiting import wait_until
 
-from batchq import refs
 from batchq.errors import WrongKeyType
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
+from batchq.wire import refs
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 60, 10

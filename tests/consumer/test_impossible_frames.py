@@ -17,10 +17,10 @@ import pytest
 import redis
 from pipelines import FEATURES, Slow, examples_of, numbered
 
-from batchq import codec
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
+from batchq.wire import codec
 from consumer import ServerDataStream
-from consumer.ledger import Ledger
+from consumer.reader.ledger import Ledger
 
 EXAMPLES, BATCH = 60, 10  # 6 batches per epoch
 HWM = 10

@@ -13,9 +13,9 @@ import redis
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
-from batchq.embedded import EmbeddedRedis
 from batchq.errors import FrameError, ProducerFailed
-from batchq.keys import QueueKeys
+from batchq.host.embedded import EmbeddedRedis
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from producer import Producer
 
@@ -105,7 +105,7 @@ def test_an_evicting_policy_is_warned_about(
     client.config_set("maxmemory", 100_000_000)
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.close()
-    caplog.set_level(logging.WARNING, logger="batchq.admin")
+    caplog.set_level(logging.WARNING, logger="batchq.client.admin")
     producer, thread = serve(own_redis.url, queue_name, numbered(40, 20), hwm=2)
     try:
         wait_until(

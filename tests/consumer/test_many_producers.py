@@ -13,11 +13,11 @@ import pytest
 from pipelines import FailOnExample, examples_of, numbered
 from waiting import wait_until
 
-from batchq import scripts
-from batchq.connection import make_client
+from batchq.client.connection import make_client
 from batchq.errors import PipelineMismatch, ProducerFailed
-from batchq.keys import QueueKeys
-from batchq.protocol import decode_reply
+from batchq.protocol import scripts
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.words import decode_reply
 from consumer import ServerDataStream
 from producer import Producer
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from batchq.errors import ConfigError, StepMismatch
-from batchq.ranks import RankLayout
+from batchq.protocol.ranks import RankLayout
 from consumer.rank_state import (
     check_rank_state,
     elastic_state,

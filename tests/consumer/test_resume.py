@@ -14,9 +14,9 @@ from train import argv as train_argv
 from train import lines
 from waiting import wait_until
 
-from batchq.embedded import EmbeddedRedis
 from batchq.errors import ConfigError, TrainerConflict
-from batchq.keys import QueueKeys
+from batchq.host.embedded import EmbeddedRedis
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 200, 10  # 20 batches (shards) per epoch

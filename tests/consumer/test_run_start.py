@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
 from consumer import run_start
 from consumer.run_start import DELETE_CHUNK, delete_old_frames
 

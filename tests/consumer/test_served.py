@@ -12,9 +12,9 @@ import redis
 from pipelines import FEATURES, FailOnExample, examples_of, numbered
 from waiting import wait_until
 
-from batchq import codec
 from batchq.errors import FrameError, ProducerFailed, ProducersLost, TrainerConflict
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
+from batchq.wire import codec
 from consumer import ServerDataStream
 
 EPOCHS = 5

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from batchq import scripts
-from batchq.admin import delete_queue
-from batchq.connection import make_client
+from batchq.client.admin import delete_queue
+from batchq.client.connection import make_client
 from batchq.errors import StateLost, StepMismatch, TrainerConflict
-from batchq.keys import QueueKeys
-from batchq.protocol import PROTOCOL_VERSION
+from batchq.protocol import scripts
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.words import PROTOCOL_VERSION
 from consumer.session import Session
 
 TTL_MS = 10_000

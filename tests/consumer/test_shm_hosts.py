@@ -1,6 +1,6 @@
 """Trainers on different hosts: a rank elsewhere, a takeover from elsewhere.
 
-Another shared-memory folder is another host identity (batchq.shm.host_identity), so a
+Another shared-memory folder is another host identity (batchq.wire.shm.host_identity), so a
 trainer given ``shm_dir=<a folder of its own>`` stands for one on another machine: it
 can map nothing the producers on /dev/shm write.
 """
@@ -16,10 +16,10 @@ import pytest
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
-from batchq import shm
-from batchq.fields import StatsField
-from batchq.keys import QueueKeys
-from batchq.ranks import rank_field
+from batchq.protocol.fields import StatsField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.ranks import rank_field
+from batchq.wire import shm
 from consumer import ServerDataStream
 from producer import Producer
 

@@ -18,16 +18,16 @@ from pipelines import FEATURES, examples_of, numbered
 from small_tmpfs import small_tmpfs
 from waiting import wait_until
 
-from batchq import shm
 from batchq.cli import main
-from batchq.embedded import EmbeddedRedis
-from batchq.fields import MetaField
-from batchq.keys import QueueKeys
-from batchq.monitor import queue_status
+from batchq.host.embedded import EmbeddedRedis
+from batchq.monitoring.rows import queue_status
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.wire import shm
 from consumer import ServerDataStream
 from producer import Producer
-from producer.shm_pool import SegmentPool
-from producer.transport import pool_size
+from producer.serving.shm_pool import SegmentPool
+from producer.serving.transport import pool_size
 
 pytestmark = pytest.mark.skipif(shm.host_identity() is None, reason="no writable /dev/shm")
 
@@ -167,7 +167,7 @@ def test_full_folder_falls_back_to_redis_and_loses_nothing(
 ) -> None:
     # Batches of 100 x 8 int64 = 6.4 kB + header: a 64 kB folder holds a few segments.
     with small_tmpfs(tmp_path / "shm", 64 * 1024) as folder:
-        with caplog.at_level(logging.WARNING, logger="producer.transport"):
+        with caplog.at_level(logging.WARNING, logger="producer.serving.transport"):
             producer = producer_thread(numbered(1000, 100), hwm=6, shm_dir=folder)
             data = QueueKeys(queue_name).data
             wait_until(lambda: redis_client.llen(data) == 6, what="the producer at the cap")

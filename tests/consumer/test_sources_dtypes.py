@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from pipelines import FEATURES, examples_of, numbered
 
-from batchq import codec
 from batchq.errors import ConfigError
+from batchq.wire import codec
 from consumer import ServerDataStream
-from consumer.prepare import FramePrep
+from consumer.reader.prepare import FramePrep
 
 
 def trainer(url: str, queue: str, sources: Any, **kw: Any) -> ServerDataStream:

@@ -18,8 +18,8 @@ from faultproxy import FaultProxy
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
-from batchq.keys import QueueKeys
-from batchq.scripts import SCRIPTS
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.scripts import SCRIPTS
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 60, 10  # 6 batches per epoch
@@ -153,7 +153,7 @@ def test_redis_killed_and_restarted_while_waiting_for_the_plan(
 ) -> None:
     # kill -9 of redis-server while the first iterator waits for a producer's plan, then
     # a restart (empty) on the same port: the trainer claims again and serves the epoch.
-    from batchq.embedded import EmbeddedRedis
+    from batchq.host.embedded import EmbeddedRedis
     from producer import Producer
 
     with EmbeddedRedis(workdir=str(tmp_path / "redis")) as server:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pipelines import numbered
 
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from consumer.stats import WAIT_BUCKETS_S, TrainerStats
 

@@ -352,7 +352,7 @@ def test_pinning_hook_reuses_buffers_once_batches_are_dropped() -> None:
     pool = PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8), max_buffers=4)
     ts = TorchStream(ServerDataStream(("x",), False))
     ts.pool = pool
-    from batchq import codec
+    from batchq.wire import codec
 
     def frame(value: int) -> Any:
         header = codec.FrameHeader(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pipelines import examples_of, numbered
 
-from batchq import shm
+from batchq.wire import shm
 from consumer import ServerDataStream
 from producer import Producer
 

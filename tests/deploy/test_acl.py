@@ -24,10 +24,10 @@ from pipelines import examples_of, numbered
 from waiting import wait_until
 
 from batchq.cli import main as batchq_main
-from batchq.connection import make_client
-from batchq.embedded import EmbeddedRedis
-from batchq.keys import QueueKeys
-from batchq.lua_scripts import SCRIPTS
+from batchq.client.connection import make_client
+from batchq.host.embedded import EmbeddedRedis
+from batchq.protocol.calls import SCRIPTS
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from producer import Producer
 
@@ -36,12 +36,12 @@ pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
 ACL_FILE = ROOT / "deploy" / "acl.conf"
 DOCS = ROOT / "docs" / "deploy.md"
-LUA_DIR = ROOT / "batchq" / "lua"
+LUA_DIR = ROOT / "batchq" / "protocol" / "lua"
 QUEUE = "tutorial"  # the queue deploy/acl.conf is written for
 OTHER = "other"  # a queue the roles of QUEUE must not reach
 SECRET = "app:secret"  # a key of some other application on the same server
 
-# Which Lua scripts each role runs (producer/server.py, consumer/, batchq/reaper.py).
+# Which Lua scripts each role runs (producer/server.py, consumer/, batchq/client/reaper.py).
 # Every redis.call in them runs as the calling user, so the role needs those commands.
 ROLE_SCRIPTS = {
     "bq-producer": {"join", "lease", "push", "fail", "handback", "reap"},
@@ -184,7 +184,7 @@ def test_producer_trainer_and_monitor_do_their_jobs_as_their_users(
     assert rows[QUEUE]["dead"] == 1
 
     # The exporter reads as the monitor too (batchq_up is 0 when a read is refused).
-    exporter = pytest.importorskip("batchq.exporter")
+    exporter = pytest.importorskip("batchq.monitoring.exporter")
     client = make_client(monitor_url)
     server = exporter.start_exporter(client, port=0)
     try:

@@ -24,9 +24,9 @@ import redis
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
-from batchq import codec, refs
-from batchq._codec_values import PREFIX, align
-from batchq.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys
+from batchq.wire import codec, refs
+from batchq.wire.values import PREFIX, align
 from consumer import ServerDataStream
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]

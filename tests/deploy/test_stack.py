@@ -27,7 +27,7 @@ import redis
 from ruamel.yaml import YAML
 from waiting import wait_until
 
-from batchq.embedded import EmbeddedRedis
+from batchq.host.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,7 +23,7 @@ from producer.schemes import (
     ShuffledExampleScheme,
     ShuffledScheme,
 )
-from producer.sharding import ShardPlan
+from producer.serving.sharding import ShardPlan
 from producer.streams import DataStream
 from producer.transformers import Merge, SourcewiseTransformer
 from producer.transformers.image import Random2DRotation, RandomFixedSizeCrop

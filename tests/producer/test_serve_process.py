@@ -10,8 +10,8 @@ import pytest
 from waiting import wait_until
 
 from batchq.errors import ProducersLost
-from batchq.keys import QueueKeys
-from batchq.procs import group_alive
+from batchq.host.procs import group_alive
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 
 
@@ -40,7 +40,7 @@ def test_sigterm_hands_leases_back_and_leaves_no_process(
     producers = [p.decode() for p in redis_client.zrange(keys.producers, 0, -1)]
     # With the list at the cap and no trainer, held leases stay held: stable once the
     # window (2 x hwm = 4 shards) is all minted, 2 listed and 2 held (by one producer or
-    # both: a producer whose shards build quickly holds one ahead, producer/ahead.py).
+    # both: a producer whose shards build quickly holds one ahead, producer/serving/ahead.py).
     wait_until(
         lambda: (
             redis_client.llen(keys.data) == 2

@@ -11,12 +11,12 @@ import pytest
 import redis
 
 from batchq.errors import ConfigError, PipelineMismatch, ProtocolError, RunFinished
-from batchq.fields import MetaField
-from batchq.protocol import Status
+from batchq.protocol.fields import MetaField
+from batchq.protocol.words import Status
 from producer.datasets import IndexableDataset
-from producer.pushing import Lease
 from producer.schemes import SequentialScheme
 from producer.server import Producer
+from producer.serving.pushing import Lease
 from producer.streams import DataStream
 
 

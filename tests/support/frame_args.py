@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from batchq.codec import FrameHeader, FrameKind
+from batchq.wire.codec import FrameHeader, FrameKind
 
 OPTIONS = ("checksum", "max_frame_bytes")
 

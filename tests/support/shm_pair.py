@@ -6,9 +6,9 @@ from pathlib import Path
 
 import fakeredis
 
-from batchq.keys import QueueKeys
-from consumer.shm_frames import TrainerShm
-from producer.transport import Transport
+from batchq.protocol.keys import QueueKeys
+from consumer.reader.shm_frames import TrainerShm
+from producer.serving.transport import Transport
 
 
 def shm_pair(

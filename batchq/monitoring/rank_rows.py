@@ -1,0 +1,86 @@
+"""Status of each rank of a data-parallel trainer: depth, stall, rate, verdict.
+
+A run read by ``world > 1`` ranks has a data list and figures per rank
+(:mod:`batchq.protocol.keys`); its status row (:mod:`batchq.monitoring.rows`) carries ``ranks``, one
+object per rank with the fields of :data:`RANK_FIELDS`, and ``slowest_rank``: the rank
+furthest behind (lowest epoch, then fewest batches in it; ties: the one that waits
+most), the one a collective op waits for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchq.monitoring.snapshot import QueueSnapshot, RankSnapshot
+from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, recent_depths
+from batchq.protocol.fields import MetaField, TrainerField
+
+__all__ = ["RANK_FIELDS", "rank_rows", "slowest_rank"]
+
+#: The fields of each object in a status row's ``ranks``, in order.
+RANK_FIELDS = (
+    "rank",  # int
+    "depth",  # int: LLEN of its data list
+    "fill",  # float: depth / hwm
+    "trainer",  # 'attached', 'detached' or 'finished'
+    "stall",  # float|null: fraction of its last 100 batches' time spent waiting
+    "batches_per_s",  # float|null: batches it took per second (last 100)
+    "epoch",  # int|null
+    "epoch_progress",  # int|null: batches it yielded in that epoch
+    "figures_age_s",  # float|null
+    "verdict",  # as the queue's verdict (batchq.monitoring.verdict), for this rank alone
+    "verdict_reason",  # str
+)
+
+
+def _state(snap: QueueSnapshot, rank: RankSnapshot) -> str:
+    if snap.meta.get(MetaField.FINISHED) == "1" or rank.done:
+        return "finished"
+    return "attached" if rank.claim_deadline_ms > snap.now_ms else "detached"
+
+
+def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
+    """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer."""
+    rows = []
+    for rank in snap.ranks:
+        updated = rank.figure(TrainerField.UPDATED_MS)
+        age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
+        fresh = age is not None and age <= FIGURES_FRESH_S
+        stall = rank.figure(TrainerField.STALL_FRACTION_RECENT)
+        state = _state(snap, rank)
+        verdict, reason = judge(
+            trainer=state,
+            producers_alive=len(snap.alive),
+            depths=recent_depths(rank.depth, rank.history, snap.now_ms / 1000),
+            hwm=snap.hwm,
+            stall=stall if fresh else None,
+        )
+        epoch, progress = rank.figure(TrainerField.EPOCH), rank.figure(TrainerField.EPOCH_PROGRESS)
+        rows.append(
+            {
+                "rank": rank.rank,
+                "depth": rank.depth,
+                "fill": rank.depth / snap.hwm if snap.hwm else 0.0,
+                "trainer": state,
+                "stall": stall,
+                "batches_per_s": rank.figure(TrainerField.BATCHES_PER_S),
+                "epoch": None if epoch is None or epoch < 0 else int(epoch),
+                "epoch_progress": None if progress is None else int(progress),
+                "figures_age_s": age,
+                "verdict": verdict,
+                "verdict_reason": reason,
+            }
+        )
+    return rows
+
+
+def slowest_rank(rows: list[dict[str, Any]]) -> int | None:
+    """The rank furthest behind among those reading (None: none is)."""
+    reading = [r for r in rows if r["trainer"] == "attached"]
+    if not reading:
+        return None
+
+    def behind(r: dict[str, Any]) -> tuple[int, int, float]:
+        return (r["epoch"] or 0, r["epoch_progress"] or 0, -(r["stall"] or 0.0))
+
+    return int(min(reading, key=behind)["rank"])

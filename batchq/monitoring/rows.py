@@ -1,0 +1,429 @@
+"""Reading a queue's state for people: status rows and their verdict (the table and the
+other text are :mod:`batchq.monitoring.text`).
+
+Reads go through :func:`batchq.monitoring.snapshot.read_snapshots` (one pipelined round trip for
+all the queues, a second for lease lists and referenced frames); nothing here writes to
+Redis. The verdict's rule and thresholds are in :mod:`batchq.monitoring.verdict`.
+
+``status --json`` prints a list of objects, one per queue, with these fields in this
+order (schema version 4; version 3 had the fields up to ``shm_bytes``; version 2 had
+the fields up to ``verdict_reason``, and
+``host`` was not in the producer objects; version 1 had the first 13, with the same
+meanings, and no ``schema`` field). Counters are cumulative since the queue's keys were
+created: they are not reset between runs (``batchq reset`` deletes them).
+
+    queue                 str          the queue's name
+    run                   str          the run id ('' if none)
+    depth                 int          LLEN of the data list (items)
+    hwm                   int          the run's cap (0 if no producer joined yet)
+    producers_alive       int          producers whose heartbeat deadline has not passed
+    leases                int          shards leased right now by live producers
+    shards_per_epoch      int          S (0 if unknown)
+    epoch_batches         int          batches per epoch (0 if unknown)
+    pushed                int          frames pushed
+    popped                int          frames popped
+    pushed_bytes          int          bytes pushed
+    trainer               str          'attached', 'detached' or 'finished'
+    dead                  int          frames in the dead list (capped)
+    schema                int          4 (STATUS_SCHEMA_VERSION)
+    popped_bytes          int          bytes popped
+    bytes_held            int          estimate of the bytes in the data list (see below)
+    fill                  float        depth / hwm (0.0 when hwm is 0)
+    oldest_age_s          float|null   age of the oldest frame (see below); null when the
+                                       list is empty or its header has no time
+    producer_blocked_s    float        time producers spent blocked at the hwm (all)
+    shards_done           int          shards whose last frame was pushed
+    redone_shards         int          shards handed back to be built again
+    epochs_completed      int          epochs the trainer finished
+    dead_by_reason        object       {reason: frames} as counted by the trainer
+    trainer_wait_s        float        time the trainer waited for data
+    trainer_busy_s        float        time the trainer spent between batches (its work)
+    figures_age_s         float|null   age of the trainer's figures below (null: none)
+    stall                 float|null   fraction of its last 100 batches' time the trainer
+                                       waited for data
+    stall_epoch           float|null   the same over the current (or last) epoch
+    trainer_batches_per_s float|null   batches the trainer took per second (last 100)
+    trainer_mb_per_s      float|null   MB (1e6 bytes) the trainer took per second
+    wait_p50_s            float|null   median wait per batch (last 100)
+    wait_p90_s            float|null   90th percentile wait per batch
+    wait_p99_s            float|null   99th percentile wait per batch
+    epoch                 int|null     the trainer's current epoch
+    epoch_progress        int|null     batches handed out in it
+    epoch_fraction        float|null   epoch_progress / epoch_batches
+    producers             list         live producers, by id: objects with the fields of
+                                       PRODUCER_FIELDS (below)
+    supply_batches_per_s  float|null   sum of the live producers' batches_per_s
+    verdict               str          'input-bound', 'trainer-bound', 'balanced', 'idle'
+                                       or 'unknown' (rule: batchq.monitoring.verdict)
+    verdict_reason        str          one sentence: why (with the cause, when known)
+    verdict_cause         str|null     'cpu-starved', 'transport-saturated' or
+                                       'slow-producer' (rule: batchq.monitoring.verdict.cause)
+    demand_batches_per_s  float|null   batches/s the trainer would take if it never
+                                       waited: trainer_batches_per_s / (1 - stall)
+    busy_ms_per_batch     float|null   the trainer's own work per batch (1000 / demand)
+    producer_batches_per_s float|null  the observed pipeline rate of one producer (recent
+                                       history samples, else the live producers' totals)
+    delivered_batches_per_s float|null frames actually pushed per second (recent samples)
+    recommended_producers int|null     producers that meet the demand at that rate, with
+                                       a 5% margin (batchq.monitoring.sizing)
+    producers_deficit     int|null     recommended_producers - producers_alive (negative:
+                                       producers to spare)
+    autoscalers           int          live `serve --workers auto` sharing the queue
+    autoscale_added       int          workers they added (all, cumulative)
+    autoscale_retired     int          workers they retired
+    autoscale_last        object|null  their newest decision: t (unix s), scaler, action,
+                                       count, workers, reason, figures (batchq.host.pool)
+    shm_segments          int          the queue's shared-memory segments in /dev/shm (or
+                                       --shm-dir) on the host that runs status (batchq.wire.shm)
+    shm_bytes             int          bytes allocated to them
+    world_size            int          the trainer's ranks (1: a single trainer)
+    ranks                 list         per rank of a data-parallel trainer: objects with
+                                       the fields of batchq.monitoring.rank_rows.RANK_FIELDS
+                                       (empty for a single trainer)
+    slowest_rank          int|null     the rank furthest behind (batchq.monitoring.rank_rows)
+    figures_fresh         bool         figures_age_s <= verdict.FIGURES_FRESH_S (in
+                                       batchq.monitoring): the stall and epoch
+                                       describe the trainer now (the one rule the
+                                       table, top, report and the exporter read; added
+                                       to schema 4 at its end, nothing else moved)
+    wait_buckets          list         the trainer's waits per batch, counted into the
+                                       buckets of WAIT_BUCKETS_S and a last +Inf one,
+                                       cumulative (the exporter's histogram); added to
+                                       schema 4 at its end after figures_fresh
+
+For a data-parallel trainer (world_size > 1) ``depth`` is the sum of the ranks' lists
+and the trainer figures (stall, rates, epoch) are the slowest rank's.
+
+A producer object (its counters cover its whole life; ids are unique per process):
+
+    id                    str          the producer's id
+    batches               int          frames it pushed
+    bytes                 int          bytes it pushed
+    build_s               float        time its pipeline spent building those batches
+    blocked_s             float        time it spent blocked at the hwm
+    build_ms_per_batch    float|null   build_s / batches, in ms
+    batches_per_s         float|null   batches per second of pipeline time: the rate it
+                                       reaches when it is never blocked
+    blocked_fraction      float|null   blocked_s / (build_s + blocked_s)
+    heartbeat_in_s        float        seconds until its heartbeat deadline
+    host                  str          the host part of a default id (host-pid-random),
+                                       else the whole id
+
+``bytes_held``: Redis cannot give the size of a list element without sending it
+(STRLEN works on strings only), so this is an estimate: depth times the mean frame size
+of the live producers (their pstats bytes over batches; the queue's pushed_bytes over
+pushed when none has pushed yet), and exactly 0 when the list is empty. Frames stored
+by reference count with their full size. It is exact when the frames are of one size,
+as batches of fixed shapes are. ``pushed_bytes - popped_bytes`` was the other candidate
+and was not chosen: the trainer reports the bytes of a pop in its next call, so that
+difference errs high by a whole pop (up to the trainer's hwm in frames), and, for good,
+by the last pop of every trainer that closed and every frame it never fetched.
+
+``oldest_age_s``: the Redis server's time minus the time the producer wrote into the
+oldest frame's header (``LINDEX data -1``: for an inline frame that sends the whole
+frame, at most 256 KiB; for a reference, ``GETRANGE key 0 65535`` of the frame it
+names). It includes any clock difference between the producer's host and Redis'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import redis
+
+from batchq.monitoring import sizing
+from batchq.monitoring.rank_rows import rank_rows, slowest_rank
+from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
+from batchq.monitoring.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
+from batchq.monitoring.verdict import recent_depths as verdict_depths
+from batchq.protocol.fields import (
+    MetaField,
+    StatsField,
+    TrainerField,
+    autoscale_field,
+    dead_field,
+    wait_bucket_field,
+)
+from batchq.protocol.keys import QueueKeys, queue_from_meta_key
+from batchq.protocol.words import as_int
+from batchq.wire.shm import DEFAULT_SHM_DIR, segments_usage
+
+__all__ = [
+    "PRODUCER_FIELDS",
+    "STATUS_FIELDS",
+    "STATUS_SCHEMA_VERSION",
+    "WAIT_BUCKETS_S",
+    "list_queues",
+    "queue_status",
+    "recent_depths",
+    "row_from_snapshot",
+    "status_rows",
+    "trainer_state",
+]
+
+#: The version of the row layout documented above.
+STATUS_SCHEMA_VERSION = 4
+
+#: Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket,
+#: ``wait_bucket:<len>``, is +Inf. The trainer (consumer.stats) counts into them and the
+#: exporter publishes them as ``le`` bounds.
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+STATUS_FIELDS = (
+    "queue", "run", "depth", "hwm", "producers_alive", "leases", "shards_per_epoch",
+    "epoch_batches", "pushed", "popped", "pushed_bytes", "trainer", "dead",
+    "schema", "popped_bytes", "bytes_held", "fill", "oldest_age_s", "producer_blocked_s",
+    "shards_done", "redone_shards", "epochs_completed", "dead_by_reason", "trainer_wait_s",
+    "trainer_busy_s", "figures_age_s", "stall", "stall_epoch", "trainer_batches_per_s",
+    "trainer_mb_per_s", "wait_p50_s", "wait_p90_s", "wait_p99_s", "epoch", "epoch_progress",
+    "epoch_fraction", "producers", "supply_batches_per_s", "verdict", "verdict_reason",
+    "verdict_cause", "demand_batches_per_s", "busy_ms_per_batch", "producer_batches_per_s",
+    "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
+    "autoscale_added", "autoscale_retired", "autoscale_last",
+    "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
+    "wait_buckets",
+)  # fmt: skip
+
+PRODUCER_FIELDS = (
+    "id", "batches", "bytes", "build_s", "blocked_s", "build_ms_per_batch", "batches_per_s",
+    "blocked_fraction", "heartbeat_in_s", "host",
+)  # fmt: skip
+
+
+def list_queues(client: redis.Redis) -> list[str]:
+    """The names of every queue on the server (those with a meta hash), sorted."""
+    names = set()
+    for key in client.scan_iter(match=QueueKeys.META_PATTERN, count=1000):
+        name = queue_from_meta_key(key)
+        if name is not None:
+            names.add(name)
+    return sorted(names)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, Any]:
+    c = snap.pstats.get(producer, {})
+    batches, build_ms, blocked_ms = (
+        c.get("batches", 0),
+        c.get("produce_ms", 0),
+        c.get("blocked_ms", 0),
+    )
+    per_batch = _ratio(build_ms, batches)
+    return {
+        "id": producer,
+        "batches": batches,
+        "bytes": c.get("bytes", 0),
+        "build_s": build_ms / 1000,
+        "blocked_s": blocked_ms / 1000,
+        "build_ms_per_batch": per_batch,
+        "batches_per_s": _ratio(1000.0, per_batch) if per_batch else None,
+        "blocked_fraction": _ratio(blocked_ms, build_ms + blocked_ms),
+        "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
+        "host": producer.rsplit("-", 2)[0] if producer.count("-") >= 2 else producer,
+    }
+
+
+def _bytes_held(snap: QueueSnapshot) -> int:
+    """depth x the mean frame size (see the module docstring), 0 when empty."""
+    if not snap.depth:
+        return 0
+    counters = [snap.pstats.get(p, {}) for p in snap.alive]
+    nbytes, frames = (
+        sum(c.get("bytes", 0) for c in counters),
+        sum(c.get("batches", 0) for c in counters),
+    )
+    if not frames:
+        stats = snap.stats
+        nbytes, frames = stats.get(StatsField.PUSHED_BYTES, 0), stats.get(StatsField.PUSHED, 0)
+    return round(snap.depth * nbytes / frames) if frames else 0
+
+
+def trainer_state(snap: QueueSnapshot) -> str:
+    """'finished', 'attached' (a live claim; a rank's for data-parallel trainers) or
+    'detached'."""
+    if snap.meta.get(MetaField.FINISHED) == "1":
+        return "finished"
+    if snap.ranks:
+        return (
+            "attached" if any(r.claim_deadline_ms > snap.now_ms for r in snap.ranks) else "detached"
+        )
+    deadline = as_int(snap.meta.get(MetaField.CLAIM_DEADLINE))
+    return "attached" if snap.meta.get(MetaField.CLAIM) and deadline > snap.now_ms else "detached"
+
+
+def _as_slowest_rank(snap: QueueSnapshot, slowest: int | None) -> QueueSnapshot:
+    """A data-parallel trainer's snapshot with the queue-level figures of its slowest
+    rank and the depth of all its lists."""
+    rank = snap.ranks[slowest if slowest is not None else 0]
+    return dataclasses.replace(
+        snap,
+        depth=sum(r.depth for r in snap.ranks),
+        trainer=rank.trainer,
+        history=rank.history,
+    )
+
+
+def recent_depths(snap: QueueSnapshot) -> list[float]:
+    """This read's depth and those of the trainer's history samples of the last RECENT_S."""
+    return verdict_depths(snap.depth, snap.history, snap.now_ms / 1000)
+
+
+def _counters(stats: dict[str, int]) -> dict[str, Any]:
+    """The row's fields read from the stats hash (cumulative counters)."""
+    f = StatsField
+    waits, total = [], 0
+    for i in range(len(WAIT_BUCKETS_S) + 1):  # cumulative, as the exporter's le buckets
+        total += stats.get(wait_bucket_field(i), 0)
+        waits.append(total)
+    dead = dead_field("")
+    return {
+        "pushed": stats.get(f.PUSHED, 0),
+        "popped": stats.get(f.POPPED, 0),
+        "pushed_bytes": stats.get(f.PUSHED_BYTES, 0),
+        "popped_bytes": stats.get(f.POPPED_BYTES, 0),
+        "producer_blocked_s": stats.get(f.PRODUCER_BLOCKED_MS, 0) / 1000,
+        "shards_done": stats.get(f.SHARDS_DONE, 0),
+        "redone_shards": stats.get(f.REDONE_SHARDS, 0),
+        "epochs_completed": stats.get(f.EPOCHS_COMPLETED, 0),
+        "dead_by_reason": {
+            k.removeprefix(dead): v for k, v in sorted(stats.items()) if k.startswith(dead) and v
+        },
+        "trainer_wait_s": stats.get(f.TRAINER_WAIT_MS, 0) / 1000,
+        "trainer_busy_s": stats.get(f.TRAINER_BUSY_MS, 0) / 1000,
+        "autoscale_added": stats.get(autoscale_field("add"), 0),
+        "autoscale_retired": stats.get(autoscale_field("retire"), 0),
+        "wait_buckets": waits,
+    }
+
+
+def _figures(snap: QueueSnapshot) -> dict[str, Any]:
+    """The row's fields read from the trainer's figures, and whether they are fresh."""
+    f = TrainerField
+    updated = snap.figure(f.UPDATED_MS)
+    age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
+    epoch, progress = snap.figure(f.EPOCH), snap.figure(f.EPOCH_PROGRESS)
+    epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES))
+    return {
+        "figures_age_s": age,
+        "figures_fresh": age is not None and age <= FIGURES_FRESH_S,
+        "stall": snap.figure(f.STALL_FRACTION_RECENT),
+        "stall_epoch": snap.figure(f.STALL_FRACTION_EPOCH),
+        "trainer_batches_per_s": snap.figure(f.BATCHES_PER_S),
+        "trainer_mb_per_s": snap.figure(f.MB_PER_S),
+        "wait_p50_s": snap.figure(f.WAIT_P50_S),
+        "wait_p90_s": snap.figure(f.WAIT_P90_S),
+        "wait_p99_s": snap.figure(f.WAIT_P99_S),
+        "epoch": None if epoch is None or epoch < 0 else int(epoch),
+        "epoch_progress": None if progress is None else int(progress),
+        "epoch_fraction": _ratio(progress, epoch_batches) if progress is not None else None,
+    }
+
+
+def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+    """One queue's status row (see the module docstring for the fields); its segments
+    are counted in ``shm_dir``."""
+    ranks = rank_rows(snap)
+    slowest = slowest_rank(ranks)
+    if snap.ranks:
+        snap = _as_slowest_rank(snap, slowest)
+    meta, hwm = snap.meta, snap.hwm
+    figures = _figures(snap)
+    fresh = figures["figures_fresh"]
+    trainer = trainer_state(snap)
+    producers = [_producer(snap, p, d) for p, d in snap.alive.items()]
+    rates = [p["batches_per_s"] for p in producers if p["batches_per_s"] is not None]
+    verdict, reason = judge(
+        trainer=trainer,
+        producers_alive=len(snap.alive),
+        depths=recent_depths(snap),
+        hwm=hwm,
+        stall=figures["stall"] if fresh else None,
+    )
+    shm_segments, shm_bytes = segments_usage(shm_dir, snap.queue)  # this host's
+    row: dict[str, Any] = {
+        "queue": snap.queue,
+        "run": meta.get(MetaField.RUN, ""),
+        "depth": snap.depth,
+        "hwm": hwm,
+        "producers_alive": len(snap.alive),
+        "leases": snap.leases or 0,
+        "shards_per_epoch": as_int(meta.get(MetaField.SHARDS)),
+        "epoch_batches": as_int(meta.get(MetaField.EPOCH_BATCHES)),
+        "trainer": trainer,
+        "dead": snap.dead,
+        "schema": STATUS_SCHEMA_VERSION,
+        "bytes_held": _bytes_held(snap),
+        "fill": snap.depth / hwm if hwm else 0.0,
+        "oldest_age_s": snap.oldest_age_s,
+        "producers": producers,
+        "supply_batches_per_s": sum(rates) if rates else None,
+        "verdict": verdict,
+        "verdict_reason": reason,
+        "shm_segments": shm_segments,
+        "shm_bytes": shm_bytes,
+        "world_size": snap.world,
+        "ranks": ranks,
+        "slowest_rank": slowest,
+        **_counters(snap.stats),
+        **figures,
+    }
+    row.update(_sizing(snap, row, fresh))
+    return {name: row[name] for name in STATUS_FIELDS}  # the documented order
+
+
+def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    """Demand, supply and the recommendation (batchq.monitoring.sizing), and the verdict's cause."""
+    rate, stall = row["trainer_batches_per_s"], row["stall"]
+    demand = sizing.demand_rate(rate, stall) if fresh else None
+    samples = sizing.recent_samples(snap.history, snap.now_ms / 1000 - RECENT_S)
+    counters = [snap.pstats.get(p, {}) for p in snap.alive]
+    per_producer = sizing.producer_rate(
+        samples,
+        sum(c.get("batches", 0) for c in counters),
+        sum(c.get("produce_ms", 0) for c in counters),
+    )
+    recommended = sizing.recommended_producers(demand, per_producer)
+    delivered = sizing.delivered_rate(samples)
+    why = cause(
+        verdict=row["verdict"],
+        depths=recent_depths(snap),
+        hwm=snap.hwm,
+        producers=row["producers"],
+        samples=snap.history,
+        supply=row["supply_batches_per_s"],
+        # Only over samples with today's producers: after a join the delivered rate
+        # still lags the new supply.
+        delivered=delivered
+        if all(s.get("producers") == len(snap.alive) for s in samples)
+        else None,
+    )
+    out: dict[str, Any] = {
+        "verdict_cause": why[0] if why else None,
+        "demand_batches_per_s": demand,
+        "busy_ms_per_batch": None if demand is None else 1000.0 / demand,
+        "producer_batches_per_s": per_producer,
+        "delivered_batches_per_s": delivered,
+        "recommended_producers": recommended,
+        "producers_deficit": None if recommended is None else recommended - len(snap.alive),
+        "autoscalers": snap.autoscalers,
+        "autoscale_last": snap.last_decision,
+    }
+    if why:
+        out["verdict_reason"] = f"{row['verdict_reason']}; {why[1]}"
+    return out
+
+
+def status_rows(
+    client: redis.Redis, queues: list[str], shm_dir: str = DEFAULT_SHM_DIR
+) -> list[dict[str, Any]]:
+    """The status rows of ``queues``, read together (see :func:`read_snapshots`)."""
+    return [row_from_snapshot(s, shm_dir) for s in read_snapshots(client, queues)]
+
+
+def queue_status(client: redis.Redis, queue: str, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+    """One queue's status row (see the module docstring for the fields)."""
+    return status_rows(client, [queue], shm_dir)[0]

@@ -1,0 +1,152 @@
+"""The status rows as text: the table of ``batchq status``, each queue's details, and
+the number formats ``top`` shares. Rows come from :mod:`batchq.monitoring.rows`; this reads
+their fields and computes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["fmt_age", "fmt_bytes", "fmt_epoch", "fmt_pct", "render_table"]
+
+
+def fmt_bytes(n: float | None) -> str:
+    """1234567 -> '1.2 MB' (decimal units)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover - the loop returns
+
+
+def fmt_age(seconds: float | None) -> str:
+    """0.0123 -> '12 ms', 75 -> '1.2 min'; None -> '-'."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def fmt_pct(fraction: float | None) -> str:
+    """0.423 -> '42%'; None -> '-'."""
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def fmt_epoch(row: dict[str, Any]) -> str:
+    """'3 45%' (epoch and its progress), '3' without a size, '-' before the first."""
+    if row["epoch"] is None:
+        return "-"
+    if row["epoch_fraction"] is None:
+        return str(row["epoch"])
+    return f"{row['epoch']} {fmt_pct(min(1.0, row['epoch_fraction']))}"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}/s"
+
+
+def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
+    lines = [f"{r['queue']}: {r['verdict'].upper()}: {r['verdict_reason']}"]
+    if r["trainer_batches_per_s"] is not None:
+        waits = "/".join(
+            f"{1000 * (r[k] or 0):.0f}" for k in ("wait_p50_s", "wait_p90_s", "wait_p99_s")
+        )
+        lines.append(
+            f"  trainer: {r['trainer_batches_per_s']:.1f} batches/s, "
+            f"{r['trainer_mb_per_s'] or 0:.1f} MB/s, stall {fmt_pct(r['stall'])} "
+            f"(epoch {fmt_pct(r['stall_epoch'])}), wait p50/p90/p99 {waits} ms "
+            f"(figures {fmt_age(r['figures_age_s'])} old)"
+        )
+    if r["recommended_producers"] is not None:
+        lines.append(
+            f"  sizing: demand {r['demand_batches_per_s']:.1f} batches/s "
+            f"({r['busy_ms_per_batch']:.1f} ms of work per batch), supply "
+            f"{_rate(r['supply_batches_per_s'])} built, {_rate(r['delivered_batches_per_s'])}"
+            f" delivered; {r['producer_batches_per_s']:.1f} per producer: recommend "
+            f"{r['recommended_producers']} producers (now {r['producers_alive']})"
+        )
+    last = r["autoscale_last"]
+    if r["autoscalers"] or last:
+        line = (
+            f"  autoscale: {r['autoscalers']} autoscaler(s), {r['autoscale_added']} added, "
+            f"{r['autoscale_retired']} retired"
+        )
+        if last:
+            line += (
+                f"; last {last.get('action')} {last.get('count')} -> {last.get('workers')} "
+                f"({last.get('reason')})"
+            )
+        lines.append(line)
+    for p in r["producers"][:max_producers]:
+        rate = "-" if p["batches_per_s"] is None else f"{p['batches_per_s']:.1f}"
+        lines.append(
+            f"  producer {p['id']}: {p['batches']} batches, builds {rate} batches/s, "
+            f"blocked {fmt_pct(p['blocked_fraction'])}"
+        )
+    if len(r["producers"]) > max_producers:
+        lines.append(f"  ... and {len(r['producers']) - max_producers} more producers")
+    if r["dead_by_reason"]:
+        dead = ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())
+        lines.append(f"  dead frames: {dead}")
+    for rank in r.get("ranks", []):
+        mark = " (slowest)" if rank["rank"] == r.get("slowest_rank") else ""
+        rate = "-" if rank["batches_per_s"] is None else f"{rank['batches_per_s']:.1f}/s"
+        epoch = "-" if rank["epoch"] is None else f"{rank['epoch']}:{rank['epoch_progress']}"
+        lines.append(
+            f"  rank {rank['rank']}{mark}: {rank['verdict']}, depth {rank['depth']}/{r['hwm']}, "
+            f"stall {fmt_pct(rank['stall'])}, {rate}, epoch {epoch}, {rank['trainer']}"
+        )
+    if r["shm_segments"]:
+        lines.append(
+            f"  shared memory here: {r['shm_segments']} segments, {fmt_bytes(r['shm_bytes'])}"
+        )
+    if r["run"]:
+        lines.append(f"  run {r['run']}")
+    return lines
+
+
+def render_table(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
+    """Render status rows as a readable table with a verdict per queue, or as JSON."""
+    if as_json:
+        return json.dumps(rows, indent=2)
+    if not rows:
+        return "no queues on this server"
+    headers = (
+        "QUEUE", "DEPTH/HWM", "PRODUCERS", "NEED", "LEASES", "HELD", "OLDEST", "STALL", "EPOCH",
+        "SERVED", "TRAINER", "DEAD",
+    )  # fmt: skip
+    table = [headers]
+    for r in rows:
+        table.append(
+            (
+                r["queue"],
+                f"{r['depth']}/{r['hwm']}",
+                str(r["producers_alive"]),
+                "-" if r["recommended_producers"] is None else str(r["recommended_producers"]),
+                str(r["leases"]),
+                fmt_bytes(r["bytes_held"]),
+                fmt_age(r["oldest_age_s"]),
+                fmt_pct(r["stall"]),
+                fmt_epoch(r),
+                str(r["pushed"]),
+                r["trainer"],
+                str(r["dead"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+    for r in rows:
+        lines.append("")
+        lines.extend(_details(r))
+    return "\n".join(lines)

@@ -1,0 +1,365 @@
+"""The Lua scripts in ``batchq/lua``, their headers, and the one function that builds
+every call of them (:func:`build_call`).
+
+Each script names its KEYS and ARGV as locals at its top, one per line and in order::
+
+    local meta_key = KEYS[1]         -- HASH   the run's meta
+    local run = ARGV[2]
+    local heartbeat_ttl_ms = tonumber(ARGV[7])
+
+and says where a variable-length tail starts with a comment ``-- KEYS[7..]: ...`` (or
+``ARGV``). :class:`Script` reads that header; :func:`build_call` puts a wrapper's named
+keys and arguments in the header's order, so no Python code spells a position, and a
+wrapper that names a key or argument the script does not declare fails at once
+(tests/batchq/protocol/test_lua_headers.py calls every wrapper against its script's header).
+KEYS locals end in ``_key``; the wrapper names them without that suffix.
+
+Each script is called with EVALSHA; on NOSCRIPT (a new or restarted server) it is loaded
+and the call is retried once. Scripts are never wrapped in redis-py ``Script`` objects
+inside pipelines: those send SCRIPT EXISTS on every execute. Every key a script touches
+is passed in KEYS (Redis Cluster needs that), and all of them carry the queue's hash tag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import redis
+
+from batchq.client import held
+from batchq.client.connection import convert_error
+from batchq.errors import ProtocolError
+from batchq.wire.pieces import Pieces
+
+__all__ = [
+    "SCRIPTS",
+    "Arg",
+    "Call",
+    "Command",
+    "Header",
+    "Script",
+    "build_call",
+    "execute_pipeline",
+    "load_all",
+    "parse_header",
+    "round_trip",
+]
+
+Arg = str | bytes | bytearray | memoryview | int | float
+Command = tuple[Arg | Pieces, ...]  # a command's name and arguments, as sent
+R = TypeVar("R")
+
+_LUA_DIR = Path(__file__).resolve().parent / "lua"
+_SHARED = (_LUA_DIR / "lib" / "shared.lua").read_text()
+_NAMED = re.compile(r"^local (\w+) = (?:tonumber\()?(KEYS|ARGV)\[(\d+)\]")
+_TAIL = re.compile(r"^-- (KEYS|ARGV)\[(\d+)\.\.\]:")
+KEY_SUFFIX = "_key"
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a script's header declares.
+
+    Attributes:
+        keys: the KEYS locals in order, without their ``_key`` suffix.
+        args: the ARGV locals in order.
+        keys_tail: KEYS continue past the named ones (lease lists, rank lists...).
+        args_tail: ARGV continue past the named ones.
+    """
+
+    keys: tuple[str, ...]
+    args: tuple[str, ...]
+    keys_tail: bool
+    args_tail: bool
+
+
+def parse_header(name: str, source: str) -> Header:
+    """Read the KEYS/ARGV locals at the top of a script.
+
+    Raises:
+        ProtocolError: the header's indices do not count 1, 2, 3... or a KEYS local
+            does not end in ``_key``.
+    """
+    found: dict[str, list[str]] = {"KEYS": [], "ARGV": []}
+    tails: dict[str, int] = {}
+    for line in source.splitlines():
+        named, tail = _NAMED.match(line), _TAIL.match(line)
+        if named:
+            local, table, index = named.group(1), named.group(2), int(named.group(3))
+            if index != len(found[table]) + 1:
+                raise ProtocolError(f"{name}.lua: {local} is {table}[{index}], expected "
+                                    f"{table}[{len(found[table]) + 1}]")  # fmt: skip
+            if table == "KEYS" and not local.endswith(KEY_SUFFIX):
+                raise ProtocolError(f"{name}.lua: KEYS local {local!r} must end in _key")
+            found[table].append(local.removesuffix(KEY_SUFFIX) if table == "KEYS" else local)
+        elif tail:
+            tails[tail.group(1)] = int(tail.group(2))
+    for table, start in tails.items():
+        if start != len(found[table]) + 1:
+            raise ProtocolError(f"{name}.lua: its {table} tail starts at {start}, expected "
+                                f"{len(found[table]) + 1}")  # fmt: skip
+    return Header(tuple(found["KEYS"]), tuple(found["ARGV"]), "KEYS" in tails, "ARGV" in tails)
+
+
+class Script:
+    """One Lua script of ``batchq/lua``.
+
+    Args:
+        name: the file name without ``.lua``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # Next to this module, not resources.files("batchq"): run from a folder holding a
+        # checkout named batchq, "batchq" is a namespace package over both, whose
+        # MultiplexedPath cannot join two parts (TypeError) and may pick the wrong one.
+        text = (_LUA_DIR / f"{name}.lua").read_text()
+        self.header = parse_header(name, text)
+        # What several scripts do is written once, in lib/shared.lua, put before each.
+        self.source = _SHARED + text
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg]) -> None:
+        """Add an EVALSHA of this script to a pipeline (see :func:`execute_pipeline`)."""
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"Script({self.name!r})"
+
+
+SCRIPTS: dict[str, Script] = {
+    name: Script(name)
+    for name in (
+        "claim",
+        "fail",
+        "gone",
+        "handback",
+        "join",
+        "lease",
+        "pop",
+        "push",
+        "reap",
+        "requeue",
+        "resume",
+    )
+}
+
+
+@dataclass(frozen=True)
+class Call(Generic[R]):
+    """One call of a script, built by :func:`build_call`: run it, or queue it in a
+    pipeline and parse its reply from the pipeline's replies."""
+
+    script: Script
+    keys: list[str]
+    args: list[Arg]
+    parse: Callable[[Any], R]
+
+    def run(self, client: redis.Redis) -> R:
+        """Run the script and parse its reply (one :func:`round_trip`)."""
+        return self.parse(round_trip(client, [self.command()], f"running {self.script.name}")[0])
+
+    def command(self) -> Command:
+        """The call as one EVALSHA command, for :func:`round_trip`."""
+        return ("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args)
+
+    def queue(self, pipe: Any) -> None:
+        """Add the call to a pipeline; parse its reply with :attr:`parse`."""
+        self.script.queue(pipe, self.keys, self.args)
+
+
+def _ordered(
+    name: str, what: str, declared: tuple[str, ...], given: Mapping[str, Any]
+) -> list[Any]:
+    # On every push: a lookup per name and a length check (same length, every declared
+    # name present: the same names), no sets built.
+    try:
+        values = [given[n] for n in declared]
+    except KeyError:
+        values = []
+    if len(values) != len(declared) or len(given) != len(declared):
+        missing, extra = sorted(set(declared) - set(given)), sorted(set(given) - set(declared))
+        raise ProtocolError(f"{name}.lua declares {what} {list(declared)}; the call misses "
+                            f"{missing} and names {extra}")  # fmt: skip
+    # Only a trailing key may be left out (push's frame_key: inline frames have none).
+    while values and values[-1] is None:
+        values.pop()
+    if None in values:
+        raise ProtocolError(f"{name}.lua: only trailing {what} may be None: {dict(given)}")
+    return values
+
+
+def build_call(
+    name: str,
+    parse: Callable[[Any], R],
+    keys: Mapping[str, str | None],
+    args: Mapping[str, Arg],
+    *,
+    more_keys: Sequence[str] = (),
+    more_args: Sequence[Arg] = (),
+) -> Call[R]:
+    """The one place a script's KEYS and ARGV are put in order.
+
+    Args:
+        name: the script.
+        parse: turns its raw reply into a typed one (batchq.protocol.replies).
+        keys: every KEYS local of the header by name (without ``_key``); a trailing one
+            may be None (left out).
+        args: every ARGV local of the header by name.
+        more_keys: the KEYS tail, for a script whose header declares one.
+        more_args: the ARGV tail, likewise.
+
+    Raises:
+        ProtocolError: the names differ from the script's header, or a tail is given to
+            a script that declares none.
+    """
+    script = SCRIPTS[name]
+    header = script.header
+    if (more_keys and not header.keys_tail) or (more_args and not header.args_tail):
+        raise ProtocolError(f"{name}.lua declares no KEYS/ARGV tail")
+    ordered_keys = _ordered(name, "KEYS", header.keys, keys)
+    ordered_args = _ordered(name, "ARGV", header.args, args)
+    if more_keys and len(ordered_keys) != len(header.keys):
+        raise ProtocolError(f"{name}.lua: a KEYS tail needs every named key")
+    return Call(script, [*ordered_keys, *more_keys], [*ordered_args, *more_args], parse)
+
+
+def load_all(client: redis.Redis) -> None:
+    """Load every script into the server's script cache."""
+    for script in SCRIPTS.values():
+        client.script_load(script.source)
+
+
+def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = True) -> list[Any]:
+    """Run a pipeline built by ``build(pipe)``; on NOSCRIPT load the scripts and retry once.
+
+    Rebuilding and resending the whole pipeline is safe because the pipelines batchq
+    sends are idempotent (a SET of the same frame, then a script that had not run).
+
+    Args:
+        client: the client.
+        build: a function that adds the commands to a fresh pipeline.
+        raise_on_error: False returns a command's error (WRONGTYPE...) in its place.
+
+    Returns:
+        The replies, in order.
+
+    Raises:
+        ConnectionLost: the connection failed.
+    """
+    try:
+        for attempt in (0, 1):
+            pipe = client.pipeline(transaction=False)
+            build(pipe)
+            try:
+                replies = list(pipe.execute(raise_on_error=raise_on_error))
+                if not raise_on_error and any(
+                    isinstance(r, redis.exceptions.NoScriptError) for r in replies
+                ):
+                    raise redis.exceptions.NoScriptError("NOSCRIPT in a pipeline")
+                return replies
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                load_all(client)
+        raise AssertionError("unreachable")  # pragma: no cover
+    except redis.RedisError as e:
+        converted = convert_error(e, "running a pipeline", client)
+        if converted is None:
+            raise
+        raise converted from e
+
+
+def round_trip(
+    client: redis.Redis,
+    commands: Sequence[Command],
+    what: str,
+    between: Callable[[], None] | None = None,
+    *,
+    keep_errors: bool = False,
+) -> list[Any]:
+    """Send ``commands`` in one write and read their raw replies: the hot paths' pipeline.
+
+    Every push and every pop of a batch is one of these. redis-py's ``Pipeline`` costs
+    about as much CPU again as the commands it sends (a pipeline object, its retry
+    wrapper, response callbacks, a reset: ~60 us a round trip on this project's 2-core
+    machine, where a PING costs 80 us); this writes the packed commands and reads each
+    reply from one connection. Replies are raw (no callbacks): scripts have none,
+    and the few other commands sent this way are read as Redis replies them.
+
+    An error reply is raised after every reply has been read, so the connection stays in
+    step; a connection that failed half-way is closed before anything reads it again.
+    On NOSCRIPT (a new or restarted server) every script is loaded and the commands sent
+    again once: as for :func:`execute_pipeline`, what batchq sends this way is idempotent.
+    Where the calling thread holds the client (:func:`batchq.client.held.hold`: the producer's
+    serving thread, the trainer's reader) its connection is taken from the pool without
+    the pool's checks, else the pool lends one.
+
+    Args:
+        client: the client whose connection carries the commands.
+        commands: each command's name and arguments.
+        what: what the commands do, for a connection error's message.
+        between: work to do while the commands travel (after the write, before the
+            first read; once, not again on a NOSCRIPT resend). It must not use Redis
+            on this thread (the connection is not idle) and must not raise.
+        keep_errors: return error replies in place instead of raising the first
+            (NOSCRIPT is still handled): for a caller that must know which of its
+            commands went through (a push that went through while its lease hit OOM).
+
+    Returns:
+        The replies, in order.
+
+    Raises:
+        ConnectionLost: the connection failed or timed out.
+        AuthFailed: the server refused the credentials or a permission.
+        redis.ResponseError: the first error reply (OOM, WRONGTYPE...), as redis-py
+            raises it.
+    """
+    try:
+        for attempt in (0, 1):
+            replies = _send_and_read(client, commands, between if attempt == 0 else None)
+            errors = [r for r in replies if isinstance(r, redis.ResponseError)]
+            noscript = any(isinstance(e, redis.exceptions.NoScriptError) for e in errors)
+            if not errors or (keep_errors and not noscript):
+                return replies
+            if attempt == 0 and any(isinstance(e, redis.exceptions.NoScriptError) for e in errors):
+                load_all(client)
+                continue
+            raise errors[0]
+        raise AssertionError("unreachable")  # pragma: no cover
+    except redis.RedisError as e:
+        converted = convert_error(e, what, client)
+        if converted is None:
+            raise
+        raise converted from e
+
+
+def _send_and_read(
+    client: redis.Redis, commands: Sequence[Command], between: Callable[[], None] | None
+) -> list[Any]:
+    """One write, ``between()``, then one read per command; error replies are returned
+    in place."""
+    conn, direct = held.borrow(client)  # the owner thread's connection, or the pool's
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+        if between is not None:
+            between()
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except redis.ResponseError as e:  # read whole: the connection is in step
+                replies.append(e)
+        return replies
+    except BaseException:
+        # Half-read (a drop, a timeout, an interrupt): its next reader would get our
+        # replies. redis-py's read_response already closed it for socket errors.
+        conn.disconnect()
+        raise
+    finally:
+        held.give_back(client, conn, direct)

@@ -1,0 +1,182 @@
+"""Every Redis key name batchq uses, built in one place.
+
+Layout of queue ``Q`` (every key carries the hash tag ``{Q}`` so that one queue lives in
+one Redis Cluster slot and a Lua script may touch all of it)::
+
+    bq:{Q}:meta         HASH    protocol version, run id, fingerprint, hwm, shards per
+                                epoch (S), window (W), next shard to mint, the trainer's
+                                floor, the trainer's claim (token, deadline, fence),
+                                finished flag, batches per epoch, the trainer's
+                                shared-memory host identity (``shm_host``, see
+                                :mod:`batchq.wire.shm`), the pipeline's axis labels (JSON
+                                source -> axis names, set by producers)
+    bq:{Q}:data         LIST    frames (or references to frames): producers push left,
+                                the trainer pops right; LLEN is the queue's depth
+    bq:{Q}:wake         LIST    wake-up tokens for producers blocked at the hwm or at the
+                                look-ahead window
+    bq:{Q}:work         LIST    shards handed back (by a stopped or dead producer) to be
+                                leased again before any fresh shard; fresh shards are
+                                minted in plan order from meta ``next``
+    bq:{Q}:lease:<p>    LIST    the shards producer p holds, as ``<g>:<token>``
+    bq:{Q}:producers    ZSET    producer id -> heartbeat deadline (server ms)
+    bq:{Q}:clients      HASH    '<p>' and '<p>:hb' -> CLIENT ID of producer p's main and
+                                heartbeat connections (all closed: p was killed)
+    bq:{Q}:ledger       HASH    reserved: what the trainer has received (resume)
+    bq:{Q}:incarnation  STRING  set when the queue is created; its absence means Redis
+                                lost the queue's state
+    bq:{Q}:stats        HASH    counters for monitoring, updated inside the scripts
+    bq:{Q}:dead         LIST    frames that failed validation, with their reason (capped)
+    bq:{Q}:failures     HASH    global shard -> attempts whose pipeline raised (poison)
+    bq:{Q}:pstats       HASH    per producer: '<p>:batches', ':bytes', ':produce_ms',
+                                ':blocked_ms' (updated by the push script)
+    bq:{Q}:trainer      HASH    the trainer's recent figures (stall fractions, rates,
+                                epoch progress), written by the pop script about once a
+                                second
+    bq:{Q}:history      LIST    one JSON sample a second from the trainer (depth, rates,
+                                stall), newest first, capped at an hour
+    bq:{Q}:scale        STRING  the autoscalers' decision lease: the id of the
+                                ``serve --workers auto`` that may change its pool now
+                                (SET NX PX; held until the workers it started joined)
+    bq:{Q}:scalers      ZSET    autoscaler id -> heartbeat deadline (server ms): how
+                                many hosts share the deficit
+    bq:{Q}:scalelog     LIST    the autoscalers' decisions as JSON, newest first (capped)
+    bq:{Q}:frame:<p>:<n> STRING a large frame stored by reference (the data list holds
+                                its name); no TTL once it is in the data list
+    bq:{Q}:data:<r>     LIST    rank r's data list, when a data-parallel trainer of
+                                world > 1 reads the run (batchq/protocol/ranks.py); meta then
+                                holds world, even and per-rank fields '<name>:<r>'
+                                (claim, claim_deadline, claimed, done, next, floor)
+    bq:{Q}:counts       HASH    '<epoch>:<r>' -> rank r's batches in hand ('<n>') or final
+                                count ('=<n>') of an epoch, where shards hold several
+                                batches (consumer/balance.py)
+    bq:{Q}:remap        HASH    slot -> shard for the epoch in meta ``remap_epoch``: a job
+                                resumed with another number of ranks re-splits the
+                                rest of that epoch (consumer/rank_state.py)
+    bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
+    bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
+
+The fields of the meta, stats and trainer hashes are named in :mod:`batchq.protocol.fields`, the
+formats of entries and values in :mod:`batchq.protocol.layout`.
+
+Only the data list's name contains "data"; producer ids and queue names may not contain
+the characters that would break that (see :func:`check_name`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from batchq.errors import ConfigError
+
+__all__ = [
+    "PREFIX",
+    "QueueKeys",
+    "check_name",
+    "queue_from_meta_key",
+]
+
+PREFIX = "bq"
+
+# Queue names and producer ids become parts of key names: keep them to a safe alphabet,
+# without braces (they would move the hash tag) or colons (they separate fields).
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_META_RE = re.compile(r"^bq:\{([A-Za-z0-9_.\-]{1,128})\}:meta$")
+
+
+def check_name(value: str, what: str) -> str:
+    """Validate a queue name or producer id.
+
+    Args:
+        value: the name to check.
+        what: what the name is, for the error message ("queue", "producer id").
+
+    Returns:
+        The name, unchanged.
+
+    Raises:
+        ConfigError: the name is empty, too long or has characters outside
+            ``[A-Za-z0-9_.-]``.
+    """
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(
+            f"{what} {value!r} is not valid: expected 1-128 characters from [A-Za-z0-9_.-]"
+        )
+    return value
+
+
+def queue_from_meta_key(key: str | bytes) -> str | None:
+    """Return the queue name of a ``bq:{Q}:meta`` key, or None for any other key."""
+    text = key.decode() if isinstance(key, bytes) else key
+    match = _META_RE.match(text)
+    return match.group(1) if match else None
+
+
+class QueueKeys:
+    """The key names of one queue.
+
+    Args:
+        queue: the queue's name (validated with :func:`check_name`).
+    """
+
+    META_PATTERN = f"{PREFIX}:{{*}}:meta"
+
+    def __init__(self, queue: str) -> None:
+        self.queue = check_name(queue, "queue")
+        self.base = f"{PREFIX}:{{{queue}}}"
+        self.meta = f"{self.base}:meta"
+        self.data = f"{self.base}:data"
+        self.wake = f"{self.base}:wake"
+        self.work = f"{self.base}:work"
+        self.producers = f"{self.base}:producers"
+        self.clients = f"{self.base}:clients"  # producer -> CLIENT ID of its connections
+        self.ledger = f"{self.base}:ledger"
+        self.incarnation = f"{self.base}:incarnation"
+        self.stats = f"{self.base}:stats"
+        self.dead = f"{self.base}:dead"
+        self.failures = f"{self.base}:failures"
+        self.pstats = f"{self.base}:pstats"
+        self.trainer = f"{self.base}:trainer"
+        self.history = f"{self.base}:history"
+        self.scale = f"{self.base}:scale"
+        self.scalers = f"{self.base}:scalers"
+        self.scalelog = f"{self.base}:scalelog"
+        self.frame_prefix = f"{self.base}:frame:"
+        self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
+        self.remap = f"{self.base}:remap"  # an elastic resume's epoch: slot -> shard
+
+    def data_of(self, rank: int, world: int) -> str:
+        """Rank ``rank``'s data list (world 1: the data list)."""
+        return self.data if world == 1 else f"{self.data}:{rank}"
+
+    def trainer_of(self, rank: int, world: int) -> str:
+        """Rank ``rank``'s figures (world 1: ``trainer``)."""
+        return self.trainer if world == 1 else f"{self.trainer}:{rank}"
+
+    def history_of(self, rank: int, world: int) -> str:
+        """Rank ``rank``'s samples (world 1: ``history``)."""
+        return self.history if world == 1 else f"{self.history}:{rank}"
+
+    def rank_data(self, world: int) -> list[str]:
+        """Every rank's data list of a run of ``world`` ranks (none for world 1)."""
+        return [] if world == 1 else [self.data_of(r, world) for r in range(world)]
+
+    def lease(self, producer: str) -> str:
+        """The lease list of producer ``producer``."""
+        return f"{self.base}:lease:{producer}"
+
+    def frame(self, producer: str, seq: int) -> str:
+        """The key of the ``seq``-th frame that ``producer`` stores by reference."""
+        return f"{self.frame_prefix}{producer}:{seq}"
+
+    @property
+    def pattern(self) -> str:
+        """A SCAN pattern matching every key of this queue (braces escaped)."""
+        return f"{PREFIX}:\\{{{self.queue}\\}}:*"
+
+    @property
+    def frame_pattern(self) -> str:
+        """A SCAN pattern matching this queue's frames stored by reference."""
+        return f"{PREFIX}:\\{{{self.queue}\\}}:frame:*"
+
+    def __repr__(self) -> str:
+        return f"QueueKeys({self.queue!r})"

@@ -1,0 +1,82 @@
+-- join.lua: a producer joins the queue's run, creating the queue and the run if needed.
+-- Returns {'OK', incarnation, run, hwm, S, window, created[, world: ranks of the run's
+--         data-parallel trainer, batchq/protocol/ranks.py]}
+--      or {'MISMATCH', what, expected}, {'FINISHED'}, {'WAIT'} (nothing to join yet)
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local producers_key = KEYS[3]    -- ZSET   producer -> heartbeat deadline (ms)
+local lease_key = KEYS[4]        -- LIST   this producer's leases
+local work_key = KEYS[5]         -- LIST   shards handed back
+local data_key = KEYS[6]         -- LIST
+local failures_key = KEYS[7]     -- HASH
+local ledger_key = KEYS[8]       -- HASH
+local producer = ARGV[1]
+local fingerprint = ARGV[2]      -- the pipeline's
+local hwm = ARGV[3]
+local shards = ARGV[4]           -- shards per epoch (S)
+local window = ARGV[5]           -- look-ahead window (shards)
+local new_run = ARGV[6]          -- run id to use if a run must be created
+local new_incarnation = ARGV[7]  -- incarnation to use if the queue must be created
+local heartbeat_ttl_ms = tonumber(ARGV[8])
+local version = ARGV[9]          -- protocol version
+local epoch_batches = ARGV[10]   -- batches per epoch (-1 if the pipeline cannot tell)
+local served = ARGV[11]          -- the run this producer served before ('' if none)
+local grace_ms = tonumber(ARGV[12])  -- a run that finished less than this long ago is
+                                 -- over for late producers too (they exit); after it, a
+                                 -- producer starts the next run
+local no_create = ARGV[13]       -- '1': create no queue and no run (after Redis lost the
+                                 -- queue's state the trainer re-creates it from its
+                                 -- ledger; producers wait for that)
+
+local now = server_now_ms()
+
+local inc = redis.call('GET', incarnation_key)
+local run = redis.call('HGET', meta_key, 'run')
+if no_create == '1' and not (inc and run) then return {'WAIT'} end
+if not inc then
+  inc = new_incarnation
+  redis.call('SET', incarnation_key, inc)
+  redis.call('DEL', meta_key, work_key, data_key, failures_key, ledger_key)
+  run = false
+end
+
+local created = 0
+local finished_at = tonumber(redis.call('HGET', meta_key, 'finished_at') or '')
+if finished_at and now - finished_at < grace_ms then
+  return {'FINISHED'}
+end
+if (not run) or finished_at then
+  -- No run yet, or the last one finished: this producer starts the next run.
+  redis.call('DEL', meta_key, work_key, data_key, failures_key, ledger_key)
+  run = new_run
+  redis.call('HSET', meta_key, 'version', version, 'run', run, 'next', 0, 'floor', 0)
+  created = 1
+end
+
+-- A trainer resuming from a checkpoint may have set the fingerprint alone: each part
+-- of the plan is set by the first producer that finds it missing, then checked.
+local fp = redis.call('HGET', meta_key, 'fingerprint')
+if not fp then
+  redis.call('HSET', meta_key, 'fingerprint', fingerprint)
+elseif fp ~= fingerprint then
+  return {'MISMATCH', 'fingerprint', fp}
+end
+local run_hwm = redis.call('HGET', meta_key, 'hwm')
+if not run_hwm then
+  redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
+    'epoch_batches', epoch_batches)
+elseif run_hwm ~= hwm then
+  return {'MISMATCH', 'hwm', run_hwm}
+end
+
+-- Leases this producer id still holds from an earlier life go back to the front of the
+-- work list when they belong to this run; leases of an older run are simply dropped.
+if served == run then
+  hand_back_leases(lease_key, work_key)
+else
+  redis.call('DEL', lease_key)
+end
+redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
+local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world')
+if m[4] then return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4])} end
+return {'OK', inc, run, m[1], m[2], m[3], created}

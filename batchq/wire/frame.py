@@ -1,0 +1,165 @@
+"""What a frame is: its kinds, the decoded :class:`Frame`, the encoders' input
+(:class:`FrameHeader`) and the rules a header's fields obey.
+
+The wire layout is :mod:`batchq.wire.codec`'s (which re-exports everything here); both its
+encoder (which raises ConfigError) and its decoder (FrameError) check headers with
+:func:`header_problem`, so that both sides hold the same rules.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchq.wire.values import short
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KINDS",
+    "MAGIC",
+    "Frame",
+    "FrameHeader",
+    "FrameKind",
+    "header_problem",
+    "is_int",
+]
+
+MAGIC = b"BQF"
+FORMAT_VERSION = 1
+
+
+class FrameKind(enum.IntEnum):
+    """What a frame carries."""
+
+    BATCH = 1
+    END = 2
+    ERROR = 3
+
+
+KINDS = frozenset(FrameKind)  # IntEnum members hash like their ints: `byte in KINDS`
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: data holds arrays, whose == is elementwise
+class Frame:
+    """A decoded frame.
+
+    Attributes:
+        kind: BATCH, END or ERROR.
+        run: the run id.
+        epoch: the epoch.
+        shard: the shard's index inside the epoch.
+        k: the batch's position in its shard.
+        g: the global batch index in plan order, -1 when unknown.
+        producer: the producer's id.
+        last: whether this is the shard's last frame.
+        count: the number of batches in the shard when ``last``, else None.
+        sources: the source names.
+        data: the decoded values, in ``sources`` order.
+        error: the producer's traceback text (ERROR frames), else None.
+        error_name: the exception's class name (ERROR frames), else None.
+        nbytes: the encoded frame's length.
+        produced_at: the producer's wall time at encoding, if it sent one.
+    """
+
+    kind: FrameKind
+    run: str
+    epoch: int
+    shard: int
+    k: int
+    g: int
+    producer: str
+    last: bool
+    count: int | None
+    sources: tuple[str, ...]
+    data: tuple[Any, ...]
+    error: str | None
+    error_name: str | None
+    nbytes: int
+    produced_at: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the data as a dict from source name to value."""
+        return dict(zip(self.sources, self.data, strict=True))
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """What a frame says about itself, everything but its arrays (the encoders' input).
+
+    Attributes:
+        kind: BATCH, END or ERROR. END implies ``last=True``; END and ERROR carry no data.
+        run: the run id.
+        epoch: the epoch (>= 0).
+        shard: the shard's index (>= 0).
+        k: the batch's position in its shard (>= 0).
+        producer: the producer's id.
+        sources: the source names, unique; one value per source in the data.
+        g: the global batch index, -1 when unknown.
+        last: whether this is the shard's last frame; then ``count`` is required.
+        count: the number of batches in the shard (only with ``last``).
+        error: the traceback text (ERROR frames; required there).
+        error_name: the exception's class name (ERROR frames).
+        produced_at: the producer's wall time, for monitoring.
+    """
+
+    kind: FrameKind
+    run: str
+    epoch: int
+    shard: int
+    k: int
+    producer: str
+    sources: Sequence[str] = ()
+    g: int = -1
+    last: bool = False
+    count: int | None = None
+    error: str | None = None
+    error_name: str | None = None
+    produced_at: float | None = None
+
+
+def is_int(value: Any, low: int) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``low``."""
+    return type(value) is int and value >= low
+
+
+_FIELDS: dict[str, tuple[str, type]] = {
+    "run": ("run id", str), "ep": ("epoch", int), "sh": ("shard", int), "k": ("k", int),
+    "g": ("g", int), "pid": ("producer", str), "last": ("last", bool), "src": ("sources", list),
+}  # fmt: skip
+_LOW = {"ep": 0, "sh": 0, "k": 0, "g": -1}
+
+
+def header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
+    """Say what is wrong with a header's fields (not its items), or None.
+
+    Shared by the encoder (which raises ConfigError) and the decoder (FrameError), so
+    that both sides hold the same rules.
+    """
+    for key, (name, typ) in _FIELDS.items():
+        value = header.get(key)
+        # bool is an int subclass: only "last" may be one.
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            return f"{key!r} ({name}) is {short(value)}, expected a {typ.__name__}"
+        if key in _LOW and header[key] < _LOW[key]:
+            return f"{key!r} ({name}) is {value}, expected >= {_LOW[key]}"
+    src = header["src"]
+    if not all(isinstance(s, str) for s in src) or len(set(src)) != len(src):
+        return f"'src' (sources) is {short(src)}, expected unique strs"
+    last, count = header["last"], header.get("n")
+    if last != ("n" in header) or (last and not is_int(count, 0)):
+        return f"'n' (count) is {short(count)} with last={last}; expected an int >= 0 iff last"
+    if kind is not FrameKind.BATCH and src:
+        return f"{kind.name} frames carry no data, got sources {short(src)}"
+    err, ename = header.get("err"), header.get("ename")
+    if kind is FrameKind.ERROR and not isinstance(err, str):
+        return f"'err' (error) is {short(err)}; ERROR frames need the traceback text"
+    if kind is not FrameKind.ERROR and (err is not None or ename is not None):
+        return f"'err'/'ename' (error, error_name) belong to ERROR frames, not {kind.name}"
+    if ename is not None and not isinstance(ename, str):
+        return f"'ename' (error_name) is {short(ename)}, expected a str"
+    t = header.get("t")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
+        return f"'t' (produced_at) is {short(t)}, expected a float"
+    return None

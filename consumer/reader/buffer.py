@@ -1,0 +1,138 @@
+"""The frames between the reader thread, which files them, and the iterator, which takes
+them: the ledger and the one lock that guards it.
+
+The :class:`Buffer` is the only owner of the ledger once the reader has started: the
+reader puts frames in (:meth:`Buffer.put`) and hands its error over as a value
+(:meth:`Buffer.fail`); the stream starts epochs, takes frames, skips errors and reads
+its position only through the methods here. Each method takes the lock itself and
+wakes the other side when it changed something the other side waits for (a frame, room
+in the look-ahead, a new epoch, an error).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from batchq.errors import StreamStopped
+from batchq.wire.codec import Frame
+from consumer.reader.ledger import Ledger
+
+__all__ = ["Buffer"]
+
+
+class Buffer:
+    """The ledger behind its lock, shared by one reader thread and one iterator.
+
+    Args:
+        ledger: the stream's ledger (preloaded for a resume before the reader starts).
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.cond = threading.Condition()  # the reader's own waits use it too
+        self.error: BaseException | None = None  # what stopped the reader
+        self.waiting_since: float | None = None  # the iterator waits for a frame
+        self.max_buffered = 0  # the most frames held at once (a figure)
+
+    # -- the reader's side ---------------------------------------------------------------
+
+    def put(self, frames: list[tuple[Frame, bytes]], stale: int) -> list[tuple[bytes, str]]:
+        """File decoded frames (with their raw element); returns the bad ones, (element,
+        reason), for the dead list: impossible frames and those the ledger purged."""
+        bad: list[tuple[bytes, str]] = []
+        with self.cond:
+            ledger = self.ledger
+            ledger.stale += stale
+            for frame, raw in frames:
+                reason = ledger.impossible(frame)
+                if reason is None:
+                    ledger.add(frame)
+                else:
+                    bad.append((raw[:4096], reason))
+            for frame, why in ledger.purged:
+                where = f"epoch {frame.epoch} shard {frame.shard} k {frame.k}"
+                bad.append((b"", f"{where} ({frame.producer}): {why}"))
+            ledger.purged.clear()
+            self.cond.notify_all()
+        return bad
+
+    def fail(self, error: BaseException) -> None:
+        """The reader stopped on ``error``: the iterator raises it."""
+        with self.cond:
+            self.error = error
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake whoever waits (the reader is asked to stop)."""
+        with self.cond:
+            self.cond.notify_all()
+
+    # -- the iterator's side -------------------------------------------------------------
+
+    def start_epoch(self, epoch: int) -> None:
+        """The iterator starts ``epoch``: frames of earlier ones go, room opens."""
+        with self.cond:
+            self.ledger.start_epoch(epoch)
+            self.cond.notify_all()
+
+    def ready(self) -> bool:
+        """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
+        with self.cond:
+            ledger = self.ledger
+            return self.error is not None or ledger.epoch_done() or ledger.next_frame_ready()
+
+    def take(self, alive: Callable[[], bool], poll_s: float) -> Frame | None:
+        """The epoch's next frame (waiting for it), or None at the epoch's end.
+
+        Args:
+            alive: whether the reader thread still runs (checked every ``poll_s``).
+            poll_s: how often a wait looks at the reader.
+
+        Raises:
+            BaseException: what stopped the reader.
+            StreamStopped: the reader thread ended without an error.
+        """
+        with self.cond:
+            ledger = self.ledger
+            while True:
+                self.max_buffered = max(self.max_buffered, ledger.buffered)
+                frame = ledger.next_frame()
+                if frame is not None:
+                    self.cond.notify_all()  # room in the look-ahead
+                    return frame
+                if ledger.epoch_done():
+                    self.cond.notify_all()
+                    return None
+                self._wait(alive, poll_s)
+
+    def _wait(self, alive: Callable[[], bool], poll_s: float) -> None:
+        """Wait (holding the lock) until a frame arrives or the reader fails."""
+        ledger = self.ledger
+        self.waiting_since = time.monotonic()
+        try:
+            while ledger.next_frame_ready() is False and not ledger.epoch_done():
+                if self.error is not None:
+                    raise self.error
+                if not alive():
+                    raise StreamStopped("the reader thread stopped")
+                self.cond.wait(timeout=poll_s)
+        finally:
+            self.waiting_since = None
+
+    def cut_epoch(self) -> None:
+        """End the epoch where it is (a rank evening its count by dropping the rest)."""
+        with self.cond:
+            self.ledger.cut_epoch()
+            self.cond.notify_all()
+
+    def skip_error(self, frame: Frame) -> None:
+        """Skip the shard whose ERROR frame this is (``on_producer_error='skip'``)."""
+        with self.cond:
+            self.ledger.skip_error(frame)
+
+    def consumed(self, held_back: dict[int, int] | None) -> tuple[int, dict[int, int], list[int]]:
+        """The ledger's position (see :meth:`Ledger.consumed`), read under the lock."""
+        with self.cond:
+            return self.ledger.consumed(held_back)

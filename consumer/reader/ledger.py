@@ -1,0 +1,352 @@
+"""The trainer's ledger: which batches of which shards it has, and what comes next.
+
+Frames arrive in any order, possibly twice (a redone shard), possibly from an older run;
+the ledger keeps one copy of each address (epoch, shard, k), knows when a shard is
+complete (its last frame says how many batches it has, and all of them arrived) and
+when an epoch is complete (all S shards are), and hands the frames out in plan order
+(``ordered=True``) or in arrival order.
+
+It is plain data, used under the reader's lock; it never touches Redis.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchq.protocol.layout import DONE, ledger_field
+from batchq.wire.codec import Frame, FrameKind
+
+__all__ = ["Ledger", "ShardState"]
+
+
+@dataclass
+class ShardState:
+    """What the trainer has of one shard."""
+
+    frames: dict[int, Frame] = field(default_factory=dict)
+    received: set[int] = field(default_factory=set)
+    count: int | None = None  # batches in the shard, once its last frame arrived
+    error: Frame | None = None
+    skip: int = 0  # batches handed out before a resume (a prefix of the shard)
+    given: int = 0  # batches handed out since
+
+    @property
+    def prefix(self) -> int:
+        """How many leading batches (k = 0, 1, ...) have arrived."""
+        n = 0
+        while n in self.received:
+            n += 1
+        return n
+
+    @property
+    def complete(self) -> bool:
+        """True once the last frame and every batch before it arrived."""
+        return self.count is not None and len(self.received) >= self.count
+
+
+class Ledger:
+    """Assembles epochs from frames.
+
+    Args:
+        shards: S, the number of shards per epoch.
+        ordered: hand frames out in plan order (else in arrival order).
+        first_epoch: the first epoch the trainer will ask for.
+    """
+
+    def __init__(self, shards: int, *, ordered: bool = True, first_epoch: int = 0) -> None:
+        self.shards = shards
+        self.ordered = ordered
+        self.epoch = first_epoch  # the epoch being handed out
+        self._cut = False  # the epoch was cut short (data-parallel 'drop')
+        self._epochs: dict[int, dict[int, ShardState]] = {}
+        self._cursor = (0, 0)  # ordered mode: next (shard, k) to hand out
+        self._arrived: deque[Frame] = deque()  # arrival mode: frames of self.epoch
+        self.buffered = 0  # frames held and not handed out
+        # Kept up to date so that floor() and epoch_done() cost O(1) per batch, not O(S).
+        self._complete: dict[int, int] = {}  # epoch -> shards complete
+        self._held: dict[int, int] = {}  # epoch -> frames held
+        self._floor = first_epoch * shards
+        self.duplicates = 0
+        self.stale = 0
+        self.skipped = 0  # shards given up on (ERROR frames under the skip policy)
+        # What the run's plan says (set once it is known): frames outside it are
+        # impossible, which keeps the buffer within the window whatever is pushed.
+        self.window: int | None = None
+        self.epoch_batches: int | None = None
+        # Frames held that a later frame proved impossible (k past the shard's count):
+        # dropped here, handed to the reader for the dead list.
+        self.purged: list[tuple[Frame, str]] = []
+
+    def _shard(self, epoch: int, shard: int) -> ShardState:
+        return self._epochs.setdefault(epoch, {}).setdefault(shard, ShardState())
+
+    def add(self, frame: Frame) -> bool:
+        """Take one frame; False if it was dropped (duplicate, old epoch, bad address)."""
+        if frame.epoch < self.epoch or not 0 <= frame.shard < self.shards:
+            self.stale += 1
+            return False
+        state = self._shard(frame.epoch, frame.shard)
+        was_complete = state.complete
+        try:
+            return self._add(state, frame)
+        finally:
+            self._note(frame.epoch, state, was_complete)
+
+    def impossible(self, frame: Frame) -> str | None:
+        """Why a frame cannot be one batchq's producers wrote for this run, or None.
+
+        Its count must fit its position (a last batch at k counts k + 1 batches, an END
+        or ERROR at k counts k), it must lie inside the look-ahead window above the floor
+        (producers mint nothing beyond it), within the plan's batches per epoch, and fit
+        what the shard's last frame already said.
+        """
+        k, count, kind = frame.k, frame.count, frame.kind
+        where = f"epoch {frame.epoch} shard {frame.shard} k {k}"
+        if kind == FrameKind.BATCH:
+            if frame.last and count != k + 1:
+                return f"{where}: a last batch must count {k + 1} batches, it says {count}"
+        elif count != k:
+            return f"{where}: an {kind.name} frame at k {k} must count {k}, it says {count}"
+        eb = self.epoch_batches
+        if eb is not None and eb >= 0 and (k >= eb if kind == FrameKind.BATCH else k > eb):
+            return f"{where}: beyond the plan's {eb} batches per epoch"
+        if frame.epoch >= self.epoch and 0 <= frame.shard < self.shards and self.window:
+            g, floor = frame.epoch * self.shards + frame.shard, self.floor()
+            if g >= floor + self.window:
+                return (
+                    f"{where}: global shard {g} is past the look-ahead window "
+                    f"[{floor}, {floor + self.window})"
+                )
+        state = self._epochs.get(frame.epoch, {}).get(frame.shard)
+        if state is not None and state.count is not None and kind != FrameKind.ERROR:
+            if kind == FrameKind.BATCH and k >= state.count:
+                return f"{where}: the shard has {state.count} batches"
+            if frame.last and count != state.count:
+                return f"{where}: says {count} batches, the shard's last frame said {state.count}"
+        return None
+
+    def _note(self, epoch: int, state: ShardState, was_complete: bool) -> None:
+        if state.complete and state.error is None and not was_complete:
+            self._complete[epoch] = self._complete.get(epoch, 0) + 1
+
+    def _add(self, state: ShardState, frame: Frame) -> bool:
+        if frame.kind == FrameKind.ERROR:
+            if state.error is None and not state.complete:
+                state.error = frame
+                return True
+            self.duplicates += 1
+            return False
+        if frame.last and frame.count is not None:
+            state.count = frame.count
+            self._purge(frame.epoch, state)
+        if frame.kind == FrameKind.END:
+            return True
+        if frame.k in state.received:
+            self.duplicates += 1
+            return False
+        state.received.add(frame.k)
+        state.frames[frame.k] = frame
+        self.buffered += 1
+        self._held[frame.epoch] = self._held.get(frame.epoch, 0) + 1
+        if not self.ordered and frame.epoch == self.epoch:
+            self._arrived.append(frame)
+        return True
+
+    def _purge(self, epoch: int, state: ShardState) -> None:
+        """Drop held frames at or past the shard's count (impossible ones that came first)."""
+        count = state.count or 0
+        for k in [k for k in state.frames if k >= count]:
+            frame = state.frames.pop(k)
+            self.buffered -= 1
+            self._held[epoch] -= 1
+            if not self.ordered and frame in self._arrived:
+                self._arrived.remove(frame)
+            self.purged.append((frame, f"k {k} is past the shard's {count} batches"))
+        state.received = {k for k in state.received if k < count or k < state.skip}
+
+    def preload(self, epoch: int, shard: int, had: int, *, done: bool) -> None:
+        """Mark the first ``had`` batches of a shard as handed out already (a resume).
+
+        Args:
+            done: the shard had exactly ``had`` batches: it is complete.
+        """
+        state = self._shard(epoch, shard)
+        was_complete = state.complete
+        state.skip = had
+        state.received.update(range(had))
+        if done:
+            state.count = had
+        self._note(epoch, state, was_complete)
+
+    def consumed(
+        self, held_back: dict[int, int] | None = None
+    ) -> tuple[int, dict[int, int], list[int]]:
+        """What the caller has been handed: (epoch, batches per shard, shards done).
+
+        If the current epoch was handed out completely, that is the next epoch, empty.
+
+        Args:
+            held_back: shard -> batches of the current epoch handed out to a wrapper
+                that prefetches (the torch adapter) and not yet to its caller: they
+                count as not consumed.
+        """
+        held_back = held_back or {}
+        if self.epoch_done() and not held_back:
+            return self.epoch + 1, {}, []
+        counts: dict[int, int] = {}
+        done: list[int] = []
+        for shard, state in sorted(self._epochs.get(self.epoch, {}).items()):
+            n = state.skip + state.given - held_back.get(shard, 0)
+            if n:
+                counts[shard] = n
+            if state.count is not None and n >= state.count and state.error is None:
+                counts[shard] = state.count
+                done.append(shard)
+        return self.epoch, counts, done
+
+    def received_pairs(self) -> list[tuple[str, str]]:
+        """What has arrived, for every epoch from the current one on, as ledger pairs.
+
+        Each shard reads ``'<epoch>:<shard>'`` -> ``'d'`` (complete) or the number of
+        leading batches that arrived. Handed to Redis when it lost the queue's state, so
+        producers build only what is missing.
+        """
+        pairs = []
+        for epoch in sorted(e for e in self._epochs if e >= self.epoch):
+            for shard, state in sorted(self._epochs[epoch].items()):
+                if state.complete and state.error is None:
+                    pairs.append((ledger_field(epoch, shard), DONE))
+                elif state.prefix:
+                    pairs.append((ledger_field(epoch, shard), str(state.prefix)))
+        return pairs
+
+    def skip_error(self, frame: Frame) -> None:
+        """Treat an ERROR frame as its shard's end: the batches before it are all it has."""
+        state = self._shard(frame.epoch, frame.shard)
+        if state.error is frame:
+            state.error = None
+            state.count = frame.count or 0
+            # Batches past the failure point (from another attempt) are not part of it.
+            for k in [k for k in state.frames if k >= state.count]:
+                del state.frames[k]
+                self.buffered -= 1
+                self._held[frame.epoch] -= 1
+            state.received = {k for k in state.received if k < state.count}
+            self._note(frame.epoch, state, False)
+            self.skipped += 1
+
+    def start_epoch(self, epoch: int) -> None:
+        """Begin handing out ``epoch``; frames of earlier epochs are dropped."""
+        for e in [e for e in self._epochs if e < epoch]:
+            for state in self._epochs.pop(e).values():
+                self.buffered -= len(state.frames)
+            self._held.pop(e, None)
+            self._complete.pop(e, None)
+        self.epoch = epoch
+        self._cut = False
+        self._cursor = (0, 0)
+        self._arrived.clear()
+        if not self.ordered:
+            for s in range(self.shards):
+                held = self._epochs.get(epoch, {}).get(s)
+                if held is not None:
+                    self._arrived.extend(held.frames[k] for k in sorted(held.frames))
+
+    def next_frame(self) -> Frame | None:
+        """The next frame to hand out in the current epoch, or None if it has not arrived.
+
+        An ERROR frame is returned when the failing shard is reached (ordered) or at once
+        (arrival order); the caller raises it. Call :meth:`epoch_done` to tell the end.
+        """
+        return self._find(take=True)
+
+    def next_frame_ready(self) -> bool:
+        """True if :meth:`next_frame` would return a frame now."""
+        return self._find(take=False) is not None
+
+    def _find(self, *, take: bool) -> Frame | None:
+        states = self._epochs.get(self.epoch, {})
+        if not self.ordered:
+            for state in states.values():
+                if state.error is not None:
+                    return state.error
+            if not self._arrived:
+                return None
+            frame = self._arrived[0]
+            if take:
+                self._arrived.popleft()
+                self._take(states[frame.shard], frame.k)
+            return frame
+        shard, k = self._cursor
+        while shard < self.shards:
+            current = states.get(shard)
+            if current is None:
+                return None
+            k = max(k, current.skip)
+            if current.error is not None and k >= (current.error.count or 0):
+                return current.error
+            if current.count is not None and k >= current.count:
+                shard, k = shard + 1, 0
+                self._cursor = (shard, k)
+                continue
+            found = current.frames.get(k)
+            if found is None:
+                return None
+            if take:
+                self._take(current, k)
+                self._cursor = (shard, k + 1)
+            return found
+        return None
+
+    def _take(self, state: ShardState, k: int) -> None:
+        del state.frames[k]
+        state.given += 1
+        self.buffered -= 1
+        self._held[self.epoch] -= 1
+
+    def epoch_done(self) -> bool:
+        """True when every shard of the current epoch is complete and handed out, or the
+        epoch was cut short (:meth:`cut_epoch`)."""
+        return self._cut or (
+            self._complete.get(self.epoch, 0) >= self.shards and self._held.get(self.epoch, 0) == 0
+        )
+
+    def cut_epoch(self) -> None:
+        """End the current epoch here: a data-parallel rank cut its share to the
+        shortest (``even_batches='drop'``); the rest is never handed out."""
+        self._cut = True
+
+    def incomplete(self, first: int, count: int) -> list[int]:
+        """Global shard numbers in [first, first + count) not complete in the ledger."""
+        out = []
+        for g in range(first, first + count):
+            epoch, shard = divmod(g, self.shards)
+            state = self._epochs.get(epoch, {}).get(shard)
+            if epoch >= self.epoch and (state is None or not state.complete):
+                out.append(g)
+        return out
+
+    def missing_shards(self, epoch: int | None = None) -> list[int]:
+        """The shards of ``epoch`` (default: the current one) that are not complete."""
+        states = self._epochs.get(self.epoch if epoch is None else epoch, {})
+        return [s for s in range(self.shards) if s not in states or not states[s].complete]
+
+    def floor(self) -> int:
+        """The oldest incomplete shard, as a global shard number (epoch * S + shard).
+
+        Completion only ever moves forward, so this resumes from where it last stopped.
+        """
+        g = max(self._floor, self.epoch * self.shards)
+        while True:
+            epoch, shard = divmod(g, self.shards)
+            state = self._epochs.get(epoch, {}).get(shard)
+            if state is None or not state.complete or state.error is not None:
+                break
+            g += 1
+        self._floor = g
+        return g
+
+    def needs_more(self) -> bool:
+        """True if the next frame to hand out has not arrived (pop even past the hwm)."""
+        return self._find(take=False) is None and not self.epoch_done()

@@ -1,0 +1,321 @@
+"""The trainer's side of shared memory: publish the host, map segments, release them.
+
+Reuse is enforced by reference counting, not by timing. For each descriptor the
+trainer makes one *owner*: a fresh read-only uint8 array over the segment's frame
+bytes (``np.frombuffer`` of the segment's mapping). The codec decodes from the owner,
+so every array of the batch is a view whose ``.base`` chain holds the owner (array ->
+memoryview -> owner -> mapping); a tensor made with ``torch.from_numpy`` holds the array.
+``weakref.finalize(owner, ...)`` writes ``released = gen`` into the segment's header
+only when the owner is freed, i.e. when no array, view or tensor of the batch is left
+(a bad frame, or a ``writable=True`` trainer's batch, which is copied into memory of
+its own: at once). The torch adapter instead asks for writable views
+(``views_writable``): its tensors are the segment's memory, zero-copy, and hold it as
+long as they are referenced. A second descriptor of the same generation (a duplicate, a
+replayed push) gets the same owner, never one of its own, so dropping it releases
+nothing; once released, a descriptor of a batch this trainer had (the last SEEN_MAX it
+resolved) is a duplicate and dropped unread, like any duplicate frame, and any other
+of a released generation is stale (the producer may be writing the next one). The
+producer overwrites a segment only when ``released == gen``. A segment is mapped once
+and the mapping is shared by its generations; it is unmapped when the last owner over
+it is gone and the cache dropped it.
+
+Every descriptor is checked before a byte is read: this queue's segment name (no path,
+no other queue), this host, a regular file of this user opened without following
+links, with mode 0600 and one link (a hard link to another queue's segment would have
+the trainer release that queue's batch), big enough, and holding the generation the
+descriptor names, not released yet. Anything else is a bad frame
+(:class:`~batchq.errors.FrameError`, to the dead list with its reason).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import struct
+import time
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import redis
+
+from batchq.client.connection import call
+from batchq.errors import FrameError
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.ranks import rank_field
+from batchq.wire.shm import (
+    DEFAULT_SHM_DIR,
+    HEADER,
+    HEADER_BYTES,
+    OFF_RELEASED,
+    OFF_RETIRED,
+    SEGMENT_MAGIC,
+    SEGMENT_MODE,
+    decode_descriptor,
+    host_identity,
+    list_segments,
+    parse_segment_name,
+    remove_segments,
+    resolve_transport,
+)
+
+__all__ = ["MAX_MAPPED", "SEEN_MAX", "SWEEP_S", "TrainerShm"]
+
+log = logging.getLogger(__name__)
+
+MAX_MAPPED = 1024  # segments kept mapped; older ones are unmapped once unreferenced
+SWEEP_S = 5.0  # how often the reader looks for segments of producers that are gone
+SEEN_MAX = 8192  # batches remembered as had (segment, inode, generation): duplicates
+_U64 = struct.Struct("<Q")
+
+
+def _release(mm: mmap.mmap, gen: int, path: str, ino: int) -> None:
+    """The batch of ``gen`` is no longer referenced: hand the segment back."""
+    try:
+        _U64.pack_into(mm, OFF_RELEASED, gen)
+        # Its producer left (retired): nobody reuses it, so it goes now.
+        retired = _U64.unpack_from(mm, OFF_RETIRED)[0]
+        if retired and os.stat(path, follow_symlinks=False).st_ino == ino:
+            os.unlink(path)
+    except (ValueError, OSError):  # unmapped or already removed: nothing to hand back
+        pass
+
+
+class TrainerShm:
+    """Shared memory for one trainer.
+
+    Args:
+        keys: the queue's keys.
+        transport: 'auto' or 'redis' (None: ``BATCHQ_TRANSPORT``, else 'auto').
+        shm_dir: the shared-memory folder (default /dev/shm).
+        writable: the trainer asked for writable arrays: each batch is copied out of
+            its segment into memory of its own (the arrays own it), and the segment is
+            released at once.
+        rank: the trainer's rank (its host is published per rank: ranks of one job may
+            run on different hosts).
+        world: the job's number of ranks.
+    """
+
+    def __init__(
+        self,
+        keys: QueueKeys,
+        transport: str | None,
+        shm_dir: str | None,
+        writable: bool = False,
+        *,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        self.keys = keys
+        self.writable = writable
+        self.views_writable = False  # the torch adapter's zero-copy writable tensors
+        self.host_field = rank_field(MetaField.SHM_HOST, rank, world)
+        self.lookahead_field = rank_field(MetaField.SHM_LOOKAHEAD, rank, world)
+        self.mode = resolve_transport(transport)
+        self.shm_dir = shm_dir or DEFAULT_SHM_DIR
+        self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
+        self._mapped: OrderedDict[str, tuple[int, int, mmap.mmap, int]] = OrderedDict()
+        # (segment, inode, generation) -> the live owner of that batch: duplicates
+        # share it; and the batches resolved lately, to know a late duplicate.
+        self._owners: weakref.WeakValueDictionary[tuple[str, int, int], Any] = (
+            weakref.WeakValueDictionary()
+        )
+        self._seen: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        self.duplicates = 0  # descriptors of batches already had, dropped unread
+        self._run = ""  # the run this trainer reads (set by new_run)
+        self._mapped_run = ""  # the run of the segments in the mapping cache
+        self._swept = time.monotonic()
+        self.frames = 0  # frames received through shared memory
+        self.swept = 0  # segments of gone producers removed by sweep()
+
+    def publish(self, client: redis.Redis, lookahead: int) -> None:
+        """Tell the producers this trainer's host and its look-ahead (the decoded frames
+        it may hold ahead of its caller), or that it takes nothing by shared memory.
+
+        Called after every acquire and resume: those scripts drop the published host
+        (a takeover, a new run), so that no descriptor for the previous trainer's host
+        is pushed into this trainer's list (push.lua checks it)."""
+        meta = self.keys.meta
+        if self.identity is None:
+            fields = (self.host_field, self.lookahead_field)
+            call(lambda: client.hdel(meta, *fields), "publishing the host")
+        else:
+            items: list[str | int] = [
+                self.host_field,
+                self.identity,
+                self.lookahead_field,
+                lookahead,
+            ]
+            call(lambda: client.hset(meta, items=items), "publishing the host")
+
+    def new_run(self, run: str) -> None:
+        """A run started: segments of other runs of this queue on this host go (also
+        for a trainer that takes nothing by shared memory: a killed run's are left)."""
+        self._run = run
+        remove_segments(self.shm_dir, self.keys.queue, keep_run=run)
+
+    def maybe_sweep(self, client: redis.Redis) -> int:
+        """Every SWEEP_S: remove this run's segments of producers that are gone (killed
+        and reaped, or left) and whose last batch the trainer is done with.
+
+        Safe because: the folder is listed *before* the producers are read, and a
+        producer joins before it creates a segment, so one absent from the read was
+        reaped or left after making it; a reaped producer's pushes are refused (its
+        leases are gone) and when it joins again it retires every segment it had
+        (:meth:`producer.serving.shm_pool.SegmentPool.retire`), so a removed segment is never
+        written or named again. One still holding a batch (``released != gen``) stays;
+        it goes when released, or with the run.
+        """
+        now = time.monotonic()
+        if self.identity is None or not self._run or now - self._swept < SWEEP_S:
+            return 0
+        self._swept = now
+        listed = [
+            (n, p) for n, p in list_segments(self.shm_dir, self.keys.queue) if p.run == self._run
+        ]
+        if not listed:
+            return 0
+        members = call(lambda: client.zrangebyscore(self.keys.producers, "-inf", "+inf"), "reading")
+        alive = {m.decode() for m in members}  # type: ignore[union-attr]
+        removed = 0
+        for name, parsed in listed:
+            if parsed.producer in alive:
+                continue
+            path = os.path.join(self.shm_dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    head = os.pread(fd, HEADER_BYTES, 0)
+                finally:
+                    os.close(fd)
+                if len(head) < HEADER_BYTES:
+                    continue
+                magic, _version, gen, released, _retired, _length = HEADER.unpack(head)
+                if magic == SEGMENT_MAGIC and gen == released:
+                    os.unlink(path)
+                    removed += 1
+            except OSError:
+                continue
+        if removed:
+            log.info("queue %s: removed %d segments of gone producers", self.keys.queue, removed)
+        self.swept += removed
+        return removed
+
+    def finish(self) -> None:
+        """The run finished: every segment of this queue on this host goes."""
+        remove_segments(self.shm_dir, self.keys.queue)
+
+    def resolve(self, element: bytes) -> np.ndarray[Any, np.dtype[np.uint8]] | memoryview | None:
+        """The frame's bytes for a descriptor: a read-only array owning the batch, or
+        for a ``writable=True`` trainer a copy of its own (the segment released); None
+        for a duplicate of a batch this trainer had and released (dropped unread).
+
+        Raises:
+            FrameError: a bad descriptor (``shm_bad``, ``shm_outside``,
+                ``shm_foreign_host``, ``shm_unavailable``, ``shm_missing``,
+                ``shm_wrong_size``, ``shm_stale``).
+        """
+        desc = decode_descriptor(element, self.keys.queue)
+        if self.identity is None:
+            raise FrameError("shm_unavailable", f"segment {desc.segment}: this trainer has no shm")
+        if desc.host != self.identity:
+            raise FrameError(
+                "shm_foreign_host",
+                f"segment {desc.segment} is on host {desc.host[:80]!r}, not this one",
+            )
+        path = os.path.join(self.shm_dir, desc.segment)
+        ino, size, mm, _dev = self._map(desc.segment, path)
+        if HEADER_BYTES + desc.length > size:
+            raise FrameError(
+                "shm_wrong_size",
+                f"segment {desc.segment} has {size - HEADER_BYTES} bytes, "
+                f"the descriptor says {desc.length}",
+            )
+        magic, _version, gen, released, _retired, length = HEADER.unpack_from(mm)
+        key = (desc.segment, ino, desc.gen)
+        owner = self._owners.get(key)
+        if owner is None and key in self._seen:
+            self.duplicates += 1  # a replayed push of a batch already had: never read
+            return None
+        if magic != SEGMENT_MAGIC or gen != desc.gen or length != desc.length:
+            raise FrameError(
+                "shm_stale",
+                f"segment {desc.segment} holds generation {gen} of {length} bytes, "
+                f"the descriptor names generation {desc.gen} of {desc.length}",
+            )
+        if owner is None:
+            if released >= gen:
+                raise FrameError(
+                    "shm_stale",
+                    f"segment {desc.segment}: generation {gen} was released already",
+                )
+            owner = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=HEADER_BYTES)
+            owner.flags.writeable = self.views_writable
+            weakref.finalize(owner, _release, mm, desc.gen, path, ino)
+            self._owners[key] = owner
+            self._seen[key] = None
+            if len(self._seen) > SEEN_MAX:
+                self._seen.popitem(last=False)
+        self.frames += 1
+        if self.writable:
+            # Copied into memory the arrays own; the owner goes here: released at once.
+            return memoryview(bytearray(owner))
+        return owner
+
+    def _map(self, name: str, path: str) -> tuple[int, int, mmap.mmap, int]:
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            raise FrameError("shm_missing", f"segment {path} does not exist") from None
+        except OSError as e:
+            raise FrameError("shm_missing", f"segment {path}: {e}") from None
+        cached = self._mapped.get(name)
+        # Same file and size as mapped (a segment never changes size; one that shrank
+        # under the mapping would fault on read, so it is looked at afresh).
+        if cached is not None and cached[:2] == (st.st_ino, st.st_size) and cached[3] == st.st_dev:
+            self._mapped.move_to_end(name)
+            return cached
+        try:
+            # O_NONBLOCK: a FIFO named as a segment must not block the open.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise FrameError("shm_missing", f"segment {path} does not exist") from None
+        except OSError as e:  # ELOOP: a symlink; EACCES: not ours
+            raise FrameError("shm_outside", f"segment {path} cannot be opened: {e}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise FrameError(
+                    "shm_outside", f"segment {path} is not a regular file of this user"
+                )
+            if stat.S_IMODE(st.st_mode) != SEGMENT_MODE or st.st_nlink != 1:
+                raise FrameError(
+                    "shm_outside",
+                    f"segment {path} has mode {stat.S_IMODE(st.st_mode):04o} and "
+                    f"{st.st_nlink} links, expected {SEGMENT_MODE:04o} and 1",
+                )
+            if st.st_size < HEADER_BYTES:
+                raise FrameError(
+                    "shm_wrong_size", f"segment {path} has {st.st_size} bytes, below its header"
+                )
+            try:
+                mm = mmap.mmap(fd, st.st_size)
+            except (OSError, ValueError) as e:  # ENOMEM: vm.max_map_count reached
+                raise FrameError("shm_missing", f"segment {path} cannot be mapped: {e}") from None
+        finally:
+            os.close(fd)
+        entry = (st.st_ino, st.st_size, mm, st.st_dev)
+        parsed = parse_segment_name(name)
+        if parsed is not None and parsed.run != self._mapped_run:
+            # Mappings of another run will not be asked for again; owners keep theirs.
+            for old in [n for n in self._mapped if n.split("-")[2] != parsed.run]:
+                del self._mapped[old]
+            self._mapped_run = parsed.run
+        self._mapped[name] = entry
+        while len(self._mapped) > MAX_MAPPED:
+            self._mapped.popitem(last=False)
+        return entry

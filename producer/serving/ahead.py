@@ -1,0 +1,112 @@
+"""The next shard, leased ahead and built while the current shard's last push travels.
+
+A producer alone on a fast transport is latency-bound, not CPU-bound: it encodes a
+frame, sends the capped push and waits for the reply before it builds the next one,
+and on a busy host that wait (Redis and the producer being scheduled in turn) is as
+long as the build. Measured on the project's 2-core machine (1.57 MB batches, shared
+memory, one shard per batch): one producer ~1600 batches/s, two ~2500, with every
+process below 60 % of a core. So a producer whose shards build quickly keeps one shard
+*ahead*: the lease for shard s+1 is in hand when shard s's last push is sent, and s+1's
+first batch is built and encoded while that push and its reply travel
+(:func:`batchq.protocol.calls.round_trip`'s ``between``). The lease after it rides on the
+same push, as the one-ahead prefetch always did.
+
+Holding a second lease serialises two shards on one producer, which costs a slow
+pipeline the parallelism of other producers; so the second lease is asked for only
+while the shard just built took under :data:`AHEAD_MAX_BUILD_S` (then serialising
+costs at most that) and the trainer is waiting (the producer's last push found the
+list empty: a trainer-bound run gains nothing, and a frame built ahead there would
+take a segment the pool keeps for the list), and lease.lua grants a prefetch only if
+the push it rides behind went through (its entry left the lease list) and the producer
+then holds fewer than k leases: a producer blocked at the hwm is never granted another
+shard (it keeps the one it held ahead, already built: at most two in all).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from batchq.protocol.replies import LeaseReply
+from producer.serving.transport import ShmFrame
+
+__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "Lease", "Ready"]
+
+# A shard built faster than this makes its producer keep one more shard leased ahead.
+AHEAD_MAX_BUILD_S = 0.002
+MAX_AHEAD = 2  # leases a producer asks to hold behind a last push: the next two shards
+
+
+class Lease(NamedTuple):
+    """One leased slot (see :mod:`batchq.protocol.ranks`): its global number, the batches the
+    trainer has already, the lease's token, and the run's slots per epoch and world."""
+
+    g: int
+    skip: int
+    token: str
+    slots: int
+    world: int
+    shard: int | None = None  # the shard to build, where a resume remapped the slot
+
+    @classmethod
+    def from_reply(cls, reply: LeaseReply, token: str, shards: int) -> Lease:
+        """From lease.lua's OK reply (world 1 says no slots: the plan's S)."""
+        return cls(reply.g, reply.skip, token, reply.slots or shards, reply.world, reply.shard)
+
+
+@dataclass
+class Ready:
+    """A shard's first batch, built ahead: what the serving loop would have computed.
+
+    Attributes:
+        entry: the lease entry of the shard.
+        batches: the shard's batch iterator, past the first batch.
+        step: the first (batch, last), or None for a shard without batches.
+        frame: its encoded frame (None with ``error`` or without batches).
+        error: what the pipeline or the encoding raised, if it did.
+        took_s: how long building it took (the produce time, and whether it was quick).
+    """
+
+    entry: str
+    batches: Iterator[tuple[Any, bool]]
+    step: tuple[Any, bool] | None
+    frame: Any
+    error: Exception | None
+    took_s: float
+
+    def discard(self) -> None:
+        """Never to be pushed: a segment it holds is free again."""
+        if isinstance(self.frame, ShmFrame):
+            self.frame.abandon()
+
+
+class Ahead:
+    """The leases a producer holds beyond the shard it serves, and the next one built."""
+
+    def __init__(self) -> None:
+        self.leases: deque[Lease] = deque()
+        self.ready: Ready | None = None
+        self.depth = -1  # the list's length after this producer's last push (-1: none yet)
+
+    def wanted(self, build_s: float) -> int:
+        """How many leases to hold behind a last push after a shard built in
+        ``build_s``: two when it built quickly and the trainer is waiting."""
+        quick = build_s < AHEAD_MAX_BUILD_S and self.depth == 1
+        return MAX_AHEAD if quick else 1
+
+    def take_ready(self, entry: str) -> Ready | None:
+        """The built first batch of the shard of ``entry``, if it was built ahead."""
+        ready, self.ready = self.ready, None
+        if ready is not None and ready.entry != entry:
+            ready.discard()  # built for another lease (never the case in order)
+            return None
+        return ready
+
+    def drop(self) -> None:
+        """The run was left (a join, an exit): its leases are gone, a built frame too."""
+        self.leases.clear()
+        if self.ready is not None:
+            self.ready.discard()
+            self.ready = None

@@ -1,0 +1,136 @@
+"""A producer's heartbeat: a thread that keeps it alive in the run, reaps the dead, and
+notices when no trainer has claimed the run for too long.
+
+It has its own client (a push blocked at the hwm never delays a beat), and beats every
+third of the heartbeat TTL: ZADD XX of the producer's deadline (a producer already
+declared dead must join again, not revive), the reaping of producers past theirs
+(:func:`batchq.client.reaper.reap_dead`), and the orphan check. It stops with the producer's
+stop event.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from batchq.client.admin import is_oom
+from batchq.client.connection import make_client
+from batchq.client.reaper import reap_dead, record_client, server_ms
+from batchq.errors import BatchQueueError
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.ranks import rank_field
+from producer.serving.pushing import RunPosition
+
+__all__ = ["BEATS_PER_TTL", "Heartbeat"]
+
+log = logging.getLogger(__name__)
+
+# Beats per heartbeat TTL: two may be lost (a slow Redis, a GC pause) before the
+# producer is declared dead.
+BEATS_PER_TTL = 3
+
+
+class Heartbeat:
+    """The heartbeat of one producer.
+
+    Args:
+        url: the Redis URL (the thread opens its own client).
+        keys: the queue's keys.
+        producer: the producer's id.
+        heartbeat_ttl_ms: the producer is declared dead this long after its last beat.
+        position: the run the producer serves (its incarnation and world are read).
+        stop: the producer's stop event: ends the thread; set here when orphaned.
+        orphan_exit_s: stop the producer once no trainer has held a live claim on the
+            run for this long; None: never.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keys: QueueKeys,
+        producer: str,
+        heartbeat_ttl_ms: int,
+        position: RunPosition,
+        stop: threading.Event,
+        orphan_exit_s: float | None,
+    ) -> None:
+        self.url = url
+        self.keys = keys
+        self.id = producer
+        self.heartbeat_ttl_ms = heartbeat_ttl_ms
+        self.orphan_exit_s = orphan_exit_s
+        self.orphaned = False  # the producer stopped because no trainer claimed the run
+        self._pos = position
+        self._stop = stop
+        self._unclaimed_since_ms: int | None = None  # server clock
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start beating (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, name="batchq-heartbeat", daemon=True)
+            self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the thread, once the stop event is set."""
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    def run(self) -> None:
+        """The thread's loop: beat, reap, check for an orphaned run, until stopped."""
+        client = make_client(self.url)
+        interval_s = self.heartbeat_ttl_ms / 1000 / BEATS_PER_TTL
+        record = True  # the heartbeat's CLIENT ID, re-recorded each beat (it may reconnect)
+        while True:
+            if record:
+                try:
+                    record = record_client(client, self.keys, f"{self.id}:hb")
+                except (redis.RedisError, OSError, BatchQueueError) as e:
+                    log.debug("producer %s: client id not recorded: %s", self.id, e)
+            if self._stop.wait(interval_s):
+                break
+            try:
+                now_ms = server_ms(client)
+                deadline_ms = now_ms + self.heartbeat_ttl_ms
+                client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
+                reap_dead(client, self.keys, self._pos.incarnation, now_ms)
+                self.check_orphaned(client, now_ms)
+            except (redis.RedisError, OSError, BatchQueueError) as e:
+                # At maxmemory the heartbeat is refused too; pushes report that once.
+                level = logging.DEBUG if is_oom(e) else logging.WARNING
+                log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
+        client.close()
+
+    def check_orphaned(self, client: redis.Redis, now_ms: int) -> None:
+        """Stop the producer once no trainer has held a live claim on the run for
+        orphan_exit_s (``now_ms``: the server's clock).
+
+        A crashed trainer leaves its run for a restarted one to resume, which is right,
+        but not for ever: producers of an abandoned run would serve (and hold memory in
+        Redis) until someone kills them.
+        """
+        if self.orphan_exit_s is None:
+            return
+        world = self._pos.world
+        deadlines = client.hmget(
+            self.keys.meta, [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
+        )
+        if any(d and int(d) > now_ms for d in deadlines):
+            self._unclaimed_since_ms = None
+            return
+        if self._unclaimed_since_ms is None:
+            self._unclaimed_since_ms = now_ms
+            return
+        if now_ms - self._unclaimed_since_ms >= self.orphan_exit_s * 1000:
+            log.warning(
+                "producer %s: no trainer has claimed the run of queue %s for %g s "
+                "(--orphan-exit-s); exiting",
+                self.id,
+                self.keys.queue,
+                self.orphan_exit_s,
+            )
+            self.orphaned = True
+            self._stop.set()

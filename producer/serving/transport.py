@@ -1,0 +1,347 @@
+"""Which way a producer's frames travel: shared memory on the trainer's host, else Redis.
+
+``transport='auto'`` (the default; ``BATCHQ_TRANSPORT`` sets it where the argument is
+not given) uses shared memory for a frame exactly while the trainer (the rank) it goes
+to has published this host's identity (:func:`batchq.wire.shm.host_identity`, meta field
+:data:`batchq.protocol.fields.MetaField.SHM_HOST`, one per rank): a producer started before the
+trainer switches once the identity appears, and back to Redis when a trainer from
+another host takes over; ranks on other hosts get their frames through Redis. It reads
+the fields at every join and at most once a second while serving; push.lua refuses a
+descriptor whose host is not the rank's published one at that moment (``REROUTE``:
+the producer sends the frame itself), so a lagging read never misroutes a frame.
+
+The pool holds at most ``shm_segments`` segments; by default just enough that a
+trainer keeping up never makes a frame fall back to Redis: per rank on this host, the
+rank's data list (hwm), the decoded frames the rank's reader holds ahead of its caller
+(its look-ahead, published beside the host: :data:`batchq.protocol.fields.MetaField.SHM_LOOKAHEAD`)
+and the two batches the caller has in hand (the one it uses, the one it is handed
+next), plus the producer's own two: the one being pushed and the next one, built
+ahead (:mod:`producer.serving.ahead`).
+``transport='redis'`` never uses shared memory. Either way, frames that do not get a
+segment (the folder is full, ``shm_max_bytes`` is reached, or every segment still holds
+a batch the trainer keeps) go through Redis: one warning for a full folder, never an
+error, never a lost batch.
+
+When every segment still holds a batch, the trainer usually lets one go within a step
+(its caller moves on to the next batch): the producer waits up to
+:data:`NO_ROOM_WAIT_S` for that before it sends the frame through Redis, which costs both
+sides about ten times as much CPU as the frame it would have waited for. A wait that
+timed out (a trainer keeping batches: a list of them, a slow step) makes the next frames
+go through Redis at once, until a segment is free again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from batchq.client.connection import Pieces, call
+from batchq.errors import ConfigError
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.ranks import rank_field
+from batchq.wire import codec
+from batchq.wire.shm import (
+    DEFAULT_SHM_DIR,
+    encode_descriptor,
+    host_identity,
+    remove_segments,
+    resolve_transport,
+)
+from producer.serving.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
+
+__all__ = [
+    "DEFAULT_LOOKAHEAD",
+    "MAX_LOOKAHEAD",
+    "NO_ROOM_POLL_S",
+    "NO_ROOM_WAIT_S",
+    "REFRESH_S",
+    "ShmFrame",
+    "Transport",
+    "pool_size",
+]
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 1.0  # how often a serving producer looks at the trainer's host identity
+# Every segment holds a batch: wait this long for the trainer to let one go, looking
+# every NO_ROOM_POLL_S (bench/torch_loader.py, two queues read in turn: without the
+# wait about one 12.6 MB frame in ten went through Redis at the turn, at ~10x the cost).
+NO_ROOM_WAIT_S = 0.02
+NO_ROOM_POLL_S = 0.0005
+DEFAULT_LOOKAHEAD = 10  # a trainer that published none: the consumer's default hwm
+MAX_UNCERTAIN = 64  # pushes whose reply was lost, remembered until the next join
+# Whatever meta says, a pool never grows past this look-ahead (memory stays bounded).
+MAX_LOOKAHEAD = 1024
+IN_HAND = 2  # batches a rank's caller holds: the one it uses and the one handed next
+OUTSIDE = 2  # a producer's frames outside the list: the one pushed, one built ahead
+
+
+def pool_size(hwm: int, lookahead: int, world: int) -> int:
+    """The default pool: what a run of ``world`` ranks can hold of one producer's
+    frames at once (every list, look-ahead and hand full of them), plus the frame
+    being pushed and the one built ahead."""
+    return world * (hwm + lookahead + IN_HAND) + OUTSIDE
+
+
+def _lookahead(value: object) -> int:
+    """The published look-ahead, or the default where meta holds none or nonsense."""
+    try:
+        n = int(value) if isinstance(value, bytes | str) else DEFAULT_LOOKAHEAD
+    except ValueError:
+        return DEFAULT_LOOKAHEAD
+    return min(n, MAX_LOOKAHEAD) if n >= 1 else DEFAULT_LOOKAHEAD
+
+
+class ShmFrame:
+    """A frame written into a segment; the list gets :attr:`element`, its descriptor."""
+
+    def __init__(self, element: bytes, nbytes: int, segment: Segment, gen: int, host: str) -> None:
+        self.element = element
+        self.nbytes = nbytes
+        self.segment = segment
+        self.gen = gen
+        self.host = host  # the identity the descriptor names
+
+    def __len__(self) -> int:
+        return self.nbytes  # the batch's size, for the accounting
+
+    def abandon(self) -> None:
+        """The push was refused for good: the segment is free again."""
+        self.segment.abandon(self.gen)
+
+    def detach(self) -> memoryview:
+        """The frame's bytes copied out of the segment, which is free again (the push
+        was refused with REROUTE: the frame goes through Redis instead)."""
+        data = memoryview(bytes(self.segment.body(self.nbytes)))
+        self.abandon()
+        return data
+
+
+class Transport:
+    """One producer's choice of transport, and its segments.
+
+    Args:
+        transport: 'auto' or 'redis' (None: ``BATCHQ_TRANSPORT``, else 'auto').
+        shm_dir: the shared-memory folder.
+        queue: the queue's keys.
+        producer: the producer's id.
+        max_segments: the most segments the producer holds at once (None: follow the
+            run's shape, :func:`pool_size`).
+        max_bytes: the most bytes of segments it holds at once (None: no own limit).
+        hwm: the run's hwm (for the default pool size).
+    """
+
+    def __init__(
+        self,
+        transport: str | None,
+        shm_dir: str | None,
+        keys: QueueKeys,
+        producer: str,
+        max_segments: int | None,
+        max_bytes: int | None = None,
+        *,
+        hwm: int = 1,
+    ) -> None:
+        self.mode = resolve_transport(transport)
+        self.shm_dir = shm_dir or DEFAULT_SHM_DIR
+        for name, value in (("shm_segments", max_segments), ("shm_max_bytes", max_bytes)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ConfigError(
+                    f"{name} {value!r} is not valid: expected an integer >= 1 or None"
+                )
+        self.keys = keys
+        self.producer = producer
+        self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
+        self._fixed = max_segments
+        self._hwm = hwm
+        self._world = 1
+        size = max_segments or pool_size(hwm, DEFAULT_LOOKAHEAD, 1)
+        self.pool = SegmentPool(self.shm_dir, keys.queue, producer, size, max_bytes)
+        self._local: tuple[int, ...] = ()  # the ranks whose trainer is on this host
+        self._checked = -REFRESH_S
+        self._warned = False
+        self.shm_frames = 0  # frames sent through shared memory
+        self.fallbacks = 0  # frames that wanted shared memory and went through Redis
+        self.no_room_waits = 0  # frames that waited for the trainer to let a segment go
+        self.reroutes = 0  # descriptors push.lua refused: the frame went through Redis
+        # Descriptors whose push lost its reply, with their data list: looked at when the
+        # producer joins again (see joined).
+        self._uncertain: list[tuple[ShmFrame, str]] = []
+        self._patient = True  # the last wait for a segment did not time out
+
+    def joined(self, client: redis.Redis, run: str, world: int = 1) -> None:
+        """After a join: a new run drops the old segments, a rejoin of the same run
+        retires them; look at the trainer's host. ``world``: the run's ranks."""
+        self._world = max(1, world)
+        if self.identity is None:
+            return
+        if run == self.pool.run:
+            self._drop_unlisted(client)
+            self.pool.retire()  # a rejoin: never reuse a segment from before it
+        else:
+            self.pool.reset(run)
+            # Segments of other runs whose producers are gone (killed): nothing will
+            # pop them. Live producers' are theirs to drop (they may be in a newer run).
+            # (ZRANGEBYSCORE: what the producer ACL role of deploy/acl.conf may run.)
+            members = call(
+                lambda: client.zrangebyscore(self.keys.producers, "-inf", "+inf"), "reading"
+            )
+            alive = {p.decode() for p in members}  # type: ignore[union-attr]
+            remove_segments(
+                self.shm_dir, self.keys.queue, keep_run=run, keep_producers=alive - {self.producer}
+            )
+        self.refresh(client, force=True)
+
+    def uncertain(self, frame: ShmFrame, data_key: str) -> None:
+        """A push of ``frame`` into ``data_key`` failed before its reply came back."""
+        self._uncertain = [*self._uncertain[-(MAX_UNCERTAIN - 1) :], (frame, data_key)]
+
+    def _drop_unlisted(self, client: redis.Redis) -> None:
+        """At a rejoin: a segment whose push lost its reply and whose descriptor is not in
+        its list never reached it, or the trainer popped it already (then mapped it:
+        the reconnect took longer than a pop's resolve), so it goes now; left to the
+        retirement, it would stay until the run ends."""
+        uncertain, self._uncertain = self._uncertain, []
+        for frame, data_key in uncertain:
+            seg = frame.segment
+            if seg not in self.pool.segments or seg.gen != frame.gen or seg.is_free():
+                continue
+            listed = call(
+                functools.partial(client.lpos, data_key, frame.element),  # type: ignore[arg-type]
+                "reading the list",
+            )
+            if listed is None:
+                self.pool.segments.remove(seg)
+                seg.unlink()
+
+    @property
+    def active(self) -> bool:
+        """Whether some rank's trainer is on this host (frames for it use segments)."""
+        return bool(self._local)
+
+    def active_for(self, rank: int) -> bool:
+        """Whether frames for ``rank`` go into segments."""
+        return rank in self._local
+
+    @staticmethod
+    def host_field(rank: int, world: int) -> str:
+        """The meta field where ``rank`` of ``world`` publishes its host."""
+        return rank_field(MetaField.SHM_HOST, rank, world)
+
+    def refresh(self, client: redis.Redis, *, force: bool = False) -> None:
+        """Follow the trainers' published host identities (at most once a second)."""
+        if self.identity is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._checked < REFRESH_S:
+            return
+        self._checked = now
+        world = self._world
+        fields = [self.host_field(r, world) for r in range(world)]
+        fields += [rank_field(MetaField.SHM_LOOKAHEAD, r, world) for r in range(world)]
+        values = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
+        hosts, lookaheads = values[:world], values[world:]
+        local = tuple(
+            r for r, v in enumerate(hosts) if isinstance(v, bytes) and v.decode() == self.identity
+        )
+        if self._fixed is None:
+            # Room for what each rank on this host can hold (pool_size), and our own two.
+            held = sum(pool_size(self._hwm, _lookahead(lookaheads[r]), 1) - OUTSIDE for r in local)
+            self.pool.max_segments = held + OUTSIDE
+        if local != self._local:
+            where = f"shared memory in {self.shm_dir}" if local else "Redis"
+            if world > 1 and local:
+                where += f" for ranks {', '.join(map(str, local))} (Redis for the others)"
+            log.info("producer %s: frames now travel through %s", self.producer, where)
+            self._local = local
+
+    def rerouted(self) -> None:
+        """A push was refused with REROUTE (the rank's published host changed): count
+        it, and read the hosts at the next :meth:`refresh`."""
+        self.reroutes += 1
+        self.recheck()
+
+    def recheck(self) -> None:
+        """Look at the trainer's host at the next :meth:`refresh` (after waiting at the
+        cap: a trainer that just arrived publishes its host before its first pop)."""
+        self._checked = -REFRESH_S
+
+    def encode(
+        self,
+        header: codec.FrameHeader,
+        data: Sequence[Any],
+        *,
+        checksum: bool = False,
+        max_frame_bytes: int | None = None,
+        rank: int = 0,
+    ) -> Pieces | ShmFrame:
+        """Encode a frame for ``rank``: into a segment when its trainer is on this host
+        and one is free, else as pieces for Redis. Arguments and errors as
+        :func:`codec.encode_frame`."""
+        if rank in self._local:
+            frame = self._encode_shm(header, data, checksum, max_frame_bytes)
+            if frame is not None:
+                return frame
+        return codec.encode_frame_pieces(
+            header, data, checksum=checksum, max_frame_bytes=max_frame_bytes
+        )
+
+    def _encode_shm(
+        self,
+        header: codec.FrameHeader,
+        data: Sequence[Any],
+        checksum: bool,
+        max_frame_bytes: int | None,
+    ) -> ShmFrame | None:
+        got: list[Segment | str] = []
+
+        def alloc(nbytes: int) -> memoryview | None:
+            got.append(self._acquire(nbytes))
+            return got[0].body(nbytes) if isinstance(got[0], Segment) else None
+
+        result = codec.encode_frame_into(
+            alloc, header, data, checksum=checksum, max_frame_bytes=max_frame_bytes
+        )
+        segment = got[0] if got else None
+        if result is None or not isinstance(segment, Segment):
+            self.fallbacks += 1
+            if segment == FULL and not self._warned:
+                self._warned = True
+                log.warning(
+                    "producer %s: no room in %s for another segment (%s); frames that do "
+                    "not fit go through Redis",
+                    self.producer,
+                    self.shm_dir,
+                    self.pool.last_error,
+                )
+            return None
+        nbytes = result[0]
+        gen = segment.commit(nbytes)
+        self.shm_frames += 1
+        host = self.identity or ""
+        element = encode_descriptor(segment.name, gen, nbytes, host)
+        return ShmFrame(element, nbytes, segment, gen, host)
+
+    def _acquire(self, nbytes: int) -> Segment | str:
+        """A segment from the pool, waiting a little for one the trainer lets go."""
+        got = self.pool.acquire(nbytes)
+        if got == NO_ROOM and self._patient:
+            self.no_room_waits += 1
+            deadline = time.monotonic() + NO_ROOM_WAIT_S
+            while got == NO_ROOM and time.monotonic() < deadline:
+                time.sleep(NO_ROOM_POLL_S)
+                got = self.pool.acquire(nbytes)
+        self._patient = got != NO_ROOM
+        return got
+
+    def close(self, finished: bool) -> None:
+        """The producer leaves: remove its segments (see :meth:`SegmentPool.close`)."""
+        self.pool.close(finished)

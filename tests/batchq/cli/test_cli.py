@@ -1,0 +1,149 @@
+"""The batchq command: help, status (table and JSON), demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from batchq.cli import main
+from batchq.monitoring.rows import STATUS_FIELDS
+from batchq.protocol.keys import QueueKeys
+from producer import Producer
+
+
+def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "batchq.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "command", ["serve", "demo", "status", "reset", "top", "exporter", "report"]
+)
+def test_every_command_explains_url_in_help(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "--url" in capsys.readouterr().out
+
+
+def test_status_reports_depth_hwm_and_producers(
+    redis_url: str, queue_name: str, redis_client: Any
+) -> None:
+    from pipelines import numbered
+
+    keys = QueueKeys(queue_name)
+    producer = Producer(numbered(200, 20), redis_url, queue_name, hwm=3)
+    thread = threading.Thread(target=producer.serve, daemon=True)
+    thread.start()
+    try:
+        done = run_cli("status", "--url", redis_url, "--queue", queue_name, "--json")
+        assert done.returncode == 0, done.stderr
+        (row,) = json.loads(done.stdout)
+        assert tuple(row) == STATUS_FIELDS  # the documented schema, in order
+        assert row["queue"] == queue_name
+        assert row["hwm"] == 3 and row["producers_alive"] == 1
+        assert 0 <= row["depth"] <= 3
+        assert row["trainer"] == "detached"
+        table = run_cli("status", "--url", redis_url)
+        assert table.returncode == 0
+        header, *lines = table.stdout.splitlines()
+        assert header.split()[:3] == ["QUEUE", "DEPTH/HWM", "PRODUCERS"]
+        assert any(line.startswith(queue_name) for line in lines)
+    finally:
+        producer.stop()
+        thread.join(timeout=10)
+    assert redis_client.zcard(keys.producers) == 0
+
+
+def test_status_of_an_unreachable_server_is_a_clear_error() -> None:
+    done = run_cli("status", "--url", "redis://127.0.0.1:1/0")
+    assert done.returncode == 2
+    assert "connection lost" in done.stderr.lower() or "connect" in done.stderr.lower()
+    assert "Traceback" not in done.stderr
+
+
+def test_demo_runs_end_to_end_on_its_embedded_redis() -> None:
+    done = run_cli(
+        "--log-level",
+        "WARNING",
+        "demo",
+        "--epochs",
+        "2",
+        "--examples",
+        "200",
+        "--batch-size",
+        "50",
+        "--load-ms",
+        "1",
+        "--train-ms",
+        "2",
+        "--producers",
+        "2",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "embedded redis-server" in done.stdout
+    result = json.loads(done.stdout[done.stdout.index("{") :])
+    assert result["producer_exit_codes"] == [0, 0, 0]
+    assert set(result["runs"]) == {"in-process", "served (1 producer)", "served (2 producers)"}
+    assert all(r["batches"] == 8 for r in result["runs"].values())
+    assert result["floor_s"] > 0
+
+
+def test_reset_deletes_one_queue_only_after_confirmation(
+    redis_url: str, queue_name: str, redis_client: Any
+) -> None:
+    mine, other = QueueKeys(queue_name), QueueKeys(queue_name + "x")
+    redis_client.hset(mine.meta, "run", "r")
+    redis_client.rpush(mine.data, b"frame")
+    redis_client.hset(other.meta, "run", "r")
+    try:
+        declined = run_cli("reset", "--url", redis_url, "--queue", queue_name)
+        assert declined.returncode == 1 and "--yes" in declined.stderr
+        assert redis_client.exists(mine.meta, mine.data) == 2
+        done = run_cli("reset", "--url", redis_url, "--queue", queue_name, "--yes")
+        assert done.returncode == 0, done.stderr
+        assert "deleted 2 keys" in done.stdout
+        assert redis_client.exists(mine.meta, mine.data) == 0
+        assert redis_client.exists(other.meta) == 1
+    finally:
+        redis_client.delete(other.meta)
+
+
+def test_every_option_has_an_environment_variable_and_config_shows_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHQ_URL", "redis://user:secret@db:6380/0")
+    monkeypatch.setenv("BATCHQ_HWM", "7")
+    monkeypatch.setenv("BATCHQ_HEARTBEAT_TTL_S", "2.5")
+    assert main(["config", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by = {(r["command"], r["option"]): r for r in rows}
+    assert by[("serve", "--hwm")]["value"] == 7
+    assert by[("serve", "--hwm")]["source"] == "environment"
+    assert by[("serve", "--heartbeat-ttl-s")]["value"] == 2.5
+    assert by[("status", "--url")]["value"] == "redis://user:***@db:6380/0"
+    assert "secret" not in json.dumps(rows)
+    assert by[("serve", "--workers")]["source"] == "default"
+    # Every option of every command has one, named after the option.
+    assert all(r["variable"] == "BATCHQ_" + r["option"][2:].replace("-", "_").upper() for r in rows)
+
+
+def test_a_bad_environment_value_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHQ_HWM", "ten")
+    assert main(["config"]) == 2
+    assert "BATCHQ_HWM='ten' is not valid: expected int" in capsys.readouterr().err

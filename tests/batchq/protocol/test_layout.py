@@ -1,0 +1,40 @@
+"""batchq.protocol.layout: every format batchq writes into Redis, round-tripped."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchq.protocol import layout
+
+
+def test_a_lease_entry_names_its_slot() -> None:
+    entry = layout.lease_entry(41, "p-1:7")  # a token may itself hold colons
+    assert entry == "41:p-1:7" and layout.entry_slot(entry) == 41
+
+
+def test_a_ledger_field_round_trips_and_refuses_others() -> None:
+    assert layout.parse_ledger_field(layout.ledger_field(3, 12)) == (3, 12)
+    for bad in ("3", "3:x", "3:1:2"):
+        with pytest.raises(ValueError):
+            layout.parse_ledger_field(bad)
+
+
+@pytest.mark.parametrize(("n", "final"), [(0, False), (7, False), (7, True), (0, True)])
+def test_a_count_value_round_trips(n: int, final: bool) -> None:
+    assert layout.parse_count_value(layout.count_value(n, final).encode()) == (n, final)
+    assert layout.counts_field(2, 1) == "2:1"
+
+
+def test_a_count_value_that_is_no_count_raises() -> None:
+    with pytest.raises(ValueError):
+        layout.parse_count_value(b"=x")
+
+
+def test_time_ms_of_a_time_reply() -> None:
+    assert layout.time_ms([b"1700000000", b"123456"]) == 1_700_000_000_123
+
+
+def test_the_caps_are_positive_and_the_done_marker_is_short() -> None:
+    caps = (layout.WAKE_CAP, layout.HISTORY_CAP, layout.DEAD_CAP, layout.SCALELOG_CAP)
+    assert all(isinstance(c, int) and c > 0 for c in caps)
+    assert layout.DONE == "d"

@@ -1,0 +1,169 @@
+"""Every Lua script names its KEYS and ARGV at its top, and every typed wrapper of
+batchq.protocol.scripts names exactly what its script's header declares."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from batchq.errors import ProtocolError
+from batchq.protocol import scripts
+from batchq.protocol.calls import SCRIPTS, Call, build_call, parse_header
+from batchq.protocol.keys import QueueKeys
+
+K = QueueKeys("hdr")
+LITERAL_INDEX = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
+
+
+class Recorder:
+    """Stands in for a client, its pool and its connection: records the EVALSHA a
+    wrapper sends (lua_scripts.round_trip) and replies STATE_LOST."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[Any], list[Any]]] = []
+        self.connection_pool = self
+
+    def get_connection(self) -> Recorder:
+        return self
+
+    def release(self, connection: Recorder) -> None:
+        pass
+
+    def pack_commands(self, commands: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return commands
+
+    def send_packed_command(self, commands: list[tuple[Any, ...]]) -> None:
+        for name, sha, numkeys, *rest in commands:
+            assert name == "EVALSHA"
+            self.calls.append((sha, list(rest[:numkeys]), list(rest[numkeys:])))
+
+    def read_response(self) -> list[Any]:
+        return [b"STATE_LOST"]
+
+
+def _sent(run: Any) -> tuple[str, list[Any], list[Any]]:
+    client = Recorder()
+    run(client)
+    (call,) = client.calls
+    return call
+
+
+WRAPPERS: dict[str, Any] = {
+    "join": lambda c: scripts.join(
+        c, K, producer="p", fingerprint="fp", hwm=3, shards=4, window=2, new_run="r",
+        new_incarnation="i", heartbeat_ttl_ms=1, version="1", epoch_batches=None, served="",
+        grace_ms=1, no_create=False,
+    ),
+    "lease": lambda c: scripts.lease_call(
+        K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
+        prefetch=True, world=2,
+    ).run(c),
+    "push": lambda c: scripts.push_call(
+        K, data=K.data, frame_key=K.frame("p", 1), incarnation="i", run="r", producer="p",
+        entry="3:t", element=b"x", last=True, heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0,
+        produce_ms=0,
+    ).run(c),
+    "fail": lambda c: scripts.fail(
+        c, K, incarnation="i", run="r", producer="p", entry="3:t", max_attempts=3
+    ),
+    "handback": lambda c: scripts.handback(
+        c, K, incarnation="i", run="r", producer="p", entry="3:t"
+    ),
+    "reap": lambda c: scripts.reap(c, K, incarnation="i", why="dead", producers=["a", "b"]),
+    "gone": lambda c: scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
+    "requeue": lambda c: scripts.requeue(
+        c, K, incarnation="i", run="r", data=K.data, shards=[1, 2], alive=["a"],
+        rank=("next:0", [0, 1]),
+    ),
+    "claim": lambda c: scripts.claim(
+        c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
+        takeover_run="", version="1", rank=0, world=2, even="pad", resumed="", incarnation="",
+        rank_lists=K.rank_data(2),
+    ),
+    "pop": lambda c: scripts.pop(
+        c, K, data=K.data, trainer=K.trainer, history=K.history, incarnation="i", run="r",
+        token="t", room=1, floor=0, claim_ttl_ms=1, extra_popped=0, nbytes=0,
+        figures=(0, 0, 0, "", "", ""), suffix="",
+    ),
+    "resume": lambda c: scripts.resume(
+        c, K, rank_lists=K.rank_data(2), token="t", new_run="r", first=0, fingerprint="fp",
+        hwm="", shards=4, window=1, epoch_batches=-1, rank=0, world=2, even="pad", step=0,
+        held=False, remap=(0, {1: 0}), ledger=[("0:1", "d")],
+    ),
+}  # fmt: skip
+
+
+def test_every_script_has_a_wrapper() -> None:
+    assert sorted(WRAPPERS) == sorted(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_the_header_names_every_fixed_key_and_argument(name: str) -> None:
+    source = SCRIPTS[name].source
+    header = SCRIPTS[name].header
+    assert header.keys and header.args
+    # Below the header, a fixed position is never spelled: only the named locals, or a
+    # computed index into a declared tail.
+    lines = source.splitlines()
+    body = [ln for ln in lines if not ln.startswith("local ") and not ln.startswith("--")]
+    code = [ln.split("--")[0] for ln in body]
+    literal = [ln for ln in code if LITERAL_INDEX.search(ln)]
+    assert literal == []
+    if not header.keys_tail:
+        assert "KEYS[" not in "\n".join(code)
+    if not header.args_tail:
+        assert "ARGV[" not in "\n".join(code)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_the_wrapper_sends_what_the_header_declares(name: str) -> None:
+    sha, keys, args = _sent(WRAPPERS[name])
+    header = SCRIPTS[name].header
+    assert sha == SCRIPTS[name].sha
+    assert len(keys) >= len(header.keys) and len(args) >= len(header.args)
+    assert all(k.startswith("bq:{hdr}:") for k in keys)  # one hash tag: Cluster-safe
+    if not header.keys_tail:
+        assert len(keys) == len(header.keys)
+    if not header.args_tail:
+        assert len(args) == len(header.args)
+
+
+def test_named_positions_follow_the_header() -> None:
+    _, keys, args = _sent(WRAPPERS["push"])
+    header = SCRIPTS["push"].header
+    assert dict(zip(header.keys, keys, strict=True))["lease"] == K.lease("p")
+    assert dict(zip(header.args, args, strict=True))["entry"] == "3:t"
+
+
+def test_a_call_naming_what_the_header_lacks_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="misses"):
+        build_call("handback", list, {"meta": K.meta}, {})
+    with pytest.raises(ProtocolError, match="no KEYS/ARGV tail"):
+        build_call("push", list, {}, {}, more_keys=["x"])
+
+
+def test_a_header_out_of_order_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="expected KEYS"):
+        parse_header("bad", "local a_key = KEYS[2]\n")
+    with pytest.raises(ProtocolError, match="must end in _key"):
+        parse_header("bad", "local meta = KEYS[1]\n")
+    with pytest.raises(ProtocolError, match="tail starts"):
+        parse_header("bad", "local a_key = KEYS[1]\n-- KEYS[3..]: more\n")
+
+
+def test_a_call_can_be_queued_in_a_pipeline() -> None:
+    sent: list[tuple[Any, ...]] = []
+
+    class Pipe:
+        def execute_command(self, *argv: Any) -> None:
+            sent.append(argv)
+
+    call: Call[Any] = scripts.lease_call(
+        K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
+        prefetch=False, world=1,
+    )  # fmt: skip
+    call.queue(Pipe())
+    assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 6)
+    assert call.parse([b"OK", b"7", 0]).g == 7

@@ -1,0 +1,290 @@
+"""The Lua scripts on the real redis-server: join, lease, push, pop, claim, reap."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from batchq.client.connection import make_client
+from batchq.protocol import scripts
+from batchq.protocol.calls import build_call
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import HISTORY_CAP, WAKE_CAP
+from batchq.protocol.words import decode_reply
+
+TTL_MS = 10_000
+
+
+def raw(name: str, client: redis.Redis, keys: dict, args: dict, **tails: Any) -> list:
+    """Run a script with its header's names, returning its decoded raw reply."""
+    return build_call(name, decode_reply, keys, args, **tails).run(client)
+
+
+class Q:
+    """Drives the scripts of one queue the way producers and the trainer do."""
+
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        self.c = client
+        self.k = QueueKeys(queue)
+        self.inc = ""
+        self.run = ""
+
+    def join(
+        self,
+        p: str,
+        fp: str = "fp",
+        hwm: int = 3,
+        shards: int = 4,
+        window: int = 6,
+        grace: int = 60_000,
+    ) -> list:
+        k = self.k
+        reply = raw(
+            "join",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "producers": k.producers,
+             "lease": k.lease(p), "work": k.work, "data": k.data, "failures": k.failures,
+             "ledger": k.ledger},
+            {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
+             "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
+             "version": "1", "epoch_batches": shards, "served": self.run, "grace_ms": grace,
+             "no_create": "0"},
+        )  # fmt: skip
+        if reply[0] == "OK":
+            self.inc, self.run = reply[1], reply[2]
+        return reply
+
+    def lease(self, p: str, token: str, prefetch: int = 0, after: str = "") -> list:
+        k = self.k
+        return raw(
+            "lease",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "work": k.work, "lease": k.lease(p),
+             "producers": k.producers, "ledger": k.ledger},
+            {"incarnation": self.inc, "run": self.run, "producer": p, "token": token,
+             "heartbeat_ttl_ms": TTL_MS, "prefetch": prefetch, "after": after},
+        )  # fmt: skip
+
+    def push(
+        self, p: str, entry: str, element: bytes, last: bool = False, shm_host: str = ""
+    ) -> list:
+        k = self.k
+        return raw(
+            "push",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "stats": k.stats,
+             "producers": k.producers, "lease": k.lease(p), "pstats": k.pstats, "frame": None},
+            {"incarnation": self.inc, "run": self.run, "producer": p, "entry": entry,
+             "element": element, "last": int(last), "heartbeat_ttl_ms": TTL_MS,
+             "frame_bytes": len(element), "blocked_ms": 0, "produce_ms": 3, "shm_host": shm_host,
+             "host_field": "shm_host"},
+        )  # fmt: skip
+
+    def claim(self, token: str, op: str = "acquire", takeover: str = "") -> list:
+        k = self.k
+        return raw(
+            "claim",
+            self.c,
+            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "work": k.work,
+             "wake": k.wake, "failures": k.failures, "ledger": k.ledger},
+            {"token": token, "claim_ttl_ms": TTL_MS, "op": op, "run_id": "run2",
+             "new_incarnation": "inc2", "takeover_run": takeover, "version": "1",
+             "rank": 0, "world": 1, "even": "pad", "resumed": "", "incarnation": ""},
+        )  # fmt: skip
+
+    def pop(self, token: str, n: int = 10, floor: int = 0, extra_popped: int = 0) -> Any:
+        """The raw reply (its frames stay bytes)."""
+        k = self.k
+        return build_call(
+            "pop",
+            lambda reply: reply,
+            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "wake": k.wake,
+             "stats": k.stats, "producers": k.producers, "trainer": k.trainer,
+             "history": k.history, "pstats": k.pstats},
+            {"incarnation": self.inc, "run": self.run, "token": token, "room": n,
+             "floor": floor, "claim_ttl_ms": TTL_MS, "extra_popped": extra_popped, "nbytes": 0,
+             "waited_ms": 0, "busy_ms": 0, "epochs": 0, "buckets": "", "figures": "",
+             "sample": "", "sfx": "", "wake_cap": WAKE_CAP, "history_cap": HISTORY_CAP},
+        ).run(self.c)  # fmt: skip
+
+
+@pytest.fixture
+def q(redis_url: str, queue_name: str) -> Any:
+    client = make_client(redis_url)
+    yield Q(client, queue_name)
+    client.close()
+
+
+def test_join_creates_the_queue_and_refuses_another_pipeline(q: Q) -> None:
+    assert q.join("p1")[:2] == ["OK", "inc1"]
+    meta = q.c.hgetall(q.k.meta)
+    assert meta[b"fingerprint"] == b"fp" and meta[b"hwm"] == b"3" and meta[b"shards"] == b"4"
+    assert q.c.get(q.k.incarnation) == b"inc1"
+    assert q.join("p2", fp="other") == ["MISMATCH", "fingerprint", "fp"]
+    assert q.join("p2", hwm=5) == ["MISMATCH", "hwm", "3"]
+
+
+def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:
+    q.join("p1")
+    assert q.lease("p1", "t1") == ["OK", "0", 0]
+    assert q.lease("p1", "t1") == ["OK", "0", 0]  # a retried request: the same shard
+    got = [q.lease("p1", f"t{i}")[1] for i in range(2, 7)]
+    assert got == ["1", "2", "3", "4", "5"]
+    assert q.lease("p1", "t7") == ["WAIT"]  # window 6 past floor 0
+    assert q.c.lrange(q.k.lease("p1"), 0, -1)[0] == b"0:t1"
+
+
+def test_push_never_exceeds_the_hwm_and_pop_wakes_producers(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    for i in range(3):
+        assert q.push("p1", "0:t1", b"f%d" % i)[0] == "OK"
+    assert q.push("p1", "0:t1", b"f3") == ["FULL", 3]
+    assert q.claim("tok")[0] == "OK"
+    reply = q.pop("tok", n=1)
+    assert reply[0] == b"OK" and reply[3] == [b"f0"]  # oldest first
+    assert q.c.llen(q.k.wake) == 1  # the list was at the cap: one token
+    assert q.push("p1", "0:t1", b"f3", last=True)[0] == "OK"
+    assert q.c.llen(q.k.lease("p1")) == 0  # the last frame released the lease
+    stats = q.c.hgetall(q.k.stats)
+    assert stats[b"pushed"] == b"4" and stats[b"popped"] == b"1" and stats[b"shards_done"] == b"1"
+    pstats = q.c.hgetall(q.k.pstats)
+    assert pstats[b"p1:batches"] == b"4" and pstats[b"p1:produce_ms"] == b"12"
+
+
+def test_a_prefetch_is_granted_only_behind_a_push_that_went_through_and_under_k(q: Q) -> None:
+    q.join("p1", window=10)
+    assert q.lease("p1", "t0")[:2] == ["OK", "0"]
+    # Behind a push that did not go through (its entry is still held): never, whatever k.
+    assert q.lease("p1", "t1", prefetch=2, after="0:t0") == ["BUSY"]
+    q.push("p1", "0:t0", b"f0", last=True)  # went through: the entry is gone
+    assert q.lease("p1", "t1", prefetch=2, after="0:t0")[:2] == ["OK", "1"]
+    assert q.lease("p1", "t2", prefetch=2, after="0:t0")[:2] == ["OK", "2"]  # one ahead
+    assert q.lease("p1", "t3", prefetch=2, after="0:t0") == ["BUSY"]  # holds 2 already
+    assert q.lease("p1", "t3", prefetch=1, after="0:t0") == ["BUSY"]  # k=1: only if none
+    assert q.c.lrange(q.k.lease("p1"), 0, -1) == [b"1:t1", b"2:t2"]
+    # A retried request (its reply lost) gets its shard again, though 2 are held.
+    assert q.lease("p1", "t2", prefetch=2, after="0:t0")[:2] == ["OK", "2"]
+
+
+def test_a_descriptor_is_pushed_only_while_its_host_is_the_trainers(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    assert q.push("p1", "0:t1", b"BQM\x01d0", shm_host="here") == ["REROUTE"]  # none yet
+    q.c.hset(q.k.meta, "shm_host", "here")
+    assert q.push("p1", "0:t1", b"BQM\x01d1", shm_host="here")[0] == "OK"
+    q.c.hset(q.k.meta, "shm_host", "elsewhere")  # a trainer on another host took over
+    assert q.push("p1", "0:t1", b"BQM\x01d2", shm_host="here") == ["REROUTE"]
+    assert q.push("p1", "0:t1", b"frame", last=True)[0] == "OK"  # a frame goes anywhere
+    assert q.c.lrange(q.k.data, 0, -1) == [b"frame", b"BQM\x01d1"]
+    assert q.c.llen(q.k.lease("p1")) == 0 and q.c.hget(q.k.stats, "pushed") == b"2"
+
+
+def test_an_acquire_drops_the_published_host_until_the_trainer_publishes_its_own(q: Q) -> None:
+    q.join("p1")
+    q.c.hset(q.k.meta, mapping={"shm_host": "old-host", "shm_lookahead": 10})
+    assert q.claim("tok")[0] == "OK"
+    assert q.c.hmget(q.k.meta, ["shm_host", "shm_lookahead"]) == [None, None]
+
+
+def test_frames_brpop_took_from_a_full_list_wake_producers_at_the_next_pop(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    for i in range(3):
+        q.push("p1", "0:t1", b"f%d" % i)
+    assert q.push("p1", "0:t1", b"f3") == ["FULL", 3]  # the producer now waits for a wake
+    assert q.claim("tok")[0] == "OK"
+    assert q.c.brpop([q.k.data], timeout=1) == (q.k.data.encode(), b"f0")  # the reader's BRPOP
+    reply = q.pop("tok", n=0, extra_popped=1)  # the next pop script counts it
+    assert reply[0] == b"OK" and reply[3] == []
+    assert q.c.llen(q.k.wake) == 1  # 2 left + 1 taken: the list was at the cap
+    assert int(q.c.hget(q.k.stats, "popped") or 0) == 1
+    q.c.delete(q.k.wake)
+    q.c.brpop([q.k.data], timeout=1)
+    q.pop("tok", n=0, extra_popped=1)  # 1 left + 1 taken: below the cap, nobody waits
+    assert q.c.llen(q.k.wake) == 0
+
+
+def test_racing_pushes_at_hwm_minus_one_admit_exactly_one(q: Q, redis_url: str) -> None:
+    q.join("p1", hwm=5)
+    q.lease("p1", "t1")
+    for i in range(4):
+        q.push("p1", "0:t1", b"x%d" % i)
+    barrier = threading.Barrier(8)
+    results: list[str] = []
+
+    def racer(i: int) -> None:
+        client = make_client(redis_url)
+        mine = Q(client, q.k.queue)
+        mine.inc, mine.run = q.inc, q.run
+        barrier.wait(timeout=10)
+        results.append(mine.push("p1", "0:t1", b"r%d" % i)[0])
+        client.close()
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(results) == ["FULL"] * 7 + ["OK"]
+    assert q.c.llen(q.k.data) == 5
+
+
+def test_lease_lost_after_reap_and_returned_shards_go_first(q: Q) -> None:
+    q.join("p1")
+    q.join("p2")
+    assert q.lease("p1", "a")[1] == "0"
+    assert q.lease("p1", "b")[1] == "1"
+    k = q.k
+    reply = scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
+    assert (reply.status, reply.first, reply.second) == ("OK", 1, 2)
+    assert q.c.hget(k.stats, "redone_shards") == b"2"
+    assert q.lease("p2", "c")[1] == "0"  # the returned shards, in order, before fresh ones
+    assert q.lease("p2", "d")[1] == "1"
+    assert q.lease("p2", "e")[1] == "2"
+    assert q.push("p1", "0:a", b"late") == ["REAPED"]
+
+
+def test_dead_reap_spares_live_producers(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "a")
+    k = q.k
+    reply = scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
+    assert (reply.status, reply.first, reply.second) == ("OK", 0, 0)
+    assert q.c.llen(k.lease("p1")) == 1
+
+
+def test_claim_conflict_takeover_and_new_run(q: Q) -> None:
+    q.join("p1")
+    assert q.claim("t1") == ["OK", "inc1", "run1", 0, 1]  # adopts the producers' run
+    assert q.claim("t2")[0] == "CONFLICT"
+    assert q.claim("t2", takeover="run1")[:4] == ["OK", "inc1", "run1", 0]
+    assert q.pop("t1")[0] == b"CLAIM_LOST"  # the fenced-out trainer cannot pop
+    assert q.claim("t2", op="release") == ["OK"]
+    # A trainer arriving after the last one left, with no state, starts a new run.
+    assert q.claim("t3")[:4] == ["OK", "inc1", "run2", 1]
+    assert q.lease("p1", "z") == ["RUN_CHANGED"]
+
+
+def test_finish_tells_producers(q: Q) -> None:
+    q.join("p1")
+    q.claim("t1")
+    assert q.claim("t1", op="finish") == ["OK"]
+    assert q.lease("p1", "a") == ["FINISHED"]
+    assert q.push("p1", "0:a", b"x") == ["FINISHED"]
+    assert q.join("p2") == ["FINISHED"]  # a late replica of the same job
+    reply = q.join("p2", grace=0)  # long after: the next job's first producer
+    assert reply[0] == "OK" and reply[-1] == 1
+
+
+def test_every_script_notices_a_lost_incarnation(q: Q) -> None:
+    q.join("p1")
+    q.lease("p1", "a")
+    q.claim("t1")
+    q.c.delete(q.k.incarnation)
+    assert q.lease("p1", "b") == ["STATE_LOST"]
+    assert q.push("p1", "0:a", b"x") == ["STATE_LOST"]
+    assert q.pop("t1")[0] == b"STATE_LOST"
