@@ -32,7 +32,6 @@ class FuelStreamMixin:
     _axis_labels: dict[str, Any] | None
     _data_iter: Iterator[Any] | None
     keys: Any
-    writable: bool
 
     def get_epoch_iterator(self, as_dict: bool = False) -> Iterator[Any]:
         raise NotImplementedError
@@ -53,10 +52,8 @@ class FuelStreamMixin:
     def sources(self, value: Sequence[str]) -> None:
         if self._reader is not None:
             raise ConfigError("sources cannot change once the stream has started")
-        prep = FramePrep(value, self._prep.dtypes, self.keys.queue, writable=self.writable)
-        prep.hooks = self._prep.hooks  # the torch adapter's, if it wraps this stream
-        self._prep = prep
-        self._config["sources"] = prep.sources
+        self._prep.set_sources(value)
+        self._config["sources"] = self._prep.sources
 
     @property
     def axis_labels(self) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ from consumer.rank_state import (
 )
 from consumer.reader.buffer import Buffer
 from consumer.reader.ledger import Ledger
-from consumer.reader.prepare import FramePrep
+from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.thread import BLOCK_S, Reader
 from consumer.run_start import delete_old_frames, resume_position
@@ -160,7 +160,6 @@ class ServerDataStream(FuelStreamMixin):
         self.hwm = hwm
         self.timeout_s = timeout_s
         self.ordered = ordered
-        self.writable = writable
         self.claim_ttl_ms = int(claim_ttl_s * 1000)
         self.max_frame_bytes = max_frame_bytes
         self.on_bad_frame = on_bad_frame
@@ -200,7 +199,68 @@ class ServerDataStream(FuelStreamMixin):
             FrameError: a frame failed validation (with on_bad_frame='raise').
             TrainerConflict: another trainer holds the queue.
         """
-        return self._iterate(self._open_epoch(), as_dict)
+        return self._iterate(self.open_epoch(), as_dict)
+
+    # -- the adapter interface (what wrappers such as consumer.torch build on) ---------
+
+    @property
+    def started(self) -> bool:
+        """Whether reading has started (the first epoch was opened)."""
+        return self._reader is not None
+
+    @property
+    def writable(self) -> bool:
+        """Whether the arrays handed out are writable (see ``writable`` and
+        :meth:`configure_frames`)."""
+        return self._prep.writable
+
+    @property
+    def dtypes(self) -> dict[str, Any]:
+        """The declared dtypes: source -> numpy dtype the loop receives."""
+        return dict(self._prep.dtypes)
+
+    def configure_frames(
+        self,
+        *,
+        dtypes: Mapping[str, Any] | None = None,
+        access: ArrayAccess | None = None,
+        hook: FrameHook | None = None,
+    ) -> None:
+        """Change how frames are prepared on the reader thread, before the first epoch.
+
+        Args:
+            dtypes: more declared dtypes (source -> dtype), merged over the stream's own.
+            access: what the arrays may be (:class:`ArrayAccess`); the constructor's
+                ``writable`` chose READ_ONLY or WRITABLE.
+            hook: run on every batch frame after the casts (on the reader thread).
+
+        Raises:
+            ConfigError: the stream has started, or an argument is invalid.
+        """
+        if self.started or self._closed:
+            raise ConfigError("configure_frames must be called before the first epoch")
+        if dtypes:
+            self._prep.add_dtypes(dtypes)
+        if access is not None:
+            self._prep.set_access(access)
+        if hook is not None:
+            self._prep.add_hook(hook)
+
+    def open_epoch(self) -> Iterator[Frame]:
+        """Begin the next epoch and return its frames, in the order they are yielded.
+
+        A frame taken from it counts as consumed in :meth:`state_dict` (less what the
+        caller says it holds back). The Fuel iterator is this, frame by frame.
+        """
+        if self._closed:
+            raise StreamStopped("this ServerDataStream is closed")
+        self._start()
+        self.epoch += 1
+        return self._iterate_frames(self.epoch)
+
+    def frame_ready(self) -> bool:
+        """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
+        return self._buffer is not None and self._reader is not None and self._buffer.ready()
 
     def __len__(self) -> int:
         """Batches per epoch (this rank's share), from the run's plan (waits for a
@@ -274,7 +334,7 @@ class ServerDataStream(FuelStreamMixin):
         finally:
             self._client.close()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, held_back: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Where the caller is: a small JSON-serialisable dict for checkpoints.
 
         It reflects what the iterators have yielded to the caller, not what was
@@ -282,11 +342,12 @@ class ServerDataStream(FuelStreamMixin):
         yielded completely), ``consumed`` (shard -> batches yielded in that epoch, as
         strings for JSON), ``done`` (shards yielded completely), the run id, the
         pipeline's fingerprint and S.
-        """
-        return self._state(None)
 
-    def _state(self, held_back: dict[int, int] | None) -> dict[str, Any]:
-        """:meth:`state_dict`, less batches a wrapper holds (shard -> count)."""
+        Args:
+            held_back: shard -> frames taken from :meth:`open_epoch` that the caller has
+                not handed on yet (a wrapper's prefetch): they come again after a resume.
+        """
+        held_back = dict(held_back) if held_back else None
         if self._buffer is None or self._session is None:
             if self._resume is not None:
                 return dict(self._resume)
@@ -415,6 +476,7 @@ class ServerDataStream(FuelStreamMixin):
             ledger.window = session.plan.window if session.plan.has_window else None
             ledger.epoch_batches = session.plan.epoch_batches
         self._shm.new_run(session.run)  # other runs' segments: nothing will pop them
+        self._shm.access = self._prep.access  # the one owner's setting, fixed from here
         self._ledger = ledger
         self._buffer = Buffer(ledger)
         self._even_up(layout, session.plan)
@@ -425,7 +487,7 @@ class ServerDataStream(FuelStreamMixin):
             self._buffer,
             hwm=self.hwm,
             timeout_s=self.timeout_s,
-            writable=self.writable,
+            writable=self._prep.writable,
             max_frame_bytes=self.max_frame_bytes,
             on_bad_frame=self.on_bad_frame,
             stall_s=self.stall_s,
@@ -454,19 +516,6 @@ class ServerDataStream(FuelStreamMixin):
             self.timeout_s,
             keep=self.hwm,
         )
-
-    def _open_epoch(self) -> Iterator[Frame]:
-        """Begin the next epoch: its frames (what wrappers such as the torch adapter read;
-        the yielded ones count as consumed in :meth:`state_dict`)."""
-        if self._closed:
-            raise StreamStopped("this ServerDataStream is closed")
-        self._start()
-        self.epoch += 1
-        return self._iterate_frames(self.epoch)
-
-    def _frame_ready(self) -> bool:
-        """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
-        return self._buffer is not None and self._reader is not None and self._buffer.ready()
 
     @staticmethod
     def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:

@@ -26,18 +26,18 @@ imports this module.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import gc
 import warnings
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
-from types import FrameType, ModuleType, TracebackType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from batchq.errors import BatchQueueError, ConfigError
-from consumer.reader.prepare import FramePrep, check_dtypes
+from consumer.reader.prepare import ArrayAccess
 from consumer.stream import ServerDataStream
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
 
@@ -99,7 +99,7 @@ class TorchStream(IterableDataset[Any]):
     ) -> None:
         if not isinstance(stream, ServerDataStream):
             raise ConfigError(f"stream {stream!r} is not valid: expected a ServerDataStream")
-        if stream._reader is not None:
+        if stream.started:
             raise ConfigError("wrap the ServerDataStream before its first epoch")
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch {prefetch!r} is not valid: expected an integer >= 1")
@@ -109,15 +109,13 @@ class TorchStream(IterableDataset[Any]):
         if self.device.type != "cpu":
             _check_device(self.device)
         self.prefetch = prefetch
-        merged = dict(stream._prep.dtypes)
-        merged.update(check_dtypes({s: _numpy_dtype(s, d) for s, d in (dtypes or {}).items()}))
-        # Writable frames: each tensor owns its frame's memory (no copy for large frames).
-        stream.writable = True
-        # A shared-memory batch's segment is its own too, until its tensors are dropped:
-        # writable views over it, not the copy a writable=True stream makes.
-        stream._shm.writable = False
-        stream._shm.views_writable = True
-        stream._prep = FramePrep(stream._prep.sources, merged, stream.keys.queue, writable=True)
+        # Writable frames, each tensor owning its frame's memory (no copy for large
+        # frames); a shared-memory batch's segment is its own too, until its tensors are
+        # dropped: writable views over it, not the copy a writable=True stream makes.
+        stream.configure_frames(
+            dtypes={s: _numpy_dtype(s, d) for s, d in (dtypes or {}).items()},
+            access=ArrayAccess.VIEWS,
+        )
         if pin_memory is None:
             pin_memory = self.device.type != "cpu"
         self.pin_memory = bool(pin_memory)
@@ -126,7 +124,7 @@ class TorchStream(IterableDataset[Any]):
         if self.pin_memory:
             if torch.accelerator.is_available():
                 self.pool = PinnedPool(max_buffers=pool_buffers)
-                stream._prep.hooks.append(self._pin)
+                stream.configure_frames(hook=self._pin)
             else:
                 # Warned at the first epoch, as a DataLoader warns when it is iterated.
                 self._warn_unpinned = True
@@ -150,7 +148,7 @@ class TorchStream(IterableDataset[Any]):
     def state_dict(self) -> dict[str, Any]:
         """The stream's :meth:`~ServerDataStream.state_dict`, counting only the batches
         the loop has received (the prefetched ones come again after a resume)."""
-        return self.stream._state(dict(self._held) if self._held else None)
+        return self.stream.state_dict(held_back=self._held)
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Resume from :meth:`state_dict` (before the first batch); a rank of a
@@ -189,7 +187,7 @@ class TorchStream(IterableDataset[Any]):
     # datapipe: isinstance reads __class__, before any worker process starts.
     @property  # type: ignore[misc]
     def __class__(self) -> type:
-        _refuse_loader_workers(sys._getframe(1))
+        _refuse_loader_workers(self)
         return type(self)
 
     # -- internals ---------------------------------------------------------------------
@@ -205,7 +203,7 @@ class TorchStream(IterableDataset[Any]):
         if self._warn_unpinned:
             self._warn_unpinned = False
             warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=3)
-        frames = self.stream._open_epoch()
+        frames = self.stream.open_epoch()
         self._held.clear()
         mover = self.mover
         if mover is None:
@@ -223,7 +221,7 @@ class TorchStream(IterableDataset[Any]):
                         return
                 # Top up without waiting: only batches that have arrived already.
                 while deferred is None and len(pending) < self.prefetch:
-                    if not self.stream._frame_ready():
+                    if not self.stream.frame_ready():
                         break
                     try:
                         if not self._pull(frames, mover, pending):
@@ -288,26 +286,56 @@ def _workers_error(num_workers: int) -> DataLoaderWorkersError:
     )
 
 
-def _refuse_loader_workers(frame: FrameType | None) -> None:
-    """Raise if a DataLoader iterator with workers is being made over us.
+def _refuse_loader_workers(dataset: TorchStream) -> None:
+    """Raise if a DataLoader with workers holds ``dataset``.
 
-    Its base class's ``__init__`` checks ``isinstance(self._dataset, IterDataPipe)`` (in
+    Its iterator's base class checks ``isinstance(self._dataset, IterDataPipe)`` (in
     torch's DataLoader and torchdata's StatefulDataLoader alike) before the multi-process
-    iterator starts a single worker: the error comes from there, at ``iter(loader)``.
+    iterator starts a single worker, and isinstance reads ``__class__``: the error comes
+    from there, at ``iter(loader)``. The loaders holding the dataset are found among the
+    objects that refer to it (the garbage collector's public view of the heap), not by
+    looking at the caller's frames.
     """
-    for _ in range(4):  # isinstance -> abc's __instancecheck__ -> the iterator's code
-        if frame is None:
-            return
-        names = frame.f_locals
-        owner = names.get("self")
-        loader = names.get("loader")
-        if isinstance(loader, DataLoader) and loader.num_workers > 0:
-            # The half-built iterator's __del__ reads _shutdown: mark it shut, so that
-            # our error is the only one the user sees.
-            if owner is not None and not hasattr(owner, "_shutdown"):
-                owner._shutdown = True
+    holders = gc.get_referrers(dataset)
+    for holder in holders:
+        loader = _loader_of(holder, dataset)
+        # Only a loader being iterated: its own constructor's isinstance checks come
+        # before it sets persistent_workers (its last public attribute).
+        if loader is not None and loader.num_workers > 0 and _constructed(loader):
+            for it in holders:
+                _mark_shut(it, dataset)
             raise _workers_error(loader.num_workers)
-        frame = frame.f_back
+
+
+def _mark_shut(holder: Any, dataset: TorchStream) -> None:
+    """Mark the half-built iterator (it holds the dataset as ``_dataset``) shut.
+
+    Its ``__del__`` reads ``_shutdown``, which our error comes before: without it the
+    user sees a second traceback ("Exception ignored in __del__") after ours. The one
+    private attribute of torch's this module writes (tests/consumer/test_torch.py fails
+    if torch renames it).
+    """
+    attrs = getattr(holder, "__dict__", None)
+    if isinstance(attrs, dict) and attrs.get("_dataset") is dataset and "_shutdown" not in attrs:
+        attrs["_shutdown"] = True
+
+
+def _constructed(loader: DataLoader[Any]) -> bool:
+    return "persistent_workers" in vars(loader)
+
+
+def _loader_of(holder: Any, dataset: TorchStream) -> DataLoader[Any] | None:
+    """The DataLoader that ``holder`` is (or whose attribute dict it is), if it holds
+    ``dataset`` (an object's attributes are its own referrer or its dict's, depending on
+    whether Python materialised the dict)."""
+    if isinstance(holder, DataLoader):
+        return holder if vars(holder).get("dataset") is dataset else None
+    if not isinstance(holder, dict) or holder.get("dataset") is not dataset:
+        return None
+    for owner in gc.get_referrers(holder):
+        if isinstance(owner, DataLoader) and vars(owner) is holder:
+            return owner
+    return None
 
 
 def _refuse_worker_process() -> None:

@@ -7,12 +7,16 @@ a value of another dtype is cast here, on the reader thread, and the trainer is 
 once per source (the warnings are handed to the iterator, so that they are raised on the
 training thread, where filters and ``pytest.warns`` see them). With ``writable`` the
 arrays of a frame received into a buffer of its own are made writable in place: no copy.
+
+What the arrays may be (:class:`ArrayAccess`) is decided once, here: the reader and the
+shared-memory mapping read it from the stream's one ``FramePrep`` when reading starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import json
 import logging
 import threading
@@ -25,12 +29,34 @@ from batchq.errors import ConfigError
 from batchq.wire.codec import Frame, FrameKind
 from batchq.wire.values import ALLOWED_KINDS
 
-__all__ = ["FramePrep", "check_dtypes", "decode_axis_labels", "make_writable"]
+__all__ = ["ArrayAccess", "FramePrep", "check_dtypes", "decode_axis_labels", "make_writable"]
 
 log = logging.getLogger(__name__)
 
 # A hook run on the reader thread after FramePrep (the torch adapter's pinned copies).
 FrameHook = Callable[[Frame], Frame]
+
+
+class ArrayAccess(enum.Enum):
+    """What the arrays a trainer receives may be, and what that costs.
+
+    Attributes:
+        READ_ONLY: read-only views over the received bytes (no copy anywhere).
+        WRITABLE: writable arrays that own their memory (``writable=True``): frames stored
+            by reference are received into buffers of their own, smaller frames are
+            copied once, a shared-memory batch is copied out and its segment released.
+        VIEWS: as WRITABLE, except that a shared-memory batch stays in its segment as
+            writable views, held while referenced (the torch adapter's zero-copy tensors).
+    """
+
+    READ_ONLY = "read-only"
+    WRITABLE = "writable"
+    VIEWS = "views"
+
+    @property
+    def owns_memory(self) -> bool:
+        """Whether frames from Redis are received into (or copied to) memory of their own."""
+        return self is not ArrayAccess.READ_ONLY
 
 
 def check_dtypes(dtypes: Mapping[str, Any] | None) -> dict[str, np.dtype[Any]]:
@@ -91,7 +117,8 @@ class FramePrep:
             producers' sources as they come.
         dtypes: source -> the dtype the trainer receives.
         queue: the queue's name, for messages.
-        writable: make the arrays of frames in buffers of their own writable.
+        writable: make the arrays of frames in buffers of their own writable
+            (:attr:`ArrayAccess.WRITABLE`; :meth:`set_access` changes it before reading).
     """
 
     def __init__(
@@ -104,21 +131,56 @@ class FramePrep:
     ) -> None:
         self.sources = None if sources is None else tuple(sources)
         self.dtypes = check_dtypes(dtypes)
-        if self.sources is not None:
-            unknown = [s for s in self.dtypes if s not in self.sources]
-            if unknown:
-                raise ConfigError(
-                    f"dtypes names {unknown!r}, which are not among the stream's sources "
-                    f"{self.sources!r}"
-                )
+        self._check_dtype_names(self.sources, self.dtypes)
         self.queue = queue
-        self.writable = writable
+        self.access = ArrayAccess.WRITABLE if writable else ArrayAccess.READ_ONLY
         self.served: tuple[str, ...] | None = None  # the producers' sources, once seen
         self.hooks: list[FrameHook] = []
         self._index: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._pending: list[str] = []  # warnings for the training thread to raise
+
+    @property
+    def writable(self) -> bool:
+        """Whether the arrays handed out are writable (any access but READ_ONLY)."""
+        return self.access.owns_memory
+
+    def set_sources(self, sources: Sequence[str]) -> None:
+        """Change the sources (before reading starts): the dtypes must name some of them."""
+        wanted = tuple(sources)
+        self._check_dtype_names(wanted, self.dtypes)
+        self.sources = wanted
+        self._index.clear()
+
+    def add_dtypes(self, dtypes: Mapping[str, Any]) -> None:
+        """Declare more dtypes (before reading starts); a source named again is replaced."""
+        merged = dict(self.dtypes)
+        merged.update(check_dtypes(dtypes))
+        self._check_dtype_names(self.sources, merged)
+        self.dtypes = merged
+
+    def add_hook(self, hook: FrameHook) -> None:
+        """Run ``hook`` on the reader thread on every batch frame, after the casts."""
+        self.hooks.append(hook)
+
+    def set_access(self, access: ArrayAccess) -> None:
+        """What the arrays handed out may be (before reading starts)."""
+        if not isinstance(access, ArrayAccess):
+            raise ConfigError(f"access {access!r} is not valid: expected an ArrayAccess")
+        self.access = access
+
+    @staticmethod
+    def _check_dtype_names(
+        sources: tuple[str, ...] | None, dtypes: Mapping[str, np.dtype[Any]]
+    ) -> None:
+        if sources is None:
+            return
+        unknown = [s for s in dtypes if s not in sources]
+        if unknown:
+            raise ConfigError(
+                f"dtypes names {unknown!r}, which are not among the stream's sources {sources!r}"
+            )
 
     def __call__(self, frame: Frame) -> Frame:
         if frame.kind is not FrameKind.BATCH:

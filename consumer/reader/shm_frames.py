@@ -62,6 +62,7 @@ from batchq.wire.shm import (
     remove_segments,
     resolve_transport,
 )
+from consumer.reader.prepare import ArrayAccess
 
 __all__ = ["MAX_MAPPED", "SEEN_MAX", "SWEEP_S", "TrainerShm"]
 
@@ -111,8 +112,8 @@ class TrainerShm:
         world: int = 1,
     ) -> None:
         self.keys = keys
-        self.writable = writable
-        self.views_writable = False  # the torch adapter's zero-copy writable tensors
+        # What the arrays may be: the stream hands its FramePrep's over when reading starts.
+        self.access = ArrayAccess.WRITABLE if writable else ArrayAccess.READ_ONLY
         self.host_field = rank_field(MetaField.SHM_HOST, rank, world)
         self.lookahead_field = rank_field(MetaField.SHM_LOOKAHEAD, rank, world)
         self.mode = resolve_transport(transport)
@@ -254,14 +255,14 @@ class TrainerShm:
                     f"segment {desc.segment}: generation {gen} was released already",
                 )
             owner = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=HEADER_BYTES)
-            owner.flags.writeable = self.views_writable
+            owner.flags.writeable = self.access is ArrayAccess.VIEWS
             weakref.finalize(owner, _release, mm, desc.gen, path, ino)
             self._owners[key] = owner
             self._seen[key] = None
             if len(self._seen) > SEEN_MAX:
                 self._seen.popitem(last=False)
         self.frames += 1
-        if self.writable:
+        if self.access is ArrayAccess.WRITABLE:
             # Copied into memory the arrays own; the owner goes here: released at once.
             return memoryview(bytearray(owner))
         return owner
