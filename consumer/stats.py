@@ -16,8 +16,8 @@ import time
 from collections import deque
 from typing import Any
 
-from batchq.monitoring.rows import WAIT_BUCKETS_S  # the histogram's bucket bounds (s); last is +Inf
 from batchq.protocol.fields import TrainerField
+from batchq.protocol.layout import WAIT_BUCKETS_S  # the histogram buckets (s); last is +Inf
 
 __all__ = ["WAIT_BUCKETS_S", "TrainerStats"]
 

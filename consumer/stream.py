@@ -15,7 +15,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from batchq.client.admin import check_eviction_policy
 from batchq.client.connection import make_client, resolve_url, retrying, tune_malloc
 from batchq.errors import (
     ConfigError,
@@ -25,6 +24,7 @@ from batchq.errors import (
     ProducersLost,
     StreamStopped,
 )
+from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout

@@ -175,6 +175,12 @@ class RandomStateMixin:
     # set by Merge, so that components at the same depth of two branches differ.
     _branch: tuple[int, ...] = ()
 
+    def under_branch(self, branch: int) -> None:
+        """Record that this component lies under input ``branch`` of a Merge (called by
+        Merge, innermost first), so that components at one depth of two branches draw
+        from different streams."""
+        self._branch = (branch, *self._branch)
+
     @property
     def rng(self) -> Any:
         """The generator this component draws from (a Generator or a RandomState)."""

@@ -20,7 +20,6 @@ from typing import Any
 import redis
 
 from batchq.client import held
-from batchq.client.admin import check_eviction_policy, is_oom
 from batchq.client.connection import (
     Backoff,
     call,
@@ -29,7 +28,6 @@ from batchq.client.connection import (
     resolve_url,
     tune_malloc,
 )
-from batchq.client.reaper import record_client
 from batchq.errors import (
     BatchQueueError,
     ConfigError,
@@ -39,11 +37,13 @@ from batchq.errors import (
     RunFinished,
 )
 from batchq.protocol import scripts
+from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys, check_name
 from batchq.protocol.layout import lease_entry
 from batchq.protocol.ranks import shard_of_slot
+from batchq.protocol.reaper import record_client
 from batchq.protocol.replies import JoinReply, LeaseReply, status_error
 from batchq.protocol.words import PROTOCOL_VERSION, Status
 from producer.serving.heartbeat import Heartbeat
@@ -299,7 +299,7 @@ class Producer:
         self._pos.incarnation, self._pos.run = reply.incarnation, reply.run
         self._pos.world = reply.world
         if self._record_id:
-            # Redis tells a killed producer by its closed connection (batchq.client.reaper).
+            # Redis tells a killed producer by its closed connection (batchq.protocol.reaper).
             self._record_id = record_client(self.client, self.keys, self.id)
         if self._axis_labels is not None:
             try:  # a convenience for the trainer (ServerDataStream.axis_labels): best effort

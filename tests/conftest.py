@@ -21,10 +21,10 @@ import fakeredis
 import pytest
 import redis
 
-from batchq.client.admin import delete_queue
 from batchq.errors import ConfigError
 from batchq.host.embedded import EmbeddedRedis
 from batchq.host.procs import StdSpec, spawn, stop_group
+from batchq.protocol.admin import delete_queue
 from batchq.wire.shm import DEFAULT_SHM_DIR, remove_segments
 
 TESTS_DIR = Path(__file__).resolve().parent

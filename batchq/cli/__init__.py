@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchq.cli.factory_args import add_factory_args
+from batchq.cli.parser import Parser
 from batchq.client.connection import ENV_URL
 from batchq.errors import BatchQueueError
 
@@ -31,9 +32,10 @@ def _add_url(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_monitoring(sub: Any) -> None:
+def _add_monitoring(parser: Parser, sub: Any) -> None:
     """The subcommands top, exporter and report."""
-    top = sub.add_parser(
+    top = parser.add_command(
+        sub,
         "top",
         help="watch every queue (or one) live: depth, stall, rates, verdict",
         description="A live view of the queues, refreshed every --interval seconds: depth "
@@ -48,7 +50,8 @@ def _add_monitoring(sub: Any) -> None:
     )
     top.add_argument("--once", action="store_true", help="print one screen and exit")
 
-    exporter = sub.add_parser(
+    exporter = parser.add_command(
+        sub,
         "exporter",
         help="serve Prometheus metrics of the queues (needs the 'exporter' extra)",
         description="Serve /metrics for Prometheus, reading Redis on every scrape, until "
@@ -72,7 +75,8 @@ def _add_monitoring(sub: Any) -> None:
         help="export this queue (repeatable; default: every queue on the server)",
     )
 
-    report = sub.add_parser(
+    report = parser.add_command(
+        sub,
         "report",
         help="plot a queue's depth, stall and throughput to a PNG (needs the 'report' extra)",
         description="Plot depth, the trainer's stall % and throughput over the run from "
@@ -86,9 +90,9 @@ def _add_monitoring(sub: Any) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The argument parser of the ``batchq`` command."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="batchq",
         description="Feed a trainer from many data-preparation processes through Redis.",
     )
@@ -97,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser(
+    serve = parser.add_command(
+        sub,
         "serve",
         help="serve the stream that MODULE:FACTORY() returns",
         description="Serve the stream that MODULE:FACTORY() returns into a queue, epoch "
@@ -152,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shm-dir", default="/dev/shm", help="the shared-memory folder (default /dev/shm)"
     )
 
-    demo = sub.add_parser(
+    demo = parser.add_command(
+        sub,
         "demo",
         help="run the tutorial experiment: in-process vs served",
         description="Run Fuel's tutorial experiment (N batches per epoch, a loading delay "
@@ -181,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--hwm", type=int, default=10)
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
 
-    status = sub.add_parser(
+    status = parser.add_command(
+        sub,
         "status",
         help="show every queue (or one): depth vs hwm, producers, stall, verdict",
         description="Show every queue on the server, or the one named: depth (LLEN of "
@@ -198,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="/dev/shm",
         help="where this host's segments are counted (shm_segments, shm_bytes; default /dev/shm)",
     )
-    _add_monitoring(sub)
-    config = sub.add_parser(
+    _add_monitoring(parser, sub)
+    config = parser.add_command(
+        sub,
         "config",
         help="print the effective configuration (secrets masked)",
         description="Print every option of every command with its environment variable "
@@ -208,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.add_argument("--json", action="store_true", help="machine-readable output")
 
-    reset = sub.add_parser(
+    reset = parser.add_command(
+        sub,
         "reset",
         help="delete a queue's keys (and only those), after confirmation",
         description="Delete every key of one queue (bq:{Q}:*): its run, frames, leases, "

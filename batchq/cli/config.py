@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from batchq.cli.factory_args import shown
+from batchq.cli.parser import Parser
 from batchq.client.connection import describe_url
 from batchq.errors import ConfigError
 
@@ -31,28 +32,22 @@ def env_name(option: str) -> str:
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [
-        a
-        for a in parser._actions
-        if a.option_strings and a.dest not in _SKIP and not isinstance(a, argparse._HelpAction)
-    ]
+    actions = parser.options if isinstance(parser, Parser) else []
+    return [a for a in actions if a.dest not in _SKIP]
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+    return dict(parser.commands) if isinstance(parser, Parser) else {}
 
 
-def _convert(action: argparse.Action, name: str, raw: str) -> Any:
-    if isinstance(action, argparse._StoreTrueAction):
+def _convert(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str) -> Any:
+    if action.nargs == 0 and action.const is True:  # store_true
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
         if raw.lower() in ("0", "false", "no", "off", ""):
             return False
         raise ConfigError(f"{name}={raw!r} is not valid: expected 1/0, true/false, yes/no")
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(parser, Parser) and action.dest in parser.appending:
         return [p for p in raw.split(",") if p]
     convert = action.type if callable(action.type) else str
     try:
@@ -73,7 +68,7 @@ def apply_environment(parser: argparse.ArgumentParser) -> None:
             name = env_name(action.option_strings[-1])
             raw = os.environ.get(name)
             if raw is not None:
-                action.default = _convert(action, name, raw)
+                action.default = _convert(sub, action, name, raw)
                 action.required = False
 
 

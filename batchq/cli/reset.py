@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchq.client.admin import delete_queue
 from batchq.client.connection import describe_url, make_client, resolve_url
 from batchq.monitoring.rows import queue_status
+from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys, check_name
 from batchq.wire.shm import remove_segments
 

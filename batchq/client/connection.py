@@ -30,9 +30,9 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import Encoder, PythonRespSerializer  # type: ignore[attr-defined]
 from redis.retry import Retry
 
+from batchq.client.redis_internals import HeldPool, pieces_packer
 from batchq.errors import (
     AuthFailed,
     BatchQueueError,
@@ -70,7 +70,6 @@ ENV_URL = "BATCHQ_URL"
 DEFAULT_URL = "redis://localhost:6379/0"
 # Blocking commands (BLPOP/BRPOP) always use timeouts well below this.
 DEFAULT_SOCKET_TIMEOUT_S = 10.0
-_BUFFER_CUTOFF = 6000  # redis-py's own cutoff: larger values travel as separate buffers
 
 T = TypeVar("T")
 
@@ -123,53 +122,6 @@ def describe_url(url: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
-_pack_command: Callable[..., bytes] | None
-try:
-    from hiredis import pack_command as _pack_command
-except ImportError:  # pragma: no cover - hiredis comes with redis[hiredis]
-    _pack_command = None
-
-
-def _all_small(args: tuple[Any, ...]) -> bool:
-    # A plain loop: this runs for every command (a generator cost as much as the pack).
-    for arg in args:
-        kind = type(arg)
-        if kind is str or kind is bytes:
-            if len(arg) > _BUFFER_CUTOFF:
-                return False
-        elif kind is not int and kind is not float:  # not bool: redis-py refuses it
-            return False
-    return True
-
-
-class _PiecesPacker(PythonRespSerializer):
-    """redis-py's pure-Python packer, plus :class:`Pieces` arguments."""
-
-    def pack(self, *args: Any) -> list[Any]:
-        if _pack_command is not None and args and _all_small(args):
-            # Small commands (the scripts' calls, shared-memory descriptors): hiredis
-            # packs them in a tenth of the time (3 vs 24 us for a push); it copies every
-            # value, which only matters for the large ones.
-            # As redis-py: a command name with a space ("SCRIPT LOAD") is two words.
-            head = tuple(args[0].split()) if isinstance(args[0], str) else args[:1]
-            return [_pack_command((*head, *args[1:]))]
-        if not any(isinstance(a, Pieces) for a in args):
-            return list(super().pack(*args))  # type: ignore[no-untyped-call]
-        # Pack around each Pieces argument: the other arguments go through redis-py.
-        output: list[Any] = [f"*{len(args)}\r\n".encode()]
-        for arg in args:
-            if isinstance(arg, Pieces):
-                output.append(f"${arg.nbytes}\r\n".encode())
-                output.extend(arg.buffers)
-                output.append(b"\r\n")
-            else:
-                data = self.encode(arg)
-                output.append(b"$%d\r\n" % len(data))
-                output.append(data)
-                output.append(b"\r\n")
-        return output
-
-
 def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S) -> redis.Redis:
     """A redis-py client for batchq's hot paths: no automatic retry, no copying packer.
 
@@ -180,13 +132,12 @@ def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S)
     Returns:
         A client returning bytes (decode_responses off).
     """
-    encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
-    pool = redis.ConnectionPool.from_url(
+    pool = HeldPool.from_url(
         url,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=min(socket_timeout_s, 5.0),
         retry=Retry(NoBackoff(), 0),
-        command_packer=_PiecesPacker(_BUFFER_CUTOFF, encoder.encode),
+        command_packer=pieces_packer(),
         health_check_interval=0,
     )
     # from_pool: the client owns its pool, so close() really closes its connections

@@ -146,6 +146,7 @@ from batchq.protocol.fields import (
     wait_bucket_field,
 )
 from batchq.protocol.keys import QueueKeys, queue_from_meta_key
+from batchq.protocol.layout import WAIT_BUCKETS_S
 from batchq.protocol.words import as_int
 from batchq.wire.shm import DEFAULT_SHM_DIR, segments_usage
 
@@ -164,11 +165,6 @@ __all__ = [
 
 #: The version of the row layout documented above.
 STATUS_SCHEMA_VERSION = 4
-
-#: Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket,
-#: ``wait_bucket:<len>``, is +Inf. The trainer (consumer.stats) counts into them and the
-#: exporter publishes them as ``le`` bounds.
-WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 STATUS_FIELDS = (
     "queue", "run", "depth", "hwm", "producers_alive", "leases", "shards_per_epoch",

@@ -88,7 +88,7 @@ class StatsField:
 
 def wait_bucket_field(i: int) -> str:
     """The counter of the trainer's waits in bucket ``i`` of ``WAIT_BUCKETS_S``
-    (batchq.monitoring.rows; the last one, ``i == len(WAIT_BUCKETS_S)``, is +Inf)."""
+    (batchq.protocol.layout; the last one, ``i == len(WAIT_BUCKETS_S)``, is +Inf)."""
     return f"{StatsField.WAIT_BUCKET}:{i}"
 
 

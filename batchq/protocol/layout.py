@@ -11,7 +11,9 @@ Entries and fields:
   batches the rank has yielded so far, ``'=<n>'`` once its share ended at n
   (:func:`count_value`, :func:`parse_count_value`);
 * the server clock: ``TIME`` is (seconds, microseconds); scripts and Python use ms,
-  :func:`time_ms`.
+  :func:`time_ms`;
+* the trainer's wait-time histogram: the stats hash's ``wait_bucket:<i>`` counts waits
+  up to :data:`WAIT_BUCKETS_S` ``[i]`` seconds, ``wait_bucket:<len>`` the rest (+Inf).
 
 Caps (lists that would otherwise grow for ever): the wake list keeps
 :data:`WAKE_CAP` tokens, a trainer's history :data:`HISTORY_CAP` samples, the dead list
@@ -28,6 +30,7 @@ __all__ = [
     "DONE",
     "HISTORY_CAP",
     "SCALELOG_CAP",
+    "WAIT_BUCKETS_S",
     "WAKE_CAP",
     "count_value",
     "counts_field",
@@ -44,6 +47,9 @@ HISTORY_CAP = 3600  # one sample per second: the last hour
 DEAD_CAP = 1000  # bad frames kept for `batchq dead`
 SCALELOG_CAP = 500  # autoscaler decisions kept
 DONE = "d"  # a ledger value: the trainer has every batch of the slot
+# Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket is
+# +Inf. The trainer (consumer.stats) counts into them, the exporter publishes them as le.
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 
 def lease_entry(g: int, token: str) -> str:

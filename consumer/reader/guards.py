@@ -15,9 +15,9 @@ import time
 import redis
 
 from batchq.client.connection import is_wrong_type, redis_errors
-from batchq.client.reaper import reap_gone
 from batchq.errors import ConnectionLost, FrameError, WrongKeyType
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.reaper import reap_gone
 from consumer.reader.buffer import Buffer
 from consumer.session import Session
 
@@ -26,7 +26,7 @@ __all__ = ["REAP_CLOSED_S", "REAP_IDLE_S", "ReaderGuards", "ref_error"]
 log = logging.getLogger(__name__)
 
 # While the trainer waits this long without a frame, look for producers whose
-# connections closed (batchq.client.reaper.reap_gone), and again every as long.
+# connections closed (batchq.protocol.reaper.reap_gone), and again every as long.
 REAP_CLOSED_S = 0.1
 REAP_IDLE_S = 0.25  # and this often while it does not wait
 # How long a replaced key is waited for between checks.

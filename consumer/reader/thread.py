@@ -22,9 +22,7 @@ import msgpack
 import redis
 
 from batchq.client import held
-from batchq.client.admin import is_oom
 from batchq.client.connection import is_wrong_type, reconnect, redis_errors
-from batchq.client.reaper import reap_dead, requeue_gaps
 from batchq.errors import (
     BatchQueueError,
     ConnectionLost,
@@ -33,11 +31,13 @@ from batchq.errors import (
     StateLost,
 )
 from batchq.protocol import scripts
+from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import round_trip
 from batchq.protocol.fields import dead_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DEAD_CAP, ledger_field, parse_ledger_field
 from batchq.protocol.ranks import RankLayout
+from batchq.protocol.reaper import reap_dead, requeue_gaps
 from batchq.protocol.replies import status_error
 from batchq.protocol.words import Status
 from batchq.wire import codec

@@ -4,7 +4,7 @@ notices when no trainer has claimed the run for too long.
 It has its own client (a push blocked at the hwm never delays a beat), and beats every
 third of the heartbeat TTL: ZADD XX of the producer's deadline (a producer already
 declared dead must join again, not revive), the reaping of producers past theirs
-(:func:`batchq.client.reaper.reap_dead`), and the orphan check. It stops with the producer's
+(:func:`batchq.protocol.reaper.reap_dead`), and the orphan check. It stops with the producer's
 stop event.
 """
 
@@ -15,13 +15,13 @@ import threading
 
 import redis
 
-from batchq.client.admin import is_oom
 from batchq.client.connection import make_client
-from batchq.client.reaper import reap_dead, record_client, server_ms
 from batchq.errors import BatchQueueError
+from batchq.protocol.admin import is_oom
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import rank_field
+from batchq.protocol.reaper import reap_dead, record_client, server_ms
 from producer.serving.pushing import RunPosition
 
 __all__ = ["BEATS_PER_TTL", "Heartbeat"]

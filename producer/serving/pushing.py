@@ -29,9 +29,9 @@ from typing import Any
 
 import redis
 
-from batchq.client.admin import is_oom
 from batchq.client.connection import Pieces, call, convert_error, is_wrong_type
 from batchq.protocol import scripts
+from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import lease_entry

@@ -292,7 +292,7 @@ def _mark_branch(stream: Any, branch: int) -> None:
     while stack:
         node = stack.pop()
         if isinstance(node, RandomStateMixin):
-            node._branch = (branch, *node._branch)
+            node.under_branch(branch)
         children = getattr(node, "data_streams", None)
         if children:
             stack.extend(children)

@@ -17,8 +17,8 @@ import redis
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
-from batchq.client.reaper import connected_ids, reap_gone
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.reaper import connected_ids, reap_gone
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 200, 10

@@ -105,7 +105,7 @@ def test_an_evicting_policy_is_warned_about(
     client.config_set("maxmemory", 100_000_000)
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.close()
-    caplog.set_level(logging.WARNING, logger="batchq.client.admin")
+    caplog.set_level(logging.WARNING, logger="batchq.protocol.admin")
     producer, thread = serve(own_redis.url, queue_name, numbered(40, 20), hwm=2)
     try:
         wait_until(

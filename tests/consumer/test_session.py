@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from batchq.client.admin import delete_queue
 from batchq.client.connection import make_client
 from batchq.errors import StateLost, StepMismatch, TrainerConflict
 from batchq.protocol import scripts
+from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.words import PROTOCOL_VERSION
 from consumer.session import Session

@@ -41,7 +41,7 @@ QUEUE = "tutorial"  # the queue deploy/acl.conf is written for
 OTHER = "other"  # a queue the roles of QUEUE must not reach
 SECRET = "app:secret"  # a key of some other application on the same server
 
-# Which Lua scripts each role runs (producer/server.py, consumer/, batchq/client/reaper.py).
+# Which Lua scripts each role runs (producer/server.py, consumer/, batchq/protocol/reaper.py).
 # Every redis.call in them runs as the calling user, so the role needs those commands.
 ROLE_SCRIPTS = {
     "bq-producer": {"join", "lease", "push", "fail", "handback", "reap"},

@@ -1,4 +1,4 @@
-"""lua_scripts.round_trip: the hot paths' pipeline (one write, raw replies in order)."""
+"""batchq.protocol.calls.round_trip: the hot paths' pipeline (one write, raw replies in order)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ LITERAL_INDEX = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
 
 class Recorder:
     """Stands in for a client, its pool and its connection: records the EVALSHA a
-    wrapper sends (lua_scripts.round_trip) and replies STATE_LOST."""
+    wrapper sends (calls.round_trip) and replies STATE_LOST."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[Any], list[Any]]] = []

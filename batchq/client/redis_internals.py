@@ -1,0 +1,184 @@
+"""Everything batchq takes from redis-py's internals, in one place.
+
+Two measured costs are only avoidable below redis-py's public API (docs/design.md,
+"Scripts" and "Client settings that matter"):
+
+* **The command packer.** redis-py's hiredis packer copies every value; its pure-Python
+  one (``redis.connection.PythonRespSerializer``, not exported) sends large values as
+  separate buffers. :func:`pieces_packer` subclasses it to send a frame's
+  :class:`~batchq.wire.pieces.Pieces` (header, then each array's own memory) as one bulk
+  string without a copy, and packs small commands with hiredis.
+* **The pool's checks.** ``get_connection``/``release`` cost more client CPU than the
+  round trip they wrap (a ``select`` for stale data, a pid check, observability counters
+  and events: a PING 130-150 us through the pool, 65-80 us without, on the 2-core
+  machine). :class:`HeldPool` lets the one thread that owns a client's hot path take its
+  last connection straight from the pool's idle list and put it back, under the pool's
+  own lock (``_lock``, ``_available_connections``, ``_in_use_connections``).
+
+Nothing else in batchq touches a private name of redis-py. :data:`TESTED_REDIS_PY` is
+the range pyproject pins; :func:`check_internals` says what is missing on another
+version, and tests/batchq/client/test_redis_internals.py fails loudly when it does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.connection import Encoder, PythonRespSerializer  # type: ignore[attr-defined]
+
+from batchq.wire.pieces import Pieces
+
+__all__ = ["POOL_PARTS", "TESTED_REDIS_PY", "HeldPool", "check_internals", "pieces_packer"]
+
+# The redis-py releases these internals were checked on (pyproject pins the same).
+TESTED_REDIS_PY = ((8, 2), (8, 3))  # [low, high): 8.2.x
+# The ConnectionPool attributes HeldPool moves connections through.
+POOL_PARTS = ("_lock", "_available_connections", "_in_use_connections")
+_BUFFER_CUTOFF = 6000  # redis-py's own cutoff: larger values travel as separate buffers
+
+
+def check_internals() -> list[str]:
+    """What this module needs of redis-py and the installed version lacks (empty: all)."""
+    missing = [f"ConnectionPool.{part}" for part in POOL_PARTS if not _pool_has(part)]
+    if not callable(getattr(PythonRespSerializer, "pack", None)):
+        missing.append("PythonRespSerializer.pack")
+    return missing
+
+
+def _pool_has(part: str) -> bool:
+    pool = redis.ConnectionPool()
+    try:
+        return hasattr(pool, part)
+    finally:
+        pool.disconnect()
+
+
+class HeldPool(redis.ConnectionPool):
+    """redis-py's ConnectionPool, plus a connection the owner thread takes without checks.
+
+    The thread that owns a client's hot path calls :meth:`hold`; its round trips then
+    :meth:`borrow` the connection it used last and :meth:`give_back` it. Between round
+    trips that connection is an idle one of the pool like any other, so the thread's other
+    commands (redis-py's own) reuse it: the client keeps one connection. Where another
+    thread took it meanwhile, or in a forked child, the pool is used as usual. The state
+    is this pool's own: no registry outside it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._owner: tuple[int, int] | None = None  # (thread ident, pid) of the holder
+        self._owner_conn: Any = None  # the owner's last connection
+
+    def hold(self) -> None:
+        """The calling thread owns this pool's round trips from now on."""
+        self._owner = (threading.get_ident(), _pid)
+        self._owner_conn = None
+
+    def release_hold(self) -> None:
+        """The owner stops (its close): round trips go through the pool again."""
+        self._owner = None
+        self._owner_conn = None
+
+    def held_by_caller(self) -> bool:
+        """Whether the calling thread, in the process that held it, is the owner."""
+        owner = self._owner
+        return owner is not None and owner == (threading.get_ident(), _pid)
+
+    def borrow(self) -> tuple[Any, bool]:
+        """A connection for one round trip: ``(conn, direct)``; end it with give_back."""
+        if not self.held_by_caller():
+            return self.get_connection(), False
+        conn = self._owner_conn
+        if conn is not None:
+            with self._lock:
+                if conn in self._available_connections:
+                    self._available_connections.remove(conn)
+                    self._in_use_connections.add(conn)
+                    return conn, True
+            # Another thread has it (or the pool dropped it): take one the usual way.
+        # Lent the usual way this time (and given back so): the next one goes directly.
+        self._owner_conn = self.get_connection()
+        return self._owner_conn, False
+
+    def give_back(self, conn: Any, direct: bool) -> None:
+        """End a round trip started with :meth:`borrow`."""
+        if not direct:
+            self.release(conn)
+            return
+        with self._lock:
+            if conn in self._in_use_connections:
+                self._in_use_connections.remove(conn)
+                self._available_connections.append(conn)
+                return
+        # The pool forgot it (reset): it is not the pool's to take back.
+        conn.disconnect()
+
+
+# The process's pid, kept current across forks: os.getpid() is a system call per round
+# trip otherwise. A fact of the process, not state of batchq's.
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+_pack_command: Callable[..., bytes] | None
+try:
+    from hiredis import pack_command as _pack_command
+except ImportError:  # pragma: no cover - hiredis comes with redis[hiredis]
+    _pack_command = None
+
+
+def _all_small(args: tuple[Any, ...]) -> bool:
+    # A plain loop: this runs for every command (a generator cost as much as the pack).
+    for arg in args:
+        kind = type(arg)
+        if kind is str or kind is bytes:
+            if len(arg) > _BUFFER_CUTOFF:
+                return False
+        elif kind is not int and kind is not float:  # not bool: redis-py refuses it
+            return False
+    return True
+
+
+class _PiecesPacker(PythonRespSerializer):
+    """redis-py's pure-Python packer, plus :class:`Pieces` arguments."""
+
+    def pack(self, *args: Any) -> list[Any]:
+        if _pack_command is not None and args and _all_small(args):
+            # Small commands (the scripts' calls, shared-memory descriptors): hiredis
+            # packs them in a tenth of the time (3 vs 24 us for a push); it copies every
+            # value, which only matters for the large ones.
+            # As redis-py: a command name with a space ("SCRIPT LOAD") is two words.
+            head = tuple(args[0].split()) if isinstance(args[0], str) else args[:1]
+            return [_pack_command((*head, *args[1:]))]
+        if not any(isinstance(a, Pieces) for a in args):
+            return list(super().pack(*args))  # type: ignore[no-untyped-call]
+        # Pack around each Pieces argument: the other arguments go through redis-py.
+        output: list[Any] = [f"*{len(args)}\r\n".encode()]
+        for arg in args:
+            if isinstance(arg, Pieces):
+                output.append(f"${arg.nbytes}\r\n".encode())
+                output.extend(arg.buffers)
+                output.append(b"\r\n")
+            else:
+                data = self.encode(arg)
+                output.append(b"$%d\r\n" % len(data))
+                output.append(data)
+                output.append(b"\r\n")
+        return output
+
+
+def pieces_packer() -> Any:
+    """The command packer batchq's clients use (see the module's docstring)."""
+    encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
+    return _PiecesPacker(_BUFFER_CUTOFF, encoder.encode)
