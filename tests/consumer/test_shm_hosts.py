@@ -8,7 +8,7 @@ can map nothing the producers on /dev/shm write.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +93,31 @@ def test_a_takeover_from_another_host_gets_the_rest_exactly_and_no_bad_frame(
     redis_client: Any,
     tmp_path: Path,
 ) -> None:
-    producer = producer_thread(numbered(EXAMPLES, BATCH), hwm=4)
-    data = QueueKeys(queue_name).data
+    keys = QueueKeys(queue_name)
+    data = keys.data
     first = trainer(redis_url, queue_name)
-    it = first.get_epoch_iterator()
+    # The trainer's host is published before the producer starts, so the producer sees
+    # it when it joins and every frame it makes is a descriptor. (Started first, it
+    # made frames for Redis until it looked again: after a wait at the cap, or a second
+    # later. One that reached the cap without waiting before the trainer published
+    # kept a Redis frame at the cap there, and the list never held only descriptors.)
+    opened: list[Iterator[Any]] = []
+    errors: list[BaseException] = []
+
+    def open_epoch() -> None:
+        try:
+            opened.append(first.get_epoch_iterator())  # claims, publishes, waits for a plan
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    opener = threading.Thread(target=open_epoch)
+    opener.start()
+    wait_until(lambda: redis_client.hget(keys.meta, "shm_host") or errors, what="the host")
+    producer = producer_thread(numbered(EXAMPLES, BATCH), hwm=4)
+    opener.join(timeout=60)
+    assert not errors, errors
+    assert opened, "the first epoch did not open within 60 s"
+    it = opened[0]
     got = [examples_of(next(it)[0]) for _ in range(3)]
     state = first.state_dict()
     # The list full of this host's descriptors, then the trainer dies (no release).
