@@ -183,6 +183,14 @@ def _where(client: Any) -> tuple[str, int | None, str]:
     )
 
 
+def _db(client: Any) -> object:
+    """The database index a client's URL asked for (None when it cannot be read)."""
+    try:
+        return client.connection_pool.connection_kwargs.get("db")
+    except AttributeError:
+        return None
+
+
 def _config_problem(error: BaseException) -> bool:
     text = str(error)
     return (
@@ -197,7 +205,8 @@ def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQ
 
     Credentials refused (or a permission missing) become :class:`AuthFailed`, a database
     index the server does not have :class:`RedisConfigError`: both name host, port and
-    user and are never retried. Drops and timeouts become :class:`ConnectionLost`.
+    user (the latter also the index the URL asked for) and are never retried. Drops and
+    timeouts become :class:`ConnectionLost`.
 
     Args:
         error: what redis-py raised.
@@ -215,8 +224,12 @@ def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQ
     if isinstance(error, redis.RedisError) and _config_problem(error):
         host, port, user = _where(client)
         place = f"{host}:{port}" if port is not None else host
+        # The server's reply does not say which index it refused: the URL's is named,
+        # as the wrong-password error names host, port and user.
+        db = _db(client)
+        asked = f" database index {db}" if db is not None else " the connection's settings"
         return RedisConfigError(
-            f"Redis at {place} (user {user!r}) refused the connection's settings: {error}; "
+            f"Redis at {place} (user {user!r}) refused{asked}: {error}; "
             "check the database index in the URL (redis://host:port/<db>)"
         )
     if isinstance(error, redis_errors):

@@ -64,7 +64,7 @@ def test_database_index_out_of_range_is_a_config_error(redis_url: str, queue_nam
         stream.get_epoch_iterator()
     assert isinstance(info.value, ConfigError)
     assert str(urlsplit(redis_url).port) in str(info.value)
-    assert "database index" in str(info.value)
+    assert "database index 99:" in str(info.value)  # the index the URL asked for
     stream.close()
-    with pytest.raises(RedisConfigError):
+    with pytest.raises(RedisConfigError, match="database index 99:"):
         Producer(numbered(20, 10), url, queue_name, reconnect_timeout_s=60).serve()
