@@ -69,8 +69,9 @@ def make_stream() -> Any:
     batch_size = _setting("BATCH_SIZE", "100", int, 1)
     load_ms = _setting("LOAD_MS", "5", float, 0)
     stream = DataStream.default_stream(
-        # An array, not Fuel's list of lists: a list source gives lists (as in Fuel),
-        # which travel as msgpack values instead of zero-copy arrays.
+        # An array, not Fuel's list of lists: served, the lists would arrive as this
+        # very array (as from Fuel's server), once numpy converted every int of each batch;
+        # in-process they would stay lists.
         IndexableDataset({"features": np.zeros((examples, features), dtype=np.int64)}),
         iteration_scheme=ShuffledScheme(examples=examples, batch_size=batch_size),
     )

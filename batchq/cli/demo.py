@@ -65,8 +65,9 @@ def tutorial_stream(
     if load_ms is None:
         load_ms = float(os.environ.get(_ENV + "LOAD_MS", "5"))
     stream = DataStream.default_stream(
-        # An array, not Fuel's list of lists: a list source gives lists (as in Fuel),
-        # which travel as msgpack values instead of zero-copy arrays.
+        # An array, not Fuel's list of lists: served, the lists would arrive as this
+        # very array (as from Fuel's server), once numpy converted every int of each batch;
+        # in-process they would stay lists.
         IndexableDataset({"features": np.zeros((examples, features), dtype=np.int64)}),
         iteration_scheme=ShuffledScheme(examples=examples, batch_size=batch_size),
     )

@@ -51,6 +51,10 @@ whole header before touching numpy, never copies array bytes (arrays are read-on
 ``np.frombuffer`` views unless ``writable=True``), never unpickles, and turns every
 malformation into :class:`~batchq.errors.FrameError`.
 
+A producer passes each source's value through :func:`array_or_value` first: a list
+that numpy turns into a regular array of one plain kind travels as that array, as
+Fuel's server sent it; the codec itself encodes a list as the msgpack value it is.
+
 Large frames may live under their own Redis key; the list then holds a *reference*
 element instead (:mod:`batchq.wire.refs`).
 """
@@ -79,6 +83,7 @@ from batchq.wire.values import (
     PREFIX,
     Copy,
     align,
+    array_or_value,
     build_item,
     encode_item,
     layout,
@@ -94,6 +99,7 @@ __all__ = [
     "Frame",
     "FrameHeader",
     "FrameKind",
+    "array_or_value",
     "decode_frame",
     "encode_frame",
     "encode_frame_into",

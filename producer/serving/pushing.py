@@ -320,7 +320,10 @@ class ShardPusher:
     ) -> Pieces | memoryview | ShmFrame:
         """One batch's frame: into shared memory, else pieces for Redis (raises what the
         codec finds wrong with the pipeline's arrays)."""
-        data = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
+        values = batch.values() if isinstance(batch, dict) else batch
+        # A list that is a regular array travels as one, as over Fuel's server (Fuel's
+        # send_arrays made every value an array): a Fuel trainer reads batch.shape.
+        data = tuple(codec.array_or_value(v) for v in values)
         header = codec.FrameHeader(
             codec.FrameKind.BATCH,
             run=self._pos.run,

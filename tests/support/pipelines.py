@@ -69,3 +69,14 @@ def numbered(
     if bad is not None:
         stream = FailOnExample(stream, bad=int(bad))
     return stream
+
+
+def fuel_tutorial(slowdown: float = 0.0) -> Any:
+    """Fuel's server page, as written there (``create_data_stream``): a list of lists
+    (1000 examples of 128 zeros) in shuffled batches of 100, behind a Bottleneck."""
+    dataset = IndexableDataset({"features": [[0] * 128] * 1000})
+    iteration_scheme = ShuffledScheme(examples=1000, batch_size=100)
+    return Bottleneck(
+        data_stream=DataStream.default_stream(dataset=dataset, iteration_scheme=iteration_scheme),
+        slowdown=slowdown,
+    )

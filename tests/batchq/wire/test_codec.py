@@ -25,6 +25,7 @@ from batchq.wire.codec import (
     Frame,
     FrameHeader,
     FrameKind,
+    array_or_value,
     decode_frame,
     encode_frame,
     encode_frame_pieces,
@@ -889,3 +890,66 @@ def test_pieces_are_the_same_bytes_as_the_frame(checksum: bool) -> None:
     pieces = encode_with(encode_frame_pieces, FrameKind.BATCH, **kw)
     assert len(pieces) == len(whole) and bytes(pieces) == whole
     assert all(not isinstance(b, memoryview) or b.format == "B" for b in pieces.buffers)
+
+
+# --------------------------------------------------------------------------- lists
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "shape"),
+    [
+        ([[0] * 128] * 100, "<i8", (100, 128)),  # Fuel's server tutorial batch
+        ((1, 2, 3), "<i8", (3,)),
+        ([2**63, 2**64 - 1], "<u8", (2,)),  # above int64: numpy's uint64, exact
+        ([[0.5, 1.0], [2.0, 3.0]], "<f8", (2, 2)),
+        ([True, False], "|b1", (2,)),
+        ([1j, 2.0 + 0j], "<c16", (2,)),
+        (["a", "bc"], "<U2", (2,)),
+        ([np.int32(1), 2], "<i8", (2,)),  # numpy scalars count as their kind
+        ([np.float32(1.5), np.float32(2)], "<f4", (2,)),
+        ([np.arange(3), np.arange(3)], "<i8", (2, 3)),  # equal arrays: stacked, as Fuel
+    ],
+)
+def test_a_list_numpy_makes_a_regular_array_of_its_kind_becomes_that_array(
+    value: Any, dtype: str, shape: tuple[int, ...]
+) -> None:
+    arr = array_or_value(value)
+    assert isinstance(arr, np.ndarray)
+    assert arr.dtype.str == dtype and arr.shape == shape
+    assert arr.tolist() == np.asarray(value).tolist()
+    frame = decode_frame(enc(("x", arr)))  # and it travels as an array
+    assert frame.data[0].dtype.str == dtype and frame.data[0].shape == shape
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        3,
+        2.5,
+        "abc",
+        b"abc",
+        None,
+        {"a": [1, 2]},
+        np.arange(3),  # already an array: the very object
+        [],
+        [[], []],  # empty: numpy's float64 would be a guess
+        [[1, 2], [3]],  # ragged
+        [[1, 2], 3],
+        [1, 2.5],  # mixed: ints made floats
+        [True, 2],  # bools made ints
+        [1, "a"],  # ints made str
+        [None, 1],
+        [{"a": 1}],
+        [b"a", b"b"],  # numpy's bytes drop trailing NULs: msgpack keeps them
+        ["a\0", "b"],  # ... so do its str
+        [2**63, -1],  # numpy: float64
+        [2**64],  # numpy: object
+        [np.longdouble(1)],  # not portable: refused by the codec as before
+        [np.ma.masked_array([1, 2])],  # np.asarray would drop the mask
+        [np.arange(2), np.arange(3)],
+        [np.array([1], dtype=object)],
+        [np.datetime64("2026-12-02")],
+    ],
+)
+def test_any_other_value_is_left_as_it_is(value: Any) -> None:
+    assert array_or_value(value) is value
