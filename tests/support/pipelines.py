@@ -15,7 +15,7 @@ from batchq.cli.demo import Bottleneck
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme, ShuffledScheme
 from producer.streams import DataStream
-from producer.transformers import Transformer
+from producer.transformers import Mapping, Transformer
 
 FEATURES = 8
 
@@ -27,6 +27,18 @@ def examples_of(batch: np.ndarray) -> list[int]:
 
 # The tutorial's Bottleneck (a fixed loading delay per batch), as the demo defines it.
 Slow = Bottleneck
+
+
+class Padded:
+    """A mapping (for :class:`Mapping`) that adds a ``pad`` source of ``nbytes`` zero bytes
+    per batch: frames of a realistic size (the trainer need not ask for it)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self, data: tuple[Any, ...]) -> tuple[np.ndarray]:
+        rows = len(data[0])
+        return (np.zeros((rows, max(1, self.nbytes // rows)), dtype=np.uint8),)
 
 
 class FailOnExample(Transformer):
@@ -65,6 +77,9 @@ def numbered(
     slow_ms = float(os.environ.get("TEST_SLOW_MS", "0"))
     if slow_ms:
         stream = Slow(stream, slowdown=slow_ms / 1000)
+    pad_bytes = int(os.environ.get("TEST_PAD_BYTES", "0"))
+    if pad_bytes:
+        stream = Mapping(stream, Padded(pad_bytes), add_sources=("pad",))
     bad = os.environ.get("TEST_BAD_EXAMPLE")
     if bad is not None:
         stream = FailOnExample(stream, bad=int(bad))

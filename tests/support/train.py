@@ -1,8 +1,9 @@
 """A trainer process for the resume tests.
 
 Reads epochs from a queue and writes one JSON line per batch yielded (epoch, the
-example indices) to --out, flushed; with --state-out, after each batch it also saves
-state_dict() there (atomically). With --state-in it first resumes from that file (a state,
+example indices) to --out, flushed; with --state-out, after each batch (or, with
+--state-at N, after the N-th batch only: an older checkpoint) it also saves state_dict()
+there (atomically). With --state-in it first resumes from that file (a state,
 or a list of every rank's states). The tests build its command line with :func:`argv` and
 read what it wrote with :func:`lines`.
 """
@@ -42,6 +43,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--state-in")
     parser.add_argument("--state-out")
+    parser.add_argument("--state-at", type=int, help="save the state after this batch only")
     parser.add_argument("--unordered", action="store_true")
     parser.add_argument("--finish", action="store_true", help="close(finished=True) at the end")
     parser.add_argument("--rank", type=int, default=0)
@@ -71,12 +73,12 @@ def main() -> int:
             for features, _ in it:
                 out.write(json.dumps([stream.epoch, examples_of(features)]) + "\n")
                 out.flush()
-                if args.state_out:
+                yielded += 1
+                if args.state_out and args.state_at in (None, yielded):
                     tmp = args.state_out + ".tmp"
                     with open(tmp, "w") as f:
                         json.dump(stream.state_dict(), f)
                     os.replace(tmp, args.state_out)
-                yielded += 1
                 if args.stop_after is not None and yielded >= args.stop_after:
                     stream.close()
                     return 3
