@@ -606,5 +606,9 @@ class ServerDataStream(FuelStreamMixin):
     @property
     def stats(self) -> dict[str, Any]:
         """The trainer's figures: stall fraction of the last epoch and of the last 100
-        batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`)."""
-        return self._stats.snapshot()
+        batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`), and
+        ``dropped_ahead``: frames past the look-ahead window dropped, to be built again
+        (shards leased before the run's floor moved back, see docs/design.md)."""
+        out = self._stats.snapshot()
+        out["dropped_ahead"] = self._ledger.dropped_ahead if self._ledger is not None else 0
+        return out

@@ -78,6 +78,7 @@ class StatsField:
     REDONE_SHARDS: Final = "redone_shards"  # shards handed back to be built again
     FAILED_ATTEMPTS: Final = "failed_attempts"  # shard attempts whose pipeline raised
     REAPED_CLOSED: Final = "reaped_closed"  # producers reaped for closed connections
+    DROPPED_AHEAD: Final = "dropped_ahead"  # frames past the trainer's window (built again)
     EPOCHS_COMPLETED: Final = "epochs_completed"
     TRAINER_WAIT_MS: Final = "trainer_wait_ms"  # the trainer waiting for data
     TRAINER_BUSY_MS: Final = "trainer_busy_ms"  # the trainer between batches

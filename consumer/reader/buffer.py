@@ -40,17 +40,23 @@ class Buffer:
 
     def put(self, frames: list[tuple[Frame, bytes]], stale: int) -> list[tuple[bytes, str]]:
         """File decoded frames (with their raw element); returns the bad ones, (element,
-        reason), for the dead list: impossible frames and those the ledger purged."""
+        reason), for the dead list: impossible frames and those the ledger purged.
+
+        Frames past the look-ahead window are dropped and counted
+        (``ledger.dropped_ahead``): the run builds them again when they are due.
+        """
         bad: list[tuple[bytes, str]] = []
         with self.cond:
             ledger = self.ledger
             ledger.stale += stale
             for frame, raw in frames:
                 reason = ledger.impossible(frame)
-                if reason is None:
-                    ledger.add(frame)
-                else:
+                if reason is not None:
                     bad.append((raw[:4096], reason))
+                elif ledger.ahead(frame):
+                    ledger.dropped_ahead += 1
+                else:
+                    ledger.add(frame)
             for frame, why in ledger.purged:
                 where = f"epoch {frame.epoch} shard {frame.shard} k {frame.k}"
                 bad.append((b"", f"{where} ({frame.producer}): {why}"))

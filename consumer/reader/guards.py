@@ -2,8 +2,9 @@
 
 :class:`ReaderGuards` is mixed into :class:`consumer.reader.thread.Reader`: waiting out a queue
 key that a foreign writer replaced by another type (bounded, then
-:class:`~batchq.errors.WrongKeyType`), and reaping producers whose Redis connections all
-closed (killed) without waiting for their heartbeat TTL.
+:class:`~batchq.errors.WrongKeyType`), reaping producers whose Redis connections all
+closed (killed) without waiting for their heartbeat TTL, and counting the frames dropped
+past the look-ahead window (shards a crashed run had leased, built again).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import redis
 
 from batchq.client.connection import is_wrong_type, redis_errors
 from batchq.errors import ConnectionLost, FrameError, WrongKeyType
+from batchq.protocol.fields import StatsField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_gone
 from consumer.reader.buffer import Buffer
+from consumer.reader.ledger import Ledger
 from consumer.session import Session
 
 __all__ = ["REAP_CLOSED_S", "REAP_IDLE_S", "ReaderGuards", "ref_error"]
@@ -46,11 +49,13 @@ class ReaderGuards:
     cond: threading.Condition
     timeout_s: float
     buffer: Buffer
+    ledger: Ledger
     _halt: threading.Event
     _last_frame: float
     _wrong_since: float | None
     _last_gone: float
     _no_client_list: bool
+    _ahead_counted: int
 
     def _wrong_type(self, key: str, got: str) -> None:
         """A queue key was replaced by another type: wait for a repair, bounded.
@@ -98,6 +103,36 @@ class ReaderGuards:
         if reap_gone(self.client, self.keys, self.session.incarnation) is None:
             self._no_client_list = True  # refused (ACL): the TTL alone tells death
             log.info("queue %s: CLIENT LIST refused; dead producers found by TTL", self.keys.queue)
+
+    def _count_ahead(self) -> None:
+        """Count the frames the ledger dropped past the look-ahead window since the last
+        call in the queue's stats (``dropped_ahead``): one HINCRBY, only when there were.
+
+        Such a frame is a shard the run had leased under a floor further ahead (a crashed
+        trainer's; before a resume moved it back) and handed back; it is built again
+        once the window reaches it, so this is a figure, not an error.
+
+        Raises:
+            ConnectionLost: the connection dropped (the count is then not sent again).
+        """
+        dropped = self.ledger.dropped_ahead  # written by this thread only (Buffer.put)
+        new = dropped - self._ahead_counted
+        if new <= 0:
+            return
+        # Marked sent first: a lost reply then undercounts once instead of twice.
+        self._ahead_counted = dropped
+        log.info(
+            "queue %s: %d frame(s) past the look-ahead window dropped (leased before the "
+            "run's floor moved back); their shards are built again when due",
+            self.keys.queue,
+            new,
+        )
+        try:
+            self.client.hincrby(self.keys.stats, StatsField.DROPPED_AHEAD, new)
+        except redis_errors as e:
+            raise ConnectionLost(f"Redis connection lost while counting frames: {e}") from e
+        except redis.ResponseError as e:  # a foreign type under stats, or Redis full
+            log.warning("queue %s: could not count dropped frames: %s", self.keys.queue, e)
 
 
 def ref_error(key: str, error: Exception) -> FrameError:

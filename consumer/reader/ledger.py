@@ -4,7 +4,9 @@ Frames arrive in any order, possibly twice (a redone shard), possibly from an ol
 the ledger keeps one copy of each address (epoch, shard, k), knows when a shard is
 complete (its last frame says how many batches it has, and all of them arrived) and
 when an epoch is complete (all S shards are), and hands the frames out in plan order
-(``ordered=True``) or in arrival order.
+(``ordered=True``) or in arrival order (each shard's batches still as a prefix). Frames
+past the look-ahead window are not filed (:meth:`Ledger.ahead`): the run builds them
+again once the window reaches them.
 
 It is plain data, used under the reader's lock; it never touches Redis.
 """
@@ -70,8 +72,11 @@ class Ledger:
         self.duplicates = 0
         self.stale = 0
         self.skipped = 0  # shards given up on (ERROR frames under the skip policy)
-        # What the run's plan says (set once it is known): frames outside it are
-        # impossible, which keeps the buffer within the window whatever is pushed.
+        # Frames of the run past the look-ahead window, dropped (see ahead()).
+        self.dropped_ahead = 0
+        # What the run's plan says (set once it is known): frames outside the plan are
+        # impossible, frames past the window are dropped, which keeps the buffer within
+        # the window whatever is pushed.
         self.window: int | None = None
         self.epoch_batches: int | None = None
         # Frames held that a later frame proved impossible (k past the shard's count):
@@ -97,9 +102,9 @@ class Ledger:
         """Why a frame cannot be one batchq's producers wrote for this run, or None.
 
         Its count must fit its position (a last batch at k counts k + 1 batches, an END
-        or ERROR at k counts k), it must lie inside the look-ahead window above the floor
-        (producers mint nothing beyond it), within the plan's batches per epoch, and fit
-        what the shard's last frame already said.
+        or ERROR at k counts k), it must lie within the plan's batches per epoch, and fit
+        what the shard's last frame already said. A frame past the look-ahead window is
+        not impossible (see :meth:`ahead`).
         """
         k, count, kind = frame.k, frame.count, frame.kind
         where = f"epoch {frame.epoch} shard {frame.shard} k {k}"
@@ -111,13 +116,6 @@ class Ledger:
         eb = self.epoch_batches
         if eb is not None and eb >= 0 and (k >= eb if kind == FrameKind.BATCH else k > eb):
             return f"{where}: beyond the plan's {eb} batches per epoch"
-        if frame.epoch >= self.epoch and 0 <= frame.shard < self.shards and self.window:
-            g, floor = frame.epoch * self.shards + frame.shard, self.floor()
-            if g >= floor + self.window:
-                return (
-                    f"{where}: global shard {g} is past the look-ahead window "
-                    f"[{floor}, {floor + self.window})"
-                )
         state = self._epochs.get(frame.epoch, {}).get(frame.shard)
         if state is not None and state.count is not None and kind != FrameKind.ERROR:
             if kind == FrameKind.BATCH and k >= state.count:
@@ -125,6 +123,22 @@ class Ledger:
             if frame.last and count != state.count:
                 return f"{where}: says {count} batches, the shard's last frame said {state.count}"
         return None
+
+    def ahead(self, frame: Frame) -> bool:
+        """Whether a frame lies past the look-ahead window above the floor: it is then
+        dropped (the caller counts it in :attr:`dropped_ahead`), never filed.
+
+        The run can deliver such a frame: a shard that a producer leased under a floor
+        further ahead (a crashed trainer's) or before a resume moved the floor back comes
+        back through the work list, which ignores the window. It is not needed yet, and
+        holding it would let the buffer grow past the window. It is not lost either:
+        producers mint only below the published floor plus the window, so a shard past
+        the window has not been minted yet, and it is built again once the window
+        reaches it.
+        """
+        if not self.window or frame.epoch < self.epoch or not 0 <= frame.shard < self.shards:
+            return False  # no window known yet, or stale (add counts those)
+        return frame.epoch * self.shards + frame.shard >= self.floor() + self.window
 
     def _note(self, epoch: int, state: ShardState, was_complete: bool) -> None:
         if state.complete and state.error is None and not was_complete:
@@ -271,13 +285,7 @@ class Ledger:
             for state in states.values():
                 if state.error is not None:
                     return state.error
-            if not self._arrived:
-                return None
-            frame = self._arrived[0]
-            if take:
-                self._arrived.popleft()
-                self._take(states[frame.shard], frame.k)
-            return frame
+            return self._find_arrived(states, take=take)
         shard, k = self._cursor
         while shard < self.shards:
             current = states.get(shard)
@@ -297,6 +305,23 @@ class Ledger:
                 self._take(current, k)
                 self._cursor = (shard, k + 1)
             return found
+        return None
+
+    def _find_arrived(self, states: dict[int, ShardState], *, take: bool) -> Frame | None:
+        """Arrival order: the first frame that arrived whose shard's earlier batches were
+        all handed out. A shard's batches go out as a prefix, which is what
+        :meth:`consumed` counts: a frame whose predecessors were dropped (past the window,
+        a bad frame) waits for the shard's rebuild to bring them."""
+        for i, frame in enumerate(self._arrived):
+            state = states.get(frame.shard)
+            if state is None or state.frames.get(frame.k) is not frame:
+                continue  # no longer held (skip_error cut it): nothing to hand out
+            if frame.k != state.skip + state.given:
+                continue
+            if take:
+                del self._arrived[i]
+                self._take(state, frame.k)
+            return frame
         return None
 
     def _take(self, state: ShardState, k: int) -> None:

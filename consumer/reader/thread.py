@@ -135,6 +135,7 @@ class Reader(ReaderGuards, threading.Thread):
         self._wrong_since: float | None = None  # since when the data list is no list
         self._last_gone = 0.0
         self._no_client_list = False
+        self._ahead_counted = 0  # ledger.dropped_ahead already added to the stats
         self._published_floor = -1  # the floor the last successful pop sent
         self._quick = False  # the last BRPOP left the list empty: BRPOP-only may follow
         self._last_script = 0.0  # monotonic time of the last pop script
@@ -421,6 +422,7 @@ class Reader(ReaderGuards, threading.Thread):
             self._last_frame = time.monotonic()
         for element, reason in self.buffer.put(frames, stale):
             self._dead(element, FrameError("impossible", reason))
+        self._count_ahead()
 
     def _dead(self, element: bytes, error: FrameError) -> None:
         """Move a bad element to the dead list with its reason, count it, apply the policy."""

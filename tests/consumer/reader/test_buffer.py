@@ -94,3 +94,15 @@ def test_a_cut_ends_the_epoch_without_the_frames_not_yet_due() -> None:
     assert not buffer.ready()
     buffer.cut_epoch()  # a rank evening its count by dropping the rest
     assert buffer.ready() and buffer.take(alive, 0.05) is None
+
+
+def test_a_frame_past_the_window_is_dropped_and_counted_not_bad() -> None:
+    buffer = started(shards=2)
+    buffer.ledger.window = 2
+    # Global shard 2 (epoch 1 shard 0) is past [0, 2): a shard leased under a floor
+    # further ahead; the run builds it again when the window reaches it.
+    assert buffer.put([(frame(1, 0, 0, count=1), b"a")], stale=0) == []
+    assert buffer.ledger.dropped_ahead == 1 and buffer.ledger.buffered == 0
+    assert buffer.put([(frame(0, 0, 0, count=1), b"b")], stale=0) == []
+    assert buffer.put([(frame(1, 0, 0, count=1), b"a")], stale=0) == []  # [1, 3) now
+    assert buffer.ledger.dropped_ahead == 1 and buffer.ledger.buffered == 2

@@ -114,3 +114,20 @@ def test_error_frame_is_handed_out_after_the_batches_before_it() -> None:
     error = ledger.next_frame()
     assert error is not None and error.kind == FrameKind.ERROR
     assert ledger.missing_shards() == [0]
+
+
+def test_arrival_order_hands_a_shards_batches_out_as_a_prefix() -> None:
+    # Batches 1 and 2 of shard 0 arrived without batch 0 (it was dropped past the window):
+    # they wait for the shard's rebuild, so what was handed out stays a prefix, which is
+    # what consumed() counts (a state saved meanwhile resumes exactly).
+    ledger = Ledger(2, ordered=False)
+    ledger.add(frame(0, 0, 1))
+    ledger.add(frame(0, 0, 2, count=3))
+    ledger.add(frame(0, 1, 0, count=1))
+    assert drain(ledger) == [(0, 1, 0)]
+    assert ledger.needs_more() and ledger.consumed() == (0, {1: 1}, [1])
+    for k in range(3):  # the rebuild: 1 and 2 are duplicates
+        ledger.add(frame(0, 0, k, count=3 if k == 2 else None))
+    assert ledger.duplicates == 2
+    assert drain(ledger) == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
+    assert ledger.epoch_done()
