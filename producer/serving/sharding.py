@@ -184,6 +184,11 @@ class ShardPlan:
             "chain": [type(n).__qualname__ for n in chain],
             "plans": [_jsonable(self.requests(e)) for e in range(_FINGERPRINT_EPOCHS)],
         }
+        # A stream may add what its plans do not show (producer.torch: the dataset's
+        # size, batch size, seed); absent, the fingerprint is what it always was.
+        extra = getattr(self.stream, "plan_fingerprint", None)
+        if extra is not None:
+            desc["stream"] = extra
         blob = json.dumps(desc, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
