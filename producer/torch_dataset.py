@@ -249,7 +249,8 @@ class DatasetStream(AbstractDataStream):
             return None
 
     def __repr__(self) -> str:
+        order = getattr(self.batch_sampler, "sampler", self.sampler)  # what draws the order
         return (
             f"{type(self).__name__}({type(self.dataset).__name__}, batch_size="
-            f"{self.batch_size}, sampler={type(self.sampler).__name__}, seed={self.seed})"
+            f"{self.batch_size}, sampler={type(order).__name__}, seed={self.seed})"
         )

@@ -46,6 +46,20 @@ def load_factory(spec: str) -> Any:
     return factory
 
 
+def _as_stream(obj: Any) -> Any:
+    """The factory's stream; a torch DataLoader becomes one (producer.torch).
+
+    torch is looked for only among the modules already imported: a factory that made
+    a DataLoader imported it, and batchq itself never imports torch.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.utils.data.DataLoader):
+        from producer.torch import loader_stream
+
+        return loader_stream(obj)
+    return obj
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Serve in this process, or supervise ``--workers`` producer processes."""
     policy = ScalePolicy.parse(args.workers)
@@ -54,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _supervise(args, url, policy)
     from producer import start_server
 
-    stream = call_factory(load_factory(args.factory), args.factory, args.factory_args)
+    stream = _as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
     return start_server(
         stream,
         hwm=args.hwm,

@@ -1,0 +1,92 @@
+"""torch pipelines the tests serve (``batchq serve torch_pipelines:...``).
+
+Every example tells where it came from: its index, plus augmentations drawn from
+torch's, numpy's and Python's global generators, so a batch built twice (by another
+producer, after a kill, after a resume) shows whether it got the same draws.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from producer.torch import DatasetStream
+
+DIM = 4
+
+
+def _env(name: str, default: int) -> int:
+    return int(os.environ.get(f"TEST_{name.upper()}", default))
+
+
+class RngDataset(Dataset[tuple[int, torch.Tensor]]):
+    """``(i, augmentation)``: the augmentation draws from the three global generators.
+
+    ``slow_ms``: a loading delay per example (so that a producer is busy mid-shard).
+    """
+
+    def __init__(self, n: int, slow_ms: float = 0.0) -> None:
+        self.n = n
+        self.slow_s = slow_ms / 1000
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        aug = torch.rand(DIM) + float(np.random.rand()) + random.random()
+        return i, aug + i
+
+
+def rng_stream(
+    examples: int | None = None, batch_size: int | None = None, seed: int = 3
+) -> DatasetStream:
+    """A shuffled DatasetStream over RngDataset (TEST_EXAMPLES, TEST_BATCH_SIZE, ...)."""
+    n = examples or _env("examples", 120)
+    return DatasetStream(
+        RngDataset(n, slow_ms=_env("slow_ms", 0)),
+        batch_size=batch_size or _env("batch_size", 8),
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        sources=("index", "aug"),
+    )
+
+
+def make_loader() -> DataLoader[Any]:
+    """A training script's DataLoader, moved into a factory as it is."""
+    return DataLoader(
+        RngDataset(_env("examples", 60)),
+        batch_size=_env("batch_size", 8),
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(5),
+        num_workers=2,
+        pin_memory=True,
+        prefetch_factor=4,
+    )
+
+
+class SplitRange(IterableDataset[dict[str, Any]]):
+    """The torch docs' IterableDataset: ``range(n)`` split between workers by worker info."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        wid, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        per = -(-self.n // workers)
+        for i in range(wid * per, min(self.n, (wid + 1) * per)):
+            yield {"value": i, "worker": wid, "workers": workers, "noise": torch.rand(2)}
+
+
+def iterable_stream(num_shards: int = 3, batch_size: int = 4) -> DatasetStream:
+    n = _env("examples", 50)
+    return DatasetStream(SplitRange(n), batch_size=batch_size, num_shards=num_shards)
