@@ -90,3 +90,35 @@ class SplitRange(IterableDataset[dict[str, Any]]):
 def iterable_stream(num_shards: int = 3, batch_size: int = 4) -> DatasetStream:
     n = _env("examples", 50)
     return DatasetStream(SplitRange(n), batch_size=batch_size, num_shards=num_shards)
+
+
+HF_EXAMPLES = 40
+
+
+def _noisy(batch: dict[str, list[Any]]) -> dict[str, Any]:
+    """A set_transform: called on each batch access, draws from torch's generator."""
+    x = torch.tensor(batch["x"], dtype=torch.float32)
+    return {
+        "x": x + torch.rand(x.shape),
+        "label": torch.tensor(batch["label"]),
+        "name": batch["name"],
+    }
+
+
+def hf_stream(fmt: str = "transform") -> DatasetStream:
+    """A Hugging Face ``datasets.Dataset`` made offline, in the format ``fmt``."""
+    import datasets
+
+    n = HF_EXAMPLES
+    ds = datasets.Dataset.from_dict(
+        {
+            "x": [[float(i)] * 3 for i in range(n)],
+            "label": list(range(n)),
+            "name": [f"ex{i}" for i in range(n)],
+        }
+    )
+    if fmt == "transform":
+        ds.set_transform(_noisy)
+    else:
+        ds = ds.with_format(fmt)
+    return DatasetStream(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
