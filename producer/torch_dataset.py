@@ -42,6 +42,16 @@ def _check_seed(seed: Any) -> int:
     return seed
 
 
+def _check_threads(threads: Any) -> int | None:
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ConfigError(
+            f"torch_threads {threads!r} is not valid: expected an integer >= 1 or None"
+        )
+    return threads
+
+
 def _check_common(batch_size: Any, collate_fn: Any, sources: Any) -> None:
     if batch_size is not None and (
         isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
@@ -79,6 +89,8 @@ class DatasetStream(AbstractDataStream):
             it (shuffling without a generator: see :mod:`producer.torch_orders`).
         num_shards: an IterableDataset's shards per epoch (not for map-style datasets).
         worker_init_fn: an IterableDataset's ``worker_init_fn`` (not for map-style).
+        torch_threads: torch's intra-op threads in a producer serving this stream (1,
+            as in a DataLoader worker; None: torch's default).
 
     Raises:
         ConfigError: (a ValueError, as DataLoader raises) an argument is invalid or the
@@ -109,6 +121,7 @@ class DatasetStream(AbstractDataStream):
         seed: int | None = None,
         num_shards: int | None = None,
         worker_init_fn: Callable[[int], Any] | None = None,
+        torch_threads: int | None = 1,
     ) -> None:
         import torch
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -172,6 +185,8 @@ class DatasetStream(AbstractDataStream):
         self._layout: SourceLayout | None = None
         self._shard_seed: int | None = None
         self._k = 0
+        self.torch_threads = _check_threads(torch_threads)
+        self._threads_set = False
 
     # -- what the shard plan and the producer read -----------------------------------
 
@@ -209,7 +224,20 @@ class DatasetStream(AbstractDataStream):
         }
 
     def reseed(self, seed: int) -> None:
-        """Called by the producer before each shard: the shard's seed."""
+        """Called by the producer before each shard: the shard's seed.
+
+        The first call also gives torch one intra-op thread in this process, as a
+        DataLoader worker does (``torch.set_num_threads(1)`` in its worker loop):
+        producers are the workers, and on a host full of them each one's own thread
+        pool only fights the others (measured: a batch of the image pipeline took 0.69 s
+        on 2 loaded cores with 2 threads, 0.06 s with one). ``torch_threads`` says how
+        many (None: leave torch's setting).
+        """
+        if not self._threads_set and self.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+        self._threads_set = True
         self._shard_seed = seed
         self._k = 0
 

@@ -26,7 +26,7 @@ from typing import Any
 from batchq.errors import ConfigError
 from producer.streams import AbstractDataStream
 from producer.torch_collate import SourceLayout
-from producer.torch_dataset import DatasetStream, _check_common, _check_seed
+from producer.torch_dataset import DatasetStream, _check_common, _check_seed, _check_threads
 from producer.torch_seeding import batch_seed, derive_seed, seed_globals
 
 __all__ = ["IterableDatasetStream"]
@@ -80,6 +80,7 @@ class IterableDatasetStream(DatasetStream):
         num_shards: shards per epoch, the ``num_workers`` the dataset's split sees
             (default 1).
         worker_init_fn: called with the shard's id before the shard is iterated.
+        torch_threads: torch's intra-op threads in a producer (see DatasetStream).
 
     Raises:
         ConfigError: an argument is invalid.
@@ -103,6 +104,7 @@ class IterableDatasetStream(DatasetStream):
         seed: int | None = None,
         num_shards: int | None = None,
         worker_init_fn: Callable[[int], Any] | None = None,
+        torch_threads: int | None = 1,
     ) -> None:
         from torch.utils.data._utils.collate import default_collate, default_convert
 
@@ -150,6 +152,8 @@ class IterableDatasetStream(DatasetStream):
         self._layout: SourceLayout | None = None
         self._shard_seed: int | None = None
         self._k = 0
+        self.torch_threads = _check_threads(torch_threads)
+        self._threads_set = False
 
     @property
     def plan_fingerprint(self) -> dict[str, Any]:

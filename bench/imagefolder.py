@@ -1,0 +1,224 @@
+"""A real image pipeline: torch's DataLoader against batchq, in one run, on this host.
+
+The pipeline is examples/imagefolder.py's: torchvision's ImageFolder over 256 x 256
+JPEGs (made on first use), ``v2.RandomResizedCrop(224)``, ``v2.RandomHorizontalFlip()``,
+``v2.ToImage()``, ``v2.ToDtype(torch.uint8)``, batches of 32; the trainer's loop only
+normalises each batch to float32 (its share of the pipeline), then waits ``--step-ms``
+(an accelerator's step, during which the host's CPU is free: 0, input-bound, and 60 ms,
+about the pipeline's own time per batch here). Three ways, alternated within each
+repeat:
+
+* ``loader``: ``DataLoader(dataset, batch_size, shuffle=True, num_workers=N,
+  persistent_workers=True)`` in the trainer's process (the baseline);
+* ``batchq-shm``: N ``batchq serve examples.imagefolder:make_loader`` producers on this
+  host (the same DataLoader, its dataset served; shared memory, the default) into a
+  ``TorchStream``;
+* ``batchq-redis``: the same with ``--transport redis``: every byte through Redis, the
+  path of producers on other hosts.
+
+Each runs ``--epochs`` epochs, started from nothing (the DataLoader and the producer
+processes are made at the clock's zero). Printed per way: images/s from the first batch
+of epoch 1 to the end (every later epoch's start included), the time to the first batch
+of each epoch (epoch 1: from the clock's zero, so the workers' or producers' start is
+in it), and the trainer process's CPU per batch over the same span (the DataLoader's
+workers and the producers are other processes); then the ratios to the loader of the
+same repeat. Figures are printed, never asserted.
+
+    python bench/imagefolder.py [--url URL] [--workers 2] [--images 2000] [--repeats 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from batchq.embedded import url_or_embedded  # noqa: E402
+from batchq.procs import spawn, stop_group  # noqa: E402
+from consumer import ServerDataStream  # noqa: E402
+from consumer.torch import TorchStream  # noqa: E402
+from examples.imagefolder import DEFAULT_ROOT, imagefolder, make_folder, normalise  # noqa: E402
+
+KINDS = ("loader", "batchq-shm", "batchq-redis")
+
+
+def _epochs(source: Any, epochs: int, zero: float, step_s: float) -> dict[str, Any]:
+    """Iterate ``epochs`` epochs of ``source`` (iter() per epoch), normalising batches
+    and then waiting ``step_s`` (an accelerator's step: the host's CPU is free)."""
+    first_s: list[float] = []
+    images = batches = 0
+    t1 = cpu1 = 0.0
+    for e in range(epochs):
+        asked = time.perf_counter()
+        it: Iterable[Any] = iter(source)
+        for k, (x, _labels) in enumerate(it):
+            if k == 0:
+                now = time.perf_counter()
+                first_s.append(now - (zero if e == 0 else asked))
+                if e == 0:  # the span of images/s and CPU starts at the first batch
+                    t1, cpu1 = now, time.process_time()
+            normalise(x)
+            if step_s:
+                time.sleep(step_s)
+            images += len(x)
+            batches += 1
+    took = time.perf_counter() - t1
+    first_images = images // max(batches, 1)  # one batch is before the span
+    return {
+        "images_per_s": (images - first_images) / took,
+        "first_batch_s": first_s,
+        "cpu_ms_per_batch": 1000 * (time.process_time() - cpu1) / max(batches - 1, 1),
+        "batches": batches,
+    }
+
+
+def run_loader(args: argparse.Namespace) -> dict[str, Any]:
+    zero = time.perf_counter()
+    loader = DataLoader(
+        imagefolder(args.root, args.images),
+        batch_size=args.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+        num_workers=args.workers,
+        persistent_workers=True,
+    )
+    try:
+        return _epochs(loader, args.epochs, zero, args.step_s)
+    finally:
+        del loader  # its persistent workers stop with their iterator
+
+
+def run_batchq(url: str, transport: str, args: argparse.Namespace) -> dict[str, Any]:
+    queue = f"bench-img-{uuid.uuid4().hex[:8]}"
+    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
+    argv += ["examples.imagefolder:make_loader", "--url", url, "--queue", queue]
+    argv += ["--hwm", str(args.hwm), "--transport", transport]
+    argv += ["--arg", f"root={args.root}", "--arg", f"images={args.images}"]
+    argv += ["--arg", f"batch_size={args.batch_size}"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+    }
+    zero = time.perf_counter()
+    procs = [spawn(argv, env=env) for _ in range(args.workers)]
+    stream = ServerDataStream(
+        None, False, url=url, queue=queue, hwm=args.hwm, timeout_s=120, transport=transport
+    )
+    try:
+        with TorchStream(stream) as ts:
+            result = _epochs(ts, args.epochs, zero, args.step_s)
+            ts.close(finished=True)
+        return result
+    finally:
+        for proc in procs:
+            stop_group(proc, timeout_s=10.0)
+
+
+def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    rounds: list[dict[str, Any]] = []
+    print(f"trainer step {args.step_s * 1000:.0f} ms a batch after normalising", flush=True)
+    for r in range(args.repeats):
+        row: dict[str, Any] = {}
+        for kind in KINDS:
+            if kind == "loader":
+                row[kind] = run_loader(args)
+            else:
+                row[kind] = run_batchq(url, kind.removeprefix("batchq-"), args)
+            res = row[kind]
+            firsts = ", ".join(f"{s:.3f}" for s in res["first_batch_s"])
+            print(
+                f"repeat {r} {kind:13s} {res['images_per_s']:7.1f} images/s, first batch "
+                f"[{firsts}] s, trainer CPU {res['cpu_ms_per_batch']:.2f} ms/batch",
+                flush=True,
+            )
+        rounds.append(row)
+    return {"rounds": rounds}
+
+
+def print_table(results: dict[str, Any]) -> None:
+    rounds = results["rounds"]
+
+    def med(kind: str, key: str, i: int | None = None) -> float:
+        vals = [r[kind][key] if i is None else r[kind][key][i] for r in rounds]
+        return statistics.median(vals)
+
+    def ratio(kind: str, key: str, i: int | None = None) -> float:
+        vals = [
+            (r[kind][key] if i is None else r[kind][key][i])
+            / (r["loader"][key] if i is None else r["loader"][key][i])
+            for r in rounds
+        ]
+        return statistics.median(vals)
+
+    epochs = len(rounds[0]["loader"]["first_batch_s"])
+    print()
+    head = "way            images/s  " + "  ".join(f"first@{e + 1}" for e in range(epochs))
+    print(head + "  CPU ms/batch")
+    for kind in KINDS:
+        firsts = "  ".join(f"{med(kind, 'first_batch_s', e):7.3f}" for e in range(epochs))
+        cpu = med(kind, "cpu_ms_per_batch")
+        print(f"{kind:13s} {med(kind, 'images_per_s'):9.1f}  {firsts}  {cpu:8.2f}")
+    print("\nratios to the loader of the same repeat (median over repeats):")
+    for kind in KINDS[1:]:
+        firsts = "  ".join(f"{ratio(kind, 'first_batch_s', e):.2f}x" for e in range(epochs))
+        print(
+            f"{kind:13s} images/s {ratio(kind, 'images_per_s'):.2f}x, first batch {firsts}, "
+            f"trainer CPU {ratio(kind, 'cpu_ms_per_batch'):.2f}x"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default=None, help="Redis (default: a private embedded server)")
+    p.add_argument("--root", default=DEFAULT_ROOT)
+    p.add_argument("--images", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--hwm", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        nargs="+",
+        default=[0.0, 60.0],
+        help="the trainer's step per batch, in turn (0: input-bound; 60: a GPU's step "
+        "about as long as the pipeline's batch)",
+    )
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    make_folder(args.root, args.images)  # once, before any clock starts
+    load0 = os.getloadavg()[0]
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.workers} workers, "
+        f"{args.images} images, batch {args.batch_size}, load {load0:.2f}",
+        flush=True,
+    )
+    results: dict[str, Any] = {}
+    with url_or_embedded(args.url) as url:
+        for step_ms in args.step_ms:
+            args.step_s = step_ms / 1000
+            results[f"step_ms={step_ms:g}"] = bench(url, args)
+    for name, result in results.items():
+        print(f"\n== trainer {name} ==")
+        print_table(result)
+    print(f"load average before {load0:.2f}, after {os.getloadavg()[0]:.2f}")
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
