@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from batchq.embedded import url_or_embedded  # noqa: E402
-from batchq.procs import spawn, stop_group  # noqa: E402
+from batchq.host.embedded import url_or_embedded  # noqa: E402
+from batchq.host.procs import spawn, stop_group  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
 from consumer.torch import TorchStream  # noqa: E402
 from examples.imagefolder import DEFAULT_ROOT, imagefolder, make_folder, normalise  # noqa: E402

@@ -135,7 +135,7 @@ def normalise(images: torch.Tensor) -> torch.Tensor:
 
 
 def _serve(n: int, args: argparse.Namespace) -> list[Any]:
-    from batchq.procs import spawn
+    from batchq.host.procs import spawn
 
     argv = [sys.executable, "-m", "batchq.cli", "serve", "examples.imagefolder:make_loader"]
     argv += ["--queue", args.queue, "--hwm", "8"]
@@ -150,7 +150,7 @@ def _serve(n: int, args: argparse.Namespace) -> list[Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Train the CNN for ``--epochs`` on the batches producers serve."""
-    from batchq.procs import stop_group
+    from batchq.host.procs import stop_group
     from consumer import ServerDataStream
     from consumer.torch import TorchStream
 

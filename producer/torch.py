@@ -100,7 +100,7 @@ def loader_stream(loader: Any, seed: int | None = None) -> DatasetStream:
         seed=seed,
     )
     if loader.persistent_workers and loader.num_workers > 0:
-        stream._orders.draw_base_seed_once()  # its iterator is made once, its seed drawn once
+        stream.orders.draw_base_seed_once()  # its iterator is made once, its seed drawn once
     return stream
 
 

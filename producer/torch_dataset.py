@@ -173,14 +173,14 @@ class DatasetStream(AbstractDataStream):
         self.collate_fn = collate_fn or (
             default_collate if self.auto_collation else default_convert
         )
-        self._orders = SamplerOrders(
+        self.orders = SamplerOrders(
             dataset,
             batch_sampler if self.auto_collation else sampler,
             generator,
             self.seed,
             batched=self.auto_collation,
         )
-        super().__init__(iteration_scheme=self._orders)
+        super().__init__(iteration_scheme=self.orders)
         self._wanted_sources = None if sources is None else tuple(sources)
         self._layout: SourceLayout | None = None
         self._shard_seed: int | None = None
@@ -262,7 +262,7 @@ class DatasetStream(AbstractDataStream):
         return self.collate_fn(data)
 
     def _probe_batch(self) -> Any:
-        requests = self._orders.epoch(0)
+        requests = self.orders.epoch(0)
         if not requests:
             raise ConfigError(
                 f"dataset {self.dataset!r} gives no batch in epoch 0 (len {self._examples()}"

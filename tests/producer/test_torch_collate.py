@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import IterableDataset, TensorDataset, get_worker_info  # noqa: E402
 
 from batchq.errors import ConfigError  # noqa: E402
-from producer.sharding import ShardPlan  # noqa: E402
+from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch import DatasetStream, IterableDatasetStream  # noqa: E402
 from producer.torch_collate import SourceLayout, flatten  # noqa: E402
 

@@ -15,7 +15,7 @@ from torch_pipelines import HF_EXAMPLES, hf_stream  # noqa: E402
 
 from consumer import ServerDataStream  # noqa: E402
 from consumer.torch import TorchStream  # noqa: E402
-from producer.sharding import ShardPlan  # noqa: E402
+from producer.serving.sharding import ShardPlan  # noqa: E402
 
 
 def test_batches_are_read_with_the_datasets_batch_access(monkeypatch: Any) -> None:

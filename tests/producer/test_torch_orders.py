@@ -23,7 +23,7 @@ from torch.utils.data import (  # noqa: E402
 )
 
 from batchq.errors import BatchQueueError, ConfigError  # noqa: E402
-from producer.sharding import ShardPlan  # noqa: E402
+from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch import DatasetStream, loader_stream  # noqa: E402
 from producer.torch_orders import epoch_seed  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_any_epoch_is_computed_alone_and_again() -> None:
     ds = dataset()
     loader = DataLoader(ds, batch_size=5, shuffle=True, generator=gen())
     want = loader_epochs(loader, 40)
-    orders = DatasetStream(ds, batch_size=5, shuffle=True, generator=gen())._orders
+    orders = DatasetStream(ds, batch_size=5, shuffle=True, generator=gen()).orders
     for e in (37, 3, 16, 39, 0, 17, 37):  # out of order, past the kept states, again
         assert [b for b in orders.epoch(e)] == want[e]
 

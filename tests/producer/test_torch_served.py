@@ -23,12 +23,12 @@ torch = pytest.importorskip("torch")
 
 from torch_pipelines import RngDataset, iterable_stream, make_loader, rng_stream  # noqa: E402
 
-from batchq.admin import delete_queue  # noqa: E402
-from batchq.fields import StatsField  # noqa: E402
-from batchq.keys import QueueKeys  # noqa: E402
+from batchq.protocol.admin import delete_queue  # noqa: E402
+from batchq.protocol.fields import StatsField  # noqa: E402
+from batchq.protocol.keys import QueueKeys  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
 from consumer.torch import TorchStream  # noqa: E402
-from producer.sharding import ShardPlan  # noqa: E402
+from producer.serving.sharding import ShardPlan  # noqa: E402
 
 EXAMPLES, BATCH, SEED = 120, 8, 3  # 15 batches an epoch
 EPOCHS = 3
