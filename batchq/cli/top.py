@@ -32,6 +32,7 @@ from batchq.monitoring.sizing import recent_samples
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.text import fmt_age, fmt_bytes, fmt_pct
 from batchq.monitoring.verdict import RECENT_S
+from batchq.protocol.fields import HistoryField as H
 from batchq.protocol.keys import check_name
 
 __all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]
@@ -88,8 +89,8 @@ class TopState:
             q = snap.queue
             if q not in self.depth:  # first sight: start from the trainer's history
                 past = list(reversed(snap.history))
-                self.depth[q] = deque((float(s.get("depth", 0)) for s in past), self.width)
-                self.stall[q] = deque((float(s.get("stall", 0)) for s in past), self.width)
+                self.depth[q] = deque((float(s.get(H.DEPTH, 0)) for s in past), self.width)
+                self.stall[q] = deque((float(s.get(H.STALL, 0)) for s in past), self.width)
             self.depth[q].append(float(row["depth"]))  # a data-parallel run: all its lists
             fresh = row["figures_fresh"]
             if fresh and row["stall"] is not None:
@@ -121,7 +122,7 @@ def _taken_rate(snap: QueueSnapshot) -> float | None:
         return None
     new, old = samples[0], samples[-1]
     try:
-        dt, db = float(new["t"]) - float(old["t"]), float(new["batches"]) - float(old["batches"])
+        dt, db = float(new[H.T]) - float(old[H.T]), float(new[H.BATCHES]) - float(old[H.BATCHES])
     except (KeyError, TypeError, ValueError):
         return None
     return db / dt if dt > 0 and db >= 0 else None

@@ -27,11 +27,9 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +41,7 @@ from batchq.monitoring.rows import queue_status
 from batchq.monitoring.verdict import near_cap
 from batchq.protocol.fields import autoscale_field
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import SCALELOG_CAP, time_ms
+from batchq.protocol.layout import SCALELOG_CAP, default_id, id_pid, time_ms
 
 __all__ = ["SCALELOG_CAP", "WorkerPool", "cpu_seconds", "host_idle"]
 
@@ -100,7 +98,7 @@ class WorkerPool:
     ) -> None:
         self.client, self.keys, self.policy, self._start = client, QueueKeys(queue), policy, start
         self.tick_s, self.stop_timeout_s = tick_s, stop_timeout_s
-        self.id = f"{socket.gethostname()[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = default_id()  # a producer's form: the pid tells this host's workers
         self.state = ScaleState()
         self.workers: list[subprocess.Popen[bytes]] = []
         self.started_at: dict[int, float] = {}
@@ -164,11 +162,7 @@ class WorkerPool:
                 log.info("worker %d exited by itself with %d: starting no more", proc.pid, code)
 
     def _joined(self, row: dict[str, Any]) -> set[int]:
-        pids = set()
-        for p in row["producers"]:
-            parts = str(p["id"]).rsplit("-", 2)
-            if len(parts) == 3 and parts[1].isdigit():
-                pids.add(int(parts[1]))
+        pids = {id_pid(str(p["id"])) for p in row["producers"]}
         return {w.pid for w in self.workers} & pids
 
     def _pending(self, row: dict[str, Any], now_s: float) -> int:

@@ -138,7 +138,9 @@ from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
 from batchq.monitoring.verdict import recent_depths as verdict_depths
 from batchq.protocol.fields import (
+    HistoryField,
     MetaField,
+    ProducerStat,
     StatsField,
     TrainerField,
     autoscale_field,
@@ -146,7 +148,7 @@ from batchq.protocol.fields import (
     wait_bucket_field,
 )
 from batchq.protocol.keys import QueueKeys, queue_from_meta_key
-from batchq.protocol.layout import WAIT_BUCKETS_S
+from batchq.protocol.layout import WAIT_BUCKETS_S, id_host
 from batchq.protocol.words import as_int
 from batchq.wire.shm import DEFAULT_SHM_DIR, segments_usage
 
@@ -204,22 +206,22 @@ def _ratio(num: float, den: float) -> float | None:
 def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, Any]:
     c = snap.pstats.get(producer, {})
     batches, build_ms, blocked_ms = (
-        c.get("batches", 0),
-        c.get("produce_ms", 0),
-        c.get("blocked_ms", 0),
+        c.get(ProducerStat.BATCHES, 0),
+        c.get(ProducerStat.PRODUCE_MS, 0),
+        c.get(ProducerStat.BLOCKED_MS, 0),
     )
     per_batch = _ratio(build_ms, batches)
     return {
         "id": producer,
         "batches": batches,
-        "bytes": c.get("bytes", 0),
+        "bytes": c.get(ProducerStat.BYTES, 0),
         "build_s": build_ms / 1000,
         "blocked_s": blocked_ms / 1000,
         "build_ms_per_batch": per_batch,
         "batches_per_s": _ratio(1000.0, per_batch) if per_batch else None,
         "blocked_fraction": _ratio(blocked_ms, build_ms + blocked_ms),
         "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
-        "host": producer.rsplit("-", 2)[0] if producer.count("-") >= 2 else producer,
+        "host": id_host(producer),
     }
 
 
@@ -229,8 +231,8 @@ def _bytes_held(snap: QueueSnapshot) -> int:
         return 0
     counters = [snap.pstats.get(p, {}) for p in snap.alive]
     nbytes, frames = (
-        sum(c.get("bytes", 0) for c in counters),
-        sum(c.get("batches", 0) for c in counters),
+        sum(c.get(ProducerStat.BYTES, 0) for c in counters),
+        sum(c.get(ProducerStat.BATCHES, 0) for c in counters),
     )
     if not frames:
         stats = snap.stats
@@ -379,8 +381,8 @@ def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, 
     counters = [snap.pstats.get(p, {}) for p in snap.alive]
     per_producer = sizing.producer_rate(
         samples,
-        sum(c.get("batches", 0) for c in counters),
-        sum(c.get("produce_ms", 0) for c in counters),
+        sum(c.get(ProducerStat.BATCHES, 0) for c in counters),
+        sum(c.get(ProducerStat.PRODUCE_MS, 0) for c in counters),
     )
     recommended = sizing.recommended_producers(demand, per_producer)
     delivered = sizing.delivered_rate(samples)
@@ -394,7 +396,7 @@ def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, 
         # Only over samples with today's producers: after a join the delivered rate
         # still lags the new supply.
         delivered=delivered
-        if all(s.get("producers") == len(snap.alive) for s in samples)
+        if all(s.get(HistoryField.PRODUCERS) == len(snap.alive) for s in samples)
         else None,
     )
     out: dict[str, Any] = {

@@ -27,6 +27,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from batchq.protocol.fields import HistoryField as H
+
 __all__ = [
     "MIN_BUSY_FRACTION",
     "RECOMMEND_MARGIN",
@@ -73,7 +75,7 @@ def recent_samples(history: Sequence[dict[str, Any]], since_s: float) -> list[di
     """The history samples (newest first) whose time ``t`` is at least ``since_s``."""
     out = []
     for s in history:
-        t = s.get("t")
+        t = s.get(H.T)
         if isinstance(t, int | float) and not isinstance(t, bool) and t >= since_s:
             out.append(s)
     return out
@@ -94,12 +96,12 @@ def sample_rate(samples: Sequence[dict[str, Any]]) -> float | None:
     d_built = d_ms = 0.0
     for newer, older in itertools.pairwise(samples):
         b1, m1, b0, m0 = (
-            _num(newer, "built"),
-            _num(newer, "build_ms"),
-            _num(older, "built"),
-            _num(older, "build_ms"),
+            _num(newer, H.BUILT),
+            _num(newer, H.BUILD_MS),
+            _num(older, H.BUILT),
+            _num(older, H.BUILD_MS),
         )
-        n1, n0 = _num(newer, "producers") or 0.0, _num(older, "producers") or 0.0
+        n1, n0 = _num(newer, H.PRODUCERS) or 0.0, _num(older, H.PRODUCERS) or 0.0
         if b1 is None or m1 is None or b0 is None or m0 is None or n1 < n0:
             continue
         if b1 >= b0 and m1 >= m0:
@@ -127,10 +129,10 @@ def delivered_rate(samples: Sequence[dict[str, Any]]) -> float | None:
     if len(samples) < 2:
         return None
     p1, t1, p0, t0 = (
-        _num(samples[0], "pushed"),
-        _num(samples[0], "t"),
-        _num(samples[-1], "pushed"),
-        _num(samples[-1], "t"),
+        _num(samples[0], H.PUSHED),
+        _num(samples[0], H.T),
+        _num(samples[-1], H.PUSHED),
+        _num(samples[-1], H.T),
     )
     if p1 is None or t1 is None or p0 is None or t0 is None or t1 <= t0 or p1 < p0:
         return None

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchq.monitoring.sizing import sample_rate
+from batchq.protocol.fields import HistoryField
 
 __all__ = [
     "CAUSES",
@@ -84,7 +85,7 @@ def recent_depths(depth: float, history: Sequence[dict[str, Any]], now_s: float)
     ``now_s`` (what :func:`judge` takes)."""
     out = [float(depth)]
     for sample in history:
-        t, d = sample.get("t"), sample.get("depth")
+        t, d = sample.get(HistoryField.T), sample.get(HistoryField.DEPTH)
         if isinstance(t, int | float) and isinstance(d, int | float) and t >= now_s - RECENT_S:
             out.append(float(d))
     return out
@@ -144,7 +145,7 @@ def _rates_by_count(samples: Sequence[dict[str, Any]]) -> dict[int, float]:
     prev: int | None = None
     segment: list[dict[str, Any]] = []
     for s in [*samples, {}]:  # the sentinel closes the last run
-        n = s.get("producers")
+        n = s.get(HistoryField.PRODUCERS)
         n = n if isinstance(n, int) and not isinstance(n, bool) else None
         if n != prev and segment:
             if prev is not None and prev > 0:
