@@ -42,6 +42,7 @@ __all__ = [
     "counts_field",
     "default_id",
     "entry_slot",
+    "flag",
     "id_host",
     "id_pid",
     "lease_entry",
@@ -59,6 +60,11 @@ DONE = "d"  # a ledger value: the trainer has every batch of the slot
 # Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket is
 # +Inf. The trainer (consumer.stats) counts into them, the exporter publishes them as le.
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+def flag(value: bool) -> str:
+    """A boolean as the scripts read it (an argument, a meta field): ``'1'`` or ``'0'``."""
+    return "1" if value else "0"
 
 
 def lease_entry(g: int, token: str) -> str:
