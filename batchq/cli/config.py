@@ -40,13 +40,18 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(parser.commands) if isinstance(parser, Parser) else {}
 
 
+def _flag(name: str, raw: str) -> bool:
+    """A store_true option's variable: 1/true/yes/on or 0/false/no/off (or empty)."""
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not valid: expected 1/0, true/false, yes/no")
+
+
 def _convert(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str) -> Any:
     if action.nargs == 0 and action.const is True:  # store_true
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(f"{name}={raw!r} is not valid: expected 1/0, true/false, yes/no")
+        return _flag(name, raw)
     if isinstance(parser, Parser) and action.dest in parser.appending:
         return [p for p in raw.split(",") if p]
     convert = action.type if callable(action.type) else str

@@ -188,7 +188,7 @@ def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) 
     argv += ["batchq.cli.demo:tutorial_stream", "--url", url, "--queue", queue]
     argv += ["--hwm", str(args.hwm)]
     procs = [spawn(argv, env=env) for _ in range(producers)]
-    label = f"{producers} producer{'s' if producers > 1 else ''}"
+    label = _producers_label(producers)
     try:
         print(f"served by {label} via {describe_url(url)}, queue {queue!r}:")
         with ServerDataStream(
@@ -215,14 +215,32 @@ def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) 
     return result
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    """Run the experiment and print the table (or JSON)."""
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refuse a count option under 1."""
     for name in ("producers", "epochs", "examples", "features", "batch_size", "hwm"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected >= 1")
-    # With several producers the point is a data-bound pipeline: loading slower than
-    # training, which one producer cannot hide and several can.
-    load_ms = args.load_ms if args.load_ms is not None else (5.0 if args.producers == 1 else 25.0)
+
+
+def _producers_label(n: int) -> str:
+    return f"{n} producer{'s' if n > 1 else ''}"
+
+
+def _print_table(runs: dict[str, dict[str, Any]], floor: float) -> None:
+    """Each run's time against the floor and its waiting, and the speed-up of serving."""
+    print()
+    print(f"{'':24}{'time (s)':>10}{'vs floor':>10}{'waiting':>10}")
+    for name, r in runs.items():
+        wait = 100 * r["wait_s"] / r["time_s"]
+        print(f"{name:24}{r['time_s']:10.3f}{r['time_s'] / floor:10.2f}{wait:9.1f}%")
+    print(f"{'floor (training only)':24}{floor:10.3f}{1:10.2f}")
+    best = min(r["time_s"] for name, r in runs.items() if name != "in-process")
+    print(f"speed-up of serving: {runs['in-process']['time_s'] / best:.2f}x")
+
+
+def _experiment(args: argparse.Namespace, load_ms: float) -> dict[str, dict[str, Any]]:
+    """The in-process run, then the served ones (on an embedded redis-server unless
+    ``--url``): each run's figures by its name."""
     stream = tutorial_stream(args.examples, args.features, args.batch_size, load_ms)
     print(
         f"tutorial: {args.epochs} epochs of {args.examples} examples x {args.features}, "
@@ -240,21 +258,28 @@ def run_demo(args: argparse.Namespace) -> int:
         if not args.url:
             print(f"started an embedded redis-server at {url} (stopped at the end)")
         for n in counts:
-            runs[f"served ({n} producer{'s' if n > 1 else ''})"] = _served(url, n, args, load_ms)
+            runs[f"served ({_producers_label(n)})"] = _served(url, n, args, load_ms)
+    return runs
 
+
+def _report(runs: dict[str, dict[str, Any]], as_json: bool) -> list[int]:
+    """Print the runs (the table, or JSON); the served producers' exit codes."""
     served = [r for name, r in runs.items() if name != "in-process"]
     floor = min(r["train_s"] for r in served)  # the trainer's own measured training time
     codes = [c for r in served for c in r["exit_codes"]]
-    if args.json:
+    if as_json:
         out = {name: {k: v for k, v in r.items() if k != "epochs_s"} for name, r in runs.items()}
         print(json.dumps({"runs": out, "floor_s": floor, "producer_exit_codes": codes}, indent=2))
     else:
-        print()
-        print(f"{'':24}{'time (s)':>10}{'vs floor':>10}{'waiting':>10}")
-        for name, r in runs.items():
-            wait = 100 * r["wait_s"] / r["time_s"]
-            print(f"{name:24}{r['time_s']:10.3f}{r['time_s'] / floor:10.2f}{wait:9.1f}%")
-        print(f"{'floor (training only)':24}{floor:10.3f}{1:10.2f}")
-        best = min(r["time_s"] for r in served)
-        print(f"speed-up of serving: {runs['in-process']['time_s'] / best:.2f}x")
+        _print_table(runs, floor)
+    return codes
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the experiment and print the table (or JSON)."""
+    _check_counts(args)
+    # With several producers the point is a data-bound pipeline: loading slower than
+    # training, which one producer cannot hide and several can.
+    load_ms = args.load_ms if args.load_ms is not None else (5.0 if args.producers == 1 else 25.0)
+    codes = _report(_experiment(args, load_ms), args.json)
     return 0 if all(c == 0 for c in codes) else 1

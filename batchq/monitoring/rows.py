@@ -133,18 +133,13 @@ from typing import Any
 import redis
 
 from batchq.monitoring import sizing
+from batchq.monitoring.counters import counter_fields, figure_fields
+from batchq.monitoring.producer_rows import PRODUCER_FIELDS, bytes_held, live_totals, producer_rows
 from batchq.monitoring.rank_rows import rank_rows, slowest_rank
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
-from batchq.monitoring.verdict import FIGURES_FRESH_S, RECENT_S, cause, judge
+from batchq.monitoring.verdict import RECENT_S, cause, judge
 from batchq.monitoring.verdict import recent_depths as verdict_depths
-from batchq.protocol.fields import (
-    MetaField,
-    StatsField,
-    TrainerField,
-    autoscale_field,
-    dead_field,
-    wait_bucket_field,
-)
+from batchq.protocol.fields import HistoryField, MetaField, ProducerStat
 from batchq.protocol.keys import QueueKeys, queue_from_meta_key
 from batchq.protocol.layout import WAIT_BUCKETS_S
 from batchq.protocol.words import as_int
@@ -181,11 +176,6 @@ STATUS_FIELDS = (
     "wait_buckets",
 )  # fmt: skip
 
-PRODUCER_FIELDS = (
-    "id", "batches", "bytes", "build_s", "blocked_s", "build_ms_per_batch", "batches_per_s",
-    "blocked_fraction", "heartbeat_in_s", "host",
-)  # fmt: skip
-
 
 def list_queues(client: redis.Redis) -> list[str]:
     """The names of every queue on the server (those with a meta hash), sorted."""
@@ -195,47 +185,6 @@ def list_queues(client: redis.Redis) -> list[str]:
         if name is not None:
             names.add(name)
     return sorted(names)
-
-
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
-def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, Any]:
-    c = snap.pstats.get(producer, {})
-    batches, build_ms, blocked_ms = (
-        c.get("batches", 0),
-        c.get("produce_ms", 0),
-        c.get("blocked_ms", 0),
-    )
-    per_batch = _ratio(build_ms, batches)
-    return {
-        "id": producer,
-        "batches": batches,
-        "bytes": c.get("bytes", 0),
-        "build_s": build_ms / 1000,
-        "blocked_s": blocked_ms / 1000,
-        "build_ms_per_batch": per_batch,
-        "batches_per_s": _ratio(1000.0, per_batch) if per_batch else None,
-        "blocked_fraction": _ratio(blocked_ms, build_ms + blocked_ms),
-        "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
-        "host": producer.rsplit("-", 2)[0] if producer.count("-") >= 2 else producer,
-    }
-
-
-def _bytes_held(snap: QueueSnapshot) -> int:
-    """depth x the mean frame size (see the module docstring), 0 when empty."""
-    if not snap.depth:
-        return 0
-    counters = [snap.pstats.get(p, {}) for p in snap.alive]
-    nbytes, frames = (
-        sum(c.get("bytes", 0) for c in counters),
-        sum(c.get("batches", 0) for c in counters),
-    )
-    if not frames:
-        stats = snap.stats
-        nbytes, frames = stats.get(StatsField.PUSHED_BYTES, 0), stats.get(StatsField.PUSHED, 0)
-    return round(snap.depth * nbytes / frames) if frames else 0
 
 
 def trainer_state(snap: QueueSnapshot) -> str:
@@ -268,57 +217,6 @@ def recent_depths(snap: QueueSnapshot) -> list[float]:
     return verdict_depths(snap.depth, snap.history, snap.now_ms / 1000)
 
 
-def _counters(stats: dict[str, int]) -> dict[str, Any]:
-    """The row's fields read from the stats hash (cumulative counters)."""
-    f = StatsField
-    waits, total = [], 0
-    for i in range(len(WAIT_BUCKETS_S) + 1):  # cumulative, as the exporter's le buckets
-        total += stats.get(wait_bucket_field(i), 0)
-        waits.append(total)
-    dead = dead_field("")
-    return {
-        "pushed": stats.get(f.PUSHED, 0),
-        "popped": stats.get(f.POPPED, 0),
-        "pushed_bytes": stats.get(f.PUSHED_BYTES, 0),
-        "popped_bytes": stats.get(f.POPPED_BYTES, 0),
-        "producer_blocked_s": stats.get(f.PRODUCER_BLOCKED_MS, 0) / 1000,
-        "shards_done": stats.get(f.SHARDS_DONE, 0),
-        "redone_shards": stats.get(f.REDONE_SHARDS, 0),
-        "epochs_completed": stats.get(f.EPOCHS_COMPLETED, 0),
-        "dead_by_reason": {
-            k.removeprefix(dead): v for k, v in sorted(stats.items()) if k.startswith(dead) and v
-        },
-        "trainer_wait_s": stats.get(f.TRAINER_WAIT_MS, 0) / 1000,
-        "trainer_busy_s": stats.get(f.TRAINER_BUSY_MS, 0) / 1000,
-        "autoscale_added": stats.get(autoscale_field("add"), 0),
-        "autoscale_retired": stats.get(autoscale_field("retire"), 0),
-        "wait_buckets": waits,
-    }
-
-
-def _figures(snap: QueueSnapshot) -> dict[str, Any]:
-    """The row's fields read from the trainer's figures, and whether they are fresh."""
-    f = TrainerField
-    updated = snap.figure(f.UPDATED_MS)
-    age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
-    epoch, progress = snap.figure(f.EPOCH), snap.figure(f.EPOCH_PROGRESS)
-    epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES))
-    return {
-        "figures_age_s": age,
-        "figures_fresh": age is not None and age <= FIGURES_FRESH_S,
-        "stall": snap.figure(f.STALL_FRACTION_RECENT),
-        "stall_epoch": snap.figure(f.STALL_FRACTION_EPOCH),
-        "trainer_batches_per_s": snap.figure(f.BATCHES_PER_S),
-        "trainer_mb_per_s": snap.figure(f.MB_PER_S),
-        "wait_p50_s": snap.figure(f.WAIT_P50_S),
-        "wait_p90_s": snap.figure(f.WAIT_P90_S),
-        "wait_p99_s": snap.figure(f.WAIT_P99_S),
-        "epoch": None if epoch is None or epoch < 0 else int(epoch),
-        "epoch_progress": None if progress is None else int(progress),
-        "epoch_fraction": _ratio(progress, epoch_batches) if progress is not None else None,
-    }
-
-
 def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
     """One queue's status row (see the module docstring for the fields); its segments
     are counted in ``shm_dir``."""
@@ -327,10 +225,11 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
     if snap.ranks:
         snap = _as_slowest_rank(snap, slowest)
     meta, hwm = snap.meta, snap.hwm
-    figures = _figures(snap)
+    figures = figure_fields(snap)
     fresh = figures["figures_fresh"]
     trainer = trainer_state(snap)
-    producers = [_producer(snap, p, d) for p, d in snap.alive.items()]
+    producers = producer_rows(snap)
+    totals = live_totals(snap)
     rates = [p["batches_per_s"] for p in producers if p["batches_per_s"] is not None]
     verdict, reason = judge(
         trainer=trainer,
@@ -352,7 +251,7 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "trainer": trainer,
         "dead": snap.dead,
         "schema": STATUS_SCHEMA_VERSION,
-        "bytes_held": _bytes_held(snap),
+        "bytes_held": bytes_held(snap, totals),
         "fill": snap.depth / hwm if hwm else 0.0,
         "oldest_age_s": snap.oldest_age_s,
         "producers": producers,
@@ -364,39 +263,26 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "world_size": snap.world,
         "ranks": ranks,
         "slowest_rank": slowest,
-        **_counters(snap.stats),
+        **counter_fields(snap.stats),
         **figures,
     }
-    row.update(_sizing(snap, row, fresh))
+    row.update(_sizing(snap, row, totals, fresh))
     return {name: row[name] for name in STATUS_FIELDS}  # the documented order
 
 
-def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, Any]:
-    """Demand, supply and the recommendation (batchq.monitoring.sizing), and the verdict's cause."""
-    rate, stall = row["trainer_batches_per_s"], row["stall"]
-    demand = sizing.demand_rate(rate, stall) if fresh else None
+def _sizing(
+    snap: QueueSnapshot, row: dict[str, Any], totals: dict[str, int], fresh: bool
+) -> dict[str, Any]:
+    """Demand, supply and the recommendation (batchq.monitoring.sizing), and the verdict's
+    cause."""
+    demand = sizing.demand_rate(row["trainer_batches_per_s"], row["stall"]) if fresh else None
     samples = sizing.recent_samples(snap.history, snap.now_ms / 1000 - RECENT_S)
-    counters = [snap.pstats.get(p, {}) for p in snap.alive]
     per_producer = sizing.producer_rate(
-        samples,
-        sum(c.get("batches", 0) for c in counters),
-        sum(c.get("produce_ms", 0) for c in counters),
+        samples, totals[ProducerStat.BATCHES], totals[ProducerStat.PRODUCE_MS]
     )
     recommended = sizing.recommended_producers(demand, per_producer)
     delivered = sizing.delivered_rate(samples)
-    why = cause(
-        verdict=row["verdict"],
-        depths=recent_depths(snap),
-        hwm=snap.hwm,
-        producers=row["producers"],
-        samples=snap.history,
-        supply=row["supply_batches_per_s"],
-        # Only over samples with today's producers: after a join the delivered rate
-        # still lags the new supply.
-        delivered=delivered
-        if all(s.get("producers") == len(snap.alive) for s in samples)
-        else None,
-    )
+    why = _cause(snap, row, samples, delivered)
     out: dict[str, Any] = {
         "verdict_cause": why[0] if why else None,
         "demand_batches_per_s": demand,
@@ -411,6 +297,27 @@ def _sizing(snap: QueueSnapshot, row: dict[str, Any], fresh: bool) -> dict[str, 
     if why:
         out["verdict_reason"] = f"{row['verdict_reason']}; {why[1]}"
     return out
+
+
+def _cause(
+    snap: QueueSnapshot,
+    row: dict[str, Any],
+    samples: list[dict[str, Any]],
+    delivered: float | None,
+) -> tuple[str, str] | None:
+    """The verdict's cause (batchq.monitoring.verdict.cause) for this row."""
+    # Only over samples with today's producers: after a join the delivered rate still
+    # lags the new supply.
+    today = all(s.get(HistoryField.PRODUCERS) == len(snap.alive) for s in samples)
+    return cause(
+        verdict=row["verdict"],
+        depths=recent_depths(snap),
+        hwm=snap.hwm,
+        producers=row["producers"],
+        samples=snap.history,
+        supply=row["supply_batches_per_s"],
+        delivered=delivered if today else None,
+    )
 
 
 def status_rows(

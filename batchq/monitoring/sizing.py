@@ -27,6 +27,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from batchq.protocol.fields import HistoryField as H
+
 __all__ = [
     "MIN_BUSY_FRACTION",
     "RECOMMEND_MARGIN",
@@ -34,6 +36,7 @@ __all__ = [
     "delivered_rate",
     "demand_rate",
     "producer_rate",
+    "ratio",
     "recent_samples",
     "recommended_producers",
     "sample_rate",
@@ -46,6 +49,11 @@ RECOMMEND_MARGIN = 0.05
 #: Below this busy fraction (the trainer waits over 99.5% of its time) the demand is not
 #: computed: the busy time per batch is then within the timer's noise.
 MIN_BUSY_FRACTION = 0.005
+
+
+def ratio(num: float, den: float) -> float | None:
+    """``num / den``, None when ``den`` is not positive."""
+    return num / den if den > 0 else None
 
 
 def demand_rate(batches_per_s: float | None, stall: float | None) -> float | None:
@@ -73,7 +81,7 @@ def recent_samples(history: Sequence[dict[str, Any]], since_s: float) -> list[di
     """The history samples (newest first) whose time ``t`` is at least ``since_s``."""
     out = []
     for s in history:
-        t = s.get("t")
+        t = s.get(H.T)
         if isinstance(t, int | float) and not isinstance(t, bool) and t >= since_s:
             out.append(s)
     return out
@@ -93,19 +101,28 @@ def sample_rate(samples: Sequence[dict[str, Any]]) -> float | None:
     """
     d_built = d_ms = 0.0
     for newer, older in itertools.pairwise(samples):
-        b1, m1, b0, m0 = (
-            _num(newer, "built"),
-            _num(newer, "build_ms"),
-            _num(older, "built"),
-            _num(older, "build_ms"),
-        )
-        n1, n0 = _num(newer, "producers") or 0.0, _num(older, "producers") or 0.0
-        if b1 is None or m1 is None or b0 is None or m0 is None or n1 < n0:
-            continue
-        if b1 >= b0 and m1 >= m0:
-            d_built += b1 - b0
-            d_ms += m1 - m0
+        step = _build_step(newer, older)
+        if step is not None:
+            d_built += step[0]
+            d_ms += step[1]
     return 1000.0 * d_built / d_ms if d_built > 0 and d_ms > 0 else None
+
+
+def _build_step(newer: dict[str, Any], older: dict[str, Any]) -> tuple[float, float] | None:
+    """(batches built, pipeline ms) between two consecutive samples; None for a step
+    without the fields, in which a producer left, or in which the totals went back."""
+    b1, m1, b0, m0 = (
+        _num(newer, H.BUILT),
+        _num(newer, H.BUILD_MS),
+        _num(older, H.BUILT),
+        _num(older, H.BUILD_MS),
+    )
+    n1, n0 = _num(newer, H.PRODUCERS) or 0.0, _num(older, H.PRODUCERS) or 0.0
+    if b1 is None or m1 is None or b0 is None or m0 is None or n1 < n0:
+        return None
+    if not (b1 >= b0 and m1 >= m0):
+        return None
+    return b1 - b0, m1 - m0
 
 
 def producer_rate(samples: Sequence[dict[str, Any]], built: int, build_ms: int) -> float | None:
@@ -127,10 +144,10 @@ def delivered_rate(samples: Sequence[dict[str, Any]]) -> float | None:
     if len(samples) < 2:
         return None
     p1, t1, p0, t0 = (
-        _num(samples[0], "pushed"),
-        _num(samples[0], "t"),
-        _num(samples[-1], "pushed"),
-        _num(samples[-1], "t"),
+        _num(samples[0], H.PUSHED),
+        _num(samples[0], H.T),
+        _num(samples[-1], H.PUSHED),
+        _num(samples[-1], H.T),
     )
     if p1 is None or t1 is None or p0 is None or t0 is None or t1 <= t0 or p1 < p0:
         return None

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from batchq.errors import FrameError
-from batchq.protocol.fields import MetaField
+from batchq.protocol.fields import MetaField, parse_producer_stat_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
 from batchq.protocol.ranks import rank_field
@@ -74,8 +74,9 @@ class QueueSnapshot:
         alive: live producer id -> heartbeat deadline (server ms), sorted by id.
         stats: the stats hash's counters.
         dead: length of the dead list.
-        pstats: per-producer counters, ``{producer: {"batches": n, ...}}`` (every
-            producer that ever pushed, alive or not).
+        pstats: per-producer counters, ``{producer: {name: n}}`` with the names of
+            :class:`batchq.protocol.fields.ProducerStat` (every producer that ever
+            pushed, alive or not).
         trainer: the trainer hash (its figures as text, and ``updated_ms``).
         history: history samples, newest first (unparseable ones skipped).
         oldest_t: the producer wall time in the oldest frame's header, None when the
@@ -130,9 +131,9 @@ class QueueSnapshot:
 def _pstats(raw: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for key, value in raw.items():
-        producer, sep, name = as_text(key).rpartition(":")
-        if sep:
-            out.setdefault(producer, {})[name] = as_int(value)
+        parsed = parse_producer_stat_field(as_text(key))
+        if parsed:
+            out.setdefault(parsed[0], {})[parsed[1]] = as_int(value)
     return out
 
 

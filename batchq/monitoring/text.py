@@ -53,38 +53,50 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}/s"
 
 
-def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
-    lines = [f"{r['queue']}: {r['verdict'].upper()}: {r['verdict_reason']}"]
-    if r["trainer_batches_per_s"] is not None:
-        waits = "/".join(
-            f"{1000 * (r[k] or 0):.0f}" for k in ("wait_p50_s", "wait_p90_s", "wait_p99_s")
-        )
-        lines.append(
-            f"  trainer: {r['trainer_batches_per_s']:.1f} batches/s, "
-            f"{r['trainer_mb_per_s'] or 0:.1f} MB/s, stall {fmt_pct(r['stall'])} "
-            f"(epoch {fmt_pct(r['stall_epoch'])}), wait p50/p90/p99 {waits} ms "
-            f"(figures {fmt_age(r['figures_age_s'])} old)"
-        )
-    if r["recommended_producers"] is not None:
-        lines.append(
-            f"  sizing: demand {r['demand_batches_per_s']:.1f} batches/s "
-            f"({r['busy_ms_per_batch']:.1f} ms of work per batch), supply "
-            f"{_rate(r['supply_batches_per_s'])} built, {_rate(r['delivered_batches_per_s'])}"
-            f" delivered; {r['producer_batches_per_s']:.1f} per producer: recommend "
-            f"{r['recommended_producers']} producers (now {r['producers_alive']})"
-        )
+def _trainer_lines(r: dict[str, Any]) -> list[str]:
+    if r["trainer_batches_per_s"] is None:
+        return []
+    waits = "/".join(
+        f"{1000 * (r[k] or 0):.0f}" for k in ("wait_p50_s", "wait_p90_s", "wait_p99_s")
+    )
+    return [
+        f"  trainer: {r['trainer_batches_per_s']:.1f} batches/s, "
+        f"{r['trainer_mb_per_s'] or 0:.1f} MB/s, stall {fmt_pct(r['stall'])} "
+        f"(epoch {fmt_pct(r['stall_epoch'])}), wait p50/p90/p99 {waits} ms "
+        f"(figures {fmt_age(r['figures_age_s'])} old)"
+    ]
+
+
+def _sizing_lines(r: dict[str, Any]) -> list[str]:
+    if r["recommended_producers"] is None:
+        return []
+    return [
+        f"  sizing: demand {r['demand_batches_per_s']:.1f} batches/s "
+        f"({r['busy_ms_per_batch']:.1f} ms of work per batch), supply "
+        f"{_rate(r['supply_batches_per_s'])} built, {_rate(r['delivered_batches_per_s'])}"
+        f" delivered; {r['producer_batches_per_s']:.1f} per producer: recommend "
+        f"{r['recommended_producers']} producers (now {r['producers_alive']})"
+    ]
+
+
+def _autoscale_lines(r: dict[str, Any]) -> list[str]:
     last = r["autoscale_last"]
-    if r["autoscalers"] or last:
-        line = (
-            f"  autoscale: {r['autoscalers']} autoscaler(s), {r['autoscale_added']} added, "
-            f"{r['autoscale_retired']} retired"
+    if not (r["autoscalers"] or last):
+        return []
+    line = (
+        f"  autoscale: {r['autoscalers']} autoscaler(s), {r['autoscale_added']} added, "
+        f"{r['autoscale_retired']} retired"
+    )
+    if last:
+        line += (
+            f"; last {last.get('action')} {last.get('count')} -> {last.get('workers')} "
+            f"({last.get('reason')})"
         )
-        if last:
-            line += (
-                f"; last {last.get('action')} {last.get('count')} -> {last.get('workers')} "
-                f"({last.get('reason')})"
-            )
-        lines.append(line)
+    return [line]
+
+
+def _producer_lines(r: dict[str, Any], max_producers: int) -> list[str]:
+    lines = []
     for p in r["producers"][:max_producers]:
         rate = "-" if p["batches_per_s"] is None else f"{p['batches_per_s']:.1f}"
         lines.append(
@@ -93,9 +105,17 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
         )
     if len(r["producers"]) > max_producers:
         lines.append(f"  ... and {len(r['producers']) - max_producers} more producers")
-    if r["dead_by_reason"]:
-        dead = ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())
-        lines.append(f"  dead frames: {dead}")
+    return lines
+
+
+def _dead_lines(r: dict[str, Any]) -> list[str]:
+    if not r["dead_by_reason"]:
+        return []
+    return ["  dead frames: " + ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())]
+
+
+def _rank_lines(r: dict[str, Any]) -> list[str]:
+    lines = []
     for rank in r.get("ranks", []):
         mark = " (slowest)" if rank["rank"] == r.get("slowest_rank") else ""
         rate = "-" if rank["batches_per_s"] is None else f"{rank['batches_per_s']:.1f}/s"
@@ -104,6 +124,12 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
             f"  rank {rank['rank']}{mark}: {rank['verdict']}, depth {rank['depth']}/{r['hwm']}, "
             f"stall {fmt_pct(rank['stall'])}, {rate}, epoch {epoch}, {rank['trainer']}"
         )
+    return lines
+
+
+def _host_lines(r: dict[str, Any]) -> list[str]:
+    """This host's shared memory and the run id."""
+    lines = []
     if r["shm_segments"]:
         lines.append(
             f"  shared memory here: {r['shm_segments']} segments, {fmt_bytes(r['shm_bytes'])}"
@@ -111,6 +137,20 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
     if r["run"]:
         lines.append(f"  run {r['run']}")
     return lines
+
+
+def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
+    """A queue's lines under the table: its verdict, then what it has of each part."""
+    return [
+        f"{r['queue']}: {r['verdict'].upper()}: {r['verdict_reason']}",
+        *_trainer_lines(r),
+        *_sizing_lines(r),
+        *_autoscale_lines(r),
+        *_producer_lines(r, max_producers),
+        *_dead_lines(r),
+        *_rank_lines(r),
+        *_host_lines(r),
+    ]
 
 
 def render_table(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchq.monitoring.sizing import sample_rate
+from batchq.protocol.fields import HistoryField
 
 __all__ = [
     "CAUSES",
@@ -84,7 +85,7 @@ def recent_depths(depth: float, history: Sequence[dict[str, Any]], now_s: float)
     ``now_s`` (what :func:`judge` takes)."""
     out = [float(depth)]
     for sample in history:
-        t, d = sample.get("t"), sample.get("depth")
+        t, d = sample.get(HistoryField.T), sample.get(HistoryField.DEPTH)
         if isinstance(t, int | float) and isinstance(d, int | float) and t >= now_s - RECENT_S:
             out.append(float(d))
     return out
@@ -117,14 +118,16 @@ def judge(
     Returns:
         (verdict, reason): one of :data:`VERDICTS` and a sentence saying why.
     """
-    depth = statistics.median(depths) if depths else 0.0
-    at = "queue at" if len(depths) < 2 else "queue recently at"
-    at += f" {depth:g}/{hwm}" if hwm else f" {depth:g}"
-    if trainer == "finished":
-        return "idle", "the run finished"
+    depth, at = _queue_at(depths, hwm)
     if trainer != "attached":
-        who = f"{producers_alive} producer{'s' if producers_alive != 1 else ''} alive"
-        return "idle", f"no trainer attached ({who}, {at})"
+        return _idle(trainer, producers_alive, at)
+    return _attached(producers_alive, depth, hwm, stall, at)
+
+
+def _attached(
+    producers_alive: int, depth: float, hwm: int, stall: float | None, at: str
+) -> tuple[str, str]:
+    """The verdict while a trainer is attached (rules 2-6), at the median ``depth``."""
     if producers_alive == 0 and depth == 0:
         return "input-bound", f"no producer alive and the queue is empty: the trainer waits ({at})"
     if stall is None and not near_cap(depth, hwm):
@@ -138,13 +141,33 @@ def judge(
     return "balanced", f"the trainer waits {pct:.0f}% of its time; producers keep up ({at})"
 
 
+def _median(depths: Sequence[float]) -> float:
+    return statistics.median(depths) if depths else 0.0
+
+
+def _queue_at(depths: Sequence[float], hwm: int) -> tuple[float, str]:
+    """The median depth, and where the queue is, for the reasons: 'queue recently at 3/8'."""
+    depth = _median(depths)
+    at = "queue at" if len(depths) < 2 else "queue recently at"
+    at += f" {depth:g}/{hwm}" if hwm else f" {depth:g}"
+    return depth, at
+
+
+def _idle(trainer: str, producers_alive: int, at: str) -> tuple[str, str]:
+    """The verdict while no trainer is attached (rule 1)."""
+    if trainer == "finished":
+        return "idle", "the run finished"
+    who = f"{producers_alive} producer{'s' if producers_alive != 1 else ''} alive"
+    return "idle", f"no trainer attached ({who}, {at})"
+
+
 def _rates_by_count(samples: Sequence[dict[str, Any]]) -> dict[int, float]:
     """Per-producer pipeline rate for each producer count seen in the samples."""
     out: dict[int, float] = {}
     prev: int | None = None
     segment: list[dict[str, Any]] = []
     for s in [*samples, {}]:  # the sentinel closes the last run
-        n = s.get("producers")
+        n = s.get(HistoryField.PRODUCERS)
         n = n if isinstance(n, int) and not isinstance(n, bool) else None
         if n != prev and segment:
             if prev is not None and prev > 0:
@@ -184,34 +207,54 @@ def cause(
     """
     if verdict != "input-bound":
         return None
-    depth = statistics.median(depths) if depths else 0.0
+    depth = _median(depths)
+    return (
+        _slow_producer(producers)
+        or _cpu_starved(samples)
+        or _transport_saturated(supply, delivered, depth, hwm)
+    )
+
+
+def _slow_producer(producers: Sequence[dict[str, Any]]) -> tuple[str, str] | None:
+    """'slow-producer': one builds under half the median rate of the others."""
     rated = sorted(
         (p["batches_per_s"], p["id"]) for p in producers if p.get("batches_per_s") is not None
     )
-    if len(rated) >= 2:
-        slowest, pid = rated[0]
-        others = statistics.median(r for r, _ in rated[1:])
-        if slowest < 0.5 * others:
-            return "slow-producer", (
-                f"producer {pid} builds {slowest:.1f} batches/s, under half the others' "
-                f"{others:.1f}/s"
-            )
+    if len(rated) < 2:
+        return None
+    slowest, pid = rated[0]
+    others = statistics.median(r for r, _ in rated[1:])
+    if slowest >= 0.5 * others:
+        return None
+    return "slow-producer", (
+        f"producer {pid} builds {slowest:.1f} batches/s, under half the others' {others:.1f}/s"
+    )
+
+
+def _cpu_starved(samples: Sequence[dict[str, Any]]) -> tuple[str, str] | None:
+    """'cpu-starved': each producer is slower at the largest count than at the smallest."""
     by_count = _rates_by_count(samples)
-    if len(by_count) >= 2:
-        few, many = min(by_count), max(by_count)
-        if by_count[many] < STARVED_DROP * by_count[few]:
-            return "cpu-starved", (
-                f"each producer built {by_count[few]:.1f} batches/s with {few} and "
-                f"{by_count[many]:.1f}/s with {many}: they compete for their host's CPU"
-            )
-    if (
-        supply is not None
-        and delivered is not None
-        and delivered < TRANSPORT_SHORTFALL * supply
-        and depth < max(1.0, hwm / 4)
-    ):
-        return "transport-saturated", (
-            f"producers could build {supply:.1f} batches/s but only {delivered:.1f}/s reach "
-            "the queue, which stays low: Redis or the network is the limit, not the producers"
-        )
-    return None
+    if len(by_count) < 2:
+        return None
+    few, many = min(by_count), max(by_count)
+    if by_count[many] >= STARVED_DROP * by_count[few]:
+        return None
+    return "cpu-starved", (
+        f"each producer built {by_count[few]:.1f} batches/s with {few} and "
+        f"{by_count[many]:.1f}/s with {many}: they compete for their host's CPU"
+    )
+
+
+def _transport_saturated(
+    supply: float | None, delivered: float | None, depth: float, hwm: int
+) -> tuple[str, str] | None:
+    """'transport-saturated': far less reaches the queue than the producers could build,
+    and the queue stays low."""
+    if supply is None or delivered is None:
+        return None
+    if delivered >= TRANSPORT_SHORTFALL * supply or depth >= max(1.0, hwm / 4):
+        return None
+    return "transport-saturated", (
+        f"producers could build {supply:.1f} batches/s but only {delivered:.1f}/s reach "
+        "the queue, which stays low: Redis or the network is the limit, not the producers"
+    )

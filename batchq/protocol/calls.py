@@ -1,18 +1,10 @@
-"""The Lua scripts in ``batchq/lua``, their headers, and the one function that builds
-every call of them (:func:`build_call`).
+"""Every call of the Lua scripts, built in one place (:func:`build_call`) and run in one
+(:func:`round_trip`; pipelines on the cold paths: :func:`execute_pipeline`).
 
-Each script names its KEYS and ARGV as locals at its top, one per line and in order::
-
-    local meta_key = KEYS[1]         -- HASH   the run's meta
-    local run = ARGV[2]
-    local heartbeat_ttl_ms = tonumber(ARGV[7])
-
-and says where a variable-length tail starts with a comment ``-- KEYS[7..]: ...`` (or
-``ARGV``). :class:`Script` reads that header; :func:`build_call` puts a wrapper's named
-keys and arguments in the header's order, so no Python code spells a position, and a
-wrapper that names a key or argument the script does not declare fails at once
-(tests/batchq/protocol/test_lua_headers.py calls every wrapper against its script's header).
-KEYS locals end in ``_key``; the wrapper names them without that suffix.
+The scripts, their headers and shas are :mod:`batchq.protocol.script_files` (re-exported
+here). :func:`build_call` puts a wrapper's named keys and arguments in the order of the
+script's header, so no Python code spells a position, and a wrapper that names a key or
+argument the script does not declare fails at once.
 
 Each script is called with EVALSHA; on NOSCRIPT (a new or restarted server) it is loaded
 and the call is retried once. Scripts are never wrapped in redis-py ``Script`` objects
@@ -22,11 +14,8 @@ is passed in KEYS (Redis Cluster needs that), and all of them carry the queue's 
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import redis
@@ -34,6 +23,7 @@ import redis
 from batchq.client import held
 from batchq.client.connection import convert_error
 from batchq.errors import ProtocolError
+from batchq.protocol.script_files import SCRIPTS, Arg, Header, Script, load_all, parse_header
 from batchq.wire.pieces import Pieces
 
 __all__ = [
@@ -50,104 +40,8 @@ __all__ = [
     "round_trip",
 ]
 
-Arg = str | bytes | bytearray | memoryview | int | float
 Command = tuple[Arg | Pieces, ...]  # a command's name and arguments, as sent
 R = TypeVar("R")
-
-_LUA_DIR = Path(__file__).resolve().parent / "lua"
-_SHARED = (_LUA_DIR / "lib" / "shared.lua").read_text()
-_NAMED = re.compile(r"^local (\w+) = (?:tonumber\()?(KEYS|ARGV)\[(\d+)\]")
-_TAIL = re.compile(r"^-- (KEYS|ARGV)\[(\d+)\.\.\]:")
-KEY_SUFFIX = "_key"
-
-
-@dataclass(frozen=True)
-class Header:
-    """What a script's header declares.
-
-    Attributes:
-        keys: the KEYS locals in order, without their ``_key`` suffix.
-        args: the ARGV locals in order.
-        keys_tail: KEYS continue past the named ones (lease lists, rank lists...).
-        args_tail: ARGV continue past the named ones.
-    """
-
-    keys: tuple[str, ...]
-    args: tuple[str, ...]
-    keys_tail: bool
-    args_tail: bool
-
-
-def parse_header(name: str, source: str) -> Header:
-    """Read the KEYS/ARGV locals at the top of a script.
-
-    Raises:
-        ProtocolError: the header's indices do not count 1, 2, 3... or a KEYS local
-            does not end in ``_key``.
-    """
-    found: dict[str, list[str]] = {"KEYS": [], "ARGV": []}
-    tails: dict[str, int] = {}
-    for line in source.splitlines():
-        named, tail = _NAMED.match(line), _TAIL.match(line)
-        if named:
-            local, table, index = named.group(1), named.group(2), int(named.group(3))
-            if index != len(found[table]) + 1:
-                raise ProtocolError(f"{name}.lua: {local} is {table}[{index}], expected "
-                                    f"{table}[{len(found[table]) + 1}]")  # fmt: skip
-            if table == "KEYS" and not local.endswith(KEY_SUFFIX):
-                raise ProtocolError(f"{name}.lua: KEYS local {local!r} must end in _key")
-            found[table].append(local.removesuffix(KEY_SUFFIX) if table == "KEYS" else local)
-        elif tail:
-            tails[tail.group(1)] = int(tail.group(2))
-    for table, start in tails.items():
-        if start != len(found[table]) + 1:
-            raise ProtocolError(f"{name}.lua: its {table} tail starts at {start}, expected "
-                                f"{len(found[table]) + 1}")  # fmt: skip
-    return Header(tuple(found["KEYS"]), tuple(found["ARGV"]), "KEYS" in tails, "ARGV" in tails)
-
-
-class Script:
-    """One Lua script of ``batchq/lua``.
-
-    Args:
-        name: the file name without ``.lua``.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        # Next to this module, not resources.files("batchq"): run from a folder holding a
-        # checkout named batchq, "batchq" is a namespace package over both, whose
-        # MultiplexedPath cannot join two parts (TypeError) and may pick the wrong one.
-        text = (_LUA_DIR / f"{name}.lua").read_text()
-        self.header = parse_header(name, text)
-        # What several scripts do is written once, in lib/shared.lua, put before each.
-        self.source = _SHARED + text
-        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
-
-    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg]) -> None:
-        """Add an EVALSHA of this script to a pipeline (see :func:`execute_pipeline`)."""
-        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-
-    def __repr__(self) -> str:
-        return f"Script({self.name!r})"
-
-
-SCRIPTS: dict[str, Script] = {
-    name: Script(name)
-    for name in (
-        "claim",
-        "fail",
-        "gone",
-        "handback",
-        "join",
-        "lease",
-        "pop",
-        "push",
-        "reap",
-        "requeue",
-        "resume",
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -227,12 +121,6 @@ def build_call(
     if more_keys and len(ordered_keys) != len(header.keys):
         raise ProtocolError(f"{name}.lua: a KEYS tail needs every named key")
     return Call(script, [*ordered_keys, *more_keys], [*ordered_args, *more_args], parse)
-
-
-def load_all(client: redis.Redis) -> None:
-    """Load every script into the server's script cache."""
-    for script in SCRIPTS.values():
-        client.script_load(script.source)
 
 
 def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = True) -> list[Any]:
@@ -323,20 +211,31 @@ def round_trip(
     try:
         for attempt in (0, 1):
             replies = _send_and_read(client, commands, between if attempt == 0 else None)
-            errors = [r for r in replies if isinstance(r, redis.ResponseError)]
-            noscript = any(isinstance(e, redis.exceptions.NoScriptError) for e in errors)
-            if not errors or (keep_errors and not noscript):
+            failed = _failed(replies, keep_errors)
+            if failed is None:
                 return replies
-            if attempt == 0 and any(isinstance(e, redis.exceptions.NoScriptError) for e in errors):
+            if attempt == 0 and failed[1]:
                 load_all(client)
                 continue
-            raise errors[0]
+            raise failed[0]
         raise AssertionError("unreachable")  # pragma: no cover
     except redis.RedisError as e:
         converted = convert_error(e, what, client)
         if converted is None:
             raise
         raise converted from e
+
+
+def _failed(replies: list[Any], keep_errors: bool) -> tuple[redis.ResponseError, bool] | None:
+    """None when ``replies`` are the answer (no error reply; with ``keep_errors``, none
+    that is NOSCRIPT); else (the first error reply, whether any is NOSCRIPT)."""
+    errors = [r for r in replies if isinstance(r, redis.ResponseError)]
+    if not errors:
+        return None
+    noscript = any(isinstance(e, redis.exceptions.NoScriptError) for e in errors)
+    if keep_errors and not noscript:
+        return None
+    return errors[0], noscript
 
 
 def _send_and_read(

@@ -14,10 +14,18 @@ module names the fields of:
 * :class:`TrainerField` -- ``bq:{Q}:trainer`` (``:trainer:<r>`` per rank), the
   trainer's recent figures: computed by :mod:`consumer.stats`, written by pop.lua about
   once a second with ``updated_ms`` (server ms), read by ``status``.
+* :class:`ProducerStat` -- ``bq:{Q}:pstats``, each producer's counters, field
+  :func:`producer_stat_field` (``'<p>:<name>'``): incremented by push.lua, summed over
+  the live producers by pop.lua (into each history sample), read by ``status``.
+* :class:`HistoryField` -- the fields of a history sample (``bq:{Q}:history``, a JSON
+  object a second): the trainer's side written by :mod:`consumer.stats`, the queue side
+  added by pop.lua; read by ``status`` (:mod:`batchq.monitoring.sizing`), ``top`` and
+  ``report``.
 
 The Lua scripts spell the same names: a script reads and writes a hash by field name.
 tests/batchq/protocol/test_fields.py reads every script and fails on a field of these hashes
-that is not declared here, so a new field is added in one place and found by the rest.
+that is not declared here (and on a per-producer counter or a sample field pop.lua adds
+that is not), so a new field is added in one place and found by the rest.
 """
 
 from __future__ import annotations
@@ -25,11 +33,15 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "HistoryField",
     "MetaField",
+    "ProducerStat",
     "StatsField",
     "TrainerField",
     "autoscale_field",
     "dead_field",
+    "parse_producer_stat_field",
+    "producer_stat_field",
     "wait_bucket_field",
 ]
 
@@ -122,3 +134,51 @@ class TrainerField:
         EPOCH, EPOCH_PROGRESS, STALL_FRACTION_EPOCH, STALL_FRACTION_RECENT, WAIT_P50_S,
         WAIT_P90_S, WAIT_P99_S, BATCHES_PER_S, MB_PER_S,
     )  # fmt: skip
+
+
+class ProducerStat:
+    """The counters of one producer in a queue's pstats hash (push.lua; cumulative)."""
+
+    BATCHES: Final = "batches"  # frames it pushed
+    BYTES: Final = "bytes"  # bytes it pushed
+    PRODUCE_MS: Final = "produce_ms"  # its pipeline's time building those frames
+    BLOCKED_MS: Final = "blocked_ms"  # its time blocked at the hwm
+
+    #: Every counter, in the order push.lua increments them.
+    ALL: Final = (BLOCKED_MS, BATCHES, BYTES, PRODUCE_MS)
+
+
+def producer_stat_field(producer: str, name: str) -> str:
+    """The pstats field of ``producer``'s counter ``name`` (one of :class:`ProducerStat`)."""
+    return f"{producer}:{name}"
+
+
+def parse_producer_stat_field(field: str) -> tuple[str, str] | None:
+    """(producer, counter name) of a pstats field, None for a field without a ``':'``.
+
+    Producer ids have no colon (:func:`batchq.protocol.keys.check_name`): the counter is
+    what follows the last one.
+    """
+    producer, sep, name = field.rpartition(":")
+    return (producer, name) if sep else None
+
+
+class HistoryField:
+    """The fields of a history sample (a JSON object; newest first in the history list)."""
+
+    # The trainer's side (consumer.stats), about once a second while it pops.
+    T: Final = "t"  # the trainer's wall clock (unix s)
+    DEPTH: Final = "depth"  # the data list's length before its pop
+    BATCHES: Final = "batches"  # batches it took so far
+    STALL: Final = "stall"  # its recent stall fraction
+    BATCHES_PER_S: Final = "batches_per_s"  # its recent rate
+    MB_PER_S: Final = "mb_per_s"
+    # The queue's side, added by pop.lua at that moment.
+    PRODUCERS: Final = "producers"  # producers alive
+    PUSHED: Final = "pushed"  # the stats hash's frames pushed
+    BUILT: Final = "built"  # the live producers' summed batches (ProducerStat.BATCHES)
+    BUILD_MS: Final = "build_ms"  # and pipeline time (ProducerStat.PRODUCE_MS)
+
+    #: The fields the trainer writes, and those pop.lua adds.
+    TRAINER_SIDE: Final = (T, DEPTH, BATCHES, STALL, BATCHES_PER_S, MB_PER_S)
+    QUEUE_SIDE: Final = (PRODUCERS, PUSHED, BUILT, BUILD_MS)

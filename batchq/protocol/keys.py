@@ -55,6 +55,10 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
 
+The type column is :data:`KEY_TYPES` (by the key's name in :class:`QueueKeys`): push.lua
+and pop.lua check theirs before writing (tests/batchq/protocol/test_fields.py compares
+their tables with it), and a trainer names the expected type in ``WrongKeyType``.
+
 The fields of the meta, stats and trainer hashes are named in :mod:`batchq.protocol.fields`, the
 formats of entries and values in :mod:`batchq.protocol.layout`.
 
@@ -65,10 +69,13 @@ the characters that would break that (see :func:`check_name`).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Final
 
 from batchq.errors import ConfigError
 
 __all__ = [
+    "KEY_TYPES",
     "PREFIX",
     "QueueKeys",
     "check_name",
@@ -76,6 +83,17 @@ __all__ = [
 ]
 
 PREFIX = "bq"
+
+#: The Redis type batchq keeps under each key, by its name in :class:`QueueKeys` (a
+#: per-rank key has the type of the queue-wide one: ``data:<r>`` is a list); ``lease``
+#: is a producer's lease list, ``frame`` a frame stored by reference.
+KEY_TYPES: Final[Mapping[str, str]] = {
+    "meta": "hash", "data": "list", "wake": "list", "work": "list", "lease": "list",
+    "producers": "zset", "clients": "hash", "ledger": "hash", "incarnation": "string",
+    "stats": "hash", "dead": "list", "failures": "hash", "pstats": "hash",
+    "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
+    "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
+}  # fmt: skip
 
 # Queue names and producer ids become parts of key names: keep them to a safe alphabet,
 # without braces (they would move the hash tag) or colons (they separate fields).
@@ -143,6 +161,11 @@ class QueueKeys:
         self.frame_prefix = f"{self.base}:frame:"
         self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
         self.remap = f"{self.base}:remap"  # an elastic resume's epoch: slot -> shard
+
+    def types(self, *names: str) -> dict[str, str]:
+        """Key -> the Redis type batchq keeps there (:data:`KEY_TYPES`), for the keys of
+        this queue called ``names`` (attributes: ``'meta'``, ``'data'``, ...)."""
+        return {getattr(self, name): KEY_TYPES[name] for name in names}
 
     def data_of(self, rank: int, world: int) -> str:
         """Rank ``rank``'s data list (world 1: the data list)."""

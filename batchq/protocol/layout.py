@@ -13,7 +13,10 @@ Entries and fields:
 * the server clock: ``TIME`` is (seconds, microseconds); scripts and Python use ms,
   :func:`time_ms`;
 * the trainer's wait-time histogram: the stats hash's ``wait_bucket:<i>`` counts waits
-  up to :data:`WAIT_BUCKETS_S` ``[i]`` seconds, ``wait_bucket:<len>`` the rest (+Inf).
+  up to :data:`WAIT_BUCKETS_S` ``[i]`` seconds, ``wait_bucket:<len>`` the rest (+Inf);
+* a default process id (a producer's, an autoscaler's): ``'<host>-<pid>-<6 hex>'``
+  (:func:`default_id`; :func:`id_host` and :func:`id_pid` read it back: ``status``
+  shows the host, an autoscaler tells its own workers by the pid).
 
 Caps (lists that would otherwise grow for ever): the wake list keeps
 :data:`WAKE_CAP` tokens, a trainer's history :data:`HISTORY_CAP` samples, the dead list
@@ -23,6 +26,9 @@ them as arguments (pop.lua, resume.lua).
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from collections.abc import Sequence
 
 __all__ = [
@@ -34,7 +40,11 @@ __all__ = [
     "WAKE_CAP",
     "count_value",
     "counts_field",
+    "default_id",
     "entry_slot",
+    "flag",
+    "id_host",
+    "id_pid",
     "lease_entry",
     "ledger_field",
     "parse_count_value",
@@ -50,6 +60,11 @@ DONE = "d"  # a ledger value: the trainer has every batch of the slot
 # Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket is
 # +Inf. The trainer (consumer.stats) counts into them, the exporter publishes them as le.
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+def flag(value: bool) -> str:
+    """A boolean as the scripts read it (an argument, a meta field): ``'1'`` or ``'0'``."""
+    return "1" if value else "0"
 
 
 def lease_entry(g: int, token: str) -> str:
@@ -100,3 +115,23 @@ def parse_count_value(value: bytes) -> tuple[int, bool]:
 def time_ms(reply: Sequence[int | str | bytes]) -> int:
     """Milliseconds of a ``TIME`` reply (seconds, microseconds)."""
     return int(reply[0]) * 1000 + int(reply[1]) // 1000
+
+
+def default_id() -> str:
+    """A new id for this process: ``'<host>-<pid>-<6 hex>'``, the host name up to 40
+    characters with any character outside ``[A-Za-z0-9_.-]`` as ``'-'`` (a valid
+    :func:`batchq.protocol.keys.check_name`)."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    return f"{host[:40] or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def id_host(process_id: str) -> str:
+    """The host part of a :func:`default_id`, else the whole id."""
+    parts = process_id.rsplit("-", 2)
+    return parts[0] if len(parts) == 3 else process_id
+
+
+def id_pid(process_id: str) -> int | None:
+    """The pid in a :func:`default_id`, None for an id of another form."""
+    parts = process_id.rsplit("-", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None

@@ -138,6 +138,21 @@ def connected_ids(client: redis.Redis) -> set[int] | None:
     return {int(m) for m in _ID_RE.findall(raw)}
 
 
+def _all_closed(
+    alive: list[str], recorded: dict[bytes, bytes], connected: set[int]
+) -> dict[str, str]:
+    """Producer -> its recorded ids ('<main>,<heartbeat>') for each of ``alive`` that
+    recorded a connection and has none of them among the ``connected`` ids."""
+    closed: dict[str, str] = {}
+    for p in alive:
+        main = recorded.get(p.encode(), b"").decode()
+        beat = recorded.get(f"{p}:hb".encode(), b"").decode()
+        ids = [int(x) for x in (main, beat) if x.isdigit()]
+        if ids and not any(i in connected for i in ids):
+            closed[p] = f"{main},{beat}"
+    return closed
+
+
 def reap_gone(client: redis.Redis, keys: QueueKeys, incarnation: str) -> tuple[int, int] | None:
     """Reap producers whose recorded connections are all closed (killed), at once.
 
@@ -160,13 +175,7 @@ def reap_gone(client: redis.Redis, keys: QueueKeys, incarnation: str) -> tuple[i
     connected = connected_ids(client)
     if connected is None:
         return None
-    closed: dict[str, str] = {}
-    for p in alive:
-        main = recorded.get(p.encode(), b"").decode()
-        beat = recorded.get(f"{p}:hb".encode(), b"").decode()
-        ids = [int(x) for x in (main, beat) if x.isdigit()]
-        if ids and not any(i in connected for i in ids):
-            closed[p] = f"{main},{beat}"
+    closed = _all_closed(alive, recorded, connected)
     if not closed:
         return 0, 0
     reply = scripts.gone(client, keys, incarnation=incarnation, closed=closed)

@@ -135,8 +135,19 @@ def header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
     """Say what is wrong with a header's fields (not its items), or None.
 
     Shared by the encoder (which raises ConfigError) and the decoder (FrameError), so
-    that both sides hold the same rules.
+    that both sides hold the same rules. The first problem found is said: the fields'
+    types and bounds, then the sources and the count, then the error fields and time.
     """
+    return (
+        _typed_problem(header)
+        or _content_problem(kind, header)
+        or _error_problem(kind, header)
+        or _time_problem(header)
+    )
+
+
+def _typed_problem(header: dict[Any, Any]) -> str | None:
+    """A required field of the wrong type, or below its bound."""
     for key, (name, typ) in _FIELDS.items():
         value = header.get(key)
         # bool is an int subclass: only "last" may be one.
@@ -144,6 +155,12 @@ def header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
             return f"{key!r} ({name}) is {short(value)}, expected a {typ.__name__}"
         if key in _LOW and header[key] < _LOW[key]:
             return f"{key!r} ({name}) is {value}, expected >= {_LOW[key]}"
+    return None
+
+
+def _content_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
+    """Sources that are not unique strs, a count without last (or the reverse), or
+    sources on a frame that carries no data (the fields' types are right)."""
     src = header["src"]
     if not all(isinstance(s, str) for s in src) or len(set(src)) != len(src):
         return f"'src' (sources) is {short(src)}, expected unique strs"
@@ -152,6 +169,12 @@ def header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
         return f"'n' (count) is {short(count)} with last={last}; expected an int >= 0 iff last"
     if kind is not FrameKind.BATCH and src:
         return f"{kind.name} frames carry no data, got sources {short(src)}"
+    return None
+
+
+def _error_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
+    """An ERROR frame without its traceback text, error fields on another kind, or an
+    error name that is not a str."""
     err, ename = header.get("err"), header.get("ename")
     if kind is FrameKind.ERROR and not isinstance(err, str):
         return f"'err' (error) is {short(err)}; ERROR frames need the traceback text"
@@ -159,6 +182,11 @@ def header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
         return f"'err'/'ename' (error, error_name) belong to ERROR frames, not {kind.name}"
     if ename is not None and not isinstance(ename, str):
         return f"'ename' (error_name) is {short(ename)}, expected a str"
+    return None
+
+
+def _time_problem(header: dict[Any, Any]) -> str | None:
+    """A producer time that is not a number."""
     t = header.get("t")
     if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
         return f"'t' (produced_at) is {short(t)}, expected a float"

@@ -194,18 +194,7 @@ def decode_descriptor(elem: bytes | bytearray | memoryview, queue: str) -> Descr
         FrameError: ``shm_bad`` for a malformed descriptor, ``shm_outside`` for a name
             that is not a segment of this queue (a path, another queue, a symlink trick).
     """
-    raw = bytes(elem)
-    if not raw.startswith(DESCRIPTOR_MAGIC):
-        raise FrameError("shm_bad", f"starts with {raw[:4]!r}, expected {DESCRIPTOR_MAGIC!r}")
-    if len(raw) > _MAX_DESCRIPTOR:
-        raise FrameError("shm_bad", f"descriptor of {len(raw)} bytes, at most {_MAX_DESCRIPTOR}")
-    try:
-        body = msgpack.unpackb(raw[4:], raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types for garbage
-        raise FrameError("shm_bad", f"descriptor is not msgpack: {type(e).__name__}") from None
-    if not isinstance(body, dict) or set(body) != {"seg", "gen", "len", "host"}:
-        keys = sorted(map(str, body)) if isinstance(body, dict) else type(body).__name__
-        raise FrameError("shm_bad", f"descriptor has {keys}, expected seg, gen, len, host")
+    body = _descriptor_body(bytes(elem))
     seg, gen, length, host = body["seg"], body["gen"], body["len"], body["host"]
     for name, value, kind in (("gen", gen, int), ("len", length, int)):
         if type(value) is not kind or value < 1:
@@ -220,6 +209,26 @@ def decode_descriptor(elem: bytes | bytearray | memoryview, queue: str) -> Descr
             "(expected batchq-<queue>-<run>-<producer>-<n>)",
         )
     return Descriptor(seg, gen, length, host)
+
+
+def _descriptor_body(raw: bytes) -> dict[str, Any]:
+    """A descriptor's msgpack map, with exactly its four keys (values not yet checked).
+
+    Raises:
+        FrameError: ``shm_bad``: no magic, too long, not msgpack, or other keys.
+    """
+    if not raw.startswith(DESCRIPTOR_MAGIC):
+        raise FrameError("shm_bad", f"starts with {raw[:4]!r}, expected {DESCRIPTOR_MAGIC!r}")
+    if len(raw) > _MAX_DESCRIPTOR:
+        raise FrameError("shm_bad", f"descriptor of {len(raw)} bytes, at most {_MAX_DESCRIPTOR}")
+    try:
+        body = msgpack.unpackb(raw[4:], raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for garbage
+        raise FrameError("shm_bad", f"descriptor is not msgpack: {type(e).__name__}") from None
+    if not isinstance(body, dict) or set(body) != {"seg", "gen", "len", "host"}:
+        keys = sorted(map(str, body)) if isinstance(body, dict) else type(body).__name__
+        raise FrameError("shm_bad", f"descriptor has {keys}, expected seg, gen, len, host")
+    return body
 
 
 # --------------------------------------------------------------------------- clean-up

@@ -33,6 +33,7 @@ local wake_cap = tonumber(ARGV[16])     -- the wake list's length cap
 local history_cap = tonumber(ARGV[17])  -- history samples kept
 
 local now = server_now_ms()
+-- The types are batchq.protocol.keys.KEY_TYPES.
 local typed = {{meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}}
 for _, kw in ipairs(typed) do
   local kind = redis.call('TYPE', kw[1]).ok
@@ -91,6 +92,8 @@ if figures ~= '' then
   end
   call('HSET', trainer_key, 'updated_ms', now)
 end
+-- The queue side of the history sample: batchq.protocol.fields.HistoryField.QUEUE_SIDE,
+-- summed from the live producers' counters (batchq.protocol.fields.ProducerStat).
 if sample ~= '' then
   local ok, s = pcall(cjson.decode, sample)
   if ok and type(s) == 'table' then

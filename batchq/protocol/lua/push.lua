@@ -27,7 +27,9 @@ local host_field = ARGV[12]      -- the meta field of the rank's published host
 
 local now = server_now_ms()
 -- Every key's type first: a foreign type found half-way would leave a frame pushed and
--- its lease held (a script's writes are not rolled back).
+-- its lease held (a script's writes are not rolled back). The types are
+-- batchq.protocol.keys.KEY_TYPES; the per-producer counters below (field
+-- '<producer>:<counter>') are batchq.protocol.fields.ProducerStat.
 local typed = {
   {meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}, {stats_key, 'hash'},
   {producers_key, 'zset'}, {lease_key, 'list'}, {pstats_key, 'hash'},

@@ -1,5 +1,7 @@
 """Every field of the meta, stats and trainer hashes a script uses is declared once in
-batchq.protocol.fields (and the per-rank and prefixed formats come from there)."""
+batchq.protocol.fields (and the per-rank and prefixed formats come from there); so are
+the per-producer counters push.lua and pop.lua spell and the history sample's fields
+pop.lua adds; the key types the scripts check are batchq.protocol.keys.KEY_TYPES."""
 
 from __future__ import annotations
 
@@ -7,19 +9,31 @@ import re
 
 import pytest
 
+from batchq.protocol import keys as keys_module
 from batchq.protocol.calls import SCRIPTS
 from batchq.protocol.fields import (
+    HistoryField,
     MetaField,
+    ProducerStat,
     StatsField,
     TrainerField,
     autoscale_field,
     dead_field,
+    parse_producer_stat_field,
+    producer_stat_field,
     wait_bucket_field,
 )
+from batchq.protocol.keys import KEY_TYPES, QueueKeys
 from batchq.protocol.ranks import rank_field
 
 CALL = re.compile(r"\bcall\('H[A-Z]+', (meta|stats|trainer)_key")
 LITERAL = re.compile(r"'([a-z_:]+)'")
+# A per-producer counter: `producer .. ':batches'` (push.lua), `p .. ':produce_ms'` (pop.lua).
+PSTAT = re.compile(r"\b\w+ \.\. ':([a-z_]+)'")
+# pop.lua adds the queue side to the history sample it decoded into `s`.
+SAMPLE_FIELD = re.compile(r"\bs\['([a-z_]+)'\] =")
+# A key's expected type: `{data_key, 'list'}` in a type table, `TYPE', frame_key).ok ~= 'string'`.
+TYPED = re.compile(r"\{(\w+)_key, '(\w+)'\}|'TYPE', (\w+)_key\)\.ok ~= '(\w+)'")
 
 
 def _declared(cls: type) -> set[str]:
@@ -65,3 +79,66 @@ def test_formats() -> None:
     assert autoscale_field("add") == "autoscale_add"
     assert set(MetaField.PER_RANK) <= _declared(MetaField)
     assert set(TrainerField.PUBLISHED) <= _declared(TrainerField)
+
+
+def _pstats_used(source: str) -> set[str]:
+    """The counters a script names in pstats fields (none if it has no pstats key)."""
+    return set(PSTAT.findall(source)) if "pstats_key" in source else set()
+
+
+def _types_checked(source: str) -> dict[str, str]:
+    """Key name -> the type the script checks it has."""
+    found: dict[str, str] = {}
+    for m in TYPED.finditer(source):
+        key, kind = (m[1], m[2]) if m[1] else (m[3], m[4])
+        assert found.setdefault(key, kind) == kind, f"{key} checked as two types"
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_per_producer_counter_a_script_uses_is_declared(name: str) -> None:
+    unknown = _pstats_used(SCRIPTS[name].source) - _declared(ProducerStat)
+    assert not unknown, f"{name}.lua uses pstats counters {sorted(unknown)} not in ProducerStat"
+
+
+def test_push_counts_every_per_producer_counter_and_pop_sums_two() -> None:
+    assert _pstats_used(SCRIPTS["push"].source) == set(ProducerStat.ALL) == _declared(ProducerStat)
+    assert _pstats_used(SCRIPTS["pop"].source) == {ProducerStat.BATCHES, ProducerStat.PRODUCE_MS}
+
+
+def test_pop_adds_the_queue_side_of_the_history_sample() -> None:
+    assert set(SAMPLE_FIELD.findall(SCRIPTS["pop"].source)) == set(HistoryField.QUEUE_SIDE)
+    sides = (*HistoryField.TRAINER_SIDE, *HistoryField.QUEUE_SIDE)
+    assert sorted(sides) == sorted(_declared(HistoryField))  # each once, on one side
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_key_type_a_script_checks_is_the_declared_one(name: str) -> None:
+    checked = _types_checked(SCRIPTS[name].source)
+    wrong = {k: t for k, t in checked.items() if KEY_TYPES.get(k) != t}
+    assert not wrong, f"{name}.lua checks {wrong}; KEY_TYPES says otherwise"
+
+
+def test_the_type_scan_finds_the_scripts_tables() -> None:
+    assert _types_checked(SCRIPTS["pop"].source) == {
+        "meta": "hash", "incarnation": "string", "data": "list",
+    }  # fmt: skip
+    push = _types_checked(SCRIPTS["push"].source)
+    assert {"producers", "lease", "pstats", "frame"} <= set(push)
+
+
+def test_the_keys_docstring_shows_the_declared_types() -> None:
+    doc = keys_module.__doc__ or ""
+    shown = {
+        m[1]: m[2].lower() for m in re.finditer(r"^    bq:\{Q\}:(\w+)\S*\s+([A-Z]+)\b", doc, re.M)
+    }
+    assert shown == dict(KEY_TYPES)
+    k = QueueKeys("q")
+    assert k.types("meta", "data") == {k.meta: "hash", k.data: "list"}
+
+
+def test_per_producer_counter_fields() -> None:
+    field = producer_stat_field("host-12-abcdef", ProducerStat.PRODUCE_MS)
+    assert field == "host-12-abcdef:produce_ms"
+    assert parse_producer_stat_field(field) == ("host-12-abcdef", "produce_ms")
+    assert parse_producer_stat_field("no-colon") is None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from batchq.protocol import layout
+from batchq.protocol.keys import check_name
 
 
 def test_a_lease_entry_names_its_slot() -> None:
@@ -38,3 +41,14 @@ def test_the_caps_are_positive_and_the_done_marker_is_short() -> None:
     caps = (layout.WAKE_CAP, layout.HISTORY_CAP, layout.DEAD_CAP, layout.SCALELOG_CAP)
     assert all(isinstance(c, int) and c > 0 for c in caps)
     assert layout.DONE == "d"
+
+
+def test_a_default_id_names_its_host_and_pid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layout.socket, "gethostname", lambda: "gpu box_7.lab")
+    pid = layout.default_id()
+    assert check_name(pid, "producer id") == pid
+    assert layout.id_host(pid) == "gpu-box_7.lab"
+    assert layout.id_pid(pid) == os.getpid()
+    assert layout.default_id() != pid  # a new random part each time
+    assert (layout.id_host("worker"), layout.id_pid("worker")) == ("worker", None)
+    assert (layout.id_host("a-b-c"), layout.id_pid("a-b-c")) == ("a", None)

@@ -1,0 +1,81 @@
+"""The fields of a status row read straight from the queue's hashes: the stats hash's
+cumulative counters (:func:`counter_fields`) and the trainer's recent figures
+(:func:`figure_fields`). Each is read here once; the fields are documented with the row
+in :mod:`batchq.monitoring.rows`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchq.monitoring.sizing import ratio
+from batchq.monitoring.snapshot import QueueSnapshot
+from batchq.monitoring.verdict import FIGURES_FRESH_S
+from batchq.protocol.fields import (
+    MetaField,
+    StatsField,
+    TrainerField,
+    autoscale_field,
+    dead_field,
+    wait_bucket_field,
+)
+from batchq.protocol.layout import WAIT_BUCKETS_S
+from batchq.protocol.words import as_int
+
+__all__ = ["counter_fields", "figure_fields"]
+
+
+def _wait_buckets(stats: dict[str, int]) -> list[int]:
+    """The trainer's waits per bucket, cumulative (as the exporter's le buckets)."""
+    waits, total = [], 0
+    for i in range(len(WAIT_BUCKETS_S) + 1):
+        total += stats.get(wait_bucket_field(i), 0)
+        waits.append(total)
+    return waits
+
+
+def counter_fields(stats: dict[str, int]) -> dict[str, Any]:
+    """The row's fields read from the stats hash (cumulative counters)."""
+    f = StatsField
+    dead = dead_field("")
+    return {
+        "pushed": stats.get(f.PUSHED, 0),
+        "popped": stats.get(f.POPPED, 0),
+        "pushed_bytes": stats.get(f.PUSHED_BYTES, 0),
+        "popped_bytes": stats.get(f.POPPED_BYTES, 0),
+        "producer_blocked_s": stats.get(f.PRODUCER_BLOCKED_MS, 0) / 1000,
+        "shards_done": stats.get(f.SHARDS_DONE, 0),
+        "redone_shards": stats.get(f.REDONE_SHARDS, 0),
+        "epochs_completed": stats.get(f.EPOCHS_COMPLETED, 0),
+        "dead_by_reason": {
+            k.removeprefix(dead): v for k, v in sorted(stats.items()) if k.startswith(dead) and v
+        },
+        "trainer_wait_s": stats.get(f.TRAINER_WAIT_MS, 0) / 1000,
+        "trainer_busy_s": stats.get(f.TRAINER_BUSY_MS, 0) / 1000,
+        "autoscale_added": stats.get(autoscale_field("add"), 0),
+        "autoscale_retired": stats.get(autoscale_field("retire"), 0),
+        "wait_buckets": _wait_buckets(stats),
+    }
+
+
+def figure_fields(snap: QueueSnapshot) -> dict[str, Any]:
+    """The row's fields read from the trainer's figures, and whether they are fresh."""
+    f = TrainerField
+    updated = snap.figure(f.UPDATED_MS)
+    age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
+    epoch, progress = snap.figure(f.EPOCH), snap.figure(f.EPOCH_PROGRESS)
+    epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES))
+    return {
+        "figures_age_s": age,
+        "figures_fresh": age is not None and age <= FIGURES_FRESH_S,
+        "stall": snap.figure(f.STALL_FRACTION_RECENT),
+        "stall_epoch": snap.figure(f.STALL_FRACTION_EPOCH),
+        "trainer_batches_per_s": snap.figure(f.BATCHES_PER_S),
+        "trainer_mb_per_s": snap.figure(f.MB_PER_S),
+        "wait_p50_s": snap.figure(f.WAIT_P50_S),
+        "wait_p90_s": snap.figure(f.WAIT_P90_S),
+        "wait_p99_s": snap.figure(f.WAIT_P99_S),
+        "epoch": None if epoch is None or epoch < 0 else int(epoch),
+        "epoch_progress": None if progress is None else int(progress),
+        "epoch_fraction": ratio(progress, epoch_batches) if progress is not None else None,
+    }

@@ -1,0 +1,187 @@
+"""The Prometheus metric families of the exporter (:mod:`batchq.monitoring.exporter`,
+which documents them), built from the queues' status rows.
+
+Each family reads row fields only (the tables below: metric -> row field), so a figure
+is computed once, in the row (:mod:`batchq.monitoring.rows`), for ``status``, ``top``,
+``report`` and Prometheus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from batchq.protocol.layout import WAIT_BUCKETS_S
+
+__all__ = ["producer_families", "queue_families", "rank_families"]
+
+_Q = ["queue"]
+_QP = ["queue", "producer"]
+
+Row = dict[str, Any]
+# Gauges per queue: (name, help, the value from its status row; None: no sample).
+_GAUGES: tuple[tuple[str, str, Callable[[Row], float | None]], ...] = (
+    ("queue_depth_items", "Frames in the data list (LLEN)", lambda r: r["depth"]),
+    ("queue_capacity_items", "The run's cap (hwm) on the data list", lambda r: r["hwm"]),
+    (
+        "queue_depth_bytes",
+        "Bytes in the data list (depth x the mean frame size; 0 when empty)",
+        lambda r: r["bytes_held"],
+    ),
+    (
+        "queue_oldest_frame_age_seconds",
+        "Age of the oldest frame in the list, by its producer's clock (0 when empty)",
+        lambda r: 0.0 if r["depth"] == 0 else r["oldest_age_s"],
+    ),
+    (
+        "producers_alive",
+        "Producers whose heartbeat has not lapsed",
+        lambda r: r["producers_alive"],
+    ),
+    (
+        "trainer_attached",
+        "1 while a trainer holds the queue",
+        lambda r: 1 if r["trainer"] == "attached" else 0,
+    ),
+    (
+        "trainer_stall_ratio",
+        "Fraction of its last 100 batches' time the trainer waited for data",
+        lambda r: r["stall"] if r["figures_fresh"] else None,
+    ),
+    (
+        "trainer_epoch",
+        "The trainer's current epoch",
+        lambda r: r["epoch"] if r["figures_fresh"] else None,
+    ),
+    (
+        "trainer_demand_batches_per_second",
+        "Batches/s the trainer would take if it never waited (1 / its busy time per batch)",
+        lambda r: r["demand_batches_per_s"],
+    ),
+    (
+        "supply_batches_per_second",
+        "The live producers' summed pipeline rate (blocked time excluded)",
+        lambda r: r["supply_batches_per_s"],
+    ),
+    (
+        "producer_rate_batches_per_second",
+        "The observed pipeline rate of one producer",
+        lambda r: r["producer_batches_per_s"],
+    ),
+    (
+        "recommended_producers",
+        "Producers that meet the trainer's demand at the observed rate, with a margin",
+        lambda r: r["recommended_producers"],
+    ),
+)
+# Counters per queue: (name, help, the row field).
+_COUNTERS = (
+    ("frames_pushed", "Frames pushed into the data list", "pushed"),
+    ("frames_popped", "Frames popped by the trainer", "popped"),
+    ("bytes_pushed", "Bytes pushed into the data list", "pushed_bytes"),
+    ("bytes_popped", "Bytes the trainer received", "popped_bytes"),
+    ("producers_blocked_seconds", "Time producers spent blocked at the hwm", "producer_blocked_s"),
+    ("trainer_busy_seconds", "Time the trainer spent between batches", "trainer_busy_s"),
+    ("epochs_completed", "Epochs the trainer finished", "epochs_completed"),
+    ("shards_done", "Shards whose last frame was pushed", "shards_done"),
+    ("redone_shards", "Shards handed back to be built again", "redone_shards"),
+)
+# Counters per live producer: (name, help, the producer object's field).
+_PRODUCER_COUNTERS = (
+    ("frames_pushed", "Frames this producer pushed", "batches"),
+    ("bytes_pushed", "Bytes this producer pushed", "bytes"),
+    ("build_seconds", "Time this producer's pipeline spent building batches", "build_s"),
+    ("blocked_seconds", "Time this producer spent blocked at the hwm", "blocked_s"),
+)
+_BOUNDS = [repr(b) for b in WAIT_BUCKETS_S] + ["+Inf"]
+
+
+def queue_families(rows: list[Row]) -> Iterable[Metric]:
+    """The per-queue gauges, counters, the wait histogram, dead frames and decisions."""
+    gauges = [(GaugeMetricFamily(f"batchq_{n}", doc, labels=_Q), v) for n, doc, v in _GAUGES]
+    counters = [
+        (CounterMetricFamily(f"batchq_{n}", doc, labels=_Q), field) for n, doc, field in _COUNTERS
+    ]
+    wait = HistogramMetricFamily(
+        "batchq_trainer_wait_seconds", "The trainer's wait for each batch", labels=_Q
+    )
+    dead = CounterMetricFamily(
+        "batchq_dead_frames", "Frames that failed validation", labels=["queue", "reason"]
+    )
+    decisions = CounterMetricFamily(
+        "batchq_autoscale_decisions",
+        "Decisions of `serve --workers auto`: workers added or retired",
+        labels=["queue", "action"],
+    )
+    for row in rows:
+        q = [row["queue"]]
+        for gauge, value_of in gauges:
+            value = value_of(row)
+            if value is not None:
+                gauge.add_metric(q, value)
+        for counter, field in counters:
+            counter.add_metric(q, row[field])
+        buckets = list(zip(_BOUNDS, row["wait_buckets"], strict=True))
+        wait.add_metric(q, buckets, row["trainer_wait_s"])
+        for reason, count in row["dead_by_reason"].items():
+            dead.add_metric([row["queue"], reason], count)
+        decisions.add_metric([row["queue"], "add"], row["autoscale_added"])
+        decisions.add_metric([row["queue"], "retire"], row["autoscale_retired"])
+    yield from (gauge for gauge, _ in gauges)
+    yield from (counter for counter, _ in counters)
+    yield wait
+    yield dead
+    yield decisions
+
+
+def producer_families(rows: list[Row]) -> Iterable[Metric]:
+    """The per-producer counters (label ``producer``) of the live producers."""
+    fams = [
+        (CounterMetricFamily(f"batchq_producer_{n}", doc, labels=_QP), field)
+        for n, doc, field in _PRODUCER_COUNTERS
+    ]
+    for row in rows:
+        for prod in row["producers"]:
+            for fam, field in fams:
+                fam.add_metric([row["queue"], prod["id"]], prod[field])
+    yield from (fam for fam, _ in fams)
+
+
+def rank_families(rows: list[Row]) -> Iterable[Metric]:
+    """The per-rank metrics of data-parallel trainers (label ``rank``)."""
+    labels = ["queue", "rank"]
+    fams = {
+        key: GaugeMetricFamily(f"batchq_rank_{name}", doc, labels=labels)
+        for key, name, doc in (
+            ("depth", "depth_items", "LLEN of the rank's data list"),
+            ("attached", "attached", "1 while the rank holds its claim"),
+            ("stall", "stall_ratio", "The rank's recent stall fraction"),
+            ("batches_per_s", "batches_per_second", "Batches the rank took per second"),
+            ("epoch", "epoch", "The rank's current epoch"),
+        )
+    }
+    verdict = GaugeMetricFamily(
+        "batchq_rank_verdict", "1 for the rank's verdict", labels=[*labels, "verdict"]
+    )
+    slowest = GaugeMetricFamily("batchq_slowest_rank", "The rank furthest behind", labels=_Q)
+    for row in rows:
+        for rank in row["ranks"]:
+            key = [row["queue"], str(rank["rank"])]
+            fams["depth"].add_metric(key, rank["depth"])
+            fams["attached"].add_metric(key, 1 if rank["trainer"] == "attached" else 0)
+            for name in ("stall", "batches_per_s", "epoch"):
+                if rank[name] is not None:
+                    fams[name].add_metric(key, rank[name])
+            verdict.add_metric([*key, rank["verdict"]], 1)
+        if row["slowest_rank"] is not None:
+            slowest.add_metric([row["queue"]], row["slowest_rank"])
+    yield from fams.values()
+    yield verdict
+    yield slowest

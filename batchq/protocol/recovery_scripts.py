@@ -1,0 +1,91 @@
+"""The scripts of work recovery, one typed function each (see
+:mod:`batchq.protocol.scripts`; used by :mod:`batchq.protocol.reaper`): dead or leaving
+producers' leases back to work (reap.lua), those of producers whose connections closed
+(gone.lua), and shards with a gap nobody can still deliver (requeue.lua).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import redis
+
+from batchq.protocol.calls import Arg, build_call
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.replies import CountReply, RequeueReply
+
+__all__ = ["gone", "reap", "requeue"]
+
+
+def reap(
+    client: redis.Redis,
+    keys: QueueKeys,
+    *,
+    incarnation: str,
+    why: Literal["dead", "leave"],
+    producers: Sequence[str],
+) -> CountReply:
+    """Hand dead (or leaving) producers' leases back (reap.lua): ``first`` producers
+    reaped, ``second`` shards returned."""
+    return build_call(
+        "reap",
+        CountReply.parse,
+        {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
+         "stats": keys.stats},
+        {"incarnation": incarnation, "why": why},
+        more_keys=[keys.lease(p) for p in producers],
+        more_args=list(producers),
+    ).run(client)  # fmt: skip
+
+
+def gone(
+    client: redis.Redis, keys: QueueKeys, *, incarnation: str, closed: Mapping[str, str]
+) -> CountReply:
+    """Reap producers whose connections closed (gone.lua); ``closed`` maps a producer
+    to the ids found closed, '<main>,<heartbeat>'."""
+    pairs: list[Arg] = []
+    for producer, ids in closed.items():
+        pairs += [producer, ids]
+    return build_call(
+        "gone",
+        CountReply.parse,
+        {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
+         "stats": keys.stats, "clients": keys.clients},
+        {"incarnation": incarnation},
+        more_keys=[keys.lease(p) for p in closed],
+        more_args=pairs,
+    ).run(client)  # fmt: skip
+
+
+def requeue(
+    client: redis.Redis,
+    keys: QueueKeys,
+    *,
+    incarnation: str,
+    run: str,
+    data: str,
+    shards: Sequence[int],
+    alive: Sequence[str],
+    rank: tuple[str, Sequence[int]] | None = None,
+) -> RequeueReply:
+    """Hand shards with a gap back (requeue.lua).
+
+    Args:
+        data: the data list that must be empty (a rank's own).
+        shards: candidate global shard numbers, oldest first.
+        alive: the live producers (their leases are looked at).
+        rank: a data-parallel rank's ('next:<rank>' field, the candidates' local numbers).
+    """
+    tail: list[Arg] = [*shards, *alive]
+    if rank is not None:
+        tail += ["", rank[0], *rank[1]]
+    return build_call(
+        "requeue",
+        RequeueReply.parse,
+        {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work, "data": data,
+         "producers": keys.producers, "stats": keys.stats},
+        {"incarnation": incarnation, "run": run, "n": len(shards)},
+        more_keys=[keys.lease(p) for p in alive],
+        more_args=tail,
+    ).run(client)  # fmt: skip

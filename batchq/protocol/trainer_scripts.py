@@ -1,0 +1,155 @@
+"""The trainer's scripts, one typed function each (see :mod:`batchq.protocol.scripts`):
+its claim (claim.lua), the pop and its accounting (pop.lua), and a restart from a
+checkpoint's ledger (resume.lua).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import redis
+
+from batchq.protocol.calls import Arg, build_call
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import HISTORY_CAP, WAKE_CAP, flag
+from batchq.protocol.replies import ClaimReply, CountReply, PopReply
+
+__all__ = ["ClaimOp", "claim", "pop", "resume"]
+
+ClaimOp = Literal["acquire", "refresh", "release", "finish"]
+
+
+def _trainer_keys(keys: QueueKeys) -> dict[str, str | None]:
+    return {"meta": keys.meta, "incarnation": keys.incarnation, "data": keys.data,
+            "work": keys.work}  # fmt: skip
+
+
+def claim(
+    client: redis.Redis,
+    keys: QueueKeys,
+    *,
+    op: ClaimOp,
+    token: str,
+    claim_ttl_ms: int,
+    run_id: str,
+    new_incarnation: str,
+    takeover_run: str,
+    version: str,
+    rank: int,
+    world: int,
+    even: str,
+    resumed: str,
+    incarnation: str = "",
+    rank_lists: Sequence[str] = (),
+) -> ClaimReply:
+    """Acquire, refresh, release or finish a trainer's claim (claim.lua).
+
+    Args:
+        incarnation: refresh, release, finish: the queue's incarnation the claim was
+            made in; another (Redis lost the queue) answers STATE_LOST.
+        rank_lists: what a new or finished run drops besides the queue's own lists
+            (data-parallel: every rank's data list, the counts and remap hashes).
+    """
+    return build_call(
+        "claim",
+        ClaimReply.parse,
+        {**_trainer_keys(keys), "wake": keys.wake, "failures": keys.failures,
+         "ledger": keys.ledger},
+        {"token": token, "claim_ttl_ms": claim_ttl_ms, "op": op, "run_id": run_id,
+         "new_incarnation": new_incarnation, "takeover_run": takeover_run,
+         "version": version, "rank": rank, "world": world, "even": even,
+         "resumed": resumed, "incarnation": incarnation},
+        more_keys=rank_lists,
+    ).run(client)  # fmt: skip
+
+
+def pop(
+    client: redis.Redis,
+    keys: QueueKeys,
+    *,
+    data: str,
+    trainer: str,
+    history: str,
+    incarnation: str,
+    run: str,
+    token: str,
+    room: int,
+    floor: int,
+    claim_ttl_ms: int,
+    extra_popped: int,
+    nbytes: int,
+    figures: Sequence[Arg],
+    suffix: str,
+) -> PopReply:
+    """The trainer's pop and accounting (pop.lua).
+
+    Args:
+        data, trainer, history: this rank's data list, figures hash and history list.
+        figures: what :meth:`consumer.stats.TrainerStats.drain` returns (6 values):
+            waited ms, busy ms, epochs, histogram increments, figures JSON, history
+            sample JSON.
+    """
+    waited_ms, busy_ms, epochs, buckets, figures_json, sample = figures
+    return build_call(
+        "pop",
+        PopReply.parse,
+        {"meta": keys.meta, "incarnation": keys.incarnation, "data": data,
+         "wake": keys.wake, "stats": keys.stats, "producers": keys.producers,
+         "trainer": trainer, "history": history, "pstats": keys.pstats},
+        {"incarnation": incarnation, "run": run, "token": token, "room": room,
+         "floor": floor, "claim_ttl_ms": claim_ttl_ms, "extra_popped": extra_popped,
+         "nbytes": nbytes, "waited_ms": waited_ms, "busy_ms": busy_ms, "epochs": epochs,
+         "buckets": buckets, "figures": figures_json, "sample": sample, "sfx": suffix,
+         "wake_cap": WAKE_CAP, "history_cap": HISTORY_CAP},
+    ).run(client)  # fmt: skip
+
+
+def resume(
+    client: redis.Redis,
+    keys: QueueKeys,
+    *,
+    rank_lists: Sequence[str],
+    token: str,
+    new_run: str,
+    first: int,
+    fingerprint: str,
+    hwm: int | str,
+    shards: int,
+    window: int,
+    epoch_batches: int,
+    rank: int,
+    world: int,
+    even: str,
+    step: int,
+    held: bool,
+    remap: tuple[int, Mapping[int, int]] | None,
+    ledger: Sequence[tuple[str, str]],
+) -> CountReply:
+    """Restart the plan from a ledger (resume.lua): ``text`` is the run on OK, the
+    run's step on STEP.
+
+    Args:
+        rank_lists: data-parallel: this rank's data list first, the others', the counts
+            and remap hashes (remap last).
+        remap: (epoch, slot -> shard) of a job resumed with another number of ranks.
+        ledger: ('<epoch>:<slot>', 'd' or batches had) pairs.
+    """
+    tail: list[Arg] = []
+    for slot, shard in (remap[1] if remap else {}).items():
+        tail += [slot, shard]
+    for field, value in ledger:
+        tail += [field, value]
+    return build_call(
+        "resume",
+        CountReply.parse,
+        {**_trainer_keys(keys), "failures": keys.failures, "ledger": keys.ledger,
+         "wake": keys.wake},
+        {"token": token, "new_run": new_run, "first": first, "fingerprint": fingerprint,
+         "hwm": hwm, "shards": shards, "window": window, "epoch_batches": epoch_batches,
+         "rank": rank, "world": world, "even": even, "step": step, "held": flag(held),
+         "remap_epoch": "" if remap is None else remap[0],
+         "remapped": 0 if remap is None else len(remap[1]), "wake_cap": WAKE_CAP},
+        more_keys=rank_lists,
+        more_args=tail,
+    ).run(client)  # fmt: skip
