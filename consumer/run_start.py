@@ -1,6 +1,7 @@
 """What a trainer does to a run as it starts it: where it starts (the plan's first epoch,
-or a checkpoint's position recreated), and the frames an older run stored by reference
-deleted.
+or a checkpoint's position recreated), the frames an older run stored by reference
+deleted, and the parts that read it assembled (the buffer, the reader thread, the feed of
+epochs).
 
 :class:`consumer.ServerDataStream` calls these once, at its first epoch; every Redis call
 goes through :func:`batchq.client.connection.retrying`, so a connection dropped meanwhile is
@@ -9,6 +10,7 @@ survived within the stream's ``timeout_s``.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, NamedTuple
 
 import redis
@@ -17,9 +19,15 @@ from batchq.client.connection import retrying
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.ranks import RankLayout
+from consumer.balance import even_counts
+from consumer.epoch import EpochFeed
 from consumer.rank_state import remap_pairs
+from consumer.reader.buffer import Buffer
 from consumer.reader.ledger import Ledger
-from consumer.reader.thread import BLOCK_S
+from consumer.reader.prepare import FramePrep
+from consumer.reader.settings import ReaderSettings
+from consumer.reader.shm_frames import TrainerShm
+from consumer.reader.thread import BLOCK_S, Reader
 from consumer.session import Session
 from consumer.state_keys import (
     CONSUMED_KEY,
@@ -30,8 +38,17 @@ from consumer.state_keys import (
     REMAP_KEY,
     SHARDS_KEY,
 )
+from consumer.stats import TrainerStats
 
-__all__ = ["DELETE_CHUNK", "Resumed", "delete_old_frames", "resume_position", "start_position"]
+__all__ = [
+    "DELETE_CHUNK",
+    "Reading",
+    "Resumed",
+    "delete_old_frames",
+    "resume_position",
+    "start_position",
+    "start_reading",
+]
 
 # Old frames are deleted this many keys per DEL (one command never holds Redis long).
 DELETE_CHUNK = 500
@@ -44,6 +61,59 @@ class Resumed(NamedTuple):
     layout: RankLayout
     ledger: Ledger
     plan_shards: int
+
+
+class Reading(NamedTuple):
+    """The parts that read a started run: the buffer (the ledger's one owner from here),
+    the reader thread (started), and the feed that hands the epochs out."""
+
+    buffer: Buffer
+    reader: Reader
+    feed: EpochFeed
+
+
+def start_reading(
+    session: Session,
+    start: Resumed,
+    settings: ReaderSettings,
+    client: redis.Redis,
+    *,
+    shm: TrainerShm,
+    prep: FramePrep,
+    stats: TrainerStats,
+    seen: Counter[str],
+) -> Reading:
+    """Assemble what reads a claimed run from ``start`` on, and start the reader thread.
+
+    Args:
+        session: the trainer's session, claimed (its client is the stream's).
+        start: where the run starts (:func:`start_position`).
+        settings: the reader's settings.
+        client: the reader's own client (it owns and closes it).
+        shm: the trainer's shared memory (its run and array access are set here).
+        prep: the stream's frame preparation (the one owner of the array access).
+        stats: the trainer's figures.
+        seen: batches handed out, by producer (the stream's ``producers_seen``).
+    """
+    shm.new_run(session.run)  # other runs' segments: nothing will pop them
+    shm.access = prep.access  # the one owner's setting, fixed from here
+    buffer = Buffer(start.ledger)
+    plan = session.plan
+    evener = even_counts(
+        start.layout,
+        plan is not None and plan.epoch_batches == plan.shards,
+        session.client,
+        session.keys,
+        session.rank,
+        settings.timeout_s,
+        keep=settings.hwm,
+    )
+    reader = Reader(
+        client, session.keys, session, buffer, settings, stats=stats, shm=shm, prepare=prep
+    )
+    feed = EpochFeed(buffer, reader.is_alive, evener, stats, prep, seen)
+    reader.start()
+    return Reading(buffer, reader, feed)
 
 
 def start_position(

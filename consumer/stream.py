@@ -18,7 +18,6 @@ from batchq.errors import ConfigError, ConnectionLost, StreamStopped
 from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import Frame
-from consumer.balance import even_counts
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.length import epoch_length
@@ -33,7 +32,7 @@ from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
 from consumer.reader.settings import ReaderSettings
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.thread import Reader
-from consumer.run_start import delete_old_frames, start_position
+from consumer.run_start import delete_old_frames, start_position, start_reading
 from consumer.session import Session
 from consumer.state_keys import (
     EPOCH_KEY,
@@ -412,7 +411,8 @@ class ServerDataStream(FuelStreamMixin):
 
     def _start(self) -> EpochFeed:
         """Start reading, once: claim the queue, find where the run starts, start the
-        reader thread (see :mod:`consumer.run_start`)."""
+        reader thread (:mod:`consumer.run_start`). The claim is kept from the moment it
+        is made: :meth:`close` releases it whatever failed after."""
         if self._feed is not None:
             return self._feed
         self._connect()
@@ -432,41 +432,25 @@ class ServerDataStream(FuelStreamMixin):
             timeout_s=self.timeout_s,
         )
         self._plan_shards = start.plan_shards
-        self._shm.new_run(session.run)  # other runs' segments: nothing will pop them
-        self._shm.access = self._prep.access  # the one owner's setting, fixed from here
-        buffer = self._buffer = Buffer(start.ledger)
-        plan = session.plan
-        evener = even_counts(
-            start.layout,
-            plan is not None and plan.epoch_batches == plan.shards,
-            self._client,
-            self.keys,
-            self.rank,
-            self.timeout_s,
-            keep=self.hwm,
+        settings = ReaderSettings(
+            hwm=self.hwm,
+            timeout_s=self.timeout_s,
+            writable=self._prep.writable,
+            max_frame_bytes=self.max_frame_bytes,
+            on_bad_frame=self.on_bad_frame,
+            stall_s=self.stall_s,
+            layout=start.layout,
         )
-        self._reader = Reader(
-            make_client(self.url),
-            self.keys,
+        self._buffer, self._reader, self._feed = start_reading(
             session,
-            buffer,
-            ReaderSettings(
-                hwm=self.hwm,
-                timeout_s=self.timeout_s,
-                writable=self._prep.writable,
-                max_frame_bytes=self.max_frame_bytes,
-                on_bad_frame=self.on_bad_frame,
-                stall_s=self.stall_s,
-                layout=start.layout,
-            ),
-            stats=self._stats,
+            start,
+            settings,
+            make_client(self.url),
             shm=self._shm,
-            prepare=self._prep,
+            prep=self._prep,
+            stats=self._stats,
+            seen=self.producers_seen,
         )
-        self._feed = EpochFeed(
-            buffer, self._reader.is_alive, evener, self._stats, self._prep, self.producers_seen
-        )
-        self._reader.start()
         return self._feed
 
     @staticmethod
