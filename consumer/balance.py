@@ -17,6 +17,9 @@ for that epoch) and:
 
 Every wait is bounded by ``timeout_s`` (:class:`batchq.errors.RankLost` names the
 silent ranks).
+
+Where every shard is one batch, nothing is exchanged: :class:`StaticPads` only counts
+the pad slots a rank yields. :func:`even_counts` picks which of the two a rank needs.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from batchq.client.connection import call
 from batchq.errors import RankLost
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import count_value, counts_field, parse_count_value
+from batchq.protocol.ranks import RankLayout
 from batchq.wire.codec import Frame
 
-__all__ = ["POLL_S", "Balancer"]
+__all__ = ["POLL_S", "Balancer", "StaticPads", "even_counts"]
 
 # How often a waiting rank reads the others' counts.
 POLL_S = 0.05
@@ -171,3 +175,50 @@ class Balancer:
             n += 1
             yield frame
         self._publish(epoch, n, final=True)
+
+
+class StaticPads:
+    """Where every shard is one batch, a rank's counts are equal by its slots alone:
+    this counts the pad slots it yields (one of the epoch's first batches again).
+
+    Args:
+        layout: the job's split (with pads).
+        rank: this rank.
+    """
+
+    def __init__(self, layout: RankLayout, rank: int) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.padded = 0  # pad slots yielded (all epochs)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Nothing to forget: no counts are exchanged."""
+
+    def balance(
+        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None]
+    ) -> Iterator[Frame]:
+        """The rank's frames of ``epoch`` as they are, its pads counted."""
+        layout, rank = self.layout, self.rank
+        for frame in frames:
+            if layout.slot(frame.shard, rank) >= layout.shards:
+                self.padded += 1
+            yield frame
+
+
+def even_counts(
+    layout: RankLayout,
+    one_batch_shards: bool,
+    client: redis.Redis,
+    keys: QueueKeys,
+    rank: int,
+    timeout_s: float,
+    keep: int,
+) -> Balancer | StaticPads | None:
+    """How this rank's counts come out equal: by the slots alone where every shard is one
+    batch (pads counted as they are yielded; None where there are none), else by telling
+    the other ranks (a :class:`Balancer`, given the rest). None for a single trainer."""
+    if layout.world == 1:
+        return None
+    if one_batch_shards:
+        return StaticPads(layout, rank) if layout.pads else None
+    return Balancer(client, keys, rank, layout.world, layout.even, timeout_s, keep=keep)

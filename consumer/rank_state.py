@@ -57,11 +57,32 @@ def pick_rank_state(
     """
     if isinstance(state, dict):
         return state
+    states = _state_list(state)
+    if _checkpoint_world(states) != world:
+        return elastic_state(states, rank, world)
+    mine = [s for s in states if s.get(RANK_KEY, 0) == rank]
+    if len(mine) != 1:
+        raise ConfigError(f"the states hold {len(mine)} states of rank {rank}: expected one")
+    return mine[0]
+
+
+def _state_list(state: Any) -> list[dict[str, Any]]:
+    """``state`` as a list of state dicts, or ConfigError."""
     if not isinstance(state, Sequence) or isinstance(state, str | bytes):
         raise ConfigError(f"state {state!r} is not valid: expected a dict or a list of dicts")
     states = list(state)
     if not all(isinstance(s, dict) for s in states):
         raise ConfigError("states are not valid: expected a list of state_dict() dicts")
+    return states
+
+
+def _checkpoint_world(states: list[dict[str, Any]]) -> int:
+    """The world size of the one checkpoint the states make (one state per rank).
+
+    Raises:
+        StepMismatch: states of different steps.
+        ConfigError: not one state per rank of one world size.
+    """
     steps = {int(s.get(STEP_KEY, 0)) for s in states if s.get(RUN_KEY)}
     if len(steps) > 1:
         where = ", ".join(f"rank {s.get('rank')}: step {s.get('step')}" for s in states)
@@ -72,12 +93,7 @@ def pick_rank_state(
             f"{len(states)} states of world_size {sorted(worlds)}: expected one state per "
             "rank of the checkpointed job"
         )
-    if worlds != {world}:
-        return elastic_state(states, rank, world)
-    mine = [s for s in states if s.get(RANK_KEY, 0) == rank]
-    if len(mine) != 1:
-        raise ConfigError(f"the states hold {len(mine)} states of rank {rank}: expected one")
-    return mine[0]
+    return int(next(iter(worlds)))
 
 
 def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
@@ -98,25 +114,13 @@ def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[s
             f"resuming {len(states)} ranks' states with world_size {world}: expected "
             "world_size >= 2 (a single trainer cannot take a job's share apart yet)"
         )
+    _check_one_job(states)
     first = states[0]
-    for key in (RUN_KEY, EPOCH_KEY, PLAN_SHARDS_KEY, FINGERPRINT_KEY, EVEN_BATCHES_KEY):
-        values = {repr(s.get(key)) for s in states}
-        if len(values) != 1:
-            raise ConfigError(
-                f"the states disagree on {key!r} ({sorted(values)}): expected one job"
-            )
-    by_rank = {int(s.get(RANK_KEY, 0)): s for s in states}
     old = RankLayout(int(first[PLAN_SHARDS_KEY]), len(states), str(first[EVEN_BATCHES_KEY]))
-    units: list[tuple[int, int]] = []  # (shard, batches had) still to yield
-    for shard in range(old.shards):
-        owner = by_rank[shard % old.world]
-        local = shard // old.world
-        if local in owner[DONE_KEY]:
-            continue
-        units.append((shard, int(owner[CONSUMED_KEY].get(str(local), 0))))
+    units = _units_left(states, old)
     new = RankLayout(old.shards, world, old.even)
-    share = (-(-len(units) // world) if new.even == "pad" else len(units) // world) if units else 0
-    remap = [list(units[u % len(units)]) for u in range(share * world)] if units else []
+    share = _share(len(units), world, new.even)
+    remap = [list(units[u % len(units)]) for u in range(share * world)]
     own = range(rank, share * world, world)
     return {
         VERSION_KEY: STATE_VERSION,
@@ -134,6 +138,34 @@ def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[s
         STEP_KEY: int(first.get(STEP_KEY, 0)),
         REMAP_KEY: remap,
     }
+
+
+def _check_one_job(states: list[dict[str, Any]]) -> None:
+    """Refuse states of different runs, epochs, plans or even modes."""
+    for key in (RUN_KEY, EPOCH_KEY, PLAN_SHARDS_KEY, FINGERPRINT_KEY, EVEN_BATCHES_KEY):
+        values = {repr(s.get(key)) for s in states}
+        if len(values) != 1:
+            raise ConfigError(
+                f"the states disagree on {key!r} ({sorted(values)}): expected one job"
+            )
+
+
+def _units_left(states: list[dict[str, Any]], old: RankLayout) -> list[tuple[int, int]]:
+    """(shard, batches had) of every shard of the plan that no old rank had yielded
+    completely, in plan order (the old pads are padding and go)."""
+    by_rank = {int(s.get(RANK_KEY, 0)): s for s in states}
+    units = []
+    for shard in range(old.shards):
+        owner = by_rank[shard % old.world]
+        local = shard // old.world
+        if local not in owner[DONE_KEY]:
+            units.append((shard, int(owner[CONSUMED_KEY].get(str(local), 0))))
+    return units
+
+
+def _share(units: int, world: int, even: str) -> int:
+    """Units per new rank: rounded up ('pad': the first units repeat) or down."""
+    return -(-units // world) if even == "pad" else units // world
 
 
 def remap_pairs(
@@ -193,7 +225,12 @@ def check_state(state: Any, queue: str) -> dict[str, Any]:
             raise ConfigError(
                 f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
             )
-    consumed, done = state.get(CONSUMED_KEY), state.get(DONE_KEY)
+    _check_position(state.get(CONSUMED_KEY), state.get(DONE_KEY))
+    return dict(state)
+
+
+def _check_position(consumed: Any, done: Any) -> None:
+    """Refuse a position that is not shard -> batches yielded, and a list of shards."""
     if not isinstance(consumed, dict) or not all(
         str(k).isdigit() and isinstance(v, int) and v >= 0 for k, v in consumed.items()
     ):
@@ -202,4 +239,3 @@ def check_state(state: Any, queue: str) -> dict[str, Any]:
         )
     if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
         raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")
-    return dict(state)

@@ -1,5 +1,7 @@
-"""What a trainer does to a run as it starts it: a checkpoint's position recreated, and
-the frames an older run stored by reference deleted.
+"""What a trainer does to a run as it starts it: where it starts (the plan's first epoch,
+or a checkpoint's position recreated), the frames an older run stored by reference
+deleted, and the parts that read it assembled (the buffer, the reader thread, the feed of
+epochs).
 
 :class:`consumer.ServerDataStream` calls these once, at its first epoch; every Redis call
 goes through :func:`batchq.client.connection.retrying`, so a connection dropped meanwhile is
@@ -8,18 +10,25 @@ survived within the stream's ``timeout_s``.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, NamedTuple
 
 import redis
 
 from batchq.client.connection import retrying
-from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.ranks import RankLayout
+from consumer.balance import even_counts
+from consumer.epoch import EpochFeed
 from consumer.rank_state import remap_pairs
+from consumer.reader.buffer import Buffer
 from consumer.reader.ledger import Ledger
-from consumer.session import Plan, Session
+from consumer.reader.prepare import FramePrep
+from consumer.reader.settings import ReaderSettings
+from consumer.reader.shm_frames import TrainerShm
+from consumer.reader.thread import BLOCK_S, Reader
+from consumer.session import Session
 from consumer.state_keys import (
     CONSUMED_KEY,
     DONE_KEY,
@@ -29,8 +38,17 @@ from consumer.state_keys import (
     REMAP_KEY,
     SHARDS_KEY,
 )
+from consumer.stats import TrainerStats
 
-__all__ = ["DELETE_CHUNK", "Resumed", "delete_old_frames", "resume_position"]
+__all__ = [
+    "DELETE_CHUNK",
+    "Reading",
+    "Resumed",
+    "delete_old_frames",
+    "resume_position",
+    "start_position",
+    "start_reading",
+]
 
 # Old frames are deleted this many keys per DEL (one command never holds Redis long).
 DELETE_CHUNK = 500
@@ -45,33 +63,110 @@ class Resumed(NamedTuple):
     plan_shards: int
 
 
-def resume_position(
+class Reading(NamedTuple):
+    """The parts that read a started run: the buffer (the ledger's one owner from here),
+    the reader thread (started), and the feed that hands the epochs out."""
+
+    buffer: Buffer
+    reader: Reader
+    feed: EpochFeed
+
+
+def start_reading(
     session: Session,
+    start: Resumed,
+    settings: ReaderSettings,
     client: redis.Redis,
-    keys: QueueKeys,
-    resume: dict[str, Any],
     *,
-    rank: int,
+    shm: TrainerShm,
+    prep: FramePrep,
+    stats: TrainerStats,
+    seen: Counter[str],
+) -> Reading:
+    """Assemble what reads a claimed run from ``start`` on, and start the reader thread.
+
+    Args:
+        session: the trainer's session, claimed (its client is the stream's).
+        start: where the run starts (:func:`start_position`).
+        settings: the reader's settings.
+        client: the reader's own client (it owns and closes it).
+        shm: the trainer's shared memory (its run and array access are set here).
+        prep: the stream's frame preparation (the one owner of the array access).
+        stats: the trainer's figures.
+        seen: batches handed out, by producer (the stream's ``producers_seen``).
+    """
+    shm.new_run(session.run)  # other runs' segments: nothing will pop them
+    shm.access = prep.access  # the one owner's setting, fixed from here
+    buffer = Buffer(start.ledger)
+    plan = session.plan
+    evener = even_counts(
+        start.layout,
+        plan is not None and plan.epoch_batches == plan.shards,
+        session.client,
+        session.keys,
+        session.rank,
+        settings.timeout_s,
+        keep=settings.hwm,
+    )
+    reader = Reader(
+        client, session.keys, session, buffer, settings, stats=stats, shm=shm, prepare=prep
+    )
+    feed = EpochFeed(buffer, reader.is_alive, evener, stats, prep, seen)
+    reader.start()
+    return Reading(buffer, reader, feed)
+
+
+def start_position(
+    session: Session,
+    resume: dict[str, Any] | None,
+    *,
+    new_run: bool,
     ordered: bool,
     step: int,
     timeout_s: float,
-    block_s: float,
+) -> Resumed:
+    """Where a claimed run starts: at the plan's first epoch, or at a checkpoint's
+    position (:func:`resume_position`); the ledger told the plan's window and batches
+    per epoch.
+
+    Args:
+        session: the trainer's session, just claimed (its plan is set here).
+        resume: the checkpoint (one rank's state), or None.
+        new_run: the claim started a new run: frames an older run stored go.
+        ordered: the ledger yields in plan order.
+        step: batches yielded before the checkpoint.
+        timeout_s: the stream's reconnect bound, and how long to wait for a plan.
+    """
+    if new_run:
+        delete_old_frames(session.client, session.keys, timeout_s)
+    if resume is None:
+        plan = session.wait_for_plan(timeout_s, BLOCK_S)
+        layout = session.layout(plan.shards)
+        start = Resumed(layout, Ledger(layout.per_rank, ordered=ordered), plan.shards)
+    else:
+        start = resume_position(session, resume, ordered=ordered, step=step, timeout_s=timeout_s)
+    known = session.plan
+    if known is not None:
+        start.ledger.window = known.window if known.has_window else None
+        start.ledger.epoch_batches = known.epoch_batches
+    return start
+
+
+def resume_position(
+    session: Session, resume: dict[str, Any], *, ordered: bool, step: int, timeout_s: float
 ) -> Resumed:
     """Recreate a checkpoint's position: the ledger preloaded with what the state says
     was yielded, the same pairs sent to resume.lua (the producers re-plan the saved epoch
     from them).
 
     Args:
-        session: the trainer's session (its plan is set here).
-        client: the stream's client.
-        keys: the queue's keys.
+        session: the trainer's session (its plan is set here; its client is the stream's).
         resume: the checkpoint (one rank's state, see :mod:`consumer.state_keys`).
-        rank: this process's rank.
         ordered: the ledger yields in plan order.
         step: batches yielded before the checkpoint (resume.lua checks it).
         timeout_s: the stream's reconnect bound, and how long to wait for a plan.
-        block_s: one wait's block while waiting for a plan.
     """
+    client, keys = session.client, session.keys
 
     def read_meta() -> dict[bytes, bytes]:
         return client.hgetall(keys.meta)  # type: ignore[return-value]
@@ -79,18 +174,12 @@ def resume_position(
     # A producer may never have joined this Redis (it restarted): the plan's shape comes
     # from the checkpoint then.
     meta = retrying(read_meta, f"reading meta (queue {keys.queue})", timeout_s, client=client)
-    session.plan = Plan(meta) if MetaField.SHARDS.encode() in meta else None
+    session.use_plan(meta)
     shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
     plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
     layout = session.layout(plan_shards)
     ledger = Ledger(shards, ordered=ordered, first_epoch=epoch)
-    done = set(resume[DONE_KEY])
-    pairs = []
-    for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
-        had = int(resume[CONSUMED_KEY].get(str(shard), 0))
-        ledger.preload(epoch, shard, had, done=shard in done)
-        slot = layout.slot(shard, rank)
-        pairs.append((ledger_field(epoch, slot), DONE if shard in done else str(had)))
+    pairs = _preload(ledger, resume, layout, session.rank)
     remap = None
     if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
         pairs, slots = remap_pairs(resume, layout)
@@ -105,8 +194,24 @@ def resume_position(
         remap=remap,
     )
     if session.plan is None:
-        session.plan = session.wait_for_plan(timeout_s, block_s)
+        session.wait_for_plan(timeout_s, BLOCK_S)
     return Resumed(layout, ledger, plan_shards)
+
+
+def _preload(
+    ledger: Ledger, resume: dict[str, Any], layout: RankLayout, rank: int
+) -> list[tuple[str, str]]:
+    """Mark in the ledger what the checkpoint says was yielded; the same as ledger pairs
+    of the rank's slots, for resume.lua."""
+    epoch = int(resume[EPOCH_KEY])
+    done = set(resume[DONE_KEY])
+    pairs = []
+    for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
+        had = int(resume[CONSUMED_KEY].get(str(shard), 0))
+        ledger.preload(epoch, shard, had, done=shard in done)
+        slot = layout.slot(shard, rank)
+        pairs.append((ledger_field(epoch, slot), DONE if shard in done else str(had)))
+    return pairs
 
 
 def delete_old_frames(client: redis.Redis, keys: QueueKeys, timeout_s: float) -> int:

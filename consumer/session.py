@@ -7,12 +7,13 @@ thread (refresh, recovery after Redis lost the queue's state). Every call is one
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -69,6 +70,12 @@ class Session:
         rank: this trainer's rank in a data-parallel job (0 for a single trainer).
         world: the job's number of ranks (1: a single trainer).
         even: how ranks get equal counts, 'pad' or 'drop' (see :mod:`batchq.protocol.ranks`).
+        resume_run: the run id the job's ranks resume a checkpoint into (see
+            :meth:`resume`; '' for a single trainer, or when not resuming).
+        publish: called with the acting client after every acquire not followed by a
+            resume, and after every resume: claim.lua and resume.lua drop the rank's
+            published shared-memory host, which the trainer publishes again there
+            (:meth:`consumer.reader.shm_frames.TrainerShm.publish`).
     """
 
     def __init__(
@@ -81,6 +88,8 @@ class Session:
         rank: int = 0,
         world: int = 1,
         even: str = "pad",
+        resume_run: str = "",
+        publish: Callable[[redis.Redis], None] | None = None,
     ) -> None:
         self.client = client
         self.retry_s = retry_s
@@ -96,11 +105,8 @@ class Session:
         self.suffix = "" if world == 1 else f":{rank}"
         self.data_key = keys.data_of(rank, world)
         self.held = False  # this rank had claimed the run before (a second resume)
-        self.resume_run = ""  # the run id the job's ranks resume into (see resume)
-        # Called with the acting client after every acquire not followed by a resume,
-        # and after every resume: claim.lua and resume.lua drop the rank's published
-        # shared-memory host, which the trainer publishes again here (consumer.reader.shm_frames).
-        self.publish: Callable[[redis.Redis], None] | None = None
+        self.resume_run = resume_run  # the run id the job's ranks resume into (see resume)
+        self._publish = publish
         # run, incarnation, held and plan change on the reader's thread too (recovery
         # after Redis lost the queue's state): written under this lock, read by position.
         self._lock = threading.Lock()
@@ -179,7 +185,7 @@ class Session:
                 is live, if the queue still runs that run (resuming a checkpoint).
             client: the calling thread's client (the reader's own; default the
                 stream's).
-            resuming: a :meth:`resume` follows (which publishes; see :attr:`publish`).
+            resuming: a :meth:`resume` follows (which publishes; see ``publish``).
 
         Raises:
             TrainerConflict: another trainer's claim is live.
@@ -204,9 +210,28 @@ class Session:
             self.incarnation, self.run = reply.incarnation, reply.run
             self.held = reply.held
         self.claimed = True
-        if self.publish is not None and not resuming:
-            self.publish(client)
+        if self._publish is not None and not resuming:
+            self._publish(client)
         return reply.new_run
+
+    def reclaim(self, client: redis.Redis) -> None:
+        """Claim the queue again after Redis lost its state, a :meth:`resume` to follow
+        (the reader thread re-creates the run from what the trainer has received).
+
+        Every rank of a job recovers into the same run, named after the new incarnation.
+        """
+        self.resume_run = ""
+        self.acquire(client=client, resuming=True)
+        if self.world > 1:
+            self.resume_run = hashlib.sha1(f"lost:{self.incarnation}".encode()).hexdigest()[:16]
+
+    def use_plan(self, meta: dict[bytes, bytes]) -> Plan | None:
+        """Take the run's plan from the queue's meta as read (None where no producer has
+        published one yet: :meth:`wait_for_plan` then waits for it)."""
+        plan = Plan(meta) if MetaField.SHARDS.encode() in meta else None
+        with self._lock:
+            self.plan = plan
+        return plan
 
     def refresh(self, client: redis.Redis) -> None:
         """Keep the claim alive (the reader calls this while its buffer is full).
@@ -307,24 +332,18 @@ class Session:
         Raises:
             StepMismatch: another rank of the job resumed from another step.
         """
-        plan = self.plan
-        same = plan is not None and plan.fingerprint == fingerprint and plan.hwm != ""
+        shape = _resumed_shape(self.plan, fingerprint, shards)
         run = self.resume_run if self.world > 1 and self.resume_run else uuid.uuid4().hex[:16]
         pairs = list(ledger)
-        lists: list[str] = []
-        if self.world > 1:  # this rank's list first (dropped on a second resume), remap last
-            lists = [self.data_key, *(d for d in self._data_lists(client) if d != self.data_key)]
+        lists = self._resume_lists(client)
 
         def call() -> CountReply:
             return scripts.resume(
                 client, self.keys, rank_lists=lists, token=self.token, new_run=run,
-                first=first_shard, fingerprint=fingerprint,
-                hwm=plan.hwm if same and plan else "",
-                shards=plan.shards if plan else (shards or 0),
-                window=plan.window if plan else 1,
-                epoch_batches=plan.epoch_batches if plan else -1, rank=self.rank,
-                world=self.world, even=self.even, step=step, held=self.held, remap=remap,
-                ledger=pairs,
+                first=first_shard, fingerprint=fingerprint, hwm=shape.hwm,
+                shards=shape.shards, window=shape.window, epoch_batches=shape.epoch_batches,
+                rank=self.rank, world=self.world, even=self.even, step=step, held=self.held,
+                remap=remap, ledger=pairs,
             )  # fmt: skip
 
         try:
@@ -336,9 +355,16 @@ class Session:
         self._check_resumed(reply, step)
         with self._lock:
             self.run = reply.text
-        if self.publish is not None:
-            self.publish(client)
+        if self._publish is not None:
+            self._publish(client)
         log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)
+
+    def _resume_lists(self, client: redis.Redis) -> list[str]:
+        """The rank lists resume.lua drops: none for a single trainer; a rank's own first
+        (dropped on a second resume), the remap last."""
+        if self.world == 1:
+            return []
+        return [self.data_key, *(d for d in self._data_lists(client) if d != self.data_key)]
 
     def _check_resumed(self, reply: CountReply, step: int) -> None:
         """Raise what resume.lua's reply says went wrong, if anything."""
@@ -349,3 +375,21 @@ class Session:
             )
         if reply.status != Status.OK:
             raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
+
+
+class _Shape(NamedTuple):
+    """The plan's figures a resume sends (resume.lua writes them into meta)."""
+
+    hwm: str
+    shards: int
+    window: int
+    epoch_batches: int
+
+
+def _resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> _Shape:
+    """What a resume tells of the plan: the published plan's (its hwm only for the same
+    pipeline), or where no producer published one, S from the checkpoint."""
+    if plan is None:
+        return _Shape("", shards or 0, 1, -1)
+    same = plan.fingerprint == fingerprint and plan.hwm != ""
+    return _Shape(plan.hwm if same else "", plan.shards, plan.window, plan.epoch_batches)

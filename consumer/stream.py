@@ -8,30 +8,19 @@ popped before the first iteration.
 from __future__ import annotations
 
 import logging
-import time
-import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from batchq.client.connection import make_client, resolve_url, retrying, tune_malloc
-from batchq.errors import (
-    ConfigError,
-    ConnectionLost,
-    LengthUnknown,
-    ProducerFailed,
-    ProducersLost,
-    StreamStopped,
-)
+from batchq.client.connection import make_client, resolve_url, tune_malloc
+from batchq.errors import ConfigError, ConnectionLost, StreamStopped
 from batchq.protocol.admin import check_eviction_policy
-from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.ranks import RankLayout
-from batchq.wire.codec import Frame, FrameKind
-from consumer.balance import Balancer
+from batchq.wire.codec import Frame
+from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
-from consumer.progress import EpochProgress
+from consumer.length import epoch_length
 from consumer.rank_state import (
     check_rank_state,
     check_state,
@@ -39,12 +28,12 @@ from consumer.rank_state import (
     resume_run_id,
 )
 from consumer.reader.buffer import Buffer
-from consumer.reader.ledger import Ledger
 from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
+from consumer.reader.settings import ReaderSettings
 from consumer.reader.shm_frames import TrainerShm
-from consumer.reader.thread import BLOCK_S, Reader
-from consumer.run_start import delete_old_frames, resume_position
-from consumer.session import Plan, Session
+from consumer.reader.thread import Reader
+from consumer.run_start import delete_old_frames, start_position, start_reading
+from consumer.session import Session
 from consumer.state_keys import (
     EPOCH_KEY,
     RUN_KEY,
@@ -151,7 +140,6 @@ class ServerDataStream(FuelStreamMixin):
         self.keys = QueueKeys(queue)
         self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
         self._step = 0  # batches yielded before this stream's ledger (a resume)
-        self._yielded = 0  # batches this stream yielded
         self._prep = FramePrep(sources, dtypes, queue, writable=writable)
         self.produces_examples = produces_examples
         self._axis_labels = None if axis_labels is None else dict(axis_labels)
@@ -167,10 +155,12 @@ class ServerDataStream(FuelStreamMixin):
         self.stall_s = stall_s
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
-        self._reader: Reader | None = None
-        self._ledger: Ledger | None = None  # built here; once read, the buffer's
-        self._buffer: Buffer | None = None
+        # Made when reading starts (the first epoch): the claim, the buffer (the only
+        # owner of the ledger), the reader thread, and how epochs are handed out.
         self._session: Session | None = None
+        self._buffer: Buffer | None = None
+        self._reader: Reader | None = None
+        self._feed: EpochFeed | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
         # Batches handed out, by the producer that made them (monitoring, tests).
@@ -178,9 +168,6 @@ class ServerDataStream(FuelStreamMixin):
         self.progress = progress
         self._stats = TrainerStats()
         self._plan_shards = 0  # S of the run's plan, once known
-        self._balancer: Balancer | None = None  # evens counts at run time (ranks)
-        self._static: RankLayout | None = None  # where pads are known slots (ranks)
-        self._pads = 0  # pad slots yielded
         self._shm = TrainerShm(
             self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
         )
@@ -254,9 +241,17 @@ class ServerDataStream(FuelStreamMixin):
         """
         if self._closed:
             raise StreamStopped("this ServerDataStream is closed")
-        self._start()
+        feed = self._start()
         self.epoch += 1
-        return self._iterate_frames(self.epoch)
+        plan = self._session.plan if self._session is not None else None
+        total = plan.epoch_batches if plan is not None and plan.epoch_batches >= 0 else None
+        return feed.frames(
+            self.epoch,
+            skip_errors=self.on_producer_error == "skip",
+            queue=self.keys.queue,
+            progress=self.progress,
+            total=total,
+        )
 
     def frame_ready(self) -> bool:
         """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
@@ -265,39 +260,15 @@ class ServerDataStream(FuelStreamMixin):
     def __len__(self) -> int:
         """Batches per epoch (this rank's share), from the run's plan (waits for a
         producer to publish it)."""
-        total = self._plan_len()
-        if self.world_size == 1:
-            return total
-        shards = self._retry(lambda: self._client.hget(self.keys.meta, MetaField.SHARDS), "reading")
-        if shards is None or int(shards) != total:
-            raise LengthUnknown(
-                f"queue {self.keys.queue}: with shards of more than one batch a rank's share "
-                "is only known at the epoch's end"
-            )
-        return RankLayout(total, self.world_size, self.even_batches).per_rank
-
-    def _plan_len(self) -> int:
         self._connect()
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            value = self._retry(
-                lambda: self._client.hget(self.keys.meta, MetaField.EPOCH_BATCHES),
-                "reading the plan",
-            )
-            if value is not None and int(value) >= 0:
-                return int(value)
-            if value is not None:
-                raise LengthUnknown(
-                    f"queue {self.keys.queue}: this pipeline cannot tell its batches per "
-                    "epoch in advance (it filters or regroups examples)"
-                )
-            if time.monotonic() > deadline:
-                raise ProducersLost(max(self.epoch, 0), [], self.timeout_s)
-            # No producer has joined yet: wait for one (bounded, a few checks a second).
-            self._retry(
-                lambda: self._client.blpop([self.keys.wake], timeout=BLOCK_S),
-                "waiting for the plan",
-            )
+        return epoch_length(
+            self._client,
+            self.keys,
+            world=self.world_size,
+            even=self.even_batches,
+            timeout_s=self.timeout_s,
+            epoch=self.epoch,
+        )
 
     def close(self, finished: bool = False) -> None:
         """Stop reading and release the queue.
@@ -319,8 +290,12 @@ class ServerDataStream(FuelStreamMixin):
             self._session = self._new_session()
             resume = self._resume or {}
             self._session.acquire(takeover=str(resume.get(RUN_KEY) or ""))
-        if self._client is None:
-            return
+        if self._client is not None:
+            self._release(finished)
+
+    def _release(self, finished: bool) -> None:
+        """Give the claim up (finished: the run ends at its last rank) and close the
+        stream's client."""
         try:
             # Frames and segments go with the run: at its last rank's finish.
             if self._session is not None and self._session.release(finished):
@@ -348,18 +323,18 @@ class ServerDataStream(FuelStreamMixin):
                 not handed on yet (a wrapper's prefetch): they come again after a resume.
         """
         held_back = dict(held_back) if held_back else None
-        if self._buffer is None or self._session is None:
+        if self._buffer is None or self._session is None or self._feed is None:
             if self._resume is not None:
                 return dict(self._resume)
             return unstarted_state(self.keys.queue)
         epoch, counts, done = self._buffer.consumed(held_back)
         run, plan = self._session.position()
         state = position_state(
-            self.keys.queue, run, plan.fingerprint if plan else "", self._buffer.ledger.shards,
+            self.keys.queue, run, plan.fingerprint if plan else "", self._buffer.shards,
             epoch, counts, done,
         )  # fmt: skip
         if self.world_size > 1:
-            step = self._step + self._yielded - sum((held_back or {}).values())
+            step = self._step + self._feed.yielded - sum((held_back or {}).values())
             state |= rank_fields(
                 self.rank, self.world_size, self.even_batches, self._plan_shards, step
             )
@@ -403,12 +378,12 @@ class ServerDataStream(FuelStreamMixin):
     def padded(self) -> int:
         """Batches this rank yielded a second time so that every rank yields as many
         (``even_batches='pad'``), over all epochs."""
-        return self._pads + (self._balancer.padded if self._balancer is not None else 0)
+        return self._feed.padded if self._feed is not None else 0
 
     @property
     def skipped_shards(self) -> int:
         """Shards skipped under ``on_producer_error='skip'``."""
-        return self._ledger.skipped if self._ledger is not None else 0
+        return self._buffer.skipped if self._buffer is not None else 0
 
     def __repr__(self) -> str:
         return f"ServerDataStream(sources={self.sources!r}, queue={self.keys.queue!r})"
@@ -420,14 +395,8 @@ class ServerDataStream(FuelStreamMixin):
             tune_malloc()
             self._client = make_client(self.url)
 
-    def _retry(self, fn: Any, what: str) -> Any:
-        """Run one of the stream's own Redis calls through the bounded reconnect."""
-        return retrying(
-            fn, f"{what} (queue {self.keys.queue})", self.timeout_s, client=self._client
-        )
-
-    def _new_session(self) -> Session:
-        session = Session(
+    def _new_session(self, resume_run: str = "") -> Session:
+        return Session(
             self._client,
             self.keys,
             self.claim_ttl_ms,
@@ -435,168 +404,59 @@ class ServerDataStream(FuelStreamMixin):
             rank=self.rank,
             world=self.world_size,
             even=self.even_batches,
+            resume_run=resume_run,
+            # This trainer's host, after every claim and resume (they drop it).
+            publish=lambda client: self._shm.publish(client, self.hwm),
         )
-        # This trainer's host, after every claim and resume (they drop it).
-        session.publish = lambda client: self._shm.publish(client, self.hwm)
-        return session
 
-    def _start(self) -> None:
-        if self._reader is not None:
-            return
+    def _start(self) -> EpochFeed:
+        """Start reading, once: claim the queue, find where the run starts, start the
+        reader thread (:mod:`consumer.run_start`). The claim is kept from the moment it
+        is made: :meth:`close` releases it whatever failed after."""
+        if self._feed is not None:
+            return self._feed
         self._connect()
         check_eviction_policy(self._client)
-        session = self._new_session()
         resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
-        if resume is not None:
-            session.resume_run = resume_run_id(resume, self.world_size)
+        session = self._new_session(resume_run_id(resume, self.world_size) if resume else "")
         new_run = session.acquire(
             takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
         )
         self._session = session
-        if new_run:
-            delete_old_frames(self._client, self.keys, self.timeout_s)
-        if resume is None:
-            plan = session.wait_for_plan(self.timeout_s, BLOCK_S)
-            self._plan_shards = plan.shards
-            layout = session.layout(plan.shards)
-            ledger = Ledger(layout.per_rank, ordered=self.ordered, first_epoch=0)
-        else:
-            layout, ledger, self._plan_shards = resume_position(
-                session,
-                self._client,
-                self.keys,
-                resume,
-                rank=self.rank,
-                ordered=self.ordered,
-                step=self._step,
-                timeout_s=self.timeout_s,
-                block_s=BLOCK_S,
-            )
-        if session.plan is not None:
-            ledger.window = session.plan.window if session.plan.has_window else None
-            ledger.epoch_batches = session.plan.epoch_batches
-        self._shm.new_run(session.run)  # other runs' segments: nothing will pop them
-        self._shm.access = self._prep.access  # the one owner's setting, fixed from here
-        self._ledger = ledger
-        self._buffer = Buffer(ledger)
-        self._even_up(layout, session.plan)
-        self._reader = Reader(
-            make_client(self.url),
-            self.keys,
+        start = start_position(
             session,
-            self._buffer,
+            resume,
+            new_run=new_run,
+            ordered=self.ordered,
+            step=self._step,
+            timeout_s=self.timeout_s,
+        )
+        self._plan_shards = start.plan_shards
+        settings = ReaderSettings(
             hwm=self.hwm,
             timeout_s=self.timeout_s,
             writable=self._prep.writable,
             max_frame_bytes=self.max_frame_bytes,
             on_bad_frame=self.on_bad_frame,
             stall_s=self.stall_s,
-            stats=self._stats,
+            layout=start.layout,
+        )
+        self._buffer, self._reader, self._feed = start_reading(
+            session,
+            start,
+            settings,
+            make_client(self.url),
             shm=self._shm,
-            prepare=self._prep,
-            layout=layout,
+            prep=self._prep,
+            stats=self._stats,
+            seen=self.producers_seen,
         )
-        self._reader.start()
-
-    def _even_up(self, layout: RankLayout, plan: Plan | None) -> None:
-        """How this rank's counts come out equal: by the slots alone where every shard is
-        one batch (pads counted as they are yielded), else by telling the other ranks
-        (:mod:`consumer.balance`)."""
-        if layout.world == 1:
-            return
-        if plan is not None and plan.epoch_batches == plan.shards:
-            self._static = layout if layout.pads else None
-            return
-        self._balancer = Balancer(
-            self._client,
-            self.keys,
-            self.rank,
-            self.world_size,
-            self.even_batches,
-            self.timeout_s,
-            keep=self.hwm,
-        )
+        return self._feed
 
     @staticmethod
     def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:
         for frame in frames:
             yield frame.as_dict() if as_dict else frame.data
-
-    def _iterate_frames(self, epoch: int) -> Iterator[Frame]:
-        reader, buffer = self._reader, self._buffer
-        if reader is None or buffer is None:  # pragma: no cover - _start sets both
-            raise StreamStopped("the reader did not start")
-        buffer.start_epoch(epoch)
-        self._stats.start_epoch(epoch)
-        bar = self._progress_bar(epoch)
-        handed_out: float | None = None  # when the previous batch left this generator
-        frames = self._buffer_frames(reader, buffer)
-        if self._balancer is not None:
-            self._balancer.start_epoch(epoch)
-            frames = self._balancer.balance(epoch, frames, buffer.cut_epoch)
-        try:
-            while True:
-                asked = time.monotonic()
-                frame = next(frames, None)
-                if frame is None:
-                    self._stats.end_epoch()
-                    return
-                now = time.monotonic()
-                busy = asked - handed_out if handed_out is not None else 0.0
-                self._stats.batch(now - asked, busy, frame.nbytes)
-                self.producers_seen[frame.producer] += 1
-                self._yielded += 1
-                if bar is not None:
-                    bar.update(self._stats.snapshot())
-                for message in self._prep.take_warnings():
-                    warnings.warn(message, UserWarning, stacklevel=3)
-                handed_out = time.monotonic()
-                yield frame
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def _buffer_frames(self, reader: Reader, buffer: Buffer) -> Iterator[Frame]:
-        while (frame := self._next(reader, buffer)) is not None:
-            static = self._static
-            if static is not None and static.slot(frame.shard, self.rank) >= static.shards:
-                self._pads += 1  # a pad slot: one of the epoch's first batches again
-            yield frame
-
-    def _next(self, reader: Reader, buffer: Buffer) -> Any:
-        """The next batch frame of the epoch (waiting for it), or None at its end."""
-        while True:
-            frame = buffer.take(reader.is_alive, BLOCK_S)
-            if frame is None:
-                return None
-            if frame.kind != FrameKind.ERROR:
-                return frame
-            if self.on_producer_error != "skip":
-                raise ProducerFailed(
-                    frame.epoch,
-                    frame.shard,
-                    frame.producer,
-                    frame.error or "",
-                    f"the producer's pipeline raised {frame.error_name or 'an exception'}",
-                )
-            log.warning(
-                "queue %s: skipping epoch %d shard %d, whose pipeline raised %s",
-                self.keys.queue,
-                frame.epoch,
-                frame.shard,
-                frame.error_name,
-            )
-            buffer.skip_error(frame)
-
-    def _progress_bar(self, epoch: int) -> EpochProgress | None:
-        if not self.progress:
-            return None
-        total = None
-        if self._session is not None and self._session.plan is not None:
-            total = (
-                self._session.plan.epoch_batches if self._session.plan.epoch_batches >= 0 else None
-            )
-        return EpochProgress(epoch, total)
 
     @property
     def max_buffered(self) -> int:
@@ -610,5 +470,5 @@ class ServerDataStream(FuelStreamMixin):
         ``dropped_ahead``: frames past the look-ahead window dropped, to be built again
         (shards leased before the run's floor moved back, see docs/design.md)."""
         out = self._stats.snapshot()
-        out["dropped_ahead"] = self._ledger.dropped_ahead if self._ledger is not None else 0
+        out["dropped_ahead"] = self._buffer.dropped_ahead if self._buffer is not None else 0
         return out

@@ -17,13 +17,7 @@ def check_stream_options(options: dict[str, Any]) -> None:
     Raises:
         ConfigError: the first invalid argument.
     """
-    sources = options["sources"]
-    if sources is not None and (
-        isinstance(sources, str)
-        or not all(isinstance(s, str) for s in sources)
-        or len(set(sources)) != len(sources)
-    ):
-        raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of distinct names")
+    _check_sources(options["sources"])
     hwm = options["hwm"]
     if not isinstance(hwm, int) or hwm < 1:
         raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
@@ -32,7 +26,21 @@ def check_stream_options(options: dict[str, Any]) -> None:
     for name in ("on_bad_frame", "on_producer_error"):
         if options[name] not in ("raise", "skip"):
             raise ConfigError(f"{name} {options[name]!r} is not valid: 'raise' or 'skip'")
-    rank, world_size = options["rank"], options["world_size"]
-    RankLayout(1, world_size, options["even_batches"])  # checks world_size, even_batches
+    _check_rank(options["rank"], options["world_size"], options["even_batches"])
+
+
+def _check_sources(sources: Any) -> None:
+    """None, or distinct names (a string is not a tuple of names)."""
+    if sources is not None and (
+        isinstance(sources, str)
+        or not all(isinstance(s, str) for s in sources)
+        or len(set(sources)) != len(sources)
+    ):
+        raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of distinct names")
+
+
+def _check_rank(rank: Any, world_size: Any, even_batches: Any) -> None:
+    """A rank of a valid world size and even mode."""
+    RankLayout(1, world_size, even_batches)  # checks world_size, even_batches
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank!r} is not valid: expected an integer in [0, {world_size})")

@@ -97,17 +97,10 @@ class TorchStream(IterableDataset[Any]):
         dtypes: Mapping[str, Any] | None = None,
         pool_buffers: int = 64,
     ) -> None:
-        if not isinstance(stream, ServerDataStream):
-            raise ConfigError(f"stream {stream!r} is not valid: expected a ServerDataStream")
-        if stream.started:
-            raise ConfigError("wrap the ServerDataStream before its first epoch")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ConfigError(f"prefetch {prefetch!r} is not valid: expected an integer >= 1")
+        _check_wrappable(stream, prefetch)
         self.stream = stream
         self.as_dict = as_dict
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type != "cpu":
-            _check_device(self.device)
+        self.device = _device(device)
         self.prefetch = prefetch
         # Writable frames, each tensor owning its frame's memory (no copy for large
         # frames); a shared-memory batch's segment is its own too, until its tensors are
@@ -116,18 +109,11 @@ class TorchStream(IterableDataset[Any]):
             dtypes={s: _numpy_dtype(s, d) for s, d in (dtypes or {}).items()},
             access=ArrayAccess.VIEWS,
         )
-        if pin_memory is None:
-            pin_memory = self.device.type != "cpu"
-        self.pin_memory = bool(pin_memory)
+        self.pin_memory = self.device.type != "cpu" if pin_memory is None else bool(pin_memory)
         self.pool: PinnedPool | None = None
         self._warn_unpinned = False
         if self.pin_memory:
-            if torch.accelerator.is_available():
-                self.pool = PinnedPool(max_buffers=pool_buffers)
-                stream.configure_frames(hook=self._pin)
-            else:
-                # Warned at the first epoch, as a DataLoader warns when it is iterated.
-                self._warn_unpinned = True
+            self._pin_batches(pool_buffers)
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
         self._held: Counter[int] = Counter()  # shard -> batches pulled, not yet yielded
 
@@ -192,6 +178,15 @@ class TorchStream(IterableDataset[Any]):
 
     # -- internals ---------------------------------------------------------------------
 
+    def _pin_batches(self, pool_buffers: int) -> None:
+        """Have the reader thread copy batches into pinned memory (pin_memory=True)."""
+        if torch.accelerator.is_available():
+            self.pool = PinnedPool(max_buffers=pool_buffers)
+            self.stream.configure_frames(hook=self._pin)
+        else:
+            # Warned at the first epoch, as a DataLoader warns when it is iterated.
+            self._warn_unpinned = True
+
     def _pin(self, frame: Any) -> Any:
         """Reader-thread hook: the batch's arrays copied into pinned pool buffers."""
         pool = self.pool
@@ -210,6 +205,10 @@ class TorchStream(IterableDataset[Any]):
             for frame in frames:
                 yield _shape(frame.sources, tuple(to_tensor(v) for v in frame.data), as_dict)
             return
+        yield from self._moved(frames, mover, as_dict)
+
+    def _moved(self, frames: Iterator[Any], mover: DeviceMover, as_dict: bool) -> Iterator[Any]:
+        """The epoch's batches on the device, up to ``prefetch`` of them on their way."""
         pending: deque[tuple[int, tuple[str, ...], tuple[Any, ...], Any]] = deque()
         deferred: BaseException | None = None
         try:
@@ -219,15 +218,8 @@ class TorchStream(IterableDataset[Any]):
                         raise deferred
                     if not self._pull(frames, mover, pending):
                         return
-                # Top up without waiting: only batches that have arrived already.
-                while deferred is None and len(pending) < self.prefetch:
-                    if not self.stream.frame_ready():
-                        break
-                    try:
-                        if not self._pull(frames, mover, pending):
-                            break
-                    except BatchQueueError as e:  # raised after the batches before it
-                        deferred = e
+                if deferred is None:
+                    deferred = self._top_up(frames, mover, pending)
                 shard, sources, moved, event = pending.popleft()
                 mover.hand_over(moved, event)
                 self._held[shard] -= 1
@@ -236,6 +228,22 @@ class TorchStream(IterableDataset[Any]):
                 yield _shape(sources, moved, as_dict)
         finally:
             self._held.clear()
+
+    def _top_up(
+        self,
+        frames: Iterator[Any],
+        mover: DeviceMover,
+        pending: deque[tuple[int, tuple[str, ...], tuple[Any, ...], Any]],
+    ) -> BatchQueueError | None:
+        """Top up without waiting: only batches that have arrived already. Returns the
+        error a later batch raised, to be raised after the batches before it."""
+        while len(pending) < self.prefetch and self.stream.frame_ready():
+            try:
+                if not self._pull(frames, mover, pending):
+                    return None
+            except BatchQueueError as e:
+                return e
+        return None
 
     def _pull(
         self,
@@ -250,6 +258,24 @@ class TorchStream(IterableDataset[Any]):
         moved, event = mover.issue(tuple(to_tensor(v) for v in frame.data))
         pending.append((frame.shard, frame.sources, moved, event))
         return True
+
+
+def _check_wrappable(stream: Any, prefetch: Any) -> None:
+    """Refuse what is not a ServerDataStream before its first epoch, or a bad prefetch."""
+    if not isinstance(stream, ServerDataStream):
+        raise ConfigError(f"stream {stream!r} is not valid: expected a ServerDataStream")
+    if stream.started:
+        raise ConfigError("wrap the ServerDataStream before its first epoch")
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise ConfigError(f"prefetch {prefetch!r} is not valid: expected an integer >= 1")
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    """The torch device batches are delivered on (default the CPU), checked available."""
+    out = torch.device(device) if device is not None else torch.device("cpu")
+    if out.type != "cpu":
+        _check_device(out)
+    return out
 
 
 def _shape(sources: tuple[str, ...], values: tuple[Any, ...], as_dict: bool) -> Any:

@@ -2,9 +2,10 @@
 them: the ledger and the one lock that guards it.
 
 The :class:`Buffer` is the only owner of the ledger once the reader has started: the
-reader puts frames in (:meth:`Buffer.put`) and hands its error over as a value
-(:meth:`Buffer.fail`); the stream starts epochs, takes frames, skips errors and reads
-its position only through the methods here. Each method takes the lock itself and
+reader puts frames in (:meth:`Buffer.put`), hands its error over as a value
+(:meth:`Buffer.fail`) and reads what it needs (room, the floor, what is missing, what
+arrived) through the methods here, as the stream starts epochs, takes frames, skips
+errors and reads its position. Each method takes the lock itself and
 wakes the other side when it changed something the other side waits for (a frame, room
 in the look-ahead, a new epoch, an error).
 """
@@ -31,7 +32,7 @@ class Buffer:
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        self.cond = threading.Condition()  # the reader's own waits use it too
+        self.cond = threading.Condition()  # guards the ledger; each side waits on it
         self.error: BaseException | None = None  # what stopped the reader
         self.waiting_since: float | None = None  # the iterator waits for a frame
         self.max_buffered = 0  # the most frames held at once (a figure)
@@ -74,6 +75,67 @@ class Buffer:
         """Wake whoever waits (the reader is asked to stop)."""
         with self.cond:
             self.cond.notify_all()
+
+    def idle(self, hwm: int, published_floor: int, wait_s: float) -> tuple[bool, bool]:
+        """Whether the reader has nothing to pop, and whether the floor is stale; idle
+        and not stale, it first waits (at most ``wait_s``) for the iterator to make room.
+
+        Args:
+            hwm: the trainer's prefetch bound; past it the reader pops only while the
+                next frame in order is missing.
+            published_floor: the floor the last pop sent. It was read before the frames
+                that pop brought were filed: an idle reader publishes the floor they
+                advanced it to (stale: True) rather than wait, or producers may wait at
+                the window meanwhile.
+
+        Returns:
+            (idle, stale).
+        """
+        with self.cond:
+            ledger = self.ledger
+            idle = ledger.buffered >= hwm and not ledger.needs_more()
+            stale = idle and ledger.floor() > published_floor
+            if idle and not stale:
+                self.cond.wait(timeout=wait_s)
+        return idle, stale
+
+    def fill(self) -> tuple[int, int]:
+        """(frames held, floor): how much room a pop has, and the floor it publishes."""
+        with self.cond:
+            return self.ledger.buffered, self.ledger.floor()
+
+    def floor(self) -> int:
+        """The oldest incomplete shard (the look-ahead window's base, global number)."""
+        with self.cond:
+            return self.ledger.floor()
+
+    def waited_since(self) -> float | None:
+        """Since when the iterator waits for a frame (None: it does not)."""
+        with self.cond:
+            return self.waiting_since
+
+    def missing(self) -> tuple[int, list[int]]:
+        """(epoch, its shards not complete): what the iterator waits for."""
+        with self.cond:
+            return self.ledger.epoch, self.ledger.missing_shards()
+
+    def incomplete(self, window: int) -> list[int]:
+        """The shards of the look-ahead window (``window`` shards from the floor) that are
+        not complete, as global shard numbers."""
+        with self.cond:
+            return self.ledger.incomplete(self.ledger.floor(), window)
+
+    def received(self) -> tuple[int, list[tuple[str, str]]]:
+        """(the current epoch's first shard, every shard received from it on as ledger
+        pairs): what a run re-created after Redis lost the queue starts from."""
+        with self.cond:
+            ledger = self.ledger
+            return ledger.epoch * ledger.shards, ledger.received_pairs()
+
+    @property
+    def dropped_ahead(self) -> int:
+        """Frames past the look-ahead window dropped so far (written by :meth:`put`)."""
+        return self.ledger.dropped_ahead
 
     # -- the iterator's side -------------------------------------------------------------
 
@@ -142,3 +204,13 @@ class Buffer:
         """The ledger's position (see :meth:`Ledger.consumed`), read under the lock."""
         with self.cond:
             return self.ledger.consumed(held_back)
+
+    @property
+    def shards(self) -> int:
+        """Shards per epoch in the ledger's terms (a rank's: its local shards)."""
+        return self.ledger.shards
+
+    @property
+    def skipped(self) -> int:
+        """Shards skipped under ``on_producer_error='skip'``."""
+        return self.ledger.skipped

@@ -10,17 +10,16 @@ from typing import Any
 
 import redis
 
-from batchq.client.connection import call
-from batchq.errors import FrameError
+from batchq.client.connection import call, is_wrong_type, redis_errors
+from batchq.errors import ConnectionLost, FrameError
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
 from batchq.wire.shm import is_descriptor
-from consumer.reader.guards import ref_error
 from consumer.reader.receive import getdel_into
 from consumer.reader.shm_frames import TrainerShm
 
-__all__ = ["Fetched", "Fetcher"]
+__all__ = ["Fetched", "Fetcher", "ref_error"]
 
 # One popped element resolved: (its frame's bytes or None when it is a bad frame, the
 # list element itself, the key of a frame stored by reference or '').
@@ -79,24 +78,30 @@ class Fetcher:
         if stored and self.max_frame_bytes is not None:
             stored = self._refuse_oversized(stored, out)
         if stored:
-            # Straight from the socket into buffers the trainer owns: no copy in redis-py
-            # (half the trainer's CPU per 12.6 MB frame, bench/torch_loader.py), and
-            # writable arrays need none either. A key of another type answers an error
-            # in its place (a bad frame below), not for the whole round.
-            names = [k for _, k in stored]
-            replies: list[Any] = call(
-                lambda: getdel_into(self.client, names, raise_on_error=False), "fetching frames"
-            )
-            for (i, key), value in zip(stored, replies, strict=True):
-                element = out[i][1]
-                if isinstance(value, Exception):
-                    # Another type under a frame's name (a foreign writer): a bad frame.
-                    self._dead(element, ref_error(key, value))
-                    value = None
-                elif value is None:
-                    self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
-                out[i] = (value, element, key)
+            self._receive(stored, out)
         return out
+
+    def _receive(self, stored: list[tuple[int, str]], out: list[Fetched]) -> None:
+        """Fetch the referenced frames into their places in ``out``.
+
+        Straight from the socket into buffers the trainer owns: no copy in redis-py (half
+        the trainer's CPU per 12.6 MB frame, bench/torch_loader.py), and writable arrays
+        need none either. A key of another type answers an error in its place (a bad
+        frame), not for the whole round.
+        """
+        names = [k for _, k in stored]
+        replies: list[Any] = call(
+            lambda: getdel_into(self.client, names, raise_on_error=False), "fetching frames"
+        )
+        for (i, key), value in zip(stored, replies, strict=True):
+            element = out[i][1]
+            if isinstance(value, Exception):
+                # Another type under a frame's name (a foreign writer): a bad frame.
+                self._dead(element, ref_error(key, value))
+                value = None
+            elif value is None:
+                self._dead(element, FrameError("missing_ref", f"frame key {key!r} is gone"))
+            out[i] = (value, element, key)
 
     def _refuse_oversized(
         self, stored: list[tuple[int, str]], out: list[Fetched]
@@ -124,3 +129,18 @@ class Fetcher:
 
     def _drop_key(self, key: str) -> None:
         call(lambda: self.client.delete(key), "dropping an oversized frame")
+
+
+def ref_error(key: str, error: Exception) -> FrameError:
+    """The bad frame for a reference whose key could not be read as a string.
+
+    Raises:
+        ConnectionLost: the error was the connection's.
+    """
+    if is_wrong_type(error):
+        return FrameError(
+            "wrong_type", f"frame key {key!r} holds another Redis type, expected a string"
+        )
+    if isinstance(error, redis_errors):
+        raise ConnectionLost(f"Redis connection lost while fetching {key!r}: {error}") from error
+    return FrameError("bad_ref", f"frame key {key!r} could not be read: {error}")

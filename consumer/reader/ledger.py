@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from batchq.protocol.layout import DONE, ledger_field
 from batchq.wire.codec import Frame, FrameKind
+from consumer.reader.impossible import why_impossible
 
 __all__ = ["Ledger", "ShardState"]
 
@@ -103,26 +104,12 @@ class Ledger:
 
         Its count must fit its position (a last batch at k counts k + 1 batches, an END
         or ERROR at k counts k), it must lie within the plan's batches per epoch, and fit
-        what the shard's last frame already said. A frame past the look-ahead window is
-        not impossible (see :meth:`ahead`).
+        what the shard's last frame already said (the rules:
+        :mod:`consumer.reader.impossible`). A frame past the look-ahead window is not
+        impossible (see :meth:`ahead`).
         """
-        k, count, kind = frame.k, frame.count, frame.kind
-        where = f"epoch {frame.epoch} shard {frame.shard} k {k}"
-        if kind == FrameKind.BATCH:
-            if frame.last and count != k + 1:
-                return f"{where}: a last batch must count {k + 1} batches, it says {count}"
-        elif count != k:
-            return f"{where}: an {kind.name} frame at k {k} must count {k}, it says {count}"
-        eb = self.epoch_batches
-        if eb is not None and eb >= 0 and (k >= eb if kind == FrameKind.BATCH else k > eb):
-            return f"{where}: beyond the plan's {eb} batches per epoch"
         state = self._epochs.get(frame.epoch, {}).get(frame.shard)
-        if state is not None and state.count is not None and kind != FrameKind.ERROR:
-            if kind == FrameKind.BATCH and k >= state.count:
-                return f"{where}: the shard has {state.count} batches"
-            if frame.last and count != state.count:
-                return f"{where}: says {count} batches, the shard's last frame said {state.count}"
-        return None
+        return why_impossible(frame, self.epoch_batches, None if state is None else state.count)
 
     def ahead(self, frame: Frame) -> bool:
         """Whether a frame lies past the look-ahead window above the floor: it is then
@@ -281,11 +268,16 @@ class Ledger:
 
     def _find(self, *, take: bool) -> Frame | None:
         states = self._epochs.get(self.epoch, {})
-        if not self.ordered:
-            for state in states.values():
-                if state.error is not None:
-                    return state.error
-            return self._find_arrived(states, take=take)
+        if self.ordered:
+            return self._find_ordered(states, take=take)
+        for state in states.values():
+            if state.error is not None:
+                return state.error
+        return self._find_arrived(states, take=take)
+
+    def _find_ordered(self, states: dict[int, ShardState], *, take: bool) -> Frame | None:
+        """Plan order: the frame at the cursor (an ERROR frame once its shard's batches
+        before it were handed out), moving the cursor past complete shards."""
         shard, k = self._cursor
         while shard < self.shards:
             current = states.get(shard)

@@ -185,11 +185,7 @@ class FramePrep:
     def __call__(self, frame: Frame) -> Frame:
         if frame.kind is not FrameKind.BATCH:
             return frame
-        index = self._index.get(frame.sources)
-        if index is None:
-            index = self._index[frame.sources] = self._resolve(frame.sources)
-        names = self.sources if self.sources is not None else frame.sources
-        data = [frame.data[i] for i in index]
+        names, data = self._select(frame)
         for pos, name in enumerate(names):
             wanted = self.dtypes.get(name)
             if wanted is not None:
@@ -201,6 +197,14 @@ class FramePrep:
         for hook in self.hooks:
             frame = hook(frame)
         return frame
+
+    def _select(self, frame: Frame) -> tuple[tuple[str, ...], list[Any]]:
+        """The trainer's sources and the frame's values of them, in the trainer's order."""
+        index = self._index.get(frame.sources)
+        if index is None:
+            index = self._index[frame.sources] = self._resolve(frame.sources)
+        names = self.sources if self.sources is not None else frame.sources
+        return names, [frame.data[i] for i in index]
 
     def take_warnings(self) -> list[str]:
         """The cast warnings not yet raised (the iterator raises them)."""
@@ -274,13 +278,17 @@ def decode_axis_labels(raw: bytes | None, sources: Sequence[str]) -> dict[str, A
     except ValueError:
         log.warning("axis labels %r ignored: not JSON", raw[:80])
         return None
-    ok = isinstance(value, dict) and all(
-        isinstance(k, str)
-        and (v is None or (isinstance(v, list) and all(isinstance(a, str) for a in v)))
-        for k, v in value.items()
-    )
-    if not ok:
+    if not _labels_shape(value):
         log.warning("axis labels %r ignored: expected source -> list of names", raw[:80])
         return None
     wanted = tuple(sources) or tuple(value)
     return {s: None if value.get(s) is None else tuple(value[s]) for s in wanted if s in value}
+
+
+def _labels_shape(value: Any) -> bool:
+    """Whether decoded axis labels are source -> None or a list of names."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str)
+        and (v is None or (isinstance(v, list) and all(isinstance(a, str) for a in v)))
+        for k, v in value.items()
+    )

@@ -53,33 +53,49 @@ def getdel_into(
     pool = client.connection_pool
     conn: Any = pool.get_connection()
     try:
-        sock = getattr(conn, "_sock", None)
+        sock = _plain_socket(conn)
         if sock is None:
-            conn.connect()
-            sock = getattr(conn, "_sock", None)
-        if not isinstance(sock, socket.socket) or _parser_holds_data(conn):
             return _fallback(client, keys, raise_on_error)
-        try:
-            conn.send_packed_command(conn.pack_commands([("GETDEL", key) for key in keys]))
-            reader = _BulkReader(sock)
-            replies = [reader.bulk() for _ in keys]
-        except (OSError, ValueError) as e:
-            conn.disconnect()
-            if isinstance(e, socket.timeout):
-                raise redis.TimeoutError(f"reading a frame: {e}") from e
-            raise redis.ConnectionError(f"reading a frame: {e}") from e
-        except BaseException:
-            conn.disconnect()
-            raise
-        if reader.leftover:
-            conn.disconnect()  # cannot happen with one reply per command; stay safe
-            raise redis.ConnectionError(f"{reader.leftover} unexpected bytes after the replies")
+        replies = _read_replies(conn, sock, keys)
         for reply in replies:
             if raise_on_error and isinstance(reply, redis.ResponseError):
                 raise reply
         return replies
     finally:
         pool.release(conn)
+
+
+def _plain_socket(conn: Any) -> socket.socket | None:
+    """The connection's plain socket (connected now if it was not), or None where it
+    is not one, or its parser holds unread bytes."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        conn.connect()
+        sock = getattr(conn, "_sock", None)
+    if not isinstance(sock, socket.socket) or _parser_holds_data(conn):
+        return None
+    return sock
+
+
+def _read_replies(conn: Any, sock: socket.socket, keys: list[str]) -> list[Reply]:
+    """Send the GETDELs and read one reply per key (a connection that failed is
+    dropped, never handed back out of step with its replies)."""
+    try:
+        conn.send_packed_command(conn.pack_commands([("GETDEL", key) for key in keys]))
+        reader = _BulkReader(sock)
+        replies = [reader.bulk() for _ in keys]
+    except (OSError, ValueError) as e:
+        conn.disconnect()
+        if isinstance(e, socket.timeout):
+            raise redis.TimeoutError(f"reading a frame: {e}") from e
+        raise redis.ConnectionError(f"reading a frame: {e}") from e
+    except BaseException:
+        conn.disconnect()
+        raise
+    if reader.leftover:
+        conn.disconnect()  # cannot happen with one reply per command; stay safe
+        raise redis.ConnectionError(f"{reader.leftover} unexpected bytes after the replies")
+    return replies
 
 
 def _parser_holds_data(conn: Any) -> bool:

@@ -55,6 +55,8 @@ from batchq.wire.shm import (
     OFF_RETIRED,
     SEGMENT_MAGIC,
     SEGMENT_MODE,
+    Descriptor,
+    SegmentName,
     decode_descriptor,
     host_identity,
     list_segments,
@@ -84,6 +86,26 @@ def _release(mm: mmap.mmap, gen: int, path: str, ino: int) -> None:
             os.unlink(path)
     except (ValueError, OSError):  # unmapped or already removed: nothing to hand back
         pass
+
+
+def _remove_if_released(path: str) -> bool:
+    """Remove a segment whose last batch was released (its producer is gone); False if
+    it still holds one, or cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
+        if len(head) < HEADER_BYTES:
+            return False
+        magic, _version, gen, released, _retired, _length = HEADER.unpack(head)
+        if magic == SEGMENT_MAGIC and gen == released:
+            os.unlink(path)
+            return True
+    except OSError:
+        pass
+    return False
 
 
 class TrainerShm:
@@ -175,36 +197,25 @@ class TrainerShm:
         if self.identity is None or not self._run or now - self._swept < SWEEP_S:
             return 0
         self._swept = now
-        listed = [
-            (n, p) for n, p in list_segments(self.shm_dir, self.keys.queue) if p.run == self._run
-        ]
+        listed = self._listed()
         if not listed:
             return 0
         members = call(lambda: client.zrangebyscore(self.keys.producers, "-inf", "+inf"), "reading")
         alive = {m.decode() for m in members}  # type: ignore[union-attr]
         removed = 0
         for name, parsed in listed:
-            if parsed.producer in alive:
-                continue
-            path = os.path.join(self.shm_dir, name)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    head = os.pread(fd, HEADER_BYTES, 0)
-                finally:
-                    os.close(fd)
-                if len(head) < HEADER_BYTES:
-                    continue
-                magic, _version, gen, released, _retired, _length = HEADER.unpack(head)
-                if magic == SEGMENT_MAGIC and gen == released:
-                    os.unlink(path)
-                    removed += 1
-            except OSError:
-                continue
+            if parsed.producer not in alive:
+                removed += _remove_if_released(os.path.join(self.shm_dir, name))
         if removed:
             log.info("queue %s: removed %d segments of gone producers", self.keys.queue, removed)
         self.swept += removed
         return removed
+
+    def _listed(self) -> list[tuple[str, SegmentName]]:
+        """This run's segments on this host: (name, parsed name)."""
+        return [
+            (n, p) for n, p in list_segments(self.shm_dir, self.keys.queue) if p.run == self._run
+        ]
 
     def finish(self) -> None:
         """The run finished: every segment of this queue on this host goes."""
@@ -221,13 +232,8 @@ class TrainerShm:
                 ``shm_wrong_size``, ``shm_stale``).
         """
         desc = decode_descriptor(element, self.keys.queue)
-        if self.identity is None:
-            raise FrameError("shm_unavailable", f"segment {desc.segment}: this trainer has no shm")
         if desc.host != self.identity:
-            raise FrameError(
-                "shm_foreign_host",
-                f"segment {desc.segment} is on host {desc.host[:80]!r}, not this one",
-            )
+            raise self._host_error(desc)
         path = os.path.join(self.shm_dir, desc.segment)
         ino, size, mm, _dev = self._map(desc.segment, path)
         if HEADER_BYTES + desc.length > size:
@@ -249,25 +255,47 @@ class TrainerShm:
                 f"the descriptor names generation {desc.gen} of {desc.length}",
             )
         if owner is None:
-            if released >= gen:
-                raise FrameError(
-                    "shm_stale",
-                    f"segment {desc.segment}: generation {gen} was released already",
-                )
-            owner = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=HEADER_BYTES)
-            owner.flags.writeable = self.access is ArrayAccess.VIEWS
-            weakref.finalize(owner, _release, mm, desc.gen, path, ino)
-            self._owners[key] = owner
-            self._seen[key] = None
-            if len(self._seen) > SEEN_MAX:
-                self._seen.popitem(last=False)
+            owner = self._new_owner(key, mm, desc.length, path, released)
         self.frames += 1
         if self.access is ArrayAccess.WRITABLE:
             # Copied into memory the arrays own; the owner goes here: released at once.
             return memoryview(bytearray(owner))
         return owner
 
+    def _host_error(self, desc: Descriptor) -> FrameError:
+        """The bad frame for a descriptor of another host (or a trainer without shm)."""
+        if self.identity is None:
+            return FrameError("shm_unavailable", f"segment {desc.segment}: this trainer has no shm")
+        return FrameError(
+            "shm_foreign_host",
+            f"segment {desc.segment} is on host {desc.host[:80]!r}, not this one",
+        )
+
+    def _new_owner(
+        self, key: tuple[str, int, int], mm: mmap.mmap, length: int, path: str, released: int
+    ) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The owner of a batch not had before: released into its segment when freed.
+
+        Raises:
+            FrameError: ``shm_stale``, the generation was released already.
+        """
+        segment, ino, gen = key
+        if released >= gen:
+            raise FrameError(
+                "shm_stale", f"segment {segment}: generation {gen} was released already"
+            )
+        owner = np.frombuffer(mm, dtype=np.uint8, count=length, offset=HEADER_BYTES)
+        owner.flags.writeable = self.access is ArrayAccess.VIEWS
+        weakref.finalize(owner, _release, mm, gen, path, ino)
+        self._owners[key] = owner
+        self._seen[key] = None
+        if len(self._seen) > SEEN_MAX:
+            self._seen.popitem(last=False)
+        return owner
+
     def _map(self, name: str, path: str) -> tuple[int, int, mmap.mmap, int]:
+        """(inode, size, mapping, device) of a segment: the cached mapping while the file
+        is the one mapped, else a fresh one of the checked file."""
         try:
             st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
@@ -280,36 +308,12 @@ class TrainerShm:
         if cached is not None and cached[:2] == (st.st_ino, st.st_size) and cached[3] == st.st_dev:
             self._mapped.move_to_end(name)
             return cached
-        try:
-            # O_NONBLOCK: a FIFO named as a segment must not block the open.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise FrameError("shm_missing", f"segment {path} does not exist") from None
-        except OSError as e:  # ELOOP: a symlink; EACCES: not ours
-            raise FrameError("shm_outside", f"segment {path} cannot be opened: {e}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise FrameError(
-                    "shm_outside", f"segment {path} is not a regular file of this user"
-                )
-            if stat.S_IMODE(st.st_mode) != SEGMENT_MODE or st.st_nlink != 1:
-                raise FrameError(
-                    "shm_outside",
-                    f"segment {path} has mode {stat.S_IMODE(st.st_mode):04o} and "
-                    f"{st.st_nlink} links, expected {SEGMENT_MODE:04o} and 1",
-                )
-            if st.st_size < HEADER_BYTES:
-                raise FrameError(
-                    "shm_wrong_size", f"segment {path} has {st.st_size} bytes, below its header"
-                )
-            try:
-                mm = mmap.mmap(fd, st.st_size)
-            except (OSError, ValueError) as e:  # ENOMEM: vm.max_map_count reached
-                raise FrameError("shm_missing", f"segment {path} cannot be mapped: {e}") from None
-        finally:
-            os.close(fd)
-        entry = (st.st_ino, st.st_size, mm, st.st_dev)
+        entry = _map_checked(path)
+        self._remember(name, entry)
+        return entry
+
+    def _remember(self, name: str, entry: tuple[int, int, mmap.mmap, int]) -> None:
+        """Cache a fresh mapping: the newest MAX_MAPPED, of the newest run only."""
         parsed = parse_segment_name(name)
         if parsed is not None and parsed.run != self._mapped_run:
             # Mappings of another run will not be asked for again; owners keep theirs.
@@ -319,4 +323,45 @@ class TrainerShm:
         self._mapped[name] = entry
         while len(self._mapped) > MAX_MAPPED:
             self._mapped.popitem(last=False)
-        return entry
+
+
+def _map_checked(path: str) -> tuple[int, int, mmap.mmap, int]:
+    """Open a segment without following links and map it, once it checks out: a
+    regular file of this user, mode 0600, one link, at least its header.
+
+    Raises:
+        FrameError: ``shm_missing``, ``shm_outside`` or ``shm_wrong_size``.
+    """
+    try:
+        # O_NONBLOCK: a FIFO named as a segment must not block the open.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise FrameError("shm_missing", f"segment {path} does not exist") from None
+    except OSError as e:  # ELOOP: a symlink; EACCES: not ours
+        raise FrameError("shm_outside", f"segment {path} cannot be opened: {e}") from None
+    try:
+        st = os.fstat(fd)
+        _check_segment_file(path, st)
+        try:
+            mm = mmap.mmap(fd, st.st_size)
+        except (OSError, ValueError) as e:  # ENOMEM: vm.max_map_count reached
+            raise FrameError("shm_missing", f"segment {path} cannot be mapped: {e}") from None
+    finally:
+        os.close(fd)
+    return (st.st_ino, st.st_size, mm, st.st_dev)
+
+
+def _check_segment_file(path: str, st: os.stat_result) -> None:
+    """Refuse an opened file that is not a segment batchq's producers made."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise FrameError("shm_outside", f"segment {path} is not a regular file of this user")
+    if stat.S_IMODE(st.st_mode) != SEGMENT_MODE or st.st_nlink != 1:
+        raise FrameError(
+            "shm_outside",
+            f"segment {path} has mode {stat.S_IMODE(st.st_mode):04o} and "
+            f"{st.st_nlink} links, expected {SEGMENT_MODE:04o} and 1",
+        )
+    if st.st_size < HEADER_BYTES:
+        raise FrameError(
+            "shm_wrong_size", f"segment {path} has {st.st_size} bytes, below its header"
+        )

@@ -32,12 +32,13 @@ def test_the_floor_is_published_when_the_reader_idles(
     ) as stream:
         it = stream.get_epoch_iterator()
         first = examples_of(next(it)[0])
-        reader, ledger = stream._reader, stream._ledger
-        assert reader is not None and ledger is not None
+        reader, buffer = stream._reader, stream._buffer
+        assert reader is not None and buffer is not None
+        ledger = buffer.ledger
 
         def settled() -> bool:
-            with reader.cond:
-                idle = ledger.buffered >= reader.hwm and not ledger.needs_more()
+            with buffer.cond:
+                idle = ledger.buffered >= reader.settings.hwm and not ledger.needs_more()
                 floor = ledger.floor()
             published = int(redis_client.hget(keys.meta, "floor") or -1)
             return idle and published == floor

@@ -99,7 +99,7 @@ def test_data_list_replaced_then_repaired(
         reader = stream._reader
         assert reader is not None
         replace(redis_client, keys.data)
-        wait_until(lambda: reader._wrong_since is not None, what="the trainer to notice")
+        wait_until(lambda: reader.guard.since is not None, what="the trainer to notice")
         # Any producer: one waiting at the look-ahead window touches no data list.
         wait_until(
             lambda: any(p._pusher._wrong_logged for p in producers),

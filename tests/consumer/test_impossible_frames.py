@@ -85,7 +85,7 @@ def test_impossible_frame_is_dead_listed_and_the_epochs_stay_exact(
         it = stream.get_epoch_iterator()
         served = [examples_of(next(it)[0])]
         assert stream._session is not None
-        run, shards = stream._session.run, stream._ledger.shards  # type: ignore[union-attr]
+        run, shards = stream._session.run, stream._buffer.ledger.shards  # type: ignore[union-attr]
         spec = dict(CASES[case])
         epoch = int(spec.pop("epoch", 0))
         k = int(spec.pop("k"))

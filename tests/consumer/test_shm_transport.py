@@ -108,8 +108,8 @@ def test_a_trainer_slower_than_its_producer_still_gets_every_frame_by_shm(
             # switched. (The producer goes on into the next epochs: both always fill.)
             wait_until(
                 lambda: (
-                    stream._ledger is not None
-                    and stream._ledger.buffered >= 4
+                    stream._buffer is not None
+                    and stream._buffer.ledger.buffered >= 4
                     and redis_client.llen(data) >= 3
                 ),
                 what="the look-ahead and the list full",

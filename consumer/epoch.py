@@ -1,0 +1,141 @@
+"""A stream's epochs, frame by frame: from the buffer to the caller.
+
+:func:`batch_frames` takes an epoch's frames from the buffer (waiting for each): an
+ERROR frame raises :class:`~batchq.errors.ProducerFailed`, or under
+``on_producer_error='skip'`` skips the rest of its shard. A rank's counts are evened on
+the way (:mod:`consumer.balance`). :class:`EpochFeed` hands the frames out: each one
+timed into the trainer's figures, counted by the producer that made it, the reader
+thread's cast warnings raised on the training thread, the progress bar drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from batchq.errors import ProducerFailed
+from batchq.wire.codec import Frame, FrameKind
+from consumer.balance import Balancer, StaticPads
+from consumer.progress import EpochProgress
+from consumer.reader.buffer import Buffer
+from consumer.reader.prepare import FramePrep
+from consumer.reader.thread import BLOCK_S
+from consumer.stats import TrainerStats
+
+__all__ = ["EpochFeed", "batch_frames"]
+
+log = logging.getLogger(__name__)
+
+
+def batch_frames(
+    buffer: Buffer, alive: Callable[[], bool], *, skip_errors: bool, queue: str
+) -> Iterator[Frame]:
+    """The epoch's batch frames from the buffer, waiting for each.
+
+    Args:
+        alive: whether the reader thread still runs.
+        skip_errors: skip the rest of a shard whose pipeline raised (else raise).
+        queue: the queue's name (for messages).
+
+    Raises:
+        ProducerFailed: a shard's pipeline raised (``skip_errors`` False).
+    """
+    while (frame := buffer.take(alive, BLOCK_S)) is not None:
+        if frame.kind != FrameKind.ERROR:
+            yield frame
+            continue
+        if not skip_errors:
+            raise ProducerFailed(
+                frame.epoch,
+                frame.shard,
+                frame.producer,
+                frame.error or "",
+                f"the producer's pipeline raised {frame.error_name or 'an exception'}",
+            )
+        log.warning(
+            "queue %s: skipping epoch %d shard %d, whose pipeline raised %s",
+            queue,
+            frame.epoch,
+            frame.shard,
+            frame.error_name,
+        )
+        buffer.skip_error(frame)
+
+
+class EpochFeed:
+    """Hands out one stream's epochs (made when its reading starts).
+
+    Args:
+        buffer: the stream's buffer.
+        alive: whether the reader thread still runs.
+        evener: how this rank's counts come out equal (None: a single trainer, or ranks
+            whose slots need no counting).
+        stats: the trainer's figures.
+        prep: the stream's frame preparation (its cast warnings are raised here).
+        seen: batches handed out, by producer (the stream's ``producers_seen``).
+    """
+
+    def __init__(
+        self,
+        buffer: Buffer,
+        alive: Callable[[], bool],
+        evener: Balancer | StaticPads | None,
+        stats: TrainerStats,
+        prep: FramePrep,
+        seen: Counter[str],
+    ) -> None:
+        self.buffer = buffer
+        self.alive = alive
+        self.evener = evener
+        self.stats = stats
+        self.prep = prep
+        self.seen = seen
+        self.yielded = 0  # batches handed out
+
+    @property
+    def padded(self) -> int:
+        """Batches yielded a second time to even the ranks' counts (all epochs)."""
+        return self.evener.padded if self.evener is not None else 0
+
+    def frames(
+        self, epoch: int, *, skip_errors: bool, queue: str, progress: bool, total: int | None
+    ) -> Iterator[Frame]:
+        """Begin ``epoch`` (at the first ``next``) and yield its frames.
+
+        Args:
+            skip_errors, queue: as :func:`batch_frames`.
+            progress: draw a progress bar (of ``total`` batches, if known).
+        """
+        buffer, stats = self.buffer, self.stats
+        buffer.start_epoch(epoch)
+        stats.start_epoch(epoch)
+        bar = EpochProgress(epoch, total) if progress else None
+        frames = batch_frames(buffer, self.alive, skip_errors=skip_errors, queue=queue)
+        if self.evener is not None:
+            self.evener.start_epoch(epoch)
+            frames = self.evener.balance(epoch, frames, buffer.cut_epoch)
+        handed_out: float | None = None  # when the previous batch left this generator
+        try:
+            while True:
+                asked = time.monotonic()
+                frame = next(frames, None)
+                if frame is None:
+                    stats.end_epoch()
+                    return
+                now = time.monotonic()
+                busy = asked - handed_out if handed_out is not None else 0.0
+                stats.batch(now - asked, busy, frame.nbytes)
+                self.seen[frame.producer] += 1
+                self.yielded += 1
+                if bar is not None:
+                    bar.update(stats.snapshot())
+                for message in self.prep.take_warnings():
+                    warnings.warn(message, UserWarning, stacklevel=3)
+                handed_out = time.monotonic()
+                yield frame
+        finally:
+            if bar is not None:
+                bar.close()

@@ -1,0 +1,111 @@
+"""From resolved frame bytes to frames in the buffer: decoded (zero-copy), frames of
+other runs dropped, a rank's slots renumbered as its local shards, prepared for the
+trainer (:class:`consumer.reader.prepare.FramePrep`), then filed (:meth:`Buffer.put`).
+
+What fails on the way is a bad frame (:class:`consumer.reader.dead.DeadList`): a frame
+that does not decode, a slot that is not this rank's, a frame the ledger finds
+impossible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+from batchq.errors import FrameError
+from batchq.protocol.ranks import RankLayout
+from batchq.wire import codec
+from consumer.reader.accounting import Accounting
+from consumer.reader.buffer import Buffer
+from consumer.reader.dead import DeadList
+from consumer.reader.fetch import Fetched
+from consumer.reader.settings import ReaderSettings
+from consumer.session import Session
+
+__all__ = ["Decoded", "Filer"]
+
+
+class Decoded(NamedTuple):
+    """One round's frames, ready to file: (frame, its raw element) in arrival order, and
+    how many belonged to another run."""
+
+    frames: list[tuple[codec.Frame, bytes]]
+    stale: int
+
+
+class Filer:
+    """Decodes and files one reader's frames.
+
+    Args:
+        session: the trainer's claim (the run it reads, its rank).
+        buffer: where frames go.
+        settings: the reader's settings (writable, max_frame_bytes, layout).
+        prepare: applied to each frame of this run before it is filed.
+        dead: where bad frames go.
+        accounting: where the bytes received are counted.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        buffer: Buffer,
+        settings: ReaderSettings,
+        prepare: Callable[[codec.Frame], codec.Frame] | None,
+        dead: DeadList,
+        accounting: Accounting,
+    ) -> None:
+        self.session = session
+        self.buffer = buffer
+        self.settings = settings
+        self.prepare = prepare
+        self.dead = dead
+        self.accounting = accounting
+
+    def decode(self, fetched: list[Fetched]) -> Decoded:
+        """Decode a round's resolved elements (those that are None were bad already)."""
+        frames = []
+        stale = 0
+        writable, limit = self.settings.writable, self.settings.max_frame_bytes
+        layout, prepare, run = self.settings.layout, self.prepare, self.session.run
+        accounting = self.accounting
+        for raw, _element, _key in fetched:
+            if raw is None:
+                continue
+            accounting.nbytes += len(raw)
+            # A buffer of its own (memoryview) is made writable in place by prepare.
+            copy = writable and isinstance(raw, bytes)
+            try:
+                frame = codec.decode_frame(raw, writable=copy, max_frame_bytes=limit)
+            except FrameError as e:
+                self.dead.record(bytes(raw[:4096]), e)
+                continue
+            if frame.run != run:
+                stale += 1  # counted by the buffer, under its lock
+                continue
+            if layout is not None:
+                local = self._local(frame, raw, layout)
+                if local is None:
+                    continue
+                frame = local
+            if prepare is not None:
+                frame = prepare(frame)
+            frames.append((frame, raw))
+        return Decoded(frames, stale)
+
+    def _local(self, frame: codec.Frame, raw: bytes, layout: RankLayout) -> codec.Frame | None:
+        """A rank's frame renumbered as its local shard; None (a bad frame) for a slot
+        that is not this rank's."""
+        rank = self.session.rank
+        local = layout.local(frame.shard, rank)
+        if local is None:
+            why = f"epoch {frame.epoch} slot {frame.shard} is not rank {rank}'s"
+            self.dead.record(bytes(raw[:4096]), FrameError("impossible", why))
+            return None
+        return dataclasses.replace(frame, shard=local)
+
+    def file(self, decoded: Decoded) -> None:
+        """File decoded frames; the impossible ones, and those the ledger purged, go to
+        the dead list."""
+        for element, reason in self.buffer.put(decoded.frames, decoded.stale):
+            self.dead.record(element, FrameError("impossible", reason))

@@ -1,0 +1,134 @@
+"""The reader's stall repair: producers that died, and shards nobody will deliver.
+
+While the trainer waits, the reader looks after the producers it waits for:
+
+- every REAP_CLOSED_S (REAP_IDLE_S while the trainer does not wait) it reaps producers
+  whose Redis connections all closed (killed): Redis knows at once that a killed
+  process's sockets closed, and waiting for the heartbeat TTL would stall the trainer
+  for seconds (a hung producer is left to the TTL: its sockets stay open);
+- after ``stall_s`` without a frame it reaps the dead (heartbeat lapsed) and hands the
+  shards in the look-ahead window that have a gap back to the work list;
+- after ``timeout_s`` with no producer alive it raises
+  :class:`~batchq.errors.ProducersLost`.
+
+A :class:`StallRepair` is given its inputs (client, keys, the session, the buffer, the
+reader's settings) and keeps its own clocks; the reader tells it when a frame arrived
+and when a pop script saw producers alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+from batchq.errors import ProducersLost
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.reaper import reap_dead, reap_gone, requeue_gaps
+from consumer.reader.buffer import Buffer
+from consumer.reader.settings import ReaderSettings
+from consumer.session import Session
+
+__all__ = ["REAP_CLOSED_S", "REAP_IDLE_S", "StallRepair"]
+
+log = logging.getLogger(__name__)
+
+# While the trainer waits this long without a frame, look for producers whose
+# connections closed (batchq.protocol.reaper.reap_gone), and again every as long.
+REAP_CLOSED_S = 0.1
+REAP_IDLE_S = 0.25  # and this often while it does not wait
+
+
+class StallRepair:
+    """One reader's watch over the producers it waits for.
+
+    Args:
+        client: the reader's client.
+        keys: the queue's keys.
+        session: the trainer's claim (incarnation, run, rank, plan).
+        buffer: the trainer's buffer (whether the iterator waits, what is missing).
+        settings: the reader's settings (timeout_s, stall_s, layout).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: QueueKeys,
+        session: Session,
+        buffer: Buffer,
+        settings: ReaderSettings,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.session = session
+        self.buffer = buffer
+        self.settings = settings
+        now = time.monotonic()
+        self.last_frame = now  # when frames last arrived
+        self.last_alive = now  # when a pop script last saw a producer alive
+        self.last_repair = 0.0
+        self.last_gone = 0.0  # when closed producers were last looked for
+        self.no_client_list = False  # CLIENT LIST refused (ACL): the TTL alone tells
+
+    def frames_arrived(self) -> None:
+        self.last_frame = time.monotonic()
+
+    def producers_alive(self) -> None:
+        self.last_alive = time.monotonic()
+
+    def reap_closed(self) -> None:
+        """Reap producers whose connections all closed (killed): every REAP_CLOSED_S
+        while the trainer waits, every REAP_IDLE_S otherwise."""
+        since = self.buffer.waited_since()
+        now = time.monotonic()
+        if self.no_client_list or not self._reap_due(since, now):
+            return
+        self.last_gone = now
+        if reap_gone(self.client, self.keys, self.session.incarnation) is None:
+            self.no_client_list = True
+            log.info("queue %s: CLIENT LIST refused; dead producers found by TTL", self.keys.queue)
+
+    def _reap_due(self, since: float | None, now: float) -> bool:
+        if since is None or now - max(self.last_frame, since) < REAP_CLOSED_S:
+            # Not stalled: look now and then anyway, so that a killed producer's shard
+            # is redone before the trainer reaches it.
+            return now - self.last_gone >= REAP_IDLE_S
+        return now - self.last_gone >= REAP_CLOSED_S
+
+    def check(self) -> None:
+        """A pop found nothing: while the trainer waits, give up on producers silent for
+        timeout_s, or repair after stall_s without a frame.
+
+        Raises:
+            ProducersLost: no producer alive for timeout_s.
+        """
+        if self.buffer.waited_since() is None:
+            return
+        now = time.monotonic()
+        if now - self.last_alive > self.settings.timeout_s:
+            epoch, missing = self.buffer.missing()
+            raise ProducersLost(epoch, missing, self.settings.timeout_s)
+        stall_s = self.settings.stall_s
+        if now - self.last_frame > stall_s and now - self.last_repair > stall_s:
+            self.repair()
+
+    def repair(self) -> None:
+        """After a stall: reap dead producers, then requeue shards nobody will deliver."""
+        self.last_repair = time.monotonic()
+        s = self.session
+        reap_dead(self.client, self.keys, s.incarnation)
+        candidates = self.buffer.incomplete(s.plan.window if s.plan else 1)
+        layout = self.settings.layout
+        if layout is None:
+            requeue_gaps(self.client, self.keys, s.incarnation, s.run, candidates)
+            return
+        # A rank asks in global slot numbers, checked against its own counter.
+        requeue_gaps(
+            self.client,
+            self.keys,
+            s.incarnation,
+            s.run,
+            [layout.to_global(n, s.rank) for n in candidates],
+            rank=(s.data_key, f"next{s.suffix}", candidates),
+        )
