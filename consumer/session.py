@@ -169,11 +169,7 @@ class Session:
 
     def _types(self) -> dict[str, str]:
         """The Redis type batchq keeps under each key the claim and resume touch."""
-        k = self.keys
-        return {
-            k.meta: "hash", k.incarnation: "string", k.data: "list", k.work: "list",
-            k.wake: "list", k.failures: "hash", k.ledger: "hash",
-        }  # fmt: skip
+        return self.keys.types("meta", "incarnation", "data", "work", "wake", "failures", "ledger")
 
     def acquire(
         self, takeover: str = "", client: redis.Redis | None = None, *, resuming: bool = False

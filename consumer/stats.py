@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
-from batchq.protocol.fields import TrainerField
+from batchq.protocol.fields import HistoryField, TrainerField
 from batchq.protocol.layout import WAIT_BUCKETS_S  # the histogram buckets (s); last is +Inf
 
 __all__ = ["WAIT_BUCKETS_S", "TrainerStats"]
@@ -151,12 +151,12 @@ class TrainerStats:
             figures = json.dumps({k: round(float(snap[k]), 6) for k in published})
             history = json.dumps(
                 {
-                    "t": round(time.time(), 3),
-                    "depth": depth,
-                    "batches": snap["batches"],
-                    "stall": round(snap[TrainerField.STALL_FRACTION_RECENT], 4),
-                    "batches_per_s": round(snap[TrainerField.BATCHES_PER_S], 3),
-                    "mb_per_s": round(snap[TrainerField.MB_PER_S], 3),
+                    HistoryField.T: round(time.time(), 3),
+                    HistoryField.DEPTH: depth,
+                    HistoryField.BATCHES: snap["batches"],
+                    HistoryField.STALL: round(snap[TrainerField.STALL_FRACTION_RECENT], 4),
+                    HistoryField.BATCHES_PER_S: round(snap[TrainerField.BATCHES_PER_S], 3),
+                    HistoryField.MB_PER_S: round(snap[TrainerField.MB_PER_S], 3),
                 }
             )
         return [wait_ms, busy_ms, epochs, buckets, figures, history]

@@ -14,6 +14,7 @@ import threading
 import time
 
 from batchq.errors import WrongKeyType
+from batchq.protocol.keys import KEY_TYPES
 
 __all__ = ["WAIT_S", "KeyGuard"]
 
@@ -22,10 +23,8 @@ log = logging.getLogger(__name__)
 # How long a replaced key is waited for between checks.
 WAIT_S = 0.2
 
+
 # The Redis type of each key pop.lua checks, by the key's last part.
-_EXPECTED = {"meta": "hash", "incarnation": "string", "data": "list"}
-
-
 class KeyGuard:
     """Waits out a replaced queue key, for at most ``timeout_s`` in all.
 
@@ -48,7 +47,7 @@ class KeyGuard:
             WrongKeyType: it stayed so for timeout_s.
         """
         now = time.monotonic()
-        expected = _EXPECTED.get(key.rsplit(":", 1)[-1], "type batchq wrote")
+        expected = KEY_TYPES.get(key.rsplit(":", 1)[-1], "type batchq wrote")
         if self.since is None:
             self.since = now
             log.warning(
