@@ -16,7 +16,7 @@ from batchq.protocol.words import Status
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
 from producer.server import Producer
-from producer.serving.pushing import Lease
+from producer.serving.ahead import Lease
 from producer.streams import DataStream
 
 

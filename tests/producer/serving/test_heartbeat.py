@@ -10,7 +10,7 @@ from waiting import wait_until
 
 from batchq.protocol.keys import QueueKeys
 from producer.serving.heartbeat import Heartbeat
-from producer.serving.pushing import RunPosition
+from producer.serving.position import RunPosition
 
 TTL_MS = 300
 

@@ -21,7 +21,11 @@ from batchq.protocol.words import Status
 from batchq.wire import codec, shm
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
-from producer.serving.pushing import Lease, PushSettings, RunPosition, ShardPusher
+from producer.serving.ahead import Lease
+from producer.serving.frame_push import Handover
+from producer.serving.position import RunPosition
+from producer.serving.pushing import ShardPusher
+from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
 from producer.streams import DataStream
@@ -30,7 +34,6 @@ from producer.transformers import Mapping
 
 def _pusher(
     fail_at: int | None = None,
-    statuses: list[str] | None = None,
     transport: Transport | None = None,
     leasing: bool = False,
 ) -> ShardPusher:
@@ -61,7 +64,6 @@ def _pusher(
         RunPosition("run", "inc"),
         threading.Event(),
         no_lease,
-        (statuses if statuses is not None else []).append,
     )
 
 
@@ -113,12 +115,13 @@ def test_every_batch_of_a_shard_is_pushed_in_order_the_last_one_marked() -> None
 def test_a_status_that_is_not_the_pushers_goes_to_the_producer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    statuses: list[str] = []
-    p = _pusher(statuses=statuses)
+    p = _pusher(fail_at=0)
     reply = CountReply(Status.FINISHED)
     monkeypatch.setattr(scripts, "fail", lambda *a, **k: reply)
-    assert p._retry_elsewhere(0, 0, "0:t") is True
-    assert statuses == [Status.FINISHED]
+    p._push = lambda *a, **k: pytest.fail("pushed for a finished run")  # type: ignore[method-assign]
+    # Returned to the caller (the Producer acts once the pusher is done), not acted on.
+    assert p._retry_elsewhere(0, 0, "0:t") == Handover(Status.FINISHED)
+    assert p.serve_shard(0, 0, "0:t") == Status.FINISHED
 
 
 def test_aim_points_the_pushes_at_a_ranks_list() -> None:
