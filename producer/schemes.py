@@ -112,6 +112,11 @@ def _normalize_examples(examples: Any) -> range | list[int]:
             f"examples={examples!r} is not valid: expected an int (the number of "
             "examples) or an iterable of example indices"
         )
+    return _example_indices(examples)
+
+
+def _example_indices(examples: Iterable[Any]) -> list[int]:
+    """An iterable of example indices as Python ints (requests stay JSON-able)."""
     indices = examples if isinstance(examples, np.ndarray) else np.asarray(list(examples))
     if indices.size and (indices.ndim != 1 or indices.dtype.kind not in "iu"):
         raise ConfigError(
@@ -120,7 +125,7 @@ def _normalize_examples(examples: Any) -> range | list[int]:
         )
     if indices.size and int(indices.min()) < 0:
         raise ConfigError(f"examples contains the negative index {int(indices.min())}")
-    return [int(i) for i in indices.tolist()]  # Python ints: requests stay JSON-able
+    return [int(i) for i in indices.tolist()]
 
 
 def _accepts_epoch(scheme: Any) -> bool:
