@@ -1,10 +1,8 @@
 """``H5PYDataset``: Fuel's HDF5 dataset format, read with h5py (an optional extra).
 
 The file layout is Fuel's: one HDF5 dataset per source, and a ``split`` attribute on the
-file, a structured array with one row per (split, source) and the fields ``split``,
-``source``, ``start``, ``stop``, ``indices``, ``available`` and ``comment``. Splits are
-ranges ``[start, stop)`` of rows, or index lists (``indices``: a reference to a
-dataset of row indices, read as a sorted set as Fuel reads it). Variable-length
+file, a structured array with one row per (split, source) (:mod:`producer._hdf5_split`
+builds and reads it): splits are ranges of rows, or index lists. Variable-length
 sources (one axis of vlen elements, with ``shapes`` and ``shape_labels`` dimension
 scales on that axis, as Fuel's converters write them) are reshaped to their stored
 shapes, and labelled from ``shape_labels``. h5py is imported when first needed, so the
@@ -13,7 +11,6 @@ rest of batchq works without it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -21,23 +18,21 @@ from typing import Any
 
 import numpy as np
 
+from producer._hdf5_split import (
+    check_subset,
+    h5py_module,
+    read_splits,
+    select_rows,
+    split_array,
+    text,
+)
 from producer.datasets.base import Dataset, normalize_request
-from producer.errors import ConfigError, MissingDependencyError, ShapeError, SourceError
+from producer.errors import ConfigError, ShapeError
 from producer.schemes import SequentialExampleScheme
 
 __all__ = ["H5PYDataset"]
 
 log = logging.getLogger(__name__)
-
-
-def _h5py() -> Any:
-    try:
-        import h5py
-    except ImportError as e:
-        raise MissingDependencyError(
-            "H5PYDataset needs the h5py package, which is not installed: pip install h5py"
-        ) from e
-    return h5py
 
 
 def _rows_of(rows: range | np.ndarray, request: Any) -> range | np.ndarray | int:
@@ -61,7 +56,7 @@ class _FileHandle:
         if self._external is not None:
             return self._external
         if self._file is None:
-            self._file = _h5py().File(self.path, mode="r", driver=self.driver)
+            self._file = h5py_module().File(self.path, mode="r", driver=self.driver)
         return self._file
 
     def __getitem__(self, name: str) -> Any:
@@ -75,29 +70,6 @@ class _FileHandle:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "driver": self.driver, "_external": None, "_file": None}
-
-
-def _check_subset(subset: Any) -> slice | list[int] | None:
-    """Fuel's ``subset``: a slice with step 1, or a list of indices read as a set,
-    sorted (``[0, 4, 2]`` is examples 0, 2 and 4, in that order)."""
-    if subset is None or (not isinstance(subset, slice) and len(subset) == 0):
-        return None
-    if isinstance(subset, slice):
-        bounds = [b for b in (subset.start, subset.stop, subset.step) if b is not None]
-        if any(b < 0 for b in bounds) or subset.step not in (None, 1):
-            raise ConfigError(
-                f"subset={subset} is not valid: expected a slice with non-negative bounds "
-                "and a step of 1, or a list of indices"
-            )
-        return subset
-    indices = sorted({int(i) for i in subset})
-    if indices and indices[0] < 0:
-        raise ConfigError(f"subset={list(subset)!r} is not valid: it has negative indices")
-    return indices
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 class H5PYDataset(Dataset):
@@ -132,7 +104,7 @@ class H5PYDataset(Dataset):
         sort_indices: bool = True,
         **kwargs: Any,
     ) -> None:
-        h5py = _h5py()
+        h5py = h5py_module()
         if isinstance(which_sets, str) or not all(isinstance(w, str) for w in which_sets):
             raise ConfigError(
                 f"which_sets={which_sets!r} is not valid: expected an iterable of split "
@@ -142,7 +114,7 @@ class H5PYDataset(Dataset):
         self.driver = driver
         self.sort_indices = sort_indices
         self.load_in_memory = load_in_memory
-        self.subset = _check_subset(subset)
+        self.subset = check_subset(subset)
         self._external = isinstance(file_or_path, h5py.File)
         self.path = file_or_path.filename if self._external else os.fspath(file_or_path)
         self._file = file_or_path if self._external else None
@@ -156,7 +128,7 @@ class H5PYDataset(Dataset):
         """Read the split table, the rows of each source and (if asked) the data."""
         handle = self._open_file()
         try:
-            ranges = self._read_split(handle)
+            ranges = read_splits(handle, self.path, self.which_sets)
             self.provides_sources = tuple(ranges)
             super().__init__(sources=self._requested_sources, axis_labels=self._given_labels)
             if self.axis_labels is None:
@@ -164,7 +136,7 @@ class H5PYDataset(Dataset):
             self.vlen_sources = tuple(
                 s for s in self.get_vlen_sources(handle) if s in self.provides_sources
             )
-            self._rows = {s: self._select(ranges[s], self.subset) for s in self.sources}
+            self._rows = {s: select_rows(ranges[s], self.subset) for s in self.sources}
             lengths = {s: len(r) for s, r in self._rows.items()}
             if len(set(lengths.values())) != 1:
                 raise ConfigError(
@@ -203,20 +175,20 @@ class H5PYDataset(Dataset):
     @staticmethod
     def get_all_splits(h5file: Any) -> tuple[str, ...]:
         """The names of all the splits of a Fuel HDF5 file (an open ``h5py.File``)."""
-        return tuple(dict.fromkeys(_text(row["split"]) for row in h5file.attrs["split"]))
+        return tuple(dict.fromkeys(text(row["split"]) for row in h5file.attrs["split"]))
 
     @staticmethod
     def get_all_sources(h5file: Any) -> tuple[str, ...]:
         """The names of all the sources of a Fuel HDF5 file (an open ``h5py.File``)."""
-        return tuple(dict.fromkeys(_text(row["source"]) for row in h5file.attrs["split"]))
+        return tuple(dict.fromkeys(text(row["source"]) for row in h5file.attrs["split"]))
 
     @staticmethod
     def get_provided_sources(h5file: Any, split: str) -> tuple[str, ...]:
         """The sources available in ``split``."""
         return tuple(
-            _text(row["source"])
+            text(row["source"])
             for row in h5file.attrs["split"]
-            if _text(row["split"]) == split and bool(row["available"])
+            if text(row["split"]) == split and bool(row["available"])
         )
 
     @staticmethod
@@ -246,10 +218,10 @@ class H5PYDataset(Dataset):
         for source in H5PYDataset.get_all_sources(h5file):
             dims = h5file[source].dims
             if source in vlen:
-                shape_labels = tuple(_text(x) for x in dims[0]["shape_labels"][()])
-                labels[source] = (_text(dims[0].label), *shape_labels)
+                shape_labels = tuple(text(x) for x in dims[0]["shape_labels"][()])
+                labels[source] = (text(dims[0].label), *shape_labels)
             else:
-                labels[source] = tuple(_text(d.label) for d in dims)
+                labels[source] = tuple(text(d.label) for d in dims)
         return labels
 
     @staticmethod
@@ -264,102 +236,12 @@ class H5PYDataset(Dataset):
         Returns:
             The structured array to store as ``h5file.attrs['split']``.
         """
-        h5py = _h5py()
-        sources = sorted({source for split in split_dict.values() for source in split})
-        rows = []
-        for split, entries in split_dict.items():
-            for source in sources:
-                value = tuple(entries.get(source, ()))
-                ref = value[2] if len(value) > 2 and not isinstance(value[2], str) else None
-                if ref is not None and not isinstance(ref, h5py.Reference):
-                    raise ConfigError(
-                        f"split {split!r} source {source!r}: indices={ref!r} is not valid: "
-                        "expected None or an h5py.Reference to a dataset of row indices"
-                    )
-                comment = value[-1] if len(value) > 2 and isinstance(value[-1], str) else ""
-                start, stop = value[:2] if value else (0, 0)
-                rows.append((split, source, start, stop, ref, bool(value), comment))
-        width = {
-            "split": max([len(r[0]) for r in rows] + [1]),
-            "source": max([len(r[1]) for r in rows] + [1]),
-            "comment": max([len(r[6]) for r in rows] + [1]),
-        }
-        dtype = np.dtype(
-            [
-                ("split", "S", width["split"]),
-                ("source", "S", width["source"]),
-                ("start", np.int64),
-                ("stop", np.int64),
-                ("indices", h5py.special_dtype(ref=h5py.Reference)),
-                ("available", np.bool_),
-                ("comment", "S", width["comment"]),
-            ]
-        )
-        array = np.empty(len(rows), dtype=dtype)
-        for i, (split, source, start, stop, ref, available, comment) in enumerate(rows):
-            array[i] = (
-                split.encode(),
-                source.encode(),
-                start,
-                stop,
-                ref if ref is not None else h5py.Reference(),
-                available,
-                comment.encode(),
-            )
-        return array
+        return split_array(split_dict)
 
     def _open_file(self) -> Any:
         if self._external:
             return self._file
-        return _h5py().File(self.path, mode="r", driver=self.driver)
-
-    def _read_split(self, handle: Any) -> dict[str, list[range | np.ndarray]]:
-        if "split" not in handle.attrs:
-            raise ConfigError(f"{self.path} has no 'split' attribute: not a Fuel HDF5 file")
-        ranges: dict[str, dict[str, range | np.ndarray]] = {}
-        known: set[str] = set()
-        for row in handle.attrs["split"]:
-            split, source = _text(row["split"]), _text(row["source"])
-            known.add(split)
-            if split in self.which_sets and bool(row["available"]):
-                ref = row["indices"] if "indices" in row.dtype.names else None
-                if ref:
-                    # An index-list split: its rows, read as Fuel reads a list subset
-                    # (a sorted set).
-                    rows: range | np.ndarray = np.unique(np.asarray(handle[ref][()]))
-                else:
-                    rows = range(int(row["start"]), int(row["stop"]))
-                ranges.setdefault(source, {})[split] = rows
-        missing = [w for w in self.which_sets if w not in known]
-        if missing:
-            raise ConfigError(f"{self.path} has no splits {missing}; it has {sorted(known)}")
-        # A source is provided only if every requested split has it.
-        usable = [s for s, per in ranges.items() if all(w in per for w in self.which_sets)]
-        if not usable:
-            raise SourceError(f"no source is available in all of the splits {self.which_sets}")
-        return {s: [ranges[s][w] for w in self.which_sets] for s in usable}
-
-    @staticmethod
-    def _select(spans: list[range | np.ndarray], subset: Any) -> range | np.ndarray:
-        rows: range | np.ndarray = spans[0]
-        if len(spans) > 1:
-            ranges = [r for r in spans if isinstance(r, range)]
-            if len(ranges) == len(spans) and all(
-                a.stop == b.start for a, b in itertools.pairwise(ranges)
-            ):
-                rows = range(ranges[0].start, ranges[-1].stop)
-            else:
-                rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in spans])
-        if subset is None:
-            return rows
-        if isinstance(subset, slice):
-            if subset.stop is not None and subset.stop > len(rows):
-                raise ConfigError(
-                    f"subset={subset} reaches past the {len(rows)} examples of the splits"
-                )
-            return rows[subset]
-        request = normalize_request(list(subset), len(rows))
-        return np.asarray(rows)[request]
+        return h5py_module().File(self.path, mode="r", driver=self.driver)
 
     def _dimension_labels(self, handle: Any) -> dict[str, Any] | None:
         labels = {s: v for s, v in self.get_axis_labels(handle).items() if s in self.sources}

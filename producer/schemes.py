@@ -24,13 +24,19 @@ import inspect
 import itertools
 import logging
 import math
-import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from producer.errors import BatchSizeError, ConfigError, SchemeError
+from producer._cross_validation import cross_validation
+from producer._scheme_args import (
+    check_batch_size,
+    check_count,
+    check_epoch,
+    normalize_examples,
+)
+from producer.errors import ConfigError, SchemeError
 from producer.randomness import DEFAULT_SEED, FuelShuffles, RngLike, seed_from_rng
 
 __all__ = [
@@ -50,24 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _check_int(name: str, value: Any, minimum: int = 0, error: type = ConfigError) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise error(f"{name}={value!r} is not valid: expected an int >= {minimum}")
-    return int(value)
-
-
-def _check_batch_size(batch_size: Any) -> int:
-    return _check_int("batch_size", batch_size, 1, BatchSizeError)
-
-
-def _check_count(name: str, value: Any) -> int:
-    return _check_int(name, value)
-
-
-def _check_epoch(epoch: Any) -> int:
-    return _check_int("epoch", epoch)
 
 
 def _fuel_shuffles(rng: RngLike, count: int) -> FuelShuffles | None:
@@ -90,7 +78,7 @@ def _permutation(
     indices: range | list[int], seed: int, epoch: int, fuel: FuelShuffles | None = None
 ) -> np.ndarray:
     """Epoch ``epoch``'s order of ``indices``: a pure function of (rng, epoch)."""
-    epoch = _check_epoch(epoch)
+    epoch = check_epoch(epoch)
     if fuel is not None:
         perm = fuel.order(epoch)
     else:
@@ -99,28 +87,6 @@ def _permutation(
         return perm
     out: np.ndarray = np.asarray(indices, dtype=np.int64)[perm]
     return out
-
-
-def _normalize_examples(examples: Any) -> range | list[int]:
-    """Fuel's ``examples``: an int n means ``range(n)``, an iterable lists the indices."""
-    if isinstance(examples, numbers.Integral) and not isinstance(examples, bool):
-        return range(_check_count("examples", examples))
-    if isinstance(examples, range):
-        return examples
-    if not isinstance(examples, Iterable) or isinstance(examples, (str, bytes)):
-        raise ConfigError(
-            f"examples={examples!r} is not valid: expected an int (the number of "
-            "examples) or an iterable of example indices"
-        )
-    indices = examples if isinstance(examples, np.ndarray) else np.asarray(list(examples))
-    if indices.size and (indices.ndim != 1 or indices.dtype.kind not in "iu"):
-        raise ConfigError(
-            f"examples is not valid: expected integer indices, got an array of dtype "
-            f"{indices.dtype} and shape {indices.shape}"
-        )
-    if indices.size and int(indices.min()) < 0:
-        raise ConfigError(f"examples contains the negative index {int(indices.min())}")
-    return [int(i) for i in indices.tolist()]  # Python ints: requests stay JSON-able
 
 
 def _accepts_epoch(scheme: Any) -> bool:
@@ -160,7 +126,7 @@ class IterationScheme:
         if epoch is None:
             epoch = getattr(self, "_next_epoch", 0)
             self._next_epoch = epoch + 1
-        return self._epoch_requests(_check_epoch(epoch))
+        return self._epoch_requests(check_epoch(epoch))
 
     def _epoch_requests(self, epoch: int) -> Iterator[Any]:
         raise NotImplementedError(
@@ -198,8 +164,8 @@ class BatchScheme(IterationScheme):
     requests_examples = False
 
     def __init__(self, examples: int | Iterable[int], batch_size: int) -> None:
-        self.indices = _normalize_examples(examples)
-        self.batch_size = _check_batch_size(batch_size)
+        self.indices = normalize_examples(examples)
+        self.batch_size = check_batch_size(batch_size)
 
     @property
     def num_examples(self) -> int:
@@ -226,7 +192,7 @@ class IndexScheme(IterationScheme):
     requests_examples = True
 
     def __init__(self, examples: int | Iterable[int]) -> None:
-        self.indices = _normalize_examples(examples)
+        self.indices = normalize_examples(examples)
 
     @property
     def num_examples(self) -> int:
@@ -260,11 +226,11 @@ class ConstantScheme(BatchSizeScheme):
                 f"num_examples={num_examples!r} and times={times!r} were both given: "
                 "expected at most one of them"
             )
-        self.batch_size = _check_batch_size(batch_size)
+        self.batch_size = check_batch_size(batch_size)
         self.num_examples = (
-            None if num_examples is None else _check_count("num_examples", num_examples)
+            None if num_examples is None else check_count("num_examples", num_examples)
         )
-        self.times = None if times is None else _check_count("times", times)
+        self.times = None if times is None else check_count("times", times)
 
     def num_requests(self, epoch: int = 0) -> int | None:
         """``times``, or ``ceil(num_examples / batch_size)``, or None (infinite)."""
@@ -408,86 +374,3 @@ class ConcatenatedScheme(IterationScheme):
             for s in self.schemes
         ]
         return itertools.chain.from_iterable(iterators)
-
-
-def cross_validation(
-    scheme_class: type[IterationScheme],
-    num_examples: int,
-    num_folds: int,
-    strict: bool = True,
-    *,
-    which_fold: int | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Build (train, valid) scheme pairs for k-fold cross-validation.
-
-    Fold i validates on examples ``[num_examples*i//num_folds, num_examples*(i+1)//num_folds)``
-    and trains on the others, as in Fuel.
-
-    Args:
-        scheme_class: an :class:`IndexScheme` or :class:`BatchScheme` subclass; it is
-            called as ``scheme_class(indices, **kwargs)``.
-        num_examples: the number of examples in the data.
-        num_folds: the number of folds (1 <= num_folds <= num_examples).
-        strict: require ``num_examples`` divisible by ``num_folds``; when False each
-            tuple has a third element, the size of the validation set. The fourth
-            positional argument, as in Fuel.
-        which_fold: (keyword only, batchq's) if given, only that fold's tuple is
-            returned (not an iterator).
-        **kwargs: passed to ``scheme_class`` (e.g. ``batch_size``, ``rng``).
-
-    Returns:
-        An iterator over the ``num_folds`` tuples ``(train, valid)`` (or ``(train,
-        valid, valid_size)`` when not strict), or one such tuple if ``which_fold`` is given.
-
-    Raises:
-        ConfigError: (a ``ValueError``; at the first ``next()`` when iterating, as in
-            Fuel) the counts are invalid, or not divisible while ``strict``.
-    """
-
-    def folds() -> Iterator[tuple[Any, ...]]:
-        # A generator, as Fuel's: bad counts raise at the first next(), where Fuel raises.
-        examples, count = _check_folds(num_examples, num_folds, strict)
-        for i in range(count):
-            yield _fold(scheme_class, i, examples, count, strict, kwargs)
-
-    if which_fold is None:
-        return folds()
-    examples, count = _check_folds(num_examples, num_folds, strict)
-    if not 0 <= _check_count("which_fold", which_fold) < count:
-        raise ConfigError(
-            f"which_fold={which_fold!r} is not valid: expected 0 <= which_fold < {count}"
-        )
-    return _fold(scheme_class, int(which_fold), examples, count, strict, kwargs)
-
-
-def _check_folds(num_examples: Any, num_folds: Any, strict: bool) -> tuple[int, int]:
-    """(examples, folds) of a cross-validation, checked (see :func:`cross_validation`)."""
-    examples = _check_count("num_examples", num_examples)
-    folds = _check_count("num_folds", num_folds)
-    if not 1 <= folds <= max(examples, 1):
-        raise ConfigError(
-            f"num_folds={folds} is not valid: expected 1 <= num_folds <= num_examples ({examples})"
-        )
-    if strict and examples % folds:
-        raise ConfigError(
-            f"{examples} examples are not divisible into {folds} evenly-sized "
-            "folds; pass strict=False to allow folds of different sizes"
-        )
-    return examples, folds
-
-
-def _fold(
-    scheme_class: type[IterationScheme],
-    i: int,
-    examples: int,
-    folds: int,
-    strict: bool,
-    kwargs: dict[str, Any],
-) -> tuple[Any, ...]:
-    """Fold ``i``'s (train, valid[, valid size]) schemes."""
-    begin = examples * i // folds
-    end = examples * (i + 1) // folds
-    train = scheme_class([*range(begin), *range(end, examples)], **kwargs)  # type: ignore[call-arg]
-    valid = scheme_class(list(range(begin, end)), **kwargs)  # type: ignore[call-arg]
-    return (train, valid) if strict else (train, valid, end - begin)

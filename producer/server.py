@@ -7,13 +7,11 @@ process is asked to stop (SIGINT/SIGTERM: its leases go back to the work list fi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import socket
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -28,36 +26,25 @@ from batchq.client.connection import (
     resolve_url,
     tune_malloc,
 )
-from batchq.errors import (
-    BatchQueueError,
-    ConfigError,
-    ConnectionLost,
-    PipelineMismatch,
-    ProtocolError,
-    RunFinished,
-)
+from batchq.errors import ConfigError, ConnectionLost, ProtocolError, RunFinished
 from batchq.protocol import scripts
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call
-from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys, check_name
-from batchq.protocol.layout import lease_entry
-from batchq.protocol.ranks import shard_of_slot
-from batchq.protocol.reaper import record_client
-from batchq.protocol.replies import JoinReply, LeaseReply, status_error
-from batchq.protocol.words import PROTOCOL_VERSION, Status
+from batchq.protocol.replies import LeaseReply
+from batchq.protocol.words import Status
+from producer.serving.ahead import Lease
 from producer.serving.heartbeat import Heartbeat
-from producer.serving.pushing import INLINE_MAX_BYTES, Lease, PushSettings, RunPosition, ShardPusher
+from producer.serving.membership import Membership, axis_labels_json
+from producer.serving.position import RunPosition
+from producer.serving.pushing import ShardPusher
+from producer.serving.settings import INLINE_MAX_BYTES, PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import Transport
 
 __all__ = ["Producer", "start_server"]
 
 log = logging.getLogger(__name__)
-
-# A producer that joins a run finished less than this long ago exits (a late replica of
-# the same job); after it, a producer starts the queue's next run.
-FINISHED_GRACE_S = 60.0
 
 
 def _check_options(
@@ -68,16 +55,20 @@ def _check_options(
     Raises:
         ConfigError: the first invalid argument.
     """
-    if not isinstance(hwm, int) or hwm < 1:
-        raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ConfigError(f"window {window!r} is not valid: expected an integer >= 1")
-    if heartbeat_ttl_s <= 0:
-        raise ConfigError(f"heartbeat_ttl_s {heartbeat_ttl_s!r} is not valid: expected > 0")
-    if not isinstance(max_attempts, int) or max_attempts < 1:
-        raise ConfigError(f"max_attempts {max_attempts!r} is not valid: expected >= 1")
-    if orphan_exit_s is not None and orphan_exit_s <= 0:
-        raise ConfigError(f"orphan_exit_s {orphan_exit_s!r} is not valid: expected > 0")
+    _require(_is_count(hwm), "hwm", hwm, "an integer >= 1")
+    _require(window is None or _is_count(window), "window", window, "an integer >= 1")
+    _require(heartbeat_ttl_s > 0, "heartbeat_ttl_s", heartbeat_ttl_s, "> 0")
+    _require(_is_count(max_attempts), "max_attempts", max_attempts, ">= 1")
+    _require(orphan_exit_s is None or orphan_exit_s > 0, "orphan_exit_s", orphan_exit_s, "> 0")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and value >= 1
+
+
+def _require(valid: bool, name: str, value: Any, expected: str) -> None:
+    if not valid:
+        raise ConfigError(f"{name} {value!r} is not valid: expected {expected}")
 
 
 def _default_producer_id() -> str:
@@ -149,36 +140,34 @@ class Producer:
         self.hwm = hwm
         self.window = window or 2 * hwm
         self.id = check_name(producer_id or _default_producer_id(), "producer id")
-        self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
-        self.inline_max_bytes = inline_max_bytes
-        self.max_frame_bytes = max_frame_bytes
-        self.checksum = checksum
         self.reconnect_timeout_s = reconnect_timeout_s
-        self.max_attempts = max_attempts
-        self.orphan_wait_s = orphan_wait_s
         self.orphan_exit_s = orphan_exit_s
         self.plan = ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
-        self._axis_labels = _axis_labels_json(stream)  # for the trainer's axis_labels
+        self.settings = PushSettings(
+            self.keys, self.id, self.sources, checksum, max_frame_bytes, inline_max_bytes,
+            int(heartbeat_ttl_s * 1000), max_attempts,
+        )  # fmt: skip
         self.client = make_client(url)
         self._stop = threading.Event()
-        self._pos = RunPosition()  # the run served: only _join writes it
+        self._pos = RunPosition()  # the run served: replaced by each _join
         self._lease_seq = 0
+        self._membership = Membership(
+            self.client, self.keys, self.id, self.plan, hwm=hwm, window=self.window,
+            heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, orphan_wait_s=orphan_wait_s,
+            axis_labels=axis_labels_json(stream), stop=self._stop,
+        )  # fmt: skip
         self._beat = Heartbeat(
-            url, self.keys, self.id, self.heartbeat_ttl_ms, self._pos, self._stop, orphan_exit_s
-        )
-        self._record_id = True  # False once the server refused CLIENT ID (ACL)
+            url, self.keys, self.id, self.settings.heartbeat_ttl_ms, self._pos, self._stop,
+            orphan_exit_s,
+        )  # fmt: skip
         self._finished = False
         self._transport = Transport(
             transport, shm_dir, self.keys, self.id, shm_segments, shm_max_bytes, hwm=hwm
         )
-        settings = PushSettings(
-            self.keys, self.id, self.sources, checksum, max_frame_bytes, inline_max_bytes,
-            self.heartbeat_ttl_ms, max_attempts,
-        )  # fmt: skip
         self._pusher = ShardPusher(
-            settings, self.client, self.plan, self._transport, self._pos, self._stop,
-            self._lease_request, self._handle_status,
+            self.settings, self.client, self.plan, self._transport, self._pos, self._stop,
+            self._lease_request,
         )  # fmt: skip
 
     @property
@@ -211,31 +200,7 @@ class Producer:
             self._join()
             self._beat.start()
             while not self._stop.is_set():
-                try:
-                    lease = self._lease()
-                    if lease is None:
-                        continue
-                    epoch, slot = divmod(lease.g, lease.slots)
-                    self._pusher.aim(slot % lease.world, lease.world)
-                    self._pusher.serve_shard(
-                        epoch,
-                        lease.shard
-                        if lease.shard is not None
-                        else shard_of_slot(slot, self.plan.shards),
-                        lease_entry(lease.g, lease.token),
-                        lease.skip,
-                        slot=slot,
-                    )
-                except ConnectionLost as e:
-                    self._reconnect(e)
-                except redis.ResponseError as e:
-                    # A foreign writer replaced a queue key the lease or join reads: keep
-                    # serving once it is repaired (nothing was leased by the failed call).
-                    if not is_wrong_type(e):
-                        raise
-                    self._pusher.note_wrong_type("read by a lease or join", f"foreign type ({e})")
-                    self._stop.wait(0.5)
-                    self._rejoin()
+                self._serve_step()
         except RunFinished as e:
             log.info("producer %s: %s", self.id, e)
             self._finished = True
@@ -243,6 +208,32 @@ class Producer:
             self._stop.set()
             self._leave()
         return 0
+
+    def _serve_step(self) -> None:
+        """Lease the next shard and serve it; a connection lost or a queue key of a
+        foreign type is waited out here."""
+        try:
+            lease = self._lease()
+            if lease is not None:
+                self._serve(lease)
+        except ConnectionLost as e:
+            self._reconnect(e)
+        except redis.ResponseError as e:
+            # A foreign writer replaced a queue key the lease or join reads: keep
+            # serving once it is repaired (nothing was leased by the failed call).
+            if not is_wrong_type(e):
+                raise
+            self._pusher.note_wrong_type("read by a lease or join", f"foreign type ({e})")
+            self._stop.wait(0.5)
+            self._rejoin()
+
+    def _serve(self, lease: Lease) -> None:
+        """Build and push the shard of ``lease``, then act on a reply that was ours."""
+        epoch, slot, shard = lease.address(self.plan.shards)
+        self._pusher.aim(slot % lease.world, lease.world)
+        status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
+        if status is not None:
+            self._handle_status(status)
 
     def _reconnect(self, error: ConnectionLost) -> None:
         """Wait for Redis to come back (bounded backoff), then join the run again.
@@ -278,76 +269,19 @@ class Producer:
             # Still broken: the next lease fails the same way and brings us back here.
 
     def _join(self) -> None:
-        # After Redis lost the queue's state the trainer re-creates the run from its
-        # ledger: a producer that had joined before waits for that (bounded) instead of
-        # creating a fresh run that would re-plan from scratch.
-        deadline = time.monotonic() + (self.orphan_wait_s if self._pos.incarnation else 0.0)
-        while True:
-            wait = time.monotonic() < deadline
-            reply = self._join_once(no_create=wait)
-            if reply.status != Status.WAIT:
-                break
-            if self._stop.wait(0.25):
-                return
-        if reply.status == Status.FINISHED:
-            raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
-        if reply.status == Status.MISMATCH:
-            got = self.plan.fingerprint if reply.what == "fingerprint" else str(self.hwm)
-            raise PipelineMismatch(reply.what, reply.expected, got)
-        if reply.status != Status.OK:
-            raise status_error(reply.status, f"producer {self.id} joining")
-        self._pos.incarnation, self._pos.run = reply.incarnation, reply.run
-        self._pos.world = reply.world
-        if self._record_id:
-            # Redis tells a killed producer by its closed connection (batchq.protocol.reaper).
-            self._record_id = record_client(self.client, self.keys, self.id)
-        if self._axis_labels is not None:
-            try:  # a convenience for the trainer (ServerDataStream.axis_labels): best effort
-                self.client.hset(self.keys.meta, MetaField.AXIS_LABELS, self._axis_labels)
-            except redis.RedisError as e:
-                log.debug("producer %s: axis labels not published: %s", self.id, e)
+        """Join the queue's run (:class:`producer.serving.membership.Membership`); the
+        pusher, the heartbeat and the transport follow the position it gives."""
+        position = self._membership.join(self._pos)
+        if position is None:  # stopped while waiting for a lost run's trainer
+            return
+        self._pos = position
         self._lease_seq = 0
-        self._pusher.ahead.drop()  # leases of the run we left are gone, and what was built
-        self._transport.joined(self.client, self._pos.run, self._pos.world)
-        log.info(
-            "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
-            self.id,
-            self.keys.queue,
-            self._pos.run,
-            self.plan.shards,
-            reply.hwm,
-        )
-
-    def _join_once(self, *, no_create: bool) -> JoinReply:
-        return scripts.join(
-            self.client,
-            self.keys,
-            producer=self.id,
-            fingerprint=self.plan.fingerprint,
-            hwm=self.hwm,
-            shards=self.plan.shards,
-            window=self.window,
-            new_run=uuid.uuid4().hex[:16],
-            new_incarnation=uuid.uuid4().hex,
-            heartbeat_ttl_ms=self.heartbeat_ttl_ms,
-            version=PROTOCOL_VERSION,
-            epoch_batches=self.plan.epoch_batches,
-            served=self._pos.run,
-            grace_ms=int(FINISHED_GRACE_S * 1000),
-            no_create=no_create,
-        )
+        self._pusher.joined(position)  # leases of the run we left are gone, what was built too
+        self._beat.follow(position)
+        self._transport.joined(self.client, position.run, position.world)
 
     def _leave(self) -> None:
-        try:
-            if self._pusher.pending_ref:
-                self.client.delete(self._pusher.pending_ref)
-            scripts.reap(
-                self.client, self.keys, incarnation=self._pos.incarnation, why="leave",
-                producers=[self.id],
-            )  # fmt: skip
-            self.client.hdel(self.keys.clients, self.id, f"{self.id}:hb")
-        except (redis.RedisError, OSError, BatchQueueError) as e:
-            log.warning("producer %s: could not hand back its leases: %s", self.id, e)
+        self._membership.leave(self._pos.incarnation, self._pusher.pending_ref)
         self._pusher.ahead.drop()  # a frame built ahead: its segment is free again
         self._transport.close(self._finished)
         self._beat.join(timeout_s=5)
@@ -367,7 +301,7 @@ class Producer:
             run=self._pos.run,
             producer=self.id,
             token=token,
-            heartbeat_ttl_ms=self.heartbeat_ttl_ms,
+            heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms,
             prefetch=prefetch,
             world=self._pos.world,
             after=after,
@@ -405,6 +339,8 @@ class Producer:
         return None
 
     def _handle_status(self, status: str) -> None:
+        """A reply that is the producer's business: the run finished (stop), changed or
+        was lost, or the producer was reaped (join again); anything else is a bug."""
         if status == Status.FINISHED:
             raise RunFinished(f"queue {self.keys.queue}: the trainer finished the run")
         if status in (Status.RUN_CHANGED, Status.REAPED, Status.STATE_LOST):
@@ -450,14 +386,3 @@ def start_server(
     finally:
         for sig, handler in installed.items():
             signal.signal(sig, handler)
-
-
-def _axis_labels_json(stream: Any) -> str | None:
-    """The stream's axis labels as the trainer reads them from meta: JSON source ->
-    list of axis names (or null), or None when the stream has none."""
-    labels = getattr(stream, "axis_labels", None)
-    if not labels:
-        return None
-    return json.dumps(
-        {str(s): None if v is None else [str(a) for a in v] for s, v in dict(labels).items()}
-    )

@@ -49,25 +49,39 @@ def normalize_request(request: Any, num_examples: int) -> Request:
         InvalidRequestError: the request is None or has the wrong type or dtype.
         RequestError: it names an example outside the dataset.
     """
-    valid = f"valid indices are 0 to {num_examples - 1}" if num_examples else "it is empty"
     if request is None:
         raise InvalidRequestError("this dataset needs a request (indices or a slice), got None")
     if isinstance(request, slice):
-        if request.step is not None and request.step <= 0:
-            raise InvalidRequestError(f"slice request {request} must have a positive step")
-        for bound in (request.start, request.stop):
-            if bound is not None and not 0 <= bound <= num_examples:
-                raise RequestError(
-                    f"slice request {request} reaches index {bound}, outside the dataset "
-                    f"of {num_examples} examples (slice bounds must be 0 to {num_examples})"
-                )
-        return request
+        return _checked_slice(request, num_examples)
     if isinstance(request, numbers.Integral) and not isinstance(request, bool):
         if not 0 <= int(request) < num_examples:
             raise RequestError(
-                f"index {request} is outside the dataset of {num_examples} examples ({valid})"
+                f"index {request} is outside the dataset of {num_examples} examples "
+                f"({_valid(num_examples)})"
             )
         return int(request)
+    return _checked_indices(request, num_examples)
+
+
+def _valid(num_examples: int) -> str:
+    return f"valid indices are 0 to {num_examples - 1}" if num_examples else "it is empty"
+
+
+def _checked_slice(request: slice, num_examples: int) -> slice:
+    """A slice request: a positive step, bounds in ``[0, num_examples]`` or None."""
+    if request.step is not None and request.step <= 0:
+        raise InvalidRequestError(f"slice request {request} must have a positive step")
+    for bound in (request.start, request.stop):
+        if bound is not None and not 0 <= bound <= num_examples:
+            raise RequestError(
+                f"slice request {request} reaches index {bound}, outside the dataset "
+                f"of {num_examples} examples (slice bounds must be 0 to {num_examples})"
+            )
+    return request
+
+
+def _checked_indices(request: Any, num_examples: int) -> np.ndarray:
+    """A list request: a 1-d sequence of ints in ``[0, num_examples)``, as np.intp."""
     indices = np.asarray(request)
     if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
         raise InvalidRequestError(
@@ -78,7 +92,8 @@ def normalize_request(request: Any, num_examples: int) -> Request:
     if outside.size:
         raise RequestError(
             f"index {int(outside[0])} is outside the dataset of {num_examples} examples "
-            f"({valid}; {outside.size} of the {indices.size} requested indices are outside)"
+            f"({_valid(num_examples)}; {outside.size} of the {indices.size} requested "
+            "indices are outside)"
         )
     return indices.astype(np.intp, copy=False)
 

@@ -156,6 +156,11 @@ class PytablesDataset(Dataset):
             rows = range(self.num_examples)[request]
             window = slice(self.start + rows.start, self.start + rows.stop, rows.step)
             return tuple(np.asarray(node[window]) for node in nodes)
+        return self._read_rows(nodes, request)
+
+    def _read_rows(self, nodes: Sequence[Any], request: np.ndarray) -> tuple[Any, ...]:
+        """Read a list of rows: the distinct rows once, in file order, then put back
+        in the requested order."""
         unique, inverse = np.unique(request, return_inverse=True)
         if not unique.size:
             return tuple(np.empty((0, *node.shape[1:]), node.dtype) for node in nodes)

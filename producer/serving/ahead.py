@@ -24,15 +24,23 @@ shard (it keeps the one it held ahead, already built: at most two in all).
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import redis
+
+from batchq.protocol.calls import Call
+from batchq.protocol.layout import lease_entry
+from batchq.protocol.ranks import shard_of_slot
 from batchq.protocol.replies import LeaseReply
+from batchq.protocol.words import Status
+from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame
 
-__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "Lease", "Ready"]
+__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "Encode", "Lease", "Ready"]
 
 # A shard built faster than this makes its producer keep one more shard leased ahead.
 AHEAD_MAX_BUILD_S = 0.002
@@ -54,6 +62,20 @@ class Lease(NamedTuple):
     def from_reply(cls, reply: LeaseReply, token: str, shards: int) -> Lease:
         """From lease.lua's OK reply (world 1 says no slots: the plan's S)."""
         return cls(reply.g, reply.skip, token, reply.slots or shards, reply.world, reply.shard)
+
+    def address(self, shards: int) -> tuple[int, int, int]:
+        """(epoch, slot, the shard to build) in a plan of ``shards`` shards."""
+        epoch, slot = divmod(self.g, self.slots)
+        return epoch, slot, self.shard if self.shard is not None else shard_of_slot(slot, shards)
+
+    @property
+    def entry(self) -> str:
+        """The lease's entry in the producer's lease list."""
+        return lease_entry(self.g, self.token)
+
+
+# (epoch, slot, k, batch, last, rank) -> the batch's frame (ShardPusher._encode_batch)
+Encode = Callable[[int, int, int, Any, bool, int], Any]
 
 
 @dataclass
@@ -95,6 +117,41 @@ class Ahead:
         ``build_s``: two when it built quickly and the trainer is waiting."""
         quick = build_s < AHEAD_MAX_BUILD_S and self.depth == 1
         return MAX_AHEAD if quick else 1
+
+    def keep_granted(
+        self, requests: Sequence[tuple[Call[LeaseReply], str]], raw: Sequence[Any], shards: int
+    ) -> list[bool]:
+        """Keep the leases that rode with a shard's last push, those granted (``raw``:
+        their replies; an OOM refusal is the error itself); returns which were."""
+        granted = []
+        for (request, token), value in zip(requests, raw, strict=True):
+            reply = None if isinstance(value, redis.ResponseError) else request.parse(value)
+            ok = reply is not None and reply.status == Status.OK
+            if reply is not None and ok:
+                self.leases.append(Lease.from_reply(reply, token, shards))
+            granted.append(ok)
+        return granted
+
+    def build_next(self, plan: ShardPlan, encode: Encode) -> None:
+        """Build the next leased shard's first batch (while the last push travels: no
+        Redis here). What the pipeline raises is kept for the serving loop, which
+        reports it as if raised there."""
+        lease = self.leases[0]
+        if lease.skip or self.ready is not None:  # a resume's shard; built already
+            return
+        epoch, slot, shard = lease.address(plan.shards)
+        started = time.perf_counter()
+        batches = iter(plan.iter_shard_marked(epoch, shard))
+        step: tuple[Any, bool] | None = None
+        frame: Any = None
+        error: Exception | None = None
+        try:
+            step = next(batches, None)
+            if step is not None:
+                frame = encode(epoch, slot, 0, *step, slot % lease.world)
+        except Exception as e:
+            error = e
+        self.ready = Ready(lease.entry, batches, step, frame, error, time.perf_counter() - started)
 
     def take_ready(self, entry: str) -> Ready | None:
         """The built first batch of the shard of ``entry``, if it was built ahead."""

@@ -92,47 +92,81 @@ def analyse(stream: Any, requests: list[Any]) -> Alignment:
     """
     chain = _chain_from_root(stream)
     if chain is None:
-        return Alignment(None, False, None, None, "Merge zips streams with their own schemes")
-    root, above = chain[0], chain[1:]
-    per_example = bool(getattr(root.iteration_scheme, "requests_examples", False))
-    # State while walking up: root requests per unit, items per unit, examples per item,
-    # and for the whole epoch: items and examples.
-    unit = 1
-    ipu: int | None = 1
-    isz: int | None = 1 if per_example else None
-    if not per_example and requests:
-        sizes = {request_size(r) for r in requests[:-1]} or {request_size(requests[0])}
-        isz = sizes.pop() if len(sizes) == 1 else None
-    items: int | None = len(requests)
-    examples: int | None = sum(request_size(r) for r in requests) if not per_example else items
-    map_only = True
-    for node in above:
+        return _uncut("Merge zips streams with their own schemes")
+    walk = _Walk.at_root(chain[0], requests)
+    for node in chain[1:]:
+        why = walk.step(node)
+        if why:
+            return _uncut(why)
+    return Alignment(walk.unit, walk.map_only, walk.items, walk.ipu)
+
+
+def _uncut(reason: str) -> Alignment:
+    return Alignment(None, False, None, None, reason)
+
+
+@dataclass
+class _Walk:
+    """The state while walking up the chain: root requests per unit, items per unit
+    (``ipu``), examples per item (``isz``), and for the whole epoch: items and examples
+    (None where a node above made them uncountable)."""
+
+    unit: int
+    ipu: int | None
+    isz: int | None
+    items: int | None
+    examples: int | None
+    map_only: bool = True
+
+    @classmethod
+    def at_root(cls, root: Any, requests: list[Any]) -> _Walk:
+        """At the root stream, whose scheme made ``requests``."""
+        if getattr(root.iteration_scheme, "requests_examples", False):  # one example each
+            return cls(1, 1, 1, len(requests), len(requests))
+        return cls(1, 1, _same_size(requests), len(requests), sum(map(request_size, requests)))
+
+    def step(self, node: Any) -> str:
+        """One node up; why the chain cannot be cut there ('' if it can)."""
         name = type(node).__name__
         if name in ("Batch", "Cache"):
-            k = _scheme_batch_size(node.iteration_scheme)
-            per_unit = ipu if name == "Batch" else (ipu * isz if ipu and isz else None)
-            if k is None or per_unit is None:
-                why = "its scheme is not an endless ConstantScheme" if k is None else ""
-                return Alignment(
-                    None,
-                    False,
-                    None,
-                    None,
-                    f"{name} regroups items it cannot count {why}".strip(),
-                )
-            m = k // math.gcd(per_unit, k)
-            unit, ipu, isz = unit * m, per_unit * m // k, k
-            total = items if name == "Batch" else examples
-            strict = getattr(node, "strictness", 0)
-            if total is None:
-                items = None
-            else:
-                examples = total
-                items = math.ceil(total / k) if strict == 0 else total // k
-            map_only = False
-        elif name == "Unpack":
-            ipu = ipu * isz if ipu is not None and isz is not None else None
-            items, isz, map_only = examples, 1, False
+            return self._regroup(node, name)
+        if name == "Unpack":
+            self.ipu = (
+                self.ipu * self.isz if self.ipu is not None and self.isz is not None else None
+            )
+            self.items, self.isz, self.map_only = self.examples, 1, False
         elif name == "Filter" or getattr(node, "one_to_one", True) is False:
-            ipu, items, examples, map_only = None, None, None, False
-    return Alignment(unit, map_only, items, ipu)
+            self.ipu, self.items, self.examples, self.map_only = None, None, None, False
+        return ""
+
+    def _regroup(self, node: Any, name: str) -> str:
+        """Batch (items) or Cache (examples) into groups of k: the unit grows to the
+        fewest requests giving a multiple of k."""
+        k = _scheme_batch_size(node.iteration_scheme)
+        per_unit = self.ipu if name == "Batch" else _times(self.ipu, self.isz)
+        if k is None or per_unit is None:
+            why = "its scheme is not an endless ConstantScheme" if k is None else ""
+            return f"{name} regroups items it cannot count {why}".strip()
+        m = k // math.gcd(per_unit, k)
+        self.unit, self.ipu, self.isz = self.unit * m, per_unit * m // k, k
+        total = self.items if name == "Batch" else self.examples
+        if total is None:
+            self.items = None
+        else:
+            self.examples = total
+            strict = getattr(node, "strictness", 0)
+            self.items = math.ceil(total / k) if strict == 0 else total // k
+        self.map_only = False
+        return ""
+
+
+def _same_size(requests: list[Any]) -> int | None:
+    """The examples every request but the last asks for, if they all ask for as many."""
+    if not requests:
+        return None
+    sizes = {request_size(r) for r in requests[:-1]} or {request_size(requests[0])}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _times(a: int | None, b: int | None) -> int | None:
+    return a * b if a and b else None

@@ -1,22 +1,27 @@
 """A producer blocked at a full list or at Redis' maxmemory: the clock of its wait, and
-whether a data-parallel producer should hand its shard back (:mod:`producer.serving.pushing`
-waits; this decides).
+whether a data-parallel producer hands its shard back (:mod:`producer.serving.frame_push`
+waits; this decides, and hands it back).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import redis
 
+from batchq.protocol import scripts
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
 from batchq.protocol.ranks import rank_field
+from producer.serving.position import RunPosition
 
-__all__ = ["HANDBACK_S", "Waiting", "hand_back_reason"]
+__all__ = ["HANDBACK_S", "Waiting", "hand_back", "hand_back_reason"]
+
+log = logging.getLogger(__name__)
 
 # A data-parallel producer blocked this long at a rank's full list looks whether that
 # rank's trainer is still alive; if not, the shard goes back to the work list so that
@@ -71,6 +76,18 @@ def hand_back_reason(client: redis.Redis, keys: QueueKeys, rank: int, world: int
     producer, while this rank waits for the others (its share of an epoch is evened,
     consumer/balance.py), so holding on could stall them all.
     """
+    reading, depths = _ranks_reading(client, keys, world)
+    if not reading[rank]:
+        return "it is not reading"
+    if any(depth == 0 and reading[r] for r, depth in enumerate(depths) if r != rank):
+        return "another rank's list is empty"
+    return None
+
+
+def _ranks_reading(
+    client: redis.Redis, keys: QueueKeys, world: int
+) -> tuple[list[bool], list[int]]:
+    """Which ranks are reading (a live claim, not done), and each rank's list length."""
     fields = [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
     fields += [rank_field(MetaField.DONE, r, world) for r in range(world)]
 
@@ -82,10 +99,35 @@ def hand_back_reason(client: redis.Redis, keys: QueueKeys, rank: int, world: int
 
     meta, now, *depths = execute_pipeline(client, build)
     now_ms = time_ms(now)
-    reading = [d is not None and int(d) > now_ms and meta[world + r] is None
-               for r, d in enumerate(meta[:world])]  # fmt: skip
-    if not reading[rank]:
-        return "it is not reading"
-    if any(depth == 0 and reading[r] for r, depth in enumerate(depths) if r != rank):
-        return "another rank's list is empty"
-    return None
+    reading = [
+        _reads(deadline, done, now_ms)
+        for deadline, done in zip(meta[:world], meta[world:], strict=True)
+    ]
+    return reading, depths
+
+
+def _reads(claim_deadline: Any, done: Any, now_ms: int) -> bool:
+    """A rank reads while its claim is live and it has not finished."""
+    return claim_deadline is not None and int(claim_deadline) > now_ms and done is None
+
+
+def hand_back(
+    client: redis.Redis,
+    keys: QueueKeys,
+    position: RunPosition,
+    producer: str,
+    rank: int,
+    entry: str,
+) -> str | None:
+    """At rank ``rank``'s full list for HANDBACK_S: hand the shard of lease ``entry``
+    back (handback.lua, to the end of the work list) when :func:`hand_back_reason`
+    finds a reason, and say why; returns handback.lua's status, or None: keep waiting."""
+    why = hand_back_reason(client, keys, rank, position.world)
+    if why is None:
+        return None
+    reply = scripts.handback(
+        client, keys, incarnation=position.incarnation, run=position.run, producer=producer,
+        entry=entry,
+    )  # fmt: skip
+    log.info("producer %s: rank %d's list is full, %s: %s handed back", producer, rank, why, entry)
+    return reply.status

@@ -22,7 +22,7 @@ from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import rank_field
 from batchq.protocol.reaper import reap_dead, record_client, server_ms
-from producer.serving.pushing import RunPosition
+from producer.serving.position import RunPosition
 
 __all__ = ["BEATS_PER_TTL", "Heartbeat"]
 
@@ -41,7 +41,8 @@ class Heartbeat:
         keys: the queue's keys.
         producer: the producer's id.
         heartbeat_ttl_ms: the producer is declared dead this long after its last beat.
-        position: the run the producer serves (its incarnation and world are read).
+        position: the run the producer serves at first (its incarnation and world are
+            read); each join hands over the next one (:meth:`follow`).
         stop: the producer's stop event: ends the thread; set here when orphaned.
         orphan_exit_s: stop the producer once no trainer has held a live claim on the
             run for this long; None: never.
@@ -63,7 +64,8 @@ class Heartbeat:
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
         self.orphan_exit_s = orphan_exit_s
         self.orphaned = False  # the producer stopped because no trainer claimed the run
-        self._pos = position
+        self._position = position
+        self._position_lock = threading.Lock()  # follow() runs on the serving thread
         self._stop = stop
         self._unclaimed_since_ms: int | None = None  # server clock
         self._thread: threading.Thread | None = None
@@ -78,6 +80,16 @@ class Heartbeat:
         """Wait for the thread, once the stop event is set."""
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
+
+    def follow(self, position: RunPosition) -> None:
+        """The producer joined (again): beat for ``position``'s run from now on."""
+        with self._position_lock:
+            self._position = position
+
+    def position(self) -> RunPosition:
+        """The run the producer serves, as its last join handed it over."""
+        with self._position_lock:
+            return self._position
 
     def run(self) -> None:
         """The thread's loop: beat, reap, check for an orphaned run, until stopped."""
@@ -96,7 +108,7 @@ class Heartbeat:
                 now_ms = server_ms(client)
                 deadline_ms = now_ms + self.heartbeat_ttl_ms
                 client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
-                reap_dead(client, self.keys, self._pos.incarnation, now_ms)
+                reap_dead(client, self.keys, self.position().incarnation, now_ms)
                 self.check_orphaned(client, now_ms)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 # At maxmemory the heartbeat is refused too; pushes report that once.
@@ -114,7 +126,7 @@ class Heartbeat:
         """
         if self.orphan_exit_s is None:
             return
-        world = self._pos.world
+        world = self.position().world
         deadlines = client.hmget(
             self.keys.meta, [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
         )

@@ -31,7 +31,7 @@ import numpy as np
 
 from batchq.errors import ConfigError
 from producer.randomness import component_seed
-from producer.serving.alignment import analyse
+from producer.serving.alignment import Alignment, analyse
 
 __all__ = ["ShardPlan", "find_root", "iter_chain"]
 
@@ -127,34 +127,43 @@ class ShardPlan:
                 f"the iteration scheme gives {n0} requests in epoch 0 and "
                 f"{len(self.requests(1))} in epoch 1: expected the same number every epoch"
             )
-        alignment = analyse(stream, self.requests(0)) if self.scheme is not None else None
-        if alignment is not None and alignment.unit is not None:
-            unit = alignment.unit
-            rps = requests_per_shard or unit
-            if rps % unit:
-                raise ConfigError(
-                    f"requests_per_shard {rps} is not valid for this pipeline: expected a "
-                    f"multiple of {unit} (the fewest requests it can be cut after exactly)"
-                )
-            self.map_only = alignment.map_only
-            self.epoch_batches = alignment.epoch_batches
-            if alignment.batches_per_unit is not None:
-                self.shard_batches = alignment.batches_per_unit * (rps // unit)
-        elif self.scheme is not None and requests_per_shard is not None:
-            why = alignment.reason if alignment else ""
-            log.warning(
-                "this pipeline cannot be cut exactly (%s): with requests_per_shard=%d, "
-                "batches at shard boundaries may be grouped differently than in-process",
-                why,
-                requests_per_shard,
-            )
-            rps = requests_per_shard
-            self.exact = False
-        else:
-            rps = max(n0, 1)  # one shard per epoch
-        self.requests_per_shard = rps
-        self.shards = max(1, math.ceil(n0 / rps)) if self.scheme is not None else 1
+        self.requests_per_shard = self._cut(requests_per_shard, n0)
+        self.shards = (
+            max(1, math.ceil(n0 / self.requests_per_shard)) if self.scheme is not None else 1
+        )
         self.fingerprint = self._fingerprint(list(iter_chain(stream)))
+
+    def _cut(self, requests_per_shard: int | None, n0: int) -> int:
+        """Requests per shard: the chain's cut unit (or the multiple of it asked for);
+        as asked where no cut is exact (warned: not exact); else one shard per epoch."""
+        alignment = analyse(self.stream, self.requests(0)) if self.scheme is not None else None
+        if alignment is not None and alignment.unit is not None:
+            return self._aligned(alignment.unit, alignment, requests_per_shard)
+        if alignment is None or requests_per_shard is None:
+            return max(n0, 1)  # one shard per epoch
+        log.warning(
+            "this pipeline cannot be cut exactly (%s): with requests_per_shard=%d, "
+            "batches at shard boundaries may be grouped differently than in-process",
+            alignment.reason,
+            requests_per_shard,
+        )
+        self.exact = False
+        return requests_per_shard
+
+    def _aligned(self, unit: int, alignment: Alignment, requests_per_shard: int | None) -> int:
+        """Requests per shard of a chain that can be cut after every ``unit`` requests;
+        the chain's figures follow from its ``alignment``."""
+        rps = requests_per_shard or unit
+        if rps % unit:
+            raise ConfigError(
+                f"requests_per_shard {rps} is not valid for this pipeline: expected a "
+                f"multiple of {unit} (the fewest requests it can be cut after exactly)"
+            )
+        self.map_only = alignment.map_only
+        self.epoch_batches = alignment.epoch_batches
+        if alignment.batches_per_unit is not None:
+            self.shard_batches = alignment.batches_per_unit * (rps // unit)
+        return rps
 
     def requests(self, epoch: int) -> list[Any]:
         """The requests of ``epoch``, in plan order (cached for the last few epochs)."""

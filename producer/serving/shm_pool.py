@@ -115,26 +115,35 @@ class SegmentPool:
 
     def acquire(self, nbytes: int) -> Segment | str:
         """A free segment of at least ``nbytes``, or why there is none (FULL, NO_ROOM)."""
-        best: Segment | None = None
-        for seg in self.segments:
-            smaller = best is None or seg.capacity < best.capacity
-            if seg.capacity >= nbytes and smaller and seg.is_free():
-                best = seg
+        best = self._smallest_free(nbytes)
         if best is not None:
             return best
         capacity = -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE  # room for a bit of growth
-        # Free segments too small for this frame make room for one that fits.
-        small = [s for s in self.segments if s.capacity < nbytes and s.is_free()]
-        while small and not self._fits(capacity):
-            seg = small.pop()
-            self.segments.remove(seg)
-            seg.unlink()
+        self._make_room(capacity, nbytes)
         if not self._fits(capacity):
             if len(self.segments) >= self.max_segments:
                 return NO_ROOM
             self.last_error = f"shm_max_bytes={self.max_bytes} reached"
             return FULL
         return self._create(capacity)
+
+    def _smallest_free(self, nbytes: int) -> Segment | None:
+        """The smallest free segment that holds ``nbytes``, if any."""
+        best: Segment | None = None
+        for seg in self.segments:
+            smaller = best is None or seg.capacity < best.capacity
+            if seg.capacity >= nbytes and smaller and seg.is_free():
+                best = seg
+        return best
+
+    def _make_room(self, capacity: int, nbytes: int) -> None:
+        """Free segments too small for a frame of ``nbytes`` make room for one of
+        ``capacity`` that fits."""
+        small = [s for s in self.segments if s.capacity < nbytes and s.is_free()]
+        while small and not self._fits(capacity):
+            seg = small.pop()
+            self.segments.remove(seg)
+            seg.unlink()
 
     def _fits(self, capacity: int) -> bool:
         if len(self.segments) >= self.max_segments:

@@ -244,24 +244,34 @@ class Transport:
         if not force and now - self._checked < REFRESH_S:
             return
         self._checked = now
-        world = self._world
-        fields = [self.host_field(r, world) for r in range(world)]
-        fields += [rank_field(MetaField.SHM_LOOKAHEAD, r, world) for r in range(world)]
-        values = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
-        hosts, lookaheads = values[:world], values[world:]
-        local = tuple(
-            r for r, v in enumerate(hosts) if isinstance(v, bytes) and v.decode() == self.identity
-        )
+        hosts, lookaheads = self._read_ranks(client)
+        local = tuple(r for r, v in enumerate(hosts) if self._is_here(v))
         if self._fixed is None:
             # Room for what each rank on this host can hold (pool_size), and our own two.
             held = sum(pool_size(self._hwm, _lookahead(lookaheads[r]), 1) - OUTSIDE for r in local)
             self.pool.max_segments = held + OUTSIDE
         if local != self._local:
-            where = f"shared memory in {self.shm_dir}" if local else "Redis"
-            if world > 1 and local:
-                where += f" for ranks {', '.join(map(str, local))} (Redis for the others)"
-            log.info("producer %s: frames now travel through %s", self.producer, where)
-            self._local = local
+            self._switch(local)
+
+    def _read_ranks(self, client: redis.Redis) -> tuple[list[Any], list[Any]]:
+        """Each rank's published host and look-ahead (one HMGET of meta)."""
+        world = self._world
+        fields = [self.host_field(r, world) for r in range(world)]
+        fields += [rank_field(MetaField.SHM_LOOKAHEAD, r, world) for r in range(world)]
+        values = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
+        return values[:world], values[world:]
+
+    def _is_here(self, published: object) -> bool:
+        """Whether a rank's published host is this one."""
+        return isinstance(published, bytes) and published.decode() == self.identity
+
+    def _switch(self, local: tuple[int, ...]) -> None:
+        """Frames for the ranks ``local`` use segments from now on (logged)."""
+        where = f"shared memory in {self.shm_dir}" if local else "Redis"
+        if self._world > 1 and local:
+            where += f" for ranks {', '.join(map(str, local))} (Redis for the others)"
+        log.info("producer %s: frames now travel through %s", self.producer, where)
+        self._local = local
 
     def rerouted(self) -> None:
         """A push was refused with REROUTE (the rank's published host changed): count

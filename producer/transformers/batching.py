@@ -88,18 +88,22 @@ class Batch(Transformer):
             try:
                 example = self._next_child()
             except StopIteration:
-                got = len(data[0]) if data else 0
-                if got and self.strictness == 0:
+                if self._short_batch(len(data[0]) if data else 0, size):
                     break
-                if got and self.strictness == 2:
-                    raise IncompleteBatchError(
-                        f"Batch(strictness=2): the epoch ended after {got} of the {size} "
-                        "examples of the last batch"
-                    ) from None
                 raise
             for column, value in zip(data, example, strict=True):
                 column.append(value)
         return tuple(stack_examples(column) for column in data)
+
+    def _short_batch(self, got: int, size: int) -> bool:
+        """The epoch ended after ``got`` of ``size`` examples: whether to yield them
+        (strictness 0); strictness 2 raises; otherwise (1, or none) the epoch ends."""
+        if got and self.strictness == 2:
+            raise IncompleteBatchError(
+                f"Batch(strictness=2): the epoch ended after {got} of the {size} "
+                "examples of the last batch"
+            ) from None
+        return bool(got) and self.strictness == 0
 
 
 class Unpack(Transformer):
@@ -210,26 +214,37 @@ class Padding(Transformer):
         return tuple(out)
 
     def _pad(self, source: str, samples: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        if any(s.ndim == 0 for s in samples):
-            raise ShapeError(f"Padding: source {source!r} has scalar examples, not sequences")
-        shapes = [s.shape for s in samples]
-        rest = shapes[0][1:] if shapes else ()
-        if any(shape[1:] != rest for shape in shapes):
-            raise ShapeError(
-                f"Padding: all dimensions except length must be equal in source {source!r}; "
-                f"got shapes {shapes}"
-            )
-        lengths = [shape[0] for shape in shapes]
-        non_empty = [s.dtype for s in samples if s.size]
-        dtype = (
-            np.result_type(*non_empty) if non_empty else (samples[0].dtype if samples else float)
-        )
-        padded = np.zeros((len(samples), max(lengths, default=0), *rest), dtype=dtype)
-        mask = np.zeros((len(samples), max(lengths, default=0)), dtype=self.mask_dtype)
+        rest = _common_shape(source, samples)
+        lengths = [s.shape[0] for s in samples]
+        longest = max(lengths, default=0)
+        padded = np.zeros((len(samples), longest, *rest), dtype=_padded_dtype(samples))
+        mask = np.zeros((len(samples), longest), dtype=self.mask_dtype)
         for i, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
             padded[i, :length] = sample
             mask[i, :length] = 1
         return padded, mask
+
+
+def _common_shape(source: str, samples: list[np.ndarray]) -> tuple[int, ...]:
+    """The dimensions after the length, which every sample of ``source`` must share."""
+    if any(s.ndim == 0 for s in samples):
+        raise ShapeError(f"Padding: source {source!r} has scalar examples, not sequences")
+    shapes = [s.shape for s in samples]
+    rest = shapes[0][1:] if shapes else ()
+    if any(shape[1:] != rest for shape in shapes):
+        raise ShapeError(
+            f"Padding: all dimensions except length must be equal in source {source!r}; "
+            f"got shapes {shapes}"
+        )
+    return rest
+
+
+def _padded_dtype(samples: list[np.ndarray]) -> Any:
+    """What the non-empty samples' dtypes promote to (the first's, or float, if none)."""
+    non_empty = [s.dtype for s in samples if s.size]
+    if non_empty:
+        return np.result_type(*non_empty)
+    return samples[0].dtype if samples else float
 
 
 class Cache(Transformer):

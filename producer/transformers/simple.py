@@ -299,23 +299,8 @@ class Rename(AgnosticTransformer):
                 f"on_non_existent={on_non_existent!r} is not valid: expected 'raise', "
                 "'ignore' or 'warn'"
             )
-        for old, new in names.items():
-            if old not in data_stream.sources:
-                message = (
-                    f"renaming source {old!r} to {new!r}: the stream has no source {old!r}; "
-                    f"its sources are {list(data_stream.sources)}"
-                )
-                if on_non_existent == "raise":
-                    raise SourceError(message)
-                log.log(logging.WARNING if on_non_existent == "warn" else logging.DEBUG, message)
-        # One pass over the original names, so that swaps ({'a': 'b', 'b': 'a'}) work.
-        sources = [names.get(source, source) for source in data_stream.sources]
-        if len(set(sources)) != len(sources):
-            duplicated = sorted({s for s in sources if sources.count(s) > 1})
-            raise SourceError(
-                f"renaming {dict(names)} would give several sources the names {duplicated} "
-                f"(the stream's sources are {list(data_stream.sources)})"
-            )
+        _check_old_names(names, data_stream.sources, on_non_existent)
+        sources = _renamed(names, data_stream.sources)
         if data_stream.axis_labels:
             kwargs.setdefault(
                 "axis_labels",
@@ -327,6 +312,34 @@ class Rename(AgnosticTransformer):
     def transform_any(self, data: Any) -> Any:
         """The data, unchanged."""
         return data
+
+
+def _check_old_names(
+    names: MappingABC[str, str], sources: Sequence[str], on_non_existent: str
+) -> None:
+    """Raise, warn about or ignore (``on_non_existent``) old names not in ``sources``."""
+    for old, new in names.items():
+        if old not in sources:
+            message = (
+                f"renaming source {old!r} to {new!r}: the stream has no source {old!r}; "
+                f"its sources are {list(sources)}"
+            )
+            if on_non_existent == "raise":
+                raise SourceError(message)
+            log.log(logging.WARNING if on_non_existent == "warn" else logging.DEBUG, message)
+
+
+def _renamed(names: MappingABC[str, str], sources: Sequence[str]) -> list[str]:
+    """The new names, in one pass over the old ones (so that swaps such as
+    ``{'a': 'b', 'b': 'a'}`` work); two sources may not end with one name."""
+    renamed = [names.get(source, source) for source in sources]
+    if len(set(renamed)) != len(renamed):
+        duplicated = sorted({s for s in renamed if renamed.count(s) > 1})
+        raise SourceError(
+            f"renaming {dict(names)} would give several sources the names {duplicated} "
+            f"(the stream's sources are {list(sources)})"
+        )
+    return renamed
 
 
 class FilterSources(AgnosticTransformer):

@@ -16,7 +16,8 @@ from batchq.protocol.words import Status
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
 from producer.server import Producer
-from producer.serving.pushing import Lease
+from producer.serving.ahead import Lease
+from producer.serving.position import RunPosition
 from producer.streams import DataStream
 
 
@@ -128,3 +129,18 @@ def test_statuses_that_end_or_make_no_sense(producer: Producer) -> None:
         producer._handle_status(Status.FINISHED)
     with pytest.raises(ProtocolError, match="NONSENSE"):
         producer._handle_status("NONSENSE")
+
+
+def test_a_status_the_pusher_returns_is_acted_on_once_it_returned(
+    producer: Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer._join()
+    joins: list[RunPosition] = []
+    join = producer._membership.join
+    monkeypatch.setattr(producer._membership, "join", lambda s: joins.append(s) or join(s))
+    monkeypatch.setattr(producer._pusher, "serve_shard", lambda *a, **k: Status.RUN_CHANGED)
+    producer._serve(Lease(g=0, skip=0, token="t", slots=4, world=1))
+    assert joins == [producer._pos]  # joined again, once the pusher had returned
+    monkeypatch.setattr(producer._pusher, "serve_shard", lambda *a, **k: Status.FINISHED)
+    with pytest.raises(RunFinished):
+        producer._serve(Lease(g=1, skip=0, token="t", slots=4, world=1))

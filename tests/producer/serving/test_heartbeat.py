@@ -8,9 +8,11 @@ import threading
 import redis
 from waiting import wait_until
 
+from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.ranks import rank_field
 from producer.serving.heartbeat import Heartbeat
-from producer.serving.pushing import RunPosition
+from producer.serving.position import RunPosition
 
 TTL_MS = 300
 
@@ -48,3 +50,19 @@ def test_without_orphan_exit_s_a_run_is_never_orphaned(
     for now_ms in (0, 10**9, 10**12):
         beat.check_orphaned(redis_client, now_ms)
     assert not beat.orphaned and not stop.is_set()
+
+
+def test_the_heartbeat_follows_each_join(
+    redis_url: str, redis_client: redis.Redis, queue_name: str
+) -> None:
+    keys = QueueKeys(queue_name)
+    stop = threading.Event()
+    beat = Heartbeat(redis_url, keys, "p", TTL_MS, RunPosition(), stop, orphan_exit_s=1.0)
+    beat.follow(RunPosition("run", "inc", world=2))  # a join, on the serving thread
+    redis_client.hset(keys.meta, rank_field(MetaField.CLAIM_DEADLINE, 1, 2), 10_000)
+    for now_ms in (0, 5_000):  # rank 1 of the joined world claims the run until 10 s
+        beat.check_orphaned(redis_client, now_ms)
+    assert not beat.orphaned
+    for now_ms in (20_000, 21_000):
+        beat.check_orphaned(redis_client, now_ms)
+    assert beat.orphaned and stop.is_set()

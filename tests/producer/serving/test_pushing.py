@@ -21,7 +21,13 @@ from batchq.protocol.words import Status
 from batchq.wire import codec, shm
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
-from producer.serving.pushing import Lease, PushSettings, RunPosition, ShardPusher
+from producer.serving import frame_push
+from producer.serving.ahead import Lease
+from producer.serving.blocking import HANDBACK_S, Waiting
+from producer.serving.frame_push import Handover
+from producer.serving.position import RunPosition
+from producer.serving.pushing import ShardPusher
+from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
 from producer.streams import DataStream
@@ -30,7 +36,6 @@ from producer.transformers import Mapping
 
 def _pusher(
     fail_at: int | None = None,
-    statuses: list[str] | None = None,
     transport: Transport | None = None,
     leasing: bool = False,
 ) -> ShardPusher:
@@ -61,7 +66,6 @@ def _pusher(
         RunPosition("run", "inc"),
         threading.Event(),
         no_lease,
-        (statuses if statuses is not None else []).append,
     )
 
 
@@ -113,12 +117,13 @@ def test_every_batch_of_a_shard_is_pushed_in_order_the_last_one_marked() -> None
 def test_a_status_that_is_not_the_pushers_goes_to_the_producer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    statuses: list[str] = []
-    p = _pusher(statuses=statuses)
+    p = _pusher(fail_at=0)
     reply = CountReply(Status.FINISHED)
     monkeypatch.setattr(scripts, "fail", lambda *a, **k: reply)
-    assert p._retry_elsewhere(0, 0, "0:t") is True
-    assert statuses == [Status.FINISHED]
+    p._push = lambda *a, **k: pytest.fail("pushed for a finished run")  # type: ignore[method-assign]
+    # Returned to the caller (the Producer acts once the pusher is done), not acted on.
+    assert p._retry_elsewhere(0, 0, "0:t") == Handover(Status.FINISHED)
+    assert p.serve_shard(0, 0, "0:t") == Status.FINISHED
 
 
 def test_aim_points_the_pushes_at_a_ranks_list() -> None:
@@ -286,3 +291,39 @@ def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host
     # Without this a producer that started before the trainer, once every shard is
     # built ahead, would never see the trainer's host appear (tests/consumer/test_torch_shm).
     assert refreshed
+
+
+def test_a_reply_that_is_the_producers_business_is_returned_with_nothing_dropped() -> None:
+    p = _pusher(leasing=True)
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.depth = 1
+
+    def send(ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None) -> Any:
+        if between is not None:
+            between()
+        return [[b"RUN_CHANGED"], *([[b"BUSY"]] * len(leases or ()))]
+
+    p._send = send  # type: ignore[method-assign]
+    assert p.serve_shard(0, 0, "0:t0") == Status.RUN_CHANGED
+    # The pusher did not act on it: what it holds ahead is the Producer's to drop when
+    # it joins again (before, the reply's callback joined while the pusher's call ran).
+    assert p.ahead.ready is not None and list(p.ahead.leases) == [Lease(1, 0, "t1", 4, 1)]
+    p.joined(RunPosition("run2", "inc2"))
+    assert p.ahead.ready is None and not p.ahead.leases
+
+
+def test_a_hand_back_refused_by_a_changed_run_is_handed_to_the_producer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    p = _pusher()
+    p.joined(RunPosition("run", "inc", world=2))
+    p.aim(0, 2)
+    monkeypatch.setattr(frame_push, "hand_back", lambda *a: Status.RUN_CHANGED)
+    p.wait_for_room = lambda: None  # type: ignore[method-assign]
+    wait = Waiting()
+    wait.start()
+    wait.full_since -= HANDBACK_S
+    assert p._full("0:t", None, wait) == Handover(Status.RUN_CHANGED)
+    monkeypatch.setattr(frame_push, "hand_back", lambda *a: Status.OK)
+    wait.full_since -= HANDBACK_S
+    assert p._full("0:t", None, wait) is False  # handed back: the shard is no longer ours

@@ -1,0 +1,187 @@
+"""A producer's membership of its queue's run: joining and leaving.
+
+:meth:`Membership.join` runs join.lua (which creates the queue and run where there is
+none, checks the pipeline's fingerprint and hwm, hands this producer's stale leases back
+and beats once) and turns its reply into the :class:`RunPosition` served, or into the
+error that ends serving: the run finished moments ago (a late replica of a finished
+job: ``RunFinished``), another pipeline or hwm (``PipelineMismatch``). After Redis lost
+the queue's state, a producer that had joined before waits (bounded, ``orphan_wait_s``)
+for the trainer to re-create the run from its ledger instead of creating a fresh run
+that would re-plan from scratch. :meth:`Membership.leave` hands the producer's leases
+back. What the Producer does around both (its pusher, heartbeat and transport follow
+the new position) is the Producer's (:mod:`producer.server`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from batchq.errors import BatchQueueError, PipelineMismatch, RunFinished
+from batchq.protocol import scripts
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.reaper import record_client
+from batchq.protocol.replies import JoinReply, status_error
+from batchq.protocol.words import PROTOCOL_VERSION, Status
+from producer.serving.position import RunPosition
+from producer.serving.sharding import ShardPlan
+
+__all__ = ["FINISHED_GRACE_S", "JOIN_POLL_S", "Membership", "axis_labels_json"]
+
+log = logging.getLogger(__name__)
+
+# A producer that joins a run finished less than this long ago exits (a late replica of
+# the same job); after it, a producer starts the queue's next run.
+FINISHED_GRACE_S = 60.0
+JOIN_POLL_S = 0.25  # how often a producer waiting for a lost run's trainer asks again
+
+
+class Membership:
+    """One producer's joins and leave of one queue.
+
+    Args:
+        client: the producer's client.
+        keys: the queue's keys.
+        producer: the producer's id.
+        plan: the producer's shard plan (fingerprint, S, batches per epoch).
+        hwm: the run's cap the producer asks for.
+        window: look-ahead in shards.
+        heartbeat_ttl_ms: the producer's heartbeat TTL.
+        orphan_wait_s: after Redis lost the queue's state, how long to wait for the
+            trainer to re-create the run.
+        axis_labels: the stream's axis labels as :func:`axis_labels_json` gives them.
+        stop: the producer's stop event (ends a wait).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: QueueKeys,
+        producer: str,
+        plan: ShardPlan,
+        *,
+        hwm: int,
+        window: int,
+        heartbeat_ttl_ms: int,
+        orphan_wait_s: float,
+        axis_labels: str | None,
+        stop: threading.Event,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.id = producer
+        self.plan = plan
+        self.hwm = hwm
+        self.window = window
+        self.heartbeat_ttl_ms = heartbeat_ttl_ms
+        self.orphan_wait_s = orphan_wait_s
+        self.axis_labels = axis_labels
+        self._stop = stop
+        self._record_id = True  # False once the server refused CLIENT ID (ACL)
+
+    def join(self, served: RunPosition) -> RunPosition | None:
+        """Join (again) after serving ``served`` ('' the first time): the position to
+        serve, or None if the producer was stopped while waiting.
+
+        Raises:
+            RunFinished: the run finished moments ago.
+            PipelineMismatch: the run was created by another pipeline or hwm.
+            BatchQueueError: another refusal (:func:`batchq.protocol.replies.status_error`).
+        """
+        reply = self._reply(served)
+        if reply is None:
+            return None
+        self._check(reply)
+        self._publish()
+        log.info(
+            "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
+            self.id,
+            self.keys.queue,
+            reply.run,
+            self.plan.shards,
+            reply.hwm,
+        )
+        return RunPosition(reply.run, reply.incarnation, reply.world)
+
+    def _reply(self, served: RunPosition) -> JoinReply | None:
+        """join.lua's first reply that is not WAIT (a producer that had joined before
+        waits up to orphan_wait_s for a lost run's trainer); None once stopped."""
+        deadline = time.monotonic() + (self.orphan_wait_s if served.incarnation else 0.0)
+        while True:
+            reply = self._join_once(served.run, no_create=time.monotonic() < deadline)
+            if reply.status != Status.WAIT:
+                return reply
+            if self._stop.wait(JOIN_POLL_S):
+                return None
+
+    def _join_once(self, served: str, *, no_create: bool) -> JoinReply:
+        return scripts.join(
+            self.client,
+            self.keys,
+            producer=self.id,
+            fingerprint=self.plan.fingerprint,
+            hwm=self.hwm,
+            shards=self.plan.shards,
+            window=self.window,
+            new_run=uuid.uuid4().hex[:16],
+            new_incarnation=uuid.uuid4().hex,
+            heartbeat_ttl_ms=self.heartbeat_ttl_ms,
+            version=PROTOCOL_VERSION,
+            epoch_batches=self.plan.epoch_batches,
+            served=served,
+            grace_ms=int(FINISHED_GRACE_S * 1000),
+            no_create=no_create,
+        )
+
+    def _check(self, reply: JoinReply) -> None:
+        """Raise what a refused join means."""
+        if reply.status == Status.FINISHED:
+            raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
+        if reply.status == Status.MISMATCH:
+            got = self.plan.fingerprint if reply.what == "fingerprint" else str(self.hwm)
+            raise PipelineMismatch(reply.what, reply.expected, got)
+        if reply.status != Status.OK:
+            raise status_error(reply.status, f"producer {self.id} joining")
+
+    def _publish(self) -> None:
+        """After a join: the connection's CLIENT ID (Redis tells a killed producer by
+        its closed connection: batchq.protocol.reaper) and the axis labels."""
+        if self._record_id:
+            self._record_id = record_client(self.client, self.keys, self.id)
+        if self.axis_labels is None:
+            return
+        try:  # a convenience for the trainer (ServerDataStream.axis_labels): best effort
+            self.client.hset(self.keys.meta, MetaField.AXIS_LABELS, self.axis_labels)
+        except redis.RedisError as e:
+            log.debug("producer %s: axis labels not published: %s", self.id, e)
+
+    def leave(self, incarnation: str, pending_ref: str | None) -> None:
+        """Hand every lease back (reap.lua, why 'leave'), delete a frame stored by
+        reference and never listed, forget the recorded connections; logs what fails."""
+        try:
+            if pending_ref:
+                self.client.delete(pending_ref)
+            scripts.reap(
+                self.client, self.keys, incarnation=incarnation, why="leave", producers=[self.id]
+            )
+            self.client.hdel(self.keys.clients, self.id, f"{self.id}:hb")
+        except (redis.RedisError, OSError, BatchQueueError) as e:
+            log.warning("producer %s: could not hand back its leases: %s", self.id, e)
+
+
+def axis_labels_json(stream: Any) -> str | None:
+    """The stream's axis labels as the trainer reads them from meta: JSON source ->
+    list of axis names (or null), or None when the stream has none."""
+    labels = getattr(stream, "axis_labels", None)
+    if not labels:
+        return None
+    return json.dumps(
+        {str(s): None if v is None else [str(a) for a in v] for s, v in dict(labels).items()}
+    )

@@ -1,0 +1,23 @@
+"""The run a producer serves: one value, replaced whole at each join.
+
+The producer's join (on its serving thread) makes a new :class:`RunPosition` and hands
+it to its pusher (:meth:`producer.serving.frame_push.FramePusher.joined`) and to its
+heartbeat thread (:meth:`producer.serving.heartbeat.Heartbeat.follow`, under the
+heartbeat's lock). Nobody changes a position in place, so whoever reads one sees the
+run, incarnation and world of one join.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RunPosition"]
+
+
+@dataclass(frozen=True)
+class RunPosition:
+    """The run a producer serves ('' before its first join)."""
+
+    run: str = ""
+    incarnation: str = ""
+    world: int = 1  # ranks of the run's trainer (batchq/protocol/ranks.py)
