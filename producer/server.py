@@ -8,11 +8,8 @@ process is asked to stop (SIGINT/SIGTERM: its leases go back to the work list fi
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import socket
 import threading
-import uuid
 from typing import Any
 
 import redis
@@ -31,6 +28,7 @@ from batchq.protocol import scripts
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call
 from batchq.protocol.keys import QueueKeys, check_name
+from batchq.protocol.layout import default_id
 from batchq.protocol.replies import LeaseReply
 from batchq.protocol.words import Status
 from producer.serving.ahead import Lease
@@ -69,11 +67,6 @@ def _is_count(value: Any) -> bool:
 def _require(valid: bool, name: str, value: Any, expected: str) -> None:
     if not valid:
         raise ConfigError(f"{name} {value!r} is not valid: expected {expected}")
-
-
-def _default_producer_id() -> str:
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
-    return f"{host[:40] or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class Producer:
@@ -139,7 +132,7 @@ class Producer:
         self.keys = QueueKeys(queue)
         self.hwm = hwm
         self.window = window or 2 * hwm
-        self.id = check_name(producer_id or _default_producer_id(), "producer id")
+        self.id = check_name(producer_id or default_id(), "producer id")
         self.reconnect_timeout_s = reconnect_timeout_s
         self.orphan_exit_s = orphan_exit_s
         self.plan = ShardPlan(stream, requests_per_shard)

@@ -21,7 +21,7 @@ from batchq.protocol.words import Status
 from batchq.wire import codec, shm
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
-from producer.serving import frame_push
+from producer.serving import ahead, frame_push
 from producer.serving.ahead import Lease
 from producer.serving.blocking import HANDBACK_S, Waiting
 from producer.serving.frame_push import Handover
@@ -32,6 +32,13 @@ from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
 from producer.streams import DataStream
 from producer.transformers import Mapping
+
+
+@pytest.fixture
+def quick_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every shard counts as quick to build (two leases ahead), however loaded the machine:
+    the tests below are about what a prefetching push does, not about the 2 ms line."""
+    monkeypatch.setattr(ahead, "AHEAD_MAX_BUILD_S", 60.0)
 
 
 def _pusher(
@@ -175,6 +182,7 @@ def test_a_descriptor_whose_push_lost_its_connection_is_remembered_as_uncertain(
     assert transport._uncertain == [(frame, QueueKeys("q").data)]
 
 
+@pytest.mark.usefixtures("quick_builds")
 def test_the_next_leased_shard_is_built_while_the_last_push_travels() -> None:
     p = _pusher(leasing=True)
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))  # shard 1, leased ahead
@@ -212,6 +220,7 @@ def _pushed_and_busy(
     return [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))]
 
 
+@pytest.mark.usefixtures("quick_builds")
 def test_a_pipeline_error_met_while_building_ahead_is_reported_by_that_shard() -> None:
     p = _pusher(fail_at=10, leasing=True)  # shard 1's first batch raises
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
@@ -225,6 +234,7 @@ def test_a_pipeline_error_met_while_building_ahead_is_reported_by_that_shard() -
     assert failed == [(0, 1, "1:t1")]
 
 
+@pytest.mark.usefixtures("quick_builds")
 def test_a_lease_refused_for_oom_never_hides_the_push_that_went_through() -> None:
     p = _pusher(leasing=True)
     p.ahead.depth = 1
@@ -240,6 +250,7 @@ def test_a_lease_refused_for_oom_never_hides_the_push_that_went_through() -> Non
     assert sends == [2] and not p.ahead.leases and p.oom_waits == 0
 
 
+@pytest.mark.usefixtures("quick_builds")
 def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
     p = _pusher(leasing=True)
     p.ahead.depth = 1
@@ -258,6 +269,7 @@ def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
     assert [lease.g for lease in p.ahead.leases] == [1, 2]
 
 
+@pytest.mark.usefixtures("quick_builds")
 def test_a_push_sent_again_after_oom_does_not_build_the_next_shard_again() -> None:
     p = _pusher(leasing=True)
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
@@ -278,6 +290,7 @@ def test_a_push_sent_again_after_oom_does_not_build_the_next_shard_again() -> No
     assert len(built) == 1 and p.ahead.ready is built[0]
 
 
+@pytest.mark.usefixtures("quick_builds")
 def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host() -> None:
     p = _pusher(leasing=True)
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
@@ -293,6 +306,7 @@ def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host
     assert refreshed
 
 
+@pytest.mark.usefixtures("quick_builds")
 def test_a_reply_that_is_the_producers_business_is_returned_with_nothing_dropped() -> None:
     p = _pusher(leasing=True)
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
