@@ -52,6 +52,68 @@ def _check_threads(threads: Any) -> int | None:
     return threads
 
 
+def _check_map_style(
+    dataset: Any, num_shards: int | None, worker_init_fn: Any, generator: Any
+) -> None:
+    """A map-style dataset and the arguments that go with one (DataLoader's messages)."""
+    import torch
+
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError(
+            f"dataset {dataset!r} is not valid: expected a map-style dataset "
+            "(__len__ and __getitem__) or a torch IterableDataset"
+        )
+    if num_shards is not None or worker_init_fn is not None:
+        raise ConfigError(
+            "num_shards and worker_init_fn are for an IterableDataset: a map-style "
+            "dataset is cut into one shard per batch"
+        )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ConfigError(f"generator {generator!r} is not valid: expected a torch.Generator")
+
+
+def _check_batching(
+    batch_size: int | None, shuffle: bool, drop_last: bool, sampler: Any, batch_sampler: Any
+) -> int | None:
+    """DataLoader's exclusions between its batching arguments; the batch size in effect
+    (None with a batch sampler)."""
+    if sampler is not None and shuffle:
+        raise ConfigError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ConfigError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                "sampler, and drop_last"
+            )
+        return None
+    if batch_size is None and drop_last:
+        raise ConfigError(
+            "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+        )
+    return batch_size
+
+
+def _default_samplers(
+    dataset: Any,
+    batch_size: int | None,
+    shuffle: bool,
+    drop_last: bool,
+    generator: Any,
+    sampler: Any,
+    batch_sampler: Any,
+) -> tuple[Any, Any]:
+    """DataLoader's default sampler and batch sampler, the same objects it would make."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    if sampler is None:
+        sampler = (
+            RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        )
+    if batch_size is not None:
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+    return sampler, batch_sampler
+
+
 def _check_common(batch_size: Any, collate_fn: Any, sources: Any) -> None:
     if batch_size is not None and (
         isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
@@ -123,45 +185,14 @@ class DatasetStream(AbstractDataStream):
         worker_init_fn: Callable[[int], Any] | None = None,
         torch_threads: int | None = 1,
     ) -> None:
-        import torch
-        from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
         from torch.utils.data._utils.collate import default_collate, default_convert
 
         _check_common(batch_size, collate_fn, sources)
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise ConfigError(
-                f"dataset {dataset!r} is not valid: expected a map-style dataset "
-                "(__len__ and __getitem__) or a torch IterableDataset"
-            )
-        if num_shards is not None or worker_init_fn is not None:
-            raise ConfigError(
-                "num_shards and worker_init_fn are for an IterableDataset: a map-style "
-                "dataset is cut into one shard per batch"
-            )
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ConfigError(f"generator {generator!r} is not valid: expected a torch.Generator")
-        if sampler is not None and shuffle:
-            raise ConfigError("sampler option is mutually exclusive with shuffle")
-        if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ConfigError(
-                    "batch_sampler option is mutually exclusive with batch_size, shuffle, "
-                    "sampler, and drop_last"
-                )
-            batch_size = None
-        elif batch_size is None and drop_last:
-            raise ConfigError(
-                "batch_size=None option disables auto-batching and is mutually exclusive "
-                "with drop_last"
-            )
-        if sampler is None:  # DataLoader's defaults, the same objects
-            sampler = (
-                RandomSampler(dataset, generator=generator)
-                if shuffle
-                else SequentialSampler(dataset)
-            )
-        if batch_size is not None:
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        _check_map_style(dataset, num_shards, worker_init_fn, generator)
+        batch_size = _check_batching(batch_size, shuffle, drop_last, sampler, batch_sampler)
+        sampler, batch_sampler = _default_samplers(
+            dataset, batch_size, shuffle, drop_last, generator, sampler, batch_sampler
+        )
         self.dataset = dataset
         self.seed = _check_seed(seed)
         self.batch_size = batch_size
