@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 import warnings
+import weakref
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType, TracebackType
@@ -42,6 +44,10 @@ from consumer.stream import ServerDataStream
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
 
 __all__ = ["DataLoaderWorkersError", "TorchStream"]
+
+# After a scan of the heap for DataLoaders holding a stream, how long only the loaders it
+# found are looked at again (a loader's iterator asks several times in a row).
+LOADER_SCAN_S = 1.0
 
 _NO_ACCELERATOR = (
     "pin_memory=True, but no accelerator is available: batches are delivered in ordinary "
@@ -116,6 +122,9 @@ class TorchStream(IterableDataset[Any]):
             self._pin_batches(pool_buffers)
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
         self._held: Counter[int] = Counter()  # shard -> batches pulled, not yet yielded
+        # The DataLoaders last found holding this stream, and when (a heap scan is
+        # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
+        self._loaders: tuple[float, weakref.WeakSet[Any]] | None = None
 
     # -- what the loop uses ----------------------------------------------------------
 
@@ -173,7 +182,7 @@ class TorchStream(IterableDataset[Any]):
     # datapipe: isinstance reads __class__, before any worker process starts.
     @property  # type: ignore[misc]
     def __class__(self) -> type:
-        _refuse_loader_workers(self)
+        self._loaders = _refuse_loader_workers(self, self._loaders)
         return type(self)
 
     # -- internals ---------------------------------------------------------------------
@@ -312,25 +321,35 @@ def _workers_error(num_workers: int) -> DataLoaderWorkersError:
     )
 
 
-def _refuse_loader_workers(dataset: TorchStream) -> None:
-    """Raise if a DataLoader with workers holds ``dataset``.
+def _refuse_loader_workers(
+    dataset: TorchStream, known: tuple[float, weakref.WeakSet[Any]] | None
+) -> tuple[float, weakref.WeakSet[Any]]:
+    """Raise if a DataLoader with workers holds ``dataset``; return the loaders found.
 
     Its iterator's base class checks ``isinstance(self._dataset, IterDataPipe)`` (in
     torch's DataLoader and torchdata's StatefulDataLoader alike) before the multi-process
     iterator starts a single worker, and isinstance reads ``__class__``: the error comes
     from there, at ``iter(loader)``. The loaders holding the dataset are found among the
     objects that refer to it (the garbage collector's public view of the heap), not by
-    looking at the caller's frames.
+    looking at the caller's frames. A scan costs time in proportion to the heap (15-30 ms
+    for 200k objects), and a loader's construction and iteration ask several times: for
+    LOADER_SCAN_S after a scan only the loaders it found are looked at again. (A loader
+    made and iterated within that time is refused in its worker instead, at its first
+    batch: :func:`_refuse_worker_process`.)
     """
-    holders = gc.get_referrers(dataset)
-    for holder in holders:
-        loader = _loader_of(holder, dataset)
+    now = time.monotonic()
+    if known is None or now - known[0] >= LOADER_SCAN_S:
+        found = (_loader_of(holder, dataset) for holder in gc.get_referrers(dataset))
+        known = (now, weakref.WeakSet(loader for loader in found if loader is not None))
+    loaders = known[1]
+    for loader in list(loaders):
         # Only a loader being iterated: its own constructor's isinstance checks come
         # before it sets persistent_workers (its last public attribute).
-        if loader is not None and loader.num_workers > 0 and _constructed(loader):
-            for it in holders:
+        if loader.num_workers > 0 and _constructed(loader):
+            for it in gc.get_referrers(dataset):
                 _mark_shut(it, dataset)
             raise _workers_error(loader.num_workers)
+    return known
 
 
 def _mark_shut(holder: Any, dataset: TorchStream) -> None:

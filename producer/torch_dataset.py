@@ -29,12 +29,17 @@ from producer.torch_collate import SourceLayout, flatten
 from producer.torch_orders import SamplerOrders
 from producer.torch_seeding import batch_seed, derive_seed, preserved_rng, seed_globals
 
-__all__ = ["DatasetStream"]
+__all__ = ["DatasetStream", "check_common", "check_seed", "check_threads"]
 
 log = logging.getLogger(__name__)
 
 
-def _check_seed(seed: Any) -> int:
+def check_seed(seed: Any) -> int:
+    """The run's seed for the orders and per-batch seeds (None: Fuel's default seed).
+
+    Raises:
+        ConfigError: not an integer >= 0 or None.
+    """
     if seed is None:
         return int(default_seed)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -42,7 +47,12 @@ def _check_seed(seed: Any) -> int:
     return seed
 
 
-def _check_threads(threads: Any) -> int | None:
+def check_threads(threads: Any) -> int | None:
+    """torch's intra-op threads per producer (None: torch's own default).
+
+    Raises:
+        ConfigError: not an integer >= 1 or None.
+    """
     if threads is not None and (
         isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
     ):
@@ -114,7 +124,13 @@ def _default_samplers(
     return sampler, batch_sampler
 
 
-def _check_common(batch_size: Any, collate_fn: Any, sources: Any) -> None:
+def check_common(batch_size: Any, collate_fn: Any, sources: Any) -> None:
+    """The arguments a map-style and an iterable dataset's streams share.
+
+    Raises:
+        ConfigError: a batch size that is not a positive integer or None, a collate_fn
+            that is not callable, or sources that are not a sequence of names.
+    """
     if batch_size is not None and (
         isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
     ):
@@ -187,14 +203,14 @@ class DatasetStream(AbstractDataStream):
     ) -> None:
         from torch.utils.data._utils.collate import default_collate, default_convert
 
-        _check_common(batch_size, collate_fn, sources)
+        check_common(batch_size, collate_fn, sources)
         _check_map_style(dataset, num_shards, worker_init_fn, generator)
         batch_size = _check_batching(batch_size, shuffle, drop_last, sampler, batch_sampler)
         sampler, batch_sampler = _default_samplers(
             dataset, batch_size, shuffle, drop_last, generator, sampler, batch_sampler
         )
         self.dataset = dataset
-        self.seed = _check_seed(seed)
+        self.seed = check_seed(seed)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.sampler = sampler
@@ -216,7 +232,7 @@ class DatasetStream(AbstractDataStream):
         self._layout: SourceLayout | None = None
         self._shard_seed: int | None = None
         self._k = 0
-        self.torch_threads = _check_threads(torch_threads)
+        self.torch_threads = check_threads(torch_threads)
         self._threads_set = False
 
     # -- what the shard plan and the producer read -----------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 from batchq.errors import ConfigError
 from producer.streams import AbstractDataStream
 from producer.torch_collate import SourceLayout
-from producer.torch_dataset import DatasetStream, _check_common, _check_seed, _check_threads
+from producer.torch_dataset import DatasetStream, check_common, check_seed, check_threads
 from producer.torch_seeding import batch_seed, derive_seed, seed_globals
 
 __all__ = ["IterableDatasetStream"]
@@ -108,7 +108,7 @@ class IterableDatasetStream(DatasetStream):
     ) -> None:
         from torch.utils.data._utils.collate import default_collate, default_convert
 
-        _check_common(batch_size, collate_fn, sources)
+        check_common(batch_size, collate_fn, sources)
         for name, value in (("shuffle", shuffle or None), ("sampler", sampler)):
             if value is not None:
                 raise ConfigError(
@@ -133,7 +133,7 @@ class IterableDatasetStream(DatasetStream):
                 f"worker_init_fn {worker_init_fn!r} is not valid: expected a callable"
             )
         self.dataset = dataset
-        self.seed = _check_seed(seed)
+        self.seed = check_seed(seed)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_shards = shards
@@ -152,7 +152,7 @@ class IterableDatasetStream(DatasetStream):
         self._layout: SourceLayout | None = None
         self._shard_seed: int | None = None
         self._k = 0
-        self.torch_threads = _check_threads(torch_threads)
+        self.torch_threads = check_threads(torch_threads)
         self._threads_set = False
 
     @property

@@ -383,3 +383,28 @@ def test_a_failing_shard_raises_after_the_batches_before_it_with_prefetch(
         for features, _ in ts:
             got.append(examples_of(features.numpy()))
     assert got == [list(range(i, i + BATCH)) for i in range(0, 60, BATCH)]
+
+
+def test_asking_again_soon_after_looks_at_the_known_loaders_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A heap scan costs in proportion to the heap: a loader's construction and iteration
+    # ask several times in a row, and only the first of them scans.
+    from types import SimpleNamespace
+
+    from consumer import torch as adapter
+
+    scans: list[int] = []
+    real = adapter.gc.get_referrers
+
+    def counting(*objs: Any) -> list[Any]:
+        scans.append(1)
+        return real(*objs)
+
+    monkeypatch.setattr(adapter, "gc", SimpleNamespace(get_referrers=counting))
+    ts = TorchStream(ServerDataStream(("features",), False))
+    loader = torch.utils.data.DataLoader(ts, batch_size=None, num_workers=0)
+    for _ in range(5):
+        assert isinstance(ts, torch.utils.data.IterableDataset)
+    assert len(scans) == 1
+    assert loader.num_workers == 0
