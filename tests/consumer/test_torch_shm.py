@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from pipelines import examples_of, numbered
+from waiting import wait_until
 
+from batchq.protocol.keys import QueueKeys
 from batchq.wire import shm
 from consumer import ServerDataStream
 from producer import Producer
@@ -19,17 +23,40 @@ EXAMPLES, BATCH = 200, 10
 
 
 def test_tensors_over_shared_memory_stay_valid_while_referenced(
-    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer]
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer], redis_client: Any
 ) -> None:
     from consumer.torch import TorchStream
 
-    producer = producer_thread(numbered(EXAMPLES, BATCH), hwm=3)
-    transport = producer._transport
     stream = ServerDataStream(("features", "targets"), url=redis_url, queue=queue_name)
     held: list[tuple[Any, list[int]]] = []
     with TorchStream(stream) as ts:
-        for _ in range(3):  # 60 batches through a pool of at most 16 segments: reuse
-            for i, (features, _targets) in enumerate(ts):
+        # The trainer's host is published before the producer starts, so the producer sees
+        # it when it joins. (Started first, it makes frames for Redis until it looks again:
+        # at its next batch after a wait at the cap, or a second later; a short run may
+        # end before either.) The first batch is taken in a thread: it claims, publishes
+        # and waits for the plan.
+        it = iter(ts)
+        first: list[Any] = []
+        errors: list[BaseException] = []
+
+        def take_first() -> None:
+            try:
+                first.append(next(it))
+            except BaseException as e:  # reported below, in the test's thread
+                errors.append(e)
+
+        opener = threading.Thread(target=take_first)
+        opener.start()
+        meta = QueueKeys(queue_name).meta
+        wait_until(lambda: redis_client.hget(meta, "shm_host") or errors, what="the host")
+        producer = producer_thread(numbered(EXAMPLES, BATCH), hwm=3)
+        transport = producer._transport
+        opener.join(timeout=60)
+        assert not errors, errors
+        assert first, "the first batch did not come within 60 s"
+        for epoch in range(3):  # 60 batches through a pool of at most 16 segments: reuse
+            batches = itertools.chain(first, it) if epoch == 0 else iter(ts)
+            for i, (features, _targets) in enumerate(batches):
                 assert isinstance(features, torch.Tensor)
                 features.add_(0)  # writable in place: the tensor owns its memory
                 if i % 10 == 0:  # kept (6 of them, fewer than the pool); the rest let go
