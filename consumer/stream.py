@@ -14,25 +14,17 @@ from types import TracebackType
 from typing import Any
 
 from batchq.client.connection import make_client, resolve_url, tune_malloc
-from batchq.errors import ConfigError, ConnectionLost, StreamStopped
-from batchq.protocol.admin import check_eviction_policy
+from batchq.errors import ConfigError, StreamStopped
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import Frame
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.length import epoch_length
-from consumer.rank_state import (
-    check_rank_state,
-    check_state,
-    pick_rank_state,
-    resume_run_id,
-)
+from consumer.rank_state import check_rank_state, check_state, pick_rank_state
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
-from consumer.reader.settings import ReaderSettings
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.thread import Reader
-from consumer.run_start import delete_old_frames, start_position, start_reading
 from consumer.session import Session
 from consumer.state_keys import (
     EPOCH_KEY,
@@ -43,7 +35,8 @@ from consumer.state_keys import (
     unstarted_state,
 )
 from consumer.stats import TrainerStats
-from consumer.stream_options import check_stream_options
+from consumer.stream_options import StreamOptions, check_stream_options
+from consumer.stream_start import Started, claim, new_session, open_reading, release
 
 __all__ = ["ServerDataStream"]
 
@@ -136,6 +129,7 @@ class ServerDataStream(FuelStreamMixin):
             k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
         }
         check_stream_options(self._config)
+        self.options = StreamOptions.from_config(self._config)
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
         self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
@@ -148,26 +142,18 @@ class ServerDataStream(FuelStreamMixin):
         self.hwm = hwm
         self.timeout_s = timeout_s
         self.ordered = ordered
-        self.claim_ttl_ms = int(claim_ttl_s * 1000)
-        self.max_frame_bytes = max_frame_bytes
-        self.on_bad_frame = on_bad_frame
-        self.on_producer_error = on_producer_error
-        self.stall_s = stall_s
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
-        # Made when reading starts (the first epoch): the claim, the buffer (the only
-        # owner of the ledger), the reader thread, and how epochs are handed out.
+        # The claim (kept from the moment it is made), then, once reading starts (the
+        # first epoch), the parts that read the run (stream_start.Started).
         self._session: Session | None = None
-        self._buffer: Buffer | None = None
-        self._reader: Reader | None = None
-        self._feed: EpochFeed | None = None
+        self._started: Started | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
         # Batches handed out, by the producer that made them (monitoring, tests).
         self.producers_seen: Counter[str] = Counter()
         self.progress = progress
         self._stats = TrainerStats()
-        self._plan_shards = 0  # S of the run's plan, once known
         self._shm = TrainerShm(
             self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
         )
@@ -193,7 +179,19 @@ class ServerDataStream(FuelStreamMixin):
     @property
     def started(self) -> bool:
         """Whether reading has started (the first epoch was opened)."""
-        return self._reader is not None
+        return self._started is not None
+
+    @property
+    def _buffer(self) -> Buffer | None:
+        return self._started.buffer if self._started is not None else None
+
+    @property
+    def _reader(self) -> Reader | None:
+        return self._started.reader if self._started is not None else None
+
+    @property
+    def _feed(self) -> EpochFeed | None:
+        return self._started.feed if self._started is not None else None
 
     @property
     def writable(self) -> bool:
@@ -247,7 +245,7 @@ class ServerDataStream(FuelStreamMixin):
         total = plan.epoch_batches if plan is not None and plan.epoch_batches >= 0 else None
         return feed.frames(
             self.epoch,
-            skip_errors=self.on_producer_error == "skip",
+            skip_errors=self.options.on_producer_error == "skip",
             queue=self.keys.queue,
             progress=self.progress,
             total=total,
@@ -287,27 +285,11 @@ class ServerDataStream(FuelStreamMixin):
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.
             self._connect()
-            self._session = self._new_session()
+            self._session = new_session(self._client, self.keys, self.options, self._shm)
             resume = self._resume or {}
             self._session.acquire(takeover=str(resume.get(RUN_KEY) or ""))
         if self._client is not None:
-            self._release(finished)
-
-    def _release(self, finished: bool) -> None:
-        """Give the claim up (finished: the run ends at its last rank) and close the
-        stream's client."""
-        try:
-            # Frames and segments go with the run: at its last rank's finish.
-            if self._session is not None and self._session.release(finished):
-                delete_old_frames(self._client, self.keys, self.timeout_s)
-                self._shm.finish()
-        except ConnectionLost as e:
-            # The claim lapses by itself; a finished run cannot be announced, though.
-            log.warning("queue %s: could not release the claim: %s", self.keys.queue, e)
-            if finished:
-                raise
-        finally:
-            self._client.close()
+            release(self._session, self._client, self._shm, finished, self.timeout_s)
 
     def state_dict(self, held_back: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Where the caller is: a small JSON-serialisable dict for checkpoints.
@@ -335,9 +317,8 @@ class ServerDataStream(FuelStreamMixin):
         )  # fmt: skip
         if self.world_size > 1:
             step = self._step + self._feed.yielded - sum((held_back or {}).values())
-            state |= rank_fields(
-                self.rank, self.world_size, self.even_batches, self._plan_shards, step
-            )
+            plan_shards = self._started.plan_shards if self._started is not None else 0
+            state |= rank_fields(self.rank, self.world_size, self.even_batches, plan_shards, step)
         return state
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
@@ -395,63 +376,25 @@ class ServerDataStream(FuelStreamMixin):
             tune_malloc()
             self._client = make_client(self.url)
 
-    def _new_session(self, resume_run: str = "") -> Session:
-        return Session(
-            self._client,
-            self.keys,
-            self.claim_ttl_ms,
-            retry_s=self.timeout_s,
-            rank=self.rank,
-            world=self.world_size,
-            even=self.even_batches,
-            resume_run=resume_run,
-            # This trainer's host, after every claim and resume (they drop it).
-            publish=lambda client: self._shm.publish(client, self.hwm),
-        )
-
     def _start(self) -> EpochFeed:
         """Start reading, once: claim the queue, find where the run starts, start the
-        reader thread (:mod:`consumer.run_start`). The claim is kept from the moment it
-        is made: :meth:`close` releases it whatever failed after."""
-        if self._feed is not None:
-            return self._feed
+        reader thread (:mod:`consumer.stream_start`). The claim is kept from the moment
+        it is made: :meth:`close` releases it whatever failed after."""
+        if self._started is not None:
+            return self._started.feed
         self._connect()
-        check_eviction_policy(self._client)
         resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
-        session = self._new_session(resume_run_id(resume, self.world_size) if resume else "")
-        new_run = session.acquire(
-            takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
-        )
-        self._session = session
-        start = start_position(
-            session,
-            resume,
-            new_run=new_run,
-            ordered=self.ordered,
-            step=self._step,
-            timeout_s=self.timeout_s,
-        )
-        self._plan_shards = start.plan_shards
-        settings = ReaderSettings(
-            hwm=self.hwm,
-            timeout_s=self.timeout_s,
-            writable=self._prep.writable,
-            max_frame_bytes=self.max_frame_bytes,
-            on_bad_frame=self.on_bad_frame,
-            stall_s=self.stall_s,
-            layout=start.layout,
-        )
-        self._buffer, self._reader, self._feed = start_reading(
-            session,
-            start,
-            settings,
+        self._session, new_run = claim(self._client, self.keys, self.options, self._shm, resume)
+        self._started = open_reading(
+            self._session,
+            new_run,
             make_client(self.url),
-            shm=self._shm,
-            prep=self._prep,
-            stats=self._stats,
-            seen=self.producers_seen,
+            self.options,
+            resume=resume,
+            step=self._step,
+            parts=(self._shm, self._prep, self._stats, self.producers_seen),
         )
-        return self._feed
+        return self._started.feed
 
     @staticmethod
     def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:

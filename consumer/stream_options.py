@@ -1,13 +1,50 @@
-"""The checks of :class:`consumer.ServerDataStream`'s constructor arguments."""
+"""What :class:`consumer.ServerDataStream`'s constructor fixes for the run it reads
+(:class:`StreamOptions`), and the checks of its arguments."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from batchq.errors import ConfigError
 from batchq.protocol.ranks import RankLayout
 
-__all__ = ["check_stream_options"]
+__all__ = ["StreamOptions", "check_stream_options"]
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """The stream's settings that reading a run uses (see ServerDataStream's arguments);
+    made once by the constructor, after :func:`check_stream_options`."""
+
+    hwm: int
+    timeout_s: float
+    ordered: bool
+    claim_ttl_ms: int
+    max_frame_bytes: int | None
+    on_bad_frame: str
+    on_producer_error: str
+    stall_s: float
+    rank: int
+    world_size: int
+    even_batches: str
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> StreamOptions:
+        """From the constructor's arguments by name (checked)."""
+        return cls(
+            hwm=config["hwm"],
+            timeout_s=config["timeout_s"],
+            ordered=config["ordered"],
+            claim_ttl_ms=int(config["claim_ttl_s"] * 1000),
+            max_frame_bytes=config["max_frame_bytes"],
+            on_bad_frame=config["on_bad_frame"],
+            on_producer_error=config["on_producer_error"],
+            stall_s=config["stall_s"],
+            rank=config["rank"],
+            world_size=config["world_size"],
+            even_batches=config["even_batches"],
+        )
 
 
 def check_stream_options(options: dict[str, Any]) -> None:

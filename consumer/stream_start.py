@@ -1,0 +1,162 @@
+"""A stream's first epoch: claim the queue, find where the run starts, start reading.
+
+:class:`consumer.ServerDataStream` calls :func:`open_reading` once; what it returns is
+everything a started stream holds (:class:`Started`). The claim is the session's from
+the moment it is made, so the stream's ``close`` releases it whatever failed after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, NamedTuple
+
+import redis
+
+from batchq.errors import ConnectionLost
+from batchq.protocol.admin import check_eviction_policy
+from batchq.protocol.keys import QueueKeys
+from consumer.epoch import EpochFeed
+from consumer.rank_state import resume_run_id
+from consumer.reader.buffer import Buffer
+from consumer.reader.prepare import FramePrep
+from consumer.reader.settings import ReaderSettings
+from consumer.reader.shm_frames import TrainerShm
+from consumer.reader.thread import Reader
+from consumer.run_start import delete_old_frames, start_position, start_reading
+from consumer.session import Session
+from consumer.state_keys import RUN_KEY
+from consumer.stats import TrainerStats
+from consumer.stream_options import StreamOptions
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Started", "claim", "new_session", "open_reading", "release"]
+
+
+class Started(NamedTuple):
+    """What a stream holds once reading started: its claim (the session), the buffer
+    (the ledger's one owner), the reader thread, the feed of epochs, and S of the run's
+    plan."""
+
+    session: Session
+    buffer: Buffer
+    reader: Reader
+    feed: EpochFeed
+    plan_shards: int
+
+
+def new_session(
+    client: redis.Redis,
+    keys: QueueKeys,
+    options: StreamOptions,
+    shm: TrainerShm,
+    resume_run: str = "",
+) -> Session:
+    """The trainer's session on ``keys``' queue (not claimed yet); it publishes this
+    trainer's host after every claim and resume (they drop it)."""
+    return Session(
+        client,
+        keys,
+        options.claim_ttl_ms,
+        retry_s=options.timeout_s,
+        rank=options.rank,
+        world=options.world_size,
+        even=options.even_batches,
+        resume_run=resume_run,
+        publish=lambda acting: shm.publish(acting, options.hwm),
+    )
+
+
+def claim(
+    client: redis.Redis,
+    keys: QueueKeys,
+    options: StreamOptions,
+    shm: TrainerShm,
+    resume: dict[str, Any] | None,
+) -> tuple[Session, bool]:
+    """Claim the queue for this trainer: ``(the session, whether a new run started)``.
+
+    A checkpoint's run is taken over (``resume``, one rank's state); the stream keeps
+    the session from here, so its ``close`` releases the claim whatever fails after.
+    """
+    check_eviction_policy(client)
+    run = resume_run_id(resume, options.world_size) if resume else ""
+    session = new_session(client, keys, options, shm, run)
+    new_run = session.acquire(
+        takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
+    )
+    return session, new_run
+
+
+def open_reading(
+    session: Session,
+    new_run: bool,
+    reader_client: redis.Redis,
+    options: StreamOptions,
+    *,
+    resume: dict[str, Any] | None,
+    step: int,
+    parts: tuple[TrainerShm, FramePrep, TrainerStats, Counter[str]],
+) -> Started:
+    """Find where the claimed run starts (the plan's first epoch, or ``resume``'s
+    position) and start the reader thread.
+
+    Args:
+        session: the trainer's session, just claimed (:func:`claim`).
+        new_run: the claim started a new run.
+        reader_client: the reader thread's own client (it owns and closes it).
+        options: the stream's settings.
+        resume: the checkpoint (one rank's state) to resume, or None.
+        step: batches yielded before the checkpoint.
+        parts: the stream's shared memory, frame preparation, figures and batches seen
+            by producer.
+    """
+    shm, prep, stats, seen = parts
+    start = start_position(
+        session,
+        resume,
+        new_run=new_run,
+        ordered=options.ordered,
+        step=step,
+        timeout_s=options.timeout_s,
+    )
+    settings = ReaderSettings(
+        hwm=options.hwm,
+        timeout_s=options.timeout_s,
+        writable=prep.writable,
+        max_frame_bytes=options.max_frame_bytes,
+        on_bad_frame=options.on_bad_frame,
+        stall_s=options.stall_s,
+        layout=start.layout,
+    )
+    reading = start_reading(
+        session, start, settings, reader_client, shm=shm, prep=prep, stats=stats, seen=seen
+    )
+    return Started(session, *reading, start.plan_shards)
+
+
+def release(
+    session: Session | None,
+    client: redis.Redis,
+    shm: TrainerShm,
+    finished: bool,
+    timeout_s: float,
+) -> None:
+    """Give the claim up (``finished``: the run ends at its last rank, and its frames
+    and segments go) and close the stream's client.
+
+    Raises:
+        ConnectionLost: Redis is unreachable and ``finished`` (the end of the run
+            cannot be announced); otherwise the claim lapses by itself, logged.
+    """
+    try:
+        if session is not None and session.release(finished):
+            delete_old_frames(client, session.keys, timeout_s)
+            shm.finish()
+    except ConnectionLost as e:
+        log.warning("queue %s: could not release the claim: %s", session and session.keys.queue, e)
+        if finished:
+            raise
+    finally:
+        client.close()
