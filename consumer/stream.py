@@ -96,6 +96,12 @@ class ServerDataStream(FuelStreamMixin):
             'pad' (each yields ceil(N / world) batches, the extra ones being the
             epoch plan's first batches, as torch's DistributedSampler) or 'drop' (each
             share cut to floor(N / world)).
+        group: this trainer's group (a trial of a sweep): every group of a run reads
+            every batch of every epoch, each built once for all, with its own claim,
+            position and figures; ranks split a group's share. None: the default group.
+        max_lag_batches: how many batches this group may fall behind the leading group
+            before the others go on without it (its batches are then built for it
+            alone, until it catches up); None: the others wait for it.
     """
 
     def __init__(
@@ -124,6 +130,8 @@ class ServerDataStream(FuelStreamMixin):
         rank: int = 0,
         world_size: int = 1,
         even_batches: str = "pad",
+        group: str | None = None,
+        max_lag_batches: int | None = None,
     ) -> None:
         self._config = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")

@@ -54,6 +54,17 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 rest of that epoch (consumer/rank_state.py)
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
+    bq:{Q}:groups       HASH    a run read by several groups (:mod:`batchq.protocol.groups`):
+                                group name ('' the default group) -> its slot; meta
+                                ``groups`` says how many slots the run has
+    bq:{Q}:refs         HASH    frame key -> the groups that still have to read it: a
+                                frame stored once by reference for several groups (no
+                                field: one reader); the last reader's release deletes it
+    bq:{Q}:data@<i>     LIST    group slot i's data list (``data@<i>:<r>`` its rank r's);
+                                slot 0 keeps the plain names. So do ``stats@<i>`` (HASH,
+                                the group's counters), ``trainer@<i>``, ``history@<i>``,
+                                ``ledger@<i>``, ``counts@<i>``, and the meta fields
+                                ``<name>@<i>`` / ``<name>@<i>:<r>`` (claim, next, floor...)
 
 The type column is :data:`KEY_TYPES` (by the key's name in :class:`QueueKeys`): push.lua
 and pop.lua check theirs before writing (tests/batchq/protocol/test_fields.py compares
@@ -77,9 +88,13 @@ from batchq.errors import ConfigError
 __all__ = [
     "KEY_TYPES",
     "PREFIX",
+    "SLOT_KEYS",
+    "SLOT_KEY_LAYOUT",
     "QueueKeys",
     "check_name",
     "queue_from_meta_key",
+    "slot_keys_count",
+    "slot_suffix",
 ]
 
 PREFIX = "bq"
@@ -93,7 +108,27 @@ KEY_TYPES: Final[Mapping[str, str]] = {
     "stats": "hash", "dead": "list", "failures": "hash", "pstats": "hash",
     "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
     "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
+    "groups": "hash", "refs": "hash",
 }  # fmt: skip
+
+#: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
+#: :meth:`QueueKeys.slot_view`.
+SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts")
+#: How many keys :meth:`QueueKeys.slot_keys` gives per slot for a run of ``world``
+#: ranks (the group scripts find a slot's keys in their KEYS tail by it).
+SLOT_KEY_LAYOUT: Final = "ledger, counts, data x world, stats, trainer x world, history x world"
+
+
+def slot_keys_count(world: int) -> int:
+    """The number of keys :meth:`QueueKeys.slot_keys` gives per slot (2 + 3 x world)."""
+    return 2 + 3 * world
+
+
+def slot_suffix(slot: int) -> str:
+    """What group slot ``slot``'s keys and meta fields add to their names: ``''`` for
+    slot 0, else ``'@<slot>'``."""
+    return "" if slot == 0 else f"@{slot}"
+
 
 # Queue names and producer ids become parts of key names: keep them to a safe alphabet,
 # without braces (they would move the hash tag) or colons (they separate fields).
@@ -161,6 +196,9 @@ class QueueKeys:
         self.frame_prefix = f"{self.base}:frame:"
         self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
         self.remap = f"{self.base}:remap"  # an elastic resume's epoch: slot -> shard
+        self.groups = f"{self.base}:groups"  # group name -> slot (several groups)
+        self.refs = f"{self.base}:refs"  # frame key -> groups yet to read it
+        self.slot = 0  # the group slot whose keys data, stats, trainer... name (slot_view)
 
     def types(self, *names: str) -> dict[str, str]:
         """Key -> the Redis type batchq keeps there (:data:`KEY_TYPES`), for the keys of
@@ -182,6 +220,33 @@ class QueueKeys:
     def rank_data(self, world: int) -> list[str]:
         """Every rank's data list of a run of ``world`` ranks (none for world 1)."""
         return [] if world == 1 else [self.data_of(r, world) for r in range(world)]
+
+    def slot_view(self, slot: int) -> QueueKeys:
+        """The keys as group slot ``slot`` reads the run: its data list(s), counters
+        (``stats``), figures, history, ledger and counts; every other key is the
+        queue's. Slot 0 is this object's own names (a run of one group, as before)."""
+        if slot == 0:
+            return self
+        view = QueueKeys(self.queue)
+        sfx = slot_suffix(slot)
+        view.slot = slot
+        for name in SLOT_KEYS:
+            setattr(view, name, f"{getattr(self, name)}{sfx}")
+        return view
+
+    def slot_keys(self, slot: int, world: int) -> list[str]:
+        """Every key of group slot ``slot`` in a run of ``world`` ranks, in the order the
+        group scripts read them (:data:`SLOT_KEY_LAYOUT`): ledger, counts, each rank's data
+        list, stats, each rank's figures, each rank's history."""
+        view = self.slot_view(slot)
+        return [
+            view.ledger,
+            view.counts,
+            *(view.data_of(r, world) for r in range(world)),
+            view.stats,
+            *(view.trainer_of(r, world) for r in range(world)),
+            *(view.history_of(r, world) for r in range(world)),
+        ]
 
     def lease(self, producer: str) -> str:
         """The lease list of producer ``producer``."""

@@ -117,13 +117,18 @@ SCRIPTS: dict[str, Script] = {
     for name in (
         "claim",
         "fail",
+        "gclaim",
+        "glease",
         "gone",
+        "gpush",
+        "gresume",
         "handback",
         "join",
         "lease",
         "pop",
         "push",
         "reap",
+        "release",
         "requeue",
         "resume",
     )

@@ -11,6 +11,10 @@ reply status has its own small function; each says what happened as a value
 :class:`Handover`: a status that is the producer's business (the run finished or
 changed, the producer was reaped), which the pusher hands back to its caller instead of
 acting on it: the Producer joins again or stops once the pusher has returned.
+
+In a run read by several groups (:mod:`batchq.protocol.groups`) every push goes into the
+lists of every group the shard is for, in one gpush.lua call; a group whose full list
+was left out (detached) is left out of the shard's later frames too.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from batchq.client.connection import Pieces, call, convert_error, is_wrong_type
 from batchq.protocol import scripts
 from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
-from batchq.protocol.replies import LeaseReply, PushReply
+from batchq.protocol.group_scripts import GPushReply
+from batchq.protocol.replies import PushReply
 from batchq.protocol.words import Status
 from batchq.wire import refs
-from producer.serving.ahead import Ahead
+from producer.serving.ahead import Ahead, AnyLeaseReply
 from producer.serving.blocking import Waiting, hand_back
 from producer.serving.position import RunPosition
 from producer.serving.settings import PushSettings
@@ -56,8 +61,9 @@ WAIT_S = 0.15
 # producer killed at the hwm leaves nothing behind; in the list it never expires.
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
 
-LeaseRequest = Callable[[int, str], tuple[Call[LeaseReply], str]]
-Riders = list[tuple[Call[LeaseReply], str]]  # lease requests riding on a push
+LeaseRequest = Callable[[int, str], tuple[Call[AnyLeaseReply], str]]
+Riders = list[tuple[Call[AnyLeaseReply], str]]  # lease requests riding on a push
+AnyPushReply = PushReply | GPushReply  # push.lua's, or gpush.lua's (several groups)
 
 
 class OnePush(NamedTuple):
@@ -124,12 +130,19 @@ class FramePusher:
         self._data_key = settings.keys.data  # the data list of the current shard's rank
         self._rank = 0
         self._world = 1
+        self.targets = 1  # the group slots the current shard goes to (a mask)
         self._wrong_logged: tuple[str, str] | None = None
 
-    def aim(self, rank: int, world: int) -> None:
-        """The next shard is for ``rank`` of ``world``: push into that rank's list."""
-        self._rank, self._world = rank, world
-        self._data_key = self.settings.keys.data_of(rank, world)
+    def aim(self, rank: int, world: int, mask: int = 1) -> None:
+        """The next shard is for ``rank`` of ``world`` of the group slots of ``mask``:
+        push into those lists (the first of them: where an uncertain push is looked for)."""
+        self._rank, self._world, self.targets = rank, world, mask
+        first = (mask & -mask).bit_length() - 1
+        self._data_key = self.settings.keys.slot_view(first).data_of(rank, world)
+
+    def follow(self, position: RunPosition) -> None:
+        """The run served is read by more groups now (the same run): push for it."""
+        self._run = position
 
     def joined(self, position: RunPosition) -> None:
         """The producer joined (again): push for ``position``'s run; the leases held
@@ -181,7 +194,10 @@ class FramePusher:
     ) -> Pushed:
         """A frame in shared memory: the list gets its descriptor; refused with REROUTE
         (the rank's trainer is not on this host any more), the frame's bytes instead."""
+        targets = self.targets
         pushed = self._capped_push(frame, frame.element, None, frame.host, push, between)
+        if pushed is True and self.targets != targets:
+            frame.retarget(self.targets)  # left out of a detached group's full list
         if not isinstance(pushed, Handover) or pushed.status != Status.REROUTE:
             return pushed
         self._transport.rerouted()
@@ -245,10 +261,20 @@ class FramePusher:
         shm_host: str,
         push: OnePush,
         wait: Waiting,
-    ) -> Call[PushReply]:
-        """One try's push.lua call (it reports the wait since the last try)."""
+    ) -> Call[AnyPushReply]:
+        """One try's push.lua call, or gpush.lua's in a run read by several groups (it
+        reports the wait since the last try)."""
         s, run = self.settings, self._run
-        return scripts.push_call(
+        if run.groups:
+            return scripts.gpush_call(  # type: ignore[return-value]
+                s.keys, targets=self.targets, rank=self._rank, world=self._world,
+                frame_key=ref, incarnation=run.incarnation, run=run.run, producer=s.producer,
+                entry=push.entry, element=element, last=push.last,
+                heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
+                blocked_ms=wait.since_last_try_ms(), produce_ms=push.produce_ms,
+                shm_host=shm_host,
+            )  # fmt: skip
+        return scripts.push_call(  # type: ignore[return-value]
             s.keys, data=self._data_key, frame_key=ref, incarnation=run.incarnation,
             run=run.run, producer=s.producer, entry=push.entry, element=element,
             last=push.last, heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
@@ -292,7 +318,7 @@ class FramePusher:
         self,
         ref: str | None,
         store: Pieces | memoryview | None,
-        push: Call[PushReply],
+        push: Call[AnyPushReply],
         leases: Riders | None = None,
         between: Callable[[], None] | None = None,
     ) -> list[Any]:
@@ -314,11 +340,15 @@ class FramePusher:
 
     # -- each reply --------------------------------------------------------------------
 
-    def _after(self, reply: PushReply, entry: str, ref: str | None, wait: Waiting) -> Pushed | None:
+    def _after(
+        self, reply: AnyPushReply, entry: str, ref: str | None, wait: Waiting
+    ) -> Pushed | None:
         """What a push's reply means (None: try again)."""
         status = reply.status
         if status == Status.OK:
             return self._pushed(reply)
+        if status == Status.DROPPED:
+            return self._dropped(entry, ref)
         if status == Status.FULL:
             return self._full(entry, ref, wait)
         if status == Status.GONE:
@@ -329,11 +359,21 @@ class FramePusher:
             return self._lease_lost(entry, ref)
         return self._handover(status, ref)
 
-    def _pushed(self, reply: PushReply) -> Pushed:
-        """OK: the element is in the list."""
+    def _pushed(self, reply: AnyPushReply) -> Pushed:
+        """OK: the element is in the list (the lists); groups whose full lists it left
+        out (detached) are left out of the shard's next frames: it went back for them."""
         self.pending_ref = None
         self.ahead.depth = reply.depth  # 1: the trainer had taken everything before
+        if isinstance(reply, GPushReply) and reply.dropped:
+            self.targets &= ~reply.dropped
         return True
+
+    def _dropped(self, entry: str, ref: str | None) -> Pushed:
+        """DROPPED: every group the shard was for finished or was left behind (its
+        shard went back for it): the shard is no longer ours."""
+        self._drop_ref(ref)
+        log.debug("producer %s: no group takes %s any more", self.settings.producer, entry)
+        return False
 
     def _full(self, entry: str, ref: str | None, wait: Waiting) -> Pushed | None:
         """FULL: wait for room; a data-parallel rank's full list, once per HANDBACK_S,
@@ -345,7 +385,7 @@ class FramePusher:
                 self.settings.keys,
                 self._run,
                 self.settings.producer,
-                self._rank,
+                (self._rank, self.targets),
                 entry,
             )
             if status is not None:
@@ -359,7 +399,7 @@ class FramePusher:
         wait.restart()
         return None
 
-    def _wrong_type(self, reply: PushReply, wait: Waiting) -> Pushed | None:
+    def _wrong_type(self, reply: AnyPushReply, wait: Waiting) -> Pushed | None:
         """WRONG_TYPE: a foreign writer replaced a queue key: keep the shard, wait for a
         repair."""
         wait.restart()

@@ -171,10 +171,18 @@ class ShardPusher(FramePusher):
         return True if reply.status == Status.LEASE_LOST else Handover(reply.status)
 
     def _encode_batch(
-        self, epoch: int, shard: int, k: int, batch: Any, last: bool, rank: int | None = None
+        self,
+        epoch: int,
+        shard: int,
+        k: int,
+        batch: Any,
+        last: bool,
+        rank: int | None = None,
+        mask: int | None = None,
     ) -> Frame:
         """One batch's frame: into shared memory, else pieces for Redis (raises what the
-        codec finds wrong with the pipeline's arrays)."""
+        codec finds wrong with the pipeline's arrays). ``rank``, ``mask``: whose lists it
+        goes to (default: the current shard's)."""
         values = batch.values() if isinstance(batch, dict) else batch
         # A list that is a regular array travels as one, as over Fuel's server (Fuel's
         # send_arrays made every value an array): a Fuel trainer reads batch.shape.
@@ -187,6 +195,7 @@ class ShardPusher(FramePusher):
             checksum=s.checksum,
             max_frame_bytes=s.max_frame_bytes,
             rank=self._rank if rank is None else rank,
+            mask=self.targets if mask is None else mask,
         )
 
     def _push_batch(

@@ -8,14 +8,15 @@ local function server_now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Hand every shard of a producer's lease list (entries '<g>:<token>', batchq/protocol/layout.py)
--- back to the front of the work list, in the order they were held so that the oldest
--- is redone first, and delete the list. Returns how many went back.
+-- Hand every shard of a producer's lease list (entries '<g>:<token>', or '<g>/<mask>:<token>'
+-- in a run of several groups: batchq/protocol/layout.py) back to the front of the work list,
+-- for the same groups, in the order they were held so that the oldest is redone first,
+-- and delete the list. Returns how many went back.
 local function hand_back_leases(lease_key, work_key)
   local held = redis.call('LRANGE', lease_key, 0, -1)
   local returned = 0
   for j = #held, 1, -1 do
-    local g = string.match(held[j], '^(%d+):')
+    local g = string.match(held[j], '^([%d/]+):')
     if g then
       redis.call('LPUSH', work_key, g)
       returned = returned + 1
@@ -25,3 +26,33 @@ local function hand_back_leases(lease_key, work_key)
   return returned
 end
 
+
+-- Runs read by several groups (batchq/protocol/groups.py). What a group slot's meta
+-- fields add to their names: '' for slot 0, '@<slot>' otherwise, then ':<rank>' when the
+-- run has several ranks.
+local function reader_sfx(slot, rank, world)
+  local sfx = ''
+  if slot > 0 then sfx = '@' .. slot end
+  if world > 1 then sfx = sfx .. ':' .. rank end
+  return sfx
+end
+
+-- Whether group slot i is in a mask (bit i), with doubles: masks have at most 32 bits.
+local function mask_has(mask, i)
+  return math.floor(mask / 2 ^ i) % 2 == 1
+end
+
+-- A work entry, or a lease entry's part before its token: '<g>', or '<g>/<mask>' where
+-- the shard is for other groups than slot 0 alone.
+local function work_spec(g, mask)
+  if mask == 1 then return tostring(g) end
+  return g .. '/' .. mask
+end
+
+-- (g, mask) of a work entry or of a lease entry ('<g>[/<mask>][:<token>]').
+local function parse_spec(entry)
+  local g, mask = string.match(entry, '^(%d+)/?(%d*)')
+  if not g then return nil, nil end
+  if mask == '' then return tonumber(g), 1 end
+  return tonumber(g), tonumber(mask)
+end
