@@ -5,9 +5,10 @@ pipelines), the trainer's claim (gclaim.lua) and resume (gresume.lua) of its gro
 the release of frames stored once for several groups (release.lua, a :class:`Call` that
 rides behind the reader's GETs).
 
-The group scripts need the keys of every group slot of the run (:func:`slot_tail`): the
-caller reads how many slots the run has (meta ``groups``) and the scripts answer
-``{'GROUPS', n}`` when that changed meanwhile, so the caller reads again.
+The group scripts need the keys of every group slot of the run (``QueueKeys.slot_tails``,
+``glease_tails``, ``gpush_tails``): the caller reads how many slots the run has (meta
+``groups``) and the scripts answer ``{'GROUPS', n}`` when that changed meanwhile, so the
+caller reads again.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from typing import Any, Literal, NamedTuple
 
 import redis
 
-from batchq.protocol.calls import Arg, Call, build_call
-from batchq.protocol.groups import slots_of
+from batchq.protocol.calls import Arg, Call, build_call, decode_reply, reply_int
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import MAX_GROUPS, WAKE_CAP, flag
-from batchq.protocol.words import Status, decode_reply
+from batchq.protocol.layout import FLAGS, MAX_GROUPS, WAKE_CAP
+from batchq.protocol.words import Status
 
 __all__ = [
     "GClaimReply",
@@ -35,23 +35,9 @@ __all__ = [
     "gpush_call",
     "gresume",
     "release_call",
-    "slot_tail",
 ]
 
 GroupClaimOp = Literal["acquire", "refresh", "release", "finish"]
-
-
-def slot_tail(keys: QueueKeys, groups: int, world: int) -> list[str]:
-    """The keys of group slots 0..max(groups, 1) for ``world`` ranks (gclaim.lua's and
-    gresume.lua's KEYS tail: every slot of the run, and the next one a group would take)."""
-    out: list[str] = []
-    for slot in range(max(groups, 1) + 1):
-        out += keys.slot_keys(slot, world)
-    return out
-
-
-def _int(values: list[Any], i: int, default: int = 0) -> int:
-    return int(values[i]) if len(values) > i else default
 
 
 class GLeaseReply(NamedTuple):
@@ -76,7 +62,7 @@ class GLeaseReply(NamedTuple):
         """From glease.lua's raw reply."""
         r = decode_reply(raw)
         if r[0] == Status.GROUPS:
-            return cls(r[0], groups=_int(r, 1))
+            return cls(r[0], groups=reply_int(r, 1))
         if r[0] != Status.OK:
             return cls(r[0])
         return cls(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
@@ -100,8 +86,8 @@ class GPushReply(NamedTuple):
         if r[0] == Status.WRONG_TYPE:
             return cls(r[0], key=str(r[1]), found=str(r[2]))
         if r[0] == Status.DROPPED:
-            return cls(r[0], dropped=_int(r, 1))
-        return cls(r[0], _int(r, 1), _int(r, 2))
+            return cls(r[0], dropped=reply_int(r, 1))
+        return cls(r[0], reply_int(r, 1), reply_int(r, 2))
 
 
 class GClaimReply(NamedTuple):
@@ -133,7 +119,7 @@ class GClaimReply(NamedTuple):
         """From gclaim.lua's raw reply."""
         r = decode_reply(raw)
         if r[0] != Status.OK:
-            return cls(r[0], value=_int(r, 1, -1))
+            return cls(r[0], value=reply_int(r, 1, -1))
         if len(r) == 3:  # finish
             return cls(r[0], group_done=bool(int(r[1])), run_done=bool(int(r[2])))
         if len(r) == 1:
@@ -159,7 +145,7 @@ class GResumeReply(NamedTuple):
         if r[0] == Status.OK:
             return cls(r[0], str(r[1]), int(r[2]), int(r[3]))
         if r[0] == Status.GROUPS:
-            return cls(r[0], groups=_int(r, 1))
+            return cls(r[0], groups=reply_int(r, 1))
         return cls(r[0], text=str(r[1]) if len(r) > 1 else "")
 
 
@@ -178,17 +164,15 @@ def glease_call(
 ) -> Call[GLeaseReply]:
     """A producer's next lease in a run of ``groups`` group slots and ``world`` ranks
     (glease.lua; ``prefetch`` and ``after`` as :func:`batchq.protocol.scripts.lease_call`)."""
-    views = [keys.slot_view(i) for i in range(groups)]
-    tail = [v.ledger for v in views] + [v.data_of(r, world) for v in views for r in range(world)]
     return build_call(
         "glease",
         GLeaseReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-         "lease": keys.lease(producer), "producers": keys.producers},
+         "lease": keys.leases[producer], "producers": keys.producers},
         {"incarnation": incarnation, "run": run, "producer": producer, "token": token,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": int(prefetch), "after": after,
          "groups": groups},
-        more_keys=tail,
+        more_keys=keys.glease_tails[groups, world],
     )  # fmt: skip
 
 
@@ -215,23 +199,20 @@ def gpush_call(
     ``targets`` (a mask; gpush.lua); ``frame_key`` names a frame stored by reference
     (None: inline); ``shm_host``: the element is a shared-memory descriptor of that host,
     pushed only into lists whose trainers published it."""
-    tail: list[str] = []
-    for slot in slots_of(targets):
-        view = keys.slot_view(slot)
-        tail += [view.data_of(rank, world), view.stats]
+    tail = keys.gpush_tails[targets, rank, world]
     if frame_key is not None:
-        tail.append(frame_key)
+        tail = [*tail, frame_key]
     return build_call(
         "gpush",
         GPushReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "stats": keys.stats,
-         "producers": keys.producers, "lease": keys.lease(producer), "pstats": keys.pstats,
+         "producers": keys.producers, "lease": keys.leases[producer], "pstats": keys.pstats,
          "refs": keys.refs, "work": keys.work},
         {"incarnation": incarnation, "run": run, "producer": producer, "entry": entry,
-         "element": element, "last": flag(last), "heartbeat_ttl_ms": heartbeat_ttl_ms,
+         "element": element, "last": FLAGS[last], "heartbeat_ttl_ms": heartbeat_ttl_ms,
          "frame_bytes": frame_bytes, "blocked_ms": blocked_ms, "produce_ms": produce_ms,
          "shm_host": shm_host, "rank": rank, "targets": targets,
-         "by_ref": flag(frame_key is not None)},
+         "by_ref": FLAGS[frame_key is not None]},
         more_keys=tail,
     )  # fmt: skip
 
@@ -279,7 +260,7 @@ def gclaim(
          "resumed": resumed, "incarnation": incarnation, "groups": groups,
          "key_world": key_world, "max_lag": "" if max_lag is None else max_lag,
          "slot_arg": slot, "max_groups": MAX_GROUPS},
-        more_keys=slot_tail(keys, groups, key_world),
+        more_keys=keys.slot_tails[groups, key_world],
     ).run(client)  # fmt: skip
 
 
@@ -329,10 +310,10 @@ def gresume(
         {"token": token, "new_run": new_run, "takeover_run": takeover_run, "first": first,
          "fingerprint": fingerprint, "hwm": hwm, "shards": shards, "window": window,
          "epoch_batches": epoch_batches, "group": group, "rank": rank, "world": world,
-         "even": even, "step": step, "held": flag(held), "groups": groups,
+         "even": even, "step": step, "held": FLAGS[held], "groups": groups,
          "key_world": key_world, "slot_arg": slot, "acquired": acquired,
          "claim_ttl_ms": claim_ttl_ms, "wake_cap": WAKE_CAP},
-        more_keys=slot_tail(keys, groups, key_world),
+        more_keys=keys.slot_tails[groups, key_world],
         more_args=pairs,
     ).run(client)  # fmt: skip
 
@@ -347,7 +328,7 @@ class ReleaseReply(NamedTuple):
     def parse(cls, raw: Any) -> ReleaseReply:
         """From release.lua's raw reply."""
         r = decode_reply(raw)
-        return cls(r[0], _int(r, 1))
+        return cls(r[0], reply_int(r, 1))
 
 
 def release_call(keys: QueueKeys, frames: Sequence[str]) -> Call[ReleaseReply]:

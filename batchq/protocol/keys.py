@@ -80,8 +80,8 @@ the characters that would break that (see :func:`check_name`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Final, TypeVar
 
 from batchq.errors import ConfigError
 
@@ -120,8 +120,8 @@ SLOT_KEY_LAYOUT: Final = "ledger, counts, data x world, stats, trainer x world, 
 
 
 def slot_keys_count(world: int) -> int:
-    """The number of keys :meth:`QueueKeys.slot_keys` gives per slot (2 + 3 x world)."""
-    return 2 + 3 * world
+    """The number of keys :meth:`QueueKeys.slot_keys` gives per slot (3 + 3 x world)."""
+    return 3 + 3 * world
 
 
 def slot_suffix(slot: int) -> str:
@@ -164,6 +164,29 @@ def queue_from_meta_key(key: str | bytes) -> str | None:
     return match.group(1) if match else None
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+# A process that lives for weeks meets many producer ids (restarts, autoscaling): past
+# this many names a derived-key map starts again rather than grow.
+_DERIVED_CAP = 4096
+
+
+class _Derived(dict[K, V]):
+    """Names derived from an argument, built on first use and then read as a mapping:
+    the scripts' wrappers read them on every call without a call into this module."""
+
+    def __init__(self, build: Callable[[K], V]) -> None:
+        super().__init__()
+        self._build = build
+
+    def __missing__(self, key: K) -> V:
+        if len(self) >= _DERIVED_CAP:
+            self.clear()
+        value = self[key] = self._build(key)
+        return value
+
+
 class QueueKeys:
     """The key names of one queue.
 
@@ -199,6 +222,23 @@ class QueueKeys:
         self.groups = f"{self.base}:groups"  # group name -> slot (several groups)
         self.refs = f"{self.base}:refs"  # frame key -> groups yet to read it
         self.slot = 0  # the group slot whose keys data, stats, trainer... name (slot_view)
+        #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
+        self.leases: Mapping[str, str] = _Derived(self._lease)
+        #: world -> the KEYS tail of lease.lua for a run of that many ranks: every
+        #: rank's data list, then the remap hash (none for world 1).
+        self.lease_tails: Mapping[int, list[str]] = _Derived(self._lease_tail)
+        # A run read by several groups (batchq.protocol.groups), read as mappings too:
+        #: group slot -> the keys as that slot reads the run (:meth:`slot_view`).
+        self.slots: Mapping[int, QueueKeys] = _Derived(self.slot_view)
+        #: (group slots, world) -> glease.lua's KEYS tail: every slot's ledger, then
+        #: every slot's data lists (slot 0's ranks first).
+        self.glease_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._glease_tail)
+        #: (target mask, rank, world) -> gpush.lua's KEYS tail: each target slot's data
+        #: list (of that rank) and stats hash, ascending.
+        self.gpush_tails: Mapping[tuple[int, int, int], list[str]] = _Derived(self._gpush_tail)
+        #: (group slots, world) -> gclaim.lua's and gresume.lua's KEYS tail: the keys of
+        #: slots 0..max(groups, 1) (:meth:`slot_keys`, each slot's in a row).
+        self.slot_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._slot_tail)
 
     def types(self, *names: str) -> dict[str, str]:
         """Key -> the Redis type batchq keeps there (:data:`KEY_TYPES`), for the keys of
@@ -250,7 +290,35 @@ class QueueKeys:
 
     def lease(self, producer: str) -> str:
         """The lease list of producer ``producer``."""
+        return self.leases[producer]
+
+    def _lease(self, producer: str) -> str:
         return f"{self.base}:lease:{producer}"
+
+    def _lease_tail(self, world: int) -> list[str]:
+        return [*self.rank_data(world), self.remap] if world > 1 else []
+
+    def _glease_tail(self, shape: tuple[int, int]) -> list[str]:
+        groups, world = shape
+        views = [self.slot_view(i) for i in range(groups)]
+        return [v.ledger for v in views] + [
+            v.data_of(r, world) for v in views for r in range(world)
+        ]
+
+    def _gpush_tail(self, aim: tuple[int, int, int]) -> list[str]:
+        mask, rank, world = aim
+        out: list[str] = []
+        for slot in (i for i in range(mask.bit_length()) if mask >> i & 1):
+            view = self.slot_view(slot)
+            out += [view.data_of(rank, world), view.stats]
+        return out
+
+    def _slot_tail(self, shape: tuple[int, int]) -> list[str]:
+        groups, world = shape
+        out: list[str] = []
+        for slot in range(max(groups, 1) + 1):
+            out += self.slot_keys(slot, world)
+        return out
 
     def frame(self, producer: str, seq: int) -> str:
         """The key of the ``seq``-th frame that ``producer`` stores by reference."""

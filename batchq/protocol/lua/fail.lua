@@ -11,9 +11,9 @@ local stats_key = KEYS[6]        -- HASH   queue counters
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local entry = ARGV[3]            -- lease entry '<g>:<token>'
-local g = ARGV[4]
-local max_attempts = tonumber(ARGV[5])  -- before the shard is reported to the trainer
+local max_attempts = tonumber(ARGV[4])  -- before the shard is reported to the trainer
 
+local g = entry_slot(entry)
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 if redis.call('HGET', meta_key, 'run') ~= run then return {'RUN_CHANGED'} end
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
@@ -21,6 +21,6 @@ local attempts = redis.call('HINCRBY', failures_key, g, 1)
 redis.call('HINCRBY', stats_key, 'failed_attempts', 1)
 if attempts >= max_attempts then return {'GIVE_UP', attempts} end
 redis.call('LREM', lease_key, 1, entry)
-redis.call('LPUSH', work_key, string.match(entry, '^([%d/]+):') or g)  -- for the same groups
+redis.call('LPUSH', work_key, entry_spec(entry))  -- for the same groups
 redis.call('HINCRBY', stats_key, 'redone_shards', 1)
 return {'RETRY', attempts}

@@ -47,7 +47,7 @@ local max_groups = tonumber(ARGV[18])  -- the most group slots a run has
 local first_tail = 9
 
 local now = server_now_ms()
-local per = 2 + 3 * key_world
+local per = 3 + 3 * key_world
 local tail_slots = (#KEYS - first_tail + 1) / per
 if tail_slots ~= math.max(groups, 1) + 1 then
   return redis.error_reply('gclaim.lua: KEYS do not cover the group slots')

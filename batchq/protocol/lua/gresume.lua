@@ -42,7 +42,7 @@ local wake_cap = tonumber(ARGV[21])  -- the wake list's length cap
 -- ARGV[22..]: the ledger pairs '<epoch>:<slot>', 'd' or batches already had
 local first_tail, first_pair = 9, 22
 
-local per = 2 + 3 * key_world
+local per = 3 + 3 * key_world
 local tail_slots = (#KEYS - first_tail + 1) / per
 if tail_slots ~= math.max(groups, 1) + 1 then
   return redis.error_reply('gresume.lua: KEYS do not cover the group slots')
