@@ -109,7 +109,7 @@ class Membership:
             self.plan.shards,
             reply.hwm,
         )
-        return RunPosition(reply.run, reply.incarnation, reply.world, self.groups())
+        return RunPosition(reply.run, reply.incarnation, reply.world, reply.groups)
 
     def groups(self) -> int:
         """The group slots of the run (0: read by one group): its leases and pushes are
