@@ -66,7 +66,7 @@ for _, kw in ipairs(typed) do
 end
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', 'world', 'groups', 'shards',
-  'epoch_batches')
+  'epoch_batches', 'even')
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] == '1' then return {'FINISHED'} end
 if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
@@ -81,6 +81,14 @@ local world, n, hwm = tonumber(m[4] or '1'), tonumber(m[5] or '1'), tonumber(m[3
 local per_shard = 1
 local eb, shards = tonumber(m[7] or '-1'), tonumber(m[6] or '0')
 if eb > 0 and shards > 0 then per_shard = eb / shards end
+-- The frame's shard in the rank's local numbers (batchq/protocol/ranks.py), as floors are.
+local g = tonumber(entry_slot(entry))
+local S = shards
+if world > 1 then
+  if m[8] == 'drop' then S = world * math.floor(shards / world)
+  else S = world * math.ceil(shards / world) end
+end
+local here = math.floor(g / S) * (S / world) + math.floor((g % S) / world)
 -- Every group still reading this rank: the leading floor, and how many there are.
 local lead, reading = nil, 0
 local state = {}
@@ -114,8 +122,9 @@ local into, dropped, depth = {}, 0, nil
 for _, t in ipairs(go) do
   local len = redis.call('LLEN', t.data)
   if len >= hwm then
+    -- How far behind the group would be once the others read this frame.
     local max_lag = tonumber(t.f[4] or '')
-    local behind = (lead - tonumber(t.f[1] or '0')) * per_shard
+    local behind = (math.max(lead, here + 1) - tonumber(t.f[1] or '0')) * per_shard
     if max_lag == nil or behind <= max_lag then return {'FULL', len} end
     dropped = dropped + 2 ^ t.slot
     redis.call('HINCRBY', t.stats, 'detached_drops', 1)
@@ -124,7 +133,6 @@ for _, t in ipairs(go) do
     if depth == nil or len + 1 < depth then depth = len + 1 end
   end
 end
-local g = string.match(entry, '^(%d+)')
 if dropped > 0 then redis.call('RPUSH', work_key, work_spec(g, dropped)) end
 if #into == 0 then
   -- Every list it was for is gone (finished) or left behind: not ours any more.
@@ -138,7 +146,9 @@ for _, t in ipairs(into) do
     redis.call('HINCRBY', t.stats, 'pushed', 1)
     redis.call('HINCRBY', t.stats, 'pushed_bytes', frame_bytes)
   end
-  if #into == 1 and reading > 1 then redis.call('HINCRBY', t.stats, 'solo_pushed', 1) end
+  -- Built for this group alone in a run of several (detached, joined late, or the others
+  -- finished before it).
+  if #into == 1 and n > 1 then redis.call('HINCRBY', t.stats, 'solo_pushed', 1) end
 end
 if frame_key then
   redis.call('PERSIST', frame_key)
