@@ -86,23 +86,12 @@ def test_three_groups_read_exact_epochs_built_once_through_a_producer_kill(
     groups = ("g0", "g1", "g2")
     outs = {g: tmp_path / f"{g}.jsonl" for g in groups}
     figures = {g: tmp_path / f"{g}.stats.json" for g in groups}
-    trainers = {
-        g: spawn_proc(
-            train_argv(
-                redis_url,
-                queue_name,
-                outs[g],
-                EPOCHS,
-                "--group",
-                g,
-                "--finish",
-                "--stats-out",
-                str(figures[g]),
-            ),
-            env=env,
-        )  # fmt: skip
-        for g in groups
-    }
+
+    def trainer(g: str) -> Any:
+        extra = ("--group", g, "--finish", "--stats-out", str(figures[g]))
+        return spawn_proc(train_argv(redis_url, queue_name, outs[g], EPOCHS, *extra), env=env)
+
+    trainers = {g: trainer(g) for g in groups}
     wait_until(lambda: registered(redis_client, queue_name, 3), timeout_s=60, what="3 groups")
     serve = serve_argv("--hwm", str(HWM), "--heartbeat-ttl-s", "10")
     producers = [spawn_proc(serve, env=env) for _ in range(2)]
