@@ -12,7 +12,6 @@ import pytest
 import redis
 from pipelines import builds, examples_of
 from train import argv as train_argv
-from train import lines
 from waiting import wait_until
 
 from batchq.errors import GroupWorldMismatch
@@ -37,25 +36,12 @@ def test_two_groups_of_two_ranks_each_read_their_shares_built_once(
     env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=2, build_log=log)
     epochs, world = 3, 2
     outs = {(g, r): tmp_path / f"{g}{r}.jsonl" for g in ("a", "b") for r in range(world)}
-    ranks = [
-        spawn_proc(
-            train_argv(
-                redis_url,
-                queue_name,
-                out,
-                epochs,
-                "--group",
-                g,
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--finish",
-            ),
-            env=env,
-        )  # fmt: skip
-        for (g, r), out in outs.items()
-    ]
+
+    def rank(g: str, r: int) -> Any:
+        extra = ("--group", g, "--rank", str(r), "--world", str(world), "--finish")
+        return spawn_proc(train_argv(redis_url, queue_name, outs[g, r], epochs, *extra), env=env)
+
+    ranks = [rank(g, r) for g, r in outs]
     wait_until(lambda: redis_client.hlen(QueueKeys(queue_name).groups) == 2, what="two groups")
     producers = [spawn_proc(serve_argv("--hwm", "4"), env=env) for _ in range(2)]
     for proc in ranks:
@@ -84,7 +70,7 @@ def test_a_group_of_another_world_size_is_refused_naming_both(
     other = ServerDataStream(("features",), url=redis_url, queue=queue_name, group="b")
     try:
         next(first.get_epoch_iterator())  # group a claims the run with world_size 2
-        with pytest.raises(GroupWorldMismatch, match="group b has world_size 1.*world_size 2"):
+        with pytest.raises(GroupWorldMismatch, match=r"group b has world_size 1.*world_size 2"):
             next(other.get_epoch_iterator())
     finally:
         other.close()
