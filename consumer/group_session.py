@@ -42,14 +42,32 @@ from batchq.protocol.layout import MAX_GROUPS
 from batchq.protocol.replies import status_error
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int
 from consumer.session import Session, resumed_shape
+from consumer.state_keys import GROUP_KEY
 
-__all__ = ["GROUPS_TRIES", "GroupSession", "group_resume_run_id"]
+__all__ = ["GROUPS_TRIES", "GroupSession", "check_group_state", "group_resume_run_id"]
 
 log = logging.getLogger(__name__)
 
 # A group script answers GROUPS when the run's groups changed since the caller read them
 # (another group registered meanwhile): read again, at most this many times in a row.
 GROUPS_TRIES = 20
+
+
+def check_group_state(state: dict[str, Any], group: str | None) -> dict[str, Any]:
+    """A checkpoint's state for a stream of ``group``: refused when it names another
+    group (each group's position is its own); a state without a group (the default
+    group's, or saved before groups) is taken as it is.
+
+    Raises:
+        ConfigError: the state names another group.
+    """
+    saved = state.get(GROUP_KEY)
+    if saved is not None and saved != (group or ""):
+        raise ConfigError(
+            f"state is of group {saved or '(default)'!r}, this stream reads group "
+            f"{group or '(default)'!r}; expected a state_dict() of the same group"
+        )
+    return state
 
 
 def group_resume_run_id(state: dict[str, Any], world: int) -> str:

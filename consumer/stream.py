@@ -19,6 +19,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import Frame
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
+from consumer.group_session import check_group_state
 from consumer.length import epoch_length
 from consumer.rank_state import check_rank_state, check_state, pick_rank_state
 from consumer.reader.buffer import Buffer
@@ -28,6 +29,7 @@ from consumer.reader.thread import Reader
 from consumer.session import Session
 from consumer.state_keys import (
     EPOCH_KEY,
+    GROUP_KEY,
     RUN_KEY,
     STEP_KEY,
     position_state,
@@ -327,6 +329,8 @@ class ServerDataStream(FuelStreamMixin):
             step = self._step + self._feed.yielded - sum((held_back or {}).values())
             plan_shards = self._started.plan_shards if self._started is not None else 0
             state |= rank_fields(self.rank, self.world_size, self.even_batches, plan_shards, step)
+        if self.options.group is not None:
+            state[GROUP_KEY] = self.options.group
         return state
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
@@ -346,7 +350,7 @@ class ServerDataStream(FuelStreamMixin):
         if self._reader is not None or self._closed:
             raise ConfigError("load_state_dict must be called before the first iteration")
         state = pick_rank_state(state, self.rank, self.world_size)
-        self._resume = check_state(state, self.keys.queue)
+        self._resume = check_group_state(check_state(state, self.keys.queue), self.options.group)
         if self._resume.get(RUN_KEY):
             check_rank_state(self._resume, self.rank, self.world_size)
             self._step = int(self._resume.get(STEP_KEY, 0))
