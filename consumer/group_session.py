@@ -154,8 +154,8 @@ class GroupSession(Session):
             self.incarnation, self.run, self.held = reply.incarnation, reply.run, reply.held
             self._use_slot(reply.slot, reply.groups)
         self.claimed = True
-        if self._publish is not None and not resuming:
-            self._publish(client, self.slot)
+        if not resuming:
+            self._published(client)
         return reply.new_run
 
     def _check_acquired(self, reply: GClaimReply) -> None:
@@ -322,6 +322,5 @@ class GroupSession(Session):
         with self._lock:
             self.run = reply.run
             self._use_slot(reply.slot, reply.groups)
-        if self._publish is not None:
-            self._publish(client, self.slot)
+        self._published(client)
         log.info("%s: resumed at shard %d in run %s", self.what, first_shard, self.run)
