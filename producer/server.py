@@ -348,7 +348,9 @@ class Producer:
         if status == Status.OK:
             return Lease.from_reply(reply, token, self.plan.shards)
         if status == Status.WAIT:
-            self._pusher.wait_for_room()
+            # In a run of several groups, the pops of the group that holds the shared
+            # stream make room: wait for those (woken by another's would be in vain).
+            self._pusher.wait_for_room(reply.slot if isinstance(reply, GLeaseReply) else -1)
             return None
         if status == Status.GROUPS:
             self._lease_seq -= 1  # nothing was leased with it

@@ -41,8 +41,10 @@ GroupClaimOp = Literal["acquire", "refresh", "release", "finish"]
 
 
 class GLeaseReply(NamedTuple):
-    """glease.lua: ``{'OK', g, skip, slots, world, mask}``, ``{'GROUPS', n}`` or a status
-    (``mask``: the group slots the shard is built for; with GROUPS, ``groups`` is n)."""
+    """glease.lua: ``{'OK', g, skip, slots, world, mask}``, ``{'WAIT', slot}``,
+    ``{'GROUPS', n}`` or a status (``mask``: the group slots the shard is built for; with
+    GROUPS, ``groups`` is n; with WAIT, ``slot`` is the group whose floor holds the shared
+    stream, -1 for none)."""
 
     status: str
     g: int = 0
@@ -51,6 +53,7 @@ class GLeaseReply(NamedTuple):
     world: int = 1
     mask: int = 1
     groups: int = 0
+    slot: int = -1
 
     @property
     def shard(self) -> None:
@@ -63,21 +66,25 @@ class GLeaseReply(NamedTuple):
         r = decode_reply(raw)
         if r[0] == Status.GROUPS:
             return cls(r[0], groups=reply_int(r, 1))
+        if r[0] == Status.WAIT:
+            return cls(r[0], slot=reply_int(r, 1, -1))
         if r[0] != Status.OK:
             return cls(r[0])
         return cls(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
 
 
 class GPushReply(NamedTuple):
-    """gpush.lua: ``{'OK', depth, dropped}``, ``{'FULL', depth}``, ``{'DROPPED', mask}``,
-    ``{'WRONG_TYPE', key, type}`` or a status (``dropped``: the group slots whose full
-    lists the frame left out, their shard gone back for them)."""
+    """gpush.lua: ``{'OK', depth, dropped}``, ``{'FULL', depth, slot}``, ``{'DROPPED',
+    mask}``, ``{'WRONG_TYPE', key, type}`` or a status (``dropped``: the group slots whose
+    full lists the frame left out, their shard gone back for them; ``slot``: FULL's, the
+    group whose list is full)."""
 
     status: str
     depth: int = 0
     dropped: int = 0
     key: str = ""
     found: str = ""
+    slot: int = -1
 
     @classmethod
     def parse(cls, raw: Any) -> GPushReply:
@@ -87,6 +94,8 @@ class GPushReply(NamedTuple):
             return cls(r[0], key=str(r[1]), found=str(r[2]))
         if r[0] == Status.DROPPED:
             return cls(r[0], dropped=reply_int(r, 1))
+        if r[0] == Status.FULL:
+            return cls(r[0], reply_int(r, 1), slot=reply_int(r, 2, -1))
         return cls(r[0], reply_int(r, 1), reply_int(r, 2))
 
 

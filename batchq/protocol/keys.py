@@ -63,8 +63,10 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:data@<i>     LIST    group slot i's data list (``data@<i>:<r>`` its rank r's);
                                 slot 0 keeps the plain names. So do ``stats@<i>`` (HASH,
                                 the group's counters), ``trainer@<i>``, ``history@<i>``,
-                                ``ledger@<i>``, ``counts@<i>``, and the meta fields
-                                ``<name>@<i>`` / ``<name>@<i>:<r>`` (claim, next, floor...)
+                                ``ledger@<i>``, ``counts@<i>``, ``wake@<i>`` (its pops'
+                                wake-ups: a producer blocked at its full list waits
+                                there), and the meta fields ``<name>@<i>`` /
+                                ``<name>@<i>:<r>`` (claim, next, floor...)
 
 The type column is :data:`KEY_TYPES` (by the key's name in :class:`QueueKeys`): push.lua
 and pop.lua check theirs before writing (tests/batchq/protocol/test_fields.py compares
@@ -113,7 +115,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
 
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
 #: :meth:`QueueKeys.slot_view`.
-SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts")
+SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts", "wake")
 #: How many keys :meth:`QueueKeys.slot_keys` gives per slot for a run of ``world``
 #: ranks (the group scripts find a slot's keys in their KEYS tail by it).
 SLOT_KEY_LAYOUT: Final = "ledger, counts, data x world, stats, trainer x world, history x world"

@@ -174,17 +174,24 @@ class FramePusher:
             got,
         )
 
-    def wait_for_room(self) -> None:
-        """Block until a trainer's pop wakes us or WAIT_S passes: no spinning."""
+    def wait_for_room(self, slot: int = -1) -> None:
+        """Block until a trainer's pop wakes us or WAIT_S passes: no spinning. In a run
+        read by several groups each group's pops wake its own list: a producer waiting
+        for group ``slot`` (its full list, or its floor holding the shared stream) waits
+        for that group's (and the queue's), anything else for any group's."""
         # A trainer that just arrived published its host before popping: look next time.
         self._transport.recheck()
-        wake = self.settings.keys.wake
+        keys, groups = self.settings.keys, self._run.groups
+        if groups and slot >= 0:
+            wakes = list(dict.fromkeys((keys.slots[slot].wake, keys.wake)))
+        else:
+            wakes = [keys.slots[i].wake for i in range(max(groups, 1))]
         try:
-            call(lambda: self.client.blpop([wake], timeout=WAIT_S), "waiting for room")
+            call(lambda: self.client.blpop(wakes, timeout=WAIT_S), "waiting for room")
         except redis.ResponseError as e:
             if not is_wrong_type(e):
                 raise
-            self.note_wrong_type(wake, "key of another type")
+            self.note_wrong_type(" or ".join(wakes), "key of another type")
             self._stop.wait(WAIT_S)
 
     # -- each kind of element ----------------------------------------------------------
@@ -350,7 +357,7 @@ class FramePusher:
         if status == Status.DROPPED:
             return self._dropped(entry, ref)
         if status == Status.FULL:
-            return self._full(entry, ref, wait)
+            return self._full(entry, ref, wait, reply.slot if isinstance(reply, GPushReply) else -1)
         if status == Status.GONE:
             return self._gone(wait)
         if status == Status.WRONG_TYPE:
@@ -375,8 +382,9 @@ class FramePusher:
         log.debug("producer %s: no group takes %s any more", self.settings.producer, entry)
         return False
 
-    def _full(self, entry: str, ref: str | None, wait: Waiting) -> Pushed | None:
-        """FULL: wait for room; a data-parallel rank's full list, once per HANDBACK_S,
+    def _full(self, entry: str, ref: str | None, wait: Waiting, slot: int = -1) -> Pushed | None:
+        """FULL: wait for room (in a run of groups, for the pops of group ``slot``, whose
+        list is full); a data-parallel rank's full list, once per HANDBACK_S,
         may make us hand the shard back (:func:`producer.serving.blocking.hand_back`)."""
         blocked = wait.start()
         if blocked and self._run.world > 1 and wait.hand_back_due():
@@ -391,7 +399,7 @@ class FramePusher:
             if status is not None:
                 self._drop_ref(ref)
                 return False if status in (Status.OK, Status.LEASE_LOST) else Handover(status)
-        self.wait_for_room()
+        self.wait_for_room(slot)
         return None
 
     def _gone(self, wait: Waiting) -> Pushed | None:

@@ -2,7 +2,9 @@
 -- Returns {'OK', g, skip, slots, world, mask} (g: global slot number, batchq/protocol/ranks.py;
 --         mask: the group slots it is built for, bit i for slot i; skip: batches of it
 --         every one of them already has)
---      or {'WAIT'}, {'BUSY'} (prefetch declined), {'GROUPS', n} (the run has n group slots,
+--      or {'WAIT', slot} (nothing to mint; slot: the group whose floor holds the shared
+--         stream, -1 for none: its pops wake its own list), {'BUSY'} (prefetch declined),
+--         {'GROUPS', n} (the run has n group slots,
 --         not the caller's: read them again), {'STATE_LOST'}, {'RUN_CHANGED'},
 --         {'FINISHED'}, {'REAPED'}
 -- A shard is minted once for every group whose cursor ('next' of the group slot and rank)
@@ -153,6 +155,7 @@ end
 -- group joins a stream only within its own window, and (unless it paces the shared
 -- stream) only with room in its list. Chosen: the stream whose neediest group has the
 -- fewest shards minted above its floor; then the one shared by more groups.
+local holding = -1  -- the group whose window holds the shared stream (the slowest pacer)
 local function choose()
   local best = nil
   for r = 0, world - 1 do
@@ -161,9 +164,12 @@ local function choose()
     for _, c in ipairs(st) do
       if front == nil or c.next > front then front = c.next end
     end
-    local paced = true
+    local paced, low = true, nil
     for _, c in ipairs(st) do
-      if not c.detachable and front >= c.floor + W then paced = false end
+      if not c.detachable and front >= c.floor + W then
+        paced = false
+        if low == nil or c.floor < low then low, holding = c.floor, c.slot end
+      end
     end
     local seen = {}
     for _, first in ipairs(st) do
@@ -194,7 +200,7 @@ end
 -- moves their cursors past it and is never built.
 for _ = 1, 1000 do
   local best = choose()
-  if best == nil then return {'WAIT'} end
+  if best == nil then return {'WAIT', holding} end
   local r, v = best.rank, best.value
   local g = math.floor(v / P) * S + (v % P) * world + r
   local mask = 0

@@ -1,7 +1,8 @@
 -- gpush.lua: push one frame into the lists of every group it is for, below the hwm (the
 -- capped push of a run read by several groups; push.lua's rules, per list).
 -- Returns {'OK', depth (the shortest list it went into, after), dropped mask}
---      or {'FULL', depth} (a list of a group that paces the others is full: wait),
+--      or {'FULL', depth, slot} (the list of group slot `slot`, which paces the others, is
+--         full: wait for its pops),
 --         {'DROPPED', mask} (no list took it: the shard is no longer ours), {'GONE'},
 --         {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'},
 --         {'WRONG_TYPE', key, type}, {'REROUTE'} (a descriptor for a host some group's
@@ -125,7 +126,7 @@ for _, t in ipairs(go) do
     -- How far behind the group would be once the others read this frame.
     local max_lag = tonumber(t.f[4] or '')
     local behind = (math.max(lead, here + 1) - tonumber(t.f[1] or '0')) * per_shard
-    if max_lag == nil or behind <= max_lag then return {'FULL', len} end
+    if max_lag == nil or behind <= max_lag then return {'FULL', len, t.slot} end
     dropped = dropped + 2 ^ t.slot
     redis.call('HINCRBY', t.stats, 'detached_drops', 1)
   else
