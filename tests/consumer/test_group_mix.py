@@ -124,3 +124,48 @@ def test_a_group_joins_a_run_that_a_trainer_without_group_reads(
     for proc in producers:
         assert proc.wait(timeout=30) == 0
     assert list(redis_client.scan_iter(match=keys.frame_pattern)) == []
+
+
+@pytest.mark.timeout(180)
+def test_torch_streams_of_two_groups_share_the_segments_and_read_every_epoch(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+) -> None:
+    pytest.importorskip("torch")
+    from consumer.torch import TorchStream
+
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=1, pad_bytes=100_000)
+    env["BATCHQ_TRANSPORT"] = "auto"
+    epochs = 2
+    got: dict[str, list[list[Any]]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+
+    def read(group: str) -> None:
+        stream = ServerDataStream(("features",), url=redis_url, queue=queue_name, group=group)
+        try:
+            with TorchStream(stream) as ts:  # writable views over the shared segments
+                for epoch in range(epochs):
+                    for (features,) in ts.get_epoch_iterator():
+                        got[group].append([epoch, examples_of(features.numpy())])
+                        features += 1  # in place: never shows in the other group's batch
+                ts.close(finished=True)
+        except BaseException as e:
+            errors.append(e)
+
+    readers = [threading.Thread(target=read, args=(g,), daemon=True) for g in ("a", "b")]
+    for t in readers:
+        t.start()
+    wait_until(lambda: redis_client.hlen(QueueKeys(queue_name).groups) == 2, what="two groups")
+    producers = [spawn_proc(serve_argv("--hwm", "4"), env=env) for _ in range(2)]
+    for t in readers:
+        t.join(timeout=150)
+        assert not t.is_alive()
+    assert errors == []
+    expected = [[e, b] for e, plan in enumerate(plans(epochs)) for b in plan]
+    assert got["a"] == expected and got["b"] == expected
+    for proc in producers:
+        assert proc.wait(timeout=30) == 0
