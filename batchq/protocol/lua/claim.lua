@@ -60,7 +60,7 @@ end
 if op == 'finish' and m[5] == '1' then return {'OK', 1} end
 -- A run read by several groups is gclaim.lua's (batchq/protocol/groups.py): its groups'
 -- keys go with it, and a finish ends it only with the last group.
-if (op == 'acquire' or op == 'finish') and redis.call('HEXISTS', meta_key, 'groups') == 1 then
+if (op == 'acquire' or op == 'finish') and redis.call('HGET', meta_key, 'groups') then
   return {'GROUPS'}
 end
 if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', meta_key, f('done')) == '1' then

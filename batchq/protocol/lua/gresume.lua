@@ -140,9 +140,10 @@ local ledger_key = slot_key(slot, 0)
 if world == 1 then
   redis.call('DEL', ledger_key)
 else
-  for _, name in ipairs(redis.call('HKEYS', ledger_key)) do
-    local s = tonumber(string.match(name, ':(%d+)$') or '-1')
-    if s % world == tonumber(rank) then redis.call('HDEL', ledger_key, name) end
+  local pairs_had = redis.call('HGETALL', ledger_key)
+  for i = 1, #pairs_had, 2 do
+    local s = tonumber(string.match(pairs_had[i], ':(%d+)$') or '-1')
+    if s % world == tonumber(rank) then redis.call('HDEL', ledger_key, pairs_had[i]) end
   end
 end
 for i = first_pair, #ARGV, 2 do

@@ -46,7 +46,7 @@ if world > 1 then sfx = ':' .. rank end
 local m = redis.call('HMGET', meta_key, 'claim' .. sfx, 'run', 'resume_step')
 if m[1] ~= token then return {'CLAIM_LOST'} end
 -- A run read by several groups is gresume.lua's (batchq/protocol/groups.py).
-if redis.call('HEXISTS', meta_key, 'groups') == 1 then return {'GROUPS'} end
+if redis.call('HGET', meta_key, 'groups') then return {'GROUPS'} end
 
 local function add_pairs()
   for i = first_pair + 2 * remapped, #ARGV, 2 do
