@@ -215,6 +215,8 @@ class Reader(threading.Thread):
         # Not a checkpoint: the ranks are where they are (no step to agree on).
         s.resume(self.client, first, plan.fingerprint if plan else "", pairs, step=-1)
         self.shm.new_run(s.run)
+        if s.keys is not self.keys:  # a group registered again, in another slot
+            self.keys = self._fetcher.keys = self._dead.keys = self._repair.keys = s.keys
 
     def flush(self) -> None:
         """Send the accounting not yet sent (at close), popping nothing."""
