@@ -216,8 +216,8 @@ def test_a_paused_group_with_max_lag_does_not_hold_the_others_and_reads_exact_ep
     env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=1, build_log=log)
     a = GroupTrainer(redis_url, queue_name, "a")
     b = GroupTrainer(redis_url, queue_name, "b")
-    # p may lag 2 batches: its list holds HWM = 4 frames, so once p stops reading the
-    # others are more than 2 ahead before its full list could hold them.
+    # p may lag 2 batches: its full list never holds the others, its window (8 shards)
+    # only while it is within 2 batches of the leading group.
     paused = GroupTrainer(redis_url, queue_name, "p", pause_at=15, max_lag_batches=2)
     start_groups(redis_url, redis_client, queue_name, [a, b, paused])
     serve = serve_argv("--hwm", str(HWM))
@@ -233,10 +233,13 @@ def test_a_paused_group_with_max_lag_does_not_hold_the_others_and_reads_exact_ep
         assert proc.wait(timeout=30) == 0
     # p's batches after it fell behind were built for it alone, counted in its stats;
     # what a and b read was built once for both.
-    solo = int(group_stats(redis_client, queue_name, "p").get(b"solo_pushed", 0))
+    p_stats = group_stats(redis_client, queue_name, "p")
+    solo = int(p_stats.get(b"solo_pushed", 0))
     assert solo > 0
     wanted, _ahead = count_builds(log, expected)
-    assert wanted <= len(expected) + solo
+    # A build for p alone that found its list full again (a race of two producers for
+    # its one free place) goes back for it once more: a drop.
+    assert wanted <= len(expected) + solo + int(p_stats.get(b"detached_drops", 0))
     assert left_behind(redis_client, queue_name) == []
 
 
@@ -264,7 +267,7 @@ def test_without_max_lag_the_others_wait_for_a_paused_group(
         lambda: (
             redis_client.llen(lists["p"]) == HWM
             and redis_client.llen(lists["a"]) == 0
-            and len(a.got) > 15
+            and len(a.got) >= 15
             and a.stream.frame_ready() is False
         ),
         timeout_s=120,

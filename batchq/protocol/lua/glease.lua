@@ -153,7 +153,7 @@ end
 -- The stream to mint from: for each rank, each cursor value held by some group. The
 -- largest (the shared stream) only within the window of every group that paces it; a
 -- group joins a stream only within its own window, and (unless it paces the shared
--- stream) only with room in its list. Chosen: the stream whose neediest group has the
+-- stream without max_lag, when the others wait for it) only with room in its list. Chosen: the stream whose neediest group has the
 -- fewest shards minted above its floor; then the one shared by more groups.
 local holding = -1  -- the group whose window holds the shared stream (the slowest pacer)
 local function choose()
@@ -178,7 +178,7 @@ local function choose()
         seen[v] = true
         local targets, score, room = {}, nil, false
         for _, c in ipairs(st) do
-          local pacing = v == front and not c.detachable
+          local pacing = v == front and not c.detachable and c.max_lag == nil
           if c.next == v and v < c.floor + W and (c.room or pacing) then
             targets[#targets + 1] = c
             room = room or c.room

@@ -7,9 +7,12 @@
 --         {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'},
 --         {'WRONG_TYPE', key, type}, {'REROUTE'} (a descriptor for a host some group's
 --         rank has not published: send the frame itself)
--- A full list of a group that may be left behind (max_lag set and exceeded,
--- batchq/protocol/groups.py) is left out: the shard goes back to the work list for that
--- group alone (dropped mask; the producer leaves it out of the shard's next frames).
+-- A full list of a group with max_lag set (batchq/protocol/groups.py) never holds a push:
+-- it is left out, and the shard goes back to the work list for that group alone (dropped
+-- mask; the producer leaves it out of the shard's next frames). Such a group holds the
+-- others through its window only, while it is within its lag (glease.lua): a full list
+-- of later frames while it does not read could otherwise hold them at its floor for
+-- ever, never further ahead than its lag (a frame of its floor pushed late).
 -- A frame stored by reference and pushed into k > 1 lists gets refs[frame key] = k: each
 -- reader releases it after reading it (release.lua), the last one deletes it.
 local meta_key = KEYS[1]         -- HASH   the run's meta
@@ -66,8 +69,7 @@ for _, kw in ipairs(typed) do
   if kind ~= kw[2] and kind ~= 'none' then return {'WRONG_TYPE', kw[1], kind} end
 end
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
-local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', 'world', 'groups', 'shards',
-  'epoch_batches', 'even')
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', 'world', 'groups')
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] == '1' then return {'FINISHED'} end
 if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
@@ -79,39 +81,21 @@ if blocked_ms > 0 then
 end
 
 local world, n, hwm = tonumber(m[4] or '1'), tonumber(m[5] or '1'), tonumber(m[3])
-local per_shard = 1
-local eb, shards = tonumber(m[7] or '-1'), tonumber(m[6] or '0')
-if eb > 0 and shards > 0 then per_shard = eb / shards end
--- The frame's shard in the rank's local numbers (batchq/protocol/ranks.py), as floors are.
-local g = tonumber(entry_slot(entry))
-local S = shards
-if world > 1 then
-  if m[8] == 'drop' then S = world * math.floor(shards / world)
-  else S = world * math.ceil(shards / world) end
-end
-local here = math.floor(g / S) * (S / world) + math.floor((g % S) / world)
--- Every group still reading this rank: the leading floor, and how many there are.
-local lead, reading = nil, 0
-local state = {}
-for i = 0, n - 1 do
+local g = entry_slot(entry)
+-- What each target says of itself: whether it finished, its host, its max_lag.
+local function state_of(i)
   local sfx = reader_sfx(i, rank, world)
-  local f = redis.call('HMGET', meta_key, 'floor' .. sfx, 'done' .. sfx, 'shm_host' .. sfx,
+  return redis.call('HMGET', meta_key, 'done' .. sfx, 'shm_host' .. sfx,
     'max_lag' .. reader_sfx(i, 0, 1))
-  state[i] = f
-  if f[2] ~= '1' then
-    reading = reading + 1
-    local floor = tonumber(f[1] or '0')
-    if lead == nil or floor > lead then lead = floor end
-  end
 end
 
 -- The lists that take it: a group that finished takes nothing; a descriptor goes only
 -- into lists of trainers on its host.
 local go = {}
 for j, i in ipairs(slots) do
-  local f = state[i] or {}
-  if f[2] ~= '1' then
-    if shm_host ~= '' and f[3] ~= shm_host then return {'REROUTE'} end
+  local f = state_of(i)
+  if f[1] ~= '1' then
+    if shm_host ~= '' and f[2] ~= shm_host then return {'REROUTE'} end
     go[#go + 1] = {slot = i, data = KEYS[first_target + 2 * (j - 1)],
       stats = KEYS[first_target + 2 * (j - 1) + 1], f = f}
   end
@@ -123,10 +107,7 @@ local into, dropped, depth = {}, 0, nil
 for _, t in ipairs(go) do
   local len = redis.call('LLEN', t.data)
   if len >= hwm then
-    -- How far behind the group would be once the others read this frame.
-    local max_lag = tonumber(t.f[4] or '')
-    local behind = (math.max(lead, here + 1) - tonumber(t.f[1] or '0')) * per_shard
-    if max_lag == nil or behind <= max_lag then return {'FULL', len, t.slot} end
+    if not t.f[3] then return {'FULL', len, t.slot} end  -- the others wait for this group
     dropped = dropped + 2 ^ t.slot
     redis.call('HINCRBY', t.stats, 'detached_drops', 1)
   else
