@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from batchq.monitoring.group_snapshot import GroupSnapshot
+from batchq.monitoring.rank_rows import reader_fields
 from batchq.monitoring.snapshot import QueueSnapshot
-from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, recent_depths
-from batchq.protocol.fields import MetaField, StatsField, TrainerField
+from batchq.protocol.fields import MetaField, StatsField
 from batchq.protocol.groups import lag_batches
 from batchq.protocol.words import as_int
 
@@ -62,43 +62,23 @@ def group_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES) or -1)
     rows = []
     for g in snap.groups:
-        updated = g.figure(TrainerField.UPDATED_MS)
-        age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
-        fresh = age is not None and age <= FIGURES_FRESH_S
-        stall = g.figure(TrainerField.STALL_FRACTION_RECENT)
-        state = _state(snap, g)
-        verdict, reason = judge(
-            trainer=state,
-            producers_alive=len(snap.alive),
-            depths=recent_depths(g.depth, g.history, snap.now_ms / 1000),
-            hwm=snap.hwm,
-            stall=stall if fresh else None,
-        )
-        epoch, progress = g.figure(TrainerField.EPOCH), g.figure(TrainerField.EPOCH_PROGRESS)
+        fields = reader_fields(snap, g.figure, _state(snap, g), g.depth, g.history)
         rows.append(
             {
                 "group": g.name,
                 "slot": g.slot,
-                "trainer": state,
+                "trainer": fields["trainer"],
                 "sharing": "alone" if not g.done and g.next < front else "shared",
                 "lag_batches": 0.0 if g.done else lag_batches(lead, g.floor, epoch_batches, shards),
                 "max_lag_batches": g.max_lag_batches,
                 "solo_builds": g.stats.get(StatsField.SOLO_PUSHED, 0),
                 "detached_drops": g.stats.get(StatsField.DETACHED_DROPS, 0),
-                "depth": g.depth,
-                "fill": g.depth / snap.hwm if snap.hwm else 0.0,
                 "pushed": g.stats.get(StatsField.PUSHED, 0),
                 "popped": g.stats.get(StatsField.POPPED, 0),
-                "stall": stall,
-                "batches_per_s": g.figure(TrainerField.BATCHES_PER_S),
-                "epoch": None if epoch is None or epoch < 0 else int(epoch),
-                "epoch_progress": None if progress is None else int(progress),
-                "figures_age_s": age,
-                "verdict": verdict,
-                "verdict_reason": reason,
+                **fields,
             }
         )
-    return rows
+    return [{name: row[name] for name in GROUP_FIELDS} for row in rows]  # documented order
 
 
 def slowest_group(rows: list[dict[str, Any]]) -> str | None:
