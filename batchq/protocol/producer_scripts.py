@@ -34,8 +34,10 @@ def join(
     served: str,
     grace_ms: int,
     no_create: bool,
+    shard_batches: int | None = None,
 ) -> JoinReply:
-    """A producer joins the queue's run (join.lua)."""
+    """A producer joins the queue's run (join.lua); ``shard_batches``: the plan's
+    batches per full shard (None: it cannot count them, published as 0)."""
     return build_call(
         "join",
         JoinReply.parse,
@@ -46,7 +48,8 @@ def join(
          "window": window, "new_run": new_run, "new_incarnation": new_incarnation,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,
          "epoch_batches": -1 if epoch_batches is None else epoch_batches,
-         "served": served, "grace_ms": grace_ms, "no_create": flag(no_create)},
+         "served": served, "grace_ms": grace_ms, "no_create": flag(no_create),
+         "shard_batches": shard_batches or 0},
     ).run(client)  # fmt: skip
 
 

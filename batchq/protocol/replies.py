@@ -87,9 +87,10 @@ class PushReply(NamedTuple):
 
 
 class LeaseReply(NamedTuple):
-    """lease.lua: ``{'OK', g, skip[, slots, world[, shard]]}`` or a status.
+    """lease.lua: ``{'OK', g, skip[, slots, world[, shard]], params stamp}`` or a status.
 
-    ``slots`` is 0 in world-1 replies (the plan's S is the caller's).
+    ``slots`` is 0 in world-1 replies (the plan's S is the caller's); ``params`` is
+    meta's params stamp ('<run>:<version>' of the params log, '' for none).
     """
 
     status: str
@@ -98,6 +99,7 @@ class LeaseReply(NamedTuple):
     slots: int = 0
     world: int = 1
     shard: int | None = None
+    params: str = ""
 
     @classmethod
     def parse(cls, raw: Any) -> LeaseReply:
@@ -105,8 +107,9 @@ class LeaseReply(NamedTuple):
         r = decode_reply(raw)
         if r[0] != Status.OK:
             return cls(r[0])
+        r, stamp = r[:-1], str(r[-1])  # the stamp ends every OK reply
         shard = int(r[5]) if len(r) > 5 else None
-        return cls(r[0], int(r[1]), int(r[2]), _int(r, 3), _int(r, 4, 1), shard)
+        return cls(r[0], int(r[1]), int(r[2]), _int(r, 3), _int(r, 4, 1), shard, stamp)
 
 
 class JoinReply(NamedTuple):
