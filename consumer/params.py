@@ -38,7 +38,7 @@ from batchq.client.connection import retrying
 from batchq.errors import ConfigError, ProtocolError, StateLost, TrainerConflict
 from batchq.protocol import scripts
 from batchq.protocol.fields import MetaField
-from batchq.protocol.layout import PARAMS_LOG_MAX_BYTES
+from batchq.protocol.layout import PARAMS_LOG_MAX_BYTES, ledger_field
 from batchq.protocol.params_log import (
     EMPTY_PARAMS,
     ParamsLog,
@@ -338,7 +338,7 @@ class StreamParams:
                     continue
                 self._asked.add((g, version))
             slot = layout.slot(shard, session.rank)
-            shards.append(scripts.Rebuild(epoch, slot, kept, g))
+            shards.append(scripts.Rebuild(ledger_field(epoch, slot), kept, g))
         dropped_now, self._unsent = self._unsent, 0
         reply = scripts.params(
             client, session.keys, op="rebuild", incarnation=session.incarnation,

@@ -215,9 +215,16 @@ class Session:
             self.incarnation, self.run = reply.incarnation, reply.run
             self.held = reply.held
         self.claimed = True
-        if self._publish is not None and not resuming:
-            self._publish(client)
+        if not resuming:
+            self._published(client)
         return reply.new_run
+
+    def _published(self, client: redis.Redis) -> None:
+        """Publish this trainer's host (after an acquire or a resume), retried as the
+        claim is: a connection lost right after the claim must not end the start."""
+        publish = self._publish
+        if publish is not None:
+            self._retry(lambda: publish(client), "publishing the host", client)
 
     def reclaim(self, client: redis.Redis) -> None:
         """Claim the queue again after Redis lost its state, a :meth:`resume` to follow
@@ -362,8 +369,7 @@ class Session:
         self._check_resumed(reply, step)
         with self._lock:
             self.run = reply.text
-        if self._publish is not None:
-            self._publish(client)
+        self._published(client)
         log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)
 
     def _resume_lists(self, client: redis.Redis) -> list[str]:

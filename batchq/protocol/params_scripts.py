@@ -13,10 +13,10 @@ from typing import Any, Literal, NamedTuple
 
 import redis
 
-from batchq.protocol.calls import Arg, build_call
+from batchq.protocol.calls import Arg, build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import PARAMS_LOG_MAX_BYTES, ledger_field
-from batchq.protocol.words import Status, as_text, decode_reply
+from batchq.protocol.layout import PARAMS_LOG_MAX_BYTES
+from batchq.protocol.words import Status, as_text
 
 __all__ = ["ParamsOp", "ParamsReply", "Rebuild", "params"]
 
@@ -24,11 +24,11 @@ ParamsOp = Literal["add", "load", "rebuild"]
 
 
 class Rebuild(NamedTuple):
-    """One shard to build again: its epoch and slot (the ledger's field), the batches
-    the trainer keeps of it (a prefix), and its global slot number."""
+    """One shard to build again: its ledger field (its epoch and slot,
+    :func:`batchq.protocol.layout.ledger_field`), the batches the trainer keeps of it (a
+    prefix), and its global slot number."""
 
-    epoch: int
-    slot: int
+    field: str
     kept: int
     g: int
 
@@ -85,7 +85,7 @@ def params(
     """
     tail: list[Arg] = []
     for shard in rebuild:
-        tail += [ledger_field(shard.epoch, shard.slot), shard.kept, shard.g]
+        tail += [shard.field, shard.kept, shard.g]
     return build_call(
         "params",
         ParamsReply.parse,

@@ -89,7 +89,7 @@ WRAPPERS: dict[str, Any] = {
     ),
     "params": lambda c: scripts.params(
         c, K, op="rebuild", incarnation="i", run="r", token="t", suffix=":1", index=2,
-        rebuild=[scripts.Rebuild(0, 3, 1, 3)],
+        rebuild=[scripts.Rebuild("0:3", 1, 3)],
     ),
     "resume": lambda c: scripts.resume(
         c, K, rank_lists=K.rank_data(2), token="t", new_run="r", first=0, fingerprint="fp",

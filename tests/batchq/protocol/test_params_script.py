@@ -113,7 +113,7 @@ def test_load_writes_a_checkpoints_log_for_a_run_not_yet_created(run: Run) -> No
 def test_rebuild_hands_shards_back_oldest_first_with_the_batches_kept(run: Run) -> None:
     run.c.rpush(run.k.work, "7")
     reply = run.params(
-        "rebuild", index=5, rebuild=[scripts.Rebuild(0, 2, 1, 2), scripts.Rebuild(1, 3, 0, 7)]
+        "rebuild", index=5, rebuild=[scripts.Rebuild("0:2", 1, 2), scripts.Rebuild("1:3", 0, 7)]
     )
     assert reply.status == Status.OK
     assert run.c.lrange(run.k.work, 0, -1) == [b"2", b"7"]  # no duplicate of 7
