@@ -7,19 +7,20 @@ params.lua (which gives it its version and returns the whole log, another rank's
 changes included), a checkpoint carries it, and a resume writes it back before the
 resumed run exists (:meth:`load`, the session's hook before resume.lua).
 
-Where a change applies (``set_params``): at ``at_batch``, at ``at_epoch``'s first batch,
-or by default at the trainer's position plus the run's look-ahead D
-(:func:`batchq.protocol.ranks.lookahead_batches`), the first index no producer can have
-built yet. D depends on the plan alone, so a loop that makes the same call at the same
-step gets the same index, resumed or not. An index before the position is a
-ConfigError.
+Where a change applies (``set_params``, :mod:`consumer.params_index`): at ``at_batch``,
+at ``at_epoch``'s first batch, or by default at the trainer's position plus the run's
+look-ahead D (:func:`batchq.protocol.ranks.lookahead_batches`), the first index no
+producer can have built yet. D depends on the plan alone, so a loop that makes the same
+call at the same step gets the same index, resumed or not. An index before the position
+is a ConfigError.
 
 A frame whose params version is not the one the log gives its index is never yielded:
-on arrival (:meth:`screen`, the reader thread) or, when a change makes frames already
-held stale, at the change (:meth:`StreamParams.set_params` purges the buffer). Each such
-shard goes back to the front of the work list with the batches the trainer keeps of it
-(params.lua's rebuild, which lease.lua's skip reads), once per shard and log version;
-the frames dropped are counted (``rebuilt_params``).
+it is dropped on arrival (:meth:`StreamParams.file`, the reader thread) or, where a
+change makes frames already held stale, at the change (the buffer is purged, under the
+same lock as a reader round's filing). Each such shard goes back to the front of the
+work list with the batches the trainer keeps of it (params.lua's rebuild, which
+lease.lua's skip reads), once per shard and log version; the frames dropped are counted
+(``rebuilt_params``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import redis
@@ -50,39 +51,16 @@ from batchq.protocol.ranks import BatchNumbering, RankLayout, frame_index
 from batchq.protocol.replies import status_error
 from batchq.protocol.words import Status
 from batchq.wire.codec import Frame
+from consumer.params_index import change_index, positions
 from consumer.reader.buffer import Buffer
 from consumer.reader.filing import Decoded
 from consumer.session import Session
 
-__all__ = ["StreamParams", "positions"]
+__all__ = ["StreamParams"]
 
 log = logging.getLogger(__name__)
 
 _WAIT_S = 0.05  # polling for a plan's figure, or for the reader's recovery
-
-
-def positions(
-    numbering: BatchNumbering, consumed: tuple[int, Mapping[int, int], list[int]], rank: int
-) -> tuple[int, int]:
-    """(position, past) of a trainer whose ledger says ``consumed`` (epoch, local shard
-    -> batches handed out, local shards handed out completely).
-
-    ``position`` is :meth:`BatchNumbering.position` of its first local shard not handed
-    out completely (its next batch in plan order); ``past`` is one more than the largest
-    index it handed out (in arrival order it may have handed out batches beyond its
-    position; at most ``position`` in plan order).
-    """
-    epoch, counts, done = consumed
-    per_rank = numbering.layout.per_rank
-    finished = set(done)
-    first = next((s for s in range(per_rank) if s not in finished), per_rank)
-    position = numbering.position(epoch * per_rank + first, counts.get(first, 0))
-    past = 0
-    for shard, n in counts.items():
-        if n > 0:
-            last = numbering.local_index(epoch * per_rank + shard, n - 1, rank)
-            past = max(past, last + 1)
-    return position, past
 
 
 class StreamParams:
@@ -95,6 +73,9 @@ class StreamParams:
     def __init__(self, log: ParamsLog | None = None) -> None:
         self.log = log or ParamsLog()
         self._lock = threading.Lock()  # the log is replaced by both threads
+        # A reader round's screening and filing against a change's new log and purge:
+        # a frame is either filed before the purge (and purged) or screened after it.
+        self._filing = threading.Lock()
         self._session: Session | None = None
         self._layout: RankLayout | None = None
         self._numbering: BatchNumbering | None = None
@@ -203,48 +184,24 @@ class StreamParams:
         numbering = self.numbering(client)
         rank = session.rank
         position, past = positions(numbering, consumed, rank)
-        index = self._index(numbering, at_batch, at_epoch, position, past)
+        index = change_index(numbering, at_batch, at_epoch, position, past)
         call_id = hashlib.sha1(
             f"{step}:{at_batch}:{at_epoch}:{dump_params(plain)}".encode()
         ).hexdigest()[:20]
         stored = self._add(session, index, dump_params(plain), call_id)
-        self._take(stored)
+        with self._filing:
+            self._take(stored)
+            rows = self._drop_stale(client, buffer)
         entry = self.log.find(call_id)
         if entry is None:
             raise ProtocolError(f"{session.what}: params.lua did not record the change")
-        self._purge(client, session, buffer)
+        if rows:
+            self._rebuild(client, session, rows)
         log.info(
             "%s: params %s from batch %d (version %d)", session.what, plain, entry.index,
             entry.version,
         )  # fmt: skip
         return entry.index
-
-    @staticmethod
-    def _index(
-        numbering: BatchNumbering, at_batch: Any, at_epoch: Any, position: int, past: int
-    ) -> int:
-        """The index a change applies from: at_batch, at_epoch's first, or the default."""
-        if at_batch is not None and at_epoch is not None:
-            raise ConfigError(
-                f"at_batch={at_batch!r} and at_epoch={at_epoch!r}: expected at most one"
-            )
-        for name, value in (("at_batch", at_batch), ("at_epoch", at_epoch)):
-            if value is not None and (type(value) is not int or value < 0):
-                raise ConfigError(f"{name} {value!r} is not valid: expected an integer >= 0")
-        first = max(position, past)
-        if at_batch is not None:
-            index, what = int(at_batch), f"at_batch {at_batch}"
-        elif at_epoch is not None:
-            index, what = numbering.epoch_first(at_epoch), f"at_epoch {at_epoch} (batch "
-            what += f"{numbering.epoch_first(at_epoch)})"
-        else:
-            return max(position + numbering.lookahead, past)
-        if index < first:
-            raise ConfigError(
-                f"{what} is in the past: the trainer has handed out batches up to index "
-                f"{first - 1}; expected an index >= {first}"
-            )
-        return index
 
     def _add(self, session: Session, index: int, body: str, call_id: str) -> ParamsLog:
         """params.lua's add, through a drop of the connection and through the reader's
@@ -287,14 +244,34 @@ class StreamParams:
         index = frame_index(g, frame.k, numbering.stride)
         return self.log.version_at(index) != frame.params_version
 
-    def screen(self, decoded: Decoded, client: redis.Redis) -> Decoded:
-        """The reader's frames without those built with stale params (noted for a
-        rebuild); a frame of a version this log does not have yet reads the log first."""
+    def file(
+        self,
+        decoded: Decoded,
+        client: redis.Redis,
+        buffer: Buffer,
+        file: Callable[[Decoded], None],
+    ) -> None:
+        """File a reader round's frames (``file``: the filer's) without those built with
+        stale params, as one step against a change (whose new log and purge wait for
+        it), then hand the shards they belong to back (reader thread).
+
+        A frame of a version this log does not have yet (another rank's change) reads
+        the log first, and what the buffer holds that the change made stale goes too.
+        """
+        with self._filing:
+            file(self._screen(decoded, client, buffer))
+        self._send_rebuilds(client, buffer)
+
+    def _screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
         frames = decoded.frames
         if not frames or (not self.log and not any(f.params_version for f, _ in frames)):
             return decoded
         if any(f.params_version > self.log.version for f, _ in frames):
+            known = self.log.version
             self.refresh(client)
+            if self.log.version > known:
+                for epoch, shard, _, dropped in self._drop_stale(client, buffer):
+                    self._pending[epoch, shard] = self._pending.get((epoch, shard), 0) + dropped
         numbering = self.numbering(client)
         kept = []
         for frame, raw in frames:
@@ -305,20 +282,18 @@ class StreamParams:
                 kept.append((frame, raw))
         return Decoded(kept, decoded.stale)
 
-    def send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
-        """Hand the shards noted by :meth:`screen` back (reader thread)."""
+    def _send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
+        """Hand the shards noted by :meth:`_screen` back (reader thread)."""
         if not self._pending or self._session is None:
             return
         pending, self._pending = self._pending, {}
         rows = [(e, s, buffer.prefix(e, s), n) for (e, s), n in pending.items()]
         self._rebuild(client, self._session, rows)
 
-    def _purge(self, client: redis.Redis, session: Session, buffer: Buffer) -> None:
-        """Drop what the buffer holds that the log now says is stale; rebuild it."""
+    def _drop_stale(self, client: redis.Redis, buffer: Buffer) -> list[tuple[int, int, int, int]]:
+        """Drop what the buffer holds that the log says is stale (:meth:`Buffer.purge`)."""
         numbering = self.numbering(client)
-        rows = buffer.purge(lambda epoch, frame: self._stale(numbering, epoch, frame))
-        if rows:
-            self._rebuild(client, session, rows)
+        return buffer.purge(lambda epoch, frame: self._stale(numbering, epoch, frame))
 
     def _rebuild(
         self, client: redis.Redis, session: Session, rows: list[tuple[int, int, int, int]]
@@ -329,17 +304,17 @@ class StreamParams:
             return
         version = self.log.version
         shards = []
-        for epoch, shard, kept, dropped in sorted(rows):
-            self.rebuilt += dropped
-            self._unsent += dropped
-            g = layout.to_global(epoch * layout.per_rank + shard, session.rank)
-            with self._lock:
+        with self._lock:  # both threads rebuild: the training thread's change, the reader
+            for epoch, shard, kept, dropped in sorted(rows):
+                self.rebuilt += dropped
+                self._unsent += dropped
+                g = layout.to_global(epoch * layout.per_rank + shard, session.rank)
                 if (g, version) in self._asked:
                     continue
                 self._asked.add((g, version))
-            slot = layout.slot(shard, session.rank)
-            shards.append(scripts.Rebuild(ledger_field(epoch, slot), kept, g))
-        dropped_now, self._unsent = self._unsent, 0
+                slot = layout.slot(shard, session.rank)
+                shards.append(scripts.Rebuild(ledger_field(epoch, slot), kept, g))
+            dropped_now, self._unsent = self._unsent, 0
         reply = scripts.params(
             client, session.keys, op="rebuild", incarnation=session.incarnation,
             run=session.run, token=session.token, suffix=session.suffix, index=dropped_now,

@@ -333,11 +333,10 @@ class Reader(threading.Thread):
         decoded = self._filer.decode(fetched)
         if decoded.frames:
             self._repair.frames_arrived()
-        if self._params is not None:  # built with params since changed: built again
-            decoded = self._params.screen(decoded, self.client)
-        self._filer.file(decoded)
-        if self._params is not None:
-            self._params.send_rebuilds(self.client, self.buffer)
+        if self._params is None:
+            self._filer.file(decoded)
+        else:  # frames built with params since changed are dropped, built again
+            self._params.file(decoded, self.client, self.buffer, self._filer.file)
         self._accounting.count_ahead(self.client, self.keys, self.buffer.dropped_ahead)
 
 

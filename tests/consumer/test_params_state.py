@@ -12,7 +12,7 @@ from batchq.errors import ConfigError
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.ranks import BatchNumbering, RankLayout
 from consumer import ServerDataStream
-from consumer.params import StreamParams, positions
+from consumer.params_index import change_index, positions
 from consumer.rank_state import check_state, elastic_state
 
 LOG = ParamsLog().add(5, {"level": 1}, "c1").add(9, {"level": 2}, "c2")
@@ -74,6 +74,6 @@ def test_the_position_is_the_next_batch_in_plan_order_and_past_what_was_handed_o
 def test_where_a_change_applies_is_checked(at_batch: Any, at_epoch: Any, match: str) -> None:
     numbering = BatchNumbering(RankLayout(10), stride=1, window=3)
     with pytest.raises(ConfigError, match=match):
-        StreamParams._index(numbering, at_batch, at_epoch, 10, 10)
-    assert StreamParams._index(numbering, None, None, 10, 10) == 10 + 6  # position + D
-    assert StreamParams._index(numbering, None, 2, 10, 10) == 20
+        change_index(numbering, at_batch, at_epoch, 10, 10)
+    assert change_index(numbering, None, None, 10, 10) == 10 + 6  # position + D
+    assert change_index(numbering, None, 2, 10, 10) == 20
