@@ -23,6 +23,7 @@ from waiting import wait_until
 
 from batchq.host.embedded import EmbeddedRedis
 from batchq.monitoring.rows import queue_status
+from batchq.monitoring.text import render_table
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import peek_header
 from consumer import ServerDataStream
@@ -117,6 +118,7 @@ def test_changes_apply_exactly_where_set_params_says_with_a_producer_killed(
     assert rebuilt > rebuilt_before["at_epoch"] > rebuilt_before["at_batch"]
     row = queue_status(redis_client, queue_name)
     assert row["rebuilt_params"] == rebuilt and row["params_version"] == 3
+    assert "look-ahead: 16 batches" in render_table([row])  # batchq status
 
 
 @pytest.fixture

@@ -71,7 +71,9 @@ elseif run_hwm ~= hwm then
   return {'MISMATCH', 'hwm', run_hwm}
 else
   -- A resume re-created the plan's figures without it (the same pipeline: the same B).
-  redis.call('HSETNX', meta_key, 'shard_batches', shard_batches)
+  if not redis.call('HGET', meta_key, 'shard_batches') then
+    redis.call('HSET', meta_key, 'shard_batches', shard_batches)
+  end
 end
 
 -- Leases this producer id still holds from an earlier life go back to the front of the
