@@ -46,6 +46,7 @@ __all__ = [
     "dump_params",
     "freeze",
     "merged",
+    "thaw",
 ]
 
 EMPTY_PARAMS: Mapping[str, Any] = types.MappingProxyType({})
@@ -62,12 +63,13 @@ def freeze(value: Any) -> Any:
     return value
 
 
-def _thaw(value: Any) -> Any:
-    """A frozen value as plain JSON types again (for dumps)."""
+def thaw(value: Any) -> Any:
+    """A frozen value (:func:`freeze`, ``control.params()``) as plain JSON types again:
+    dicts and lists, for ``json.dumps``."""
     if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
+        return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        return [_thaw(v) for v in value]
+        return [thaw(v) for v in value]
     return value
 
 
@@ -111,7 +113,7 @@ def check_params(params: Any) -> dict[str, Any]:
             f"params {params!r} is not valid: expected a mapping of str keys to JSON values"
         )
     _check_value(params, "", 0)
-    plain: dict[str, Any] = _thaw(params)
+    plain: dict[str, Any] = thaw(params)
     size = len(dump_params(plain))
     if size > PARAMS_LOG_MAX_BYTES:
         raise ConfigError(
@@ -124,7 +126,7 @@ def check_params(params: Any) -> dict[str, Any]:
 def dump_params(params: Mapping[str, Any]) -> str:
     """The canonical JSON of a params mapping (sorted keys, no spaces): what params.lua
     stores, byte for byte, and what a call's id hashes."""
-    return json.dumps(_thaw(params), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return json.dumps(thaw(params), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class ParamsEntry:
             "version": self.version,
             "index": self.index,
             "id": self.call_id,
-            "params": _thaw(self.params),
+            "params": thaw(self.params),
         }
 
 

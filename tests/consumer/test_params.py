@@ -12,19 +12,19 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from pipelines import examples_of, numbered, plain
+from pipelines import examples_of, numbered
 from waiting import wait_until
 
 from batchq.host.embedded import EmbeddedRedis
 from batchq.monitoring.rows import queue_status
 from batchq.monitoring.text import render_table
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.params_log import thaw
 from batchq.wire.codec import peek_header
 from consumer import ServerDataStream
 
@@ -81,7 +81,7 @@ def test_changes_apply_exactly_where_set_params_says_with_a_producer_killed(
         for features, _, params in stream.get_epoch_iterator():
             # The batch at index `step` was built with the params in effect there.
             assert json.loads(params) == expected(calls, step), f"batch {step}"
-            assert plain(stream.params) == json.loads(params)
+            assert thaw(stream.params) == json.loads(params)
             got.append((epoch, examples_of(features)))
             step += 1
             if step == 5:
@@ -119,14 +119,6 @@ def test_changes_apply_exactly_where_set_params_says_with_a_producer_killed(
     row = queue_status(redis_client, queue_name)
     assert row["rebuilt_params"] == rebuilt and row["params_version"] == 3
     assert "look-ahead: 16 batches" in render_table([row])  # batchq status
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def lines(path: Path) -> list[list[Any]]:

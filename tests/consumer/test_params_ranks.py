@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from pipelines import plain, steered
+from pipelines import steered
 
 from batchq.monitoring.rows import queue_status
+from batchq.protocol.params_log import thaw
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 400, 10  # 40 slots an epoch, one batch each: 20 per rank (2 epochs)
@@ -42,7 +43,7 @@ def test_a_change_by_one_rank_applies_to_every_rank_at_the_same_index(
                 index = step * WORLD + r  # rank r's batch number `step`, in the run's numbering
                 want = {"level": 1} if change is not None and index >= change else {}
                 assert json.loads(params) == want, f"rank {r} step {step}"
-                assert plain(streams[r].params) == want
+                assert thaw(streams[r].params) == want
             step += 1
             if step == 5:
                 lookahead = queue_status(redis_client, queue_name)["lookahead_batches"]

@@ -9,11 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from pipelines import plain, steered
+from pipelines import steered
 
 torch = pytest.importorskip("torch")
 
 from batchq.monitoring.rows import queue_status  # noqa: E402
+from batchq.protocol.params_log import thaw  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
 from consumer.torch import TorchStream  # noqa: E402
 from consumer.torch_memory import DeviceMover  # noqa: E402
@@ -37,7 +38,7 @@ def test_torch_stream_sets_params_at_the_loops_position(
     seen = []
     with ts:
         for step, (_, params) in enumerate(ts, start=1):
-            assert plain(ts.params) == json.loads(params)  # the batch the loop has
+            assert thaw(ts.params) == json.loads(params)  # the batch the loop has
             seen.append(json.loads(params))
             if step == 3:
                 lookahead = queue_status(redis_client, queue_name)["lookahead_batches"]

@@ -11,10 +11,9 @@ from typing import Any
 import fakeredis
 import numpy as np
 import pytest
-from pipelines import plain
 
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.params_log import ParamsLog
+from batchq.protocol.params_log import ParamsLog, thaw
 from producer import control
 from producer.datasets import IndexableDataset
 from producer.schemes import ConstantScheme, SequentialScheme
@@ -74,7 +73,7 @@ class Recorder(Transformer):
 
     def get_data(self, request: Any = None) -> Any:
         batch = next(self.child_epoch_iterator)
-        self.built.append((control.batch_index(), plain(control.params())))
+        self.built.append((control.batch_index(), thaw(control.params())))
         return batch
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import numpy as np
 
 from batchq.cli.demo import Bottleneck
+from batchq.protocol.params_log import thaw
 from producer import control
 from producer.datasets import IndexableDataset
 from producer.mixture import Mixture
@@ -101,18 +101,9 @@ def fuel_tutorial(slowdown: float = 0.0) -> Any:
     )
 
 
-def plain(value: Any) -> Any:
-    """A read-only params value (``control.params()``) as plain JSON types."""
-    if isinstance(value, MappingABC):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return [plain(v) for v in value]
-    return value
-
-
 def params_json(params: Any) -> str:
     """Params as the steered pipeline writes them into a batch: JSON, sorted keys."""
-    return json.dumps(plain(params), sort_keys=True)
+    return json.dumps(thaw(params), sort_keys=True)
 
 
 class WithParams:
