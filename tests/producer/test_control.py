@@ -126,3 +126,26 @@ def test_a_producer_reads_the_log_again_only_when_the_stamp_changed() -> None:
     client.set(keys.params, b"{not json")
     source.follow(client, "r2:3")  # not batchq's: logged, served without params
     assert len(source.log) == 0
+
+
+def test_a_torch_datasets_getitem_reads_the_params_of_its_batch() -> None:
+    pytest.importorskip("torch")
+    from producer.torch_dataset import DatasetStream
+
+    class Scaled:
+        """A map-style dataset whose examples are scaled by the params' ``scale``."""
+
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, i: int) -> Any:
+            return {"x": i * control.params().get("scale", 1)}
+
+    plan = ShardPlan(DatasetStream(Scaled(), batch_size=3))
+    source = ProducerParams(QueueKeys("q"), plan.shard_batches)
+    source.log = ParamsLog().add(2, {"scale": 10})
+    got = []
+    for shard in range(plan.shards):
+        batches = plan.iter_shard_marked(0, shard, source.shard(shard).around)
+        got += [[int(v) for v in batch[0]] for batch, _ in batches]
+    assert got == [[0, 1, 2], [3, 4, 5], [60, 70, 80], [90, 100, 110]]
