@@ -305,6 +305,8 @@ class StreamParams:
         version = self.log.version
         shards = []
         with self._lock:  # both threads rebuild: the training thread's change, the reader
+            if any(v != version for _, v in self._asked):  # older versions never come again
+                self._asked = {key for key in self._asked if key[1] == version}
             for epoch, shard, kept, dropped in sorted(rows):
                 self.rebuilt += dropped
                 self._unsent += dropped
