@@ -334,40 +334,31 @@ class Ledger:
         Completion only moves forward (but where :meth:`purge` took frames, which moves
         this back), so this resumes from where it last stopped.
         """
-        g = max(self._floor, self.epoch * self.shards)
-        while True:
-            epoch, shard = divmod(g, self.shards)
-            state = self._epochs.get(epoch, {}).get(shard)
-            if state is None or not state.complete or state.error is not None:
-                break
-            g += 1
-        self._floor = g
-        return g
+        self._floor = self._first(max(self._floor, self.epoch * self.shards), False)
+        return self._floor
 
     def base(self) -> int:
-        """The oldest shard (global number) not complete or not handed out completely:
-        the trainer's position in shards (it only moves forward)."""
-        g = max(self._base, self.epoch * self.shards)
+        """The oldest shard not complete or not handed out completely: the trainer's
+        position in shards (it only moves forward)."""
+        self._base = self._first(max(self._base, self.epoch * self.shards), True)
+        return self._base
+
+    def _first(self, g: int, handed_out: bool) -> int:
+        """The first shard from g on that is not complete (or, ``handed_out``, not
+        handed out completely)."""
         while True:
-            epoch, shard = divmod(g, self.shards)
-            state = self._epochs.get(epoch, {}).get(shard)
+            state = self._epochs.get(g // self.shards, {}).get(g % self.shards)
             if state is None or not state.complete or state.error is not None:
-                break
-            if state.skip + state.given < (state.count or 0):
-                break
+                return g
+            if handed_out and not state.handed_out:
+                return g
             g += 1
-        self._base = g
-        return g
 
     def window_base(self) -> int:
-        """The look-ahead window's base, published as the trainer's floor: the oldest
-        incomplete shard (:meth:`floor`), but at most the window past the trainer's
-        position (:meth:`base`); it only moves forward.
-
-        Producers mint only below it plus the window, so they never build more than two
-        windows past the position: the fixed look-ahead a ``set_params`` default counts
-        from (:func:`batchq.protocol.ranks.lookahead_batches`), whatever the trainer
-        holds.
+        """The look-ahead window's base, published as the trainer's floor: :meth:`floor`,
+        but at most the window past the position (:meth:`base`); it only moves forward.
+        So producers never build more than two windows past the position: the fixed
+        look-ahead of ``set_params`` (:func:`batchq.protocol.ranks.lookahead_batches`).
         """
         floor = self.floor()
         if self.window:

@@ -35,6 +35,11 @@ class ShardState:
         """True once the last frame and every batch before it arrived."""
         return self.count is not None and len(self.received) >= self.count
 
+    @property
+    def handed_out(self) -> bool:
+        """True once every batch of a complete shard was handed out."""
+        return self.skip + self.given >= (self.count or 0)
+
     def drop(self, stale: Callable[[Frame], bool]) -> tuple[list[Frame], bool]:
         """Drop the held frames (and an ERROR or END frame) that ``stale`` says go; a
         count said by a frame at or past the first one dropped goes too.
