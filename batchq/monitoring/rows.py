@@ -90,6 +90,15 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        buckets of WAIT_BUCKETS_S and a last +Inf one,
                                        cumulative (the exporter's histogram); added to
                                        schema 4 at its end after figures_fresh
+    lookahead_batches     int|null     D: how far past the trainer's position producers
+                                       can have built, in global batch indices (the
+                                       default distance of set_params; null until a
+                                       producer published the plan); added to schema 4
+                                       at its end, with the next two
+    params_version        int          the run's params log's version (set_params
+                                       calls recorded; 0 for none)
+    rebuilt_params        int          frames built with params a later change made
+                                       stale, dropped and built again (cumulative)
 
 For a data-parallel trainer (world_size > 1) ``depth`` is the sum of the ranks' lists
 and the trainer figures (stall, rates, epoch) are the slowest rank's.
@@ -133,7 +142,7 @@ from typing import Any
 import redis
 
 from batchq.monitoring import sizing
-from batchq.monitoring.counters import counter_fields, figure_fields
+from batchq.monitoring.counters import counter_fields, figure_fields, params_fields
 from batchq.monitoring.producer_rows import PRODUCER_FIELDS, bytes_held, live_totals, producer_rows
 from batchq.monitoring.rank_rows import rank_rows, slowest_rank
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
@@ -173,7 +182,7 @@ STATUS_FIELDS = (
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
-    "wait_buckets",
+    "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params",
 )  # fmt: skip
 
 
@@ -265,6 +274,7 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "slowest_rank": slowest,
         **counter_fields(snap.stats),
         **figures,
+        **params_fields(snap),
     }
     row.update(_sizing(snap, row, totals, fresh))
     return {name: row[name] for name in STATUS_FIELDS}  # the documented order
