@@ -44,7 +44,13 @@ from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int
 from consumer.session import Session, resumed_shape
 from consumer.state_keys import GROUP_KEY
 
-__all__ = ["GROUPS_TRIES", "GroupSession", "check_group_state", "group_resume_run_id"]
+__all__ = [
+    "GROUPS_TRIES",
+    "GroupSession",
+    "check_group_state",
+    "group_resume_run_id",
+    "refuse_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,21 @@ def check_group_state(state: dict[str, Any], group: str | None) -> dict[str, Any
             f"{group or '(default)'!r}; expected a state_dict() of the same group"
         )
     return state
+
+
+def refuse_params(session: Session | None) -> None:
+    """``set_params`` is not for a run read by several groups: one build serves every
+    group, so no group may steer the producers for itself.
+
+    Raises:
+        ConfigError: the session reads a group of such a run.
+    """
+    if isinstance(session, GroupSession) and session.grouped:
+        raise ConfigError(
+            f"{session.what}: set_params changes what the producers build for every group "
+            "of the run (each batch is built once for all): not supported in a run read by "
+            "several groups"
+        )
 
 
 def group_resume_run_id(state: dict[str, Any], world: int) -> str:

@@ -11,7 +11,7 @@ survived within the stream's ``timeout_s``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
@@ -39,6 +39,9 @@ from consumer.state_keys import (
     SHARDS_KEY,
 )
 from consumer.stats import TrainerStats
+
+if TYPE_CHECKING:
+    from consumer.params import StreamParams
 
 __all__ = [
     "DELETE_CHUNK",
@@ -82,6 +85,7 @@ def start_reading(
     prep: FramePrep,
     stats: TrainerStats,
     seen: Counter[str],
+    params: StreamParams | None = None,
 ) -> Reading:
     """Assemble what reads a claimed run from ``start`` on, and start the reader thread.
 
@@ -94,6 +98,7 @@ def start_reading(
         prep: the stream's frame preparation (the one owner of the array access).
         stats: the trainer's figures.
         seen: batches handed out, by producer (the stream's ``producers_seen``).
+        params: the stream's params log (the reader checks frames against it).
     """
     shm.new_run(session.run)  # other runs' segments: nothing will pop them
     shm.access = prep.access  # the one owner's setting, fixed from here
@@ -109,8 +114,9 @@ def start_reading(
         keep=settings.hwm,
     )
     reader = Reader(
-        client, session.keys, session, buffer, settings, stats=stats, shm=shm, prepare=prep
-    )
+        client, session.keys, session, buffer, settings, stats=stats, shm=shm, prepare=prep,
+        params=params,
+    )  # fmt: skip
     feed = EpochFeed(buffer, reader.is_alive, evener, stats, prep, seen)
     reader.start()
     return Reading(buffer, reader, feed)

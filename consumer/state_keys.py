@@ -17,6 +17,11 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
   a group of a run read by several groups (``group=``) adds:
     group         its name (a state of another group is refused)
+  and once ``set_params`` was called:
+    params        the run's change log of producer parameters, a list of entries
+                  {version, index, id, params} (batchq/protocol/params_log.py): a resume
+                  writes it back, so the resumed stream is the same even if Redis lost
+                  the queue
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ __all__ = [
     "EVEN_BATCHES_KEY",
     "FINGERPRINT_KEY",
     "GROUP_KEY",
+    "PARAMS_KEY",
     "PLAN_SHARDS_KEY",
     "QUEUE_KEY",
     "RANK_KEY",
@@ -63,6 +69,7 @@ PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
 REMAP_KEY = "remap"
 GROUP_KEY = "group"
+PARAMS_KEY = "params"
 
 
 def unstarted_state(queue: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
@@ -30,6 +30,9 @@ from consumer.session import Session
 from consumer.state_keys import RUN_KEY
 from consumer.stats import TrainerStats
 from consumer.stream_options import StreamOptions
+
+if TYPE_CHECKING:
+    from consumer.params import StreamParams
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +57,11 @@ def new_session(
     options: StreamOptions,
     shm: TrainerShm,
     resume_run: str = "",
+    params: StreamParams | None = None,
 ) -> Session:
     """The trainer's session on ``keys``' queue (not claimed yet), as its group
     (:mod:`consumer.group_session`); it publishes this trainer's host after every claim
-    and resume (they drop it)."""
+    and resume (they drop it), and writes ``params``'s log before every resume."""
     return GroupSession(
         client,
         keys,
@@ -70,6 +74,7 @@ def new_session(
         even=options.even_batches,
         resume_run=resume_run,
         publish=lambda acting, slot: shm.publish(acting, options.hwm, slot),
+        before_resume=params.load if params is not None else None,
     )
 
 
@@ -79,6 +84,7 @@ def claim(
     options: StreamOptions,
     shm: TrainerShm,
     resume: dict[str, Any] | None,
+    params: StreamParams | None = None,
 ) -> tuple[Session, bool]:
     """Claim the queue for this trainer: ``(the session, whether a new run started)``.
 
@@ -89,7 +95,7 @@ def claim(
     run = resume_run_id(resume, options.world_size) if resume else ""
     if resume and options.group is not None:  # the groups of a sweep resume into one run
         run = group_resume_run_id(resume, options.world_size)
-    session = new_session(client, keys, options, shm, run)
+    session = new_session(client, keys, options, shm, run, params)
     new_run = session.acquire(
         takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
     )
@@ -105,6 +111,7 @@ def open_reading(
     resume: dict[str, Any] | None,
     step: int,
     parts: tuple[TrainerShm, FramePrep, TrainerStats, Counter[str]],
+    params: StreamParams | None = None,
 ) -> Started:
     """Find where the claimed run starts (the plan's first epoch, or ``resume``'s
     position) and start the reader thread.
@@ -118,6 +125,8 @@ def open_reading(
         step: batches yielded before the checkpoint.
         parts: the stream's shared memory, frame preparation, figures and batches seen
             by producer.
+        params: the stream's params log (bound to the session and the rank's split
+            here; the reader checks each frame's params version against it).
     """
     shm, prep, stats, seen = parts
     start = start_position(
@@ -137,9 +146,13 @@ def open_reading(
         stall_s=options.stall_s,
         layout=start.layout,
     )
+    if params is not None:
+        params.bind(session, start.layout)
+        params.refresh(session.client)  # another rank's changes, if any
     reading = start_reading(
-        session, start, settings, reader_client, shm=shm, prep=prep, stats=stats, seen=seen
-    )
+        session, start, settings, reader_client, shm=shm, prep=prep, stats=stats, seen=seen,
+        params=params,
+    )  # fmt: skip
     return Started(session, *reading, start.plan_shards)
 
 

@@ -6,8 +6,8 @@ all the queues, a second for lease lists and referenced frames); nothing here wr
 Redis. The verdict's rule and thresholds are in :mod:`batchq.monitoring.verdict`.
 
 ``status --json`` prints a list of objects, one per queue, with these fields in this
-order (schema version 5; version 4 had the fields up to ``wait_buckets``; version 3 had
-the fields up to ``shm_bytes``; version 2 had
+order (schema version 5; version 4 had the fields up to ``rebuilt_params``; version 3
+had the fields up to ``shm_bytes``; version 2 had
 the fields up to ``verdict_reason``, and
 ``host`` was not in the producer objects; version 1 had the first 13, with the same
 meanings, and no ``schema`` field). Counters are cumulative since the queue's keys were
@@ -91,6 +91,15 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        buckets of WAIT_BUCKETS_S and a last +Inf one,
                                        cumulative (the exporter's histogram); added to
                                        schema 4 at its end after figures_fresh
+    lookahead_batches     int|null     D: how far past the trainer's position producers
+                                       can have built, in global batch indices (the
+                                       default distance of set_params; null until a
+                                       producer published the plan); added to schema 4
+                                       at its end, with the next two
+    params_version        int          the run's params log's version (set_params
+                                       calls recorded; 0 for none)
+    rebuilt_params        int          frames built with params a later change made
+                                       stale, dropped and built again (cumulative)
     groups                list         per group of a run read by several groups (a
                                        sweep's trials): objects with the fields of
                                        batchq.monitoring.group_rows.GROUP_FIELDS (empty
@@ -143,7 +152,7 @@ from typing import Any
 import redis
 
 from batchq.monitoring import sizing
-from batchq.monitoring.counters import counter_fields, figure_fields
+from batchq.monitoring.counters import counter_fields, figure_fields, params_fields
 from batchq.monitoring.group_rows import group_rows, slowest_group
 from batchq.monitoring.producer_rows import PRODUCER_FIELDS, bytes_held, live_totals, producer_rows
 from batchq.monitoring.rank_rows import rank_rows, slowest_rank
@@ -184,7 +193,8 @@ STATUS_FIELDS = (
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
-    "wait_buckets", "groups", "slowest_group",
+    "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
+    "slowest_group",
 )  # fmt: skip
 
 
@@ -279,6 +289,7 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "slowest_group": slowest_group(groups),
         **counter_fields(snap.stats),
         **figures,
+        **params_fields(snap),
     }
     row.update(_sizing(snap, row, totals, fresh))
     return {name: row[name] for name in STATUS_FIELDS}  # the documented order

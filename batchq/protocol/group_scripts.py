@@ -41,10 +41,10 @@ GroupClaimOp = Literal["acquire", "refresh", "release", "finish"]
 
 
 class GLeaseReply(NamedTuple):
-    """glease.lua: ``{'OK', g, skip, slots, world, mask}``, ``{'WAIT', slot}``,
-    ``{'GROUPS', n}`` or a status (``mask``: the group slots the shard is built for; with
-    GROUPS, ``groups`` is n; with WAIT, ``slot`` is the group whose floor holds the shared
-    stream, -1 for none)."""
+    """glease.lua: ``{'OK', g, skip, slots, world, mask, params stamp}``, ``{'WAIT',
+    slot}``, ``{'GROUPS', n}`` or a status (``mask``: the group slots the shard is built
+    for; ``params``: meta's params stamp, as lease.lua's; with GROUPS, ``groups`` is n;
+    with WAIT, ``slot`` is the group whose floor holds the shared stream, -1 for none)."""
 
     status: str
     g: int = 0
@@ -54,6 +54,7 @@ class GLeaseReply(NamedTuple):
     mask: int = 1
     groups: int = 0
     slot: int = -1
+    params: str = ""
 
     @property
     def shard(self) -> None:
@@ -70,7 +71,8 @@ class GLeaseReply(NamedTuple):
             return cls(r[0], slot=reply_int(r, 1, -1))
         if r[0] != Status.OK:
             return cls(r[0])
-        return cls(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]))
+        stamp = str(r[6]) if len(r) > 6 else ""
+        return cls(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), params=stamp)
 
 
 class GPushReply(NamedTuple):

@@ -52,6 +52,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:remap        HASH    slot -> shard for the epoch in meta ``remap_epoch``: a job
                                 resumed with another number of ranks re-splits the
                                 rest of that epoch (consumer/rank_state.py)
+    bq:{Q}:params       STRING  the run's change log of producer parameters (JSON, run
+                                id and entries: batchq.protocol.params_log), written by
+                                params.lua only; meta ``params`` is its stamp
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
     bq:{Q}:groups       HASH    a run read by several groups (:mod:`batchq.protocol.groups`):
@@ -111,6 +114,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
     "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
     "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
     "groups": "hash", "refs": "hash",
+    "params": "string",
 }  # fmt: skip
 
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
@@ -224,6 +228,7 @@ class QueueKeys:
         self.groups = f"{self.base}:groups"  # group name -> slot (several groups)
         self.refs = f"{self.base}:refs"  # frame key -> groups yet to read it
         self.slot = 0  # the group slot whose keys data, stats, trainer... name (slot_view)
+        self.params = f"{self.base}:params"  # the run's change log of producer parameters
         #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
         self.leases: Mapping[str, str] = _Derived(self._lease)
         #: world -> the KEYS tail of lease.lua for a run of that many ranks: every

@@ -27,6 +27,7 @@ from batchq.protocol.group_scripts import (
     GResumeReply,
     ReleaseReply,
 )
+from batchq.protocol.params_scripts import ParamsReply
 from batchq.protocol.producer_scripts import JoinReply, LeaseReply, PushReply
 from batchq.protocol.recovery_scripts import RequeueReply
 from batchq.protocol.trainer_scripts import ClaimReply, PopReply
@@ -42,6 +43,7 @@ __all__ = [
     "GResumeReply",
     "JoinReply",
     "LeaseReply",
+    "ParamsReply",
     "PopReply",
     "PushReply",
     "ReleaseReply",

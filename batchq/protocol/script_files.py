@@ -130,6 +130,7 @@ SCRIPTS: dict[str, Script] = {
         "handback",
         "join",
         "lease",
+        "params",
         "pop",
         "push",
         "reap",

@@ -10,11 +10,12 @@ scripts that travel in pipelines (push, lease) are built as a :class:`Call`
 
 The functions are written by who calls them -- the producer's
 (:mod:`batchq.protocol.producer_scripts`: join, lease_call, push_call, fail, handback),
-the trainer's (:mod:`batchq.protocol.trainer_scripts`: claim, pop, resume) and work
-recovery's (:mod:`batchq.protocol.recovery_scripts`: reap, gone, requeue), and those of
-a run read by several groups (:mod:`batchq.protocol.group_scripts`: glease_call,
-gpush_call, gclaim, gresume, release_call) -- and used through this module
-(``scripts.pop(...)``), which holds them all.
+the trainer's (:mod:`batchq.protocol.trainer_scripts`: claim, pop, resume; the params
+log's, :mod:`batchq.protocol.params_scripts`: params), work recovery's
+(:mod:`batchq.protocol.recovery_scripts`: reap, gone, requeue), and those of a run read
+by several groups (:mod:`batchq.protocol.group_scripts`: glease_call, gpush_call, gclaim,
+gresume, release_call) -- and used through this module (``scripts.pop(...)``), which
+holds them all.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from batchq.protocol.group_scripts import (
     gresume,
     release_call,
 )
+from batchq.protocol.params_scripts import ParamsOp, ParamsReply, Rebuild, params
 from batchq.protocol.producer_scripts import fail, handback, join, lease_call, push_call
 from batchq.protocol.recovery_scripts import gone, reap, requeue
 from batchq.protocol.trainer_scripts import ClaimOp, claim, pop, resume
@@ -37,6 +39,9 @@ __all__ = [
     "Call",
     "ClaimOp",
     "GroupClaimOp",
+    "ParamsOp",
+    "ParamsReply",
+    "Rebuild",
     "Script",
     "claim",
     "execute_pipeline",
@@ -50,6 +55,7 @@ __all__ = [
     "join",
     "lease_call",
     "load_all",
+    "params",
     "pop",
     "push_call",
     "reap",

@@ -37,6 +37,7 @@ class Status:
     # (batchq.protocol.group_scripts), with the keys of every slot
     GROUPS = "GROUPS"
     DROPPED = "DROPPED"  # gpush.lua: no list took the frame (finished, or left behind)
+    TOO_BIG = "TOO_BIG"  # {'TOO_BIG', bytes}: params.lua, the params log would pass its cap
 
 
 def decode_reply(reply: Any) -> list[Any]:

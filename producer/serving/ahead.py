@@ -38,6 +38,7 @@ from batchq.protocol.layout import lease_entry
 from batchq.protocol.ranks import shard_of_slot
 from batchq.protocol.replies import LeaseReply
 from batchq.protocol.words import Status
+from producer.serving.params_follow import ProducerParams, ShardParams
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame
 
@@ -61,6 +62,7 @@ class Lease(NamedTuple):
     slots: int
     world: int
     shard: int | None = None  # the shard to build, where a resume remapped the slot
+    params: str = ""  # the params log's stamp when it was granted
     mask: int = 1
 
     @classmethod
@@ -68,7 +70,7 @@ class Lease(NamedTuple):
         """From lease.lua's or glease.lua's OK reply (world 1 says no slots: the plan's S)."""
         mask = reply.mask if isinstance(reply, GLeaseReply) else 1
         slots = reply.slots or shards
-        return cls(reply.g, reply.skip, token, slots, reply.world, reply.shard, mask)
+        return cls(reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, mask)
 
     def address(self, shards: int) -> tuple[int, int, int]:
         """(epoch, slot, the shard to build) in a plan of ``shards`` shards."""
@@ -81,9 +83,9 @@ class Lease(NamedTuple):
         return lease_entry(self.g, self.token, self.mask)
 
 
-# (epoch, slot, k, batch, last, rank, group mask) -> the batch's frame
+# (epoch, slot, k, batch, last, rank, params version, group mask) -> the batch's frame
 # (ShardPusher._encode_batch)
-Encode = Callable[[int, int, int, Any, bool, int, int], Any]
+Encode = Callable[[int, int, int, Any, bool, int, int, int], Any]
 
 
 @dataclass
@@ -97,6 +99,8 @@ class Ready:
         frame: its encoded frame (None with ``error`` or without batches).
         error: what the pipeline or the encoding raised, if it did.
         took_s: how long building it took (the produce time, and whether it was quick).
+        params: the params of the shard's batches (each built under its own; None:
+            the current log's).
     """
 
     entry: str
@@ -105,6 +109,7 @@ class Ready:
     frame: Any
     error: Exception | None
     took_s: float
+    params: ShardParams | None = None
 
     def discard(self) -> None:
         """Never to be pushed: a segment it holds is free again."""
@@ -140,26 +145,29 @@ class Ahead:
             granted.append(ok)
         return granted
 
-    def build_next(self, plan: ShardPlan, encode: Encode) -> None:
+    def build_next(self, plan: ShardPlan, encode: Encode, params: ProducerParams) -> None:
         """Build the next leased shard's first batch (while the last push travels: no
-        Redis here). What the pipeline raises is kept for the serving loop, which
-        reports it as if raised there."""
+        Redis here), under the params ``params`` holds. What the pipeline raises is kept
+        for the serving loop, which reports it as if raised there."""
         lease = self.leases[0]
         if lease.skip or self.ready is not None:  # a resume's shard; built already
             return
         epoch, slot, shard = lease.address(plan.shards)
         started = time.perf_counter()
-        batches = iter(plan.iter_shard_marked(epoch, shard))
+        shard_params = params.shard(lease.g)
+        batches = iter(plan.iter_shard_marked(epoch, shard, shard_params.around))
         step: tuple[Any, bool] | None = None
         frame: Any = None
         error: Exception | None = None
         try:
             step = next(batches, None)
             if step is not None:
-                frame = encode(epoch, slot, 0, *step, slot % lease.world, lease.mask)
+                version = shard_params.version(0)
+                frame = encode(epoch, slot, 0, *step, slot % lease.world, version, lease.mask)
         except Exception as e:
             error = e
-        self.ready = Ready(lease.entry, batches, step, frame, error, time.perf_counter() - started)
+        took_s = time.perf_counter() - started
+        self.ready = Ready(lease.entry, batches, step, frame, error, took_s, shard_params)
 
     def take_ready(self, entry: str) -> Ready | None:
         """The built first batch of the shard of ``entry``, if it was built ahead."""

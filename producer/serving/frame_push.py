@@ -37,6 +37,7 @@ from batchq.protocol.words import Status
 from batchq.wire import refs
 from producer.serving.ahead import Ahead, AnyLeaseReply
 from producer.serving.blocking import Waiting, hand_back
+from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
 from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
@@ -127,6 +128,9 @@ class FramePusher:
         self._frame_seq = 0
         self.pending_ref: str | None = None  # a frame stored by reference, not yet listed
         self.ahead = Ahead()  # leased with the last pushes; the next shard built ahead
+        # The run's params log as last read, and the params of the shard being built.
+        self.params = ProducerParams(settings.keys, plan.shard_batches)
+        self._shard_params = self.params.shard(0)
         self._data_key = settings.keys.data  # the data list of the current shard's rank
         self._rank = 0
         self._world = 1
@@ -149,6 +153,7 @@ class FramePusher:
         ahead were the run's we left, and what was built ahead goes with them."""
         self._run = position
         self.ahead.drop()
+        self.params.joined(position.run)
 
     def note_oom(self, error: redis.ResponseError) -> None:
         """Log Redis' OOM once, then count quietly (``oom_waits``)."""

@@ -145,6 +145,7 @@ class Membership:
             served=served,
             grace_ms=int(FINISHED_GRACE_S * 1000),
             no_create=no_create,
+            shard_batches=self.plan.shard_batches,
         )
 
     def _check(self, reply: JoinReply) -> None:

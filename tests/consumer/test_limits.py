@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,14 +17,6 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.scripts import load_all
 from consumer import ServerDataStream
 from producer import Producer
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def serve(url: str, queue: str, stream: Any, **options: Any) -> tuple[Producer, threading.Thread]:

@@ -49,6 +49,7 @@ ROLE_SCRIPTS = {
     "bq-trainer": {
         "claim",
         "gone",
+        "params",
         "pop",
         "reap",
         "requeue",

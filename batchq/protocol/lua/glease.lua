@@ -1,7 +1,8 @@
 -- glease.lua: a producer leases its next shard in a run read by several groups, idempotently.
--- Returns {'OK', g, skip, slots, world, mask} (g: global slot number, batchq/protocol/ranks.py;
---         mask: the group slots it is built for, bit i for slot i; skip: batches of it
---         every one of them already has)
+-- Returns {'OK', g, skip, slots, world, mask, stamp} (g: global slot number,
+--         batchq/protocol/ranks.py; mask: the group slots it is built for, bit i for slot i;
+--         skip: batches of it every one of them already has; stamp: meta 'params', the
+--         params log's '<run>:<version>', as lease.lua's)
 --      or {'WAIT', slot} (nothing to mint; slot: the group whose floor holds the shared
 --         stream, -1 for none: its pops wake its own list), {'BUSY'} (prefetch declined),
 --         {'GROUPS', n} (the run has n group slots,
@@ -34,7 +35,7 @@ local first_ledger = 6
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
-  'hwm', 'groups', 'epoch_batches')
+  'hwm', 'groups', 'epoch_batches', 'params')
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] == '1' then return {'FINISHED'} end
 if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
@@ -52,6 +53,7 @@ if world > 1 then
   else S = world * math.ceil(shards / world) end
 end
 local P = S / world
+local stamp = m[10] or ''  -- the params log's version rides with every lease
 local W, hwm = tonumber(m[3]), tonumber(m[7])
 local per_shard = 1
 local eb = tonumber(m[9] or '-1')
@@ -89,7 +91,7 @@ for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
   if string.sub(e, -#suffix) == suffix then
     local g, mask = parse_spec(e)
     local _, skip = needed(g, mask, (g % S) % world)
-    return {'OK', g, skip, S, world, mask}
+    return {'OK', g, skip, S, world, mask, stamp}
   end
 end
 
@@ -101,7 +103,7 @@ end
 local function has_room(i, r) return redis.call('LLEN', data_of(i, r)) < hwm end
 local function grant(g, mask, skip)
   redis.call('RPUSH', lease_key, work_spec(g, mask) .. suffix)
-  return {'OK', g, skip, S, world, mask}
+  return {'OK', g, skip, S, world, mask, stamp}
 end
 
 -- A shard handed back, for the groups it names, once one of their lists has room.
