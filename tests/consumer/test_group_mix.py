@@ -14,7 +14,7 @@ from pipelines import builds, examples_of
 from train import argv as train_argv
 from waiting import wait_until
 
-from batchq.errors import GroupWorldMismatch
+from batchq.errors import ConfigError, GroupWorldMismatch
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from tests.consumer.test_data_parallel import check_epoch, plans, shares
@@ -169,3 +169,17 @@ def test_torch_streams_of_two_groups_share_the_segments_and_read_every_epoch(
     assert got["a"] == expected and got["b"] == expected
     for proc in producers:
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(120)
+def test_set_params_is_refused_in_a_run_read_by_groups(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
+    stream = ServerDataStream(("features",), url=redis_url, queue=queue_name, group="a")
+    try:
+        next(stream.get_epoch_iterator())
+        with pytest.raises(ConfigError, match="group a: set_params changes what the producers"):
+            stream.set_params({"size": 64})
+    finally:
+        stream.close()
