@@ -17,10 +17,7 @@ from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.words import as_int, as_text
 
-__all__ = ["GROUP_READS", "GroupSnapshot", "file_group_read", "queue_group_reads"]
-
-#: The reads queued per group, in order (what :func:`file_group_read` files).
-GROUP_READS = ("group_depth", "group_stats", "group_trainer", "group_history")
+__all__ = ["GroupSnapshot", "file_group_read", "queue_group_reads"]
 
 
 @dataclass
@@ -83,8 +80,9 @@ def queue_group_reads(
     pipe: Any, keys: QueueKeys, registry: dict[str, str], meta: dict[str, str], history: int
 ) -> list[GroupSnapshot]:
     """Queue the reads of every group of the registry (name -> slot) into ``pipe``
-    (by slot: one LLEN per rank, then the rest of :data:`GROUP_READS`); the groups, their
-    fields from meta filled."""
+    (by slot: one LLEN per rank, then its stats, figures and samples: what
+    :func:`file_group_read` files as ``group_depth``, ``group_stats``, ``group_trainer``,
+    ``group_history``); the groups, their fields from meta filled."""
     world = max(1, as_int(meta.get(MetaField.WORLD) or 1))
     groups = sorted(
         (_from_meta(name, as_int(slot), meta, world) for name, slot in registry.items()),

@@ -27,9 +27,6 @@ rules; their wrappers are :mod:`batchq.protocol.group_scripts`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from batchq.errors import ConfigError
 from batchq.protocol.keys import check_name, slot_suffix
 from batchq.protocol.layout import MAX_GROUPS
 
@@ -38,7 +35,6 @@ __all__ = [
     "MAX_GROUPS",
     "check_group",
     "lag_batches",
-    "mask_of",
     "reader_field",
     "slots_of",
 ]
@@ -60,20 +56,6 @@ def reader_field(name: str, slot: int, rank: int = 0, world: int = 1) -> str:
     rank 0 of world 1): ``name``, ``name@<slot>``, ``name:<rank>`` or
     ``name@<slot>:<rank>``."""
     return f"{name}{slot_suffix(slot)}{'' if world == 1 else f':{rank}'}"
-
-
-def mask_of(slots: Iterable[int]) -> int:
-    """The mask of group slots ``slots`` (bit i for slot i).
-
-    Raises:
-        ConfigError: a slot outside [0, MAX_GROUPS).
-    """
-    mask = 0
-    for slot in slots:
-        if not 0 <= slot < MAX_GROUPS:
-            raise ConfigError(f"group slot {slot} is not valid: expected 0..{MAX_GROUPS - 1}")
-        mask |= 1 << slot
-    return mask
 
 
 def slots_of(mask: int) -> list[int]:

@@ -94,11 +94,9 @@ __all__ = [
     "KEY_TYPES",
     "PREFIX",
     "SLOT_KEYS",
-    "SLOT_KEY_LAYOUT",
     "QueueKeys",
     "check_name",
     "queue_from_meta_key",
-    "slot_keys_count",
     "slot_suffix",
 ]
 
@@ -120,14 +118,6 @@ KEY_TYPES: Final[Mapping[str, str]] = {
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
 #: :meth:`QueueKeys.slot_view`.
 SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts", "wake")
-#: How many keys :meth:`QueueKeys.slot_keys` gives per slot for a run of ``world``
-#: ranks (the group scripts find a slot's keys in their KEYS tail by it).
-SLOT_KEY_LAYOUT: Final = "ledger, counts, data x world, stats, trainer x world, history x world"
-
-
-def slot_keys_count(world: int) -> int:
-    """The number of keys :meth:`QueueKeys.slot_keys` gives per slot (3 + 3 x world)."""
-    return 3 + 3 * world
 
 
 def slot_suffix(slot: int) -> str:
@@ -283,7 +273,8 @@ class QueueKeys:
 
     def slot_keys(self, slot: int, world: int) -> list[str]:
         """Every key of group slot ``slot`` in a run of ``world`` ranks, in the order the
-        group scripts read them (:data:`SLOT_KEY_LAYOUT`): ledger, counts, each rank's data
+        group scripts read them (3 + 3 x world keys: gclaim.lua and gresume.lua find a
+        slot's keys in their KEYS tail by that count): ledger, counts, each rank's data
         list, stats, each rank's figures, each rank's history."""
         view = self.slot_view(slot)
         return [

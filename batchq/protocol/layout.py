@@ -59,7 +59,6 @@ __all__ = [
     "count_value",
     "counts_field",
     "default_id",
-    "entry_mask",
     "entry_slot",
     "flag",
     "id_host",
@@ -127,11 +126,6 @@ def lease_entry(g: int, token: str, mask: int = 1) -> str:
 def entry_slot(entry: str) -> int:
     """The global slot number of a lease entry."""
     return parse_work_entry(entry.split(":", 1)[0])[0]
-
-
-def entry_mask(entry: str) -> int:
-    """The group mask of a lease entry (1: group slot 0 alone)."""
-    return parse_work_entry(entry.split(":", 1)[0])[1]
 
 
 def params_stamp(run: str, version: int) -> str:
