@@ -50,6 +50,9 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--even", default="pad")
     parser.add_argument("--stop-after", type=int, help="exit 3 after this many batches")
+    parser.add_argument("--group", help="read as this group (a run read by several groups)")
+    parser.add_argument("--max-lag", type=int, help="the group's max_lag_batches")
+    parser.add_argument("--stats-out", help="write the stream's figures there at the end")
     args = parser.parse_args()
     stream = ServerDataStream(
         ("features", "targets"),
@@ -62,6 +65,8 @@ def main() -> int:
         rank=args.rank,
         world_size=args.world,
         even_batches=args.even,
+        group=args.group,
+        max_lag_batches=args.max_lag,
     )
     if args.state_in:
         with open(args.state_in) as f:
@@ -83,6 +88,9 @@ def main() -> int:
                     stream.close()
                     return 3
     stream.close(finished=args.finish)
+    if args.stats_out:
+        with open(args.stats_out, "w") as f:
+            json.dump({"shm_frames": stream._shm.frames, **stream.stats}, f)
     return 0
 
 
