@@ -1,10 +1,11 @@
-"""What the Lua scripts answer: status words and reply decoding, shared by both sides."""
+"""What the Lua scripts answer: status words, and a reply value as text or number
+(a script's whole reply is decoded by :func:`batchq.protocol.calls.decode_reply`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PROTOCOL_VERSION", "Status", "as_int", "as_text", "decode_reply"]
+__all__ = ["PROTOCOL_VERSION", "Status", "as_int", "as_text"]
 
 # Written into meta by whoever creates a run; bump on any incompatible change of the
 # key layout, the scripts' replies or the frame header.
@@ -38,20 +39,6 @@ class Status:
     GROUPS = "GROUPS"
     DROPPED = "DROPPED"  # gpush.lua: no list took the frame (finished, or left behind)
     TOO_BIG = "TOO_BIG"  # {'TOO_BIG', bytes}: params.lua, the params log would pass its cap
-
-
-def decode_reply(reply: Any) -> list[Any]:
-    """Decode a script's reply: bytes become str, nested tables stay lists of bytes.
-
-    The elements of a nested list (popped frames) are left as bytes: they are data.
-    """
-    out: list[Any] = []
-    for item in reply:
-        if isinstance(item, bytes):
-            out.append(item.decode("utf-8", "replace"))
-        else:
-            out.append(item)
-    return out
 
 
 def as_text(value: Any) -> str:

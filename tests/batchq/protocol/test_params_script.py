@@ -13,11 +13,11 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.protocol import scripts
-from batchq.protocol.calls import build_call
+from batchq.protocol.calls import build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.replies import JoinReply
-from batchq.protocol.words import PROTOCOL_VERSION, Status, decode_reply
+from batchq.protocol.words import PROTOCOL_VERSION, Status
 
 TOKEN = "tok"
 
