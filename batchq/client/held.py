@@ -2,9 +2,10 @@
 checks.
 
 A thread that owns a client (the producer's serving thread, the trainer's reader)
-:func:`hold` s it; :func:`batchq.protocol.calls.round_trip` then :func:`borrow` s that
-thread's connection and :func:`give_back` s it. The state lives in the client's own pool
-(:class:`batchq.client.redis_internals.HeldPool`, which every client of
+:func:`hold` s it; :func:`batchq.protocol.calls.round_trip` then borrows that thread's
+connection and gives it back (:func:`batchq.client.redis_internals.borrow`). The state
+lives in the client's own pool (:class:`batchq.client.redis_internals.HeldPool`, which
+every client of
 :func:`batchq.client.connection.make_client` has): there is no registry, and a client
 whose pool is of another kind goes through its pool as usual.
 
@@ -16,13 +17,11 @@ out of step.
 
 from __future__ import annotations
 
-from typing import Any
-
 import redis
 
 from batchq.client.redis_internals import HeldPool
 
-__all__ = ["borrow", "give_back", "hold", "release"]
+__all__ = ["hold", "release"]
 
 
 def hold(client: redis.Redis) -> None:
@@ -37,21 +36,3 @@ def release(client: redis.Redis) -> None:
     pool = client.connection_pool
     if isinstance(pool, HeldPool):
         pool.release_hold()
-
-
-def borrow(client: redis.Redis) -> tuple[Any, bool]:
-    """A connection for one round trip: ``(conn, direct)``; give it back with
-    :func:`give_back`."""
-    pool: Any = client.connection_pool
-    if isinstance(pool, HeldPool):
-        return pool.borrow()
-    return pool.get_connection(), False
-
-
-def give_back(client: redis.Redis, conn: Any, direct: bool) -> None:
-    """End a round trip started with :func:`borrow`."""
-    pool: Any = client.connection_pool
-    if isinstance(pool, HeldPool):
-        pool.give_back(conn, direct)
-    else:
-        pool.release(conn)

@@ -8,6 +8,14 @@ Two measured costs are only avoidable below redis-py's public API (docs/design.m
   separate buffers. :func:`pieces_packer` subclasses it to send a frame's
   :class:`~batchq.wire.pieces.Pieces` (header, then each array's own memory) as one bulk
   string without a copy, and packs small commands with hiredis.
+* **Replies into buffers of their own.** redis-py hands a reply over as an immutable
+  ``bytes`` object, so an array over it is writable only after a copy.
+  :func:`read_bulk_into` reads one bulk-string reply straight from the connection's
+  socket (``_sock``) into a fresh, uninitialised numpy buffer of its size, never reading
+  past that reply (the header line is peeked first), so redis-py's parser (``_parser``)
+  goes on with the next reply as usual. Where the socket is not a plain one (TLS,
+  fakeredis) or the parser already holds unread bytes, the reply is read by redis-py
+  and copied once.
 * **The pool's checks.** ``get_connection``/``release`` cost more client CPU than the
   round trip they wrap (a ``select`` for stale data, a pid check, observability counters
   and events: a PING 130-150 us through the pool, 65-80 us without, on the 2-core
@@ -23,27 +31,45 @@ version, and tests/batchq/client/test_redis_internals.py fails loudly when it do
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import redis
 from redis.connection import Encoder, PythonRespSerializer  # type: ignore[attr-defined]
 
 from batchq.wire.pieces import Pieces
 
-__all__ = ["POOL_PARTS", "TESTED_REDIS_PY", "HeldPool", "check_internals", "pieces_packer"]
+__all__ = [
+    "CONNECTION_PARTS",
+    "POOL_PARTS",
+    "TESTED_REDIS_PY",
+    "BulkReply",
+    "HeldPool",
+    "borrow",
+    "check_internals",
+    "give_back",
+    "pieces_packer",
+    "read_bulk_into",
+]
 
 # The redis-py releases these internals were checked on (pyproject pins the same).
 TESTED_REDIS_PY = ((8, 2), (8, 3))  # [low, high): 8.2.x
 # The ConnectionPool attributes HeldPool moves connections through.
 POOL_PARTS = ("_lock", "_available_connections", "_in_use_connections")
+# The Connection attributes read_bulk_into reads: its socket, and its parser (whose
+# reader must hold no unread bytes when the socket is read directly).
+CONNECTION_PARTS = ("_sock", "_parser")
 _BUFFER_CUTOFF = 6000  # redis-py's own cutoff: larger values travel as separate buffers
 
 
 def check_internals() -> list[str]:
     """What this module needs of redis-py and the installed version lacks (empty: all)."""
     missing = [f"ConnectionPool.{part}" for part in POOL_PARTS if not _pool_has(part)]
+    conn = redis.Connection()  # type: ignore[no-untyped-call]
+    missing += [f"Connection.{part}" for part in CONNECTION_PARTS if not hasattr(conn, part)]
     if not callable(getattr(PythonRespSerializer, "pack", None)):
         missing.append("PythonRespSerializer.pack")
     return missing
@@ -118,6 +144,25 @@ class HeldPool(redis.ConnectionPool):
         conn.disconnect()
 
 
+def borrow(client: redis.Redis) -> tuple[Any, bool]:
+    """A connection of ``client`` for one round trip: ``(conn, direct)``, the owner
+    thread's own where it holds the client (:meth:`HeldPool.borrow`), else the pool's;
+    end the round trip with :func:`give_back`."""
+    pool: Any = client.connection_pool
+    if type(pool) is HeldPool:
+        return pool.borrow()
+    return pool.get_connection(), False
+
+
+def give_back(client: redis.Redis, conn: Any, direct: bool) -> None:
+    """End a round trip started with :func:`borrow`."""
+    pool: Any = client.connection_pool
+    if type(pool) is HeldPool:
+        pool.give_back(conn, direct)
+    else:
+        pool.release(conn)
+
+
 # The process's pid, kept current across forks: os.getpid() is a system call per round
 # trip otherwise. A fact of the process, not state of batchq's.
 _pid = os.getpid()
@@ -182,3 +227,103 @@ def pieces_packer() -> Any:
     """The command packer batchq's clients use (see the module's docstring)."""
     encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
     return _PiecesPacker(_BUFFER_CUTOFF, encoder.encode)
+
+
+#: One bulk reply read by :func:`read_bulk_into`: the value in a writable buffer of its
+#: own, None for a missing key, or the error Redis answered.
+BulkReply = memoryview | redis.ResponseError | None
+
+_PEEK_BYTES = 64  # a bulk reply's header line ('$<size>\r\n') fits in this
+_LINE_CAP_BYTES = 64 * 1024  # an error reply's text longer than this: out of step
+
+
+def read_bulk_into(conn: Any) -> BulkReply:
+    """Read one bulk-string reply of ``conn`` into a writable buffer of its own.
+
+    Raises:
+        redis.ConnectionError, redis.TimeoutError: the connection failed mid-reply (the
+            caller disconnects it: it is out of step).
+    """
+    sock = getattr(conn, "_sock", None)
+    reader = getattr(getattr(conn, "_parser", None), "_reader", None)
+    has_data = getattr(reader, "has_data", None)
+    if type(sock) is not socket.socket or (callable(has_data) and has_data()):
+        return _copied(conn)
+    try:
+        return _read_plain(sock)
+    except TimeoutError as e:
+        raise redis.TimeoutError(f"reading a reply: {e}") from e
+    except OSError as e:
+        raise redis.ConnectionError(f"reading a reply: {e}") from e
+
+
+def _copied(conn: Any) -> BulkReply:
+    """The reply through redis-py's parser, copied once into a buffer of its own."""
+    try:
+        value = conn.read_response()
+    except redis.ResponseError as e:
+        return e
+    if value is None:
+        return None
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise redis.ConnectionError(f"expected a bulk string, got {type(value).__name__}")
+    out = np.empty(len(value), dtype=np.uint8)
+    out[:] = np.frombuffer(value, dtype=np.uint8)
+    return memoryview(out)  # type: ignore[arg-type]
+
+
+def _read_plain(sock: socket.socket) -> BulkReply:
+    """Read exactly one reply from a plain socket: never a byte of the next one."""
+    line = _line(sock)
+    kind, rest = line[:1], line[1:]
+    if kind == b"-":
+        return redis.ResponseError(rest.decode("utf-8", "replace"))
+    if kind == b"_":  # RESP3's null (redis-py 8 speaks RESP3 where the server does)
+        return None
+    if kind != b"$":
+        raise redis.ConnectionError(f"unexpected reply {line[:64]!r}: not a bulk string")
+    size = int(rest)
+    if size < 0:
+        return None
+    out = np.empty(size, dtype=np.uint8)
+    view = memoryview(out)  # type: ignore[arg-type]
+    _recv_exactly(sock, view)
+    if _recv_bytes(sock, 2) != b"\r\n":
+        raise redis.ConnectionError("a bulk reply does not end with CRLF")
+    return view
+
+
+def _line(sock: socket.socket) -> bytes:
+    """A reply's header line without its CRLF; only the line is taken from the socket."""
+    want, flags = _PEEK_BYTES, socket.MSG_PEEK
+    while True:
+        peeked = sock.recv(want, flags)
+        if not peeked:
+            raise redis.ConnectionError("Redis closed the connection")
+        end = peeked.find(b"\r\n")
+        if end >= 0:
+            return _recv_bytes(sock, end + 2)[:end]
+        if len(peeked) >= _LINE_CAP_BYTES:
+            raise redis.ConnectionError(f"a reply line longer than {_LINE_CAP_BYTES} bytes")
+        # The line is longer than what was looked at (an error's text), or only part of
+        # it has arrived and the rest must come: look again at one byte more than is
+        # there (waiting for it), or at twice as much, still taking none.
+        if len(peeked) < want:
+            want, flags = len(peeked) + 1, socket.MSG_PEEK | socket.MSG_WAITALL
+        else:
+            want, flags = 2 * want, socket.MSG_PEEK
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_exactly(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    have, size = 0, len(view)
+    while have < size:
+        n = sock.recv_into(view[have:], size - have)
+        if n == 0:
+            raise redis.ConnectionError("Redis closed the connection mid-reply")
+        have += n

@@ -35,10 +35,12 @@ from typing import Any
 
 import redis
 
+from batchq.errors import ConnectionLost
 from batchq.host.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
 from batchq.host.procs import stop_group
 from batchq.monitoring.rows import queue_status
 from batchq.monitoring.verdict import near_cap
+from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import autoscale_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import SCALELOG_CAP, default_id, id_pid, time_ms
@@ -158,7 +160,7 @@ class WorkerPool:
                 decision = Decision("hold", 0, "another autoscaler is changing its pool")
             self._act(decision, figures, now_s)
             self._keep_lease(now_s)
-        except redis.RedisError as e:
+        except (redis.RedisError, ConnectionLost) as e:
             log.warning("autoscaler: reading the queue failed: %s (holding)", e)
             decision = Decision("hold", 0, f"Redis error: {e}")
             if len(self.workers) < self.policy.min_workers:  # never below the minimum
@@ -201,11 +203,14 @@ class WorkerPool:
 
     def _figures(self, now_s: float) -> Figures:
         now_ms = time_ms(self.client.time())
-        pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(self.keys.scalers, {self.id: now_ms + 3_000 + 3_000 * self.tick_s})
-        pipe.zremrangebyscore(self.keys.scalers, "-inf", now_ms)
-        pipe.zcard(self.keys.scalers)
-        scalers = int(pipe.execute()[2])
+        keys, deadline_ms = self.keys, now_ms + 3_000 + 3_000 * self.tick_s
+
+        def register(pipe: Any) -> None:
+            pipe.zadd(keys.scalers, {self.id: deadline_ms})
+            pipe.zremrangebyscore(keys.scalers, "-inf", now_ms)
+            pipe.zcard(keys.scalers)
+
+        scalers = int(execute_pipeline(self.client, register)[2])
         row = queue_status(self.client, self.keys.queue)
         idle_cores, worker_cores = self._cpu_figures(now_s)
         pending = self._pending(row, now_s)
@@ -269,15 +274,18 @@ class WorkerPool:
             decision.action, decision.count, len(self.workers), decision.reason,
             json.dumps(entry["figures"]),
         )  # fmt: skip
+        keys = self.keys
+
+        def log_it(pipe: Any) -> None:
+            pipe.hincrby(keys.stats, autoscale_field(decision.action), decision.count)
+            pipe.lpush(keys.scalelog, json.dumps(entry))
+            pipe.ltrim(keys.scalelog, 0, SCALELOG_CAP - 1)
+
         with self._quiet():
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hincrby(self.keys.stats, autoscale_field(decision.action), decision.count)
-            pipe.lpush(self.keys.scalelog, json.dumps(entry))
-            pipe.ltrim(self.keys.scalelog, 0, SCALELOG_CAP - 1)
-            pipe.execute()
+            execute_pipeline(self.client, log_it)
 
     def _quiet(self) -> contextlib.suppress:
-        return contextlib.suppress(redis.RedisError)
+        return contextlib.suppress(redis.RedisError, ConnectionLost)
 
     def _leave(self) -> None:
         with self._quiet():

@@ -76,7 +76,7 @@ import redis
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from batchq.errors import ConfigError
+from batchq.errors import ConfigError, ConnectionLost
 from batchq.monitoring.metric_families import producer_families, queue_families, rank_families
 from batchq.monitoring.rows import list_queues, row_from_snapshot
 from batchq.monitoring.snapshot import read_snapshots
@@ -153,7 +153,7 @@ class BatchqCollector:
             names = self.queues or list_queues(self.client)
             # 20 history samples: the recent per-producer rate (batchq.monitoring.sizing).
             snaps = read_snapshots(self.client, names, history=20, leases=False)
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, OSError, ConnectionLost) as e:
             log.warning("batchq exporter: reading Redis failed: %s", e)
             up.add_metric([], 0)
             yield up

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from batchq.errors import FrameError
+from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import MetaField, parse_producer_stat_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
@@ -201,15 +202,17 @@ def read_snapshots(
         One snapshot per queue, in order.
 
     Raises:
-        redis.RedisError: the reads failed (callers convert it, see
-            :func:`batchq.client.connection.call`).
+        ConnectionLost: the connection failed.
+        redis.RedisError: Redis refused a read (a key of another type).
     """
     keys = [QueueKeys(q) for q in queues]
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    for k in keys:
-        _queue_reads(pipe, k, history)
-    replies = pipe.execute()
+
+    def first_reads(pipe: Any) -> None:
+        pipe.time()
+        for k in keys:
+            _queue_reads(pipe, k, history)
+
+    replies = execute_pipeline(client, first_reads)
     now_ms = time_ms(replies[0])
     firsts = [
         _from_replies(k, now_ms, replies[1 + i * _PER_QUEUE : 1 + (i + 1) * _PER_QUEUE], history)
@@ -217,13 +220,15 @@ def read_snapshots(
     ]
     # The second round trip: leases of live producers, headers of referenced frames, the
     # ranks of data-parallel trainers.
-    pipe = client.pipeline(transaction=False)
     todo: list[tuple[QueueSnapshot, str]] = []
-    for k, (snap, last) in zip(keys, firsts, strict=True):
-        todo += [(snap, what) for what in _later_reads(pipe, k, snap, last, history, leases)]
-    if todo:
-        for (snap, what), value in zip(todo, pipe.execute(), strict=True):
-            _file_later(snap, what, value)
+
+    def later_reads(pipe: Any) -> None:
+        for k, (snap, last) in zip(keys, firsts, strict=True):
+            todo.extend((snap, what) for what in _later_reads(pipe, k, snap, last, history, leases))
+
+    later = execute_pipeline(client, later_reads)
+    for (snap, what), value in zip(todo, later, strict=True):
+        _file_later(snap, what, value)
     return [snap for snap, _ in firsts]
 
 

@@ -1,5 +1,7 @@
-"""Every call of the Lua scripts, built in one place (:func:`build_call`) and run in one
-(:func:`round_trip`; pipelines on the cold paths: :func:`execute_pipeline`).
+"""Every call of the Lua scripts, built in one place (:func:`build_call`), and the one path
+by which batchq's commands leave (:func:`round_trip`: the scripts' calls, the hot paths'
+pipelines, the cold paths' pipelines built with redis-py's methods through
+:func:`execute_pipeline`, and frames received into buffers of their own).
 
 The scripts, their headers and shas are :mod:`batchq.protocol.script_files` (re-exported
 here). :func:`build_call` puts a wrapper's named keys and arguments in the order of the
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from functools import partial
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import redis
 
-from batchq.client import held
 from batchq.client.connection import convert_error
+from batchq.client.redis_internals import borrow, give_back
 from batchq.errors import ProtocolError
 from batchq.protocol.script_files import SCRIPTS, Arg, Header, Script, load_all, parse_header
 from batchq.wire.pieces import Pieces
@@ -31,17 +34,73 @@ __all__ = [
     "Arg",
     "Call",
     "Command",
+    "CountReply",
     "Header",
+    "Reader",
     "Script",
+    "StatusReply",
     "build_call",
+    "decode_reply",
     "execute_pipeline",
     "load_all",
     "parse_header",
+    "reply_int",
     "round_trip",
 ]
 
 Command = tuple[Arg | Pieces, ...]  # a command's name and arguments, as sent
+#: Reads one reply from a connection (raising redis.ResponseError for an error reply);
+#: None in :func:`round_trip`'s ``readers``: redis-py's raw ``read_response``.
+Reader = Callable[[Any], Any]
 R = TypeVar("R")
+
+
+def decode_reply(reply: Any) -> list[Any]:
+    """Decode a script's reply: bytes become str, nested tables stay lists of bytes.
+
+    The elements of a nested list (popped frames) are left as bytes: they are data.
+    """
+    out: list[Any] = []
+    for item in reply:
+        if isinstance(item, bytes):
+            out.append(item.decode("utf-8", "replace"))
+        else:
+            out.append(item)
+    return out
+
+
+def reply_int(values: list[Any], i: int, default: int = 0) -> int:
+    """Element ``i`` of a decoded reply as an int (``default`` where the reply is shorter)."""
+    return int(values[i]) if len(values) > i else default
+
+
+class StatusReply(NamedTuple):
+    """A reply that is only a status (handback, release/refresh of a claim)."""
+
+    status: str
+
+    @classmethod
+    def parse(cls, raw: Any) -> StatusReply:
+        """From ``{status, ...}``."""
+        return cls(decode_reply(raw)[0])
+
+
+class CountReply(NamedTuple):
+    """reap.lua and gone.lua: ``{'OK', producers reaped, shards returned}``; fail.lua:
+    ``{'RETRY'|'GIVE_UP', attempts}``; resume.lua ``{'OK', run}`` / ``{'STEP', step}``
+    (``text``); or a status."""
+
+    status: str
+    first: int = 0
+    second: int = 0
+    text: str = ""
+
+    @classmethod
+    def parse(cls, raw: Any) -> CountReply:
+        """From the raw reply."""
+        r = decode_reply(raw)
+        first = int(r[1]) if len(r) > 1 and str(r[1]).lstrip("-").isdigit() else 0
+        return cls(r[0], first, reply_int(r, 2), str(r[1]) if len(r) > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -124,10 +183,14 @@ def build_call(
 
 
 def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = True) -> list[Any]:
-    """Run a pipeline built by ``build(pipe)``; on NOSCRIPT load the scripts and retry once.
+    """Run the commands ``build(pipe)`` adds to a redis-py pipeline, through
+    :func:`round_trip`: one write, each reply parsed as redis-py's own method parses it.
 
-    Rebuilding and resending the whole pipeline is safe because the pipelines batchq
-    sends are idempotent (a SET of the same frame, then a script that had not run).
+    The pipeline only records (``build`` uses redis-py's command methods, and
+    :meth:`Script.queue` for the scripts); nothing is sent by it. On NOSCRIPT the
+    scripts are loaded and everything sent again once, which is safe because what
+    batchq sends this way is idempotent (a SET of the same frame, reads, a script that
+    had not run).
 
     Args:
         client: the client.
@@ -139,28 +202,29 @@ def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = 
 
     Raises:
         ConnectionLost: the connection failed.
+        redis.ResponseError: the first error reply, with ``raise_on_error``.
     """
-    try:
-        for attempt in (0, 1):
-            pipe = client.pipeline(transaction=False)
-            build(pipe)
-            try:
-                replies = list(pipe.execute(raise_on_error=raise_on_error))
-                if not raise_on_error and any(
-                    isinstance(r, redis.exceptions.NoScriptError) for r in replies
-                ):
-                    raise redis.exceptions.NoScriptError("NOSCRIPT in a pipeline")
-                return replies
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-                load_all(client)
-        raise AssertionError("unreachable")  # pragma: no cover
-    except redis.RedisError as e:
-        converted = convert_error(e, "running a pipeline", client)
-        if converted is None:
-            raise
-        raise converted from e
+    pipe = client.pipeline(transaction=False)
+    build(pipe)
+    stack = list(pipe.command_stack)
+    pipe.reset()
+    if not stack:
+        return []
+    readers = [partial(_parsed, client, args[0], options) for args, options in stack]
+    replies = round_trip(
+        client, [args for args, _ in stack], "running a pipeline", readers=readers,
+        keep_errors=True,
+    )  # fmt: skip
+    if raise_on_error:
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+    return replies
+
+
+def _parsed(client: redis.Redis, name: Any, options: dict[str, Any], conn: Any) -> Any:
+    """One reply of a recorded pipeline, parsed as redis-py parses its own (callbacks)."""
+    return client.parse_response(conn, name, **dict(options))  # type: ignore[no-untyped-call]
 
 
 def round_trip(
@@ -170,8 +234,10 @@ def round_trip(
     between: Callable[[], None] | None = None,
     *,
     keep_errors: bool = False,
+    readers: Sequence[Reader | None] | None = None,
 ) -> list[Any]:
-    """Send ``commands`` in one write and read their raw replies: the hot paths' pipeline.
+    """Send ``commands`` in one write and read their replies: the one path by which
+    batchq's commands leave.
 
     Every push and every pop of a batch is one of these. redis-py's ``Pipeline`` costs
     about as much CPU again as the commands it sends (a pipeline object, its retry
@@ -198,6 +264,10 @@ def round_trip(
         keep_errors: return error replies in place instead of raising the first
             (NOSCRIPT is still handled): for a caller that must know which of its
             commands went through (a push that went through while its lease hit OOM).
+        readers: how each command's reply is read (None, or a None in it: raw, as
+            Redis replies): :func:`batchq.client.redis_internals.read_bulk_into` for a
+            value received into a buffer of its own, or redis-py's parsing
+            (:func:`execute_pipeline`).
 
     Returns:
         The replies, in order.
@@ -210,7 +280,7 @@ def round_trip(
     """
     try:
         for attempt in (0, 1):
-            replies = _send_and_read(client, commands, between if attempt == 0 else None)
+            replies = _send_and_read(client, commands, between if attempt == 0 else None, readers)
             failed = _failed(replies, keep_errors)
             if failed is None:
                 return replies
@@ -239,19 +309,23 @@ def _failed(replies: list[Any], keep_errors: bool) -> tuple[redis.ResponseError,
 
 
 def _send_and_read(
-    client: redis.Redis, commands: Sequence[Command], between: Callable[[], None] | None
+    client: redis.Redis,
+    commands: Sequence[Command],
+    between: Callable[[], None] | None,
+    readers: Sequence[Reader | None] | None,
 ) -> list[Any]:
     """One write, ``between()``, then one read per command; error replies are returned
     in place."""
-    conn, direct = held.borrow(client)  # the owner thread's connection, or the pool's
+    conn, direct = borrow(client)  # the owner thread's connection, or the pool's
     try:
         conn.send_packed_command(conn.pack_commands(commands))
         if between is not None:
             between()
         replies: list[Any] = []
-        for _ in commands:
+        for i in range(len(commands)):
+            read = readers[i] if readers is not None else None
             try:
-                replies.append(conn.read_response())
+                replies.append(conn.read_response() if read is None else read(conn))
             except redis.ResponseError as e:  # read whole: the connection is in step
                 replies.append(e)
         return replies
@@ -261,4 +335,4 @@ def _send_and_read(
         conn.disconnect()
         raise
     finally:
-        held.give_back(client, conn, direct)
+        give_back(client, conn, direct)

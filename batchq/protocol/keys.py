@@ -69,8 +69,8 @@ the characters that would break that (see :func:`check_name`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Final, TypeVar
 
 from batchq.errors import ConfigError
 
@@ -129,6 +129,29 @@ def queue_from_meta_key(key: str | bytes) -> str | None:
     return match.group(1) if match else None
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+# A process that lives for weeks meets many producer ids (restarts, autoscaling): past
+# this many names a derived-key map starts again rather than grow.
+_DERIVED_CAP = 4096
+
+
+class _Derived(dict[K, V]):
+    """Names derived from an argument, built on first use and then read as a mapping:
+    the scripts' wrappers read them on every call without a call into this module."""
+
+    def __init__(self, build: Callable[[K], V]) -> None:
+        super().__init__()
+        self._build = build
+
+    def __missing__(self, key: K) -> V:
+        if len(self) >= _DERIVED_CAP:
+            self.clear()
+        value = self[key] = self._build(key)
+        return value
+
+
 class QueueKeys:
     """The key names of one queue.
 
@@ -161,6 +184,11 @@ class QueueKeys:
         self.frame_prefix = f"{self.base}:frame:"
         self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
         self.remap = f"{self.base}:remap"  # an elastic resume's epoch: slot -> shard
+        #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
+        self.leases: Mapping[str, str] = _Derived(self._lease)
+        #: world -> the KEYS tail of lease.lua for a run of that many ranks: every
+        #: rank's data list, then the remap hash (none for world 1).
+        self.lease_tails: Mapping[int, list[str]] = _Derived(self._lease_tail)
 
     def types(self, *names: str) -> dict[str, str]:
         """Key -> the Redis type batchq keeps there (:data:`KEY_TYPES`), for the keys of
@@ -185,7 +213,13 @@ class QueueKeys:
 
     def lease(self, producer: str) -> str:
         """The lease list of producer ``producer``."""
+        return self.leases[producer]
+
+    def _lease(self, producer: str) -> str:
         return f"{self.base}:lease:{producer}"
+
+    def _lease_tail(self, world: int) -> list[str]:
+        return [*self.rank_data(world), self.remap] if world > 1 else []
 
     def frame(self, producer: str, seq: int) -> str:
         """The key of the ``seq``-th frame that ``producer`` stores by reference."""

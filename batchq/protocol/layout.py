@@ -34,6 +34,7 @@ from collections.abc import Sequence
 __all__ = [
     "DEAD_CAP",
     "DONE",
+    "FLAGS",
     "HISTORY_CAP",
     "SCALELOG_CAP",
     "WAIT_BUCKETS_S",
@@ -62,9 +63,14 @@ DONE = "d"  # a ledger value: the trainer has every batch of the slot
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 
+#: A boolean as the scripts read it (an argument, a meta field): ``FLAGS[value]``, i.e.
+#: ``'1'`` or ``'0'`` (indexed, not called: the scripts' wrappers build it on every call).
+FLAGS = ("0", "1")
+
+
 def flag(value: bool) -> str:
-    """A boolean as the scripts read it (an argument, a meta field): ``'1'`` or ``'0'``."""
-    return "1" if value else "0"
+    """A boolean as the scripts read it: ``'1'`` or ``'0'`` (:data:`FLAGS`)."""
+    return FLAGS[bool(value)]
 
 
 def lease_entry(g: int, token: str) -> str:

@@ -6,15 +6,101 @@ attempt (fail.lua) and a shard handed back untouched (handback.lua).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import redis
 
-from batchq.protocol.calls import Arg, Call, build_call
+from batchq.protocol.calls import (
+    Arg,
+    Call,
+    CountReply,
+    StatusReply,
+    build_call,
+    decode_reply,
+    reply_int,
+)
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import entry_slot, flag
-from batchq.protocol.replies import CountReply, JoinReply, LeaseReply, PushReply, StatusReply
+from batchq.protocol.layout import FLAGS
+from batchq.protocol.words import Status
 
-__all__ = ["fail", "handback", "join", "lease_call", "push_call"]
+__all__ = [
+    "JoinReply",
+    "LeaseReply",
+    "PushReply",
+    "fail",
+    "handback",
+    "join",
+    "lease_call",
+    "push_call",
+]
+
+
+class JoinReply(NamedTuple):
+    """join.lua: ``{'OK', incarnation, run, hwm, S, window, created[, world]}``,
+    ``{'MISMATCH', what, expected}`` or a status."""
+
+    status: str
+    incarnation: str = ""
+    run: str = ""
+    hwm: str = ""
+    shards: int = 0
+    window: int = 0
+    created: bool = False
+    world: int = 1
+    what: str = ""
+    expected: str = ""
+
+    @classmethod
+    def parse(cls, raw: Any) -> JoinReply:
+        """From join.lua's raw reply."""
+        r = decode_reply(raw)
+        if r[0] == Status.MISMATCH:
+            return cls(r[0], what=str(r[1]), expected=str(r[2]))
+        if r[0] != Status.OK:
+            return cls(r[0])
+        return cls(r[0], r[1], r[2], str(r[3]), int(r[4]), int(r[5]), bool(int(r[6])),
+                   reply_int(r, 7, 1))  # fmt: skip
+
+
+class LeaseReply(NamedTuple):
+    """lease.lua: ``{'OK', g, skip[, slots, world[, shard]]}`` or a status.
+
+    ``slots`` is 0 in world-1 replies (the plan's S is the caller's).
+    """
+
+    status: str
+    g: int = 0
+    skip: int = 0
+    slots: int = 0
+    world: int = 1
+    shard: int | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> LeaseReply:
+        """From lease.lua's raw reply."""
+        r = decode_reply(raw)
+        if r[0] != Status.OK:
+            return cls(r[0])
+        shard = int(r[5]) if len(r) > 5 else None
+        return cls(r[0], int(r[1]), int(r[2]), reply_int(r, 3), reply_int(r, 4, 1), shard)
+
+
+class PushReply(NamedTuple):
+    """push.lua: ``{'OK'|'FULL', depth}``, ``{'WRONG_TYPE', key, type}`` or a status."""
+
+    status: str
+    depth: int = 0
+    key: str = ""
+    found: str = ""
+
+    @classmethod
+    def parse(cls, raw: Any) -> PushReply:
+        """From push.lua's raw reply."""
+        r = decode_reply(raw)
+        if r[0] == Status.WRONG_TYPE:
+            return cls(r[0], 0, str(r[1]), str(r[2]))
+        return cls(r[0], reply_int(r, 1))
 
 
 def join(
@@ -40,13 +126,13 @@ def join(
         "join",
         JoinReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "producers": keys.producers,
-         "lease": keys.lease(producer), "work": keys.work, "data": keys.data,
+         "lease": keys.leases[producer], "work": keys.work, "data": keys.data,
          "failures": keys.failures, "ledger": keys.ledger},
         {"producer": producer, "fingerprint": fingerprint, "hwm": hwm, "shards": shards,
          "window": window, "new_run": new_run, "new_incarnation": new_incarnation,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,
          "epoch_batches": -1 if epoch_batches is None else epoch_batches,
-         "served": served, "grace_ms": grace_ms, "no_create": flag(no_create)},
+         "served": served, "grace_ms": grace_ms, "no_create": FLAGS[no_create]},
     ).run(client)  # fmt: skip
 
 
@@ -66,12 +152,12 @@ def lease_call(
     every rank's data list and the remap hash. ``prefetch`` k > 0: it rides behind the
     last push of the shard whose lease entry is ``after``, and is granted only if that
     push went through and the producer then holds fewer than k leases."""
-    tail = [*keys.rank_data(world), keys.remap] if world > 1 else []
+    tail = keys.lease_tails[world]
     return build_call(
         "lease",
         LeaseReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-         "lease": keys.lease(producer), "producers": keys.producers, "ledger": keys.ledger},
+         "lease": keys.leases[producer], "producers": keys.producers, "ledger": keys.ledger},
         {"incarnation": incarnation, "run": run, "producer": producer, "token": token,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": int(prefetch), "after": after},
         more_keys=tail,
@@ -104,10 +190,10 @@ def push_call(
         "push",
         PushReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "data": data,
-         "stats": keys.stats, "producers": keys.producers, "lease": keys.lease(producer),
+         "stats": keys.stats, "producers": keys.producers, "lease": keys.leases[producer],
          "pstats": keys.pstats, "frame": frame_key},
         {"incarnation": incarnation, "run": run, "producer": producer, "entry": entry,
-         "element": element, "last": flag(last), "heartbeat_ttl_ms": heartbeat_ttl_ms,
+         "element": element, "last": FLAGS[last], "heartbeat_ttl_ms": heartbeat_ttl_ms,
          "frame_bytes": frame_bytes, "blocked_ms": blocked_ms, "produce_ms": produce_ms,
          "shm_host": shm_host, "host_field": host_field},
     )  # fmt: skip
@@ -115,7 +201,7 @@ def push_call(
 
 def _shard_keys(keys: QueueKeys, producer: str) -> dict[str, str | None]:
     return {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-            "lease": keys.lease(producer)}  # fmt: skip
+            "lease": keys.leases[producer]}  # fmt: skip
 
 
 def fail(
@@ -134,7 +220,7 @@ def fail(
         "fail",
         CountReply.parse,
         {**_shard_keys(keys, producer), "failures": keys.failures, "stats": keys.stats},
-        {"incarnation": incarnation, "run": run, "entry": entry, "g": entry_slot(entry),
+        {"incarnation": incarnation, "run": run, "entry": entry,
          "max_attempts": max_attempts},
     ).run(client)  # fmt: skip
 
@@ -147,5 +233,5 @@ def handback(
         "handback",
         StatusReply.parse,
         _shard_keys(keys, producer),
-        {"incarnation": incarnation, "run": run, "entry": entry, "g": entry_slot(entry)},
+        {"incarnation": incarnation, "run": run, "entry": entry},
     ).run(client)

@@ -7,15 +7,28 @@ producers' leases back to work (reap.lua), those of producers whose connections 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import redis
 
-from batchq.protocol.calls import Arg, build_call
+from batchq.protocol.calls import Arg, CountReply, build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.replies import CountReply, RequeueReply
+from batchq.protocol.words import Status
 
-__all__ = ["gone", "reap", "requeue"]
+__all__ = ["RequeueReply", "gone", "reap", "requeue"]
+
+
+class RequeueReply(NamedTuple):
+    """requeue.lua: ``{'OK', requeued shards...}`` or a status."""
+
+    status: str
+    requeued: list[int] = []  # a NamedTuple default, never mutated
+
+    @classmethod
+    def parse(cls, raw: Any) -> RequeueReply:
+        """From requeue.lua's raw reply."""
+        r = decode_reply(raw)
+        return cls(r[0], [int(g) for g in r[1:]] if r[0] == Status.OK else [])
 
 
 def reap(
@@ -34,7 +47,7 @@ def reap(
         {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
          "stats": keys.stats},
         {"incarnation": incarnation, "why": why},
-        more_keys=[keys.lease(p) for p in producers],
+        more_keys=[keys.leases[p] for p in producers],
         more_args=list(producers),
     ).run(client)  # fmt: skip
 
@@ -53,7 +66,7 @@ def gone(
         {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
          "stats": keys.stats, "clients": keys.clients},
         {"incarnation": incarnation},
-        more_keys=[keys.lease(p) for p in closed],
+        more_keys=[keys.leases[p] for p in closed],
         more_args=pairs,
     ).run(client)  # fmt: skip
 
@@ -86,6 +99,6 @@ def requeue(
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work, "data": data,
          "producers": keys.producers, "stats": keys.stats},
         {"incarnation": incarnation, "run": run, "n": len(shards)},
-        more_keys=[keys.lease(p) for p in alive],
+        more_keys=[keys.leases[p] for p in alive],
         more_args=tail,
     ).run(client)  # fmt: skip

@@ -6,16 +6,68 @@ checkpoint's ledger (resume.lua).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import redis
 
-from batchq.protocol.calls import Arg, build_call
+from batchq.protocol.calls import Arg, CountReply, build_call, decode_reply, reply_int
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import HISTORY_CAP, WAKE_CAP, flag
-from batchq.protocol.replies import ClaimReply, CountReply, PopReply
+from batchq.protocol.layout import FLAGS, HISTORY_CAP, WAKE_CAP
+from batchq.protocol.words import Status
 
-__all__ = ["ClaimOp", "claim", "pop", "resume"]
+__all__ = ["ClaimOp", "ClaimReply", "PopReply", "claim", "pop", "resume"]
+
+
+class ClaimReply(NamedTuple):
+    """claim.lua. acquire: ``{'OK', incarnation, run, new_run, fence[, held]}``,
+    ``{'CONFLICT', ms}``, ``{'WORLD', world}``; the other ops ``{'OK'[, last]}`` or
+    ``{'CLAIM_LOST'}``.
+
+    Attributes:
+        value: CONFLICT's ms until the other claim lapses, WORLD's world size, or a
+            rank's finish: 1 if it was the last rank (else 0; -1 when not said).
+    """
+
+    status: str
+    incarnation: str = ""
+    run: str = ""
+    new_run: bool = False
+    fence: int = 0
+    held: bool = False
+    value: int = -1
+
+    @classmethod
+    def parse(cls, raw: Any) -> ClaimReply:
+        """From claim.lua's raw reply."""
+        r = decode_reply(raw)
+        if len(r) == 2:  # CONFLICT, WORLD, or finish's {'OK', last}
+            return cls(r[0], value=int(r[1]))
+        if r[0] != Status.OK or len(r) == 1:
+            return cls(r[0])
+        return cls(r[0], r[1], r[2], bool(int(r[3])), int(r[4]), bool(reply_int(r, 5)))
+
+
+class PopReply(NamedTuple):
+    """pop.lua: ``{'OK', producers alive, depth before the pop, {elements}}``,
+    ``{'WRONG_TYPE', key, type}`` or a status. Elements stay bytes: they are data."""
+
+    status: str
+    alive: int = 0
+    depth: int = 0
+    elements: list[bytes] = []  # a NamedTuple default, never mutated
+    key: str = ""
+    found: str = ""
+
+    @classmethod
+    def parse(cls, raw: Any) -> PopReply:
+        """From pop.lua's raw reply."""
+        r = decode_reply(raw)
+        if r[0] == Status.WRONG_TYPE:
+            return cls(r[0], key=str(r[1]), found=str(r[2]))
+        if r[0] != Status.OK:
+            return cls(r[0])
+        return cls(r[0], int(r[1]), int(r[2]), list(r[3]))
+
 
 ClaimOp = Literal["acquire", "refresh", "release", "finish"]
 
@@ -147,7 +199,7 @@ def resume(
          "wake": keys.wake},
         {"token": token, "new_run": new_run, "first": first, "fingerprint": fingerprint,
          "hwm": hwm, "shards": shards, "window": window, "epoch_batches": epoch_batches,
-         "rank": rank, "world": world, "even": even, "step": step, "held": flag(held),
+         "rank": rank, "world": world, "even": even, "step": step, "held": FLAGS[held],
          "remap_epoch": "" if remap is None else remap[0],
          "remapped": 0 if remap is None else len(remap[1]), "wake_cap": WAKE_CAP},
         more_keys=rank_lists,

@@ -10,12 +10,13 @@ raises it), ``'skip'`` goes on.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgpack
 import redis
 
-from batchq.client.connection import redis_errors
-from batchq.errors import ConnectionLost, FrameError
+from batchq.errors import FrameError
+from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import dead_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DEAD_CAP
@@ -51,14 +52,15 @@ class DeadList:
         record = msgpack.packb(
             {"reason": error.reason, "detail": error.detail, "element": bytes(element[:4096])}
         )
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.lpush(self.keys.dead, record)
-            pipe.ltrim(self.keys.dead, 0, DEAD_CAP - 1)
-            pipe.hincrby(self.keys.stats, dead_field(error.reason), 1)
-            pipe.execute()
-        except redis_errors as e:  # the one tuple of connection errors (batchq.client.connection)
-            raise ConnectionLost(f"Redis connection lost while recording a bad frame: {e}") from e
+        keys = self.keys
+
+        def record_it(pipe: Any) -> None:
+            pipe.lpush(keys.dead, record)
+            pipe.ltrim(keys.dead, 0, DEAD_CAP - 1)
+            pipe.hincrby(keys.stats, dead_field(error.reason), 1)
+
+        try:  # a lost connection raises ConnectionLost (converted in calls.round_trip)
+            execute_pipeline(self.client, record_it)
         except redis.ResponseError as e:
             # The dead list or the counters replaced by a foreign type (or Redis full):
             # the record is lost, the policy below still applies.

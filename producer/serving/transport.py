@@ -176,6 +176,10 @@ class Transport:
         # producer joins again (see joined).
         self._uncertain: list[tuple[ShmFrame, str]] = []
         self._patient = True  # the last wait for a segment did not time out
+        # Until then (monotonic s; set by a join), a rank with no published host is
+        # looked at before every batch: its trainer may be between its claim or resume
+        # (which drop the host) and its publish, a few ms later.
+        self._eager_until = 0.0
 
     def joined(self, client: redis.Redis, run: str, world: int = 1) -> None:
         """After a join: a new run drops the old segments, a rejoin of the same run
@@ -198,6 +202,7 @@ class Transport:
             remove_segments(
                 self.shm_dir, self.keys.queue, keep_run=run, keep_producers=alive - {self.producer}
             )
+        self._eager_until = time.monotonic() + REFRESH_S
         self.refresh(client, force=True)
 
     def uncertain(self, frame: ShmFrame, data_key: str) -> None:
@@ -237,14 +242,18 @@ class Transport:
         return rank_field(MetaField.SHM_HOST, rank, world)
 
     def refresh(self, client: redis.Redis, *, force: bool = False) -> None:
-        """Follow the trainers' published host identities (at most once a second)."""
+        """Follow the trainers' published host identities: at most once a second, but
+        before every batch during the second after a join while a rank has published
+        none (a join can fall between a trainer's claim or resume and its publish)."""
         if self.identity is None:
             return
         now = time.monotonic()
-        if not force and now - self._checked < REFRESH_S:
+        if not force and now - self._checked < REFRESH_S and now >= self._eager_until:
             return
         self._checked = now
         hosts, lookaheads = self._read_ranks(client)
+        if all(v is not None for v in hosts):
+            self._eager_until = 0.0  # every rank's trainer has said where it is
         local = tuple(r for r, v in enumerate(hosts) if self._is_here(v))
         if self._fixed is None:
             # Room for what each rank on this host can hold (pool_size), and our own two.

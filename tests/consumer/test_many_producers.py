@@ -16,8 +16,8 @@ from waiting import wait_until
 from batchq.client.connection import make_client
 from batchq.errors import PipelineMismatch, ProducerFailed
 from batchq.protocol import scripts
+from batchq.protocol.calls import decode_reply
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.words import decode_reply
 from consumer import ServerDataStream
 from producer import Producer
 

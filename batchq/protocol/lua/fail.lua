@@ -11,9 +11,9 @@ local stats_key = KEYS[6]        -- HASH   queue counters
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local entry = ARGV[3]            -- lease entry '<g>:<token>'
-local g = ARGV[4]
-local max_attempts = tonumber(ARGV[5])  -- before the shard is reported to the trainer
+local max_attempts = tonumber(ARGV[4])  -- before the shard is reported to the trainer
 
+local g = entry_slot(entry)
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 if redis.call('HGET', meta_key, 'run') ~= run then return {'RUN_CHANGED'} end
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end

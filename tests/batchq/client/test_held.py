@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from batchq.client import held
+from batchq.client import held, redis_internals
 from batchq.client.connection import make_client
 from batchq.errors import ConnectionLost
 from batchq.protocol.calls import round_trip
@@ -93,13 +93,13 @@ def test_a_forked_child_uses_the_pool_as_usual(redis_url: str) -> None:
         pid = os.fork()
         if pid == 0:  # the child only asks which way it would go, then leaves
             os.setpgid(0, 0)
-            _conn, direct = held.borrow(client)
+            _conn, direct = redis_internals.borrow(client)
             os._exit(1 if direct else 0)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        conn, direct = held.borrow(client)
+        conn, direct = redis_internals.borrow(client)
         assert direct  # the parent goes on directly
-        held.give_back(client, conn, direct)
+        redis_internals.give_back(client, conn, direct)
     finally:
         held.release(client)
         client.close()
@@ -110,9 +110,9 @@ def test_a_pool_of_another_kind_is_used_the_usual_way(redis_url: str) -> None:
     held.hold(client)
     try:
         mine = _client_id(client)
-        conn, direct = held.borrow(client)
+        conn, direct = redis_internals.borrow(client)
         assert not direct  # no idle list to move it out of: lent and released by the pool
-        held.give_back(client, conn, direct)
+        redis_internals.give_back(client, conn, direct)
         assert _client_id(client) == mine
     finally:
         held.release(client)

@@ -8,9 +8,10 @@ import redis
 
 from batchq.client import held
 from batchq.client.connection import make_client
+from batchq.client.redis_internals import read_bulk_into
 from batchq.errors import ConnectionLost
 from batchq.protocol import scripts
-from batchq.protocol.calls import round_trip
+from batchq.protocol.calls import execute_pipeline, round_trip
 from batchq.protocol.keys import QueueKeys
 
 
@@ -63,4 +64,52 @@ def test_a_connection_that_fails_half_way_is_never_reused(redis_url: str, hold: 
     finally:
         held.release(client)
         client.delete(key)
+        client.close()
+
+
+def test_bulk_replies_into_own_buffers_and_parsed_replies_share_one_round_trip(
+    redis_url: str,
+) -> None:
+    # Values read straight from the socket never take a byte of the next reply, so a
+    # script's reply (here a parsed one and a raw one) can follow them in the same trip.
+    client = make_client(redis_url)
+    keys = [f"bq:{{rt-into}}:{i}" for i in range(3)]
+    try:
+        client.set(keys[0], b"v" * 1_000_000)
+        client.rpush(keys[1], b"a list")
+        client.hset(keys[2], "f", "1")
+        replies = round_trip(
+            client,
+            [("GETDEL", keys[0]), ("GETDEL", keys[1]), ("HGETALL", keys[2]), ("PING",)],
+            "testing",
+            keep_errors=True,
+            readers=[read_bulk_into, read_bulk_into, None, None],
+        )
+        assert bytes(replies[0]) == b"v" * 1_000_000 and not replies[0].readonly
+        assert isinstance(replies[1], redis.ResponseError) and "WRONGTYPE" in str(replies[1])
+        assert replies[2] in ({b"f": b"1"}, [b"f", b"1"])  # RESP3 or RESP2
+        assert replies[3] == b"PONG"
+        assert round_trip(client, [("PING",)], "testing") == [b"PONG"]  # still in step
+    finally:
+        client.delete(*keys)
+        client.close()
+
+
+def test_a_recorded_pipeline_is_parsed_as_redis_py_parses_it(redis_url: str) -> None:
+    client = make_client(redis_url)
+    key = "bq:{rt-pipe}:h"
+    try:
+        replies = execute_pipeline(
+            client, lambda pipe: [pipe.hset(key, "a", "1"), pipe.hgetall(key), pipe.exists(key)]
+        )
+        assert replies == [1, {b"a": b"1"}, 1]
+        client.rpush("bq:{rt-pipe}:l", b"x")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            execute_pipeline(client, lambda pipe: [pipe.hgetall("bq:{rt-pipe}:l"), pipe.ping()])
+        mixed = execute_pipeline(
+            client, lambda pipe: [pipe.hgetall("bq:{rt-pipe}:l"), pipe.ping()], raise_on_error=False
+        )
+        assert isinstance(mixed[0], redis.ResponseError) and mixed[1] is True
+    finally:
+        client.delete(key, "bq:{rt-pipe}:l")
         client.close()

@@ -10,10 +10,9 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.protocol import scripts
-from batchq.protocol.calls import build_call
+from batchq.protocol.calls import build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import HISTORY_CAP, WAKE_CAP
-from batchq.protocol.words import decode_reply
 
 TTL_MS = 10_000
 
