@@ -374,7 +374,7 @@ class ServerDataStream(FuelStreamMixin):
     def _connect(self) -> None:
         if self._client is None:
             tune_malloc()
-            self._client = make_client(self.url)
+            self._client = make_client(self.url, key=self.keys.meta)
 
     def _start(self) -> EpochFeed:
         """Start reading, once: claim the queue, find where the run starts, start the
@@ -388,7 +388,7 @@ class ServerDataStream(FuelStreamMixin):
         self._started = open_reading(
             self._session,
             new_run,
-            make_client(self.url),
+            make_client(self.url, key=self.keys.meta),
             self.options,
             resume=resume,
             step=self._step,

@@ -141,7 +141,7 @@ class Producer:
             self.keys, self.id, self.sources, checksum, max_frame_bytes, inline_max_bytes,
             int(heartbeat_ttl_s * 1000), max_attempts,
         )  # fmt: skip
-        self.client = make_client(url)
+        self.client = make_client(url, key=self.keys.meta)
         self._stop = threading.Event()
         self._pos = RunPosition()  # the run served: replaced by each _join
         self._lease_seq = 0

@@ -21,10 +21,12 @@ import fakeredis
 import pytest
 import redis
 
+from batchq.client.connection import make_client
 from batchq.errors import ConfigError
 from batchq.host.embedded import EmbeddedRedis
 from batchq.host.procs import StdSpec, spawn, stop_group
 from batchq.protocol.admin import delete_queue
+from batchq.protocol.keys import QueueKeys, queue_from_meta_key
 from batchq.wire.shm import DEFAULT_SHM_DIR, remove_segments
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -33,6 +35,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 # packages of the same names.
 SUPPORT_DIR = TESTS_DIR / "support"
 sys.path.insert(0, str(SUPPORT_DIR))
+
+from redis_cluster import LocalCluster  # noqa: E402  (tests/support, on the path above)
 
 SpawnFn = Callable[..., subprocess.Popen[bytes]]
 
@@ -63,6 +67,51 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 def redis_url(redis_server: EmbeddedRedis) -> str:
     """The URL of the session's redis-server, ``redis://127.0.0.1:<port>/0``."""
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """The session's local Redis Cluster: 3 masters of the suite's redis-server binary,
+    each with a third of the slots (started on first use, stopped at the session's end;
+    tests/support/redis_cluster.py)."""
+    cluster, missing = LocalCluster(3), ""
+    try:
+        cluster.start()
+    except ConfigError as e:
+        missing = str(e)
+    if missing:
+        pytest.fail(f"the cluster tests need a redis-server: {missing}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def queue_url(request: pytest.FixtureRequest, queue_name: str) -> Iterator[str]:
+    """Where a scenario test's queue lives: the session's redis-server, or, for a test
+    parametrized with ``pytest.mark.parametrize("queue_url", ["redis", "cluster"],
+    indirect=True)``, the session's cluster (``redis+cluster://``; the queue's keys are
+    deleted from it afterwards). ``serve_argv`` and ``producer_thread`` use it."""
+    kind = getattr(request, "param", "redis")
+    if kind == "redis":
+        yield request.getfixturevalue("redis_url")
+        return
+    if kind != "cluster":
+        raise ValueError(f"queue_url: expected 'redis' or 'cluster', not {kind!r}")
+    cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+    yield cluster.url
+    for key in _queue_meta_keys(cluster.url, queue_name):
+        client = make_client(cluster.url, key=key)
+        try:
+            delete_queue(client, queue_from_meta_key(key) or queue_name)
+        finally:
+            client.close()
+
+
+def _queue_meta_keys(url: str, queue: str) -> list[str]:
+    """The meta key of ``queue`` (and of each of its stripes) on a cluster."""
+    return [QueueKeys(queue).meta]
 
 
 @pytest.fixture
@@ -143,7 +192,7 @@ def spawn_proc() -> Iterator[SpawnFn]:
 
 
 @pytest.fixture
-def serve_argv(redis_url: str, queue_name: str) -> Callable[..., list[str]]:
+def serve_argv(queue_url: str, queue_name: str) -> Callable[..., list[str]]:
     """The argv of `batchq serve tests.pipelines:numbered` for this test's queue."""
 
     def argv(*extra: str, factory: str = "pipelines:numbered") -> list[str]:
@@ -156,7 +205,7 @@ def serve_argv(redis_url: str, queue_name: str) -> Callable[..., list[str]]:
             "serve",
             factory,
             "--url",
-            redis_url,
+            queue_url,
             "--queue",
             queue_name,
             *extra,

@@ -37,13 +37,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import redis
 from redis.backoff import NoBackoff
-from redis.client import Pipeline
 from redis.crc import key_slot as _crc_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 from redis.retry import Retry
@@ -57,9 +56,12 @@ __all__ = [
     "NodeClient",
     "NodeConnection",
     "NodeSSLConnection",
+    "Reader",
+    "Send",
     "SlotMap",
     "SlotRoute",
     "Topology",
+    "follow_redirects",
     "is_redirect",
     "key_slot",
     "masters",
@@ -69,6 +71,11 @@ SLOTS: Final = 16384  # Redis Cluster's hash slots
 REDIRECTS_MAX: Final = 5  # MOVED/ASK followed for one command before giving up
 TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
 _PAUSE_FIRST_S, _PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
+#: Reads one reply from a connection (as in :func:`batchq.protocol.calls.round_trip`).
+Reader = Callable[[Any], Any]
+#: Sends commands on a client's own connection, reading each with its reader (or raw);
+#: error replies in place.
+Send = Callable[[list[Any], list[Reader | None]], list[Any]]
 
 
 def key_slot(key: str | bytes) -> int:
@@ -133,9 +140,10 @@ class Topology:
 
     def node(self, host: str, port: int) -> redis.Redis:
         """A short-lived plain client of one node (no retries); the caller closes it."""
-        kwargs = {k: v for k, v in self.options.items() if k != "command_packer"}
-        kwargs["retry"] = Retry(NoBackoff(), 0)
-        return redis.Redis(host=host, port=port, **kwargs)
+        pool = redis.ConnectionPool(
+            host=host, port=port, **{**self.options, "retry": Retry(NoBackoff(), 0)}
+        )
+        return redis.Redis.from_pool(pool)
 
     def slot_map(self) -> SlotMap:
         """The slot map (read now if none is known or it was marked stale).
@@ -197,6 +205,29 @@ class Topology:
             pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
             pipe.execute_command(*args, **options)  # type: ignore[no-untyped-call]
             return pipe.execute(raise_on_error=True)[1]
+        finally:
+            client.close()
+
+    def send_one(
+        self, host: str, port: int, command: Sequence[Any], read: Reader | None, *, asking: bool
+    ) -> Any:
+        """One command of a round trip on another node (a redirect), read by ``read`` (or
+        raw); an error reply is returned, not raised."""
+        client = self.node(host, port)
+        try:
+            conn = client.connection_pool.get_connection()
+            try:
+                commands = [("ASKING",), tuple(command)] if asking else [tuple(command)]
+                packed = conn.pack_commands(commands)  # type: ignore[no-untyped-call]
+                conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
+                if asking:
+                    conn.read_response()
+                try:
+                    return conn.read_response() if read is None else read(conn)
+                except redis.ResponseError as e:
+                    return e
+            finally:
+                client.connection_pool.release(conn)
         finally:
             client.close()
 
@@ -282,31 +313,6 @@ class NodeSSLConnection(NodeConnection, redis.SSLConnection):
     """:class:`NodeConnection` over TLS (``rediss+cluster://``)."""
 
 
-class NodePipeline(Pipeline):
-    """redis-py's pipeline on a :class:`NodeClient`: commands the node refused with a
-    redirect are sent again where they belong (see the module's docstring)."""
-
-    def __init__(self, client: NodeClient, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._owner = client
-
-    def execute(self, raise_on_error: bool = True) -> list[Any]:
-        stack = [(args, dict(options)) for args, options in self.command_stack]
-        replies = list(super().execute(raise_on_error=False))
-        for i, reply in enumerate(replies):
-            if is_redirect(reply) and i < len(stack):
-                args, options = stack[i]
-                try:
-                    replies[i] = self._owner.execute_command(*args, **options)
-                except redis.ResponseError as e:
-                    replies[i] = e
-        if raise_on_error:
-            for reply in replies:
-                if isinstance(reply, redis.ResponseError):
-                    raise reply
-        return replies
-
-
 class NodeClient(redis.Redis):
     """A ``redis.Redis`` bound to the master of one slot (its pool's connections are
     :class:`NodeConnection` s of one :class:`SlotRoute`), following redirects."""
@@ -341,10 +347,78 @@ class NodeClient(redis.Redis):
                 time.sleep(pause_s)
                 pause_s = min(2 * pause_s, _PAUSE_MAX_S)
 
-    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> NodePipeline:
-        return NodePipeline(
-            self, self.connection_pool, self.response_callbacks, transaction, shard_hint
-        )
+
+def follow_redirects(
+    client: redis.Redis,
+    commands: Sequence[Sequence[Any]],
+    replies: list[Any],
+    readers: Sequence[Reader | None] | None,
+    send: Send,
+    load: Callable[[redis.Redis], None],
+) -> list[Any]:
+    """The replies of a round trip, with every command the cluster refused with a
+    redirect (:func:`is_redirect`) sent again where it belongs and its reply in place.
+
+    Only the refused commands go again, in their order: the others ran. ``send`` sends
+    on the client's own connection (the slot's master, after a MOVED for its slot);
+    a command for another node (ASK, another slot's MOVED) goes alone on a connection of
+    that node, where ``load`` loads the scripts on NOSCRIPT. A client that is not a
+    cluster's gets ``replies`` back as they are.
+    """
+    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
+    if not isinstance(route, SlotRoute):
+        return replies
+    deadline = time.monotonic() + TRYAGAIN_S
+    pause_s = _PAUSE_FIRST_S
+    for _ in range(REDIRECTS_MAX):
+        pending = [i for i, reply in enumerate(replies) if is_redirect(reply)]
+        if not pending:
+            break
+        again = []
+        for i in pending:
+            reply, read = replies[i], readers[i] if readers is not None else None
+            if isinstance(reply, MovedError) and reply.slot_id == route.slot:
+                route.moved(reply.host, reply.port)
+                again.append(i)
+            elif isinstance(reply, AskError):  # MOVED for another slot, or ASK
+                asking = not isinstance(reply, MovedError)
+                replies[i] = _elsewhere(route.topology, reply, commands[i], read, asking, load)
+            else:  # TRYAGAIN, CLUSTERDOWN: a migration or a failover in progress
+                again.append(i)
+        if any(isinstance(replies[i], TryAgainError | ClusterDownError) for i in again):
+            if time.monotonic() + pause_s > deadline:
+                break
+            time.sleep(pause_s)
+            pause_s = min(2 * pause_s, _PAUSE_MAX_S)
+        if again:
+            resent = send([commands[i] for i in again], [
+                readers[i] if readers is not None else None for i in again
+            ])  # fmt: skip
+            for i, reply in zip(again, resent, strict=True):
+                replies[i] = reply
+    return replies
+
+
+def _elsewhere(
+    topology: Topology,
+    redirect: AskError,
+    command: Sequence[Any],
+    read: Reader | None,
+    asking: bool,
+    load: Callable[[redis.Redis], None],
+) -> Any:
+    """One redirected command on its node; NOSCRIPT there loads the scripts, once."""
+    if not asking:
+        topology.stale()
+    reply = topology.send_one(redirect.host, redirect.port, command, read, asking=asking)
+    if isinstance(reply, redis.exceptions.NoScriptError):
+        node = topology.node(redirect.host, redirect.port)
+        try:
+            load(node)
+        finally:
+            node.close()
+        reply = topology.send_one(redirect.host, redirect.port, command, read, asking=asking)
+    return reply
 
 
 def masters(client: Any) -> Iterator[redis.Redis]:

@@ -145,8 +145,8 @@ def make_client(
     if target.kind == "sentinel":
         return redis.Redis.from_pool(master_pool(target, common))
     if target.kind == "cluster":
+        topology = Topology(target, {**target.options, **common})
         options = {k: v for k, v in target.options.items() if k != "connection_class"}
-        topology = Topology(target, {**options, **common})
         route = SlotRoute(topology, cluster.key_slot(key) if key is not None else 0)
         pool = HeldPool(
             connection_class=NodeSSLConnection if target.tls else NodeConnection,

@@ -12,13 +12,13 @@ from producer import Producer
 
 
 @pytest.fixture
-def producer_thread(redis_url: str, queue_name: str) -> Iterator[Callable[..., Producer]]:
+def producer_thread(queue_url: str, queue_name: str) -> Iterator[Callable[..., Producer]]:
     """Start Producers serving in threads; each is stopped when the test ends."""
     started: list[tuple[Producer, threading.Thread]] = []
 
     def start(stream: Any, **options: Any) -> Producer:
         options.setdefault("hwm", 4)
-        producer = Producer(stream, redis_url, queue_name, **options)
+        producer = Producer(stream, queue_url, queue_name, **options)
         thread = threading.Thread(target=producer.serve, daemon=True)
         thread.start()
         started.append((producer, thread))

@@ -66,8 +66,9 @@ def test_four_producers_five_epochs_exact(
         stream.close(finished=True)
 
 
+@pytest.mark.parametrize("queue_url", ["redis", "cluster"], indirect=True)
 def test_sigkill_producers_mid_shard_every_epoch_stays_exact(
-    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+    queue_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
 ) -> None:
     env = serve_env(examples=300, batch_size=10, slow_ms=15)
     argv = serve_argv("--hwm", "4", "--heartbeat-ttl-s", "1")
@@ -76,7 +77,7 @@ def test_sigkill_producers_mid_shard_every_epoch_stays_exact(
     kill_at = sorted(rng.sample(range(5, 85), 4))
     expected = reference(3, examples=300, batch_size=10)
     seen = 0
-    with trainer(redis_url, queue_name, stall_s=1.0) as stream:
+    with trainer(queue_url, queue_name, stall_s=1.0) as stream:
         for e in range(3):
             got = []
             for f, _ in stream.get_epoch_iterator():
