@@ -55,6 +55,7 @@ class Plan:
         self.epoch_batches = int(get(f.EPOCH_BATCHES, "-1"))
         self.world = int(get(f.WORLD, "1"))
         self.even = get(f.EVEN, "pad")
+        self.stripes = int(get(f.STRIPES, "1"))  # batchq/protocol/stripes.py
 
 
 class Session:

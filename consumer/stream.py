@@ -37,6 +37,7 @@ from consumer.state_keys import (
 from consumer.stats import TrainerStats
 from consumer.stream_options import StreamOptions, check_stream_options
 from consumer.stream_start import Started, claim, new_session, open_reading, release
+from consumer.striped_start import StripeReaders
 
 __all__ = ["ServerDataStream"]
 
@@ -186,7 +187,7 @@ class ServerDataStream(FuelStreamMixin):
         return self._started.buffer if self._started is not None else None
 
     @property
-    def _reader(self) -> Reader | None:
+    def _reader(self) -> Reader | StripeReaders | None:
         return self._started.reader if self._started is not None else None
 
     @property
@@ -289,7 +290,8 @@ class ServerDataStream(FuelStreamMixin):
             resume = self._resume or {}
             self._session.acquire(takeover=str(resume.get(RUN_KEY) or ""))
         if self._client is not None:
-            release(self._session, self._client, self._shm, finished, self.timeout_s)
+            stripes = self._started.stripes if self._started is not None else None
+            release(self._session, self._client, self._shm, finished, self.timeout_s, stripes)
 
     def state_dict(self, held_back: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Where the caller is: a small JSON-serialisable dict for checkpoints.
@@ -393,6 +395,8 @@ class ServerDataStream(FuelStreamMixin):
             resume=resume,
             step=self._step,
             parts=(self._shm, self._prep, self._stats, self.producers_seen),
+            connect=lambda keys: make_client(self.url, key=keys.meta),
+            make_shm=self._shm.sibling,
         )
         return self._started.feed
 

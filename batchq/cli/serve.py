@@ -79,6 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
         orphan_exit_s=getattr(args, "orphan_exit_s", 600.0) or None,
         transport=args.transport,
         shm_dir=args.shm_dir,
+        stripes=args.stripes,
     )
 
 
@@ -98,6 +99,8 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
         args.queue,
         "--hwm",
         str(args.hwm),
+        "--stripes",
+        str(args.stripes),
         "--heartbeat-ttl-s",
         str(args.heartbeat_ttl_s),
         "--orphan-exit-s",

@@ -120,8 +120,10 @@ def join(
     served: str,
     grace_ms: int,
     no_create: bool,
+    stripes: int = 1,
 ) -> JoinReply:
-    """A producer joins the queue's run (join.lua)."""
+    """A producer joins the queue's run (join.lua); ``stripes``: the run's stripes
+    (:mod:`batchq.protocol.stripes`), set with the plan, then checked."""
     return build_call(
         "join",
         JoinReply.parse,
@@ -132,7 +134,8 @@ def join(
          "window": window, "new_run": new_run, "new_incarnation": new_incarnation,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,
          "epoch_batches": -1 if epoch_batches is None else epoch_batches,
-         "served": served, "grace_ms": grace_ms, "no_create": FLAGS[no_create]},
+         "served": served, "grace_ms": grace_ms, "no_create": FLAGS[no_create],
+         "stripes": stripes},
     ).run(client)  # fmt: skip
 
 

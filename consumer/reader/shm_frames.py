@@ -134,6 +134,7 @@ class TrainerShm:
         world: int = 1,
     ) -> None:
         self.keys = keys
+        self.rank, self.world = rank, world
         # What the arrays may be: the stream hands its FramePrep's over when reading starts.
         self.access = ArrayAccess.WRITABLE if writable else ArrayAccess.READ_ONLY
         self.host_field = rank_field(MetaField.SHM_HOST, rank, world)
@@ -154,6 +155,12 @@ class TrainerShm:
         self._swept = time.monotonic()
         self.frames = 0  # frames received through shared memory
         self.swept = 0  # segments of gone producers removed by sweep()
+
+    def sibling(self, keys: QueueKeys) -> TrainerShm:
+        """The same trainer's shared memory for another queue: a stripe of this one
+        (:mod:`batchq.protocol.stripes`), whose segments and host are its own."""
+        writable = self.access is not ArrayAccess.READ_ONLY
+        return TrainerShm(keys, self.mode, self.shm_dir, writable, rank=self.rank, world=self.world)
 
     def publish(self, client: redis.Redis, lookahead: int) -> None:
         """Tell the producers this trainer's host and its look-ahead (the decoded frames

@@ -120,7 +120,8 @@ class FramePusher:
         self._oom_logged = False
         self._frame_seq = 0
         self.pending_ref: str | None = None  # a frame stored by reference, not yet listed
-        self.ahead = Ahead()  # leased with the last pushes; the next shard built ahead
+        # Leased with the last pushes; the next shard built ahead.
+        self.ahead = Ahead(settings.stripe, settings.stripes)
         self._data_key = settings.keys.data  # the data list of the current shard's rank
         self._rank = 0
         self._world = 1

@@ -27,6 +27,8 @@ local grace_ms = tonumber(ARGV[12])  -- a run that finished less than this long 
 local no_create = ARGV[13]       -- '1': create no queue and no run (after Redis lost the
                                  -- queue's state the trainer re-creates it from its
                                  -- ledger; producers wait for that)
+local stripes = ARGV[14]         -- the queues the run is striped over (batchq/protocol/
+                                 -- stripes.py): set with the plan, then checked
 
 local now = server_now_ms()
 
@@ -67,6 +69,12 @@ if not run_hwm then
     'epoch_batches', epoch_batches)
 elseif run_hwm ~= hwm then
   return {'MISMATCH', 'hwm', run_hwm}
+end
+local run_stripes = redis.call('HGET', meta_key, 'stripes')
+if not run_stripes then
+  redis.call('HSET', meta_key, 'stripes', stripes)
+elseif run_stripes ~= stripes then
+  return {'MISMATCH', 'stripes', run_stripes}
 end
 
 -- Leases this producer id still holds from an earlier life go back to the front of the
