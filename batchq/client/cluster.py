@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -47,9 +47,11 @@ from redis.crc import key_slot as _crc_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 from redis.retry import Retry
 
+from batchq.client.redis_internals import HeldPool
 from batchq.client.urls import Target
 
 __all__ = [
+    "REDIRECTS",
     "REDIRECTS_MAX",
     "SLOTS",
     "TRYAGAIN_S",
@@ -61,7 +63,9 @@ __all__ = [
     "SlotMap",
     "SlotRoute",
     "Topology",
+    "describe",
     "follow_redirects",
+    "grouped",
     "is_redirect",
     "key_slot",
     "masters",
@@ -83,10 +87,14 @@ def key_slot(key: str | bytes) -> int:
     return int(_crc_slot(key.encode() if isinstance(key, str) else key))
 
 
+#: The replies that refuse a command without running it (MOVED, a kind of ASK; ASK,
+#: TRYAGAIN, CLUSTERDOWN): it may be sent again where it belongs.
+REDIRECTS: Final = (AskError, TryAgainError, ClusterDownError)
+
+
 def is_redirect(reply: object) -> bool:
-    """Whether a reply is a refusal that did not run the command (MOVED, ASK, TRYAGAIN,
-    CLUSTERDOWN): the command may be sent again where it belongs."""
-    return isinstance(reply, AskError | TryAgainError | ClusterDownError)
+    """Whether a reply is one of :data:`REDIRECTS`."""
+    return isinstance(reply, REDIRECTS)
 
 
 @dataclass(frozen=True)
@@ -419,6 +427,42 @@ def _elsewhere(
             node.close()
         reply = topology.send_one(redirect.host, redirect.port, command, read, asking=asking)
     return reply
+
+
+@contextlib.contextmanager
+def grouped(
+    client: redis.Redis, keyed: Mapping[str, str]
+) -> Iterator[list[tuple[redis.Redis, list[str]]]]:
+    """``keyed`` (name -> a key of it) grouped by the master that holds each key now,
+    each group with a client bound to its first key's slot (closed after the block): a
+    tool reads many queues with one pipeline per master. A client that is not a
+    cluster's reads them all: ``[(client, names)]``."""
+    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
+    if not isinstance(route, SlotRoute) or not keyed:
+        yield [(client, list(keyed))]
+        return
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name, key in keyed.items():
+        groups.setdefault(route.topology.owner(key_slot(key)), []).append(name)
+    pool = client.connection_pool
+    made: list[tuple[redis.Redis, list[str]]] = []
+    try:
+        for names in groups.values():
+            bound = SlotRoute(route.topology, key_slot(keyed[names[0]]))
+            kwargs = {**pool.connection_kwargs, "route": bound}
+            made.append((NodeClient.from_pool(HeldPool(pool.connection_class, **kwargs)), names))
+        yield made
+    finally:
+        for node, _ in made:
+            with contextlib.suppress(redis.RedisError, OSError):
+                node.close()
+
+
+def describe(client: redis.Redis) -> str | None:
+    """'host:port' of the master a cluster client is bound to now, None for a client
+    that is not a cluster's."""
+    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
+    return route.describe() if isinstance(route, SlotRoute) else None
 
 
 def masters(client: Any) -> Iterator[redis.Redis]:

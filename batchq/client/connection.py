@@ -63,6 +63,7 @@ __all__ = [
     "redis_errors",
     "resolve_url",
     "retrying",
+    "server_of",
     "tune_malloc",
     "wrong_type_error",
 ]
@@ -200,6 +201,14 @@ def _where(client: Any) -> tuple[str, int | None, str]:
         return pool.describe(), None, user
     port = kwargs.get("port")
     return str(kwargs.get("host", "?")), int(port) if port is not None else None, user
+
+
+def server_of(client: Any) -> str:
+    """Where a client's commands go, for messages and status: 'host:port' (a cluster
+    client's: the master of its slot; Sentinel's: the master's name and address), or a
+    socket's path."""
+    host, port, _ = _where(client)
+    return host if port is None else f"{host}:{port}"
 
 
 def _db(client: Any) -> object:

@@ -90,6 +90,14 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        buckets of WAIT_BUCKETS_S and a last +Inf one,
                                        cumulative (the exporter's histogram); added to
                                        schema 4 at its end after figures_fresh
+    node                  str          where the queue is: the server's host:port (a
+                                       cluster's master of the queue's slot; Sentinel's
+                                       master), added to schema 4 at its end
+    stripes               list         a striped queue's stripes (batchq.protocol.stripes),
+                                       stripe 0 first: objects with stripe, queue, node,
+                                       depth (every rank's list), pushed, popped,
+                                       producers_alive (empty when not striped; the row's
+                                       other fields are stripe 0's); added after node
 
 For a data-parallel trainer (world_size > 1) ``depth`` is the sum of the ranks' lists
 and the trainer figures (stall, rates, epoch) are the slowest rank's.
@@ -132,6 +140,7 @@ from typing import Any
 
 import redis
 
+from batchq.client.cluster import masters
 from batchq.monitoring import sizing
 from batchq.monitoring.counters import counter_fields, figure_fields
 from batchq.monitoring.producer_rows import PRODUCER_FIELDS, bytes_held, live_totals, producer_rows
@@ -173,17 +182,19 @@ STATUS_FIELDS = (
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
-    "wait_buckets",
+    "wait_buckets", "node", "stripes",
 )  # fmt: skip
 
 
 def list_queues(client: redis.Redis) -> list[str]:
-    """The names of every queue on the server (those with a meta hash), sorted."""
+    """The names of every queue on the server (those with a meta hash; on a cluster,
+    every master's), sorted; a striped queue once (its stripes are in its row)."""
     names = set()
-    for key in client.scan_iter(match=QueueKeys.META_PATTERN, count=1000):
-        name = queue_from_meta_key(key)
-        if name is not None:
-            names.add(name)
+    for node in masters(client):
+        for key in node.scan_iter(match=QueueKeys.META_PATTERN, count=1000):
+            name = queue_from_meta_key(key)
+            if name is not None:
+                names.add(name)
     return sorted(names)
 
 
@@ -263,6 +274,8 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "world_size": snap.world,
         "ranks": ranks,
         "slowest_rank": slowest,
+        "node": snap.node,
+        "stripes": [stripe.row() for stripe in snap.stripes],
         **counter_fields(snap.stats),
         **figures,
     }

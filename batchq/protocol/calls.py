@@ -23,7 +23,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import redis
 
-from batchq.client.cluster import follow_redirects, is_redirect
+from batchq.client.cluster import REDIRECTS, follow_redirects
 from batchq.client.connection import convert_error
 from batchq.client.redis_internals import borrow, give_back
 from batchq.errors import ProtocolError
@@ -284,7 +284,7 @@ def round_trip(
     try:
         for attempt in (0, 1):
             replies = _send_and_read(client, commands, between if attempt == 0 else None, readers)
-            if any(is_redirect(r) for r in replies):  # a cluster's slot moved or moves
+            if any(isinstance(r, REDIRECTS) for r in replies):  # a cluster's slot moved
                 replies = follow_redirects(
                     client, commands, replies, readers,
                     lambda again, read: _send_and_read(client, again, None, read), load_all,

@@ -87,8 +87,8 @@ from batchq.errors import ConfigError
 __all__ = [
     "KEY_TYPES",
     "PREFIX",
-    "QueueKeys",
     "STRIPE_CANDIDATES",
+    "QueueKeys",
     "check_name",
     "is_stripe",
     "queue_from_meta_key",
