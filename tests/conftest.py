@@ -26,7 +26,7 @@ from batchq.errors import ConfigError
 from batchq.host.embedded import EmbeddedRedis
 from batchq.host.procs import StdSpec, spawn, stop_group
 from batchq.protocol.admin import delete_queue
-from batchq.protocol.keys import QueueKeys, queue_from_meta_key
+from batchq.protocol.keys import QueueKeys
 from batchq.wire.shm import DEFAULT_SHM_DIR, remove_segments
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -37,6 +37,7 @@ SUPPORT_DIR = TESTS_DIR / "support"
 sys.path.insert(0, str(SUPPORT_DIR))
 
 from redis_cluster import LocalCluster  # noqa: E402  (tests/support, on the path above)
+from redis_sentinel import LocalSentinel  # noqa: E402
 
 SpawnFn = Callable[..., subprocess.Popen[bytes]]
 
@@ -87,31 +88,50 @@ def redis_cluster() -> Iterator[LocalCluster]:
         cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def redis_sentinel() -> Iterator[LocalSentinel]:
+    """A master, its replica and three sentinels of the suite's redis-server binary, for
+    one test file (its failovers change the deployment; tests/support/redis_sentinel.py)."""
+    deployment = LocalSentinel()
+    try:
+        deployment.start()
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+#: The kinds of Redis ``queue_url`` serves: the fixture each needs.
+_DEPLOYMENTS = {"redis": "redis_url", "cluster": "redis_cluster", "sentinel": "redis_sentinel"}
+
+
 @pytest.fixture
 def queue_url(request: pytest.FixtureRequest, queue_name: str) -> Iterator[str]:
     """Where a scenario test's queue lives: the session's redis-server, or, for a test
     parametrized with ``pytest.mark.parametrize("queue_url", ["redis", "cluster"],
-    indirect=True)``, the session's cluster (``redis+cluster://``; the queue's keys are
-    deleted from it afterwards). ``serve_argv`` and ``producer_thread`` use it."""
+    indirect=True)``, the session's cluster (``redis+cluster://``), or with
+    ``"sentinel"`` the file's Sentinel deployment (``redis+sentinel://``); the queue's
+    keys (every stripe's) are deleted from it afterwards. ``serve_argv`` and
+    ``producer_thread`` use it."""
     kind = getattr(request, "param", "redis")
+    if kind not in _DEPLOYMENTS:
+        raise ValueError(f"queue_url: expected one of {sorted(_DEPLOYMENTS)}, not {kind!r}")
+    deployment = request.getfixturevalue(_DEPLOYMENTS[kind])
     if kind == "redis":
-        yield request.getfixturevalue("redis_url")
+        yield deployment
         return
-    if kind != "cluster":
-        raise ValueError(f"queue_url: expected 'redis' or 'cluster', not {kind!r}")
-    cluster: LocalCluster = request.getfixturevalue("redis_cluster")
-    yield cluster.url
-    for key in _queue_meta_keys(cluster.url, queue_name):
-        client = make_client(cluster.url, key=key)
-        try:
-            delete_queue(client, queue_from_meta_key(key) or queue_name)
-        finally:
-            client.close()
+    url: str = deployment.url
+    yield url
+    for count in range(1, MAX_STRIPES_CLEANED + 1):
+        for k in range(count):
+            keys = QueueKeys(queue_name).stripe(k, count)
+            client = make_client(url, key=keys.meta)
+            try:
+                delete_queue(client, keys.queue)
+            finally:
+                client.close()
 
 
-def _queue_meta_keys(url: str, queue: str) -> list[str]:
-    """The meta key of ``queue`` (and of each of its stripes) on a cluster."""
-    return [QueueKeys(queue).meta]
+MAX_STRIPES_CLEANED = 4  # a test's queue may be striped this many ways at most
 
 
 @pytest.fixture

@@ -282,10 +282,13 @@ class SlotRoute:
         self.topology.stale()
 
     def describe(self) -> str:
-        """'host:port' of the slot's master as last known, for messages."""
-        with self._lock:
-            where = self._address
-        return f"{where[0]}:{where[1]}" if where else self.topology.target.where()
+        """'host:port' of the slot's master (the cluster's seeds if none answers), for
+        messages and status."""
+        try:
+            host, port = self.address()
+        except (redis.RedisError, OSError):
+            return self.topology.target.where()
+        return f"{host}:{port}"
 
 
 class NodeConnection(redis.Connection):
