@@ -100,8 +100,12 @@ def redis_sentinel() -> Iterator[LocalSentinel]:
         deployment.stop()
 
 
-#: The kinds of Redis ``queue_url`` serves: the fixture each needs.
-_DEPLOYMENTS = {"redis": "redis_url", "cluster": "redis_cluster", "sentinel": "redis_sentinel"}
+#: The kinds of Redis ``queue_url`` serves: the fixture each needs ("stripes": the cluster,
+#: the queue striped over its 3 masters).
+_DEPLOYMENTS = {
+    "redis": "redis_url", "cluster": "redis_cluster", "stripes": "redis_cluster",
+    "sentinel": "redis_sentinel",
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -109,9 +113,10 @@ def queue_url(request: pytest.FixtureRequest, queue_name: str) -> Iterator[str]:
     """Where a scenario test's queue lives: the session's redis-server, or, for a test
     parametrized with ``pytest.mark.parametrize("queue_url", ["redis", "cluster"],
     indirect=True)``, the session's cluster (``redis+cluster://``), or with
-    ``"sentinel"`` the file's Sentinel deployment (``redis+sentinel://``); the queue's
-    keys (every stripe's) are deleted from it afterwards. ``serve_argv`` and
-    ``producer_thread`` use it."""
+    ``"sentinel"`` the file's Sentinel deployment (``redis+sentinel://``), or with
+    ``"stripes"`` the cluster with the queue striped over its masters
+    (:func:`queue_stripes`); the queue's keys (every stripe's) are deleted from it
+    afterwards. ``serve_argv`` and ``producer_thread`` use it."""
     kind = getattr(request, "param", "redis")
     if kind not in _DEPLOYMENTS:
         raise ValueError(f"queue_url: expected one of {sorted(_DEPLOYMENTS)}, not {kind!r}")
@@ -132,6 +137,14 @@ def queue_url(request: pytest.FixtureRequest, queue_name: str) -> Iterator[str]:
 
 
 MAX_STRIPES_CLEANED = 4  # a test's queue may be striped this many ways at most
+
+
+@pytest.fixture
+def queue_stripes(request: pytest.FixtureRequest) -> int:
+    """How many stripes the producers of ``serve_argv`` and ``producer_thread`` serve:
+    3 where ``queue_url`` is parametrized "stripes", else 1."""
+    callspec = getattr(request.node, "callspec", None)
+    return 3 if callspec is not None and callspec.params.get("queue_url") == "stripes" else 1
 
 
 @pytest.fixture
@@ -212,7 +225,7 @@ def spawn_proc() -> Iterator[SpawnFn]:
 
 
 @pytest.fixture
-def serve_argv(queue_url: str, queue_name: str) -> Callable[..., list[str]]:
+def serve_argv(queue_url: str, queue_name: str, queue_stripes: int) -> Callable[..., list[str]]:
     """The argv of `batchq serve tests.pipelines:numbered` for this test's queue."""
 
     def argv(*extra: str, factory: str = "pipelines:numbered") -> list[str]:
@@ -228,6 +241,7 @@ def serve_argv(queue_url: str, queue_name: str) -> Callable[..., list[str]]:
             queue_url,
             "--queue",
             queue_name,
+            *(["--stripes", str(queue_stripes)] if queue_stripes > 1 else []),
             *extra,
         ]
 

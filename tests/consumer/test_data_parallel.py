@@ -92,7 +92,7 @@ def check_epoch(plan: list[list[int]], per_rank: list[list[list[int]]], world: i
     assert set(together) == {tuple(b) for b in plan}  # every batch of the epoch
 
 
-@pytest.mark.parametrize("queue_url", ["redis", "cluster"], indirect=True)
+@pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
 def test_four_ranks_three_producers_one_killed(
     queue_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
 ) -> None:

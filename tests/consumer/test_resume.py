@@ -85,7 +85,7 @@ def test_checkpoint_in_epoch_2_resumes_exactly_in_a_fresh_process(
             )
 
 
-@pytest.mark.parametrize("queue_url", ["redis", "cluster"], indirect=True)
+@pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
 def test_sigkilled_trainer_restarts_from_its_last_state(
     queue_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
 ) -> None:

@@ -227,7 +227,7 @@ def test_hostile_descriptors_are_bad_frames_and_the_epoch_stays_exact(
     assert redis_client.llen(keys.dead) == 4
 
 
-@pytest.mark.parametrize("queue_url", ["redis", "cluster"], indirect=True)
+@pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
 def test_resume_from_a_checkpoint_is_exact_with_shared_memory(
     queue_url: str, queue_name: str, producer_thread: Callable[..., Producer]
 ) -> None:

@@ -179,7 +179,7 @@ class LocalSentinel:
             peers = s.execute_command("SENTINEL", "SENTINELS", SERVICE)
             return len(peers) == 2 and any(
                 int(r["port"]) == replica_port and r["flags"] == "slave"
-                and r["master-link-status"] == "ok" and r.get("role-reported") == "slave"
+                and r["master-link-status"] == "ok"
                 for r in replicas
             )  # fmt: skip
 
