@@ -18,6 +18,7 @@ from batchq.errors import ConfigError
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.pool import WorkerPool
 from batchq.host.procs import spawn, stop_group
+from batchq.protocol.keys import QueueKeys
 
 __all__ = ["load_factory", "run_serve"]
 
@@ -125,7 +126,7 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
     if (
         policy.auto
     ):  # --workers auto or MIN:MAX: batchq.host.autoscale decides, batchq.host.pool acts
-        client = make_client(url)
+        client = make_client(url, key=QueueKeys(args.queue).meta)
         try:
             pool = WorkerPool(client, args.queue, policy, lambda: spawn(argv, env=env))
             return pool.run(stopping)

@@ -10,6 +10,7 @@ import pytest
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
+from batchq.cli import main
 from batchq.client.cluster import key_slot
 from batchq.client.connection import make_client
 from batchq.errors import PipelineMismatch
@@ -83,3 +84,30 @@ def test_a_runs_stripes_are_fixed_when_it_is_created(queue_url: str, queue_name:
         first.stop()
         serving.join(timeout=10)
         client.close()
+
+
+@pytest.mark.parametrize("queue_url", ["cluster"], indirect=True)
+def test_status_shows_each_stripes_node_and_reset_deletes_every_stripe(
+    queue_url: str, queue_name: str, redis_cluster: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    producer = StripedProducer(numbered(EXAMPLES, BATCH), queue_url, queue_name, 4, stripes=3)
+    serving = threading.Thread(target=producer.serve, daemon=True)
+    serving.start()
+    stripes = [QueueKeys(queue_name).stripe(k, 3) for k in range(3)]
+    try:  # every stripe's list at its cap: the producer served each
+        wait_until(
+            lambda: all(n >= 1 for n in redis_cluster.keys_per_node(f"bq:{{{queue_name}*}}:data")),
+            what="data on every master",
+        )
+    finally:
+        producer.stop()
+        serving.join(timeout=10)
+    assert main(["status", "--url", queue_url]) == 0
+    text = capsys.readouterr().out
+    assert f"{queue_name}: " in text and "3 stripes" in text
+    for k, keys in enumerate(stripes):
+        node = redis_cluster.ports[redis_cluster.node_of(keys.meta)]
+        assert f"stripe {k} {keys.queue} on 127.0.0.1:{node}: depth 4/4" in text
+    assert stripes[1].queue not in text.split("\n\n")[0]  # one row: the queue's
+    assert main(["reset", "--url", queue_url, "--queue", queue_name, "--yes"]) == 0
+    assert redis_cluster.keys_per_node(f"bq:{{{queue_name}*}}:*") == [0, 0, 0]
