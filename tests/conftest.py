@@ -8,13 +8,14 @@ their whole process group, when the test ends, even when it fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import uuid4
 
 import fakeredis
@@ -48,20 +49,31 @@ def _no_batchq_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATCHQ_URL", raising=False)
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    """The session's redis-server (started on first use, stopped at the session's end)."""
-    server, missing = EmbeddedRedis(), ""
+Startable = TypeVar("Startable", EmbeddedRedis, LocalCluster, LocalSentinel)
+
+
+@contextlib.contextmanager
+def _running(deployment: Startable) -> Iterator[Startable]:
+    """Start ``deployment`` (a test without a redis-server binary fails, saying so) and
+    stop it after the block, whatever happened."""
+    missing = ""
     try:
-        server.start()
+        deployment.start()
     except ConfigError as e:
         missing = str(e)
     if missing:  # outside the except block: no chained traceback, just the message
         pytest.fail(f"the tests need a redis-server: {missing}", pytrace=False)
     try:
-        yield server
+        yield deployment
     finally:
-        server.stop()
+        deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """The session's redis-server (started on first use, stopped at the session's end)."""
+    with _running(EmbeddedRedis()) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -75,29 +87,16 @@ def redis_cluster() -> Iterator[LocalCluster]:
     """The session's local Redis Cluster: 3 masters of the suite's redis-server binary,
     each with a third of the slots (started on first use, stopped at the session's end;
     tests/support/redis_cluster.py)."""
-    cluster, missing = LocalCluster(3), ""
-    try:
-        cluster.start()
-    except ConfigError as e:
-        missing = str(e)
-    if missing:
-        pytest.fail(f"the cluster tests need a redis-server: {missing}", pytrace=False)
-    try:
+    with _running(LocalCluster(3)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
 def redis_sentinel() -> Iterator[LocalSentinel]:
     """A master, its replica and three sentinels of the suite's redis-server binary, for
     one test file (its failovers change the deployment; tests/support/redis_sentinel.py)."""
-    deployment = LocalSentinel()
-    try:
-        deployment.start()
+    with _running(LocalSentinel()) as deployment:
         yield deployment
-    finally:
-        deployment.stop()
 
 
 #: The kinds of Redis ``queue_url`` serves: the fixture each needs ("stripes": the cluster,
