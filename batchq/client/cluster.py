@@ -18,7 +18,9 @@ says it did not run:
 * ``ASK <slot> <host>:<port>``: the slot is migrating and this key has left already:
   ``ASKING`` and the command on the target, once.
 * ``TRYAGAIN`` (a command on several keys of a slot in the middle of a migration) and
-  ``CLUSTERDOWN``: the command goes again after a pause, for up to :data:`TRYAGAIN_S`.
+  ``CLUSTERDOWN``: the command goes again after a pause, for up to :data:`TRYAGAIN_S`;
+  so does a second MOVED for the same command (the nodes may disagree for a moment
+  while a slot changes owner).
 * A connection refused or lost: the route reads the slot map again before its next
   connect (a failover moved the slot).
 
@@ -52,7 +54,6 @@ from batchq.client.urls import Target
 
 __all__ = [
     "REDIRECTS",
-    "REDIRECTS_MAX",
     "SLOTS",
     "TRYAGAIN_S",
     "NodeClient",
@@ -72,7 +73,6 @@ __all__ = [
 ]
 
 SLOTS: Final = 16384  # Redis Cluster's hash slots
-REDIRECTS_MAX: Final = 5  # MOVED/ASK followed for one command before giving up
 TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
 _PAUSE_FIRST_S, _PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
 #: Reads one reply from a connection (as in :func:`batchq.protocol.calls.round_trip`).
@@ -257,21 +257,28 @@ class SlotRoute:
 
     def address(self) -> tuple[str, int]:
         """The master to connect to (read from the slot map when unknown)."""
+        host, port, _ = self.current()
+        return host, port
+
+    def current(self) -> tuple[str, int, int]:
+        """(host, port, generation) of the master to connect to, read together: a
+        connection made to it is current until the generation changes."""
         with self._lock:
             if self._address is not None:
-                return self._address
+                return (*self._address, self.generation)
         found = self.topology.owner(self.slot)
         with self._lock:
             if self._address is None:
                 self._address = found
-            return self._address
+            return (*self._address, self.generation)
 
     def moved(self, host: str, port: int) -> None:
-        """A MOVED for this slot: the slot's owner is now ``host:port``."""
+        """A MOVED for this slot: the slot's owner is now ``host:port``; every
+        connection of the route reconnects at its next send (also one that had
+        connected to this address from an older slot map: it got the MOVED)."""
         with self._lock:
-            if self._address != (host, port):
-                self._address = (host, port)
-                self.generation += 1
+            self._address = (host, port)
+            self.generation += 1
         self.topology.stale()
 
     def lost(self) -> None:
@@ -305,8 +312,7 @@ class NodeConnection(redis.Connection):
     ) -> None:
         if self.is_connected:
             return
-        self.host, self.port = self.route.address()
-        self._generation = self.route.generation
+        self.host, self.port, self._generation = self.route.current()
         try:
             super().connect_check_health(check_health, retry_socket_connect)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -337,26 +343,26 @@ class NodeClient(redis.Redis):
     def execute_command(self, *args: Any, **options: Any) -> Any:
         route = self.route
         deadline = time.monotonic() + TRYAGAIN_S
-        pause_s = _PAUSE_FIRST_S
-        redirects = 0
+        pause_s = 0.0  # the first redirect is followed at once, the next after a pause
         while True:
             try:
                 return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
             except MovedError as e:
-                redirects += 1
-                if redirects > REDIRECTS_MAX:
-                    raise
                 if e.slot_id != route.slot:  # another queue's key: that command alone
                     route.topology.stale()
                     return route.topology.send(e.host, e.port, args, options)
                 route.moved(e.host, e.port)
+                if pause_s and time.monotonic() + pause_s > deadline:
+                    raise
             except AskError as e:
                 return route.topology.send(e.host, e.port, args, options, asking=True)
             except (TryAgainError, ClusterDownError):
+                pause_s = pause_s or _PAUSE_FIRST_S
                 if time.monotonic() + pause_s > deadline:
                     raise
+            if pause_s:
                 time.sleep(pause_s)
-                pause_s = min(2 * pause_s, _PAUSE_MAX_S)
+            pause_s = min(2 * pause_s, _PAUSE_MAX_S) if pause_s else _PAUSE_FIRST_S
 
 
 def follow_redirects(
@@ -380,11 +386,16 @@ def follow_redirects(
     if not isinstance(route, SlotRoute):
         return replies
     deadline = time.monotonic() + TRYAGAIN_S
-    pause_s = _PAUSE_FIRST_S
-    for _ in range(REDIRECTS_MAX):
+    pause_s = 0.0  # the first redirect is followed at once, the next after a pause
+    while True:
         pending = [i for i, reply in enumerate(replies) if is_redirect(reply)]
         if not pending:
             break
+        if pause_s:  # the slot is moving: its nodes may disagree for a moment
+            if time.monotonic() + pause_s > deadline:
+                break
+            time.sleep(pause_s)
+        pause_s = min(2 * pause_s, _PAUSE_MAX_S) if pause_s else _PAUSE_FIRST_S
         again = []
         for i in pending:
             reply, read = replies[i], readers[i] if readers is not None else None
@@ -396,11 +407,6 @@ def follow_redirects(
                 replies[i] = _elsewhere(route.topology, reply, commands[i], read, asking, load)
             else:  # TRYAGAIN, CLUSTERDOWN: a migration or a failover in progress
                 again.append(i)
-        if any(isinstance(replies[i], TryAgainError | ClusterDownError) for i in again):
-            if time.monotonic() + pause_s > deadline:
-                break
-            time.sleep(pause_s)
-            pause_s = min(2 * pause_s, _PAUSE_MAX_S)
         if again:
             resent = send([commands[i] for i in again], [
                 readers[i] if readers is not None else None for i in again

@@ -94,14 +94,17 @@ def test_status_shows_each_stripes_node_and_reset_deletes_every_stripe(
     serving = threading.Thread(target=producer.serve, daemon=True)
     serving.start()
     stripes = [QueueKeys(queue_name).stripe(k, 3) for k in range(3)]
+    clients = [make_client(queue_url, key=keys.meta) for keys in stripes]
     try:  # every stripe's list at its cap: the producer served each
         wait_until(
-            lambda: all(n >= 1 for n in redis_cluster.keys_per_node(f"bq:{{{queue_name}*}}:data")),
-            what="data on every master",
+            lambda: all(c.llen(k.data) == 4 for c, k in zip(clients, stripes, strict=True)),
+            what="every stripe's list at its cap",
         )
     finally:
         producer.stop()
         serving.join(timeout=10)
+        for client in clients:
+            client.close()
     assert main(["status", "--url", queue_url]) == 0
     text = capsys.readouterr().out
     assert f"{queue_name}: " in text and "3 stripes" in text
