@@ -9,7 +9,8 @@ on that node, with batchq's own pool and packer, and per-node commands (CLIENT L
 CLIENT ID, SCAN of the queue's keys) ask the node that holds the queue.
 
 The route follows the slot, and a refused command is sent again only where the node
-says it did not run:
+says it did not run (here for redis-py's own commands, :class:`NodeClient`; for
+batchq's round trips, :mod:`batchq.client.redirects`):
 
 * ``MOVED <slot> <host>:<port>``: the slot has a new owner (a resharding finished, a
   failover). The route takes it (its connections reconnect there at their next send)
@@ -53,48 +54,33 @@ from batchq.client.redis_internals import HeldPool
 from batchq.client.urls import Target
 
 __all__ = [
-    "REDIRECTS",
+    "PAUSE_FIRST_S",
+    "PAUSE_MAX_S",
     "SLOTS",
     "TRYAGAIN_S",
     "NodeClient",
     "NodeConnection",
     "NodeSSLConnection",
     "Reader",
-    "Send",
     "SlotMap",
     "SlotRoute",
     "Topology",
     "describe",
-    "follow_redirects",
     "grouped",
-    "is_redirect",
     "key_slot",
     "masters",
 ]
 
 SLOTS: Final = 16384  # Redis Cluster's hash slots
 TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
-_PAUSE_FIRST_S, _PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
+PAUSE_FIRST_S, PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
 #: Reads one reply from a connection (as in :func:`batchq.protocol.calls.round_trip`).
 Reader = Callable[[Any], Any]
-#: Sends commands on a client's own connection, reading each with its reader (or raw);
-#: error replies in place.
-Send = Callable[[list[Any], list[Reader | None]], list[Any]]
 
 
 def key_slot(key: str | bytes) -> int:
     """The cluster slot of a key (its hash tag's, if it has one)."""
     return int(_crc_slot(key.encode() if isinstance(key, str) else key))
-
-
-#: The replies that refuse a command without running it (MOVED, a kind of ASK; ASK,
-#: TRYAGAIN, CLUSTERDOWN): it may be sent again where it belongs.
-REDIRECTS: Final = (AskError, TryAgainError, ClusterDownError)
-
-
-def is_redirect(reply: object) -> bool:
-    """Whether a reply is one of :data:`REDIRECTS`."""
-    return isinstance(reply, REDIRECTS)
 
 
 @dataclass(frozen=True)
@@ -357,85 +343,12 @@ class NodeClient(redis.Redis):
             except AskError as e:
                 return route.topology.send(e.host, e.port, args, options, asking=True)
             except (TryAgainError, ClusterDownError):
-                pause_s = pause_s or _PAUSE_FIRST_S
+                pause_s = pause_s or PAUSE_FIRST_S
                 if time.monotonic() + pause_s > deadline:
                     raise
             if pause_s:
                 time.sleep(pause_s)
-            pause_s = min(2 * pause_s, _PAUSE_MAX_S) if pause_s else _PAUSE_FIRST_S
-
-
-def follow_redirects(
-    client: redis.Redis,
-    commands: Sequence[Sequence[Any]],
-    replies: list[Any],
-    readers: Sequence[Reader | None] | None,
-    send: Send,
-    load: Callable[[redis.Redis], None],
-) -> list[Any]:
-    """The replies of a round trip, with every command the cluster refused with a
-    redirect (:func:`is_redirect`) sent again where it belongs and its reply in place.
-
-    Only the refused commands go again, in their order: the others ran. ``send`` sends
-    on the client's own connection (the slot's master, after a MOVED for its slot);
-    a command for another node (ASK, another slot's MOVED) goes alone on a connection of
-    that node, where ``load`` loads the scripts on NOSCRIPT. A client that is not a
-    cluster's gets ``replies`` back as they are.
-    """
-    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
-    if not isinstance(route, SlotRoute):
-        return replies
-    deadline = time.monotonic() + TRYAGAIN_S
-    pause_s = 0.0  # the first redirect is followed at once, the next after a pause
-    while True:
-        pending = [i for i, reply in enumerate(replies) if is_redirect(reply)]
-        if not pending:
-            break
-        if pause_s:  # the slot is moving: its nodes may disagree for a moment
-            if time.monotonic() + pause_s > deadline:
-                break
-            time.sleep(pause_s)
-        pause_s = min(2 * pause_s, _PAUSE_MAX_S) if pause_s else _PAUSE_FIRST_S
-        again = []
-        for i in pending:
-            reply, read = replies[i], readers[i] if readers is not None else None
-            if isinstance(reply, MovedError) and reply.slot_id == route.slot:
-                route.moved(reply.host, reply.port)
-                again.append(i)
-            elif isinstance(reply, AskError):  # MOVED for another slot, or ASK
-                asking = not isinstance(reply, MovedError)
-                replies[i] = _elsewhere(route.topology, reply, commands[i], read, asking, load)
-            else:  # TRYAGAIN, CLUSTERDOWN: a migration or a failover in progress
-                again.append(i)
-        if again:
-            resent = send([commands[i] for i in again], [
-                readers[i] if readers is not None else None for i in again
-            ])  # fmt: skip
-            for i, reply in zip(again, resent, strict=True):
-                replies[i] = reply
-    return replies
-
-
-def _elsewhere(
-    topology: Topology,
-    redirect: AskError,
-    command: Sequence[Any],
-    read: Reader | None,
-    asking: bool,
-    load: Callable[[redis.Redis], None],
-) -> Any:
-    """One redirected command on its node; NOSCRIPT there loads the scripts, once."""
-    if not asking:
-        topology.stale()
-    reply = topology.send_one(redirect.host, redirect.port, command, read, asking=asking)
-    if isinstance(reply, redis.exceptions.NoScriptError):
-        node = topology.node(redirect.host, redirect.port)
-        try:
-            load(node)
-        finally:
-            node.close()
-        reply = topology.send_one(redirect.host, redirect.port, command, read, asking=asking)
-    return reply
+            pause_s = min(2 * pause_s, PAUSE_MAX_S) if pause_s else PAUSE_FIRST_S
 
 
 @contextlib.contextmanager

@@ -23,8 +23,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import redis
 
-from batchq.client.cluster import REDIRECTS, follow_redirects
 from batchq.client.connection import convert_error
+from batchq.client.redirects import REDIRECTS, follow_redirects
 from batchq.client.redis_internals import borrow, give_back
 from batchq.errors import ProtocolError
 from batchq.protocol.script_files import SCRIPTS, Arg, Header, Script, load_all, parse_header
@@ -252,7 +252,7 @@ def round_trip(
     On NOSCRIPT (a new or restarted server) every script is loaded and the commands sent
     again once: as for :func:`execute_pipeline`, what batchq sends this way is idempotent.
     On a Redis Cluster, the commands a node refused with MOVED, ASK or TRYAGAIN (it ran
-    none of them) go again where they belong (:func:`batchq.client.cluster.follow_redirects`).
+    none of them) go again where they belong (:func:`batchq.client.redirects.follow_redirects`).
     Where the calling thread holds the client (:func:`batchq.client.held.hold`: the producer's
     serving thread, the trainer's reader) its connection is taken from the pool without
     the pool's checks, else the pool lends one.
