@@ -9,7 +9,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 finished flag, batches per epoch, the trainer's
                                 shared-memory host identity (``shm_host``, see
                                 :mod:`batchq.wire.shm`), the pipeline's axis labels (JSON
-                                source -> axis names, set by producers)
+                                source -> axis names, set by producers), the run's
+                                stripes (batchq/protocol/stripes.py)
     bq:{Q}:data         LIST    frames (or references to frames): producers push left,
                                 the trainer pops right; LLEN is the queue's depth
     bq:{Q}:wake         LIST    wake-up tokens for producers blocked at the hwm or at the
