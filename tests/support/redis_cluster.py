@@ -5,7 +5,10 @@
 loopback ports, gives each an equal contiguous range of the 16384 slots with
 ``CLUSTER ADDSLOTS`` and introduces them with ``CLUSTER MEET`` (what
 ``redis-cli --cluster create`` does; no redis-cli needed, and nothing newer than Redis
-6.2: no ADDSLOTSRANGE), then waits until every node sees every slot served.
+6.2: no ADDSLOTSRANGE), then waits until every node sees every slot served. With
+``replicas=1`` each master also gets a replica (``CLUSTER REPLICATE``), and
+:meth:`LocalCluster.failover` promotes one (``CLUSTER FAILOVER``, or a SIGKILL of its
+master and the cluster's own election).
 :meth:`LocalCluster.migrate_slot` moves one slot to another master the way a
 resharding does (SETSLOT IMPORTING/MIGRATING, MIGRATE of its keys, SETSLOT NODE), in
 steps a test can interleave with a running queue.
@@ -69,9 +72,15 @@ class LocalCluster:
     """
 
     def __init__(
-        self, masters: int = 3, *, node_timeout_ms: int = 5000, extra_args: tuple[str, ...] = ()
+        self,
+        masters: int = 3,
+        *,
+        replicas: int = 0,
+        node_timeout_ms: int = 5000,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.size = masters
+        self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         self.extra_args = extra_args
         self.nodes: list[EmbeddedRedis] = []
@@ -79,7 +88,8 @@ class LocalCluster:
 
     @property
     def ports(self) -> list[int]:
-        """Each node's port, in slot order (node i owns the i-th range at start)."""
+        """Each node's port: the masters in slot order (node i owns the i-th range at
+        start), then their replicas (node masters + i replicates master i)."""
         return [n.port for n in self.nodes]
 
     @property
@@ -102,32 +112,50 @@ class LocalCluster:
                 c.close()
 
     def start(self) -> LocalCluster:
-        """Start the servers, assign the slots, meet them, wait until the cluster is ok."""
+        """Start the servers, assign the slots, meet them, wait until the cluster is ok;
+        then the replicas, each replicating its master."""
         self._dir = tempfile.mkdtemp(prefix="batchq-cluster-")
         taken: set[int] = set()
-        for i in range(self.size):
+        for i in range(self.size * (1 + self.replicas)):
             port = _port_with_free_bus(taken)
             taken.update((port, port + _BUS_OFFSET))
-            node = EmbeddedRedis(
-                port=port,
-                workdir=f"{self._dir}/node{i}",
-                extra_args=[
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(self.node_timeout_ms),
-                    *self.extra_args,
-                ],
-            )  # fmt: skip
-            self.nodes.append(node)
-            node.start()
+            self.nodes.append(self._node(i, port))
+            self.nodes[-1].start()
         with self.clients() as cs:
-            for i, c in enumerate(cs):
+            for i, c in enumerate(cs[: self.size]):
                 first, last = self.slot_range(i)
                 c.execute_command("CLUSTER", "ADDSLOTS", *range(first, last + 1))
             for port in self.ports[1:]:
                 cs[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
             _wait(lambda: self._converged(cs), 30.0, "every node sees every slot")
+            if self.replicas:
+                ids = self.node_ids()
+                for i, c in enumerate(cs[self.size :]):
+                    c.execute_command("CLUSTER", "REPLICATE", ids[i % self.size])
+                _wait(lambda: self._replicated(cs), 30.0, "every replica in sync")
         return self
+
+    def _node(self, i: int, port: int) -> EmbeddedRedis:
+        return EmbeddedRedis(
+            port=port,
+            workdir=f"{self._dir}/node{i}",
+            extra_args=[
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.node_timeout_ms),
+                *self.extra_args,
+            ],
+        )  # fmt: skip
+
+    def _replicated(self, cs: list[redis.Redis]) -> bool:
+        for c in cs[self.size :]:
+            info = c.info("replication")
+            if info["role"] != "slave" or info["master_link_status"] != "up":
+                return False
+        # Every node lists every master's replica (CLUSTER SLOTS: the replicas after it).
+        return all(
+            all(len(entry) >= 4 for entry in c.execute_command("CLUSTER", "SLOTS")) for c in cs
+        )
 
     def slot_range(self, i: int) -> tuple[int, int]:
         """The first and last slot node ``i`` was given at start."""
@@ -141,7 +169,7 @@ class LocalCluster:
                 return False
             served = sum(int(r[1]) - int(r[0]) + 1 for r in c.execute_command("CLUSTER", "SLOTS"))
             if served != SLOTS or len(c.execute_command("CLUSTER", "NODES").splitlines()) != len(
-                cs
+                self.nodes
             ):
                 return False
         return True
@@ -216,6 +244,43 @@ class LocalCluster:
                 if i not in (source, target):
                     c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
         return moved
+
+    def failover(self, master: int, *, kill: bool) -> float:
+        """Promote master ``master``'s replica: ``CLUSTER FAILOVER`` on it (coordinated:
+        it catches up first), or SIGKILL of the master and the other masters' election
+        (``cluster-node-timeout``). Returns the seconds until every live node names the
+        replica as the owner of the master's slots; the replica is node ``master`` from
+        then on (the old master, if alive, is its replica)."""
+        replica = self.size + master
+        first = self.slot_range(master)[0] if master < self.size else None
+        slot = first if first is not None else 0
+        started = time.monotonic()
+        if kill:
+            self.nodes[master].kill()
+        else:
+            node = self.client(replica)
+            try:
+                node.execute_command("CLUSTER", "FAILOVER")
+            finally:
+                node.close()
+        live = [i for i in range(len(self.nodes)) if not (kill and i == master)]
+
+        def promoted() -> bool:
+            for i in live:
+                node = self.client(i)
+                try:
+                    for entry in node.execute_command("CLUSTER", "SLOTS"):
+                        owns = int(entry[0]) <= slot <= int(entry[1])
+                        if owns and int(entry[2][1]) != self.ports[replica]:
+                            return False
+                finally:
+                    node.close()
+            return True
+
+        _wait(promoted, 60.0, f"master {master}'s replica promoted")
+        # Indices follow the roles: the promoted replica is master ``master`` now.
+        self.nodes[master], self.nodes[replica] = self.nodes[replica], self.nodes[master]
+        return time.monotonic() - started
 
     def stop(self) -> None:
         """Stop every server and remove their directories."""
