@@ -34,7 +34,7 @@ from redis.retry import Retry
 from batchq.client import cluster, urls
 from batchq.client.cluster import NodeClient, NodeConnection, NodeSSLConnection, SlotRoute, Topology
 from batchq.client.redis_internals import HeldPool, pieces_packer
-from batchq.client.sentinel import MasterPool, master_pool
+from batchq.client.sentinel import MasterPool, master_pool, not_written
 from batchq.client.urls import parse_target
 from batchq.errors import (
     AuthFailed,
@@ -234,7 +234,9 @@ def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQ
     Credentials refused (or a permission missing) become :class:`AuthFailed`, a database
     index the server does not have :class:`RedisConfigError`: both name host, port and
     user (the latter also the index the URL asked for) and are never retried. Drops and
-    timeouts become :class:`ConnectionLost`.
+    timeouts become :class:`ConnectionLost`, and so does a write refused by a server that
+    is not a writable master any more (READONLY, NOREPLICAS, UNBLOCKED: a failover,
+    :func:`batchq.client.sentinel.not_written`): the reconnect loops retry it.
 
     Args:
         error: what redis-py raised.
@@ -262,6 +264,8 @@ def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQ
         )
     if isinstance(error, redis_errors):
         return ConnectionLost(f"Redis connection lost while {what}: {error}")
+    if not_written(error):  # a failover demoted the master: the write did not happen
+        return ConnectionLost(f"Redis refused a write while {what} (not a master now): {error}")
     return None
 
 

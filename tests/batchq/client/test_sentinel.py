@@ -60,3 +60,10 @@ def test_a_sentinel_client_is_batchqs_pool_over_redis_pys_sentinel_pool() -> Non
     lost = convert_error(info.value, "pinging", client)
     assert isinstance(lost, ConnectionLost)
     client.close()
+
+
+def test_a_refused_write_raised_anywhere_is_a_lost_connection() -> None:
+    # The reconnect loops retry ConnectionLost: after a failover, on the new master.
+    lost = convert_error(redis.ResponseError(SCRIPT_READONLY), "pushing a frame")
+    assert isinstance(lost, ConnectionLost) and "not a master now" in str(lost)
+    assert convert_error(redis.ResponseError("WRONGTYPE ..."), "pushing a frame") is None
