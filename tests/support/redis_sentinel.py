@@ -188,25 +188,37 @@ class LocalSentinel:
         return all(self._ask_all(good))
 
     def _wait_synced(self, i: int, master_port: int, timeout_s: float = 30.0) -> None:
-        """Until data node ``i`` is a replica of ``master_port`` with its link up and
-        caught up with its master's offset."""
+        """Until data node ``i`` is a replica of ``master_port`` with its link up and has
+        what the master had written when it linked (the master goes on writing: its
+        offset at any later moment is a target that moves)."""
 
-        def synced() -> bool:
-            node, master = self.node(i), redis.Redis(port=master_port, socket_timeout=5)
+        def linked() -> bool:
+            node = self.node(i)
             try:
                 info = node.info("replication")
-                offset = int(master.info("replication")["master_repl_offset"])
                 return (
                     info["role"] == "slave"
                     and int(info["master_port"]) == master_port
                     and info["master_link_status"] == "up"
-                    and int(info["slave_repl_offset"]) >= offset
                 )
             finally:
                 node.close()
-                master.close()
 
-        _wait(synced, timeout_s, f"node {i} in sync with its master")
+        _wait(linked, timeout_s, f"node {i} linked to its master")
+        master = redis.Redis(port=master_port, socket_timeout=5)
+        try:
+            target = int(master.info("replication")["master_repl_offset"])
+        finally:
+            master.close()
+
+        def caught_up() -> bool:
+            node = self.node(i)
+            try:
+                return int(node.info("replication")["slave_repl_offset"]) >= target
+            finally:
+                node.close()
+
+        _wait(caught_up, timeout_s, f"node {i} in sync with its master")
 
     def _clients_left(self, i: int) -> int:
         """Clients of data node ``i`` that sent a command within the last second, but
