@@ -17,6 +17,7 @@ from typing import Any
 
 from batchq.errors import ConfigError, StepMismatch
 from batchq.protocol.layout import DONE, ledger_field
+from batchq.protocol.params_log import ParamsLog, merged
 from batchq.protocol.ranks import RankLayout
 from consumer.state_keys import (
     CONSUMED_KEY,
@@ -24,6 +25,7 @@ from consumer.state_keys import (
     EPOCH_KEY,
     EVEN_BATCHES_KEY,
     FINGERPRINT_KEY,
+    PARAMS_KEY,
     PLAN_SHARDS_KEY,
     QUEUE_KEY,
     RANK_KEY,
@@ -137,7 +139,17 @@ def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[s
         EVEN_BATCHES_KEY: old.even,
         STEP_KEY: int(first.get(STEP_KEY, 0)),
         REMAP_KEY: remap,
+        **_params_of(states),
     }
+
+
+def _params_of(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's params log, kept through the re-split: the longest of the ranks' logs
+    (each a prefix of the run's), or nothing where none changed the params."""
+    log = ParamsLog()
+    for state in states:
+        log = merged(log, ParamsLog.from_json(state.get(PARAMS_KEY), "state['params']"))
+    return {PARAMS_KEY: log.to_json()} if log else {}
 
 
 def _check_one_job(states: list[dict[str, Any]]) -> None:
@@ -226,6 +238,7 @@ def check_state(state: Any, queue: str) -> dict[str, Any]:
                 f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
             )
     _check_position(state.get(CONSUMED_KEY), state.get(DONE_KEY))
+    ParamsLog.from_json(state.get(PARAMS_KEY), "state['params']")  # ConfigError if bad
     return dict(state)
 
 

@@ -43,6 +43,7 @@ from consumer.state_keys import (
 from consumer.stats import TrainerStats
 
 if TYPE_CHECKING:  # consumer.striped_start builds on this module
+    from consumer.params import StreamParams
     from consumer.striped_start import StripeReaders, StripeSet
 
 __all__ = [
@@ -93,6 +94,7 @@ def start_reading(
     prep: FramePrep,
     stats: TrainerStats,
     seen: Counter[str],
+    params: StreamParams | None = None,
     stripes: StripeSet | None = None,
 ) -> Reading:
     """Assemble what reads a claimed run from ``start`` on, and start the reader thread.
@@ -106,8 +108,10 @@ def start_reading(
         prep: the stream's frame preparation (the one owner of the array access).
         stats: the trainer's figures.
         seen: batches handed out, by producer (the stream's ``producers_seen``).
+        params: the stream's params log (the reader checks frames against it).
         stripes: a striped queue's other stripes, claimed: a reader each, all filing
-            into the one buffer (``session`` is stripe 0's).
+            into the one buffer (``session`` is stripe 0's; a striped queue has no
+            params log to check: ``set_params`` is refused there).
     """
     shm.new_run(session.run)  # other runs' segments: nothing will pop them
     shm.access = prep.access  # the one owner's setting, fixed from here
@@ -124,7 +128,7 @@ def start_reading(
     )
     first = Reader(
         client, session.keys, session, buffer if stripes is None else stripes.view(buffer, 0),
-        settings, stats=stats, shm=shm, prepare=prep,
+        settings, stats=stats, shm=shm, prepare=prep, params=params,
     )  # fmt: skip
     reader = first if stripes is None else stripes.readers(first, buffer, settings, prep)
     feed = EpochFeed(buffer, reader.is_alive, evener, stats, prep, seen)

@@ -55,6 +55,9 @@ class Plan:
         self.epoch_batches = int(get(f.EPOCH_BATCHES, "-1"))
         self.world = int(get(f.WORLD, "1"))
         self.even = get(f.EVEN, "pad")
+        # B, batches per full shard (0: the plan cannot count them; -1: not published).
+        stride = get(f.SHARD_BATCHES, "-1")
+        self.shard_batches = int(stride) if stride.lstrip("-").isdigit() else -1
         self.stripes = int(get(f.STRIPES, "1"))  # batchq/protocol/stripes.py
 
 
@@ -77,6 +80,10 @@ class Session:
             resume, and after every resume: claim.lua and resume.lua drop the rank's
             published shared-memory host, which the trainer publishes again there
             (:meth:`consumer.reader.shm_frames.TrainerShm.publish`).
+        before_resume: called as ``(client, session, new run id)`` right before every
+            resume.lua: the trainer's params log is written for the run first
+            (:meth:`consumer.params.StreamParams.load`), so no producer serves the
+            resumed run without it.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class Session:
         even: str = "pad",
         resume_run: str = "",
         publish: Callable[[redis.Redis], None] | None = None,
+        before_resume: Callable[[redis.Redis, Session, str], None] | None = None,
     ) -> None:
         self.client = client
         self.retry_s = retry_s
@@ -108,6 +116,7 @@ class Session:
         self.held = False  # this rank had claimed the run before (a second resume)
         self.resume_run = resume_run  # the run id the job's ranks resume into (see resume)
         self._publish = publish
+        self._before_resume = before_resume
         # run, incarnation, held and plan change on the reader's thread too (recovery
         # after Redis lost the queue's state): written under this lock, read by position.
         self._lock = threading.Lock()
@@ -207,9 +216,16 @@ class Session:
             self.incarnation, self.run = reply.incarnation, reply.run
             self.held = reply.held
         self.claimed = True
-        if self._publish is not None and not resuming:
-            self._publish(client)
+        if not resuming:
+            self._published(client)
         return reply.new_run
+
+    def _published(self, client: redis.Redis) -> None:
+        """Publish this trainer's host (after an acquire or a resume), retried as the
+        claim is: a connection lost right after the claim must not end the start."""
+        publish = self._publish
+        if publish is not None:
+            self._retry(lambda: publish(client), "publishing the host", client)
 
     def reclaim(self, client: redis.Redis) -> None:
         """Claim the queue again after Redis lost its state, a :meth:`resume` to follow
@@ -335,6 +351,8 @@ class Session:
         lists = self._resume_lists(client)
 
         def call() -> CountReply:
+            if self._before_resume is not None:
+                self._before_resume(client, self, run)
             return scripts.resume(
                 client, self.keys, rank_lists=lists, token=self.token, new_run=run,
                 first=first_shard, fingerprint=fingerprint, hwm=shape.hwm,
@@ -352,8 +370,7 @@ class Session:
         self._check_resumed(reply, step)
         with self._lock:
             self.run = reply.text
-        if self._publish is not None:
-            self._publish(client)
+        self._published(client)
         log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)
 
     def _resume_lists(self, client: redis.Redis) -> list[str]:

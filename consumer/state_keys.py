@@ -15,6 +15,11 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
     step (batches the rank yielded: every rank of one checkpoint has the same),
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
+  and once ``set_params`` was called:
+    params        the run's change log of producer parameters, a list of entries
+                  {version, index, id, params} (batchq/protocol/params_log.py): a resume
+                  writes it back, so the resumed stream is the same even if Redis lost
+                  the queue
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "EPOCH_KEY",
     "EVEN_BATCHES_KEY",
     "FINGERPRINT_KEY",
+    "PARAMS_KEY",
     "PLAN_SHARDS_KEY",
     "QUEUE_KEY",
     "RANK_KEY",
@@ -59,6 +65,7 @@ EVEN_BATCHES_KEY = "even_batches"
 PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
 REMAP_KEY = "remap"
+PARAMS_KEY = "params"
 
 
 def unstarted_state(queue: str) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class TrainerStats:
         self._out_epochs = 0
         self._out_buckets = [0] * (len(WAIT_BUCKETS_S) + 1)
         self._last_flush = 0.0
+        self._flushed_batches = 0  # batches the figures last sent counted
 
     def start_epoch(self, epoch: int) -> None:
         """An epoch iterator started; the previous epoch's figures are kept."""
@@ -127,6 +128,13 @@ class TrainerStats:
         out[TrainerField.MB_PER_S] = sum(n for _, _, n, _ in recent) / 1e6 / spent if spent else 0.0
         return out
 
+    def figures_due(self) -> bool:
+        """Whether batches were taken since the figures were last sent, a second ago or
+        more (an idle reader sends them then: the trainer's progress shows)."""
+        with self._lock:
+            moved = self.batches != self._flushed_batches
+            return moved and time.monotonic() - self._last_flush >= 1.0
+
     def drain(self, depth: int, force: bool = False) -> list[Any]:
         """The pop script's accounting arguments; figures and history about once a second.
 
@@ -147,6 +155,7 @@ class TrainerStats:
         figures = history = ""
         if due and self.batches:
             snap = self.snapshot()
+            self._flushed_batches = snap["batches"]
             published = TrainerField.PUBLISHED  # the trainer hash's fields (pop.lua)
             figures = json.dumps({k: round(float(snap[k]), 6) for k in published})
             history = json.dumps(

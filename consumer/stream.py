@@ -16,10 +16,12 @@ from typing import Any
 from batchq.client.connection import make_client, resolve_url, tune_malloc
 from batchq.errors import ConfigError, StreamStopped
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.length import epoch_length
+from consumer.params import StreamParams
 from consumer.rank_state import check_rank_state, check_state, pick_rank_state
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
@@ -28,6 +30,7 @@ from consumer.reader.thread import Reader
 from consumer.session import Session
 from consumer.state_keys import (
     EPOCH_KEY,
+    PARAMS_KEY,
     RUN_KEY,
     STEP_KEY,
     position_state,
@@ -158,6 +161,7 @@ class ServerDataStream(FuelStreamMixin):
         self._shm = TrainerShm(
             self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
         )
+        self._params = StreamParams()  # the run's params log (set_params)
 
     # -- Fuel's interface --------------------------------------------------------------
 
@@ -244,13 +248,57 @@ class ServerDataStream(FuelStreamMixin):
         self.epoch += 1
         plan = self._session.plan if self._session is not None else None
         total = plan.epoch_batches if plan is not None and plan.epoch_batches >= 0 else None
-        return feed.frames(
+        frames = feed.frames(
             self.epoch,
             skip_errors=self.options.on_producer_error == "skip",
             queue=self.keys.queue,
             progress=self.progress,
             total=total,
         )
+        return self._params.track(frames)
+
+    def set_params(
+        self,
+        params: Mapping[str, Any],
+        *,
+        at_batch: int | None = None,
+        at_epoch: int | None = None,
+        held_back: Mapping[int, int] | None = None,
+    ) -> int:
+        """Merge ``params`` (a JSON mapping) over the producers' params in effect, for the
+        whole run, from a global batch index on (:class:`consumer.params.StreamParams`).
+
+        Args:
+            at_batch: apply from this global batch index; at_epoch: from this epoch's
+                first batch; neither: from the trainer's position plus the run's
+                look-ahead (the same at the same step of a loop, resumed or not).
+            held_back: as :meth:`state_dict`'s (a wrapper's prefetch).
+
+        Returns:
+            The global batch index from which it applies.
+
+        Raises:
+            ConfigError: bad arguments, or an index before the trainer's position.
+        """
+        if self._closed:
+            raise StreamStopped("this ServerDataStream is closed")
+        self._start()
+        if self._buffer is None or self._feed is None:
+            raise StreamStopped("this ServerDataStream is closed")
+        held = dict(held_back) if held_back else None
+        step = self._step + self._feed.yielded - sum((held or {}).values())
+        consumed = self._buffer.consumed(held)
+        return self._params.set_params(
+            params, at_batch, at_epoch, buffer=self._buffer, consumed=consumed, step=step
+        )
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """The params the batch just yielded was built with (read-only; empty before any
+        :meth:`set_params`)."""
+        if self._session is None:
+            return self._params.params_of(None, self._client)
+        return self._params.last_params(self._session.client)
 
     def frame_ready(self) -> bool:
         """Whether the epoch's next step (a frame, its end, an error) needs no wait."""
@@ -321,7 +369,8 @@ class ServerDataStream(FuelStreamMixin):
             step = self._step + self._feed.yielded - sum((held_back or {}).values())
             plan_shards = self._started.plan_shards if self._started is not None else 0
             state |= rank_fields(self.rank, self.world_size, self.even_batches, plan_shards, step)
-        return state
+        params = self._params.state()
+        return state if params is None else state | {PARAMS_KEY: params}
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Resume from a :meth:`state_dict`; call before iterating.
@@ -341,6 +390,7 @@ class ServerDataStream(FuelStreamMixin):
             raise ConfigError("load_state_dict must be called before the first iteration")
         state = pick_rank_state(state, self.rank, self.world_size)
         self._resume = check_state(state, self.keys.queue)
+        self._params = StreamParams(ParamsLog.from_json(self._resume.get(PARAMS_KEY)))
         if self._resume.get(RUN_KEY):
             check_rank_state(self._resume, self.rank, self.world_size)
             self._step = int(self._resume.get(STEP_KEY, 0))
@@ -386,7 +436,9 @@ class ServerDataStream(FuelStreamMixin):
             return self._started.feed
         self._connect()
         resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
-        self._session, new_run = claim(self._client, self.keys, self.options, self._shm, resume)
+        self._session, new_run = claim(
+            self._client, self.keys, self.options, self._shm, resume, self._params
+        )
         self._started = open_reading(
             self._session,
             new_run,
@@ -395,6 +447,7 @@ class ServerDataStream(FuelStreamMixin):
             resume=resume,
             step=self._step,
             parts=(self._shm, self._prep, self._stats, self.producers_seen),
+            params=self._params,
             connect=lambda keys: make_client(self.url, key=keys.meta),
             make_shm=self._shm.sibling,
         )
@@ -415,7 +468,10 @@ class ServerDataStream(FuelStreamMixin):
         """The trainer's figures: stall fraction of the last epoch and of the last 100
         batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`), and
         ``dropped_ahead``: frames past the look-ahead window dropped, to be built again
-        (shards leased before the run's floor moved back, see docs/design.md)."""
+        (shards leased before the run's floor moved back, see docs/design.md);
+        ``rebuilt_params``: frames built with params a later :meth:`set_params` changed,
+        dropped and built again."""
         out = self._stats.snapshot()
         out["dropped_ahead"] = self._buffer.dropped_ahead if self._buffer is not None else 0
+        out["rebuilt_params"] = self._params.rebuilt
         return out

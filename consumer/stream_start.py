@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
@@ -30,6 +30,9 @@ from consumer.state_keys import RUN_KEY
 from consumer.stats import TrainerStats
 from consumer.stream_options import StreamOptions
 from consumer.striped_start import StripeReaders, StripeSet, claim_stripes
+
+if TYPE_CHECKING:
+    from consumer.params import StreamParams
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +58,11 @@ def new_session(
     options: StreamOptions,
     shm: TrainerShm,
     resume_run: str = "",
+    params: StreamParams | None = None,
 ) -> Session:
     """The trainer's session on ``keys``' queue (not claimed yet); it publishes this
-    trainer's host after every claim and resume (they drop it)."""
+    trainer's host after every claim and resume (they drop it), and writes ``params``'s
+    log before every resume."""
     return Session(
         client,
         keys,
@@ -68,6 +73,7 @@ def new_session(
         even=options.even_batches,
         resume_run=resume_run,
         publish=lambda acting: shm.publish(acting, options.hwm),
+        before_resume=params.load if params is not None else None,
     )
 
 
@@ -77,6 +83,7 @@ def claim(
     options: StreamOptions,
     shm: TrainerShm,
     resume: dict[str, Any] | None,
+    params: StreamParams | None = None,
 ) -> tuple[Session, bool]:
     """Claim the queue for this trainer: ``(the session, whether a new run started)``.
 
@@ -85,7 +92,7 @@ def claim(
     """
     check_eviction_policy(client)
     run = resume_run_id(resume, options.world_size) if resume else ""
-    session = new_session(client, keys, options, shm, run)
+    session = new_session(client, keys, options, shm, run, params)
     new_run = session.acquire(
         takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
     )
@@ -101,6 +108,7 @@ def open_reading(
     resume: dict[str, Any] | None,
     step: int,
     parts: tuple[TrainerShm, FramePrep, TrainerStats, Counter[str]],
+    params: StreamParams | None = None,
     connect: Callable[[QueueKeys], redis.Redis] | None = None,
     make_shm: Callable[[QueueKeys], TrainerShm] | None = None,
 ) -> Started:
@@ -116,6 +124,8 @@ def open_reading(
         step: batches yielded before the checkpoint.
         parts: the stream's shared memory, frame preparation, figures and batches seen
             by producer.
+        params: the stream's params log (bound to the session and the rank's split
+            here; the reader checks each frame's params version against it).
         connect: a new client for a queue's keys (a striped queue's other stripes).
         make_shm: the trainer's shared memory for a queue's keys (likewise).
     """
@@ -147,9 +157,12 @@ def open_reading(
         if stripes is not None and start.ledger.window is not None:
             # Each stripe mints W of its own shards past its floor.
             start.ledger.window *= stripes.stripes.count
+    if params is not None:
+        params.bind(session, start.layout)
+        params.refresh(session.client)  # another rank's changes, if any
     reading = start_reading(
         session, start, settings, reader_client, shm=shm, prep=prep, stats=stats, seen=seen,
-        stripes=stripes,
+        params=params, stripes=stripes,
     )  # fmt: skip
     return Started(session, *reading, start.plan_shards, stripes)
 

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from batchq.errors import BatchQueueError, ConfigError
+from batchq.protocol.params_log import EMPTY_PARAMS
 from consumer.reader.prepare import ArrayAccess
 from consumer.stream import ServerDataStream
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
@@ -48,6 +49,9 @@ __all__ = ["DataLoaderWorkersError", "TorchStream"]
 # After a scan of the heap for DataLoaders holding a stream, how long only the loaders it
 # found are looked at again (a loader's iterator asks several times in a row).
 LOADER_SCAN_S = 1.0
+
+# A batch on its way to the device: its shard, sources, tensors, copy event and params.
+Pending = tuple[int, tuple[str, ...], tuple[Any, ...], Any, Mapping[str, Any]]
 
 _NO_ACCELERATOR = (
     "pin_memory=True, but no accelerator is available: batches are delivered in ordinary "
@@ -122,6 +126,7 @@ class TorchStream(IterableDataset[Any]):
             self._pin_batches(pool_buffers)
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
         self._held: Counter[int] = Counter()  # shard -> batches pulled, not yet yielded
+        self._params: Mapping[str, Any] = EMPTY_PARAMS  # the params of the batch yielded last
         # The DataLoaders last found holding this stream, and when (a heap scan is
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
         self._loaders: tuple[float, weakref.WeakSet[Any]] | None = None
@@ -149,6 +154,28 @@ class TorchStream(IterableDataset[Any]):
         """Resume from :meth:`state_dict` (before the first batch); a rank of a
         data-parallel job may pass every rank's states (see the stream's)."""
         self.stream.load_state_dict(state)
+
+    def set_params(
+        self,
+        params: Mapping[str, Any],
+        *,
+        at_batch: int | None = None,
+        at_epoch: int | None = None,
+    ) -> int:
+        """The stream's :meth:`~ServerDataStream.set_params`, at the loop's position (the
+        batches prefetched and not yet handed to the loop do not count as handed out).
+
+        Returns:
+            The global batch index from which the change applies.
+        """
+        return self.stream.set_params(
+            params, at_batch=at_batch, at_epoch=at_epoch, held_back=self._held
+        )
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """The params the batch handed to the loop last was built with."""
+        return self._params
 
     def close(self, finished: bool = False) -> None:
         """Close the stream (see :meth:`ServerDataStream.close`)."""
@@ -212,13 +239,14 @@ class TorchStream(IterableDataset[Any]):
         mover = self.mover
         if mover is None:
             for frame in frames:
+                self._params = self.stream.params  # the stream's last: this frame's
                 yield _shape(frame.sources, tuple(to_tensor(v) for v in frame.data), as_dict)
             return
         yield from self._moved(frames, mover, as_dict)
 
     def _moved(self, frames: Iterator[Any], mover: DeviceMover, as_dict: bool) -> Iterator[Any]:
         """The epoch's batches on the device, up to ``prefetch`` of them on their way."""
-        pending: deque[tuple[int, tuple[str, ...], tuple[Any, ...], Any]] = deque()
+        pending: deque[Pending] = deque()
         deferred: BaseException | None = None
         try:
             while True:
@@ -229,7 +257,7 @@ class TorchStream(IterableDataset[Any]):
                         return
                 if deferred is None:
                     deferred = self._top_up(frames, mover, pending)
-                shard, sources, moved, event = pending.popleft()
+                shard, sources, moved, event, self._params = pending.popleft()
                 mover.hand_over(moved, event)
                 self._held[shard] -= 1
                 if not self._held[shard]:
@@ -242,7 +270,7 @@ class TorchStream(IterableDataset[Any]):
         self,
         frames: Iterator[Any],
         mover: DeviceMover,
-        pending: deque[tuple[int, tuple[str, ...], tuple[Any, ...], Any]],
+        pending: deque[Pending],
     ) -> BatchQueueError | None:
         """Top up without waiting: only batches that have arrived already. Returns the
         error a later batch raised, to be raised after the batches before it."""
@@ -258,14 +286,14 @@ class TorchStream(IterableDataset[Any]):
         self,
         frames: Iterator[Any],
         mover: DeviceMover,
-        pending: deque[tuple[int, tuple[str, ...], tuple[Any, ...], Any]],
+        pending: deque[Pending],
     ) -> bool:
         frame = next(frames, None)
         if frame is None:
             return False
         self._held[frame.shard] += 1
         moved, event = mover.issue(tuple(to_tensor(v) for v in frame.data))
-        pending.append((frame.shard, frame.sources, moved, event))
+        pending.append((frame.shard, frame.sources, moved, event, self.stream.params))
         return True
 
 

@@ -263,6 +263,7 @@ class Producer:
         """Build and push the shard of ``lease``, then act on a reply that was ours."""
         epoch, slot, shard = lease.address(self.plan.shards)
         self._pusher.aim(slot % lease.world, lease.world)
+        self._pusher.params.follow(self.client, lease.params)  # read again if it changed
         status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
         if status is not None:
             self._handle_status(status)

@@ -1,7 +1,7 @@
 """The fields of a status row read straight from the queue's hashes: the stats hash's
-cumulative counters (:func:`counter_fields`) and the trainer's recent figures
-(:func:`figure_fields`). Each is read here once; the fields are documented with the row
-in :mod:`batchq.monitoring.rows`.
+cumulative counters (:func:`counter_fields`), the trainer's recent figures
+(:func:`figure_fields`) and the params log's (:func:`params_fields`). Each is read here
+once; the fields are documented with the row in :mod:`batchq.monitoring.rows`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from batchq.protocol.fields import (
     dead_field,
     wait_bucket_field,
 )
-from batchq.protocol.layout import WAIT_BUCKETS_S
+from batchq.protocol.layout import WAIT_BUCKETS_S, parse_params_stamp
+from batchq.protocol.ranks import lookahead_batches
 from batchq.protocol.words import as_int
 
-__all__ = ["counter_fields", "figure_fields"]
+__all__ = ["counter_fields", "figure_fields", "params_fields"]
 
 
 def _wait_buckets(stats: dict[str, int]) -> list[int]:
@@ -78,4 +79,23 @@ def figure_fields(snap: QueueSnapshot) -> dict[str, Any]:
         "epoch": None if epoch is None or epoch < 0 else int(epoch),
         "epoch_progress": None if progress is None else int(progress),
         "epoch_fraction": ratio(progress, epoch_batches) if progress is not None else None,
+    }
+
+
+def params_fields(snap: QueueSnapshot) -> dict[str, Any]:
+    """The row's fields about steering the producers: the run's look-ahead D in global
+    batch indices (None until a producer published the plan), the params log's version
+    (its entries, 0 for none) and the frames built with params since changed."""
+    meta = snap.meta
+    run, version = parse_params_stamp(meta.get(MetaField.PARAMS, ""))
+    stride = meta.get(MetaField.SHARD_BATCHES)
+    known = stride is not None and MetaField.WINDOW in meta
+    return {
+        "lookahead_batches": (
+            lookahead_batches(as_int(meta.get(MetaField.WINDOW)), as_int(stride), snap.world)
+            if known
+            else None
+        ),
+        "params_version": version if run and run == meta.get(MetaField.RUN) else 0,
+        "rebuilt_params": snap.stats.get(StatsField.REBUILT_PARAMS, 0),
     }

@@ -36,6 +36,10 @@ buckets, ``reason`` on dead frames, a closed set: the codec's FrameError reasons
 ``batchq_epochs_completed_total``           counter   epochs the trainer finished
 ``batchq_shards_done_total``                counter   shards fully pushed
 ``batchq_redone_shards_total``              counter   shards handed back to be rebuilt
+``batchq_rebuilt_params_frames_total``      counter   frames built with params a later
+                                                      set_params made stale, built again
+``batchq_lookahead_batches``                gauge     the run's look-ahead D (set_params'
+                                                      default distance, batch indices)
 ``batchq_dead_frames_total``                counter   frames that failed validation
 ``batchq_producer_frames_pushed_total``     counter   per live producer: frames pushed
 ``batchq_producer_bytes_pushed_total``      counter   per live producer: bytes pushed
@@ -106,6 +110,8 @@ METRIC_NAMES = (
     "batchq_epochs_completed",
     "batchq_shards_done",
     "batchq_redone_shards",
+    "batchq_rebuilt_params_frames",
+    "batchq_lookahead_batches",
     "batchq_dead_frames",
     "batchq_producer_frames_pushed",
     "batchq_producer_bytes_pushed",

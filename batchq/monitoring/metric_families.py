@@ -80,6 +80,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[Row], float | None]], ...] = (
         "Producers that meet the trainer's demand at the observed rate, with a margin",
         lambda r: r["recommended_producers"],
     ),
+    (
+        "lookahead_batches",
+        "The run's look-ahead D: how far past the trainer producers can have built",
+        lambda r: r["lookahead_batches"],
+    ),
 )
 # Counters per queue: (name, help, the row field).
 _COUNTERS = (
@@ -92,6 +97,11 @@ _COUNTERS = (
     ("epochs_completed", "Epochs the trainer finished", "epochs_completed"),
     ("shards_done", "Shards whose last frame was pushed", "shards_done"),
     ("redone_shards", "Shards handed back to be built again", "redone_shards"),
+    (
+        "rebuilt_params_frames",
+        "Frames built with params a later set_params made stale, built again",
+        "rebuilt_params",
+    ),
 )
 # Counters per live producer: (name, help, the producer object's field).
 _PRODUCER_COUNTERS = (

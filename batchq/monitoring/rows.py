@@ -90,9 +90,18 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        buckets of WAIT_BUCKETS_S and a last +Inf one,
                                        cumulative (the exporter's histogram); added to
                                        schema 4 at its end after figures_fresh
+    lookahead_batches     int|null     D: how far past the trainer's position producers
+                                       can have built, in global batch indices (the
+                                       default distance of set_params; null until a
+                                       producer published the plan); added to schema 4
+                                       at its end, with the next two
+    params_version        int          the run's params log's version (set_params
+                                       calls recorded; 0 for none)
+    rebuilt_params        int          frames built with params a later change made
+                                       stale, dropped and built again (cumulative)
     node                  str          where the queue is: the server's host:port (a
                                        cluster's master of the queue's slot; Sentinel's
-                                       master), added to schema 4 at its end
+                                       master), added to schema 4 at its end after rebuilt_params
     stripes               list         a striped queue's stripes (batchq.protocol.stripes),
                                        stripe 0 first: objects with stripe, queue, node,
                                        depth (every rank's list), pushed, popped,
@@ -142,7 +151,7 @@ import redis
 
 from batchq.client.cluster import masters
 from batchq.monitoring import sizing
-from batchq.monitoring.counters import counter_fields, figure_fields
+from batchq.monitoring.counters import counter_fields, figure_fields, params_fields
 from batchq.monitoring.producer_rows import PRODUCER_FIELDS, bytes_held, live_totals, producer_rows
 from batchq.monitoring.rank_rows import rank_rows, slowest_rank
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
@@ -182,7 +191,8 @@ STATUS_FIELDS = (
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
-    "wait_buckets", "node", "stripes",
+    "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "node",
+    "stripes",
 )  # fmt: skip
 
 
@@ -278,6 +288,7 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "stripes": [stripe.row() for stripe in snap.stripes],
         **counter_fields(snap.stats),
         **figures,
+        **params_fields(snap),
     }
     row.update(_sizing(snap, row, totals, fresh))
     return {name: row[name] for name in STATUS_FIELDS}  # the documented order

@@ -127,6 +127,19 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _params_lines(r: dict[str, Any]) -> list[str]:
+    """The run's look-ahead (set_params' default distance) and its params log."""
+    if r.get("lookahead_batches") is None:
+        return []
+    line = f"  look-ahead: {r['lookahead_batches']} batches (set_params applies this far ahead)"
+    if r.get("params_version") or r.get("rebuilt_params"):
+        line += (
+            f"; params log version {r['params_version']}, {r['rebuilt_params']} frames "
+            "rebuilt after a change"
+        )
+    return [line]
+
+
 def _host_lines(r: dict[str, Any]) -> list[str]:
     """This host's shared memory and the run id."""
     lines = []
@@ -165,6 +178,7 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
         *_dead_lines(r),
         *_rank_lines(r),
         *_stripe_lines(r),
+        *_params_lines(r),
         *_host_lines(r),
     ]
 

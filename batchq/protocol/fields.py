@@ -73,6 +73,8 @@ class MetaField:
     AXIS_LABELS: Final = "axis_labels"  # JSON source -> axis names (producers)
     SHM_HOST: Final = "shm_host"  # the trainer's shared-memory host identity
     SHM_LOOKAHEAD: Final = "shm_lookahead"  # the trainer's look-ahead, in frames
+    SHARD_BATCHES: Final = "shard_batches"  # B, batches per full shard (0: unknown)
+    PARAMS: Final = "params"  # the params log's stamp '<run>:<version>' (params.lua)
 
     #: Fields a data-parallel run keeps once per rank (``'<name>:<r>'``): ranks may
     #: run on different hosts, so each publishes its own shared-memory host.
@@ -92,6 +94,7 @@ class StatsField:
     FAILED_ATTEMPTS: Final = "failed_attempts"  # shard attempts whose pipeline raised
     REAPED_CLOSED: Final = "reaped_closed"  # producers reaped for closed connections
     DROPPED_AHEAD: Final = "dropped_ahead"  # frames past the trainer's window (built again)
+    REBUILT_PARAMS: Final = "rebuilt_params"  # frames built with params since changed
     EPOCHS_COMPLETED: Final = "epochs_completed"
     TRAINER_WAIT_MS: Final = "trainer_wait_ms"  # the trainer waiting for data
     TRAINER_BUSY_MS: Final = "trainer_busy_ms"  # the trainer between batches

@@ -53,6 +53,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:remap        HASH    slot -> shard for the epoch in meta ``remap_epoch``: a job
                                 resumed with another number of ranks re-splits the
                                 rest of that epoch (consumer/rank_state.py)
+    bq:{Q}:params       STRING  the run's change log of producer parameters (JSON, run
+                                id and entries: batchq.protocol.params_log), written by
+                                params.lua only; meta ``params`` is its stamp
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
 
@@ -107,6 +110,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
     "stats": "hash", "dead": "list", "failures": "hash", "pstats": "hash",
     "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
     "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
+    "params": "string",
 }  # fmt: skip
 
 # Queue names and producer ids become parts of key names: keep them to a safe alphabet,
@@ -241,6 +245,7 @@ class QueueKeys:
         self.frame_prefix = f"{self.base}:frame:"
         self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
         self.remap = f"{self.base}:remap"  # an elastic resume's epoch: slot -> shard
+        self.params = f"{self.base}:params"  # the run's change log of producer parameters
         #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
         self.leases: Mapping[str, str] = _Derived(self._lease)
         #: world -> the KEYS tail of lease.lua for a run of that many ranks: every

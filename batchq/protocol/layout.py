@@ -14,6 +14,13 @@ Entries and fields:
   :func:`time_ms`;
 * the trainer's wait-time histogram: the stats hash's ``wait_bucket:<i>`` counts waits
   up to :data:`WAIT_BUCKETS_S` ``[i]`` seconds, ``wait_bucket:<len>`` the rest (+Inf);
+* the run's change log of producer parameters (the ``params`` key, a string):
+  ``{"run": run id, "entries": [{"version": v, "index": i, "id": call id, "params":
+  {...}}, ...]}`` (:mod:`batchq.protocol.params_log`), at most
+  :data:`PARAMS_LOG_MAX_BYTES` of JSON and :data:`PARAMS_MAX_ENTRIES` entries; meta's
+  ``params`` field is its stamp ``'<run>:<version>'`` (:func:`params_stamp`), which
+  lease.lua returns with every lease so that a producer reads the log again only when
+  it changed;
 * a default process id (a producer's, an autoscaler's): ``'<host>-<pid>-<6 hex>'``
   (:func:`default_id`; :func:`id_host` and :func:`id_pid` read it back: ``status``
   shows the host, an autoscaler tells its own workers by the pid).
@@ -36,6 +43,8 @@ __all__ = [
     "DONE",
     "FLAGS",
     "HISTORY_CAP",
+    "PARAMS_LOG_MAX_BYTES",
+    "PARAMS_MAX_ENTRIES",
     "SCALELOG_CAP",
     "WAIT_BUCKETS_S",
     "WAKE_CAP",
@@ -48,8 +57,10 @@ __all__ = [
     "id_pid",
     "lease_entry",
     "ledger_field",
+    "params_stamp",
     "parse_count_value",
     "parse_ledger_field",
+    "parse_params_stamp",
     "time_ms",
 ]
 
@@ -57,6 +68,10 @@ WAKE_CAP = 8  # a pop wakes at most this many blocked producers
 HISTORY_CAP = 3600  # one sample per second: the last hour
 DEAD_CAP = 1000  # bad frames kept for `batchq dead`
 SCALELOG_CAP = 500  # autoscaler decisions kept
+# The change log of producer parameters (set_params): its JSON and its entries. Every
+# producer reads the whole log when it changes, so it stays small.
+PARAMS_LOG_MAX_BYTES = 1 << 20
+PARAMS_MAX_ENTRIES = 10_000
 DONE = "d"  # a ledger value: the trainer has every batch of the slot
 # Upper bounds of the trainer's wait-time histogram buckets (seconds); the last bucket is
 # +Inf. The trainer (consumer.stats) counts into them, the exporter publishes them as le.
@@ -81,6 +96,17 @@ def lease_entry(g: int, token: str) -> str:
 def entry_slot(entry: str) -> int:
     """The global slot number of a lease entry."""
     return int(entry.split(":", 1)[0])
+
+
+def params_stamp(run: str, version: int) -> str:
+    """Meta's ``params`` field: the run whose log it is and the log's version."""
+    return f"{run}:{version}"
+
+
+def parse_params_stamp(stamp: str) -> tuple[str, int]:
+    """(run, version) of a params stamp; ('', 0) for none or one of another form."""
+    run, sep, version = stamp.rpartition(":")
+    return (run, int(version)) if sep and version.isdigit() else ("", 0)
 
 
 def ledger_field(epoch: int, slot: int) -> str:

@@ -64,9 +64,10 @@ class JoinReply(NamedTuple):
 
 
 class LeaseReply(NamedTuple):
-    """lease.lua: ``{'OK', g, skip[, slots, world[, shard]]}`` or a status.
+    """lease.lua: ``{'OK', g, skip[, slots, world[, shard]], params stamp}`` or a status.
 
-    ``slots`` is 0 in world-1 replies (the plan's S is the caller's).
+    ``slots`` is 0 in world-1 replies (the plan's S is the caller's); ``params`` is
+    meta's params stamp ('<run>:<version>' of the params log, '' for none).
     """
 
     status: str
@@ -75,6 +76,7 @@ class LeaseReply(NamedTuple):
     slots: int = 0
     world: int = 1
     shard: int | None = None
+    params: str = ""
 
     @classmethod
     def parse(cls, raw: Any) -> LeaseReply:
@@ -82,8 +84,9 @@ class LeaseReply(NamedTuple):
         r = decode_reply(raw)
         if r[0] != Status.OK:
             return cls(r[0])
+        r, stamp = r[:-1], str(r[-1])  # the stamp ends every OK reply
         shard = int(r[5]) if len(r) > 5 else None
-        return cls(r[0], int(r[1]), int(r[2]), reply_int(r, 3), reply_int(r, 4, 1), shard)
+        return cls(r[0], int(r[1]), int(r[2]), reply_int(r, 3), reply_int(r, 4, 1), shard, stamp)
 
 
 class PushReply(NamedTuple):
@@ -120,10 +123,13 @@ def join(
     served: str,
     grace_ms: int,
     no_create: bool,
+    shard_batches: int | None = None,
     stripes: int = 1,
 ) -> JoinReply:
-    """A producer joins the queue's run (join.lua); ``stripes``: the run's stripes
-    (:mod:`batchq.protocol.stripes`), set with the plan, then checked."""
+    """A producer joins the queue's run (join.lua); ``shard_batches``: the plan's
+    batches per full shard (None: it cannot count them, published as 0); ``stripes``:
+    the run's stripes (:mod:`batchq.protocol.stripes`), set with the plan, then
+    checked."""
     return build_call(
         "join",
         JoinReply.parse,
@@ -135,7 +141,7 @@ def join(
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,
          "epoch_batches": -1 if epoch_batches is None else epoch_batches,
          "served": served, "grace_ms": grace_ms, "no_create": FLAGS[no_create],
-         "stripes": stripes},
+         "shard_batches": shard_batches or 0, "stripes": stripes},
     ).run(client)  # fmt: skip
 
 

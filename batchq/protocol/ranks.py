@@ -18,6 +18,14 @@ they need from meta: ``world``, ``even``, ``shards``).
   ``n = epoch * P + j``.
 - World 1 is the single trainer of before: slots = S, G = n, and the per-rank meta
   fields and keys are the plain ones (``next``, ``floor``, ``claim``, ``data``...).
+
+The run's *global batch index* (what ``set_params`` indices count,
+:class:`BatchNumbering`) numbers batches in the same global numbering: batch k of slot
+G is ``G * B + k``, B the plan's batches per full shard (meta ``shard_batches``; an
+epoch's last shard may hold fewer, whose indices then go unused), so epoch e starts at
+``e * slots * B`` and with ranks the index is the run's, not a rank's. Where the plan
+cannot count a shard's batches (B published as 0: a Filter, a chain without an exact
+cut) the index numbers slots: every batch of slot G has index G.
 """
 
 from __future__ import annotations
@@ -26,7 +34,17 @@ from dataclasses import dataclass
 
 from batchq.errors import ConfigError
 
-__all__ = ["EVEN_MODES", "RankLayout", "rank_field", "shard_of_slot", "slots_for"]
+__all__ = [
+    "EVEN_MODES",
+    "BatchNumbering",
+    "RankLayout",
+    "batch_index",
+    "frame_index",
+    "lookahead_batches",
+    "rank_field",
+    "shard_of_slot",
+    "slots_for",
+]
 
 EVEN_MODES = ("pad", "drop")
 
@@ -121,3 +139,83 @@ class RankLayout:
         """The global slot number of rank ``rank``'s n-th local shard (epoch * P + j)."""
         epoch, j = divmod(n, self.per_rank)
         return epoch * self.slots + self.slot(j, rank)
+
+
+def batch_index(g: int, k: int, stride: int) -> int:
+    """The global batch index of batch ``k`` of global slot ``g`` (see the module
+    docstring): ``g * stride + k``, or ``g`` where ``stride`` is 0 (unknown)."""
+    return g * stride + k if stride > 0 else g
+
+
+def frame_index(g: int, k: int, stride: int) -> int:
+    """The index whose params a frame of slot ``g`` at ``k`` was built with: a batch's
+    own; an END or ERROR frame at ``k`` (no batch, or the one that failed) counts as
+    the shard's batch ``min(k, stride - 1)``, so a shard's end never falls on the next
+    shard's index."""
+    return batch_index(g, min(k, stride - 1) if stride > 0 else k, stride)
+
+
+def lookahead_batches(window: int, stride: int, world: int) -> int:
+    """D, the run's look-ahead in global batch indices: how far past a trainer's
+    position (:meth:`BatchNumbering.position`) a producer can have built anything.
+
+    Producers mint a rank's shard only below its published floor plus the window W
+    (lease.lua), and the published floor is at most W shards past the shard the
+    trainer hands out (:meth:`consumer.reader.ledger.Ledger.window_base`), so a single
+    trainer's producers never reach 2 W shards past its position: ``2 W B``. With
+    ranks, 2 W local shards of each rank are ``2 W world`` slots; one more round of
+    local shards covers ranks one shard ahead of the caller (ranks in step):
+    ``(2 W + 1) world B``. B is 1 where the plan numbers slots (stride 0). It depends on
+    the plan only, never on timing.
+    """
+    per_slot = stride if stride > 0 else 1
+    if world == 1:
+        return 2 * window * per_slot
+    return (2 * window + 1) * world * per_slot
+
+
+@dataclass(frozen=True)
+class BatchNumbering:
+    """One run's global batch indices (see the module docstring).
+
+    Attributes:
+        layout: the run's split among ranks.
+        stride: B, batches per full shard; 0 where the plan cannot count them.
+        window: W, the producers' look-ahead in (a rank's local) shards.
+    """
+
+    layout: RankLayout
+    stride: int
+    window: int
+
+    def index(self, g: int, k: int) -> int:
+        """The index of batch ``k`` of global slot ``g``."""
+        return batch_index(g, k, self.stride)
+
+    def local_index(self, local: int, k: int, rank: int) -> int:
+        """The index of batch ``k`` of rank ``rank``'s local shard ``local``."""
+        return self.index(self.layout.to_global(local, rank), k)
+
+    def epoch_first(self, epoch: int) -> int:
+        """The index of epoch ``epoch``'s first batch."""
+        return self.index(epoch * self.layout.slots, 0)
+
+    def position(self, local: int, k: int) -> int:
+        """The run's position of a trainer that has handed out every shard before its
+        local shard ``local`` and the first ``k`` batches of that one: the smallest index
+        from which no trainer in step with it has handed anything out.
+
+        World 1: the index of its next batch (with stride 0, of its next slot). Ranks:
+        the first index of the next round of local shards (rank 0's slot of ``local``,
+        or of ``local + 1`` once ``k`` batches of it were handed out), the same on every
+        rank at the same step.
+        """
+        if self.layout.world == 1 and self.stride > 0:
+            return self.index(local, k)
+        first = local + (1 if k else 0)
+        return self.index(self.layout.to_global(first, 0), 0)
+
+    @property
+    def lookahead(self) -> int:
+        """D (:func:`lookahead_batches`)."""
+        return lookahead_batches(self.window, self.stride, self.layout.world)

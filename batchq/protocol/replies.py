@@ -20,6 +20,7 @@ from batchq.errors import (
     TrainerConflict,
 )
 from batchq.protocol.calls import CountReply, StatusReply
+from batchq.protocol.params_scripts import ParamsReply
 from batchq.protocol.producer_scripts import JoinReply, LeaseReply, PushReply
 from batchq.protocol.recovery_scripts import RequeueReply
 from batchq.protocol.trainer_scripts import ClaimReply, PopReply
@@ -31,6 +32,7 @@ __all__ = [
     "CountReply",
     "JoinReply",
     "LeaseReply",
+    "ParamsReply",
     "PopReply",
     "PushReply",
     "RequeueReply",

@@ -121,6 +121,7 @@ SCRIPTS: dict[str, Script] = {
         "handback",
         "join",
         "lease",
+        "params",
         "pop",
         "push",
         "reap",

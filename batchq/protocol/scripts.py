@@ -10,7 +10,8 @@ scripts that travel in pipelines (push, lease) are built as a :class:`Call`
 
 The functions are written by who calls them -- the producer's
 (:mod:`batchq.protocol.producer_scripts`: join, lease_call, push_call, fail, handback),
-the trainer's (:mod:`batchq.protocol.trainer_scripts`: claim, pop, resume) and work
+the trainer's (:mod:`batchq.protocol.trainer_scripts`: claim, pop, resume; the params
+log's, :mod:`batchq.protocol.params_scripts`: params) and work
 recovery's (:mod:`batchq.protocol.recovery_scripts`: reap, gone, requeue) -- and used
 through this module (``scripts.pop(...)``), which holds them all.
 """
@@ -18,6 +19,7 @@ through this module (``scripts.pop(...)``), which holds them all.
 from __future__ import annotations
 
 from batchq.protocol.calls import SCRIPTS, Call, Script, execute_pipeline, load_all
+from batchq.protocol.params_scripts import ParamsOp, ParamsReply, Rebuild, params
 from batchq.protocol.producer_scripts import fail, handback, join, lease_call, push_call
 from batchq.protocol.recovery_scripts import gone, reap, requeue
 from batchq.protocol.trainer_scripts import ClaimOp, claim, pop, resume
@@ -26,6 +28,9 @@ __all__ = [
     "SCRIPTS",
     "Call",
     "ClaimOp",
+    "ParamsOp",
+    "ParamsReply",
+    "Rebuild",
     "Script",
     "claim",
     "execute_pipeline",
@@ -35,6 +40,7 @@ __all__ = [
     "join",
     "lease_call",
     "load_all",
+    "params",
     "pop",
     "push_call",
     "reap",

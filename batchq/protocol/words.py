@@ -33,6 +33,7 @@ class Status:
     STEP = "STEP"  # {'STEP', step}: the job's other ranks resumed from another step
     WRONG_TYPE = "WRONG_TYPE"  # {'WRONG_TYPE', key, type found}: a foreign writer
     REROUTE = "REROUTE"  # push.lua: the rank's trainer is not on the descriptor's host
+    TOO_BIG = "TOO_BIG"  # {'TOO_BIG', bytes}: params.lua, the params log would pass its cap
 
 
 def decode_reply(reply: Any) -> list[Any]:

@@ -32,6 +32,10 @@ Header keys (short, to keep small frames small):
            own 4 value bytes read as zeros; always the header's last entry, written as
            a fixed-width uint32 (``0xce`` + 4 bytes big-endian)
 ``t``      optional producer wall time (float, seconds since the epoch) at encoding
+``pv``     optional params version (int >= 0; absent: 0): the version of the run's params
+           log in effect at the batch's global index when it was built
+           (:mod:`batchq.protocol.params_log`); a trainer never yields a frame whose
+           version is not the one in effect for its index
 =========  ===============================================================================
 
 An item entry is one of:
@@ -275,7 +279,8 @@ def _prepare(
         "run": run, "ep": _plain(epoch), "sh": _plain(shard), "k": _plain(k), "g": _plain(g),
         "pid": producer, "last": True if kind is FrameKind.END else last, "src": list(sources),
     }  # fmt: skip
-    optional = {"n": _plain(count), "err": error, "ename": error_name, "t": produced_at}
+    pv = _plain(spec.params_version) or None  # absent means 0: small frames stay small
+    optional = {"n": _plain(count), "err": error, "ename": error_name, "t": produced_at, "pv": pv}
     header.update((key, value) for key, value in optional.items() if value is not None)
     problem = header_problem(kind, header)
     if problem:
@@ -364,7 +369,7 @@ def decode_frame(
         count=header.get("n"), sources=tuple(sources),
         data=tuple(build_item(spec, source, writable) for spec in specs),
         error=header.get("err"), error_name=header.get("ename"), nbytes=size,
-        produced_at=None if t is None else float(t),
+        produced_at=None if t is None else float(t), params_version=header.get("pv", 0),
     )  # fmt: skip
 
 

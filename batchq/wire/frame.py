@@ -61,6 +61,9 @@ class Frame:
         error_name: the exception's class name (ERROR frames), else None.
         nbytes: the encoded frame's length.
         produced_at: the producer's wall time at encoding, if it sent one.
+        params_version: the version of the run's params log in effect at the batch's
+            global index when it was built (0: no change applies; see
+            :mod:`batchq.protocol.params_log`).
     """
 
     kind: FrameKind
@@ -78,6 +81,7 @@ class Frame:
     error_name: str | None
     nbytes: int
     produced_at: float | None
+    params_version: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Return the data as a dict from source name to value."""
@@ -102,6 +106,8 @@ class FrameHeader:
         error: the traceback text (ERROR frames; required there).
         error_name: the exception's class name (ERROR frames).
         produced_at: the producer's wall time, for monitoring.
+        params_version: the params log's version in effect at the batch's global index
+            (0: none), by which the trainer tells a batch built before a change.
     """
 
     kind: FrameKind
@@ -117,6 +123,7 @@ class FrameHeader:
     error: str | None = None
     error_name: str | None = None
     produced_at: float | None = None
+    params_version: int = 0
 
 
 def is_int(value: Any, low: int) -> bool:
@@ -143,6 +150,7 @@ def header_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
         or _content_problem(kind, header)
         or _error_problem(kind, header)
         or _time_problem(header)
+        or _params_problem(header)
     )
 
 
@@ -183,6 +191,12 @@ def _error_problem(kind: FrameKind, header: dict[Any, Any]) -> str | None:
     if ename is not None and not isinstance(ename, str):
         return f"'ename' (error_name) is {short(ename)}, expected a str"
     return None
+
+
+def _params_problem(header: dict[Any, Any]) -> str | None:
+    """A params version that is not an int >= 0 (absent: 0)."""
+    pv = header.get("pv", 0)
+    return None if is_int(pv, 0) else f"'pv' (params_version) is {short(pv)}, expected an int >= 0"
 
 
 def _time_problem(header: dict[Any, Any]) -> str | None:

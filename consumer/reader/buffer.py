@@ -94,20 +94,33 @@ class Buffer:
         with self.cond:
             ledger = self.ledger
             idle = ledger.buffered >= hwm and not ledger.needs_more()
-            stale = idle and ledger.floor() > published_floor
+            stale = idle and ledger.window_base() > published_floor
             if idle and not stale:
                 self.cond.wait(timeout=wait_s)
         return idle, stale
 
     def fill(self) -> tuple[int, int]:
-        """(frames held, floor): how much room a pop has, and the floor it publishes."""
+        """(frames held, floor): how much room a pop has, and the floor it publishes (the
+        look-ahead window's base, :meth:`Ledger.window_base`)."""
         with self.cond:
-            return self.ledger.buffered, self.ledger.floor()
+            return self.ledger.buffered, self.ledger.window_base()
 
     def floor(self) -> int:
-        """The oldest incomplete shard (the look-ahead window's base, global number)."""
+        """The floor the trainer publishes: the look-ahead window's base (global number,
+        :meth:`Ledger.window_base`)."""
         with self.cond:
-            return self.ledger.floor()
+            return self.ledger.window_base()
+
+    def purge(self, stale: Callable[[int, Frame], bool]) -> list[tuple[int, int, int, int]]:
+        """Drop held frames built with params since changed (:meth:`Ledger.purge`):
+        (epoch, shard, batches kept, frames dropped) per shard."""
+        with self.cond:
+            return self.ledger.purge(stale)
+
+    def prefix(self, epoch: int, shard: int) -> int:
+        """The leading batches of a shard the trainer has (handed out or held)."""
+        with self.cond:
+            return self.ledger.prefix(epoch, shard)
 
     def waited_since(self) -> float | None:
         """Since when the iterator waits for a frame (None: it does not)."""

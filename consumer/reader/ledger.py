@@ -14,38 +14,14 @@ It is plain data, used under the reader's lock; it never touches Redis.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from batchq.protocol.layout import DONE, ledger_field
 from batchq.wire.codec import Frame, FrameKind
 from consumer.reader.impossible import why_impossible
+from consumer.reader.shard_state import ShardState
 
 __all__ = ["Ledger", "ShardState"]
-
-
-@dataclass
-class ShardState:
-    """What the trainer has of one shard."""
-
-    frames: dict[int, Frame] = field(default_factory=dict)
-    received: set[int] = field(default_factory=set)
-    count: int | None = None  # batches in the shard, once its last frame arrived
-    error: Frame | None = None
-    skip: int = 0  # batches handed out before a resume (a prefix of the shard)
-    given: int = 0  # batches handed out since
-
-    @property
-    def prefix(self) -> int:
-        """How many leading batches (k = 0, 1, ...) have arrived."""
-        n = 0
-        while n in self.received:
-            n += 1
-        return n
-
-    @property
-    def complete(self) -> bool:
-        """True once the last frame and every batch before it arrived."""
-        return self.count is not None and len(self.received) >= self.count
 
 
 class Ledger:
@@ -70,6 +46,8 @@ class Ledger:
         self._complete: dict[int, int] = {}  # epoch -> shards complete
         self._held: dict[int, int] = {}  # epoch -> frames held
         self._floor = first_epoch * shards
+        self._base = first_epoch * shards  # see base()
+        self._published = first_epoch * shards  # see window_base()
         self.duplicates = 0
         self.stale = 0
         self.skipped = 0  # shards given up on (ERROR frames under the skip policy)
@@ -125,7 +103,7 @@ class Ledger:
         """
         if not self.window or frame.epoch < self.epoch or not 0 <= frame.shard < self.shards:
             return False  # no window known yet, or stale (add counts those)
-        return frame.epoch * self.shards + frame.shard >= self.floor() + self.window
+        return frame.epoch * self.shards + frame.shard >= self.window_base() + self.window
 
     def _note(self, epoch: int, state: ShardState, was_complete: bool) -> None:
         if state.complete and state.error is None and not was_complete:
@@ -142,6 +120,7 @@ class Ledger:
             state.count = frame.count
             self._purge(frame.epoch, state)
         if frame.kind == FrameKind.END:
+            state.end = frame
             return True
         if frame.k in state.received:
             self.duplicates += 1
@@ -352,17 +331,71 @@ class Ledger:
     def floor(self) -> int:
         """The oldest incomplete shard, as a global shard number (epoch * S + shard).
 
-        Completion only ever moves forward, so this resumes from where it last stopped.
+        Completion only moves forward (but where :meth:`purge` took frames, which moves
+        this back), so this resumes from where it last stopped.
         """
-        g = max(self._floor, self.epoch * self.shards)
+        self._floor = self._first(max(self._floor, self.epoch * self.shards), False)
+        return self._floor
+
+    def base(self) -> int:
+        """The oldest shard not complete or not handed out completely: the trainer's
+        position in shards (it only moves forward)."""
+        self._base = self._first(max(self._base, self.epoch * self.shards), True)
+        return self._base
+
+    def _first(self, g: int, handed_out: bool) -> int:
+        """The first shard from g on that is not complete (or, ``handed_out``, not
+        handed out completely)."""
         while True:
-            epoch, shard = divmod(g, self.shards)
-            state = self._epochs.get(epoch, {}).get(shard)
+            state = self._epochs.get(g // self.shards, {}).get(g % self.shards)
             if state is None or not state.complete or state.error is not None:
-                break
+                return g
+            if handed_out and not state.handed_out:
+                return g
             g += 1
-        self._floor = g
-        return g
+
+    def window_base(self) -> int:
+        """The look-ahead window's base, published as the trainer's floor: :meth:`floor`,
+        but at most the window past the position (:meth:`base`); it only moves forward.
+        So producers never build more than two windows past the position: the fixed
+        look-ahead of ``set_params`` (:func:`batchq.protocol.ranks.lookahead_batches`).
+        """
+        floor = self.floor()
+        if self.window:
+            floor = min(floor, self.base() + self.window)
+        self._published = max(self._published, floor)
+        return self._published
+
+    def purge(self, stale: Callable[[int, Frame], bool]) -> list[tuple[int, int, int, int]]:
+        """Drop the frames held (not handed out) that ``stale(epoch, frame)`` says were
+        built with params since changed; their shards are built again.
+
+        Returns:
+            (epoch, shard, batches kept: the prefix the trainer still has, frames
+            dropped) per shard that lost frames.
+        """
+        out = []
+        for epoch, states in sorted(self._epochs.items()):
+            for shard, state in sorted(states.items()):
+                was_complete = state.complete
+                dropped, changed = state.drop(lambda f, e=epoch: stale(e, f))  # type: ignore[misc]
+                if not changed:
+                    continue
+                for frame in dropped:
+                    self.buffered -= 1
+                    self._held[epoch] -= 1
+                    if frame in self._arrived:
+                        self._arrived.remove(frame)
+                if was_complete and not state.complete:
+                    self._complete[epoch] -= 1
+                self._floor = min(self._floor, epoch * self.shards + shard)
+                out.append((epoch, shard, state.prefix, len(dropped)))
+        return out
+
+    def prefix(self, epoch: int, shard: int) -> int:
+        """The leading batches of a shard the trainer has (handed out or held)."""
+        state = self._epochs.get(epoch, {}).get(shard)
+        return 0 if state is None else state.prefix
 
     def needs_more(self) -> bool:
         """True if the next frame to hand out has not arrived (pop even past the hwm)."""

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -47,6 +47,9 @@ from consumer.reader.settings import ReaderSettings
 from consumer.reader.shm_frames import TrainerShm
 from consumer.session import Session
 from consumer.stats import TrainerStats
+
+if TYPE_CHECKING:
+    from consumer.params import StreamParams
 
 __all__ = ["BLOCK_S", "QUICK_S", "Reader", "global_pairs"]
 
@@ -76,6 +79,9 @@ class Reader(threading.Thread):
         shm: the trainer's shared memory (default: none, frames come through Redis).
         prepare: applied to each frame of this run before it is filed (the trainer's
             sources, dtypes and hooks: :class:`consumer.reader.prepare.FramePrep`).
+        params: the stream's params log: frames built with params since changed are
+            dropped before filing and their shards built again
+            (:class:`consumer.params.StreamParams`).
     """
 
     def __init__(
@@ -89,6 +95,7 @@ class Reader(threading.Thread):
         stats: TrainerStats | None = None,
         shm: TrainerShm | None = None,
         prepare: Callable[[codec.Frame], codec.Frame] | None = None,
+        params: StreamParams | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -105,6 +112,7 @@ class Reader(threading.Thread):
         self._fetcher = Fetcher(client, keys, self.shm, settings.max_frame_bytes, self._dead.record)
         self._filer = Filer(session, buffer, settings, prepare, self._dead, self._accounting)
         self._repair = StallRepair(client, keys, session, buffer, settings)
+        self._params = params
         # The pop loop's own pace.
         self._popped_once = False
         self._published_floor = -1  # the floor the last successful pop sent
@@ -160,12 +168,15 @@ class Reader(threading.Thread):
             self.client.close()
 
     def _step(self, idle: bool, stale: bool, claim_s: float) -> None:
-        """One turn of the loop: publish a stale floor, pop, or keep the claim alive."""
+        """One turn of the loop: publish a stale floor, pop, send the figures, or keep the
+        claim alive."""
         if stale:
             self._pop_round(room=0)
         elif not idle:
             self._pop_round()
             self.shm.maybe_sweep(self.client)  # gone producers' segments
+        elif self._accounting.stats.figures_due():
+            self._pop_round(room=0)  # idle: the trainer's progress still shows
         elif time.monotonic() - self._last_claim > claim_s:
             # Every pop refreshes the claim too: refresh only when idle long.
             self.session.refresh(self.client)
@@ -322,7 +333,10 @@ class Reader(threading.Thread):
         decoded = self._filer.decode(fetched)
         if decoded.frames:
             self._repair.frames_arrived()
-        self._filer.file(decoded)
+        if self._params is None:
+            self._filer.file(decoded)
+        else:  # frames built with params since changed are dropped, built again
+            self._params.file(decoded, self.client, self.buffer, self._filer.file)
         self._accounting.count_ahead(self.client, self.keys, self.buffer.dropped_ahead)
 
 

@@ -38,6 +38,7 @@ from batchq.protocol.ranks import RankLayout, shard_of_slot
 from batchq.protocol.replies import LeaseReply
 from batchq.protocol.stripes import Stripes
 from batchq.protocol.words import Status
+from producer.serving.params_follow import ProducerParams, ShardParams
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame
 
@@ -60,6 +61,7 @@ class Lease(NamedTuple):
     slots: int
     world: int
     shard: int | None = None  # the shard to build, where a resume remapped the slot
+    params: str = ""  # the params log's stamp when it was granted
     stripe: int = 0
     stripes: int = 1
 
@@ -68,8 +70,10 @@ class Lease(NamedTuple):
         cls, reply: LeaseReply, token: str, shards: int, stripe: int = 0, stripes: int = 1
     ) -> Lease:
         """From lease.lua's OK reply (world 1 says no slots: the plan's S)."""
-        slots = reply.slots or shards
-        return cls(reply.g, reply.skip, token, slots, reply.world, reply.shard, stripe, stripes)
+        return cls(
+            reply.g, reply.skip, token, reply.slots or shards, reply.world, reply.shard,
+            reply.params, stripe, stripes,
+        )  # fmt: skip
 
     def address(self, shards: int) -> tuple[int, int, int]:
         """(epoch, slot, the shard to build) in a plan of ``shards`` shards (a stripe's
@@ -86,8 +90,9 @@ class Lease(NamedTuple):
         return lease_entry(self.g, self.token)
 
 
-# (epoch, slot, k, batch, last, rank) -> the batch's frame (ShardPusher._encode_batch)
-Encode = Callable[[int, int, int, Any, bool, int], Any]
+# (epoch, slot, k, batch, last, rank, params version) -> the batch's frame
+# (ShardPusher._encode_batch)
+Encode = Callable[[int, int, int, Any, bool, int, int], Any]
 
 
 @dataclass
@@ -101,6 +106,8 @@ class Ready:
         frame: its encoded frame (None with ``error`` or without batches).
         error: what the pipeline or the encoding raised, if it did.
         took_s: how long building it took (the produce time, and whether it was quick).
+        params: the params of the shard's batches (each built under its own; None:
+            the current log's).
     """
 
     entry: str
@@ -109,6 +116,7 @@ class Ready:
     frame: Any
     error: Exception | None
     took_s: float
+    params: ShardParams | None = None
 
     def discard(self) -> None:
         """Never to be pushed: a segment it holds is free again."""
@@ -146,26 +154,29 @@ class Ahead:
             granted.append(ok)
         return granted
 
-    def build_next(self, plan: ShardPlan, encode: Encode) -> None:
+    def build_next(self, plan: ShardPlan, encode: Encode, params: ProducerParams) -> None:
         """Build the next leased shard's first batch (while the last push travels: no
-        Redis here). What the pipeline raises is kept for the serving loop, which
-        reports it as if raised there."""
+        Redis here), under the params ``params`` holds. What the pipeline raises is kept
+        for the serving loop, which reports it as if raised there."""
         lease = self.leases[0]
         if lease.skip or self.ready is not None:  # a resume's shard; built already
             return
         epoch, slot, shard = lease.address(plan.shards)
         started = time.perf_counter()
-        batches = iter(plan.iter_shard_marked(epoch, shard))
+        shard_params = params.shard(lease.g)
+        batches = iter(plan.iter_shard_marked(epoch, shard, shard_params.around))
         step: tuple[Any, bool] | None = None
         frame: Any = None
         error: Exception | None = None
         try:
             step = next(batches, None)
             if step is not None:
-                frame = encode(epoch, slot, 0, *step, slot % lease.world)
+                version = shard_params.version(0)
+                frame = encode(epoch, slot, 0, *step, slot % lease.world, version)
         except Exception as e:
             error = e
-        self.ready = Ready(lease.entry, batches, step, frame, error, time.perf_counter() - started)
+        took_s = time.perf_counter() - started
+        self.ready = Ready(lease.entry, batches, step, frame, error, took_s, shard_params)
 
     def take_ready(self, entry: str) -> Ready | None:
         """The built first batch of the shard of ``entry``, if it was built ahead."""

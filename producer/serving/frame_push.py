@@ -32,6 +32,7 @@ from batchq.protocol.words import Status
 from batchq.wire import refs
 from producer.serving.ahead import Ahead
 from producer.serving.blocking import Waiting, hand_back
+from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
 from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
@@ -122,6 +123,9 @@ class FramePusher:
         self.pending_ref: str | None = None  # a frame stored by reference, not yet listed
         # Leased with the last pushes; the next shard built ahead.
         self.ahead = Ahead(settings.stripe, settings.stripes)
+        # The run's params log as last read, and the params of the shard being built.
+        self.params = ProducerParams(settings.keys, plan.shard_batches)
+        self._shard_params = self.params.shard(0)
         self._data_key = settings.keys.data  # the data list of the current shard's rank
         self._rank = 0
         self._world = 1
@@ -137,6 +141,7 @@ class FramePusher:
         ahead were the run's we left, and what was built ahead goes with them."""
         self._run = position
         self.ahead.drop()
+        self.params.joined(position.run)
 
     def note_oom(self, error: redis.ResponseError) -> None:
         """Log Redis' OOM once, then count quietly (``oom_waits``)."""

@@ -22,9 +22,11 @@ def batch_header(
     k: int,
     last: bool,
     shard_batches: int | None,
+    params_version: int = 0,
 ) -> codec.FrameHeader:
     """The header of batch ``k`` of ``shard`` (its global number where the plan knows
-    the batches per shard, ``shard_batches``)."""
+    the batches per shard, ``shard_batches``; the params log's version it was built
+    with)."""
     return codec.FrameHeader(
         codec.FrameKind.BATCH,
         run=run,
@@ -37,14 +39,22 @@ def batch_header(
         last=last,
         count=k + 1 if last else None,
         produced_at=time.time(),
+        params_version=params_version,
     )
 
 
 def end_frame(
-    producer: str, run: str, epoch: int, shard: int, count: int, error: Exception | None = None
+    producer: str,
+    run: str,
+    epoch: int,
+    shard: int,
+    count: int,
+    error: Exception | None = None,
+    params_version: int = 0,
 ) -> memoryview:
     """The shard's end after ``count`` batches: an END frame, or with ``error`` the ERROR
-    frame carrying the pipeline's traceback."""
+    frame carrying the pipeline's traceback (``params_version``: the params log's
+    version in effect there)."""
     kind = codec.FrameKind.END
     why: dict[str, Any] = {}
     if error is not None:
@@ -55,6 +65,6 @@ def end_frame(
         }
     header = codec.FrameHeader(
         kind, run=run, epoch=epoch, shard=shard, k=count, producer=producer, last=True,
-        count=count, **why,
+        count=count, params_version=params_version, **why,
     )  # fmt: skip
     return codec.encode_frame(header)

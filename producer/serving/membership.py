@@ -141,6 +141,7 @@ class Membership:
             served=served,
             grace_ms=int(FINISHED_GRACE_S * 1000),
             no_create=no_create,
+            shard_batches=self.plan.shard_batches,
             stripes=self.stripes,
         )
 

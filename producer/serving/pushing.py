@@ -27,6 +27,7 @@ from typing import Any
 
 from batchq.client.connection import Pieces
 from batchq.protocol import scripts
+from batchq.protocol.layout import entry_slot
 from batchq.protocol.words import Status
 from batchq.wire import codec
 from producer.serving.ahead import Ready
@@ -73,7 +74,14 @@ class ShardPusher(FramePusher):
         """
         label = shard if slot is None else slot
         ready = self.ahead.take_ready(entry)
-        batches = ready.batches if ready else iter(self.plan.iter_shard_marked(epoch, shard))
+        # The params of each batch (a shard spanning a change gets each batch's own).
+        built = ready.params if ready is not None else None
+        self._shard_params = built or self.params.shard(entry_slot(entry))
+        batches = (
+            ready.batches
+            if ready
+            else iter(self.plan.iter_shard_marked(epoch, shard, self._shard_params.around))
+        )
         k = 0
         started = time.perf_counter()
         built_s = 0.0  # building this shard took, pushes apart
@@ -120,7 +128,10 @@ class ShardPusher(FramePusher):
                 raise ready.error
             return ready.step, ready.frame, ready.took_s
         step = next(batches, None)
-        frame = None if step is None or k < skip else self._encode_batch(epoch, label, k, *step)
+        frame = None
+        if step is not None and k >= skip:
+            version = self._shard_params.version(k)
+            frame = self._encode_batch(epoch, label, k, *step, params_version=version)
         return step, frame, time.perf_counter() - started
 
     def _pipeline_failed(
@@ -144,7 +155,10 @@ class ShardPusher(FramePusher):
     ) -> Pushed:
         """The shard's end after ``count`` batches: an END frame, or with ``error`` the
         ERROR frame carrying the pipeline's traceback."""
-        frame = end_frame(self.settings.producer, self._run.run, epoch, shard, count, error)
+        version = self._shard_params.version(count)
+        frame = end_frame(
+            self.settings.producer, self._run.run, epoch, shard, count, error, version
+        )
         return self._push(frame, entry, last=True)
 
     def _retry_elsewhere(self, epoch: int, shard: int, entry: str) -> Pushed:
@@ -171,16 +185,26 @@ class ShardPusher(FramePusher):
         return True if reply.status == Status.LEASE_LOST else Handover(reply.status)
 
     def _encode_batch(
-        self, epoch: int, shard: int, k: int, batch: Any, last: bool, rank: int | None = None
+        self,
+        epoch: int,
+        shard: int,
+        k: int,
+        batch: Any,
+        last: bool,
+        rank: int | None = None,
+        params_version: int = 0,
     ) -> Frame:
         """One batch's frame: into shared memory, else pieces for Redis (raises what the
-        codec finds wrong with the pipeline's arrays)."""
+        codec finds wrong with the pipeline's arrays); ``params_version``: the params
+        log's version the batch was built with."""
         values = batch.values() if isinstance(batch, dict) else batch
         # A list that is a regular array travels as one, as over Fuel's server (Fuel's
         # send_arrays made every value an array): a Fuel trainer reads batch.shape.
         data = tuple(codec.array_or_value(v) for v in values)
         s = self.settings
-        header = batch_header(s, self._run.run, epoch, shard, k, last, self.plan.shard_batches)
+        header = batch_header(
+            s, self._run.run, epoch, shard, k, last, self.plan.shard_batches, params_version
+        )
         return self._transport.encode(
             header,
             data,
@@ -220,8 +244,10 @@ class ShardPusher(FramePusher):
         return self._push_bytes(frame, push, between)
 
     def _build_ahead(self) -> None:
-        """Build the next leased shard's first batch while the last push travels."""
-        self.ahead.build_next(self.plan, self._encode_batch)
+        """Build the next leased shard's first batch while the last push travels (not
+        when the params log changed since: that shard is built once the log is read)."""
+        if self.ahead.leases and self.params.current(self.ahead.leases[0].params):
+            self.ahead.build_next(self.plan, self._encode_batch, self.params)
 
 
 def _status(pushed: Pushed | None) -> str | None:

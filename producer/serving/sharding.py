@@ -24,7 +24,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,12 +33,30 @@ from batchq.errors import ConfigError
 from producer.randomness import component_seed
 from producer.serving.alignment import Alignment, analyse
 
-__all__ = ["ShardPlan", "find_root", "iter_chain"]
+__all__ = ["Around", "ShardPlan", "find_root", "iter_chain"]
 
 log = logging.getLogger(__name__)
 
 # How many epochs' plans go into the fingerprint: enough to tell seeds apart.
 _FINGERPRINT_EPOCHS = 2
+
+
+Around = Callable[[int], contextlib.AbstractContextManager[Any]]
+_END = object()  # the pipeline has no more batches
+
+
+class _Puller:
+    """Pulls batch k from a shard's iterator inside ``around(k)`` (if given)."""
+
+    def __init__(self, batches: Iterator[Any], around: Around | None) -> None:
+        self.batches = batches
+        self.around = around
+
+    def __call__(self, k: int) -> Any:
+        if self.around is None:
+            return next(self.batches, _END)
+        with self.around(k):
+            return next(self.batches, _END)
 
 
 def iter_chain(stream: Any) -> Iterator[Any]:
@@ -226,30 +244,40 @@ class ShardPlan:
             iterator = self.stream.get_epoch_iterator()
         yield from iterator
 
-    def iter_shard_marked(self, epoch: int, shard: int) -> Iterator[tuple[Any, bool]]:
+    def iter_shard_marked(
+        self, epoch: int, shard: int, around: Around | None = None
+    ) -> Iterator[tuple[Any, bool]]:
         """Yield (batch, is_last) for the batches of a shard.
 
         A map-style shard has one batch per request, so its last batch is known without
         asking the pipeline for one more (which could cost a whole loading step, e.g. a
         transformer that sleeps before it finds its child exhausted). Other chains are
         read one batch ahead.
+
+        Args:
+            around: ``around(k)`` is the context in which batch k is pulled from the
+                pipeline (the params in effect at its index,
+                :class:`producer.serving.params_follow.ShardParams`): a chain read one
+                batch ahead still builds each batch under its own.
         """
-        batches = self.iter_shard(epoch, shard)
+        pull = _Puller(self.iter_shard(epoch, shard), around)
         if self.map_only:
             expected = len(self.shard_requests(epoch, shard))
-            for k, batch in enumerate(batches):
+            k = 0
+            while (batch := pull(k)) is not _END:
                 yield batch, k == expected - 1
                 if k == expected - 1:
                     return
+                k += 1
             return
-        it = iter(batches)
-        try:
-            prev = next(it)
-        except StopIteration:
+        prev = pull(0)
+        if prev is _END:
             return
-        for item in it:
+        k = 1
+        while (item := pull(k)) is not _END:
             yield prev, False
             prev = item
+            k += 1
         yield prev, True
 
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ from waiting import wait_until
 from batchq.cli import main
 from batchq.client.cluster import key_slot
 from batchq.client.connection import make_client
-from batchq.errors import PipelineMismatch
+from batchq.errors import ConfigError, PipelineMismatch
 from batchq.monitoring.rows import status_rows
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
@@ -114,3 +114,22 @@ def test_status_shows_each_stripes_node_and_reset_deletes_every_stripe(
     assert stripes[1].queue not in text.split("\n\n")[0]  # one row: the queue's
     assert main(["reset", "--url", queue_url, "--queue", queue_name, "--yes"]) == 0
     assert redis_cluster.keys_per_node(f"bq:{{{queue_name}*}}:*") == [0, 0, 0]
+
+
+@pytest.mark.parametrize("queue_url", ["cluster"], indirect=True)
+def test_set_params_on_a_striped_queue_is_refused_naming_it(
+    queue_url: str, queue_name: str
+) -> None:
+    producer = StripedProducer(numbered(EXAMPLES, BATCH), queue_url, queue_name, 4, stripes=2)
+    serving = threading.Thread(target=producer.serve, daemon=True)
+    serving.start()
+    try:
+        with ServerDataStream(("features", "targets"), url=queue_url, queue=queue_name) as stream:
+            got = [examples_of(f) for f, _ in stream.get_epoch_iterator()]
+            assert got == reference(1)[0]
+            with pytest.raises(ConfigError, match="striped 2 ways is not supported"):
+                stream.set_params({"scale": 2})
+            stream.close(finished=True)
+    finally:
+        producer.stop()
+        serving.join(timeout=10)

@@ -45,7 +45,7 @@ SECRET = "app:secret"  # a key of some other application on the same server
 # Every redis.call in them runs as the calling user, so the role needs those commands.
 ROLE_SCRIPTS = {
     "bq-producer": {"join", "lease", "push", "fail", "handback", "reap"},
-    "bq-trainer": {"claim", "gone", "pop", "reap", "requeue", "resume"},
+    "bq-trainer": {"claim", "gone", "params", "pop", "reap", "requeue", "resume"},
     "bq-monitor": set(),
 }
 PASSWORDS = {name: f"{name}-pw-{i}" for i, name in enumerate(ROLE_SCRIPTS)}

@@ -6,13 +6,17 @@ which examples it holds: ``batch[:, 0] // FEATURES``.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import numpy as np
 
 from batchq.cli.demo import Bottleneck
+from batchq.protocol.params_log import thaw
+from producer import control
 from producer.datasets import IndexableDataset
+from producer.mixture import Mixture
 from producer.schemes import SequentialScheme, ShuffledScheme
 from producer.streams import DataStream
 from producer.transformers import Mapping, Transformer
@@ -94,4 +98,38 @@ def fuel_tutorial(slowdown: float = 0.0) -> Any:
     return Bottleneck(
         data_stream=DataStream.default_stream(dataset=dataset, iteration_scheme=iteration_scheme),
         slowdown=slowdown,
+    )
+
+
+def params_json(params: Any) -> str:
+    """Params as the steered pipeline writes them into a batch: JSON, sorted keys."""
+    return json.dumps(thaw(params), sort_keys=True)
+
+
+class WithParams:
+    """A mapping (for :class:`Mapping`) that adds a ``params`` source: the params in
+    effect for the batch being built (``control.params()``), as :func:`params_json`."""
+
+    def __call__(self, data: tuple[Any, ...]) -> tuple[str]:
+        return (params_json(control.params()),)
+
+
+def steered(examples: int | None = None, batch_size: int | None = None) -> Any:
+    """:func:`numbered`, each batch adding the params it was built with (``params``)."""
+    return Mapping(numbered(examples, batch_size), WithParams(), add_sources=("params",))
+
+
+def mixture() -> Any:
+    """A mixture of two numbered sources ('a': a Fuel dataset of TEST_A_EXAMPLES, 'b': a
+    list of dicts of TEST_B_EXAMPLES, numbered from 10000), weights {a: 1, b: 0}."""
+    n_a = int(os.environ.get("TEST_A_EXAMPLES", "30"))
+    n_b = int(os.environ.get("TEST_B_EXAMPLES", "20"))
+    a = IndexableDataset({"x": np.arange(n_a, dtype=np.int64)})
+    b = [{"x": np.int64(10_000 + i)} for i in range(n_b)]
+    return Mixture(
+        {"a": a, "b": b},
+        {"a": 1.0, "b": 0.0},
+        batch_size=int(os.environ.get("TEST_BATCH_SIZE", "8")),
+        batches_per_epoch=int(os.environ.get("TEST_BATCHES", "25")),
+        seed=int(os.environ.get("TEST_SEED", "7")),
     )

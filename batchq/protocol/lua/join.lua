@@ -27,7 +27,9 @@ local grace_ms = tonumber(ARGV[12])  -- a run that finished less than this long 
 local no_create = ARGV[13]       -- '1': create no queue and no run (after Redis lost the
                                  -- queue's state the trainer re-creates it from its
                                  -- ledger; producers wait for that)
-local stripes = ARGV[14]         -- the queues the run is striped over (batchq/protocol/
+local shard_batches = ARGV[14]   -- batches per full shard, 0 if the plan cannot count
+                                 -- them (the params log's numbering, ranks.py)
+local stripes = ARGV[15]         -- the queues the run is striped over (batchq/protocol/
                                  -- stripes.py): set with the plan, then checked
 
 local now = server_now_ms()
@@ -66,9 +68,14 @@ end
 local run_hwm = redis.call('HGET', meta_key, 'hwm')
 if not run_hwm then
   redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
-    'epoch_batches', epoch_batches)
+    'epoch_batches', epoch_batches, 'shard_batches', shard_batches)
 elseif run_hwm ~= hwm then
   return {'MISMATCH', 'hwm', run_hwm}
+else
+  -- A resume re-created the plan's figures without it (the same pipeline: the same B).
+  if not redis.call('HGET', meta_key, 'shard_batches') then
+    redis.call('HSET', meta_key, 'shard_batches', shard_batches)
+  end
 end
 local run_stripes = redis.call('HGET', meta_key, 'stripes')
 if not run_stripes then

@@ -1,7 +1,9 @@
 -- lease.lua: a producer leases its next shard, idempotently.
--- Returns {'OK', g, skip, slots, world[, shard]} (g = global slot number: epoch * slots +
---         slot, see batchq/protocol/ranks.py; world 1: {'OK', g, skip}, slots = S; skip = batches
---         of it the trainer already has: build it, push only from batch `skip` on)
+-- Returns {'OK', g, skip, slots, world[, shard], stamp} (g = global slot number: epoch *
+--         slots + slot, see batchq/protocol/ranks.py; world 1: {'OK', g, skip, stamp},
+--         slots = S; skip = batches of it the trainer already has: build it, push only
+--         from batch `skip` on; stamp = meta 'params', the params log's '<run>:<version>',
+--         '' for none: the producer reads the log again when it changed)
 --      or {'WAIT'} (the look-ahead window is full), {'BUSY'} (prefetch declined),
 --         {'STATE_LOST'}, {'RUN_CHANGED'},
 --         {'FINISHED'}, {'REAPED'} (this producer was declared dead: join again)
@@ -35,7 +37,7 @@ local first_rank_data = 7
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'next', 'floor', 'window', 'shards',
-  'world', 'even', 'hwm', 'remap_epoch')
+  'world', 'even', 'hwm', 'remap_epoch', 'params')
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] == '1' then return {'FINISHED'} end
 if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
@@ -49,14 +51,15 @@ if world > 1 then
   if m[8] == 'drop' then S = world * math.floor(S / world)
   else S = world * math.ceil(S / world) end
 end
+local stamp = m[11] or ''  -- the params log's version rides with every lease
 local function granted(g, skip)
-  if world == 1 then return {'OK', g, skip} end
+  if world == 1 then return {'OK', g, skip, stamp} end
   -- A slot of a remapped epoch names the shard it builds (a resume with other ranks).
   if m[10] and math.floor(tonumber(g) / S) == tonumber(m[10]) then
     local shard = redis.call('HGET', KEYS[first_rank_data + world], tostring(tonumber(g) % S))
-    if shard then return {'OK', g, skip, S, world, shard} end
+    if shard then return {'OK', g, skip, S, world, shard, stamp} end
   end
-  return {'OK', g, skip, S, world}
+  return {'OK', g, skip, S, world, stamp}
 end
 local function had(g)
   local v = redis.call('HGET', ledger_key, math.floor(g / S) .. ':' .. (g % S))

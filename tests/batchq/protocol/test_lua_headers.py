@@ -87,6 +87,10 @@ WRAPPERS: dict[str, Any] = {
         token="t", room=1, floor=0, claim_ttl_ms=1, extra_popped=0, nbytes=0,
         figures=(0, 0, 0, "", "", ""), suffix="",
     ),
+    "params": lambda c: scripts.params(
+        c, K, op="rebuild", incarnation="i", run="r", token="t", suffix=":1", index=2,
+        rebuild=[scripts.Rebuild("0:3", 1, 3)],
+    ),
     "resume": lambda c: scripts.resume(
         c, K, rank_lists=K.rank_data(2), token="t", new_run="r", first=0, fingerprint="fp",
         hwm="", shards=4, window=1, epoch_batches=-1, rank=0, world=2, even="pad", step=0,
@@ -166,4 +170,5 @@ def test_a_call_can_be_queued_in_a_pipeline() -> None:
     )  # fmt: skip
     call.queue(Pipe())
     assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 6)
-    assert call.parse([b"OK", b"7", 0]).g == 7
+    assert call.parse([b"OK", b"7", 0, b"r:2"]).g == 7
+    assert call.parse([b"OK", b"7", 0, b"r:2"]).params == "r:2"  # the params log's stamp

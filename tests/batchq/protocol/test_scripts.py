@@ -50,7 +50,7 @@ class Q:
             {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
              "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
              "version": "1", "epoch_batches": shards, "served": self.run, "grace_ms": grace,
-             "no_create": "0", "stripes": 1},
+             "no_create": "0", "shard_batches": 1, "stripes": 1},
         )  # fmt: skip
         if reply[0] == "OK":
             self.inc, self.run = reply[1], reply[2]
@@ -128,8 +128,8 @@ def test_join_creates_the_queue_and_refuses_another_pipeline(q: Q) -> None:
 
 def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:
     q.join("p1")
-    assert q.lease("p1", "t1") == ["OK", "0", 0]
-    assert q.lease("p1", "t1") == ["OK", "0", 0]  # a retried request: the same shard
+    assert q.lease("p1", "t1") == ["OK", "0", 0, ""]  # '': no params log
+    assert q.lease("p1", "t1") == ["OK", "0", 0, ""]  # a retried request: the same shard
     got = [q.lease("p1", f"t{i}")[1] for i in range(2, 7)]
     assert got == ["1", "2", "3", "4", "5"]
     assert q.lease("p1", "t7") == ["WAIT"]  # window 6 past floor 0

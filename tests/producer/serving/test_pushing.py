@@ -255,7 +255,9 @@ def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
     p = _pusher(leasing=True)
     p.ahead.depth = 1
     oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
-    replies = iter([[oom, [b"BUSY"], [b"BUSY"]], [[b"OK", 1], [b"OK", 1, 0], [b"OK", 2, 0]]])
+    replies = iter(
+        [[oom, [b"BUSY"], [b"BUSY"]], [[b"OK", 1], [b"OK", 1, 0, b""], [b"OK", 2, 0, b""]]]
+    )
     sends: list[int] = []
 
     def send(ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None) -> Any:
