@@ -242,7 +242,15 @@ class TrainerShm:
         if desc.host != self.identity:
             raise self._host_error(desc)
         path = os.path.join(self.shm_dir, desc.segment)
-        ino, size, mm, _dev = self._map(desc.segment, path)
+        try:
+            ino, size, mm, _dev = self._map(desc.segment, path)
+        except FrameError as e:
+            if e.reason == "shm_missing" and self._had(desc.segment, desc.gen):
+                # A batch had and released whose segment went since (its producer left
+                # or was reaped), listed again: a pop a Redis failover lost.
+                self.duplicates += 1
+                return None
+            raise
         if HEADER_BYTES + desc.length > size:
             raise FrameError(
                 "shm_wrong_size",
@@ -268,6 +276,10 @@ class TrainerShm:
             # Copied into memory the arrays own; the owner goes here: released at once.
             return memoryview(bytearray(owner))
         return owner
+
+    def _had(self, segment: str, gen: int) -> bool:
+        """Whether this trainer resolved generation ``gen`` of ``segment`` (any inode)."""
+        return any(s == segment and g == gen for s, _ino, g in self._seen)
 
     def _host_error(self, desc: Descriptor) -> FrameError:
         """The bad frame for a descriptor of another host (or a trainer without shm)."""
