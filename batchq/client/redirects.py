@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import redis
-from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    TryAgainError,
+)
 
 from batchq.client.cluster import (
     PAUSE_FIRST_S,
@@ -42,6 +48,14 @@ def is_redirect(reply: object) -> bool:
     return isinstance(reply, REDIRECTS)
 
 
+_REFUSED: Final = (*REDIRECTS, NoScriptError)
+
+
+def _refused(reply: object) -> bool:
+    """A redirect, or NOSCRIPT: a command that did not run, to send again alone."""
+    return isinstance(reply, _REFUSED)
+
+
 def follow_redirects(
     client: redis.Redis,
     commands: Sequence[Sequence[Any]],
@@ -56,8 +70,11 @@ def follow_redirects(
     Only the refused commands go again, in their order: the others ran. ``send`` sends
     on the client's own connection (the slot's master, after a MOVED for its slot);
     a command for another node (ASK, another slot's MOVED) goes alone on a connection of
-    that node, where ``load`` loads the scripts on NOSCRIPT. A client that is not a
-    cluster's gets ``replies`` back as they are.
+    that node, where ``load`` loads the scripts on NOSCRIPT. A NOSCRIPT among the
+    replies (a node that never ran batchq's scripts) is refused the same way: the
+    scripts are loaded there and that command alone goes again, never the whole round
+    trip, some of whose commands ran on another node. A client that is not a cluster's
+    gets ``replies`` back as they are.
     """
     route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
     if not isinstance(route, SlotRoute):
@@ -65,7 +82,7 @@ def follow_redirects(
     deadline = time.monotonic() + TRYAGAIN_S
     pause_s = 0.0  # the first redirect is followed at once, the next after a pause
     while True:
-        pending = [i for i, reply in enumerate(replies) if is_redirect(reply)]
+        pending = [i for i, reply in enumerate(replies) if _refused(reply)]
         if not pending:
             break
         if pause_s:  # the slot is moving: its nodes may disagree for a moment
@@ -74,9 +91,12 @@ def follow_redirects(
             time.sleep(pause_s)
         pause_s = min(2 * pause_s, PAUSE_MAX_S) if pause_s else PAUSE_FIRST_S
         again = []
+        noscript = any(isinstance(replies[i], NoScriptError) for i in pending)
         for i in pending:
             reply, read = replies[i], readers[i] if readers is not None else None
-            if isinstance(reply, MovedError) and reply.slot_id == route.slot:
+            if isinstance(reply, NoScriptError):
+                again.append(i)
+            elif isinstance(reply, MovedError) and reply.slot_id == route.slot:
                 route.moved(reply.host, reply.port)
                 again.append(i)
             elif isinstance(reply, AskError):  # MOVED for another slot, or ASK
@@ -84,6 +104,8 @@ def follow_redirects(
                 replies[i] = _elsewhere(route.topology, reply, commands[i], read, asking, load)
             else:  # TRYAGAIN, CLUSTERDOWN: a migration or a failover in progress
                 again.append(i)
+        if noscript:
+            load(client)  # on the node the client is bound to now (after any MOVED)
         if again:
             resent = send([commands[i] for i in again], [
                 readers[i] if readers is not None else None for i in again

@@ -284,7 +284,8 @@ def round_trip(
     try:
         for attempt in (0, 1):
             replies = _send_and_read(client, commands, between if attempt == 0 else None, readers)
-            if any(isinstance(r, REDIRECTS) for r in replies):  # a cluster's slot moved
+            redirected = any(isinstance(r, REDIRECTS) for r in replies)
+            if redirected:  # a cluster's slot moved, or moves
                 replies = follow_redirects(
                     client, commands, replies, readers,
                     lambda again, read: _send_and_read(client, again, None, read), load_all,
@@ -292,7 +293,8 @@ def round_trip(
             failed = _failed(replies, keep_errors)
             if failed is None:
                 return replies
-            if attempt == 0 and failed[1]:
+            # After redirects some commands ran on another node: never all of them again.
+            if attempt == 0 and failed[1] and not redirected:
                 load_all(client)
                 continue
             raise failed[0]
