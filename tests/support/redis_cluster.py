@@ -3,9 +3,10 @@
 ``LocalCluster(masters=3)`` starts that many redis-servers of the suite's own binary
 (:class:`batchq.host.embedded.EmbeddedRedis`, ``--cluster-enabled yes``) on free
 loopback ports, gives each an equal contiguous range of the 16384 slots with
-``CLUSTER ADDSLOTS`` and introduces them with ``CLUSTER MEET`` (what
-``redis-cli --cluster create`` does; no redis-cli needed, and nothing newer than Redis
-6.2: no ADDSLOTSRANGE), then waits until every node sees every slot served. With
+``CLUSTER ADDSLOTS``, a config epoch each (``CLUSTER SET-CONFIG-EPOCH``) and introduces
+them with ``CLUSTER MEET`` (what ``redis-cli --cluster create`` does; no redis-cli
+needed, and nothing newer than Redis 6.2: no ADDSLOTSRANGE), then waits until every node
+sees every slot served. With
 ``replicas=1`` each master also gets a replica (``CLUSTER REPLICATE``), and
 :meth:`LocalCluster.failover` promotes one (``CLUSTER FAILOVER``, or a SIGKILL of its
 master and the cluster's own election).
@@ -125,6 +126,11 @@ class LocalCluster:
             for i, c in enumerate(cs[: self.size]):
                 first, last = self.slot_range(i)
                 c.execute_command("CLUSTER", "ADDSLOTS", *range(first, last + 1))
+            # Distinct config epochs, as redis-cli gives them: with all at 0 the nodes
+            # resolve the collisions over time, and a slot moved meanwhile (SETSLOT NODE
+            # bumps the target's epoch) could be given back by a colliding bump.
+            for i, c in enumerate(cs):
+                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
             for port in self.ports[1:]:
                 cs[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
             _wait(lambda: self._converged(cs), 30.0, "every node sees every slot")
