@@ -8,10 +8,11 @@ the boundary (``raise ConnectionLost(...) from e``).
 Groups, to catch a kind of trouble at once:
 
 - :class:`ConfigError` (also ValueError): a value batchq cannot use, e.g.
-  :class:`RedisConfigError`, :class:`WorldSizeMismatch`, :class:`StepMismatch`;
+  :class:`RedisConfigError`, :class:`WorldSizeMismatch` (:class:`GroupWorldMismatch`),
+  :class:`StepMismatch`, :class:`TooManyGroups`;
 - :class:`RunEnded`: this client's part in the run is over, and it must join or claim
   again (:class:`RunFinished`, :class:`RunChanged`, :class:`StateLost`,
-  :class:`TrainerConflict`);
+  :class:`TrainerConflict`, :class:`RunGrouped`);
 - :class:`ProtocolError`: Redis answered something batchq's scripts never answer (a
   script of another version, a foreign writer);
 - :class:`ServerError`: the embedded redis-server cannot be used;
@@ -136,6 +137,31 @@ class WorldSizeMismatch(ConfigError):
         self.got = got
 
 
+class GroupWorldMismatch(WorldSizeMismatch):
+    """A group's world_size differs from the one the other groups of its run use: every
+    group of a run reads with the same number of ranks (one shard serves the same rank
+    of every group).
+
+    Attributes:
+        expected: the run's world size.
+        got: this group's.
+    """
+
+    def __init__(self, queue: str, group: str, expected: int, got: int) -> None:
+        ConfigError.__init__(
+            self,
+            f"queue {queue}: group {group or '(default)'} has world_size {got}, but the "
+            f"run's groups read with world_size {expected}; expected every group of a run "
+            "to use the same world_size",
+        )
+        self.expected = expected
+        self.got = got
+
+
+class TooManyGroups(ConfigError):
+    """A run has as many groups as it can (batchq.protocol.layout.MAX_GROUPS)."""
+
+
 class RankLost(BatchQueueError, TimeoutError):
     """The other ranks of a data-parallel job did not say their batch counts in time.
 
@@ -191,6 +217,12 @@ class RunFinished(RunEnded):
 
 class RunChanged(RunEnded):
     """The queue moved on to another run; this client's run is over."""
+
+
+class RunGrouped(RunEnded):
+    """The run is read by several groups now: a trainer that claimed it as the only one
+    claims, resumes and finishes through the group scripts from here (its session
+    handles this; it reaches no caller)."""
 
 
 class AuthFailed(BatchQueueError, PermissionError):

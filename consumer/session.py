@@ -21,6 +21,7 @@ from batchq.client.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
     ProducersLost,
     RunChanged,
+    RunGrouped,
     StateLost,
     StepMismatch,
     TrainerConflict,
@@ -34,7 +35,7 @@ from batchq.protocol.replies import ClaimReply, CountReply, status_error
 from batchq.protocol.scripts import ClaimOp
 from batchq.protocol.words import PROTOCOL_VERSION, Status
 
-__all__ = ["Plan", "Session"]
+__all__ = ["Plan", "Session", "Shape", "resumed_shape"]
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,10 @@ class Session:
         even: how ranks get equal counts, 'pad' or 'drop' (see :mod:`batchq.protocol.ranks`).
         resume_run: the run id the job's ranks resume a checkpoint into (see
             :meth:`resume`; '' for a single trainer, or when not resuming).
-        publish: called with the acting client after every acquire not followed by a
-            resume, and after every resume: claim.lua and resume.lua drop the rank's
-            published shared-memory host, which the trainer publishes again there
-            (:meth:`consumer.reader.shm_frames.TrainerShm.publish`).
+        publish: called with the acting client and the group slot read after every
+            acquire not followed by a resume, and after every resume: claim.lua and
+            resume.lua drop the rank's published shared-memory host, which the trainer
+            publishes again there (:meth:`consumer.reader.shm_frames.TrainerShm.publish`).
         before_resume: called as ``(client, session, new run id)`` right before every
             resume.lua: the trainer's params log is written for the run first
             (:meth:`consumer.params.StreamParams.load`), so no producer serves the
@@ -97,7 +98,7 @@ class Session:
         world: int = 1,
         even: str = "pad",
         resume_run: str = "",
-        publish: Callable[[redis.Redis], None] | None = None,
+        publish: Callable[[redis.Redis, int], None] | None = None,
         before_resume: Callable[[redis.Redis, Session, str], None] | None = None,
     ) -> None:
         self.client = client
@@ -113,6 +114,9 @@ class Session:
         # A rank's meta fields end in ':<rank>' (world 1: nothing), see batchq/protocol/ranks.py.
         self.suffix = "" if world == 1 else f":{rank}"
         self.data_key = keys.data_of(rank, world)
+        # The group slot read (batchq.protocol.groups): 0, the run's first group, whose
+        # keys and fields keep the plain names; consumer.group_session reads others.
+        self.slot = 0
         self.held = False  # this rank had claimed the run before (a second resume)
         self.resume_run = resume_run  # the run id the job's ranks resume into (see resume)
         self._publish = publish
@@ -210,6 +214,8 @@ class Session:
             )
         if reply.status == Status.WORLD:
             raise WorldSizeMismatch(self.keys.queue, reply.value, self.world)
+        if reply.status == Status.GROUPS:
+            raise RunGrouped(f"{self.what}: the run is read by several groups")
         if reply.status != Status.OK:
             raise status_error(reply.status, self.what)
         with self._lock:
@@ -225,7 +231,8 @@ class Session:
         claim is: a connection lost right after the claim must not end the start."""
         publish = self._publish
         if publish is not None:
-            self._retry(lambda: publish(client), "publishing the host", client)
+            slot = self.slot
+            self._retry(lambda: publish(client, slot), "publishing the host", client)
 
     def reclaim(self, client: redis.Redis) -> None:
         """Claim the queue again after Redis lost its state, a :meth:`resume` to follow
@@ -271,6 +278,8 @@ class Session:
             return False
         op: ClaimOp = "finish" if finished else "release"
         reply: ClaimReply = self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
+        if reply.status == Status.GROUPS:
+            raise RunGrouped(f"{self.what}: the run is read by several groups")
         self.claimed = False
         if not finished:
             return False
@@ -345,7 +354,7 @@ class Session:
         Raises:
             StepMismatch: another rank of the job resumed from another step.
         """
-        shape = _resumed_shape(self.plan, fingerprint, shards)
+        shape = resumed_shape(self.plan, fingerprint, shards)
         run = self.resume_run if self.world > 1 and self.resume_run else uuid.uuid4().hex[:16]
         pairs = list(ledger)
         lists = self._resume_lists(client)
@@ -382,6 +391,8 @@ class Session:
 
     def _check_resumed(self, reply: CountReply, step: int) -> None:
         """Raise what resume.lua's reply says went wrong, if anything."""
+        if reply.status == Status.GROUPS:
+            raise RunGrouped(f"{self.what}: the run is read by several groups")
         if reply.status == Status.STEP:
             raise StepMismatch(
                 f"{self.what}: resumed from a state at step {step}, but the job's other "
@@ -391,7 +402,7 @@ class Session:
             raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
 
 
-class _Shape(NamedTuple):
+class Shape(NamedTuple):
     """The plan's figures a resume sends (resume.lua writes them into meta)."""
 
     hwm: str
@@ -400,10 +411,10 @@ class _Shape(NamedTuple):
     epoch_batches: int
 
 
-def _resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> _Shape:
+def resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> Shape:
     """What a resume tells of the plan: the published plan's (its hwm only for the same
     pipeline), or where no producer published one, S from the checkpoint."""
     if plan is None:
-        return _Shape("", shards or 0, 1, -1)
+        return Shape("", shards or 0, 1, -1)
     same = plan.fingerprint == fingerprint and plan.hwm != ""
-    return _Shape(plan.hwm if same else "", plan.shards, plan.window, plan.epoch_batches)
+    return Shape(plan.hwm if same else "", plan.shards, plan.window, plan.epoch_batches)

@@ -15,6 +15,8 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
     step (batches the rank yielded: every rank of one checkpoint has the same),
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
+  a group of a run read by several groups (``group=``) adds:
+    group         its name (a state of another group is refused)
   and once ``set_params`` was called:
     params        the run's change log of producer parameters, a list of entries
                   {version, index, id, params} (batchq/protocol/params_log.py): a resume
@@ -33,6 +35,7 @@ __all__ = [
     "EPOCH_KEY",
     "EVEN_BATCHES_KEY",
     "FINGERPRINT_KEY",
+    "GROUP_KEY",
     "PARAMS_KEY",
     "PLAN_SHARDS_KEY",
     "QUEUE_KEY",
@@ -65,6 +68,7 @@ EVEN_BATCHES_KEY = "even_batches"
 PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
 REMAP_KEY = "remap"
+GROUP_KEY = "group"
 PARAMS_KEY = "params"
 
 

@@ -20,6 +20,7 @@ from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
+from consumer.group_session import check_group_state, refuse_params
 from consumer.length import epoch_length
 from consumer.params import StreamParams
 from consumer.rank_state import check_rank_state, check_state, pick_rank_state
@@ -30,6 +31,7 @@ from consumer.reader.thread import Reader
 from consumer.session import Session
 from consumer.state_keys import (
     EPOCH_KEY,
+    GROUP_KEY,
     PARAMS_KEY,
     RUN_KEY,
     STEP_KEY,
@@ -100,6 +102,12 @@ class ServerDataStream(FuelStreamMixin):
             'pad' (each yields ceil(N / world) batches, the extra ones being the
             epoch plan's first batches, as torch's DistributedSampler) or 'drop' (each
             share cut to floor(N / world)).
+        group: this trainer's group (a trial of a sweep): every group of a run reads
+            every batch of every epoch, each built once for all, with its own claim,
+            position and figures; ranks split a group's share. None: the default group.
+        max_lag_batches: how many batches this group may fall behind the leading group
+            before the others go on without it (its batches are then built for it
+            alone, until it catches up); None: the others wait for it.
     """
 
     def __init__(
@@ -128,6 +136,8 @@ class ServerDataStream(FuelStreamMixin):
         rank: int = 0,
         world_size: int = 1,
         even_batches: str = "pad",
+        group: str | None = None,
+        max_lag_batches: int | None = None,
     ) -> None:
         self._config = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
@@ -285,6 +295,7 @@ class ServerDataStream(FuelStreamMixin):
         self._start()
         if self._buffer is None or self._feed is None:
             raise StreamStopped("this ServerDataStream is closed")
+        refuse_params(self._session)  # one build serves every group: none steers it alone
         held = dict(held_back) if held_back else None
         step = self._step + self._feed.yielded - sum((held or {}).values())
         consumed = self._buffer.consumed(held)
@@ -369,6 +380,8 @@ class ServerDataStream(FuelStreamMixin):
             step = self._step + self._feed.yielded - sum((held_back or {}).values())
             plan_shards = self._started.plan_shards if self._started is not None else 0
             state |= rank_fields(self.rank, self.world_size, self.even_batches, plan_shards, step)
+        if self.options.group is not None:
+            state[GROUP_KEY] = self.options.group
         params = self._params.state()
         return state if params is None else state | {PARAMS_KEY: params}
 
@@ -389,7 +402,7 @@ class ServerDataStream(FuelStreamMixin):
         if self._reader is not None or self._closed:
             raise ConfigError("load_state_dict must be called before the first iteration")
         state = pick_rank_state(state, self.rank, self.world_size)
-        self._resume = check_state(state, self.keys.queue)
+        self._resume = check_group_state(check_state(state, self.keys.queue), self.options.group)
         self._params = StreamParams(ParamsLog.from_json(self._resume.get(PARAMS_KEY)))
         if self._resume.get(RUN_KEY):
             check_rank_state(self._resume, self.rank, self.world_size)

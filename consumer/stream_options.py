@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchq.errors import ConfigError
+from batchq.protocol.groups import check_group
 from batchq.protocol.ranks import RankLayout
 
 __all__ = ["StreamOptions", "check_stream_options"]
@@ -28,6 +29,8 @@ class StreamOptions:
     rank: int
     world_size: int
     even_batches: str
+    group: str | None = None  # None: the default group (batchq.protocol.groups)
+    max_lag_batches: int | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> StreamOptions:
@@ -44,6 +47,8 @@ class StreamOptions:
             rank=config["rank"],
             world_size=config["world_size"],
             even_batches=config["even_batches"],
+            group=config.get("group"),
+            max_lag_batches=config.get("max_lag_batches"),
         )
 
 
@@ -64,6 +69,7 @@ def check_stream_options(options: dict[str, Any]) -> None:
         if options[name] not in ("raise", "skip"):
             raise ConfigError(f"{name} {options[name]!r} is not valid: 'raise' or 'skip'")
     _check_rank(options["rank"], options["world_size"], options["even_batches"])
+    _check_group(options.get("group"), options.get("max_lag_batches"))
 
 
 def _check_sources(sources: Any) -> None:
@@ -74,6 +80,14 @@ def _check_sources(sources: Any) -> None:
         or len(set(sources)) != len(sources)
     ):
         raise ConfigError(f"sources {sources!r} is not valid: expected a tuple of distinct names")
+
+
+def _check_group(group: Any, max_lag_batches: Any) -> None:
+    """A valid group name (or None), and a lag of None or an integer >= 0."""
+    check_group(group)
+    lag = max_lag_batches
+    if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 0):
+        raise ConfigError(f"max_lag_batches {lag!r} is not valid: expected None or an integer >= 0")
 
 
 def _check_rank(rank: Any, world_size: Any, even_batches: Any) -> None:

@@ -18,6 +18,8 @@ from batchq.errors import ConnectionLost
 from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.keys import QueueKeys
 from consumer.epoch import EpochFeed
+from consumer.group_drain import drain_group
+from consumer.group_session import GroupSession, group_resume_run_id
 from consumer.rank_state import resume_run_id
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import FramePrep
@@ -60,19 +62,21 @@ def new_session(
     resume_run: str = "",
     params: StreamParams | None = None,
 ) -> Session:
-    """The trainer's session on ``keys``' queue (not claimed yet); it publishes this
-    trainer's host after every claim and resume (they drop it), and writes ``params``'s
-    log before every resume."""
-    return Session(
+    """The trainer's session on ``keys``' queue (not claimed yet), as its group
+    (:mod:`consumer.group_session`); it publishes this trainer's host after every claim
+    and resume (they drop it), and writes ``params``'s log before every resume."""
+    return GroupSession(
         client,
         keys,
         options.claim_ttl_ms,
         retry_s=options.timeout_s,
+        group=options.group,
+        max_lag_batches=options.max_lag_batches,
         rank=options.rank,
         world=options.world_size,
         even=options.even_batches,
         resume_run=resume_run,
-        publish=lambda acting: shm.publish(acting, options.hwm),
+        publish=lambda acting, slot: shm.publish(acting, options.hwm, slot),
         before_resume=params.load if params is not None else None,
     )
 
@@ -92,6 +96,8 @@ def claim(
     """
     check_eviction_policy(client)
     run = resume_run_id(resume, options.world_size) if resume else ""
+    if resume and options.group is not None:  # the groups of a sweep resume into one run
+        run = group_resume_run_id(resume, options.world_size)
     session = new_session(client, keys, options, shm, run, params)
     new_run = session.acquire(
         takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
@@ -175,9 +181,10 @@ def release(
     timeout_s: float,
     stripes: StripeSet | None = None,
 ) -> None:
-    """Give the claim up (``finished``: the run ends at its last rank, and its frames
-    and segments go) and close the stream's client; a striped queue's other stripes
-    first.
+    """Give the claim up (``finished``: the run ends at its last rank of its last group,
+    and its frames and segments go; a group that finished before the others lets go of
+    what its list still holds) and close the stream's client; a striped queue's other
+    stripes first.
 
     Raises:
         ConnectionLost: Redis is unreachable and ``finished`` (the end of the run
@@ -186,9 +193,12 @@ def release(
     for stripe in stripes.members if stripes is not None else ():
         release(stripe.session, stripe.client, stripe.shm, finished, timeout_s)
     try:
-        if session is not None and session.release(finished):
+        ended = session is not None and session.release(finished)
+        if ended and session is not None:
             delete_old_frames(client, session.keys, timeout_s)
             shm.finish()
+        elif finished and isinstance(session, GroupSession) and session.grouped:
+            drain_group(client, session.keys, session.data_key, shm, timeout_s)
     except ConnectionLost as e:
         log.warning("queue %s: could not release the claim: %s", session and session.keys.queue, e)
         if finished:

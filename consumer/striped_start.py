@@ -29,6 +29,7 @@ from typing import NamedTuple
 import redis
 
 from batchq.client.connection import retrying
+from batchq.errors import ConfigError
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.stripes import Stripes
@@ -153,6 +154,12 @@ def claim_stripes(
     plan = first.plan
     if plan is None or plan.stripes <= 1:
         return None
+    if getattr(first, "grouped", False):
+        raise ConfigError(
+            f"{first.what}: groups (a run read by several groups) on a queue striped "
+            f"{plan.stripes} ways are not supported; expected one trainer (or one job's "
+            "ranks) per striped queue"
+        )
     stripes = Stripes(plan.stripes)
     members = []
     for k in range(1, stripes.count):

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -24,12 +25,12 @@ from batchq.errors import ConfigError, ConnectionLost, ProtocolError, RunFinishe
 from batchq.protocol import scripts
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call
+from batchq.protocol.group_scripts import GLeaseReply
 from batchq.protocol.keys import QueueKeys, check_name
 from batchq.protocol.layout import default_id
-from batchq.protocol.replies import LeaseReply
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
-from producer.serving.ahead import Lease
+from producer.serving.ahead import AnyLeaseReply, Lease
 from producer.serving.heartbeat import Heartbeat
 from producer.serving.membership import Membership, axis_labels_json
 from producer.serving.position import RunPosition
@@ -262,7 +263,7 @@ class Producer:
     def _serve(self, lease: Lease) -> None:
         """Build and push the shard of ``lease``, then act on a reply that was ours."""
         epoch, slot, shard = lease.address(self.plan.shards)
-        self._pusher.aim(slot % lease.world, lease.world)
+        self._pusher.aim(slot % lease.world, lease.world, lease.mask)
         self._pusher.params.follow(self.client, lease.params)  # read again if it changed
         status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
         if status is not None:
@@ -311,7 +312,19 @@ class Producer:
         self._lease_seq = 0
         self._pusher.joined(position)  # leases of the run we left are gone, what was built too
         self._beat.follow(position)
-        self._transport.joined(self.client, position.run, position.world)
+        self._transport.joined(self.client, position.run, position.world, position.groups)
+
+    def _regroup(self, reply: AnyLeaseReply) -> None:
+        """The run is read by (more) groups than this producer knew: lease and push with
+        the keys of every group from now on (the same run: leases held stay ours)."""
+        groups = reply.groups if isinstance(reply, GLeaseReply) else 0
+        groups = groups or self._membership.groups()
+        position = dataclasses.replace(self._pos, groups=groups)
+        log.info("producer %s: the run is read by %d group(s)", self.id, groups)
+        self._pos = position
+        self._pusher.follow(position)
+        self._beat.follow(position)
+        self._transport.regrouped(self.client, groups)
 
     def _leave(self) -> None:
         self._membership.leave(self._pos.incarnation, self._pusher.pending_ref)
@@ -323,11 +336,20 @@ class Producer:
 
     # -- leasing -----------------------------------------------------------------------
 
-    def _lease_request(self, prefetch: int = 0, after: str = "") -> tuple[Call[LeaseReply], str]:
+    def _lease_request(self, prefetch: int = 0, after: str = "") -> tuple[Call[AnyLeaseReply], str]:
         """The next lease request, and its token (``prefetch``, ``after``: see
-        :func:`batchq.protocol.scripts.lease_call`)."""
+        :func:`batchq.protocol.scripts.lease_call`); glease.lua's in a run read by several
+        groups."""
         self._lease_seq += 1
         token = f"{self.id}.{self._lease_seq}"
+        pos = self._pos
+        if pos.groups:
+            grouped = scripts.glease_call(
+                self.keys, incarnation=pos.incarnation, run=pos.run, producer=self.id,
+                token=token, heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms,
+                prefetch=prefetch, groups=pos.groups, world=pos.world, after=after,
+            )  # fmt: skip
+            return cast(Call[AnyLeaseReply], grouped), token
         request = scripts.lease_call(
             self.keys,
             incarnation=self._pos.incarnation,
@@ -339,7 +361,7 @@ class Producer:
             world=self._pos.world,
             after=after,
         )
-        return request, token
+        return cast(Call[AnyLeaseReply], request), token
 
     def _lease(self, wait: bool = True) -> Lease | None:
         """Lease the next shard, or None (``wait``: after waiting for room when the run
@@ -368,8 +390,14 @@ class Producer:
             stripe = self.settings.stripe, self.settings.stripes
             return Lease.from_reply(reply, token, self.plan.shards, *stripe)
         if status == Status.WAIT:
+            # In a run of several groups, the pops of the group that holds the shared
+            # stream make room: wait for those (woken by another's would be in vain).
             if wait:
-                self._pusher.wait_for_room()
+                self._pusher.wait_for_room(reply.slot if isinstance(reply, GLeaseReply) else -1)
+            return None
+        if status == Status.GROUPS:
+            self._lease_seq -= 1  # nothing was leased with it
+            self._regroup(reply)
             return None
         self._handle_status(status)
         return None

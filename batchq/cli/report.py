@@ -25,6 +25,7 @@ from batchq.monitoring.sizing import delivered_rate, demand_rate, sample_rate
 from batchq.protocol.fields import HistoryField as H
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys, check_name
+from batchq.protocol.words import as_text
 
 __all__ = ["MISSING", "load_history", "plot_report", "run_report", "sizing_series"]
 
@@ -38,10 +39,13 @@ def _require_matplotlib() -> None:
         raise ConfigError(f"{MISSING} ({e})") from None
 
 
-def load_history(client: Any, queue: str, rank: int = 0, world: int = 1) -> list[dict[str, Any]]:
-    """The queue's history samples (a data-parallel trainer's: those of one rank),
-    oldest first (malformed ones skipped)."""
-    raw = client.lrange(QueueKeys(queue).history_of(rank, world), 0, -1)
+def load_history(
+    client: Any, queue: str, rank: int = 0, world: int = 1, slot: int = 0
+) -> list[dict[str, Any]]:
+    """The queue's history samples (a data-parallel trainer's: those of one rank; a run
+    read by several groups: those of group slot ``slot``), oldest first (malformed ones
+    skipped)."""
+    raw = client.lrange(QueueKeys(queue).slot_view(slot).history_of(rank, world), 0, -1)
     samples = []
     for item in reversed(raw):
         try:
@@ -117,15 +121,16 @@ def _gaps(values: list[float | None]) -> list[float]:
 
 
 def _plot_ranks(
-    axes: tuple[Any, Any, Any], ranks: dict[int, list[dict[str, Any]]], t0: float
+    axes: tuple[Any, Any, Any], ranks: dict[str, list[dict[str, Any]]], t0: float
 ) -> None:
-    """A line per rank on the depth, stall and rate plots."""
+    """A line per rank (or per group) on the depth, stall and rate plots, each labelled
+    with its key."""
     depth_ax, stall_ax, rate_ax = axes
-    for r, rs in sorted(ranks.items()):
+    for label, rs in ranks.items():
         rt = [x[H.T] - t0 for x in rs]
-        depth_ax.step(rt, _series(rs, H.DEPTH), where="post", label=f"rank {r}")
-        stall_ax.plot(rt, _series(rs, H.STALL, 100.0), label=f"rank {r}")
-        rate_ax.plot(rt, _series(rs, H.BATCHES_PER_S), label=f"rank {r} took")
+        depth_ax.step(rt, _series(rs, H.DEPTH), where="post", label=label)
+        stall_ax.plot(rt, _series(rs, H.STALL, 100.0), label=label)
+        rate_ax.plot(rt, _series(rs, H.BATCHES_PER_S), label=f"{label} took")
     stall_ax.legend(loc="upper right", fontsize="small")
 
 
@@ -195,6 +200,7 @@ def plot_report(
     queue: str,
     hwm: int = 0,
     ranks: dict[int, list[dict[str, Any]]] | None = None,
+    groups: dict[str, list[dict[str, Any]]] | None = None,
 ) -> Path:
     """Plot depth, stall % and throughput against seconds since the first sample.
 
@@ -205,6 +211,8 @@ def plot_report(
         hwm: the queue's cap, drawn as a line on the depth plot (0: not drawn).
         ranks: a data-parallel trainer's samples per rank: depth, stall and rate get a
             line per rank (``samples`` is one rank's, for the producers' side).
+        groups: a run read by several groups: the samples of each group (its rank 0's),
+            a line per group likewise.
 
     Returns:
         The path written.
@@ -221,7 +229,9 @@ def plot_report(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    t0 = min(s[0][H.T] for s in [samples, *(ranks or {}).values()] if s)
+    lines = {f"rank {r}": rs for r, rs in sorted((ranks or {}).items())}
+    lines |= {f"group {g or '(default)'}": gs for g, gs in (groups or {}).items()}
+    t0 = min(s[0][H.T] for s in [samples, *lines.values()] if s)
     t = [s[H.T] - t0 for s in samples]
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
@@ -229,8 +239,8 @@ def plot_report(
         4, 1, sharex=True, height_ratios=[1, 1, 1.3, 0.8]
     )
     sz = sizing_series(samples)
-    if ranks:
-        _plot_ranks((depth_ax, stall_ax, rate_ax), ranks, t0)
+    if lines:
+        _plot_ranks((depth_ax, stall_ax, rate_ax), lines, t0)
     else:
         _plot_trainer((depth_ax, stall_ax, rate_ax), samples, t)
     _label_axes(depth_ax, stall_ax, hwm)
@@ -264,7 +274,15 @@ def run_report(args: argparse.Namespace) -> int:
             lambda: client.hmget(QueueKeys(queue).meta, [MetaField.HWM, MetaField.WORLD]),
             "reading the hwm",
         )
+        registry = call(lambda: client.hgetall(QueueKeys(queue).groups), "reading the groups")
         world = int(world_raw or 1)
+        groups = {
+            as_text(name): call(
+                lambda slot=int(slot): load_history(client, queue, 0, world, slot),  # type: ignore[misc]
+                f"reading queue {queue} at {where}",
+            )
+            for name, slot in sorted(registry.items(), key=lambda item: int(item[1]))
+        }
         ranks: dict[int, list[dict[str, Any]]] = {}
         for r in range(world):
             ranks[r] = call(
@@ -275,6 +293,13 @@ def run_report(args: argparse.Namespace) -> int:
     finally:
         client.close()
     hwm = int(hwm_raw) if hwm_raw else 0
-    path = plot_report(samples, args.out, queue=queue, hwm=hwm, ranks=ranks if world > 1 else None)
+    path = plot_report(
+        samples,
+        args.out,
+        queue=queue,
+        hwm=hwm,
+        ranks=ranks if world > 1 and not groups else None,
+        groups=groups or None,
+    )
     print(f"wrote {path} ({len(samples)} samples of queue {queue!r})")
     return 0

@@ -9,9 +9,9 @@ and nothing is written.
 The families are built from the rows by :mod:`batchq.monitoring.metric_families` (its
 tables: metric -> row field).
 
-Metrics (base units; labels ``queue``, ``producer`` and ``rank``, plus ``le`` on the histogram's
-buckets, ``reason`` on dead frames, a closed set: the codec's FrameError reasons, and
-``action`` on autoscale decisions: add, retire):
+Metrics (base units; labels ``queue``, ``producer``, ``rank`` and ``group``, plus ``le`` on
+the histogram's buckets, ``reason`` on dead frames, a closed set: the codec's FrameError
+reasons, and ``action`` on autoscale decisions: add, retire):
 
 ==========================================  ========  =====================================
 ``batchq_up``                               gauge     1 if the last read of Redis worked
@@ -63,6 +63,16 @@ buckets, ``reason`` on dead frames, a closed set: the codec's FrameError reasons
 ``batchq_rank_verdict``                     gauge     per rank: 1, label ``verdict`` (the
                                                       status verdict of that rank alone)
 ``batchq_slowest_rank``                     gauge     the rank furthest behind
+``batchq_group_depth_items``                gauge     per group of a run read by several
+                                                      (label ``group``): its list(s)' items
+``batchq_group_attached``                   gauge     per group: 1 while it holds its claim
+``batchq_group_detached``                   gauge     per group: 1 while its batches are
+                                                      built for it alone
+``batchq_group_lag_batches``                gauge     per group: batches behind the leader
+``batchq_group_stall_ratio``                gauge     per group: its recent stall fraction
+``batchq_group_batches_per_second``         gauge     per group: batches it took per second
+``batchq_group_epoch``                      gauge     per group: its current epoch
+``batchq_group_solo_builds_total``          counter   per group: frames built for it alone
 ==========================================  ========  =====================================
 
 The stall over any range is ``rate(batchq_trainer_wait_seconds_sum[r]) /
@@ -81,7 +91,12 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from batchq.errors import ConfigError, ConnectionLost
-from batchq.monitoring.metric_families import producer_families, queue_families, rank_families
+from batchq.monitoring.metric_families import (
+    group_families,
+    producer_families,
+    queue_families,
+    rank_families,
+)
 from batchq.monitoring.rows import list_queues, row_from_snapshot
 from batchq.monitoring.snapshot import read_snapshots
 
@@ -129,6 +144,14 @@ METRIC_NAMES = (
     "batchq_rank_epoch",
     "batchq_rank_verdict",
     "batchq_slowest_rank",
+    "batchq_group_depth_items",
+    "batchq_group_attached",
+    "batchq_group_detached",
+    "batchq_group_lag_batches",
+    "batchq_group_stall_ratio",
+    "batchq_group_batches_per_second",
+    "batchq_group_epoch",
+    "batchq_group_solo_builds",
 )
 
 
@@ -169,6 +192,7 @@ class BatchqCollector:
         rows = [row_from_snapshot(snap) for snap in snaps]
         yield from queue_families(rows)
         yield from rank_families(rows)
+        yield from group_families(rows)
         yield from producer_families(rows)
 
 

@@ -20,7 +20,7 @@ from prometheus_client.core import (
 
 from batchq.protocol.layout import WAIT_BUCKETS_S
 
-__all__ = ["producer_families", "queue_families", "rank_families"]
+__all__ = ["group_families", "producer_families", "queue_families", "rank_families"]
 
 _Q = ["queue"]
 _QP = ["queue", "producer"]
@@ -162,6 +162,39 @@ def producer_families(rows: list[Row]) -> Iterable[Metric]:
             for fam, field in fams:
                 fam.add_metric([row["queue"], prod["id"]], prod[field])
     yield from (fam for fam, _ in fams)
+
+
+def group_families(rows: list[Row]) -> Iterable[Metric]:
+    """The per-group metrics of runs read by several groups (label ``group``; the
+    default group's is ``''``)."""
+    labels = ["queue", "group"]
+    fams = {
+        key: GaugeMetricFamily(f"batchq_group_{name}", doc, labels=labels)
+        for key, name, doc in (
+            ("depth", "depth_items", "Items in the group's data list(s)"),
+            ("attached", "attached", "1 while the group's trainer holds its claim"),
+            ("alone", "detached", "1 while its batches are built for it alone"),
+            ("lag_batches", "lag_batches", "Batches the group is behind the leading group"),
+            ("stall", "stall_ratio", "The group's recent stall fraction"),
+            ("batches_per_s", "batches_per_second", "Batches the group took per second"),
+            ("epoch", "epoch", "The group's current epoch"),
+        )
+    }
+    solo = CounterMetricFamily(
+        "batchq_group_solo_builds", "Frames built for the group alone", labels=labels
+    )
+    for row in rows:
+        for group in row["groups"]:
+            key = [row["queue"], group["group"]]
+            fams["depth"].add_metric(key, group["depth"])
+            fams["attached"].add_metric(key, 1 if group["trainer"] == "attached" else 0)
+            fams["alone"].add_metric(key, 1 if group["sharing"] == "alone" else 0)
+            for name in ("lag_batches", "stall", "batches_per_s", "epoch"):
+                if group[name] is not None:
+                    fams[name].add_metric(key, group[name])
+            solo.add_metric(key, group["solo_builds"])
+    yield from fams.values()
+    yield solo
 
 
 def rank_families(rows: list[Row]) -> Iterable[Metric]:

@@ -9,13 +9,14 @@ most), the one a collective op waits for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from batchq.monitoring.snapshot import QueueSnapshot, RankSnapshot
 from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, recent_depths
 from batchq.protocol.fields import MetaField, TrainerField
 
-__all__ = ["RANK_FIELDS", "rank_rows", "slowest_rank"]
+__all__ = ["RANK_FIELDS", "rank_rows", "reader_fields", "slowest_rank"]
 
 #: The fields of each object in a status row's ``ranks``, in order.
 RANK_FIELDS = (
@@ -39,39 +40,49 @@ def _state(snap: QueueSnapshot, rank: RankSnapshot) -> str:
     return "attached" if rank.claim_deadline_ms > snap.now_ms else "detached"
 
 
+def reader_fields(
+    snap: QueueSnapshot,
+    figure: Callable[[str], float | None],
+    state: str,
+    depth: int,
+    history: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """What a row of one reader of the run (a rank, a group) says of its trainer: its
+    claim state, depth and fill, recent figures and verdict (``figure``: its figures by
+    name)."""
+    updated = figure(TrainerField.UPDATED_MS)
+    age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
+    fresh = age is not None and age <= FIGURES_FRESH_S
+    stall = figure(TrainerField.STALL_FRACTION_RECENT)
+    verdict, reason = judge(
+        trainer=state,
+        producers_alive=len(snap.alive),
+        depths=recent_depths(depth, history, snap.now_ms / 1000),
+        hwm=snap.hwm,
+        stall=stall if fresh else None,
+    )
+    epoch, progress = figure(TrainerField.EPOCH), figure(TrainerField.EPOCH_PROGRESS)
+    return {
+        "depth": depth,
+        "fill": depth / snap.hwm if snap.hwm else 0.0,
+        "trainer": state,
+        "stall": stall,
+        "batches_per_s": figure(TrainerField.BATCHES_PER_S),
+        "epoch": None if epoch is None or epoch < 0 else int(epoch),
+        "epoch_progress": None if progress is None else int(progress),
+        "figures_age_s": age,
+        "verdict": verdict,
+        "verdict_reason": reason,
+    }
+
+
 def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer."""
-    rows = []
-    for rank in snap.ranks:
-        updated = rank.figure(TrainerField.UPDATED_MS)
-        age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
-        fresh = age is not None and age <= FIGURES_FRESH_S
-        stall = rank.figure(TrainerField.STALL_FRACTION_RECENT)
-        state = _state(snap, rank)
-        verdict, reason = judge(
-            trainer=state,
-            producers_alive=len(snap.alive),
-            depths=recent_depths(rank.depth, rank.history, snap.now_ms / 1000),
-            hwm=snap.hwm,
-            stall=stall if fresh else None,
-        )
-        epoch, progress = rank.figure(TrainerField.EPOCH), rank.figure(TrainerField.EPOCH_PROGRESS)
-        rows.append(
-            {
-                "rank": rank.rank,
-                "depth": rank.depth,
-                "fill": rank.depth / snap.hwm if snap.hwm else 0.0,
-                "trainer": state,
-                "stall": stall,
-                "batches_per_s": rank.figure(TrainerField.BATCHES_PER_S),
-                "epoch": None if epoch is None or epoch < 0 else int(epoch),
-                "epoch_progress": None if progress is None else int(progress),
-                "figures_age_s": age,
-                "verdict": verdict,
-                "verdict_reason": reason,
-            }
-        )
-    return rows
+    return [
+        {"rank": rank.rank, **reader_fields(snap, rank.figure, _state(snap, rank), rank.depth,
+                                            rank.history)}
+        for rank in snap.ranks
+    ]  # fmt: skip
 
 
 def slowest_rank(rows: list[dict[str, Any]]) -> int | None:

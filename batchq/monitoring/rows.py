@@ -6,7 +6,8 @@ all the queues, a second for lease lists and referenced frames); nothing here wr
 Redis. The verdict's rule and thresholds are in :mod:`batchq.monitoring.verdict`.
 
 ``status --json`` prints a list of objects, one per queue, with these fields in this
-order (schema version 4; version 3 had the fields up to ``shm_bytes``; version 2 had
+order (schema version 5; version 4 had the fields up to ``rebuilt_params``; version 3
+had the fields up to ``shm_bytes``; version 2 had
 the fields up to ``verdict_reason``, and
 ``host`` was not in the producer objects; version 1 had the first 13, with the same
 meanings, and no ``schema`` field). Counters are cumulative since the queue's keys were
@@ -99,14 +100,23 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        calls recorded; 0 for none)
     rebuilt_params        int          frames built with params a later change made
                                        stale, dropped and built again (cumulative)
+    groups                list         per group of a run read by several groups (a
+                                       sweep's trials): objects with the fields of
+                                       batchq.monitoring.group_rows.GROUP_FIELDS (empty
+                                       for a run of one group); schema 5
+    slowest_group         str|null     the reading group furthest behind, the one that
+                                       sets the pace (batchq.monitoring.group_rows)
     node                  str          where the queue is: the server's host:port (a
                                        cluster's master of the queue's slot; Sentinel's
-                                       master), added to schema 4 at its end after rebuilt_params
+                                       master); schema 5, after slowest_group
     stripes               list         a striped queue's stripes (batchq.protocol.stripes),
                                        stripe 0 first: objects with stripe, queue, node,
                                        depth (every rank's list), pushed, popped,
                                        producers_alive (empty when not striped; the row's
                                        other fields are stripe 0's); added after node
+
+For a run read by several groups the queue-level figures are the group in slot 0's (the
+first to claim the run, whose keys keep the plain names); ``groups`` has every group's.
 
 For a data-parallel trainer (world_size > 1) ``depth`` is the sum of the ranks' lists
 and the trainer figures (stall, rates, epoch) are the slowest rank's.
@@ -152,6 +162,7 @@ import redis
 from batchq.client.cluster import masters
 from batchq.monitoring import sizing
 from batchq.monitoring.counters import counter_fields, figure_fields, params_fields
+from batchq.monitoring.group_rows import group_rows, slowest_group
 from batchq.monitoring.producer_rows import PRODUCER_FIELDS, bytes_held, live_totals, producer_rows
 from batchq.monitoring.rank_rows import rank_rows, slowest_rank
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
@@ -177,7 +188,7 @@ __all__ = [
 ]
 
 #: The version of the row layout documented above.
-STATUS_SCHEMA_VERSION = 4
+STATUS_SCHEMA_VERSION = 5
 
 STATUS_FIELDS = (
     "queue", "run", "depth", "hwm", "producers_alive", "leases", "shards_per_epoch",
@@ -191,8 +202,8 @@ STATUS_FIELDS = (
     "delivered_batches_per_s", "recommended_producers", "producers_deficit", "autoscalers",
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
-    "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "node",
-    "stripes",
+    "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
+    "slowest_group", "node", "stripes",
 )  # fmt: skip
 
 
@@ -243,6 +254,7 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
     are counted in ``shm_dir``."""
     ranks = rank_rows(snap)
     slowest = slowest_rank(ranks)
+    groups = group_rows(snap)
     if snap.ranks:
         snap = _as_slowest_rank(snap, slowest)
     meta, hwm = snap.meta, snap.hwm
@@ -284,6 +296,8 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "world_size": snap.world,
         "ranks": ranks,
         "slowest_rank": slowest,
+        "groups": groups,
+        "slowest_group": slowest_group(groups),
         "node": snap.node,
         "stripes": [stripe.row() for stripe in snap.stripes],
         **counter_fields(snap.stats),

@@ -3,10 +3,12 @@
 :func:`read_snapshots` reads any number of queues in one pipelined round trip (TIME and,
 per queue, meta, LLEN of the data list, the producers' heartbeats, the stats, pstats and
 trainer hashes, the dead list's length, the newest history samples, the oldest
-element of the data list, the autoscalers' registry and their last decision), plus a
-second one only when it needs what the first returned: the lease lists of live
-producers (``leases=True``) and the first 64 KiB of a frame stored by reference when
-that is the oldest element. Nothing here writes.
+element of the data list, the autoscalers' registry and their last decision, the
+registry of groups), plus a second one only when it needs what the first returned: the
+lease lists of live producers (``leases=True``), the first 64 KiB of a frame stored by
+reference when that is the oldest element, the ranks of a data-parallel trainer and the
+groups of a run read by several (:mod:`batchq.monitoring.group_snapshot`). Nothing here
+writes.
 
 Times are the Redis server's (``TIME``), so every viewer agrees on "now" and on which
 producers are alive, whatever its own clock says.
@@ -23,6 +25,7 @@ import redis
 from batchq.client.cluster import grouped
 from batchq.client.connection import server_of
 from batchq.errors import FrameError
+from batchq.monitoring.group_snapshot import GroupSnapshot, file_group_read, queue_group_reads
 from batchq.monitoring.stripe_reads import StripeSnapshot, read_stripes, stripe_count
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import MetaField, parse_producer_stat_field
@@ -92,6 +95,8 @@ class QueueSnapshot:
         node: the server (a cluster's master, ``host:port``) the queue was read on.
         stripes: each stripe of a striped queue (meta ``stripes`` > 1), stripe 0 first
             (:mod:`batchq.monitoring.stripe_reads`), else empty.
+        groups: each group of a run read by several groups (by slot), else empty.
+        registry: the run's groups, name -> slot (empty for a run of one group).
     """
 
     queue: str
@@ -111,6 +116,8 @@ class QueueSnapshot:
     ranks: list[RankSnapshot] = field(default_factory=list)
     node: str = ""  # where it was read: batchq.client.connection.server_of
     stripes: list[StripeSnapshot] = field(default_factory=list)  # a striped queue's
+    groups: list[GroupSnapshot] = field(default_factory=list)
+    registry: dict[str, str] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -259,7 +266,7 @@ def _read_on(
     return [snap for snap, _ in firsts]
 
 
-_PER_QUEUE = 11  # the reads _queue_reads queues for each queue, in order
+_PER_QUEUE = 12  # the reads _queue_reads queues for each queue, in order
 
 
 def _queue_reads(pipe: Any, k: QueueKeys, history: int) -> None:
@@ -275,13 +282,17 @@ def _queue_reads(pipe: Any, k: QueueKeys, history: int) -> None:
     pipe.lindex(k.data, -1)
     pipe.zrange(k.scalers, 0, -1, withscores=True)
     pipe.lindex(k.scalelog, 0)
+    pipe.hgetall(k.groups)
 
 
 def _from_replies(
     k: QueueKeys, now_ms: int, replies: list[Any], history: int
 ) -> tuple[QueueSnapshot, bytes | None]:
     """One queue's snapshot from its first-round replies, and its oldest element."""
-    meta, depth, producers, stats, dead, pstats, trainer, hist, last, scalers, decision = replies
+    meta, depth, producers, stats, dead, pstats, trainer, hist, last, scalers, decision = replies[
+        :11
+    ]
+    groups = replies[11]  # the registry of a run read by several groups
     alive = {as_text(p): float(s) for p, s in producers if float(s) >= now_ms}
     snap = QueueSnapshot(
         queue=k.queue,
@@ -296,6 +307,7 @@ def _from_replies(
         history=_history(hist) if history else [],
         autoscalers=sum(1 for _, score in scalers if float(score) >= now_ms),
         last_decision=next(iter(_history([decision] if decision else [])), None),
+        registry={as_text(a): as_text(b) for a, b in groups.items()},
     )
     return snap, last
 
@@ -310,6 +322,10 @@ def _later_reads(
 ) -> list[str]:
     """Queue the second round's reads of one queue; what each reply is, in order."""
     what: list[str] = []
+    if snap.registry and as_int(snap.meta.get(MetaField.GROUPS)):
+        snap.groups = queue_group_reads(pipe, k, snap.registry, snap.meta, history)
+        reads = ["group_depth"] * snap.world + ["group_stats", "group_trainer", "group_history"]
+        what += [f"{w}:{i}" for i in range(len(snap.groups)) for w in reads]
     for r in range(snap.world if snap.world > 1 else 0):
         pipe.llen(k.data_of(r, snap.world))
         pipe.hgetall(k.trainer_of(r, snap.world))
@@ -334,7 +350,10 @@ def _later_reads(
 
 def _file_later(snap: QueueSnapshot, what: str, value: Any) -> None:
     """File one second-round reply into its snapshot."""
-    if what.startswith("rank_"):
+    if what.startswith("group_"):
+        name, i = what.split(":")
+        file_group_read(snap.groups[int(i)], name, value, _history)
+    elif what.startswith("rank_"):
         _add_rank(snap, what, value)
     elif what == "lease":
         snap.leases = (snap.leases or 0) + int(value)

@@ -127,6 +127,26 @@ def _rank_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _group_lines(r: dict[str, Any]) -> list[str]:
+    """One line per group of a run read by several groups."""
+    lines = []
+    for g in r.get("groups", []):
+        name = g["group"] or "(default)"
+        mark = " (slowest)" if g["group"] == r.get("slowest_group") else ""
+        epoch = "-" if g["epoch"] is None else f"{g['epoch']}:{g['epoch_progress']}"
+        alone = (
+            f", detached: built for it alone ({g['solo_builds']} so far)"
+            if g["sharing"] == "alone"
+            else ""
+        )
+        lines.append(
+            f"  group {name}{mark}: {g['verdict']}, depth {g['depth']}/{r['hwm']}, "
+            f"stall {fmt_pct(g['stall'])}, {_rate(g['batches_per_s'])}, epoch {epoch}, "
+            f"{g['lag_batches']:.0f} behind, {g['trainer']}{alone}"
+        )
+    return lines
+
+
 def _params_lines(r: dict[str, Any]) -> list[str]:
     """The run's look-ahead (set_params' default distance) and its params log."""
     if r.get("lookahead_batches") is None:
@@ -177,6 +197,7 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
         *_producer_lines(r, max_producers),
         *_dead_lines(r),
         *_rank_lines(r),
+        *_group_lines(r),
         *_stripe_lines(r),
         *_params_lines(r),
         *_host_lines(r),

@@ -10,7 +10,9 @@ module names the fields of:
   :func:`batchq.protocol.ranks.rank_field` (``'<name>:<r>'``).
 * :class:`StatsField` -- ``bq:{Q}:stats``, cumulative counters: incremented by the
   scripts, the reader's dead list (:func:`dead_field`) and the autoscaler
-  (:func:`autoscale_field`); read by ``status`` and the exporter.
+  (:func:`autoscale_field`); read by ``status`` and the exporter. A group slot i >= 1
+  of a run read by several groups has its own (``stats@<i>``): its trainer's counters,
+  and ``pushed`` counts the frames pushed into its lists.
 * :class:`TrainerField` -- ``bq:{Q}:trainer`` (``:trainer:<r>`` per rank), the
   trainer's recent figures: computed by :mod:`consumer.stats`, written by pop.lua about
   once a second with ``updated_ms`` (server ms), read by ``status``.
@@ -73,12 +75,18 @@ class MetaField:
     AXIS_LABELS: Final = "axis_labels"  # JSON source -> axis names (producers)
     SHM_HOST: Final = "shm_host"  # the trainer's shared-memory host identity
     SHM_LOOKAHEAD: Final = "shm_lookahead"  # the trainer's look-ahead, in frames
+    GROUPS: Final = "groups"  # the group slots of a run read by several groups
+    MAX_LAG: Final = "max_lag"  # a group's max_lag_batches ('<name>@<i>' per slot)
     SHARD_BATCHES: Final = "shard_batches"  # B, batches per full shard (0: unknown)
     PARAMS: Final = "params"  # the params log's stamp '<run>:<version>' (params.lua)
 
     #: Fields a data-parallel run keeps once per rank (``'<name>:<r>'``): ranks may
     #: run on different hosts, so each publishes its own shared-memory host.
     PER_RANK: Final = (CLAIM, CLAIM_DEADLINE, CLAIMED, DONE, NEXT, FLOOR, SHM_HOST, SHM_LOOKAHEAD)
+    #: Fields a run of several groups keeps once per group slot i >= 1 (``'<name>@<i>'``,
+    #: and per rank ``'<name>@<i>:<r>'`` for the PER_RANK ones; slot 0: the plain names,
+    #: :func:`batchq.protocol.groups.reader_field`).
+    PER_GROUP: Final = (*PER_RANK, MAX_LAG, RESUME_STEP)
 
 
 class StatsField:
@@ -101,6 +109,9 @@ class StatsField:
     WAIT_BUCKET: Final = "wait_bucket"  # prefix: see wait_bucket_field
     DEAD: Final = "dead"  # prefix: see dead_field
     AUTOSCALE: Final = "autoscale"  # prefix: see autoscale_field
+    # A group's own counters (its stats hash; slot 0: the queue's), pushed by gpush.lua:
+    SOLO_PUSHED: Final = "solo_pushed"  # frames built for this group alone (detached, late)
+    DETACHED_DROPS: Final = "detached_drops"  # pushes that left out its full list (detached)
 
 
 def wait_bucket_field(i: int) -> str:

@@ -58,6 +58,19 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 params.lua only; meta ``params`` is its stamp
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
+    bq:{Q}:groups       HASH    a run read by several groups (:mod:`batchq.protocol.groups`):
+                                group name ('' the default group) -> its slot; meta
+                                ``groups`` says how many slots the run has
+    bq:{Q}:refs         HASH    frame key -> the groups that still have to read it: a
+                                frame stored once by reference for several groups (no
+                                field: one reader); the last reader's release deletes it
+    bq:{Q}:data@<i>     LIST    group slot i's data list (``data@<i>:<r>`` its rank r's);
+                                slot 0 keeps the plain names. So do ``stats@<i>`` (HASH,
+                                the group's counters), ``trainer@<i>``, ``history@<i>``,
+                                ``ledger@<i>``, ``counts@<i>``, ``wake@<i>`` (its pops'
+                                wake-ups: a producer blocked at its full list waits
+                                there), and the meta fields ``<name>@<i>`` /
+                                ``<name>@<i>:<r>`` (claim, next, floor...)
 
 The type column is :data:`KEY_TYPES` (by the key's name in :class:`QueueKeys`): push.lua
 and pop.lua check theirs before writing (tests/batchq/protocol/test_fields.py compares
@@ -91,11 +104,13 @@ from batchq.errors import ConfigError
 __all__ = [
     "KEY_TYPES",
     "PREFIX",
+    "SLOT_KEYS",
     "STRIPE_CANDIDATES",
     "QueueKeys",
     "check_name",
     "is_stripe",
     "queue_from_meta_key",
+    "slot_suffix",
     "stripe_name",
 ]
 
@@ -110,8 +125,20 @@ KEY_TYPES: Final[Mapping[str, str]] = {
     "stats": "hash", "dead": "list", "failures": "hash", "pstats": "hash",
     "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
     "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
+    "groups": "hash", "refs": "hash",
     "params": "string",
 }  # fmt: skip
+
+#: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
+#: :meth:`QueueKeys.slot_view`.
+SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts", "wake")
+
+
+def slot_suffix(slot: int) -> str:
+    """What group slot ``slot``'s keys and meta fields add to their names: ``''`` for
+    slot 0, else ``'@<slot>'``."""
+    return "" if slot == 0 else f"@{slot}"
+
 
 # Queue names and producer ids become parts of key names: keep them to a safe alphabet,
 # without braces (they would move the hash tag) or colons (they separate fields).
@@ -245,12 +272,27 @@ class QueueKeys:
         self.frame_prefix = f"{self.base}:frame:"
         self.counts = f"{self.base}:counts"  # data-parallel ranks' counts per epoch
         self.remap = f"{self.base}:remap"  # an elastic resume's epoch: slot -> shard
+        self.groups = f"{self.base}:groups"  # group name -> slot (several groups)
+        self.refs = f"{self.base}:refs"  # frame key -> groups yet to read it
+        self.slot = 0  # the group slot whose keys data, stats, trainer... name (slot_view)
         self.params = f"{self.base}:params"  # the run's change log of producer parameters
         #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
         self.leases: Mapping[str, str] = _Derived(self._lease)
         #: world -> the KEYS tail of lease.lua for a run of that many ranks: every
         #: rank's data list, then the remap hash (none for world 1).
         self.lease_tails: Mapping[int, list[str]] = _Derived(self._lease_tail)
+        # A run read by several groups (batchq.protocol.groups), read as mappings too:
+        #: group slot -> the keys as that slot reads the run (:meth:`slot_view`).
+        self.slots: Mapping[int, QueueKeys] = _Derived(self.slot_view)
+        #: (group slots, world) -> glease.lua's KEYS tail: every slot's ledger, then
+        #: every slot's data lists (slot 0's ranks first).
+        self.glease_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._glease_tail)
+        #: (target mask, rank, world) -> gpush.lua's KEYS tail: each target slot's data
+        #: list (of that rank) and stats hash, ascending.
+        self.gpush_tails: Mapping[tuple[int, int, int], list[str]] = _Derived(self._gpush_tail)
+        #: (group slots, world) -> gclaim.lua's and gresume.lua's KEYS tail: the keys of
+        #: slots 0..max(groups, 1) (:meth:`slot_keys`, each slot's in a row).
+        self.slot_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._slot_tail)
 
     def types(self, *names: str) -> dict[str, str]:
         """Key -> the Redis type batchq keeps there (:data:`KEY_TYPES`), for the keys of
@@ -273,6 +315,34 @@ class QueueKeys:
         """Every rank's data list of a run of ``world`` ranks (none for world 1)."""
         return [] if world == 1 else [self.data_of(r, world) for r in range(world)]
 
+    def slot_view(self, slot: int) -> QueueKeys:
+        """The keys as group slot ``slot`` reads the run: its data list(s), counters
+        (``stats``), figures, history, ledger and counts; every other key is the
+        queue's. Slot 0 is this object's own names (a run of one group, as before)."""
+        if slot == 0:
+            return self
+        view = QueueKeys(self.queue)
+        sfx = slot_suffix(slot)
+        view.slot = slot
+        for name in SLOT_KEYS:
+            setattr(view, name, f"{getattr(self, name)}{sfx}")
+        return view
+
+    def slot_keys(self, slot: int, world: int) -> list[str]:
+        """Every key of group slot ``slot`` in a run of ``world`` ranks, in the order the
+        group scripts read them (3 + 3 x world keys: gclaim.lua and gresume.lua find a
+        slot's keys in their KEYS tail by that count): ledger, counts, each rank's data
+        list, stats, each rank's figures, each rank's history."""
+        view = self.slot_view(slot)
+        return [
+            view.ledger,
+            view.counts,
+            *(view.data_of(r, world) for r in range(world)),
+            view.stats,
+            *(view.trainer_of(r, world) for r in range(world)),
+            *(view.history_of(r, world) for r in range(world)),
+        ]
+
     def lease(self, producer: str) -> str:
         """The lease list of producer ``producer``."""
         return self.leases[producer]
@@ -282,6 +352,28 @@ class QueueKeys:
 
     def _lease_tail(self, world: int) -> list[str]:
         return [*self.rank_data(world), self.remap] if world > 1 else []
+
+    def _glease_tail(self, shape: tuple[int, int]) -> list[str]:
+        groups, world = shape
+        views = [self.slot_view(i) for i in range(groups)]
+        return [v.ledger for v in views] + [
+            v.data_of(r, world) for v in views for r in range(world)
+        ]
+
+    def _gpush_tail(self, aim: tuple[int, int, int]) -> list[str]:
+        mask, rank, world = aim
+        out: list[str] = []
+        for slot in (i for i in range(mask.bit_length()) if mask >> i & 1):
+            view = self.slot_view(slot)
+            out += [view.data_of(rank, world), view.stats]
+        return out
+
+    def _slot_tail(self, shape: tuple[int, int]) -> list[str]:
+        groups, world = shape
+        out: list[str] = []
+        for slot in range(max(groups, 1) + 1):
+            out += self.slot_keys(slot, world)
+        return out
 
     def frame(self, producer: str, seq: int) -> str:
         """The key of the ``seq``-th frame that ``producer`` stores by reference."""

@@ -4,7 +4,13 @@ which names the keys).
 Entries and fields:
 
 * a lease entry (the lease lists): ``'<g>:<token>'``, g the global slot number
-  (:mod:`batchq.protocol.ranks`), token unique per lease request;
+  (:mod:`batchq.protocol.ranks`), token unique per lease request; in a run read by
+  several groups ``'<g>/<mask>:<token>'`` where the shard is for other groups than
+  slot 0 alone (mask: bit i set for group slot i, :mod:`batchq.protocol.groups`);
+* a work entry (the work list): ``'<g>'`` or ``'<g>/<mask>'`` (the part of a lease entry
+  before its token: a shard handed back is built again for the same groups);
+* a frame stored by reference for several groups: the refs hash's field is the frame's
+  key, its value how many groups have still to read it (no field: one);
 * a ledger field (the ledger hash, resume.lua's pairs): ``'<epoch>:<slot>'`` -> ``'d'``
   (done) or the batches the trainer already has;
 * a counts field (data-parallel run-time evening): ``'<epoch>:<rank>'`` -> the
@@ -25,10 +31,11 @@ Entries and fields:
   (:func:`default_id`; :func:`id_host` and :func:`id_pid` read it back: ``status``
   shows the host, an autoscaler tells its own workers by the pid).
 
-Caps (lists that would otherwise grow for ever): the wake list keeps
-:data:`WAKE_CAP` tokens, a trainer's history :data:`HISTORY_CAP` samples, the dead list
-:data:`DEAD_CAP` frames, the scale log :data:`SCALELOG_CAP` decisions. The scripts get
-them as arguments (pop.lua, resume.lua).
+Caps (lists that would otherwise grow for ever): a run has at most :data:`MAX_GROUPS`
+group slots; the wake list keeps :data:`WAKE_CAP` tokens, a trainer's history
+:data:`HISTORY_CAP` samples, the dead list :data:`DEAD_CAP` frames, the scale log
+:data:`SCALELOG_CAP` decisions. The scripts get them as arguments (pop.lua, resume.lua,
+gclaim.lua).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ __all__ = [
     "DONE",
     "FLAGS",
     "HISTORY_CAP",
+    "MAX_GROUPS",
     "PARAMS_LOG_MAX_BYTES",
     "PARAMS_MAX_ENTRIES",
     "SCALELOG_CAP",
@@ -61,13 +69,18 @@ __all__ = [
     "parse_count_value",
     "parse_ledger_field",
     "parse_params_stamp",
+    "parse_work_entry",
     "time_ms",
+    "work_entry",
 ]
 
 WAKE_CAP = 8  # a pop wakes at most this many blocked producers
 HISTORY_CAP = 3600  # one sample per second: the last hour
 DEAD_CAP = 1000  # bad frames kept for `batchq dead`
 SCALELOG_CAP = 500  # autoscaler decisions kept
+# Group slots of one run (a sweep's trials): one release word each in a shared-memory
+# segment's header (batchq.wire.shm), one bit each in a lease's mask.
+MAX_GROUPS = 32
 # The change log of producer parameters (set_params): its JSON and its entries. Every
 # producer reads the whole log when it changes, so it stays small.
 PARAMS_LOG_MAX_BYTES = 1 << 20
@@ -88,14 +101,31 @@ def flag(value: bool) -> str:
     return FLAGS[bool(value)]
 
 
-def lease_entry(g: int, token: str) -> str:
-    """The lease list's entry for slot ``g`` leased with ``token``."""
-    return f"{g}:{token}"
+def work_entry(g: int, mask: int = 1) -> str:
+    """The work list's entry for slot ``g`` built for the groups of ``mask`` (``1``, group
+    slot 0 alone, is the plain ``'<g>'`` of a run of one group)."""
+    return str(g) if mask == 1 else f"{g}/{mask}"
+
+
+def parse_work_entry(entry: str) -> tuple[int, int]:
+    """(g, mask) of a work entry (or of a lease entry's part before its token).
+
+    Raises:
+        ValueError: not ``'<g>'`` nor ``'<g>/<mask>'``.
+    """
+    g, _, mask = entry.partition("/")
+    return int(g), int(mask) if mask else 1
+
+
+def lease_entry(g: int, token: str, mask: int = 1) -> str:
+    """The lease list's entry for slot ``g`` leased with ``token`` for the groups of
+    ``mask``."""
+    return f"{work_entry(g, mask)}:{token}"
 
 
 def entry_slot(entry: str) -> int:
     """The global slot number of a lease entry."""
-    return int(entry.split(":", 1)[0])
+    return parse_work_entry(entry.split(":", 1)[0])[0]
 
 
 def params_stamp(run: str, version: int) -> str:

@@ -37,8 +37,9 @@ __all__ = [
 
 
 class JoinReply(NamedTuple):
-    """join.lua: ``{'OK', incarnation, run, hwm, S, window, created[, world]}``,
-    ``{'MISMATCH', what, expected}`` or a status."""
+    """join.lua: ``{'OK', incarnation, run, hwm, S, window, created[, world[, groups]]}``,
+    ``{'MISMATCH', what, expected}`` or a status (``groups``: the group slots of a run
+    read by several groups, 0 for one)."""
 
     status: str
     incarnation: str = ""
@@ -50,6 +51,7 @@ class JoinReply(NamedTuple):
     world: int = 1
     what: str = ""
     expected: str = ""
+    groups: int = 0
 
     @classmethod
     def parse(cls, raw: Any) -> JoinReply:
@@ -60,7 +62,7 @@ class JoinReply(NamedTuple):
         if r[0] != Status.OK:
             return cls(r[0])
         return cls(r[0], r[1], r[2], str(r[3]), int(r[4]), int(r[5]), bool(int(r[6])),
-                   reply_int(r, 7, 1))  # fmt: skip
+                   reply_int(r, 7, 1), groups=reply_int(r, 8))  # fmt: skip
 
 
 class LeaseReply(NamedTuple):

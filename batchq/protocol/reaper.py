@@ -71,13 +71,15 @@ def requeue_gaps(
     shards: Sequence[int],
     *,
     rank: tuple[str, str, Sequence[int]] | None = None,
+    mask: int = 1,
 ) -> list[int]:
     """Return shards with a gap to the work list, if nobody can still deliver them.
 
     Args:
         shards: candidate global shard numbers (incomplete in the trainer's ledger).
-        rank: a data-parallel rank's (data list, 'next:<rank>' field, the candidates'
-            local shard numbers), see requeue.lua.
+        rank: a data-parallel rank's or a group slot's (data list, its cursor field,
+            the candidates' local shard numbers), see requeue.lua.
+        mask: the caller's group slot as a mask: its shards go back for it alone.
 
     Returns:
         The shards requeued.
@@ -95,6 +97,7 @@ def requeue_gaps(
         shards=shards,
         alive=alive,
         rank=None if rank is None else (rank[1], rank[2]),
+        mask=mask,
     )
     requeued = reply.requeued
     if requeued:

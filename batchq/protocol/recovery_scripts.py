@@ -81,6 +81,7 @@ def requeue(
     shards: Sequence[int],
     alive: Sequence[str],
     rank: tuple[str, Sequence[int]] | None = None,
+    mask: int = 1,
 ) -> RequeueReply:
     """Hand shards with a gap back (requeue.lua).
 
@@ -88,7 +89,9 @@ def requeue(
         data: the data list that must be empty (a rank's own).
         shards: candidate global shard numbers, oldest first.
         alive: the live producers (their leases are looked at).
-        rank: a data-parallel rank's ('next:<rank>' field, the candidates' local numbers).
+        rank: a data-parallel rank's or a group slot's (its cursor field, 'next:<rank>',
+            'next@<slot>[:<rank>]'; the candidates' local numbers).
+        mask: the caller's group slot as a mask (1: slot 0, a run of one group).
     """
     tail: list[Arg] = [*shards, *alive]
     if rank is not None:
@@ -98,7 +101,7 @@ def requeue(
         RequeueReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work, "data": data,
          "producers": keys.producers, "stats": keys.stats},
-        {"incarnation": incarnation, "run": run, "n": len(shards)},
+        {"incarnation": incarnation, "run": run, "n": len(shards), "mask": mask},
         more_keys=[keys.leases[p] for p in alive],
         more_args=tail,
     ).run(client)  # fmt: skip

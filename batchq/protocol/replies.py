@@ -20,6 +20,13 @@ from batchq.errors import (
     TrainerConflict,
 )
 from batchq.protocol.calls import CountReply, StatusReply
+from batchq.protocol.group_scripts import (
+    GClaimReply,
+    GLeaseReply,
+    GPushReply,
+    GResumeReply,
+    ReleaseReply,
+)
 from batchq.protocol.params_scripts import ParamsReply
 from batchq.protocol.producer_scripts import JoinReply, LeaseReply, PushReply
 from batchq.protocol.recovery_scripts import RequeueReply
@@ -30,11 +37,16 @@ __all__ = [
     "STATUS_ERRORS",
     "ClaimReply",
     "CountReply",
+    "GClaimReply",
+    "GLeaseReply",
+    "GPushReply",
+    "GResumeReply",
     "JoinReply",
     "LeaseReply",
     "ParamsReply",
     "PopReply",
     "PushReply",
+    "ReleaseReply",
     "RequeueReply",
     "StatusReply",
     "status_error",

@@ -11,14 +11,24 @@ scripts that travel in pipelines (push, lease) are built as a :class:`Call`
 The functions are written by who calls them -- the producer's
 (:mod:`batchq.protocol.producer_scripts`: join, lease_call, push_call, fail, handback),
 the trainer's (:mod:`batchq.protocol.trainer_scripts`: claim, pop, resume; the params
-log's, :mod:`batchq.protocol.params_scripts`: params) and work
-recovery's (:mod:`batchq.protocol.recovery_scripts`: reap, gone, requeue) -- and used
-through this module (``scripts.pop(...)``), which holds them all.
+log's, :mod:`batchq.protocol.params_scripts`: params), work recovery's
+(:mod:`batchq.protocol.recovery_scripts`: reap, gone, requeue), and those of a run read
+by several groups (:mod:`batchq.protocol.group_scripts`: glease_call, gpush_call, gclaim,
+gresume, release_call) -- and used through this module (``scripts.pop(...)``), which
+holds them all.
 """
 
 from __future__ import annotations
 
 from batchq.protocol.calls import SCRIPTS, Call, Script, execute_pipeline, load_all
+from batchq.protocol.group_scripts import (
+    GroupClaimOp,
+    gclaim,
+    glease_call,
+    gpush_call,
+    gresume,
+    release_call,
+)
 from batchq.protocol.params_scripts import ParamsOp, ParamsReply, Rebuild, params
 from batchq.protocol.producer_scripts import fail, handback, join, lease_call, push_call
 from batchq.protocol.recovery_scripts import gone, reap, requeue
@@ -28,6 +38,7 @@ __all__ = [
     "SCRIPTS",
     "Call",
     "ClaimOp",
+    "GroupClaimOp",
     "ParamsOp",
     "ParamsReply",
     "Rebuild",
@@ -35,7 +46,11 @@ __all__ = [
     "claim",
     "execute_pipeline",
     "fail",
+    "gclaim",
+    "glease_call",
     "gone",
+    "gpush_call",
+    "gresume",
     "handback",
     "join",
     "lease_call",
@@ -44,6 +59,7 @@ __all__ = [
     "pop",
     "push_call",
     "reap",
+    "release_call",
     "requeue",
     "resume",
 ]

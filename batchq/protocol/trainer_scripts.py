@@ -48,8 +48,9 @@ class ClaimReply(NamedTuple):
 
 
 class PopReply(NamedTuple):
-    """pop.lua: ``{'OK', producers alive, depth before the pop, {elements}}``,
-    ``{'WRONG_TYPE', key, type}`` or a status. Elements stay bytes: they are data."""
+    """pop.lua: ``{'OK', producers alive, depth before the pop, {elements}, group
+    slots}``, ``{'WRONG_TYPE', key, type}`` or a status. Elements stay bytes: they are
+    data. ``groups``: the run's group slots (0: read by one group)."""
 
     status: str
     alive: int = 0
@@ -57,6 +58,7 @@ class PopReply(NamedTuple):
     elements: list[bytes] = []  # a NamedTuple default, never mutated
     key: str = ""
     found: str = ""
+    groups: int = 0
 
     @classmethod
     def parse(cls, raw: Any) -> PopReply:
@@ -66,7 +68,7 @@ class PopReply(NamedTuple):
             return cls(r[0], key=str(r[1]), found=str(r[2]))
         if r[0] != Status.OK:
             return cls(r[0])
-        return cls(r[0], int(r[1]), int(r[2]), list(r[3]))
+        return cls(r[0], int(r[1]), int(r[2]), list(r[3]), groups=reply_int(r, 4))
 
 
 ClaimOp = Literal["acquire", "refresh", "release", "finish"]

@@ -33,6 +33,10 @@ class Status:
     STEP = "STEP"  # {'STEP', step}: the job's other ranks resumed from another step
     WRONG_TYPE = "WRONG_TYPE"  # {'WRONG_TYPE', key, type found}: a foreign writer
     REROUTE = "REROUTE"  # push.lua: the rank's trainer is not on the descriptor's host
+    # {'GROUPS'[, n]}: the run is read by several groups (n slots): the group scripts'
+    # (batchq.protocol.group_scripts), with the keys of every slot
+    GROUPS = "GROUPS"
+    DROPPED = "DROPPED"  # gpush.lua: no list took the frame (finished, or left behind)
     TOO_BIG = "TOO_BIG"  # {'TOO_BIG', bytes}: params.lua, the params log would pass its cap
 
 

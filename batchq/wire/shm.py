@@ -25,18 +25,28 @@ segments and is never reused by that producer in that run.
 Segment layout (little-endian)::
 
     0   b"BQSG"     magic
-    4   u32         version (1)
+    4   u32         version (2)
     8   u64         gen: the generation of the frame inside (written by the producer,
                     after the frame's bytes)
-    16  u64         released: the last generation the trainer is done with (written by
-                    the trainer when nothing of its batch is referenced any more)
+    16  u64         released[0]: the last generation group slot 0's trainer is done with
+                    (written by that trainer when nothing of its batch is referenced
+                    any more; a run of one group has only this one)
     24  u64         retired: 1 once the producer left; the trainer then unlinks the
                     segment when it releases it
     32  u64         the frame's length
-    40  24 bytes    reserved, zero
-    64  ...         the frame (the codec's layout), capacity = file size - 64
+    40  u64         targets: the group slots whose lists got the descriptor of ``gen``
+                    (bit i for slot i, :mod:`batchq.protocol.groups`; 1: slot 0 alone),
+                    written by the producer before the push (and again if the push left
+                    a group out)
+    48  16 bytes    reserved, zero
+    64  31 x u64    released[1..31]: group slot i's, at 64 + 8 (i - 1)
+    312 8 bytes     reserved, zero
+    320 ...         the frame (the codec's layout), capacity = file size - 320
 
-A segment is free for its producer to overwrite exactly when ``released == gen``.
+A frame pushed for several groups (one descriptor in each group's list) is mapped by
+every trainer on the host; each writes its own slot's word. A segment is free for its
+producer to overwrite exactly when ``released[i] == gen`` for every slot i of
+``targets`` (:func:`all_released`).
 
 Descriptor (one list element)::
 
@@ -64,16 +74,20 @@ __all__ = [
     "ENV_TRANSPORT",
     "HEADER",
     "HEADER_BYTES",
+    "RELEASE_SLOTS",
     "SEGMENT_MAGIC",
     "SEGMENT_MODE",
+    "SEGMENT_VERSION",
     "Descriptor",
     "SegmentName",
+    "all_released",
     "decode_descriptor",
     "encode_descriptor",
     "host_identity",
     "is_descriptor",
     "list_segments",
     "parse_segment_name",
+    "release_offset",
     "remove_segments",
     "resolve_transport",
     "segment_name",
@@ -86,15 +100,43 @@ DEFAULT_SHM_DIR = "/dev/shm"
 SEGMENT_MAGIC = b"BQSG"
 SEGMENT_MODE = 0o600  # a segment's mode; the trainer refuses one with another
 DESCRIPTOR_MAGIC = b"BQM\x01"
-HEADER = struct.Struct("<4sIQQQQ24x")
-HEADER_BYTES = 64  # == HEADER.size
-OFF_GEN, OFF_RELEASED, OFF_RETIRED, OFF_LEN = 8, 16, 24, 32
+SEGMENT_VERSION = 2
+# The header's first 64 bytes: magic, version, gen, released[0], retired, length, targets.
+HEADER = struct.Struct("<4sIQQQQQ16x")
+HEADER_BYTES = 320  # the whole header: the first 64 bytes, then released[1..31]
+OFF_GEN, OFF_RELEASED, OFF_RETIRED, OFF_LEN, OFF_TARGETS = 8, 16, 24, 32, 40
+OFF_RELEASED_MORE = 64  # released[1], then one u64 per group slot
+RELEASE_SLOTS = 32  # group slots with a release word (batchq.protocol.layout.MAX_GROUPS)
+_U64 = struct.Struct("<Q")
 _MAX_DESCRIPTOR = 1024  # bytes; a descriptor names a file, it is never a payload
 _PART = r"[A-Za-z0-9_.~]{1,128}"
 _NAME_RE = re.compile(rf"^batchq-({_PART})-([0-9a-f]{{1,64}})-({_PART})-([0-9]{{1,18}})$")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 ENV_TRANSPORT = "BATCHQ_TRANSPORT"
 TRANSPORTS = ("auto", "shm", "redis")
+
+
+def release_offset(slot: int) -> int:
+    """Where group slot ``slot``'s release word is in a segment's header.
+
+    Raises:
+        ConfigError: a slot without one (0..RELEASE_SLOTS - 1).
+    """
+    if not 0 <= slot < RELEASE_SLOTS:
+        raise ConfigError(f"group slot {slot} has no release word: expected 0..{RELEASE_SLOTS - 1}")
+    return OFF_RELEASED if slot == 0 else OFF_RELEASED_MORE + 8 * (slot - 1)
+
+
+def all_released(header: Any, gen: int) -> bool:
+    """Whether every group slot a segment's frame of ``gen`` went to released it
+    (``header``: the segment's first HEADER_BYTES, or its mapping)."""
+    targets = _U64.unpack_from(header, OFF_TARGETS)[0] & ((1 << RELEASE_SLOTS) - 1) or 1
+    slot = 0
+    while targets >> slot:
+        if targets >> slot & 1 and _U64.unpack_from(header, release_offset(slot))[0] != gen:
+            return False
+        slot += 1
+    return True
 
 
 def resolve_transport(transport: str | None) -> str:

@@ -17,6 +17,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
 from batchq.wire.shm import is_descriptor
 from consumer.reader.receive import getdel_into
+from consumer.reader.shared_receive import get_and_release, release
 from consumer.reader.shm_frames import TrainerShm
 
 __all__ = ["Fetched", "Fetcher", "ref_error"]
@@ -51,6 +52,9 @@ class Fetcher:
         self.shm = shm
         self.max_frame_bytes = max_frame_bytes
         self._dead = dead
+        # A run read by several groups: frames stored by reference may be stored once
+        # for all, so they are read and released (shared_receive), never GETDELed.
+        self.shared = False
 
     def fetch(self, elements: list[bytes]) -> list[Fetched]:
         """Resolve references and shared-memory descriptors: (frame or None, the list
@@ -90,9 +94,14 @@ class Fetcher:
         frame), not for the whole round.
         """
         names = [k for _, k in stored]
-        replies: list[Any] = call(
-            lambda: getdel_into(self.client, names, raise_on_error=False), "fetching frames"
-        )
+        if self.shared:
+            replies: list[Any] = call(
+                lambda: get_and_release(self.client, self.keys, names), "fetching frames"
+            )
+        else:
+            replies = call(
+                lambda: getdel_into(self.client, names, raise_on_error=False), "fetching frames"
+            )
         for (i, key), value in zip(stored, replies, strict=True):
             element = out[i][1]
             if isinstance(value, Exception):
@@ -128,6 +137,9 @@ class Fetcher:
         return keep
 
     def _drop_key(self, key: str) -> None:
+        if self.shared:  # other groups may read it: only this reader's count goes
+            call(lambda: release(self.client, self.keys, [key]), "dropping an oversized frame")
+            return
         call(lambda: self.client.delete(key), "dropping an oversized frame")
 
 

@@ -120,15 +120,17 @@ class StallRepair:
         reap_dead(self.client, self.keys, s.incarnation)
         candidates = self.buffer.incomplete(s.plan.window if s.plan else 1)
         layout = self.settings.layout
-        if layout is None:
+        if layout is None and s.slot == 0:
             requeue_gaps(self.client, self.keys, s.incarnation, s.run, candidates)
             return
-        # A rank asks in global slot numbers, checked against its own counter.
+        # A rank (or a group slot > 0) asks in global slot numbers, checked against its
+        # own counter; a group's shards go back for it alone.
         requeue_gaps(
             self.client,
             self.keys,
             s.incarnation,
             s.run,
-            [layout.to_global(n, s.rank) for n in candidates],
+            candidates if layout is None else [layout.to_global(n, s.rank) for n in candidates],
             rank=(s.data_key, f"next{s.suffix}", candidates),
+            mask=1 << s.slot,
         )

@@ -6,7 +6,9 @@ bytes (``np.frombuffer`` of the segment's mapping). The codec decodes from the o
 so every array of the batch is a view whose ``.base`` chain holds the owner (array ->
 memoryview -> owner -> mapping); a tensor made with ``torch.from_numpy`` holds the array.
 ``weakref.finalize(owner, ...)`` writes ``released = gen`` into the segment's header
-only when the owner is freed, i.e. when no array, view or tensor of the batch is left
+(the release word of the trainer's group slot: a segment several groups read is mapped
+by each group's trainer, and reused once every one of them released it) only when the
+owner is freed, i.e. when no array, view or tensor of the batch is left
 (a bad frame, or a ``writable=True`` trainer's batch, which is copied into memory of
 its own: at once). The torch adapter instead asks for writable views
 (``views_writable``): its tensors are the segment's memory, zero-copy, and hold it as
@@ -45,22 +47,24 @@ import redis
 from batchq.client.connection import call
 from batchq.errors import FrameError
 from batchq.protocol.fields import MetaField
+from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.ranks import rank_field
 from batchq.wire.shm import (
     DEFAULT_SHM_DIR,
     HEADER,
     HEADER_BYTES,
-    OFF_RELEASED,
     OFF_RETIRED,
     SEGMENT_MAGIC,
     SEGMENT_MODE,
+    SEGMENT_VERSION,
     Descriptor,
     SegmentName,
+    all_released,
     decode_descriptor,
     host_identity,
     list_segments,
     parse_segment_name,
+    release_offset,
     remove_segments,
     resolve_transport,
 )
@@ -76,13 +80,15 @@ SEEN_MAX = 8192  # batches remembered as had (segment, inode, generation): dupli
 _U64 = struct.Struct("<Q")
 
 
-def _release(mm: mmap.mmap, gen: int, path: str, ino: int) -> None:
-    """The batch of ``gen`` is no longer referenced: hand the segment back."""
+def _release(mm: mmap.mmap, gen: int, path: str, ino: int, offset: int) -> None:
+    """The batch of ``gen`` is no longer referenced: hand the segment back (the word at
+    ``offset``: this trainer's group slot's)."""
     try:
-        _U64.pack_into(mm, OFF_RELEASED, gen)
-        # Its producer left (retired): nobody reuses it, so it goes now.
+        _U64.pack_into(mm, offset, gen)
+        # Its producer left (retired): nobody reuses it, so it goes once every group
+        # it went to is done with it.
         retired = _U64.unpack_from(mm, OFF_RETIRED)[0]
-        if retired and os.stat(path, follow_symlinks=False).st_ino == ino:
+        if retired and all_released(mm, gen) and os.stat(path, follow_symlinks=False).st_ino == ino:
             os.unlink(path)
     except (ValueError, OSError):  # unmapped or already removed: nothing to hand back
         pass
@@ -99,8 +105,8 @@ def _remove_if_released(path: str) -> bool:
             os.close(fd)
         if len(head) < HEADER_BYTES:
             return False
-        magic, _version, gen, released, _retired, _length = HEADER.unpack(head)
-        if magic == SEGMENT_MAGIC and gen == released:
+        magic, _version, gen, *_rest = HEADER.unpack_from(head)
+        if magic == SEGMENT_MAGIC and all_released(head, gen):
             os.unlink(path)
             return True
     except OSError:
@@ -134,11 +140,12 @@ class TrainerShm:
         world: int = 1,
     ) -> None:
         self.keys = keys
-        self.rank, self.world = rank, world
         # What the arrays may be: the stream hands its FramePrep's over when reading starts.
         self.access = ArrayAccess.WRITABLE if writable else ArrayAccess.READ_ONLY
-        self.host_field = rank_field(MetaField.SHM_HOST, rank, world)
-        self.lookahead_field = rank_field(MetaField.SHM_LOOKAHEAD, rank, world)
+        self.rank, self.world = rank, world
+        self.slot = 0  # the group slot read (publish sets it): its release word is written
+        self.host_field = reader_field(MetaField.SHM_HOST, 0, rank, world)
+        self.lookahead_field = reader_field(MetaField.SHM_LOOKAHEAD, 0, rank, world)
         self.mode = resolve_transport(transport)
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
@@ -162,13 +169,17 @@ class TrainerShm:
         writable = self.access is not ArrayAccess.READ_ONLY
         return TrainerShm(keys, self.mode, self.shm_dir, writable, rank=self.rank, world=self.world)
 
-    def publish(self, client: redis.Redis, lookahead: int) -> None:
+    def publish(self, client: redis.Redis, lookahead: int, slot: int = 0) -> None:
         """Tell the producers this trainer's host and its look-ahead (the decoded frames
-        it may hold ahead of its caller), or that it takes nothing by shared memory.
+        it may hold ahead of its caller), or that it takes nothing by shared memory;
+        ``slot``: the group slot it reads (it releases segments in that slot's word).
 
         Called after every acquire and resume: those scripts drop the published host
         (a takeover, a new run), so that no descriptor for the previous trainer's host
         is pushed into this trainer's list (push.lua checks it)."""
+        self.slot = slot
+        self.host_field = reader_field(MetaField.SHM_HOST, slot, self.rank, self.world)
+        self.lookahead_field = reader_field(MetaField.SHM_LOOKAHEAD, slot, self.rank, self.world)
         meta = self.keys.meta
         if self.identity is None:
             fields = (self.host_field, self.lookahead_field)
@@ -257,13 +268,17 @@ class TrainerShm:
                 f"segment {desc.segment} has {size - HEADER_BYTES} bytes, "
                 f"the descriptor says {desc.length}",
             )
-        magic, _version, gen, released, _retired, length = HEADER.unpack_from(mm)
+        magic, version, gen, _released, _retired, length, _targets = HEADER.unpack_from(mm)
+        released = _U64.unpack_from(mm, release_offset(self.slot))[0]
         key = (desc.segment, ino, desc.gen)
         owner = self._owners.get(key)
         if owner is None and key in self._seen:
             self.duplicates += 1  # a replayed push of a batch already had: never read
             return None
-        if magic != SEGMENT_MAGIC or gen != desc.gen or length != desc.length:
+        if (magic, version) != (SEGMENT_MAGIC, SEGMENT_VERSION) or (gen, length) != (
+            desc.gen,
+            desc.length,
+        ):
             raise FrameError(
                 "shm_stale",
                 f"segment {desc.segment} holds generation {gen} of {length} bytes, "
@@ -280,6 +295,24 @@ class TrainerShm:
     def _had(self, segment: str, gen: int) -> bool:
         """Whether this trainer resolved generation ``gen`` of ``segment`` (any inode)."""
         return any(s == segment and g == gen for s, _ino, g in self._seen)
+
+    def release_unread(self, element: bytes) -> bool:
+        """Hand back the segment of a descriptor this trainer popped and will never read
+        (its group finished while its list held it), as a batch it read is handed back:
+        its group slot's release word; False where there is nothing of ours to release
+        (another host's, not this queue's, or another generation by now)."""
+        try:
+            desc = decode_descriptor(element, self.keys.queue)
+            if desc.host != self.identity:
+                return False
+            path = os.path.join(self.shm_dir, desc.segment)
+            ino, _size, mm, _dev = self._map(desc.segment, path)
+        except FrameError:
+            return False
+        if HEADER.unpack_from(mm)[2] != desc.gen:
+            return False
+        _release(mm, desc.gen, path, ino, release_offset(self.slot))
+        return True
 
     def _host_error(self, desc: Descriptor) -> FrameError:
         """The bad frame for a descriptor of another host (or a trainer without shm)."""
@@ -305,7 +338,7 @@ class TrainerShm:
             )
         owner = np.frombuffer(mm, dtype=np.uint8, count=length, offset=HEADER_BYTES)
         owner.flags.writeable = self.access is ArrayAccess.VIEWS
-        weakref.finalize(owner, _release, mm, gen, path, ino)
+        weakref.finalize(owner, _release, mm, gen, path, ino, release_offset(self.slot))
         self._owners[key] = owner
         self._seen[key] = None
         if len(self._seen) > SEEN_MAX:

@@ -30,12 +30,14 @@ from batchq.errors import BatchQueueError, ConnectionLost, StateLost
 from batchq.protocol import scripts
 from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import round_trip
+from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import ledger_field, parse_ledger_field
 from batchq.protocol.ranks import RankLayout
 from batchq.protocol.replies import PopReply, status_error
-from batchq.protocol.words import Status
+from batchq.protocol.words import Status, as_int
 from batchq.wire import codec
+from consumer.group_session import GroupSession
 from consumer.reader.accounting import Accounting
 from consumer.reader.buffer import Buffer
 from consumer.reader.dead import DeadList
@@ -110,6 +112,7 @@ class Reader(threading.Thread):
         self._accounting = Accounting(stats or TrainerStats())
         self._dead = DeadList(client, keys, settings.on_bad_frame)
         self._fetcher = Fetcher(client, keys, self.shm, settings.max_frame_bytes, self._dead.record)
+        self._fetcher.shared = isinstance(session, GroupSession) and session.grouped
         self._filer = Filer(session, buffer, settings, prepare, self._dead, self._accounting)
         self._repair = StallRepair(client, keys, session, buffer, settings)
         self._params = params
@@ -223,6 +226,8 @@ class Reader(threading.Thread):
         # Not a checkpoint: the ranks are where they are (no step to agree on).
         s.resume(self.client, first, plan.fingerprint if plan else "", pairs, step=-1)
         self.shm.new_run(s.run)
+        if s.keys is not self.keys:  # a group registered again, in another slot
+            self.keys = self._fetcher.keys = self._dead.keys = self._repair.keys = s.keys
 
     def flush(self) -> None:
         """Send the accounting not yet sent (at close), popping nothing."""
@@ -285,7 +290,18 @@ class Reader(threading.Thread):
             raise status_error(reply.status, s.what)
         self._published_floor = max(self._published_floor, floor)
         self._accounting.depth = reply.depth
+        self._saw_groups(reply.groups)
         return reply
+
+    def _saw_groups(self, groups: int) -> None:
+        """A pop says the run is read by several groups (others joined since the claim):
+        frames stored by reference may be stored once for all of them, so they are read
+        and released from here (never GETDELed), and the session finishes through the
+        group scripts."""
+        if groups and not self._fetcher.shared:
+            self._fetcher.shared = True
+            if isinstance(self.session, GroupSession):
+                self.session.saw_groups(groups)
 
     def _quick_ok(self) -> bool:
         """May this round be a BRPOP alone? Only while the pop script's work can wait:
@@ -303,9 +319,13 @@ class Reader(threading.Thread):
         the next round may be a BRPOP alone. Returns the element or None."""
         self._quick = False
         try:
-            popped, depth = round_trip(
+            popped, depth, groups = round_trip(
                 self.client,
-                [("BRPOP", self.session.data_key, BLOCK_S), ("LLEN", self.session.data_key)],
+                [
+                    ("BRPOP", self.session.data_key, BLOCK_S),
+                    ("LLEN", self.session.data_key),
+                    ("HGET", self.keys.meta, MetaField.GROUPS),
+                ],
                 "waiting for data",
             )
         except redis.ResponseError as e:
@@ -314,6 +334,8 @@ class Reader(threading.Thread):
             return None  # replaced since the pop script looked: its next call says so
         if popped is None:
             return None
+        # Read after the pop: a frame stored once for several groups brings the count.
+        self._saw_groups(as_int(groups))
         # Only while the list is empty, and was not full before this pop (it held this
         # one frame, below a cap of 2 or more): a producer refused at the hwm waits for
         # the wake that only the pop script sends (it counts the frames popped here).

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import redis
 
 from batchq.protocol.calls import Call
+from batchq.protocol.group_scripts import GLeaseReply
 from batchq.protocol.layout import lease_entry
 from batchq.protocol.ranks import RankLayout, shard_of_slot
 from batchq.protocol.replies import LeaseReply
@@ -42,16 +43,19 @@ from producer.serving.params_follow import ProducerParams, ShardParams
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame
 
-__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "Encode", "Lease", "Ready"]
+__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "AnyLeaseReply", "Encode", "Lease", "Ready"]
 
 # A shard built faster than this makes its producer keep one more shard leased ahead.
 AHEAD_MAX_BUILD_S = 0.002
 MAX_AHEAD = 2  # leases a producer asks to hold behind a last push: the next two shards
+# lease.lua's reply, or glease.lua's in a run read by several groups.
+AnyLeaseReply = LeaseReply | GLeaseReply
 
 
 class Lease(NamedTuple):
     """One leased slot (see :mod:`batchq.protocol.ranks`): its global number, the batches the
     trainer has already, the lease's token, the run's slots per epoch and world, and the
+    group slots it is built for (:mod:`batchq.protocol.groups`; 1: slot 0 alone), and the
     stripe it was leased from (:mod:`batchq.protocol.stripes`: ``g`` is then the
     stripe's number)."""
 
@@ -62,17 +66,20 @@ class Lease(NamedTuple):
     world: int
     shard: int | None = None  # the shard to build, where a resume remapped the slot
     params: str = ""  # the params log's stamp when it was granted
+    mask: int = 1
     stripe: int = 0
     stripes: int = 1
 
     @classmethod
     def from_reply(
-        cls, reply: LeaseReply, token: str, shards: int, stripe: int = 0, stripes: int = 1
+        cls, reply: AnyLeaseReply, token: str, shards: int, stripe: int = 0, stripes: int = 1
     ) -> Lease:
-        """From lease.lua's OK reply (world 1 says no slots: the plan's S)."""
+        """From lease.lua's or glease.lua's OK reply (world 1 says no slots: the plan's S)."""
+        mask = reply.mask if isinstance(reply, GLeaseReply) else 1
+        slots = reply.slots or shards
         return cls(
-            reply.g, reply.skip, token, reply.slots or shards, reply.world, reply.shard,
-            reply.params, stripe, stripes,
+            reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, mask,
+            stripe, stripes,
         )  # fmt: skip
 
     def address(self, shards: int) -> tuple[int, int, int]:
@@ -87,12 +94,12 @@ class Lease(NamedTuple):
     @property
     def entry(self) -> str:
         """The lease's entry in the producer's lease list."""
-        return lease_entry(self.g, self.token)
+        return lease_entry(self.g, self.token, self.mask)
 
 
-# (epoch, slot, k, batch, last, rank, params version) -> the batch's frame
+# (epoch, slot, k, batch, last, rank, params version, group mask) -> the batch's frame
 # (ShardPusher._encode_batch)
-Encode = Callable[[int, int, int, Any, bool, int, int], Any]
+Encode = Callable[[int, int, int, Any, bool, int, int, int], Any]
 
 
 @dataclass
@@ -140,7 +147,7 @@ class Ahead:
         return MAX_AHEAD if quick else 1
 
     def keep_granted(
-        self, requests: Sequence[tuple[Call[LeaseReply], str]], raw: Sequence[Any], shards: int
+        self, requests: Sequence[tuple[Call[AnyLeaseReply], str]], raw: Sequence[Any], shards: int
     ) -> list[bool]:
         """Keep the leases that rode with a shard's last push, those granted (``raw``:
         their replies; an OOM refusal is the error itself); returns which were."""
@@ -172,7 +179,7 @@ class Ahead:
             step = next(batches, None)
             if step is not None:
                 version = shard_params.version(0)
-                frame = encode(epoch, slot, 0, *step, slot % lease.world, version)
+                frame = encode(epoch, slot, 0, *step, slot % lease.world, version, lease.mask)
         except Exception as e:
             error = e
         took_s = time.perf_counter() - started

@@ -14,9 +14,9 @@ import redis
 from batchq.protocol import scripts
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import MetaField
+from batchq.protocol.groups import reader_field, slots_of
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
-from batchq.protocol.ranks import rank_field
 from producer.serving.position import RunPosition
 
 __all__ = ["HANDBACK_S", "Waiting", "hand_back", "hand_back_reason"]
@@ -67,35 +67,41 @@ class Waiting:
         return True
 
 
-def hand_back_reason(client: redis.Redis, keys: QueueKeys, rank: int, world: int) -> str | None:
+def hand_back_reason(
+    client: redis.Redis, keys: QueueKeys, rank: int, world: int, mask: int = 1
+) -> str | None:
     """Why a producer blocked at rank ``rank``'s full list should hand its shard back, or
     None to keep waiting (one pipelined read of the ranks' claims and lists).
 
     Hand it back if that rank's trainer holds no live claim (it crashed, or closed), or
     if another rank still reading has an empty list: it may be waiting for this
     producer, while this rank waits for the others (its share of an epoch is evened,
-    consumer/balance.py), so holding on could stall them all.
+    consumer/balance.py), so holding on could stall them all. In a run read by several
+    groups, the ranks of every group the shard is for (``mask``) are looked at.
     """
-    reading, depths = _ranks_reading(client, keys, world)
-    if not reading[rank]:
-        return "it is not reading"
-    if any(depth == 0 and reading[r] for r, depth in enumerate(depths) if r != rank):
-        return "another rank's list is empty"
+    for slot in slots_of(mask):
+        reading, depths = _ranks_reading(client, keys, world, slot)
+        if not reading[rank]:
+            return "it is not reading"
+        if any(depth == 0 and reading[r] for r, depth in enumerate(depths) if r != rank):
+            return "another rank's list is empty"
     return None
 
 
 def _ranks_reading(
-    client: redis.Redis, keys: QueueKeys, world: int
+    client: redis.Redis, keys: QueueKeys, world: int, slot: int = 0
 ) -> tuple[list[bool], list[int]]:
-    """Which ranks are reading (a live claim, not done), and each rank's list length."""
-    fields = [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
-    fields += [rank_field(MetaField.DONE, r, world) for r in range(world)]
+    """Which ranks of group slot ``slot`` are reading (a live claim, not done), and each
+    rank's list length."""
+    fields = [reader_field(MetaField.CLAIM_DEADLINE, slot, r, world) for r in range(world)]
+    fields += [reader_field(MetaField.DONE, slot, r, world) for r in range(world)]
+    view = keys.slot_view(slot)
 
     def build(pipe: Any) -> None:
         pipe.hmget(keys.meta, fields)
         pipe.time()
         for r in range(world):
-            pipe.llen(keys.data_of(r, world))
+            pipe.llen(view.data_of(r, world))
 
     meta, now, *depths = execute_pipeline(client, build)
     now_ms = time_ms(now)
@@ -116,13 +122,15 @@ def hand_back(
     keys: QueueKeys,
     position: RunPosition,
     producer: str,
-    rank: int,
+    aim: tuple[int, int],
     entry: str,
 ) -> str | None:
-    """At rank ``rank``'s full list for HANDBACK_S: hand the shard of lease ``entry``
-    back (handback.lua, to the end of the work list) when :func:`hand_back_reason`
-    finds a reason, and say why; returns handback.lua's status, or None: keep waiting."""
-    why = hand_back_reason(client, keys, rank, position.world)
+    """At a full list of rank ``rank`` (``aim``: the rank, the group slots of the shard as
+    a mask) for HANDBACK_S: hand the shard of lease ``entry`` back (handback.lua, to the
+    end of the work list) when :func:`hand_back_reason` finds a reason, and say why;
+    returns handback.lua's status, or None: keep waiting."""
+    rank, mask = aim
+    why = hand_back_reason(client, keys, rank, position.world, mask)
     if why is None:
         return None
     reply = scripts.handback(

@@ -11,6 +11,10 @@ reply status has its own small function; each says what happened as a value
 :class:`Handover`: a status that is the producer's business (the run finished or
 changed, the producer was reaped), which the pusher hands back to its caller instead of
 acting on it: the Producer joins again or stops once the pusher has returned.
+
+In a run read by several groups (:mod:`batchq.protocol.groups`) every push goes into the
+lists of every group the shard is for, in one gpush.lua call; a group whose full list
+was left out (detached) is left out of the shard's later frames too.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from batchq.client.connection import Pieces, call, convert_error, is_wrong_type
 from batchq.protocol import scripts
 from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
-from batchq.protocol.replies import LeaseReply, PushReply
+from batchq.protocol.group_scripts import GPushReply
+from batchq.protocol.replies import PushReply
 from batchq.protocol.words import Status
 from batchq.wire import refs
-from producer.serving.ahead import Ahead
+from producer.serving.ahead import Ahead, AnyLeaseReply
 from producer.serving.blocking import Waiting, hand_back
 from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
@@ -57,8 +62,9 @@ WAIT_S = 0.15
 # producer killed at the hwm leaves nothing behind; in the list it never expires.
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
 
-LeaseRequest = Callable[[int, str], tuple[Call[LeaseReply], str]]
-Riders = list[tuple[Call[LeaseReply], str]]  # lease requests riding on a push
+LeaseRequest = Callable[[int, str], tuple[Call[AnyLeaseReply], str]]
+Riders = list[tuple[Call[AnyLeaseReply], str]]  # lease requests riding on a push
+AnyPushReply = PushReply | GPushReply  # push.lua's, or gpush.lua's (several groups)
 
 
 class OnePush(NamedTuple):
@@ -129,12 +135,19 @@ class FramePusher:
         self._data_key = settings.keys.data  # the data list of the current shard's rank
         self._rank = 0
         self._world = 1
+        self.targets = 1  # the group slots the current shard goes to (a mask)
         self._wrong_logged: tuple[str, str] | None = None
 
-    def aim(self, rank: int, world: int) -> None:
-        """The next shard is for ``rank`` of ``world``: push into that rank's list."""
-        self._rank, self._world = rank, world
-        self._data_key = self.settings.keys.data_of(rank, world)
+    def aim(self, rank: int, world: int, mask: int = 1) -> None:
+        """The next shard is for ``rank`` of ``world`` of the group slots of ``mask``:
+        push into those lists (the first of them: where an uncertain push is looked for)."""
+        self._rank, self._world, self.targets = rank, world, mask
+        first = (mask & -mask).bit_length() - 1
+        self._data_key = self.settings.keys.slot_view(first).data_of(rank, world)
+
+    def follow(self, position: RunPosition) -> None:
+        """The run served is read by more groups now (the same run): push for it."""
+        self._run = position
 
     def joined(self, position: RunPosition) -> None:
         """The producer joined (again): push for ``position``'s run; the leases held
@@ -167,17 +180,24 @@ class FramePusher:
             got,
         )
 
-    def wait_for_room(self) -> None:
-        """Block until a trainer's pop wakes us or WAIT_S passes: no spinning."""
+    def wait_for_room(self, slot: int = -1) -> None:
+        """Block until a trainer's pop wakes us or WAIT_S passes: no spinning. In a run
+        read by several groups each group's pops wake its own list: a producer waiting
+        for group ``slot`` (its full list, or its floor holding the shared stream) waits
+        for that group's (and the queue's), anything else for any group's."""
         # A trainer that just arrived published its host before popping: look next time.
         self._transport.recheck()
-        wake = self.settings.keys.wake
+        keys, groups = self.settings.keys, self._run.groups
+        if groups and slot >= 0:
+            wakes = list(dict.fromkeys((keys.slots[slot].wake, keys.wake)))
+        else:
+            wakes = [keys.slots[i].wake for i in range(max(groups, 1))]
         try:
-            call(lambda: self.client.blpop([wake], timeout=WAIT_S), "waiting for room")
+            call(lambda: self.client.blpop(wakes, timeout=WAIT_S), "waiting for room")
         except redis.ResponseError as e:
             if not is_wrong_type(e):
                 raise
-            self.note_wrong_type(wake, "key of another type")
+            self.note_wrong_type(" or ".join(wakes), "key of another type")
             self._stop.wait(WAIT_S)
 
     # -- each kind of element ----------------------------------------------------------
@@ -187,7 +207,10 @@ class FramePusher:
     ) -> Pushed:
         """A frame in shared memory: the list gets its descriptor; refused with REROUTE
         (the rank's trainer is not on this host any more), the frame's bytes instead."""
+        targets = self.targets
         pushed = self._capped_push(frame, frame.element, None, frame.host, push, between)
+        if pushed is True and self.targets != targets:
+            frame.retarget(self.targets)  # left out of a detached group's full list
         if not isinstance(pushed, Handover) or pushed.status != Status.REROUTE:
             return pushed
         self._transport.rerouted()
@@ -251,10 +274,20 @@ class FramePusher:
         shm_host: str,
         push: OnePush,
         wait: Waiting,
-    ) -> Call[PushReply]:
-        """One try's push.lua call (it reports the wait since the last try)."""
+    ) -> Call[AnyPushReply]:
+        """One try's push.lua call, or gpush.lua's in a run read by several groups (it
+        reports the wait since the last try)."""
         s, run = self.settings, self._run
-        return scripts.push_call(
+        if run.groups:
+            return scripts.gpush_call(  # type: ignore[return-value]
+                s.keys, targets=self.targets, rank=self._rank, world=self._world,
+                frame_key=ref, incarnation=run.incarnation, run=run.run, producer=s.producer,
+                entry=push.entry, element=element, last=push.last,
+                heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
+                blocked_ms=wait.since_last_try_ms(), produce_ms=push.produce_ms,
+                shm_host=shm_host,
+            )  # fmt: skip
+        return scripts.push_call(  # type: ignore[return-value]
             s.keys, data=self._data_key, frame_key=ref, incarnation=run.incarnation,
             run=run.run, producer=s.producer, entry=push.entry, element=element,
             last=push.last, heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
@@ -298,7 +331,7 @@ class FramePusher:
         self,
         ref: str | None,
         store: Pieces | memoryview | None,
-        push: Call[PushReply],
+        push: Call[AnyPushReply],
         leases: Riders | None = None,
         between: Callable[[], None] | None = None,
     ) -> list[Any]:
@@ -320,13 +353,17 @@ class FramePusher:
 
     # -- each reply --------------------------------------------------------------------
 
-    def _after(self, reply: PushReply, entry: str, ref: str | None, wait: Waiting) -> Pushed | None:
+    def _after(
+        self, reply: AnyPushReply, entry: str, ref: str | None, wait: Waiting
+    ) -> Pushed | None:
         """What a push's reply means (None: try again)."""
         status = reply.status
         if status == Status.OK:
             return self._pushed(reply)
+        if status == Status.DROPPED:
+            return self._dropped(entry, ref)
         if status == Status.FULL:
-            return self._full(entry, ref, wait)
+            return self._full(entry, ref, wait, reply.slot if isinstance(reply, GPushReply) else -1)
         if status == Status.GONE:
             return self._gone(wait)
         if status == Status.WRONG_TYPE:
@@ -335,14 +372,25 @@ class FramePusher:
             return self._lease_lost(entry, ref)
         return self._handover(status, ref)
 
-    def _pushed(self, reply: PushReply) -> Pushed:
-        """OK: the element is in the list."""
+    def _pushed(self, reply: AnyPushReply) -> Pushed:
+        """OK: the element is in the list (the lists); groups whose full lists it left
+        out (detached) are left out of the shard's next frames: it went back for them."""
         self.pending_ref = None
         self.ahead.depth = reply.depth  # 1: the trainer had taken everything before
+        if isinstance(reply, GPushReply) and reply.dropped:
+            self.targets &= ~reply.dropped
         return True
 
-    def _full(self, entry: str, ref: str | None, wait: Waiting) -> Pushed | None:
-        """FULL: wait for room; a data-parallel rank's full list, once per HANDBACK_S,
+    def _dropped(self, entry: str, ref: str | None) -> Pushed:
+        """DROPPED: every group the shard was for finished or was left behind (its
+        shard went back for it): the shard is no longer ours."""
+        self._drop_ref(ref)
+        log.debug("producer %s: no group takes %s any more", self.settings.producer, entry)
+        return False
+
+    def _full(self, entry: str, ref: str | None, wait: Waiting, slot: int = -1) -> Pushed | None:
+        """FULL: wait for room (in a run of groups, for the pops of group ``slot``, whose
+        list is full); a data-parallel rank's full list, once per HANDBACK_S,
         may make us hand the shard back (:func:`producer.serving.blocking.hand_back`)."""
         blocked = wait.start()
         if blocked and self._run.world > 1 and wait.hand_back_due():
@@ -351,13 +399,13 @@ class FramePusher:
                 self.settings.keys,
                 self._run,
                 self.settings.producer,
-                self._rank,
+                (self._rank, self.targets),
                 entry,
             )
             if status is not None:
                 self._drop_ref(ref)
                 return False if status in (Status.OK, Status.LEASE_LOST) else Handover(status)
-        self.wait_for_room()
+        self.wait_for_room(slot)
         return None
 
     def _gone(self, wait: Waiting) -> Pushed | None:
@@ -365,7 +413,7 @@ class FramePusher:
         wait.restart()
         return None
 
-    def _wrong_type(self, reply: PushReply, wait: Waiting) -> Pushed | None:
+    def _wrong_type(self, reply: AnyPushReply, wait: Waiting) -> Pushed | None:
         """WRONG_TYPE: a foreign writer replaced a queue key: keep the shard, wait for a
         repair."""
         wait.restart()

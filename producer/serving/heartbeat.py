@@ -19,8 +19,8 @@ from batchq.client.connection import make_client
 from batchq.errors import BatchQueueError
 from batchq.protocol.admin import is_oom
 from batchq.protocol.fields import MetaField
+from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.ranks import rank_field
 from batchq.protocol.reaper import reap_dead, record_client, server_ms
 from producer.serving.position import RunPosition
 
@@ -126,10 +126,14 @@ class Heartbeat:
         """
         if self.orphan_exit_s is None:
             return
-        world = self.position().world
-        deadlines = client.hmget(
-            self.keys.meta, [rank_field(MetaField.CLAIM_DEADLINE, r, world) for r in range(world)]
-        )
+        position = self.position()
+        world = position.world
+        fields = [
+            reader_field(MetaField.CLAIM_DEADLINE, slot, r, world)
+            for slot in range(max(position.groups, 1))
+            for r in range(world)
+        ]  # every rank of every group reading the run
+        deadlines = client.hmget(self.keys.meta, fields)
         if any(d and int(d) > now_ms for d in deadlines):
             self._unclaimed_since_ms = None
             return

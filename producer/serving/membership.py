@@ -23,13 +23,14 @@ from typing import Any
 
 import redis
 
+from batchq.client.connection import call
 from batchq.errors import BatchQueueError, PipelineMismatch, RunFinished
 from batchq.protocol import scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import record_client
 from batchq.protocol.replies import JoinReply, status_error
-from batchq.protocol.words import PROTOCOL_VERSION, Status
+from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int
 from producer.serving.position import RunPosition
 from producer.serving.sharding import ShardPlan
 
@@ -111,7 +112,13 @@ class Membership:
             self.plan.shards,
             reply.hwm,
         )
-        return RunPosition(reply.run, reply.incarnation, reply.world)
+        return RunPosition(reply.run, reply.incarnation, reply.world, reply.groups)
+
+    def groups(self) -> int:
+        """The group slots of the run (0: read by one group): its leases and pushes are
+        then the group scripts' (batchq.protocol.group_scripts)."""
+        value = call(lambda: self.client.hget(self.keys.meta, MetaField.GROUPS), "reading meta")
+        return as_int(value)
 
     def _reply(self, served: RunPosition) -> JoinReply | None:
         """join.lua's first reply that is not WAIT (a producer that had joined before

@@ -4,7 +4,8 @@ The producer's join (on its serving thread) makes a new :class:`RunPosition` and
 it to its pusher (:meth:`producer.serving.frame_push.FramePusher.joined`) and to its
 heartbeat thread (:meth:`producer.serving.heartbeat.Heartbeat.follow`, under the
 heartbeat's lock). Nobody changes a position in place, so whoever reads one sees the
-run, incarnation and world of one join.
+run, incarnation and world of one join; a run that more groups joined since gives a new
+position with the same run and more ``groups`` (``Producer._regroup``).
 """
 
 from __future__ import annotations
@@ -21,3 +22,4 @@ class RunPosition:
     run: str = ""
     incarnation: str = ""
     world: int = 1  # ranks of the run's trainer (batchq/protocol/ranks.py)
+    groups: int = 0  # group slots of a run read by several groups (batchq/protocol/groups.py)

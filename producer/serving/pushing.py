@@ -193,10 +193,12 @@ class ShardPusher(FramePusher):
         last: bool,
         rank: int | None = None,
         params_version: int = 0,
+        mask: int | None = None,
     ) -> Frame:
         """One batch's frame: into shared memory, else pieces for Redis (raises what the
         codec finds wrong with the pipeline's arrays); ``params_version``: the params
-        log's version the batch was built with."""
+        log's version the batch was built with; ``rank``, ``mask``: whose lists it goes
+        to (default: the current shard's)."""
         values = batch.values() if isinstance(batch, dict) else batch
         # A list that is a regular array travels as one, as over Fuel's server (Fuel's
         # send_arrays made every value an array): a Fuel trainer reads batch.shape.
@@ -211,6 +213,7 @@ class ShardPusher(FramePusher):
             checksum=s.checksum,
             max_frame_bytes=s.max_frame_bytes,
             rank=self._rank if rank is None else rank,
+            mask=self.targets if mask is None else mask,
         )
 
     def _push_batch(

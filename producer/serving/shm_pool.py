@@ -3,9 +3,10 @@
 A segment is created once (``posix_fallocate``: the pages are reserved up front, so a
 full folder is an error here, never a SIGBUS later), mapped once, and overwritten frame
 after frame: in steady state there is no allocation and no page fault. The producer
-overwrites a segment only when its header says ``released == gen``, which the trainer
+overwrites a segment only when its header says ``released == gen`` for every group slot
+its frame went to (:func:`batchq.wire.shm.all_released`), which each group's trainer
 writes when nothing of the batch inside is referenced any more (see
-:mod:`consumer.reader.shm_frames`); the trainer never has to answer through Redis.
+:mod:`consumer.reader.shm_frames`); no trainer ever has to answer through Redis.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from batchq.wire.shm import (
     OFF_LEN,
     OFF_RELEASED,
     OFF_RETIRED,
+    OFF_TARGETS,
     SEGMENT_MAGIC,
     SEGMENT_MODE,
+    SEGMENT_VERSION,
+    all_released,
     segment_name,
 )
 
@@ -51,24 +55,33 @@ class Segment:
         self.gen = 0
 
     def is_free(self) -> bool:
-        """Whether the trainer is done with the last frame written here."""
-        return bool(_U64.unpack_from(self.mm, OFF_RELEASED)[0] == self.gen)
+        """Whether every trainer it went to is done with the last frame written here."""
+        return all_released(self.mm, self.gen)
 
     def body(self, nbytes: int) -> memoryview:
         """Where the next frame of ``nbytes`` goes."""
         return memoryview(self.mm)[HEADER_BYTES : HEADER_BYTES + nbytes]
 
-    def commit(self, nbytes: int) -> int:
-        """The frame is written: publish its length, then its generation; returns it."""
+    def commit(self, nbytes: int, targets: int = 1) -> int:
+        """The frame is written: publish its length and the group slots it goes to
+        (``targets``, a mask), then its generation; returns it."""
         self.gen += 1
         _U64.pack_into(self.mm, OFF_LEN, nbytes)
+        _U64.pack_into(self.mm, OFF_TARGETS, targets)
         _U64.pack_into(self.mm, OFF_GEN, self.gen)
         return self.gen
 
+    def retarget(self, gen: int, targets: int) -> None:
+        """The push of ``gen`` left some groups out (detached): only ``targets`` got it,
+        and only they will release it."""
+        if gen == self.gen and not self.mm.closed:
+            _U64.pack_into(self.mm, OFF_TARGETS, targets)
+
     def abandon(self, gen: int) -> None:
-        """The frame of ``gen`` never reached the list: the segment is free again (a no-op
+        """The frame of ``gen`` never reached a list: the segment is free again (a no-op
         once the pool let it go: the run changed while the frame waited at the cap)."""
         if gen == self.gen and not self.mm.closed:
+            _U64.pack_into(self.mm, OFF_TARGETS, 1)
             _U64.pack_into(self.mm, OFF_RELEASED, gen)
 
     def unlink(self) -> None:
@@ -180,7 +193,7 @@ class SegmentPool:
             return FULL
         finally:
             os.close(fd)
-        HEADER.pack_into(mm, 0, SEGMENT_MAGIC, 1, 0, 0, 0, 0)
+        HEADER.pack_into(mm, 0, SEGMENT_MAGIC, SEGMENT_VERSION, 0, 0, 0, 0, 1)
         seg = Segment(name, path, mm, capacity, ino)
         self.segments.append(seg)
         return seg

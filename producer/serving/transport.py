@@ -2,7 +2,9 @@
 
 ``transport='auto'`` (the default; ``BATCHQ_TRANSPORT`` sets it where the argument is
 not given) uses shared memory for a frame exactly while the trainer (the rank) it goes
-to has published this host's identity (:func:`batchq.wire.shm.host_identity`, meta field
+to (in a run read by several groups: every group's trainer of that rank it goes to, each
+mapping the same segment) has published this host's identity
+(:func:`batchq.wire.shm.host_identity`, meta field
 :data:`batchq.protocol.fields.MetaField.SHM_HOST`, one per rank): a producer started before the
 trainer switches once the identity appears, and back to Redis when a trainer from
 another host takes over; ranks on other hosts get their frames through Redis. It reads
@@ -43,6 +45,7 @@ import redis
 from batchq.client.connection import Pieces, call
 from batchq.errors import ConfigError
 from batchq.protocol.fields import MetaField
+from batchq.protocol.groups import reader_field, slots_of
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import rank_field
 from batchq.wire import codec
@@ -115,6 +118,11 @@ class ShmFrame:
         """The push was refused for good: the segment is free again."""
         self.segment.abandon(self.gen)
 
+    def retarget(self, targets: int) -> None:
+        """Only the group slots of ``targets`` got the descriptor (the push left the
+        others out): only they release it."""
+        self.segment.retarget(self.gen, targets)
+
     def detach(self) -> memoryview:
         """The frame's bytes copied out of the segment, which is free again (the push
         was refused with REROUTE: the frame goes through Redis instead)."""
@@ -163,9 +171,11 @@ class Transport:
         self._fixed = max_segments
         self._hwm = hwm
         self._world = 1
+        self._groups = 0  # the run's group slots (0: read by one group)
         size = max_segments or pool_size(hwm, DEFAULT_LOOKAHEAD, 1)
         self.pool = SegmentPool(self.shm_dir, keys.queue, producer, size, max_bytes)
-        self._local: tuple[int, ...] = ()  # the ranks whose trainer is on this host
+        # The readers (group slot, rank) whose trainer is on this host.
+        self._local: tuple[tuple[int, int], ...] = ()
         self._checked = -REFRESH_S
         self._warned = False
         self.shm_frames = 0  # frames sent through shared memory
@@ -181,10 +191,12 @@ class Transport:
         # (which drop the host) and its publish, a few ms later.
         self._eager_until = 0.0
 
-    def joined(self, client: redis.Redis, run: str, world: int = 1) -> None:
+    def joined(self, client: redis.Redis, run: str, world: int = 1, groups: int = 0) -> None:
         """After a join: a new run drops the old segments, a rejoin of the same run
-        retires them; look at the trainer's host. ``world``: the run's ranks."""
+        retires them; look at the trainer's host. ``world``: the run's ranks; ``groups``:
+        its group slots."""
         self._world = max(1, world)
+        self._groups = groups
         if self.identity is None:
             return
         if run == self.pool.run:
@@ -203,6 +215,11 @@ class Transport:
                 self.shm_dir, self.keys.queue, keep_run=run, keep_producers=alive - {self.producer}
             )
         self._eager_until = time.monotonic() + REFRESH_S
+        self.refresh(client, force=True)
+
+    def regrouped(self, client: redis.Redis, groups: int) -> None:
+        """More groups read the run now: look at their trainers' hosts at once."""
+        self._groups = groups
         self.refresh(client, force=True)
 
     def uncertain(self, frame: ShmFrame, data_key: str) -> None:
@@ -232,9 +249,10 @@ class Transport:
         """Whether some rank's trainer is on this host (frames for it use segments)."""
         return bool(self._local)
 
-    def active_for(self, rank: int) -> bool:
-        """Whether frames for ``rank`` go into segments."""
-        return rank in self._local
+    def active_for(self, rank: int, mask: int = 1) -> bool:
+        """Whether frames for ``rank`` of the group slots of ``mask`` go into segments:
+        every one of those trainers is on this host."""
+        return all((slot, rank) in self._local for slot in slots_of(mask))
 
     @staticmethod
     def host_field(rank: int, world: int) -> str:
@@ -251,34 +269,49 @@ class Transport:
         if not force and now - self._checked < REFRESH_S and now >= self._eager_until:
             return
         self._checked = now
-        hosts, lookaheads = self._read_ranks(client)
+        readers = self._readers()
+        hosts, lookaheads = self._read_readers(client, readers)
         if all(v is not None for v in hosts):
-            self._eager_until = 0.0  # every rank's trainer has said where it is
-        local = tuple(r for r, v in enumerate(hosts) if self._is_here(v))
+            self._eager_until = 0.0  # every reader's trainer has said where it is
+        local = tuple(who for who, v in zip(readers, hosts, strict=True) if self._is_here(v))
         if self._fixed is None:
-            # Room for what each rank on this host can hold (pool_size), and our own two.
-            held = sum(pool_size(self._hwm, _lookahead(lookaheads[r]), 1) - OUTSIDE for r in local)
+            # Room for what each reader on this host can hold (pool_size), and our own
+            # two (a segment several groups share counts once per group: an upper bound).
+            held = sum(
+                pool_size(self._hwm, _lookahead(lookaheads[readers.index(who)]), 1) - OUTSIDE
+                for who in local
+            )
             self.pool.max_segments = held + OUTSIDE
         if local != self._local:
             self._switch(local)
 
-    def _read_ranks(self, client: redis.Redis) -> tuple[list[Any], list[Any]]:
-        """Each rank's published host and look-ahead (one HMGET of meta)."""
+    def _readers(self) -> list[tuple[int, int]]:
+        """Every (group slot, rank) reading the run."""
+        return [(slot, r) for slot in range(max(self._groups, 1)) for r in range(self._world)]
+
+    def _read_readers(
+        self, client: redis.Redis, readers: list[tuple[int, int]]
+    ) -> tuple[list[Any], list[Any]]:
+        """Each reader's published host and look-ahead (one HMGET of meta)."""
         world = self._world
-        fields = [self.host_field(r, world) for r in range(world)]
-        fields += [rank_field(MetaField.SHM_LOOKAHEAD, r, world) for r in range(world)]
+        fields = [reader_field(MetaField.SHM_HOST, s, r, world) for s, r in readers]
+        fields += [reader_field(MetaField.SHM_LOOKAHEAD, s, r, world) for s, r in readers]
         values = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
-        return values[:world], values[world:]
+        return values[: len(readers)], values[len(readers) :]
 
     def _is_here(self, published: object) -> bool:
         """Whether a rank's published host is this one."""
         return isinstance(published, bytes) and published.decode() == self.identity
 
-    def _switch(self, local: tuple[int, ...]) -> None:
-        """Frames for the ranks ``local`` use segments from now on (logged)."""
+    def _switch(self, local: tuple[tuple[int, int], ...]) -> None:
+        """Frames for the readers ``local`` use segments from now on (logged)."""
         where = f"shared memory in {self.shm_dir}" if local else "Redis"
         if self._world > 1 and local:
-            where += f" for ranks {', '.join(map(str, local))} (Redis for the others)"
+            ranks = sorted({r for _, r in local})
+            where += f" for ranks {', '.join(map(str, ranks))} (Redis for the others)"
+        if self._groups > 1 and local:
+            slots = sorted({s for s, _ in local})
+            where += f" for group slots {', '.join(map(str, slots))}"
         log.info("producer %s: frames now travel through %s", self.producer, where)
         self._local = local
 
@@ -301,12 +334,13 @@ class Transport:
         checksum: bool = False,
         max_frame_bytes: int | None = None,
         rank: int = 0,
+        mask: int = 1,
     ) -> Pieces | ShmFrame:
-        """Encode a frame for ``rank``: into a segment when its trainer is on this host
-        and one is free, else as pieces for Redis. Arguments and errors as
-        :func:`codec.encode_frame`."""
-        if rank in self._local:
-            frame = self._encode_shm(header, data, checksum, max_frame_bytes)
+        """Encode a frame for ``rank`` of the group slots of ``mask``: into a segment
+        when all their trainers are on this host and one is free, else as pieces for
+        Redis. Arguments and errors as :func:`codec.encode_frame`."""
+        if self.active_for(rank, mask):
+            frame = self._encode_shm(header, data, checksum, max_frame_bytes, mask)
             if frame is not None:
                 return frame
         return codec.encode_frame_pieces(
@@ -319,6 +353,7 @@ class Transport:
         data: Sequence[Any],
         checksum: bool,
         max_frame_bytes: int | None,
+        mask: int = 1,
     ) -> ShmFrame | None:
         got: list[Segment | str] = []
 
@@ -343,7 +378,7 @@ class Transport:
                 )
             return None
         nbytes = result[0]
-        gen = segment.commit(nbytes)
+        gen = segment.commit(nbytes, mask)
         self.shm_frames += 1
         host = self.identity or ""
         element = encode_descriptor(segment.name, gen, nbytes, host)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,16 +14,9 @@ from waiting import wait_until
 from batchq.errors import FrameError, ProducerFailed
 from batchq.host.embedded import EmbeddedRedis
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.scripts import load_all
 from consumer import ServerDataStream
 from producer import Producer
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def serve(url: str, queue: str, stream: Any, **options: Any) -> tuple[Producer, threading.Thread]:
@@ -39,6 +30,7 @@ def test_redis_at_maxmemory_is_backpressure_not_a_crash(
     own_redis: EmbeddedRedis, queue_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = redis.Redis.from_url(own_redis.url)
+    load_all(client)  # the scripts' text takes Redis memory too (~120 KB): not the frames'
     used = int(client.info("memory")["used_memory"])
     # Room for a few 320 KB frames, far below what hwm=40 would allow.
     client.config_set("maxmemory", used + 2_000_000)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,14 +113,6 @@ def test_a_second_trainer_without_state_still_conflicts(
         with pytest.raises(TrainerConflict):
             b.get_epoch_iterator()
         b.close()
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("kill_at", [25, 47])

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,14 +246,6 @@ def test_resume_from_a_checkpoint_is_exact_with_shared_memory(
     assert second._shm.frames > 0
     second.close(finished=True)
     assert got == reference(3)
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def serve(spawn_proc: Any, serve_argv: Any, serve_env: Any, url: str, *extra: str) -> Any:

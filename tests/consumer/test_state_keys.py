@@ -15,6 +15,7 @@ SAVED_NAMES = {
     "CONSUMED_KEY": "consumed", "DONE_KEY": "done", "RANK_KEY": "rank",
     "WORLD_SIZE_KEY": "world_size", "EVEN_BATCHES_KEY": "even_batches",
     "PLAN_SHARDS_KEY": "plan_shards", "STEP_KEY": "step", "REMAP_KEY": "remap",
+    "GROUP_KEY": "group",
     "PARAMS_KEY": "params",
 }  # fmt: skip
 KNOWN = set(SAVED_NAMES.values())

@@ -26,6 +26,7 @@ from waiting import wait_until
 from batchq.cli import main as batchq_main
 from batchq.client.connection import make_client
 from batchq.host.embedded import EmbeddedRedis
+from batchq.protocol.admin import delete_queue
 from batchq.protocol.calls import SCRIPTS
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
@@ -44,8 +45,19 @@ SECRET = "app:secret"  # a key of some other application on the same server
 # Which Lua scripts each role runs (producer/server.py, consumer/, batchq/protocol/reaper.py).
 # Every redis.call in them runs as the calling user, so the role needs those commands.
 ROLE_SCRIPTS = {
-    "bq-producer": {"join", "lease", "push", "fail", "handback", "reap"},
-    "bq-trainer": {"claim", "gone", "params", "pop", "reap", "requeue", "resume"},
+    "bq-producer": {"join", "lease", "push", "fail", "handback", "reap", "glease", "gpush"},
+    "bq-trainer": {
+        "claim",
+        "gone",
+        "params",
+        "pop",
+        "reap",
+        "requeue",
+        "resume",
+        "gclaim",
+        "gresume",
+        "release",
+    },
     "bq-monitor": set(),
 }
 PASSWORDS = {name: f"{name}-pw-{i}" for i, name in enumerate(ROLE_SCRIPTS)}
@@ -229,6 +241,36 @@ def test_frames_stored_by_reference_work_for_the_roles_of_another_queue(
 
 
 # -- and nothing else ------------------------------------------------------------------------
+
+
+def test_groups_of_a_run_do_their_jobs_as_the_trainer_user(
+    acl_server: EmbeddedRedis,
+    admin: redis.Redis,
+    spawn_proc: Callable[..., Any],
+    serve_env: Callable[..., dict[str, str]],
+) -> None:
+    delete_queue(admin, QUEUE)  # the run the earlier tests finished
+    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
+    argv += ["pipelines:numbered", "--url", url_of(acl_server, "bq-producer")]
+    argv += ["--queue", QUEUE, "--hwm", "4", "--transport", "redis"]
+    served: dict[str, list[list[int]]] = {}
+
+    def read(group: str) -> None:
+        served[group] = _read_epochs(
+            url_of(acl_server, "bq-trainer"), QUEUE, 2, group=group, transport="redis"
+        )
+
+    readers = [threading.Thread(target=read, args=(g,), daemon=True) for g in ("a", "b")]
+    for t in readers:
+        t.start()
+    wait_until(lambda: admin.hlen(QueueKeys(QUEUE).groups) == 2, what="two groups")
+    # Frames of 300 KB: stored once by reference for both, read and released by each.
+    proc = spawn_proc(argv, env=serve_env(pad_bytes=300_000))
+    for t in readers:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert served == {"a": [list(range(200))] * 2, "b": [list(range(200))] * 2}
+    assert proc.wait(timeout=30) == 0
 
 
 @pytest.mark.parametrize("user", sorted(ROLE_SCRIPTS))

@@ -8,7 +8,7 @@ from typing import Any
 
 from batchq.wire.codec import FrameHeader, FrameKind
 
-OPTIONS = ("checksum", "max_frame_bytes")
+OPTIONS = ("checksum", "max_frame_bytes", "rank", "mask")
 
 
 def encode_with(encode: Callable[..., Any], kind: FrameKind | int, **fields: Any) -> Any:

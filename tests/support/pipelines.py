@@ -87,7 +87,37 @@ def numbered(
     bad = os.environ.get("TEST_BAD_EXAMPLE")
     if bad is not None:
         stream = FailOnExample(stream, bad=int(bad))
+    build_log = os.environ.get("TEST_BUILD_LOG")
+    if build_log:
+        stream = Mapping(stream, BuildLog(build_log))
     return stream
+
+
+class BuildLog:
+    """A mapping (for :class:`Mapping`) that appends one line per batch the pipeline
+    builds to a file: the example indices it holds, as JSON (one ``write`` of a short
+    line in append mode: producers in several processes may share the file). What a
+    test counts builds by, whatever happens to the frame afterwards."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, data: tuple[Any, ...]) -> tuple[Any, ...]:
+        line = json.dumps(examples_of(data[0])) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        return data
+
+
+def builds(path: str) -> list[tuple[int, ...]]:
+    """The batches a :class:`BuildLog` recorded, in order (their example indices)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [tuple(json.loads(line)) for line in f if line.strip()]
 
 
 def fuel_tutorial(slowdown: float = 0.0) -> Any:

@@ -53,6 +53,9 @@ def main() -> int:
     parser.add_argument("--stop-after", type=int, help="exit 3 after this many batches")
     parser.add_argument("--until", help="read epochs (past --epochs) until this file exists")
     parser.add_argument("--figures", help="write the stream's figures here at the end (JSON)")
+    parser.add_argument("--group", help="read as this group (a run read by several groups)")
+    parser.add_argument("--max-lag", type=int, help="the group's max_lag_batches")
+    parser.add_argument("--stats-out", help="write the stream's figures there at the end")
     args = parser.parse_args()
     stream = ServerDataStream(
         ("features", "targets"),
@@ -65,6 +68,8 @@ def main() -> int:
         rank=args.rank,
         world_size=args.world,
         even_batches=args.even,
+        group=args.group,
+        max_lag_batches=args.max_lag,
     )
     if args.state_in:
         with open(args.state_in) as f:
@@ -94,6 +99,9 @@ def main() -> int:
     if args.figures:
         write_figures(stream, args.figures, waits)
     stream.close(finished=args.finish)
+    if args.stats_out:
+        with open(args.stats_out, "w") as f:
+            json.dump({"shm_frames": stream._shm.frames, **stream.stats}, f)
     return 0
 
 

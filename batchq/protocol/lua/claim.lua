@@ -6,6 +6,7 @@
 --              this rank had claimed the resumed run `resumed` before)]}
 --              or {'CONFLICT', ms until the other claim lapses},
 --                 {'WORLD', the run's world size} (a live rank of the run has another)
+-- acquire and finish return {'GROUPS'} for a run read by several groups (gclaim.lua's)
 -- refresh/release/finish return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; a rank's finish returns
 --              {'OK', 1} when it was the last rank (the run ended), else {'OK', 0}
 local meta_key = KEYS[1]         -- HASH   the run's meta
@@ -57,6 +58,11 @@ end
 
 -- A retried finish whose first reply was lost: the run (or this rank) is finished.
 if op == 'finish' and m[5] == '1' then return {'OK', 1} end
+-- A run read by several groups is gclaim.lua's (batchq/protocol/groups.py): its groups'
+-- keys go with it, and a finish ends it only with the last group.
+if (op == 'acquire' or op == 'finish') and redis.call('HGET', meta_key, 'groups') then
+  return {'GROUPS'}
+end
 if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', meta_key, f('done')) == '1' then
   return {'OK', 0}
 end

@@ -21,6 +21,6 @@ local attempts = redis.call('HINCRBY', failures_key, g, 1)
 redis.call('HINCRBY', stats_key, 'failed_attempts', 1)
 if attempts >= max_attempts then return {'GIVE_UP', attempts} end
 redis.call('LREM', lease_key, 1, entry)
-redis.call('LPUSH', work_key, g)
+redis.call('LPUSH', work_key, entry_spec(entry))  -- for the same groups
 redis.call('HINCRBY', stats_key, 'redone_shards', 1)
 return {'RETRY', attempts}

@@ -14,5 +14,5 @@ local g = entry_slot(entry)
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 if redis.call('HGET', meta_key, 'run') ~= run then return {'RUN_CHANGED'} end
 if redis.call('LREM', lease_key, 1, entry) == 0 then return {'LEASE_LOST'} end
-redis.call('RPUSH', work_key, g)
+redis.call('RPUSH', work_key, entry_spec(entry))  -- for the same groups
 return {'OK'}

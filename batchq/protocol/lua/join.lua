@@ -1,6 +1,7 @@
 -- join.lua: a producer joins the queue's run, creating the queue and the run if needed.
 -- Returns {'OK', incarnation, run, hwm, S, window, created[, world: ranks of the run's
---         data-parallel trainer, batchq/protocol/ranks.py]}
+--         data-parallel trainer, batchq/protocol/ranks.py[, group slots of a run read by
+--         several groups]]}
 --      or {'MISMATCH', what, expected}, {'FINISHED'}, {'WAIT'} (nothing to join yet)
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
@@ -92,6 +93,11 @@ else
   redis.call('DEL', lease_key)
 end
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
-local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world')
+local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world', 'groups')
+-- A run read by several groups (batchq/protocol/groups.py): its leases and pushes are the
+-- group scripts'.
+if m[5] then
+  return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4] or '1'), tonumber(m[5])}
+end
 if m[4] then return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4])} end
 return {'OK', inc, run, m[1], m[2], m[3], created}

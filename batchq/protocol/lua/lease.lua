@@ -5,7 +5,8 @@
 --         from batch `skip` on; stamp = meta 'params', the params log's '<run>:<version>',
 --         '' for none: the producer reads the log again when it changed)
 --      or {'WAIT'} (the look-ahead window is full), {'BUSY'} (prefetch declined),
---         {'STATE_LOST'}, {'RUN_CHANGED'},
+--         {'GROUPS', n} (the run is read by n group slots: glease.lua), {'STATE_LOST'},
+--         {'RUN_CHANGED'},
 --         {'FINISHED'}, {'REAPED'} (this producer was declared dead: join again)
 -- A data-parallel run mints for the rank furthest behind (fewest minted shards above
 -- its floor) among those with room in their window and in their data list; a shard
@@ -40,6 +41,9 @@ local m = redis.call('HMGET', meta_key, 'run', 'finished', 'next', 'floor', 'win
   'world', 'even', 'hwm', 'remap_epoch', 'params')
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] == '1' then return {'FINISHED'} end
+-- A run read by several groups is glease.lua's (batchq/protocol/groups.py).
+local grouped = redis.call('HGET', meta_key, 'groups')
+if grouped then return {'GROUPS', tonumber(grouped)} end
 if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 

@@ -1,5 +1,5 @@
 -- pop.lua: the trainer pops up to N frames; pops first, then wakes producers.
--- Returns {'OK', producers alive, depth before the pop, {elements...}}
+-- Returns {'OK', producers alive, depth before the pop, {elements...}, group slots}
 --      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'},
 --         {'WRONG_TYPE', key, type} (a foreign writer put another type under a queue key)
 -- At maxmemory Redis refuses a script whose first write may grow memory, so the pop
@@ -46,7 +46,7 @@ for _, kw in ipairs(typed) do
   end
 end
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
-local m = redis.call('HMGET', meta_key, 'run', 'claim' .. sfx, 'hwm', 'floor' .. sfx)
+local m = redis.call('HMGET', meta_key, 'run', 'claim' .. sfx, 'hwm', 'floor' .. sfx, 'groups')
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] ~= token then return {'CLAIM_LOST'} end
 
@@ -122,4 +122,6 @@ if sample ~= '' then
 end
 local alive = redis.pcall('ZCOUNT', producers_key, now, '+inf')
 if type(alive) ~= 'number' then alive = 0 end  -- a foreign type: the frames still go out
-return {'OK', alive, depth, items}
+-- groups: the run's group slots (0: one group), so that a trainer of a run that other
+-- groups joined since it claimed releases what it reads (frames stored once for all).
+return {'OK', alive, depth, items, tonumber(m[5] or '0')}

@@ -12,11 +12,14 @@ local stats_key = KEYS[6]        -- HASH   queue counters
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local n = tonumber(ARGV[3])      -- the number of candidate shards m
--- ARGV[4..]: m candidate global shard numbers, oldest first; the producer ids whose
--- lease lists are KEYS[7..]; a data-parallel rank then adds '', its 'next:<rank>' field
--- and its candidates' local shard numbers (compared with that counter instead of the
--- global numbers with 'next')
-local first_lease, first_candidate = 7, 4
+local mask = tonumber(ARGV[4])   -- the caller's group slot as a mask (1: slot 0): a shard
+                                 -- is held only by an entry for its group, and goes back
+                                 -- for it alone (batchq/protocol/groups.py)
+-- ARGV[5..]: m candidate global shard numbers, oldest first; the producer ids whose
+-- lease lists are KEYS[7..]; a data-parallel rank or a group slot > 0 then adds '', its
+-- cursor field ('next:<rank>', 'next@<slot>[:<rank>]') and its candidates' local shard
+-- numbers (compared with that counter instead of the global numbers with 'next')
+local first_lease, first_candidate = 7, 5
 
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local next_field, locals = 'next', nil
@@ -30,12 +33,14 @@ local m = redis.call('HMGET', meta_key, 'run', next_field)
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if redis.call('LLEN', data_key) > 0 then return {'OK'} end
 local held = {}
-for _, g in ipairs(redis.call('LRANGE', work_key, 0, -1)) do held[g] = true end
+local function hold(entry)
+  local g, for_mask = parse_spec(entry)
+  -- An entry for other groups only will not bring it to the caller's list.
+  if g and math.floor(for_mask / mask) % 2 == 1 then held[tostring(g)] = true end
+end
+for _, e in ipairs(redis.call('LRANGE', work_key, 0, -1)) do hold(e) end
 for i = first_lease, #KEYS do
-  for _, e in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do
-    local g = string.match(e, '^(%d+):')
-    if g then held[g] = true end
-  end
+  for _, e in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do hold(e) end
 end
 local out = {'OK'}
 for i = first_candidate + n - 1, first_candidate, -1 do
@@ -43,7 +48,7 @@ for i = first_candidate + n - 1, first_candidate, -1 do
   local minted = tonumber(g)
   if locals then minted = tonumber(ARGV[locals + i - first_candidate]) end
   if minted < tonumber(m[2] or '0') and not held[g] then
-    redis.call('LPUSH', work_key, g)
+    redis.call('LPUSH', work_key, work_spec(g, mask))
     redis.call('HINCRBY', stats_key, 'redone_shards', 1)
     table.insert(out, g)
   end

@@ -4,7 +4,8 @@
 -- The ranks of a job resume into one run: the first one creates it (every rank computes
 -- the same run id), the others join it and add their ledgers; a rank whose step differs
 -- is refused.
--- Returns {'OK', run} or {'CLAIM_LOST'}, {'STEP', the run's step}
+-- Returns {'OK', run} or {'CLAIM_LOST'}, {'STEP', the run's step}, {'GROUPS'} (a run read
+-- by several groups: gresume.lua's)
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING (kept for the key layout)
 local data_key = KEYS[3]         -- LIST
@@ -44,6 +45,8 @@ local sfx = ''
 if world > 1 then sfx = ':' .. rank end
 local m = redis.call('HMGET', meta_key, 'claim' .. sfx, 'run', 'resume_step')
 if m[1] ~= token then return {'CLAIM_LOST'} end
+-- A run read by several groups is gresume.lua's (batchq/protocol/groups.py).
+if redis.call('HGET', meta_key, 'groups') then return {'GROUPS'} end
 
 local function add_pairs()
   for i = first_pair + 2 * remapped, #ARGV, 2 do

@@ -107,3 +107,36 @@ def test_report_draws_the_pool(
     out = tmp_path / "pool.png"
     assert main(["report", "--url", redis_url, "--queue", queue_name, "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_draws_a_line_per_group(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = QueueKeys(queue_name)
+    _history(redis_client, queue_name)  # slot 0's (group a)
+    redis_client.lpush(keys.slot_view(1).history, json.dumps({"t": 1003.0, "depth": 2}))
+    redis_client.hset(keys.groups, mapping={"a": 0, "trial-2": 1})
+    drawn: dict[str, object] = {}
+
+    def plot(samples: object, out: object, **kwargs: object) -> Path:
+        drawn.update(kwargs)
+        return Path(str(out))
+
+    monkeypatch.setattr("batchq.cli.report.plot_report", plot)
+    out = tmp_path / "report.png"
+    assert main(["report", "--url", redis_url, "--queue", queue_name, "--out", str(out)]) == 0
+    groups = drawn["groups"]
+    assert isinstance(groups, dict) and list(groups) == ["a", "trial-2"]
+    assert [len(groups["a"]), len(groups["trial-2"])] == [30, 1]
+
+
+def test_a_report_of_groups_is_drawn(tmp_path: Path) -> None:
+    from batchq.cli.report import plot_report
+
+    samples = [{"t": 1000.0 + i, "depth": i, "stall": 0.1, "batches_per_s": 5.0} for i in range(5)]
+    out = plot_report(samples, tmp_path / "g.png", queue="q", groups={"a": samples, "": samples})
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -96,6 +96,27 @@ WRAPPERS: dict[str, Any] = {
         hwm="", shards=4, window=1, epoch_batches=-1, rank=0, world=2, even="pad", step=0,
         held=False, remap=(0, {1: 0}), ledger=[("0:1", "d")],
     ),
+    "glease": lambda c: scripts.glease_call(
+        K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
+        prefetch=1, groups=3, world=2, after="4/6:s",
+    ).run(c),
+    "gpush": lambda c: scripts.gpush_call(
+        K, targets=0b101, rank=1, world=2, frame_key=K.frame("p", 1), incarnation="i",
+        run="r", producer="p", entry="3/5:t", element=b"x", last=True, heartbeat_ttl_ms=1,
+        frame_bytes=1, blocked_ms=0, produce_ms=0,
+    ).run(c),
+    "gclaim": lambda c: scripts.gclaim(
+        c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
+        takeover_run="", version="1", group="g", rank=0, world=2, even="pad", resumed="",
+        incarnation="", groups=2, key_world=2, max_lag=4, slot=0,
+    ),
+    "gresume": lambda c: scripts.gresume(
+        c, K, token="t", new_run="r", takeover_run="", first=0, fingerprint="fp", hwm="",
+        shards=4, window=1, epoch_batches=-1, group="g", rank=0, world=2, even="pad",
+        step=0, held=False, groups=2, key_world=2, slot=1, acquired="r0", claim_ttl_ms=1,
+        ledger=[("0:1", "d")],
+    ),
+    "release": lambda c: scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
 }  # fmt: skip
 
 

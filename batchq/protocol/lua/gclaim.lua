@@ -1,0 +1,248 @@
+-- gclaim.lua: a trainer (one rank of one group) of a run read by several groups acquires,
+-- refreshes, releases or finishes its claim (claim.lua's rules per group slot,
+-- batchq/protocol/groups.py).
+-- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1), slot, groups}
+--              (groups 0: the run is not read by several groups; the caller reads it as
+--              one trainer, through claim.lua)
+--              or {'CONFLICT', ms until the other claim lapses}, {'WORLD', the run's world},
+--                 {'FULL', groups} (no slot left), {'GROUPS', groups} (not the groups the
+--                 caller's KEYS are for: read them again)
+-- refresh/release return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish returns
+--              {'OK', group done (0/1: every rank of the group finished), run ended (0/1)}
+-- A group is registered at its first claim: the first group to claim a run takes slot 0
+-- (the plain names: a run a trainer without group already reads keeps them for it), the
+-- others the next free slot, and a group that joins late starts with its cursors at 0: its
+-- epochs are built for it until it catches up with the others. A rank that had held its
+-- group's slot and comes back without a checkpoint starts its group again at 0 (a new run
+-- where the group is alone); the run ends when every rank of every group finished.
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local groups_key = KEYS[3]       -- HASH   group name -> slot
+local work_key = KEYS[4]         -- LIST   shards handed back
+local wake_key = KEYS[5]         -- LIST
+local failures_key = KEYS[6]     -- HASH
+local refs_key = KEYS[7]         -- HASH   frame key -> readers left
+local remap_key = KEYS[8]        -- HASH   (an elastic resume's; dropped with a run)
+-- KEYS[9..]: the keys of group slots 0..max(groups, 1) (batchq.protocol.keys.QueueKeys
+-- .slot_keys for key_world ranks, each slot's in a row: ledger, counts, data lists,
+-- stats, figures, histories): what a new or finished run drops, and a new slot clears
+local token = ARGV[1]            -- the trainer's claim token
+local claim_ttl_ms = tonumber(ARGV[2])
+local op = ARGV[3]               -- 'acquire' | 'refresh' | 'release' | 'finish'
+local run_id = ARGV[4]           -- run id to use if a new run starts
+local new_incarnation = ARGV[5]  -- incarnation to use if the queue must be created
+local takeover_run = ARGV[6]     -- run id to take over ('' for none)
+local version = ARGV[7]          -- protocol version
+local group = ARGV[8]            -- the group's name ('' the default group)
+local rank = ARGV[9]
+local world = tonumber(ARGV[10])
+local even = ARGV[11]            -- 'pad' | 'drop'
+local resumed = ARGV[12]         -- a second run id to take over (see claim.lua), or ''
+local incarnation = ARGV[13]     -- refresh/release/finish: the incarnation of the claim
+local groups = tonumber(ARGV[14])  -- the group slots the run had when the caller looked
+local key_world = tonumber(ARGV[15])  -- the ranks the KEYS tail has keys for, per slot
+local max_lag = ARGV[16]         -- acquire: the group's max_lag_batches ('' for none)
+local slot_arg = tonumber(ARGV[17])  -- refresh/release/finish: the caller's slot
+local max_groups = tonumber(ARGV[18])  -- the most group slots a run has
+local first_tail = 9
+
+local now = server_now_ms()
+local per = 3 + 3 * key_world
+local tail_slots = (#KEYS - first_tail + 1) / per
+if tail_slots ~= math.max(groups, 1) + 1 then
+  return redis.error_reply('gclaim.lua: KEYS do not cover the group slots')
+end
+local function slot_key(i, j) return KEYS[first_tail + i * per + j] end
+-- Delete a slot's keys (its figures too, but for slot 0, whose are the queue's own).
+local function drop_slot(i, keep_figures)
+  for j = 0, per - 1 do
+    if not (keep_figures and j >= 2 + key_world) then redis.call('DEL', slot_key(i, j)) end
+  end
+end
+
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
+local run_world = tonumber(m[3] or '1')
+local n = tonumber(m[4] or '0')
+local slot = slot_arg
+
+local function f(name, r)
+  return name .. reader_sfx(slot, r or rank, world)
+end
+local function group_done(i)
+  for r = 0, world - 1 do
+    if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1' then
+      return false
+    end
+  end
+  return true
+end
+
+if op ~= 'acquire' then
+  -- A retried finish whose first reply was lost: the run (or this rank) is finished.
+  if op == 'finish' and m[2] == '1' then return {'OK', 1, 1} end
+  if incarnation ~= '' and redis.call('GET', incarnation_key) ~= incarnation then
+    return {'STATE_LOST'}
+  end
+  local claim = redis.call('HGET', meta_key, f('claim'))
+  if op == 'finish' and not claim and redis.call('HGET', meta_key, f('done')) == '1' then
+    return {'OK', group_done(slot) and 1 or 0, 0}
+  end
+  if claim ~= token then return {'CLAIM_LOST'} end
+  if op == 'refresh' then
+    redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
+    return {'OK'}
+  end
+  redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
+  if op == 'release' then return {'OK'} end
+  redis.call('HSET', meta_key, f('done'), 1)
+  local done = group_done(slot)
+  for i = 0, math.max(n, 1) - 1 do
+    if not (done and group_done(i)) then return {'OK', done and 1 or 0, 0} end
+  end
+  -- Every group finished: producers see 'finished' and exit; the frames left are useless.
+  redis.call('DEL', work_key, wake_key, failures_key, refs_key, remap_key)
+  for i = 0, tail_slots - 1 do
+    for j = 1, 1 + key_world do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
+  end
+  redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
+  return {'OK', 1, 1}
+end
+
+if n ~= groups or key_world < math.max(world, run_world) then return {'GROUPS', n} end
+local inc = redis.call('GET', incarnation_key)
+if not inc then
+  inc = new_incarnation
+  redis.call('SET', incarnation_key, inc)
+  m[1] = false
+end
+local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
+  (resumed ~= '' and resumed == m[1]))
+local new_run = 0
+
+local function start_run()
+  redis.call('DEL', meta_key, work_key, wake_key, failures_key, refs_key, groups_key, remap_key)
+  for i = 0, tail_slots - 1 do drop_slot(i, i == 0) end
+  redis.call('HSET', meta_key, 'version', version, 'run', run_id, 'next', 0, 'floor', 0)
+  if world > 1 then
+    redis.call('HSET', meta_key, 'world', world, 'even', even)
+    for r = 0, world - 1 do redis.call('HSET', meta_key, 'next:' .. r, 0, 'floor:' .. r, 0) end
+  end
+  m[1], new_run, n, run_world = run_id, 1, 0, world
+end
+-- Name `name` the group of slot i; a fresh slot's keys (an earlier run's) go and its
+-- cursors start at 0 (slot 0 of a live run keeps its own: its reader, or the producers'
+-- work done before any trainer came).
+local function register(name, i, fresh)
+  redis.call('HSET', groups_key, name, i)
+  if fresh then
+    drop_slot(i, false)
+    for r = 0, world - 1 do
+      local sfx = reader_sfx(i, r, world)
+      redis.call('HSET', meta_key, 'next' .. sfx, 0, 'floor' .. sfx, 0)
+    end
+  end
+  n = math.max(n, i + 1)
+  redis.call('HSET', meta_key, 'groups', n)
+end
+local function claimed_by_anyone(i)
+  for r = 0, run_world - 1 do
+    if redis.call('HGET', meta_key, 'claimed' .. reader_sfx(i, r, run_world)) == '1' then
+      return true
+    end
+  end
+  return false
+end
+local function live(i)
+  for r = 0, run_world - 1 do
+    local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, run_world))
+    if tonumber(d or '0') > now then return true end
+  end
+  return false
+end
+-- A new run for this group alone (a run of the default group alone stays unregistered).
+local function alone()
+  start_run()
+  if group ~= '' then register(group, 0, false) end
+  return 0
+end
+
+if (not m[1]) or m[2] == '1' then
+  slot = alone()
+elseif n == 0 then
+  redis.call('DEL', groups_key)  -- names left by an earlier run
+  if group == '' then
+    slot = 0  -- the default group of a run not read by groups: claim.lua's own case
+  elseif claimed_by_anyone(0) then
+    -- A trainer without group reads the run: it keeps slot 0, this group joins late.
+    if run_world ~= world then
+      if live(0) then return {'WORLD', run_world} end
+      slot = alone()
+    else
+      register('', 0, false)
+      register(group, 1, true)
+      slot = 1
+    end
+  else
+    -- Nobody claimed the run yet: this group takes what producers built already.
+    if run_world ~= world then slot = alone() else register(group, 0, false); slot = 0 end
+  end
+else
+  local s = redis.call('HGET', groups_key, group)
+  if s then
+    slot = tonumber(s)
+  else
+    if run_world ~= world then return {'WORLD', run_world} end
+    if n >= max_groups then return {'FULL', n} end
+    slot = n
+    register(group, slot, true)
+  end
+end
+if run_world ~= world then return {'WORLD', run_world} end
+
+local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'))
+if c[1] == token and new_run == 0 then
+  -- A retried acquire whose first reply was lost: this trainer holds the claim already.
+  redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
+  redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
+  local again = 0
+  if m[1] == run_id then again = 1 end
+  local fence = tonumber(redis.call('HGET', meta_key, 'fence') or 0)
+  return {'OK', inc, m[1], again, fence, 0, slot, n}
+end
+if c[1] and c[1] ~= token and tonumber(c[2] or 0) > now and not takeover then
+  return {'CONFLICT', tonumber(c[2]) - now}
+end
+local held = 0
+if c[3] == '1' and resumed ~= '' and m[1] == resumed then held = 1 end
+if new_run == 0 and c[3] == '1' and not takeover then
+  -- This rank read its group before and comes back without a checkpoint.
+  if n <= 1 then
+    slot = alone()
+  else
+    -- The others read on: this group starts its epochs again, as one that joins late
+    -- (its list keeps what was pushed for it: the same run's batches, filed or dropped
+    -- by its ledger like any). Its other ranks' claims go (they read the old position).
+    for r = 0, world - 1 do
+      local sfx = reader_sfx(slot, r, world)
+      redis.call('HSET', meta_key, 'next' .. sfx, 0, 'floor' .. sfx, 0)
+      redis.call('HDEL', meta_key, 'done' .. sfx, 'claim' .. sfx, 'claim_deadline' .. sfx,
+        'claimed' .. sfx)
+    end
+    redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1))  -- its ledger and counts
+  end
+  held = 0
+end
+redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
+  f('claimed'), 1)
+-- The previous trainer's host goes (see claim.lua): this one publishes its own next.
+redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
+if n > 0 then
+  local lag_field = 'max_lag' .. reader_sfx(slot, 0, 1)
+  if max_lag ~= '' then
+    redis.call('HSET', meta_key, lag_field, max_lag)
+  else
+    redis.call('HDEL', meta_key, lag_field)
+  end
+end
+local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
+return {'OK', inc, m[1], new_run, fence, held, slot, n}

@@ -1,0 +1,216 @@
+-- glease.lua: a producer leases its next shard in a run read by several groups, idempotently.
+-- Returns {'OK', g, skip, slots, world, mask, stamp} (g: global slot number,
+--         batchq/protocol/ranks.py; mask: the group slots it is built for, bit i for slot i;
+--         skip: batches of it every one of them already has; stamp: meta 'params', the
+--         params log's '<run>:<version>', as lease.lua's)
+--      or {'WAIT', slot} (nothing to mint; slot: the group whose floor holds the shared
+--         stream, -1 for none: its pops wake its own list), {'BUSY'} (prefetch declined),
+--         {'GROUPS', n} (the run has n group slots,
+--         not the caller's: read them again), {'STATE_LOST'}, {'RUN_CHANGED'},
+--         {'FINISHED'}, {'REAPED'}
+-- A shard is minted once for every group whose cursor ('next' of the group slot and rank)
+-- is at it: the groups at the largest cursor share it, a group behind them gets its own
+-- (detached, or joined late) until its cursor reaches theirs. The largest cursor (the
+-- shared stream) is minted only below floor + W of every group that paces it: every group
+-- still reading, except one with max_lag set that is more than that many batches behind
+-- the leading group (batchq/protocol/groups.py). A handed-back shard (work list) goes to
+-- the groups it names, once one of their lists has room.
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
+local lease_key = KEYS[4]        -- LIST   this producer's leases
+local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
+-- KEYS[6..]: every group slot's ledger (slot 0 first), then every slot's data lists (slot
+-- 0's ranks first, then slot 1's, ...)
+local incarnation = ARGV[1]
+local run = ARGV[2]
+local producer = ARGV[3]
+local token = ARGV[4]            -- unique per lease request (a retry gets the same shard)
+local heartbeat_ttl_ms = tonumber(ARGV[5])
+local prefetch = tonumber(ARGV[6])  -- as lease.lua's: k > 0 rides behind a last push
+local after = ARGV[7]            -- the lease entry of the push this rides behind
+local groups = tonumber(ARGV[8])  -- the group slots the caller's KEYS are for
+local first_ledger = 6
+
+local now = server_now_ms()
+if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
+  'hwm', 'groups', 'epoch_batches', 'params')
+if m[1] ~= run then return {'RUN_CHANGED'} end
+if m[2] == '1' then return {'FINISHED'} end
+if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
+redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
+
+local n = tonumber(m[8] or '0')
+local world = tonumber(m[5] or '1')
+if n < 1 or n ~= groups or #KEYS ~= first_ledger - 1 + n + n * world then
+  return {'GROUPS', n}
+end
+local shards = tonumber(m[4])
+local S = shards
+if world > 1 then
+  if m[6] == 'drop' then S = world * math.floor(shards / world)
+  else S = world * math.ceil(shards / world) end
+end
+local P = S / world
+local stamp = m[10] or ''  -- the params log's version rides with every lease
+local W, hwm = tonumber(m[3]), tonumber(m[7])
+local per_shard = 1
+local eb = tonumber(m[9] or '-1')
+if eb > 0 and shards > 0 then per_shard = eb / shards end
+
+local function data_of(i, r) return KEYS[first_ledger + n + i * world + r] end
+-- The ledger of slot i names slots as '<epoch>:<slot>': 'd' when done, else batches had.
+local function had(i, g)
+  local v = redis.call('HGET', KEYS[first_ledger + i], math.floor(g / S) .. ':' .. (g % S))
+  if v == 'd' then return -1 end
+  return tonumber(v or '0')
+end
+local function reading(i, r)
+  return redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1'
+end
+-- The groups of `mask` still reading rank r that need g: (their mask, the batches the
+-- one that has fewest already has); mask 0 when none does.
+local function needed(g, mask, r)
+  local out, skip = 0, nil
+  for i = 0, n - 1 do
+    if mask_has(mask, i) and reading(i, r) then
+      local h = had(i, g)
+      if h >= 0 then
+        out = out + 2 ^ i
+        if skip == nil or h < skip then skip = h end
+      end
+    end
+  end
+  return out, skip or 0
+end
+
+-- A retried request first (its first reply was lost): the same shard.
+local suffix = ':' .. token
+for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
+  if string.sub(e, -#suffix) == suffix then
+    local g, mask = parse_spec(e)
+    local _, skip = needed(g, mask, (g % S) % world)
+    return {'OK', g, skip, S, world, mask, stamp}
+  end
+end
+
+if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
+    redis.call('LLEN', lease_key) >= prefetch) then
+  return {'BUSY'}
+end
+
+local function has_room(i, r) return redis.call('LLEN', data_of(i, r)) < hwm end
+local function grant(g, mask, skip)
+  redis.call('RPUSH', lease_key, work_spec(g, mask) .. suffix)
+  return {'OK', g, skip, S, world, mask, stamp}
+end
+
+-- A shard handed back, for the groups it names, once one of their lists has room.
+for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
+  local g, mask = parse_spec(e)
+  if g then
+    local r = (g % S) % world
+    local want, skip = needed(g, mask, r)
+    if want == 0 then
+      redis.call('LREM', work_key, 1, e)  -- every group it was for has it, or finished
+    else
+      for i = 0, n - 1 do
+        if mask_has(want, i) and has_room(i, r) then
+          redis.call('LREM', work_key, 1, e)
+          return grant(g, want, skip)
+        end
+      end
+    end
+  end
+end
+
+-- Each rank's readers: every group still reading it, its cursor, floor and list room, and
+-- whether it may be left behind (max_lag set and exceeded).
+local function readers(r)
+  local out, lead = {}, nil
+  for i = 0, n - 1 do
+    local sfx = reader_sfx(i, r, world)
+    local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx, 'done' .. sfx,
+      'max_lag' .. reader_sfx(i, 0, 1))
+    if f[3] ~= '1' then
+      local c = {slot = i, next = tonumber(f[1] or '0'), floor = tonumber(f[2] or '0'),
+        max_lag = tonumber(f[4] or ''), room = has_room(i, r)}
+      if c.floor > c.next then
+        -- The group has every shard below its floor (frames listed before its trainer
+        -- restarted at an earlier cursor): never mint those again.
+        c.next = c.floor
+        redis.call('HSET', meta_key, 'next' .. sfx, c.next)
+      end
+      out[#out + 1] = c
+      if lead == nil or c.floor > lead then lead = c.floor end
+    end
+  end
+  for _, c in ipairs(out) do
+    c.detachable = c.max_lag ~= nil and (lead - c.floor) * per_shard > c.max_lag
+  end
+  return out
+end
+
+-- The stream to mint from: for each rank, each cursor value held by some group. The
+-- largest (the shared stream) only within the window of every group that paces it; a
+-- group joins a stream only within its own window, and (unless it paces the shared
+-- stream without max_lag, when the others wait for it) only with room in its list. Chosen: the stream whose neediest group has the
+-- fewest shards minted above its floor; then the one shared by more groups.
+local holding = -1  -- the group whose window holds the shared stream (the slowest pacer)
+local function choose()
+  local best = nil
+  for r = 0, world - 1 do
+    local st = readers(r)
+    local front = nil
+    for _, c in ipairs(st) do
+      if front == nil or c.next > front then front = c.next end
+    end
+    local paced, low = true, nil
+    for _, c in ipairs(st) do
+      if not c.detachable and front >= c.floor + W then
+        paced = false
+        if low == nil or c.floor < low then low, holding = c.floor, c.slot end
+      end
+    end
+    local seen = {}
+    for _, first in ipairs(st) do
+      local v = first.next
+      if not seen[v] and (v < front or paced) then
+        seen[v] = true
+        local targets, score, room = {}, nil, false
+        for _, c in ipairs(st) do
+          local pacing = v == front and not c.detachable and c.max_lag == nil
+          if c.next == v and v < c.floor + W and (c.room or pacing) then
+            targets[#targets + 1] = c
+            room = room or c.room
+            if score == nil or c.next - c.floor < score then score = c.next - c.floor end
+          end
+        end
+        if room and (best == nil or score < best.score or
+            (score == best.score and #targets > #best.targets) or
+            (score == best.score and #targets == #best.targets and v > best.value)) then
+          best = {rank = r, value = v, targets = targets, score = score}
+        end
+      end
+    end
+  end
+  return best
+end
+
+-- Mint the chosen stream's next shard; one every target has already (a resumed ledger)
+-- moves their cursors past it and is never built.
+for _ = 1, 1000 do
+  local best = choose()
+  if best == nil then return {'WAIT', holding} end
+  local r, v = best.rank, best.value
+  local g = math.floor(v / P) * S + (v % P) * world + r
+  local mask = 0
+  for _, c in ipairs(best.targets) do
+    redis.call('HSET', meta_key, 'next' .. reader_sfx(c.slot, r, world), v + 1)
+    mask = mask + 2 ^ c.slot
+  end
+  local want, skip = needed(g, mask, r)
+  if want > 0 then return grant(g, want, skip) end
+end
+return {'WAIT'}

@@ -1,0 +1,148 @@
+-- gpush.lua: push one frame into the lists of every group it is for, below the hwm (the
+-- capped push of a run read by several groups; push.lua's rules, per list).
+-- Returns {'OK', depth (the shortest list it went into, after), dropped mask}
+--      or {'FULL', depth, slot} (the list of group slot `slot`, which paces the others, is
+--         full: wait for its pops),
+--         {'DROPPED', mask} (no list took it: the shard is no longer ours), {'GONE'},
+--         {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'},
+--         {'WRONG_TYPE', key, type}, {'REROUTE'} (a descriptor for a host some group's
+--         rank has not published: send the frame itself)
+-- A full list of a group with max_lag set (batchq/protocol/groups.py) never holds a push:
+-- it is left out, and the shard goes back to the work list for that group alone (dropped
+-- mask; the producer leaves it out of the shard's next frames). Such a group holds the
+-- others through its window only, while it is within its lag (glease.lua): a full list
+-- of later frames while it does not read could otherwise hold them at its floor for
+-- ever, never further ahead than its lag (a frame of its floor pushed late).
+-- A frame stored by reference and pushed into k > 1 lists gets refs[frame key] = k: each
+-- reader releases it after reading it (release.lua), the last one deletes it.
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local stats_key = KEYS[3]        -- HASH   queue counters
+local producers_key = KEYS[4]    -- ZSET   producer -> heartbeat deadline (ms)
+local lease_key = KEYS[5]        -- LIST   this producer's leases
+local pstats_key = KEYS[6]       -- HASH   per-producer counters
+local refs_key = KEYS[7]         -- HASH   frame key -> readers that have still to read it
+local work_key = KEYS[8]         -- LIST   shards handed back
+-- KEYS[9..]: per target group slot, ascending: its data list (the rank's) and its stats
+-- hash; then, for a frame stored by reference, the frame's key
+local incarnation = ARGV[1]
+local run = ARGV[2]
+local producer = ARGV[3]
+local entry = ARGV[4]            -- lease entry '<g>[/<mask>]:<token>' the frame belongs to
+local element = ARGV[5]          -- the frame itself, a reference to it, or a descriptor
+local last = ARGV[6]             -- '1' if the shard's last frame (the lease is released)
+local heartbeat_ttl_ms = tonumber(ARGV[7])
+local frame_bytes = tonumber(ARGV[8])
+local blocked_ms = tonumber(ARGV[9])  -- spent blocked at the hwm since the last try
+local produce_ms = tonumber(ARGV[10]) -- the pipeline took to build this batch
+local shm_host = ARGV[11]        -- the host a descriptor's segment is on; '' for a frame
+local rank = ARGV[12]            -- the rank the shard is for
+local targets = tonumber(ARGV[13])  -- the group slots to push to (a mask)
+local by_ref = ARGV[14]          -- '1': the last key is the frame's, stored by reference
+local first_target = 9
+
+local now = server_now_ms()
+-- Every key's type first (batchq.protocol.keys.KEY_TYPES): a script's writes are not
+-- rolled back, so a foreign type found half-way would leave a frame half pushed.
+local typed = {
+  {meta_key, 'hash'}, {incarnation_key, 'string'}, {stats_key, 'hash'},
+  {producers_key, 'zset'}, {lease_key, 'list'}, {pstats_key, 'hash'}, {refs_key, 'hash'},
+  {work_key, 'list'},
+}
+local slots = {}
+local bit = 0
+while 2 ^ bit <= targets do
+  if mask_has(targets, bit) then slots[#slots + 1] = bit end
+  bit = bit + 1
+end
+local frame_key = nil
+if by_ref == '1' then frame_key = KEYS[#KEYS] end
+local expected = first_target - 1 + 2 * #slots
+if frame_key then expected = expected + 1 end
+if #KEYS ~= expected then return redis.error_reply('gpush.lua: KEYS do not match the targets') end
+for j = 1, #slots do
+  typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1)], 'list'}
+  typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1) + 1], 'hash'}
+end
+for _, kw in ipairs(typed) do
+  local kind = redis.call('TYPE', kw[1]).ok
+  if kind ~= kw[2] and kind ~= 'none' then return {'WRONG_TYPE', kw[1], kind} end
+end
+if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', 'world', 'groups')
+if m[1] ~= run then return {'RUN_CHANGED'} end
+if m[2] == '1' then return {'FINISHED'} end
+if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
+redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
+if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
+if blocked_ms > 0 then
+  redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
+  redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
+end
+
+local world, n, hwm = tonumber(m[4] or '1'), tonumber(m[5] or '1'), tonumber(m[3])
+local g = entry_slot(entry)
+-- What each target says of itself: whether it finished, its host, its max_lag.
+local function state_of(i)
+  local sfx = reader_sfx(i, rank, world)
+  return redis.call('HMGET', meta_key, 'done' .. sfx, 'shm_host' .. sfx,
+    'max_lag' .. reader_sfx(i, 0, 1))
+end
+
+-- The lists that take it: a group that finished takes nothing; a descriptor goes only
+-- into lists of trainers on its host.
+local go = {}
+for j, i in ipairs(slots) do
+  local f = state_of(i)
+  if f[1] ~= '1' then
+    if shm_host ~= '' and f[2] ~= shm_host then return {'REROUTE'} end
+    go[#go + 1] = {slot = i, data = KEYS[first_target + 2 * (j - 1)],
+      stats = KEYS[first_target + 2 * (j - 1) + 1], f = f}
+  end
+end
+-- The stored frame expired, or a foreign writer put another type there: store it again.
+if frame_key and redis.call('TYPE', frame_key).ok ~= 'string' then return {'GONE'} end
+
+local into, dropped, depth = {}, 0, nil
+for _, t in ipairs(go) do
+  local len = redis.call('LLEN', t.data)
+  if len >= hwm then
+    if not t.f[3] then return {'FULL', len, t.slot} end  -- the others wait for this group
+    dropped = dropped + 2 ^ t.slot
+    redis.call('HINCRBY', t.stats, 'detached_drops', 1)
+  else
+    into[#into + 1] = t
+    if depth == nil or len + 1 < depth then depth = len + 1 end
+  end
+end
+if dropped > 0 then redis.call('RPUSH', work_key, work_spec(g, dropped)) end
+if #into == 0 then
+  -- Every list it was for is gone (finished) or left behind: not ours any more.
+  redis.call('LREM', lease_key, 1, entry)
+  return {'DROPPED', dropped}
+end
+
+for _, t in ipairs(into) do
+  redis.call('LPUSH', t.data, element)
+  if t.slot > 0 then  -- slot 0's counters are the queue's own (below)
+    redis.call('HINCRBY', t.stats, 'pushed', 1)
+    redis.call('HINCRBY', t.stats, 'pushed_bytes', frame_bytes)
+  end
+  -- Built for this group alone in a run of several (detached, joined late, or the others
+  -- finished before it).
+  if #into == 1 and n > 1 then redis.call('HINCRBY', t.stats, 'solo_pushed', 1) end
+end
+if frame_key then
+  redis.call('PERSIST', frame_key)
+  if #into > 1 then redis.call('HSET', refs_key, frame_key, #into) end
+end
+redis.call('HINCRBY', stats_key, 'pushed', 1)
+redis.call('HINCRBY', stats_key, 'pushed_bytes', frame_bytes)
+redis.call('HINCRBY', pstats_key, producer .. ':batches', 1)
+redis.call('HINCRBY', pstats_key, producer .. ':bytes', frame_bytes)
+redis.call('HINCRBY', pstats_key, producer .. ':produce_ms', produce_ms)
+if last == '1' then
+  redis.call('LREM', lease_key, 1, entry)
+  redis.call('HINCRBY', stats_key, 'shards_done', 1)
+end
+return {'OK', depth, dropped}

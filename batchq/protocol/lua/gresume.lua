@@ -1,0 +1,156 @@
+-- gresume.lua: a trainer (one rank of one group) of a run read by several groups restarts
+-- its group's plan from its ledger: a checkpoint, or what it had received when Redis lost
+-- the queue's state (resume.lua's rules per group slot, batchq/protocol/groups.py).
+-- Returns {'OK', run, slot, groups} or {'CLAIM_LOST'}, {'STEP', the group's step},
+--         {'GROUPS', groups} (not the groups the caller's KEYS are for: read them again)
+-- The run lives on when it is the checkpoint's (or the one another group's resume made
+-- from it): only this group's cursor, floor and ledger change, at the checkpoint's epoch,
+-- and the others read on. Any other run is replaced by `new_run` (as resume.lua does; the
+-- groups of a sweep resuming one checkpoint compute the same id, so the first creates it
+-- and the others join it, each registered again).
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING (kept for the key layout)
+local groups_key = KEYS[3]       -- HASH   group name -> slot
+local work_key = KEYS[4]         -- LIST   shards handed back
+local wake_key = KEYS[5]         -- LIST
+local failures_key = KEYS[6]     -- HASH
+local refs_key = KEYS[7]         -- HASH   frame key -> readers left
+local remap_key = KEYS[8]        -- HASH   (an elastic resume's; dropped with a run)
+-- KEYS[9..]: the keys of group slots 0..max(groups, 1), as gclaim.lua's
+local token = ARGV[1]            -- the trainer's claim token
+local new_run = ARGV[2]          -- the run a replaced run becomes
+local takeover_run = ARGV[3]     -- the checkpoint's run: it lives on if the queue runs it
+local first = ARGV[4]            -- the local shard to start at (the epoch's first)
+local fingerprint = ARGV[5]
+local hwm = ARGV[6]              -- '' to let the first producer set the plan's figures
+local shards = ARGV[7]           -- S
+local window = ARGV[8]
+local epoch_batches = ARGV[9]
+local group = ARGV[10]           -- the group's name ('' the default group)
+local rank = ARGV[11]
+local world = tonumber(ARGV[12])
+local even = ARGV[13]            -- 'pad' | 'drop'
+local step = ARGV[14]            -- the batches yielded at the checkpoint (-1: Redis lost
+                                 -- the queue's state, each rank recovers its own)
+local held = ARGV[15]            -- '1' if this rank held the resumed run already
+local groups = tonumber(ARGV[16])  -- the group slots the run had when the caller looked
+local key_world = tonumber(ARGV[17])  -- the ranks the KEYS tail has keys for, per slot
+local slot_arg = tonumber(ARGV[18])  -- the slot the caller's claim was made for
+local acquired = ARGV[19]        -- the run the caller's claim was made in
+local claim_ttl_ms = tonumber(ARGV[20])
+local wake_cap = tonumber(ARGV[21])  -- the wake list's length cap
+-- ARGV[22..]: the ledger pairs '<epoch>:<slot>', 'd' or batches already had
+local first_tail, first_pair = 9, 22
+
+local per = 3 + 3 * key_world
+local tail_slots = (#KEYS - first_tail + 1) / per
+if tail_slots ~= math.max(groups, 1) + 1 then
+  return redis.error_reply('gresume.lua: KEYS do not cover the group slots')
+end
+local function slot_key(i, j) return KEYS[first_tail + i * per + j] end
+
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
+local n = tonumber(m[4] or '0')
+if n ~= groups or key_world < math.max(world, tonumber(m[3] or '1')) then
+  return {'GROUPS', n}
+end
+local function field(name, i, r) return name .. reader_sfx(i, r or rank, world) end
+-- The caller holds its claim in the run it acquired; a run another group's resume made
+-- of the same checkpoint (new_run) it joins.
+if m[1] == acquired then
+  if redis.call('HGET', meta_key, field('claim', slot_arg)) ~= token then return {'CLAIM_LOST'} end
+elseif m[1] ~= new_run then
+  return {'CLAIM_LOST'}
+end
+local deadline = server_now_ms() + claim_ttl_ms
+
+local slot
+local lives = m[1] and m[2] ~= '1' and (m[1] == new_run or m[1] == takeover_run)
+if not lives then
+  -- Replace the run: its contents and every group's place go; this group takes slot 0.
+  redis.call('DEL', work_key, failures_key, refs_key, groups_key, remap_key)
+  for i = 0, tail_slots - 1 do
+    for j = 0, per - 1 do
+      if not (i == 0 and j >= 2 + key_world) then redis.call('DEL', slot_key(i, j)) end
+    end
+    for r = 0, key_world - 1 do
+      local sfx = reader_sfx(i, r, key_world)
+      redis.call('HDEL', meta_key, 'claim' .. sfx, 'claim_deadline' .. sfx, 'claimed' .. sfx,
+        'done' .. sfx, 'next' .. sfx, 'floor' .. sfx, 'shm_host' .. sfx, 'shm_lookahead' .. sfx)
+    end
+    redis.call('HDEL', meta_key, 'max_lag' .. reader_sfx(i, 0, 1),
+      'resume_step' .. reader_sfx(i, 0, 1))
+  end
+  redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
+    'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups')
+  redis.call('HSET', meta_key, 'run', new_run, 'fingerprint', fingerprint)
+  if world > 1 then redis.call('HSET', meta_key, 'world', world, 'even', even) end
+  if hwm ~= '' then
+    redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
+      'epoch_batches', epoch_batches)
+  end
+  n = 0
+  slot = 0
+  if group ~= '' then
+    redis.call('HSET', groups_key, group, 0)
+    redis.call('HSET', meta_key, 'groups', 1)
+    n = 1
+  end
+  for r = 0, world - 1 do
+    redis.call('HSET', meta_key, field('next', 0, r), first, field('floor', 0, r), first)
+  end
+  redis.call('HSET', meta_key, field('claim', 0), token, field('claim_deadline', 0), deadline,
+    field('claimed', 0), 1)
+elseif n == 0 and group == '' then
+  slot = 0  -- the default group of a run not read by groups (resume.lua's case)
+else
+  local s = redis.call('HGET', groups_key, group)
+  if s then
+    slot = tonumber(s)
+  else
+    -- This group's place went with a run another group's resume replaced: a new one.
+    slot = n
+    for j = 0, per - 1 do redis.call('DEL', slot_key(slot, j)) end
+    for r = 0, world - 1 do
+      redis.call('HSET', meta_key, field('next', slot, r), first, field('floor', slot, r), first)
+    end
+    n = n + 1
+    redis.call('HSET', groups_key, group, slot)
+    redis.call('HSET', meta_key, 'groups', n)
+  end
+  local claim = redis.call('HMGET', meta_key, field('claim', slot), field('claim_deadline', slot))
+  if claim[1] ~= token then
+    if claim[1] and tonumber(claim[2] or '0') > server_now_ms() then return {'CLAIM_LOST'} end
+    redis.call('HSET', meta_key, field('claim', slot), token, field('claim_deadline', slot),
+      deadline, field('claimed', slot), 1)
+  end
+  if world > 1 and step ~= '-1' then
+    local rs = redis.call('HGET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1))
+    if rs and rs ~= step and held ~= '1' then return {'STEP', rs} end
+  end
+end
+if world > 1 and step ~= '-1' then
+  redis.call('HSET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1), step)
+end
+
+-- This rank's place: the checkpoint's epoch, and what it has of it.
+redis.call('HSET', meta_key, field('next', slot), first, field('floor', slot), first)
+redis.call('HDEL', meta_key, field('done', slot))
+local ledger_key = slot_key(slot, 0)
+if world == 1 then
+  redis.call('DEL', ledger_key)
+else
+  local pairs_had = redis.call('HGETALL', ledger_key)
+  for i = 1, #pairs_had, 2 do
+    local s = tonumber(string.match(pairs_had[i], ':(%d+)$') or '-1')
+    if s % world == tonumber(rank) then redis.call('HDEL', ledger_key, pairs_had[i]) end
+  end
+end
+for i = first_pair, #ARGV, 2 do
+  redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1])
+end
+redis.call('LPUSH', wake_key, '1')
+redis.call('LTRIM', wake_key, 0, wake_cap - 1)
+local run_now = new_run
+if lives then run_now = m[1] end
+return {'OK', run_now, slot, n}
