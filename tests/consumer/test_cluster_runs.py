@@ -117,7 +117,7 @@ def test_status_shows_each_stripes_node_and_reset_deletes_every_stripe(
 
 
 @pytest.mark.parametrize("queue_url", ["cluster"], indirect=True)
-def test_set_params_on_a_striped_queue_is_refused_naming_it(
+def test_set_params_and_groups_on_a_striped_queue_are_refused_naming_it(
     queue_url: str, queue_name: str
 ) -> None:
     producer = StripedProducer(numbered(EXAMPLES, BATCH), queue_url, queue_name, 4, stripes=2)
@@ -129,6 +129,13 @@ def test_set_params_on_a_striped_queue_is_refused_naming_it(
             assert got == reference(1)[0]
             with pytest.raises(ConfigError, match="striped 2 ways is not supported"):
                 stream.set_params({"scale": 2})
+            # A second job reading the run as a group of it: refused as well.
+            grouped = ServerDataStream(
+                ("features",), url=queue_url, queue=queue_name, group="g1", timeout_s=30
+            )
+            with pytest.raises(ConfigError, match=r"groups .* striped 2 ways are not"):
+                next(grouped.get_epoch_iterator())
+            grouped.close()
             stream.close(finished=True)
     finally:
         producer.stop()
