@@ -100,6 +100,8 @@ class StreamParams:
         """Write this log as ``run``'s (before resume.lua creates it: the session's hook;
         a longer log of it there is kept) and take what is stored."""
         log_ = self.log
+        if len(log_):
+            _refuse_striped(session)
         reply = scripts.params(
             client, session.keys, op="load", incarnation=session.incarnation, run=run,
             token=session.token, suffix=session.suffix, index=len(log_),
@@ -174,12 +176,14 @@ class StreamParams:
             step: batches the caller has had since the job began (names the call).
 
         Raises:
-            ConfigError: a bad argument, or an index before the trainer's position.
+            ConfigError: a bad argument, an index before the trainer's position, or a
+                striped queue (its stripes' producers do not follow one log).
         """
         plain = check_params(update)
         session = self._session
         if session is None:
             raise ProtocolError("set_params before reading started")
+        _refuse_striped(session)
         client = session.client
         numbering = self.numbering(client)
         rank = session.rank
@@ -355,3 +359,18 @@ class StreamParams:
     def state(self) -> list[dict[str, Any]] | None:
         """The log for a checkpoint (None when empty: the state stays as it was)."""
         return self.log.to_json() if self.log else None
+
+
+def _refuse_striped(session: Session) -> None:
+    """Params changes reach one queue's producers: a striped queue's other stripes would
+    not follow them (batchq/protocol/stripes.py).
+
+    Raises:
+        ConfigError: the run is striped.
+    """
+    plan = session.plan
+    if plan is not None and plan.stripes > 1:
+        raise ConfigError(
+            f"{session.what}: set_params (or a checkpoint's params log) on a queue "
+            f"striped {plan.stripes} ways is not supported; expected a queue of one stripe"
+        )

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import redis
 
 from batchq.client.connection import retrying
+from batchq.errors import ConfigError
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.ranks import RankLayout
+from batchq.protocol.stripes import Stripes
 from consumer.balance import even_counts
 from consumer.epoch import EpochFeed
 from consumer.rank_state import remap_pairs
@@ -27,7 +29,7 @@ from consumer.reader.ledger import Ledger
 from consumer.reader.prepare import FramePrep
 from consumer.reader.settings import ReaderSettings
 from consumer.reader.shm_frames import TrainerShm
-from consumer.reader.thread import BLOCK_S, Reader
+from consumer.reader.thread import BLOCK_S, Reader, global_pairs
 from consumer.session import Session
 from consumer.state_keys import (
     CONSUMED_KEY,
@@ -40,8 +42,9 @@ from consumer.state_keys import (
 )
 from consumer.stats import TrainerStats
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # consumer.striped_start builds on this module
     from consumer.params import StreamParams
+    from consumer.striped_start import StripeReaders, StripeSet
 
 __all__ = [
     "DELETE_CHUNK",
@@ -59,19 +62,25 @@ DELETE_CHUNK = 500
 
 class Resumed(NamedTuple):
     """Where a resumed run stands: this rank's slots, its preloaded ledger, and S of the
-    run's plan (the checkpoint's, where no producer has joined this Redis yet)."""
+    run's plan (the checkpoint's, where no producer has joined this Redis yet); for a
+    checkpoint of a striped queue also the first shard and every stripe's ledger pairs
+    (in its numbers, local), which its other stripes resume from
+    (:mod:`consumer.striped_start`)."""
 
     layout: RankLayout
     ledger: Ledger
     plan_shards: int
+    first: int = 0
+    stripe_pairs: dict[int, list[tuple[str, str]]] | None = None
 
 
 class Reading(NamedTuple):
     """The parts that read a started run: the buffer (the ledger's one owner from here),
-    the reader thread (started), and the feed that hands the epochs out."""
+    the reader thread (started; a striped queue's: one per stripe), and the feed that
+    hands the epochs out."""
 
     buffer: Buffer
-    reader: Reader
+    reader: Reader | StripeReaders
     feed: EpochFeed
 
 
@@ -86,6 +95,7 @@ def start_reading(
     stats: TrainerStats,
     seen: Counter[str],
     params: StreamParams | None = None,
+    stripes: StripeSet | None = None,
 ) -> Reading:
     """Assemble what reads a claimed run from ``start`` on, and start the reader thread.
 
@@ -99,6 +109,9 @@ def start_reading(
         stats: the trainer's figures.
         seen: batches handed out, by producer (the stream's ``producers_seen``).
         params: the stream's params log (the reader checks frames against it).
+        stripes: a striped queue's other stripes, claimed: a reader each, all filing
+            into the one buffer (``session`` is stripe 0's; a striped queue has no
+            params log to check: ``set_params`` is refused there).
     """
     shm.new_run(session.run)  # other runs' segments: nothing will pop them
     shm.access = prep.access  # the one owner's setting, fixed from here
@@ -113,10 +126,11 @@ def start_reading(
         settings.timeout_s,
         keep=settings.hwm,
     )
-    reader = Reader(
-        client, session.keys, session, buffer, settings, stats=stats, shm=shm, prepare=prep,
-        params=params,
+    first = Reader(
+        client, session.keys, session, buffer if stripes is None else stripes.view(buffer, 0),
+        settings, stats=stats, shm=shm, prepare=prep, params=params,
     )  # fmt: skip
+    reader = first if stripes is None else stripes.readers(first, buffer, settings, prep)
     feed = EpochFeed(buffer, reader.is_alive, evener, stats, prep, seen)
     reader.start()
     return Reading(buffer, reader, feed)
@@ -177,22 +191,32 @@ def resume_position(
     def read_meta() -> dict[bytes, bytes]:
         return client.hgetall(keys.meta)  # type: ignore[return-value]
 
-    # A producer may never have joined this Redis (it restarted): the plan's shape comes
-    # from the checkpoint then.
+    # The plan first: a striped queue's stripes are resumed each from its own pairs.
+    # (A producer may never have joined this Redis: it restarted.)
     meta = retrying(read_meta, f"reading meta (queue {keys.queue})", timeout_s, client=client)
-    session.use_plan(meta)
+    plan = session.use_plan(meta) or session.wait_for_plan(timeout_s, BLOCK_S)
+    stripes = Stripes(plan.stripes)
     shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
     plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
     layout = session.layout(plan_shards)
     ledger = Ledger(shards, ordered=ordered, first_epoch=epoch)
-    pairs = _preload(ledger, resume, layout, session.rank)
+    local = _preload(ledger, resume)
+    split = stripes.split(local, shards)
+    pairs = global_pairs(split[0], layout, session.rank)
     remap = None
     if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
+        if stripes.striped:
+            raise ConfigError(
+                f"queue {keys.queue}: resuming with another number of ranks is not "
+                f"supported for a striped queue ({stripes.count} stripes); expected the "
+                "checkpoint's world size"
+            )
         pairs, slots = remap_pairs(resume, layout)
         remap = (epoch, slots)
+    first = epoch * shards
     session.resume(
         client,
-        epoch * shards,
+        stripes.floor_of(first, 0),
         resume[FINGERPRINT_KEY],
         pairs,
         step=step,
@@ -201,22 +225,19 @@ def resume_position(
     )
     if session.plan is None:
         session.wait_for_plan(timeout_s, BLOCK_S)
-    return Resumed(layout, ledger, plan_shards)
+    return Resumed(layout, ledger, plan_shards, first, split if stripes.striped else None)
 
 
-def _preload(
-    ledger: Ledger, resume: dict[str, Any], layout: RankLayout, rank: int
-) -> list[tuple[str, str]]:
+def _preload(ledger: Ledger, resume: dict[str, Any]) -> list[tuple[str, str]]:
     """Mark in the ledger what the checkpoint says was yielded; the same as ledger pairs
-    of the rank's slots, for resume.lua."""
+    of the rank's own (local) shards, ``'<epoch>:<j>'``."""
     epoch = int(resume[EPOCH_KEY])
     done = set(resume[DONE_KEY])
     pairs = []
     for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
         had = int(resume[CONSUMED_KEY].get(str(shard), 0))
         ledger.preload(epoch, shard, had, done=shard in done)
-        slot = layout.slot(shard, rank)
-        pairs.append((ledger_field(epoch, slot), DONE if shard in done else str(had)))
+        pairs.append((ledger_field(epoch, shard), DONE if shard in done else str(had)))
     return pairs
 
 

@@ -59,6 +59,7 @@ class Plan:
         # B, batches per full shard (0: the plan cannot count them; -1: not published).
         stride = get(f.SHARD_BATCHES, "-1")
         self.shard_batches = int(stride) if stride.lstrip("-").isdigit() else -1
+        self.stripes = int(get(f.STRIPES, "1"))  # batchq/protocol/stripes.py
 
 
 class Session:

@@ -42,6 +42,7 @@ from consumer.state_keys import (
 from consumer.stats import TrainerStats
 from consumer.stream_options import StreamOptions, check_stream_options
 from consumer.stream_start import Started, claim, new_session, open_reading, release
+from consumer.striped_start import StripeReaders
 
 __all__ = ["ServerDataStream"]
 
@@ -200,7 +201,7 @@ class ServerDataStream(FuelStreamMixin):
         return self._started.buffer if self._started is not None else None
 
     @property
-    def _reader(self) -> Reader | None:
+    def _reader(self) -> Reader | StripeReaders | None:
         return self._started.reader if self._started is not None else None
 
     @property
@@ -348,7 +349,8 @@ class ServerDataStream(FuelStreamMixin):
             resume = self._resume or {}
             self._session.acquire(takeover=str(resume.get(RUN_KEY) or ""))
         if self._client is not None:
-            release(self._session, self._client, self._shm, finished, self.timeout_s)
+            stripes = self._started.stripes if self._started is not None else None
+            release(self._session, self._client, self._shm, finished, self.timeout_s, stripes)
 
     def state_dict(self, held_back: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Where the caller is: a small JSON-serialisable dict for checkpoints.
@@ -437,7 +439,7 @@ class ServerDataStream(FuelStreamMixin):
     def _connect(self) -> None:
         if self._client is None:
             tune_malloc()
-            self._client = make_client(self.url)
+            self._client = make_client(self.url, key=self.keys.meta)
 
     def _start(self) -> EpochFeed:
         """Start reading, once: claim the queue, find where the run starts, start the
@@ -453,12 +455,14 @@ class ServerDataStream(FuelStreamMixin):
         self._started = open_reading(
             self._session,
             new_run,
-            make_client(self.url),
+            make_client(self.url, key=self.keys.meta),
             self.options,
             resume=resume,
             step=self._step,
             parts=(self._shm, self._prep, self._stats, self.producers_seen),
             params=self._params,
+            connect=lambda keys: make_client(self.url, key=keys.meta),
+            make_shm=self._shm.sibling,
         )
         return self._started.feed
 

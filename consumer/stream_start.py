@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
@@ -30,6 +31,7 @@ from consumer.session import Session
 from consumer.state_keys import RUN_KEY
 from consumer.stats import TrainerStats
 from consumer.stream_options import StreamOptions
+from consumer.striped_start import StripeReaders, StripeSet, claim_stripes
 
 if TYPE_CHECKING:
     from consumer.params import StreamParams
@@ -41,14 +43,15 @@ __all__ = ["Started", "claim", "new_session", "open_reading", "release"]
 
 class Started(NamedTuple):
     """What a stream holds once reading started: its claim (the session), the buffer
-    (the ledger's one owner), the reader thread, the feed of epochs, and S of the run's
-    plan."""
+    (the ledger's one owner), the reader thread, the feed of epochs, S of the run's
+    plan, and a striped queue's other stripes (their claims, each with a reader)."""
 
     session: Session
     buffer: Buffer
-    reader: Reader
+    reader: Reader | StripeReaders
     feed: EpochFeed
     plan_shards: int
+    stripes: StripeSet | None = None
 
 
 def new_session(
@@ -112,6 +115,8 @@ def open_reading(
     step: int,
     parts: tuple[TrainerShm, FramePrep, TrainerStats, Counter[str]],
     params: StreamParams | None = None,
+    connect: Callable[[QueueKeys], redis.Redis] | None = None,
+    make_shm: Callable[[QueueKeys], TrainerShm] | None = None,
 ) -> Started:
     """Find where the claimed run starts (the plan's first epoch, or ``resume``'s
     position) and start the reader thread.
@@ -127,6 +132,8 @@ def open_reading(
             by producer.
         params: the stream's params log (bound to the session and the rank's split
             here; the reader checks each frame's params version against it).
+        connect: a new client for a queue's keys (a striped queue's other stripes).
+        make_shm: the trainer's shared memory for a queue's keys (likewise).
     """
     shm, prep, stats, seen = parts
     start = start_position(
@@ -146,14 +153,24 @@ def open_reading(
         stall_s=options.stall_s,
         layout=start.layout,
     )
+    stripes = None
+    if connect is not None and make_shm is not None:
+        stripes = claim_stripes(
+            session, start, new_run=new_run, connect=connect, make_shm=make_shm, step=step,
+            make_session=lambda c, k, s, run: new_session(c, k, options, s, run),
+            timeout_s=options.timeout_s,
+        )  # fmt: skip
+        if stripes is not None and start.ledger.window is not None:
+            # Each stripe mints W of its own shards past its floor.
+            start.ledger.window *= stripes.stripes.count
     if params is not None:
         params.bind(session, start.layout)
         params.refresh(session.client)  # another rank's changes, if any
     reading = start_reading(
         session, start, settings, reader_client, shm=shm, prep=prep, stats=stats, seen=seen,
-        params=params,
+        params=params, stripes=stripes,
     )  # fmt: skip
-    return Started(session, *reading, start.plan_shards)
+    return Started(session, *reading, start.plan_shards, stripes)
 
 
 def release(
@@ -162,15 +179,19 @@ def release(
     shm: TrainerShm,
     finished: bool,
     timeout_s: float,
+    stripes: StripeSet | None = None,
 ) -> None:
     """Give the claim up (``finished``: the run ends at its last rank of its last group,
     and its frames and segments go; a group that finished before the others lets go of
-    what its list still holds) and close the stream's client.
+    what its list still holds) and close the stream's client; a striped queue's other
+    stripes first.
 
     Raises:
         ConnectionLost: Redis is unreachable and ``finished`` (the end of the run
             cannot be announced); otherwise the claim lapses by itself, logged.
     """
+    for stripe in stripes.members if stripes is not None else ():
+        release(stripe.session, stripe.client, stripe.shm, finished, timeout_s)
     try:
         ended = session is not None and session.release(finished)
         if ended and session is not None:

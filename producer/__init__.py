@@ -2,6 +2,8 @@
 transformers, under their Fuel module names) and the serving loop ``start_server``.
 """
 
-from producer.server import Producer, start_server
+from producer.server import Producer
+from producer.start import start_server
+from producer.striped import StripedProducer
 
-__all__ = ["Producer", "start_server"]
+__all__ = ["Producer", "StripedProducer", "start_server"]

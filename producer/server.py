@@ -1,15 +1,13 @@
 """The producer: lease shards, build their batches, push them under the hwm.
 
-``start_server(stream, ...)`` is Fuel's ``fuel.server.start_server`` on Redis: it blocks,
-serving epoch after epoch, until the trainer finishes the run (then it returns 0) or the
-process is asked to stop (SIGINT/SIGTERM: its leases go back to the work list first).
+:class:`Producer` serves one queue (or one stripe of a striped queue); ``start_server``
+(:mod:`producer.start`) runs one, or a :class:`producer.striped.StripedProducer`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import threading
 from typing import Any, cast
 
@@ -21,7 +19,6 @@ from batchq.client.connection import (
     call,
     is_wrong_type,
     make_client,
-    resolve_url,
     tune_malloc,
 )
 from batchq.errors import ConfigError, ConnectionLost, ProtocolError, RunFinished
@@ -31,6 +28,7 @@ from batchq.protocol.calls import Call
 from batchq.protocol.group_scripts import GLeaseReply
 from batchq.protocol.keys import QueueKeys, check_name
 from batchq.protocol.layout import default_id
+from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
 from producer.serving.ahead import AnyLeaseReply, Lease
 from producer.serving.heartbeat import Heartbeat
@@ -41,7 +39,7 @@ from producer.serving.settings import INLINE_MAX_BYTES, PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import Transport
 
-__all__ = ["Producer", "start_server"]
+__all__ = ["Producer"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +100,11 @@ class Producer:
             (hwm + the trainer's look-ahead + 2) + 1, see :mod:`producer.serving.transport`).
         shm_max_bytes: the most bytes of segments it holds at once (default: only
             the folder's own size limits it).
+        stripe: (k, N): serve stripe k of the queue striped N ways (one lane of a
+            :class:`producer.serving.striped.StripedProducer`, which
+            :func:`start_server` makes for ``stripes=N``); (0, 1): the queue itself.
+        shard_plan: the plan, where the caller made it already (a striped producer's
+            lanes share one).
     """
 
     def __init__(
@@ -126,30 +129,34 @@ class Producer:
         shm_dir: str | None = None,
         shm_segments: int | None = None,
         shm_max_bytes: int | None = None,
+        stripe: tuple[int, int] = (0, 1),
+        shard_plan: ShardPlan | None = None,
     ) -> None:
         _check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
+        k, stripes = stripe
+        _require(0 <= k < check_stripes(stripes), "stripe", stripe, f"0..{stripes - 1}")
         self.stream = stream
         self.url = url
-        self.keys = QueueKeys(queue)
+        self.keys = QueueKeys(queue).stripe(k, stripes)
         self.hwm = hwm
         self.window = window or 2 * hwm
         self.id = check_name(producer_id or default_id(), "producer id")
         self.reconnect_timeout_s = reconnect_timeout_s
         self.orphan_exit_s = orphan_exit_s
-        self.plan = ShardPlan(stream, requests_per_shard)
+        self.plan = shard_plan or ShardPlan(stream, requests_per_shard)
         self.sources = tuple(stream.sources)
         self.settings = PushSettings(
             self.keys, self.id, self.sources, checksum, max_frame_bytes, inline_max_bytes,
-            int(heartbeat_ttl_s * 1000), max_attempts,
+            int(heartbeat_ttl_s * 1000), max_attempts, k, stripes,
         )  # fmt: skip
-        self.client = make_client(url)
+        self.client = make_client(url, key=self.keys.meta)
         self._stop = threading.Event()
         self._pos = RunPosition()  # the run served: replaced by each _join
         self._lease_seq = 0
         self._membership = Membership(
             self.client, self.keys, self.id, self.plan, hwm=hwm, window=self.window,
             heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, orphan_wait_s=orphan_wait_s,
-            axis_labels=axis_labels_json(stream), stop=self._stop,
+            axis_labels=axis_labels_json(stream), stop=self._stop, stripes=stripes,
         )  # fmt: skip
         self._beat = Heartbeat(
             url, self.keys, self.id, self.settings.heartbeat_ttl_ms, self._pos, self._stop,
@@ -180,6 +187,11 @@ class Producer:
         """Ask the serving loop to stop after the current step (thread- and signal-safe)."""
         self._stop.set()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether serving stops (asked to, orphaned, or the run finished)."""
+        return self._stop.is_set()
+
     def serve(self) -> int:
         """Serve until the run finishes (returns 0) or :meth:`stop` is called (returns 0).
 
@@ -188,28 +200,49 @@ class Producer:
             ConnectionLost: Redis could not be reached.
         """
         tune_malloc()
-        held.hold(self.client)  # this thread pushes: one connection, no pool per batch
-        check_eviction_policy(self.client)
+        finished = False
         try:
-            self._join()
-            self._beat.start()
+            self.begin()
             while not self._stop.is_set():
-                self._serve_step()
+                self.step()
         except RunFinished as e:
             log.info("producer %s: %s", self.id, e)
-            self._finished = True
+            finished = True
         finally:
-            self._stop.set()
-            self._leave()
+            self.end(finished)
         return 0
 
-    def _serve_step(self) -> None:
+    def begin(self) -> None:
+        """Join the queue's run and start the heartbeat (the calling thread serves)."""
+        held.hold(self.client)  # this thread pushes: one connection, no pool per batch
+        check_eviction_policy(self.client)
+        self._join()
+        self._beat.start()
+
+    def end(self, finished: bool) -> None:
+        """Stop serving: leases handed back, segments freed (all of them once the run
+        ``finished``), the heartbeat stopped, the client closed."""
+        self._finished = self._finished or finished
+        self._stop.set()
+        self._leave()
+
+    def step(self, wait: bool = True) -> bool:
         """Lease the next shard and serve it; a connection lost or a queue key of a
-        foreign type is waited out here."""
+        foreign type is waited out here. Returns whether a shard was served.
+
+        Args:
+            wait: when the run has nothing to lease (the window or the list is full),
+                wait for a trainer's wake (bounded) before returning; False returns at
+                once (a striped producer tries its next stripe).
+
+        Raises:
+            RunFinished: the trainer finished the run.
+        """
         try:
-            lease = self._lease()
+            lease = self._lease(wait)
             if lease is not None:
                 self._serve(lease)
+                return True
         except ConnectionLost as e:
             self._reconnect(e)
         except redis.ResponseError as e:
@@ -220,6 +253,12 @@ class Producer:
             self._pusher.note_wrong_type("read by a lease or join", f"foreign type ({e})")
             self._stop.wait(0.5)
             self._rejoin()
+        return False
+
+    def wait_for_room(self) -> None:
+        """Wait (bounded) for a trainer's wake: its pop made room in the list or the
+        window."""
+        self._pusher.wait_for_room()
 
     def _serve(self, lease: Lease) -> None:
         """Build and push the shard of ``lease``, then act on a reply that was ours."""
@@ -324,8 +363,9 @@ class Producer:
         )
         return cast(Call[AnyLeaseReply], request), token
 
-    def _lease(self) -> Lease | None:
-        """Lease the next shard, or None."""
+    def _lease(self, wait: bool = True) -> Lease | None:
+        """Lease the next shard, or None (``wait``: after waiting for room when the run
+        had none)."""
         if self._pusher.ahead.leases:
             # Leased in the same round trip as an earlier shard's last push.
             return self._pusher.ahead.leases.popleft()
@@ -347,11 +387,13 @@ class Producer:
             return None
         status = reply.status
         if status == Status.OK:
-            return Lease.from_reply(reply, token, self.plan.shards)
+            stripe = self.settings.stripe, self.settings.stripes
+            return Lease.from_reply(reply, token, self.plan.shards, *stripe)
         if status == Status.WAIT:
             # In a run of several groups, the pops of the group that holds the shared
             # stream make room: wait for those (woken by another's would be in vain).
-            self._pusher.wait_for_room(reply.slot if isinstance(reply, GLeaseReply) else -1)
+            if wait:
+                self._pusher.wait_for_room(reply.slot if isinstance(reply, GLeaseReply) else -1)
             return None
         if status == Status.GROUPS:
             self._lease_seq -= 1  # nothing was leased with it
@@ -370,41 +412,3 @@ class Producer:
             self._join()
             return
         raise ProtocolError(f"producer {self.id}: unexpected reply {status!r}")
-
-
-def start_server(
-    data_stream: Any,
-    port: int | None = None,
-    hwm: int = 10,
-    *,
-    host: str | None = None,
-    queue: str = "default",
-    url: str | None = None,
-    handle_signals: bool = True,
-    **options: Any,
-) -> int:
-    """Serve ``data_stream`` into a Redis queue, epoch after epoch (Fuel's start_server).
-
-    Args:
-        data_stream: the stream to serve.
-        port: Redis port (default 6379; see the connection order in the README).
-        hwm: the most elements the queue may hold (the run's cap).
-        host: Redis host (default localhost).
-        queue: the queue's name.
-        url: a redis:// or rediss:// URL; wins over host/port.
-        handle_signals: stop cleanly on SIGINT/SIGTERM (main thread only).
-        **options: passed to :class:`Producer` (window, requests_per_shard, ...).
-
-    Returns:
-        0 once the trainer finished the run or a stop was requested.
-    """
-    producer = Producer(data_stream, resolve_url(url, host, port), queue, hwm, **options)
-    installed: dict[signal.Signals, Any] = {}
-    if handle_signals and threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            installed[sig] = signal.signal(sig, lambda *_: producer.stop())
-    try:
-        return producer.serve()
-    finally:
-        for sig, handler in installed.items():
-            signal.signal(sig, handler)

@@ -8,23 +8,26 @@ their whole process group, when the test ends, even when it fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import uuid4
 
 import fakeredis
 import pytest
 import redis
 
+from batchq.client.connection import make_client
 from batchq.errors import ConfigError
 from batchq.host.embedded import EmbeddedRedis
 from batchq.host.procs import StdSpec, spawn, stop_group
 from batchq.protocol.admin import delete_queue
+from batchq.protocol.keys import QueueKeys
 from batchq.wire.shm import DEFAULT_SHM_DIR, remove_segments
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -33,6 +36,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 # packages of the same names.
 SUPPORT_DIR = TESTS_DIR / "support"
 sys.path.insert(0, str(SUPPORT_DIR))
+
+from redis_cluster import LocalCluster  # noqa: E402  (tests/support, on the path above)
+from redis_sentinel import LocalSentinel  # noqa: E402
 
 SpawnFn = Callable[..., subprocess.Popen[bytes]]
 
@@ -43,26 +49,101 @@ def _no_batchq_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATCHQ_URL", raising=False)
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[EmbeddedRedis]:
-    """The session's redis-server (started on first use, stopped at the session's end)."""
-    server, missing = EmbeddedRedis(), ""
+Startable = TypeVar("Startable", EmbeddedRedis, LocalCluster, LocalSentinel)
+
+
+@contextlib.contextmanager
+def _running(deployment: Startable) -> Iterator[Startable]:
+    """Start ``deployment`` (a test without a redis-server binary fails, saying so) and
+    stop it after the block, whatever happened."""
+    missing = ""
     try:
-        server.start()
+        deployment.start()
     except ConfigError as e:
         missing = str(e)
     if missing:  # outside the except block: no chained traceback, just the message
         pytest.fail(f"the tests need a redis-server: {missing}", pytrace=False)
     try:
-        yield server
+        yield deployment
     finally:
-        server.stop()
+        deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """The session's redis-server (started on first use, stopped at the session's end)."""
+    with _running(EmbeddedRedis()) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def redis_url(redis_server: EmbeddedRedis) -> str:
     """The URL of the session's redis-server, ``redis://127.0.0.1:<port>/0``."""
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """The session's local Redis Cluster: 3 masters of the suite's redis-server binary,
+    each with a third of the slots (started on first use, stopped at the session's end;
+    tests/support/redis_cluster.py)."""
+    with _running(LocalCluster(3)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def redis_sentinel() -> Iterator[LocalSentinel]:
+    """A master, its replica and three sentinels of the suite's redis-server binary, for
+    one test file (its failovers change the deployment; tests/support/redis_sentinel.py)."""
+    with _running(LocalSentinel()) as deployment:
+        yield deployment
+
+
+#: The kinds of Redis ``queue_url`` serves: the fixture each needs ("stripes": the cluster,
+#: the queue striped over its 3 masters).
+_DEPLOYMENTS = {
+    "redis": "redis_url", "cluster": "redis_cluster", "stripes": "redis_cluster",
+    "sentinel": "redis_sentinel",
+}  # fmt: skip
+
+
+@pytest.fixture
+def queue_url(request: pytest.FixtureRequest, queue_name: str) -> Iterator[str]:
+    """Where a scenario test's queue lives: the session's redis-server, or, for a test
+    parametrized with ``pytest.mark.parametrize("queue_url", ["redis", "cluster"],
+    indirect=True)``, the session's cluster (``redis+cluster://``), or with
+    ``"sentinel"`` the file's Sentinel deployment (``redis+sentinel://``), or with
+    ``"stripes"`` the cluster with the queue striped over its masters
+    (:func:`queue_stripes`); the queue's keys (every stripe's) are deleted from it
+    afterwards. ``serve_argv`` and ``producer_thread`` use it."""
+    kind = getattr(request, "param", "redis")
+    if kind not in _DEPLOYMENTS:
+        raise ValueError(f"queue_url: expected one of {sorted(_DEPLOYMENTS)}, not {kind!r}")
+    deployment = request.getfixturevalue(_DEPLOYMENTS[kind])
+    if kind == "redis":
+        yield deployment
+        return
+    url: str = deployment.url
+    yield url
+    for count in range(1, MAX_STRIPES_CLEANED + 1):
+        for k in range(count):
+            keys = QueueKeys(queue_name).stripe(k, count)
+            client = make_client(url, key=keys.meta)
+            try:
+                delete_queue(client, keys.queue)
+            finally:
+                client.close()
+
+
+MAX_STRIPES_CLEANED = 4  # a test's queue may be striped this many ways at most
+
+
+@pytest.fixture
+def queue_stripes(request: pytest.FixtureRequest) -> int:
+    """How many stripes the producers of ``serve_argv`` and ``producer_thread`` serve:
+    3 where ``queue_url`` is parametrized "stripes", else 1."""
+    callspec = getattr(request.node, "callspec", None)
+    return 3 if callspec is not None and callspec.params.get("queue_url") == "stripes" else 1
 
 
 @pytest.fixture
@@ -143,7 +224,7 @@ def spawn_proc() -> Iterator[SpawnFn]:
 
 
 @pytest.fixture
-def serve_argv(redis_url: str, queue_name: str) -> Callable[..., list[str]]:
+def serve_argv(queue_url: str, queue_name: str, queue_stripes: int) -> Callable[..., list[str]]:
     """The argv of `batchq serve tests.pipelines:numbered` for this test's queue."""
 
     def argv(*extra: str, factory: str = "pipelines:numbered") -> list[str]:
@@ -156,9 +237,10 @@ def serve_argv(redis_url: str, queue_name: str) -> Callable[..., list[str]]:
             "serve",
             factory,
             "--url",
-            redis_url,
+            queue_url,
             "--queue",
             queue_name,
+            *(["--stripes", str(queue_stripes)] if queue_stripes > 1 else []),
             *extra,
         ]
 

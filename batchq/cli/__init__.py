@@ -122,6 +122,13 @@ def build_parser() -> Parser:
         "--hwm", type=int, default=10, help="queue cap (the run's, set by its first producer)"
     )
     serve.add_argument(
+        "--stripes",
+        type=int,
+        default=1,
+        help="split the queue over this many Redis slots (on a cluster, masters), each "
+        "with its own list and cap; fixed when the run is created (default 1)",
+    )
+    serve.add_argument(
         "--workers",
         default="1",
         help="producer processes to run: N, or MIN:MAX / auto (1:16) to scale on the "

@@ -26,6 +26,7 @@ from batchq.host.embedded import url_or_embedded
 from batchq.host.procs import spawn, stop_group
 from batchq.monitoring.rows import queue_status
 from batchq.monitoring.verdict import judge
+from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from producer.datasets import IndexableDataset
 from producer.schemes import ShuffledScheme
@@ -161,7 +162,7 @@ def _describer(client: Any, queue: str, stream: ServerDataStream) -> Callable[[]
 
 def _wait_for_producers(url: str, queue: str, count: int, timeout_s: float = 60.0) -> None:
     """Wait (bounded) until `count` producers have joined the queue."""
-    client = make_client(url)
+    client = make_client(url, key=QueueKeys(queue).meta)
     deadline = time.monotonic() + timeout_s
     try:
         while queue_status(client, queue)["producers_alive"] < count:
@@ -198,7 +199,7 @@ def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) 
             # once the producers are up (len() waits for their plan).
             print(f"  waiting for the producers to start ... {len(stream)} batches per epoch")
             _wait_for_producers(url, queue, producers)
-            client = make_client(url)
+            client = make_client(url, key=QueueKeys(queue).meta)
             try:
                 describe = _describer(client, queue, stream)
                 result = _train(

@@ -18,6 +18,7 @@ from batchq.errors import ConfigError
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.pool import WorkerPool
 from batchq.host.procs import spawn, stop_group
+from batchq.protocol.keys import QueueKeys
 
 __all__ = ["load_factory", "run_serve"]
 
@@ -79,6 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
         orphan_exit_s=getattr(args, "orphan_exit_s", 600.0) or None,
         transport=args.transport,
         shm_dir=args.shm_dir,
+        stripes=args.stripes,
     )
 
 
@@ -98,6 +100,8 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
         args.queue,
         "--hwm",
         str(args.hwm),
+        "--stripes",
+        str(args.stripes),
         "--heartbeat-ttl-s",
         str(args.heartbeat_ttl_s),
         "--orphan-exit-s",
@@ -122,7 +126,7 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
     if (
         policy.auto
     ):  # --workers auto or MIN:MAX: batchq.host.autoscale decides, batchq.host.pool acts
-        client = make_client(url)
+        client = make_client(url, key=QueueKeys(args.queue).meta)
         try:
             pool = WorkerPool(client, args.queue, policy, lambda: spawn(argv, env=env))
             return pool.run(stopping)

@@ -26,13 +26,16 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from batchq.client import cluster, urls
+from batchq.client.cluster import NodeClient, NodeConnection, NodeSSLConnection, SlotRoute, Topology
 from batchq.client.redis_internals import HeldPool, pieces_packer
+from batchq.client.sentinel import MasterPool, master_pool, not_written
+from batchq.client.urls import parse_target
 from batchq.errors import (
     AuthFailed,
     BatchQueueError,
@@ -60,6 +63,7 @@ __all__ = [
     "redis_errors",
     "resolve_url",
     "retrying",
+    "server_of",
     "tune_malloc",
     "wrong_type_error",
 ]
@@ -85,7 +89,8 @@ def resolve_url(url: str | None = None, host: str | None = None, port: int | Non
     """Pick the Redis URL to use: explicit url, explicit host/port, BATCHQ_URL, localhost.
 
     Args:
-        url: a ``redis://``, ``rediss://`` or ``unix://`` URL.
+        url: a ``redis://``, ``rediss://`` or ``unix://`` URL, or a cluster's or a
+            Sentinel deployment's (:mod:`batchq.client.urls`).
         host: a host name; with or without ``port``.
         port: a TCP port; with or without ``host``.
 
@@ -93,8 +98,8 @@ def resolve_url(url: str | None = None, host: str | None = None, port: int | Non
         The URL to connect to.
 
     Raises:
-        ConfigError: the URL's scheme is not one Redis understands, or the port is not a
-            valid TCP port.
+        ConfigError: the URL is not one of those forms (naming it, password masked, and
+            what was expected), or the port is not a valid TCP port.
     """
     if url:
         chosen = url
@@ -104,42 +109,54 @@ def resolve_url(url: str | None = None, host: str | None = None, port: int | Non
         chosen = f"redis://{host or 'localhost'}:{port or 6379}/0"
     else:
         chosen = os.environ.get(ENV_URL) or DEFAULT_URL
-    scheme = urlsplit(chosen).scheme
-    if scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(
-            f"Redis URL {describe_url(chosen)!r} is not valid: expected redis://, rediss:// "
-            "or unix://"
-        )
+    parse_target(chosen)
     return chosen
 
 
 def describe_url(url: str) -> str:
     """The URL with any password masked, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()
+    return urls.describe_url(url)
 
 
-def make_client(url: str, *, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S) -> redis.Redis:
+def make_client(
+    url: str, *, key: str | None = None, socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S
+) -> redis.Redis:
     """A redis-py client for batchq's hot paths: no automatic retry, no copying packer.
 
     Args:
         url: where to connect (see :func:`resolve_url`).
+        key: a key the client is for. On a cluster (``redis+cluster://``) the client is
+            bound to the master that holds this key's slot, and follows it there
+            (:mod:`batchq.client.cluster`; every key of a queue is in one slot); without
+            a key, the master of slot 0. Elsewhere it changes nothing.
         socket_timeout_s: the socket timeout; blocking commands must use less.
 
     Returns:
-        A client returning bytes (decode_responses off).
+        A client returning bytes (decode_responses off); on Sentinel its connections go
+        to the current master (:mod:`batchq.client.sentinel`).
     """
-    pool = HeldPool.from_url(
-        url,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=min(socket_timeout_s, 5.0),
-        retry=Retry(NoBackoff(), 0),
-        command_packer=pieces_packer(),
-        health_check_interval=0,
-    )
+    common: dict[str, Any] = {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": min(socket_timeout_s, 5.0),
+        "retry": Retry(NoBackoff(), 0),
+        "command_packer": pieces_packer(),
+        "health_check_interval": 0,
+    }
+    target = parse_target(url)
+    if target.kind == "sentinel":
+        return redis.Redis.from_pool(master_pool(target, common))
+    if target.kind == "cluster":
+        topology = Topology(target, {**target.options, **common})
+        options = {k: v for k, v in target.options.items() if k != "connection_class"}
+        route = SlotRoute(topology, cluster.key_slot(key) if key is not None else 0)
+        pool = HeldPool(
+            connection_class=NodeSSLConnection if target.tls else NodeConnection,
+            route=route,
+            **options,
+            **common,
+        )
+        return NodeClient.from_pool(pool)
+    pool = HeldPool.from_url(url, **common)
     # from_pool: the client owns its pool, so close() really closes its connections
     # (a client given connection_pool= leaves them open).
     return redis.Redis.from_pool(pool)
@@ -169,18 +186,29 @@ def wrong_type_error(
 
 
 def _where(client: Any) -> tuple[str, int | None, str]:
-    """(host or socket path, port or None, user) of a client, for messages."""
+    """(host or socket path, port or None, user) of a client, for messages (a
+    cluster's: the slot's master as last known; Sentinel's: the master's name)."""
     kwargs: dict[str, Any] = {}
+    pool = getattr(client, "connection_pool", None)
     with contextlib.suppress(AttributeError):
         kwargs = client.connection_pool.connection_kwargs
+    user = str(kwargs.get("username") or "default")
     if "path" in kwargs:
-        return str(kwargs["path"]), None, str(kwargs.get("username") or "default")
+        return str(kwargs["path"]), None, user
+    if isinstance(kwargs.get("route"), SlotRoute):
+        return kwargs["route"].describe(), None, user
+    if isinstance(pool, MasterPool):
+        return pool.describe(), None, user
     port = kwargs.get("port")
-    return (
-        str(kwargs.get("host", "?")),
-        int(port) if port is not None else None,
-        str(kwargs.get("username") or "default"),
-    )
+    return str(kwargs.get("host", "?")), int(port) if port is not None else None, user
+
+
+def server_of(client: Any) -> str:
+    """Where a client's commands go, for messages and status: 'host:port' (a cluster
+    client's: the master of its slot; Sentinel's: the master's name and address), or a
+    socket's path."""
+    host, port, _ = _where(client)
+    return host if port is None else f"{host}:{port}"
 
 
 def _db(client: Any) -> object:
@@ -206,7 +234,9 @@ def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQ
     Credentials refused (or a permission missing) become :class:`AuthFailed`, a database
     index the server does not have :class:`RedisConfigError`: both name host, port and
     user (the latter also the index the URL asked for) and are never retried. Drops and
-    timeouts become :class:`ConnectionLost`.
+    timeouts become :class:`ConnectionLost`, and so does a write refused by a server that
+    is not a writable master any more (READONLY, NOREPLICAS, UNBLOCKED: a failover,
+    :func:`batchq.client.sentinel.not_written`): the reconnect loops retry it.
 
     Args:
         error: what redis-py raised.
@@ -234,6 +264,8 @@ def convert_error(error: BaseException, what: str, client: Any = None) -> BatchQ
         )
     if isinstance(error, redis_errors):
         return ConnectionLost(f"Redis connection lost while {what}: {error}")
+    if not_written(error):  # a failover demoted the master: the write did not happen
+        return ConnectionLost(f"Redis refused a write while {what} (not a master now): {error}")
     return None
 
 

@@ -149,7 +149,7 @@ def borrow(client: redis.Redis) -> tuple[Any, bool]:
     thread's own where it holds the client (:meth:`HeldPool.borrow`), else the pool's;
     end the round trip with :func:`give_back`."""
     pool: Any = client.connection_pool
-    if type(pool) is HeldPool:
+    if isinstance(pool, HeldPool):  # also a Sentinel master's (batchq.client.sentinel)
         return pool.borrow()
     return pool.get_connection(), False
 
@@ -157,7 +157,7 @@ def borrow(client: redis.Redis) -> tuple[Any, bool]:
 def give_back(client: redis.Redis, conn: Any, direct: bool) -> None:
     """End a round trip started with :func:`borrow`."""
     pool: Any = client.connection_pool
-    if type(pool) is HeldPool:
+    if isinstance(pool, HeldPool):
         pool.give_back(conn, direct)
     else:
         pool.release(conn)

@@ -106,6 +106,14 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        for a run of one group); schema 5
     slowest_group         str|null     the reading group furthest behind, the one that
                                        sets the pace (batchq.monitoring.group_rows)
+    node                  str          where the queue is: the server's host:port (a
+                                       cluster's master of the queue's slot; Sentinel's
+                                       master); schema 5, after slowest_group
+    stripes               list         a striped queue's stripes (batchq.protocol.stripes),
+                                       stripe 0 first: objects with stripe, queue, node,
+                                       depth (every rank's list), pushed, popped,
+                                       producers_alive (empty when not striped; the row's
+                                       other fields are stripe 0's); added after node
 
 For a run read by several groups the queue-level figures are the group in slot 0's (the
 first to claim the run, whose keys keep the plain names); ``groups`` has every group's.
@@ -151,6 +159,7 @@ from typing import Any
 
 import redis
 
+from batchq.client.cluster import masters
 from batchq.monitoring import sizing
 from batchq.monitoring.counters import counter_fields, figure_fields, params_fields
 from batchq.monitoring.group_rows import group_rows, slowest_group
@@ -194,17 +203,19 @@ STATUS_FIELDS = (
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
     "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
-    "slowest_group",
+    "slowest_group", "node", "stripes",
 )  # fmt: skip
 
 
 def list_queues(client: redis.Redis) -> list[str]:
-    """The names of every queue on the server (those with a meta hash), sorted."""
+    """The names of every queue on the server (those with a meta hash; on a cluster,
+    every master's), sorted; a striped queue once (its stripes are in its row)."""
     names = set()
-    for key in client.scan_iter(match=QueueKeys.META_PATTERN, count=1000):
-        name = queue_from_meta_key(key)
-        if name is not None:
-            names.add(name)
+    for node in masters(client):
+        for key in node.scan_iter(match=QueueKeys.META_PATTERN, count=1000):
+            name = queue_from_meta_key(key)
+            if name is not None:
+                names.add(name)
     return sorted(names)
 
 
@@ -287,6 +298,8 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         "slowest_rank": slowest,
         "groups": groups,
         "slowest_group": slowest_group(groups),
+        "node": snap.node,
+        "stripes": [stripe.row() for stripe in snap.stripes],
         **counter_fields(snap.stats),
         **figures,
         **params_fields(snap),

@@ -22,8 +22,11 @@ from typing import Any
 
 import redis
 
+from batchq.client.cluster import grouped
+from batchq.client.connection import server_of
 from batchq.errors import FrameError
 from batchq.monitoring.group_snapshot import GroupSnapshot, file_group_read, queue_group_reads
+from batchq.monitoring.stripe_reads import StripeSnapshot, read_stripes, stripe_count
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import MetaField, parse_producer_stat_field
 from batchq.protocol.keys import QueueKeys
@@ -89,6 +92,9 @@ class QueueSnapshot:
         autoscalers: live ``serve --workers auto`` registered on the queue.
         last_decision: the newest entry of the scalelog (parsed), None if none.
         ranks: each rank of a data-parallel trainer (meta ``world`` > 1), else empty.
+        node: the server (a cluster's master, ``host:port``) the queue was read on.
+        stripes: each stripe of a striped queue (meta ``stripes`` > 1), stripe 0 first
+            (:mod:`batchq.monitoring.stripe_reads`), else empty.
         groups: each group of a run read by several groups (by slot), else empty.
         registry: the run's groups, name -> slot (empty for a run of one group).
     """
@@ -108,6 +114,8 @@ class QueueSnapshot:
     autoscalers: int = 0
     last_decision: dict[str, Any] | None = None
     ranks: list[RankSnapshot] = field(default_factory=list)
+    node: str = ""  # where it was read: batchq.client.connection.server_of
+    stripes: list[StripeSnapshot] = field(default_factory=list)  # a striped queue's
     groups: list[GroupSnapshot] = field(default_factory=list)
     registry: dict[str, str] = field(default_factory=dict)
 
@@ -197,7 +205,8 @@ def read_snapshots(
     history: int = 60,
     leases: bool = True,
 ) -> list[QueueSnapshot]:
-    """Read queues in one pipelined round trip (two when leases or a reference need it).
+    """Read queues in one pipelined round trip (two when leases or a reference need it),
+    per master on a cluster; a striped queue's stripes too.
 
     Args:
         client: a client returning bytes.
@@ -212,6 +221,24 @@ def read_snapshots(
         ConnectionLost: the connection failed.
         redis.RedisError: Redis refused a read (a key of another type).
     """
+    found: dict[str, QueueSnapshot] = {}
+    with grouped(client, {q: QueueKeys(q).meta for q in queues}) as groups:
+        for node_client, names in groups:
+            for snap in _read_on(node_client, names, history, leases):
+                snap.node = server_of(node_client)
+                count = stripe_count(snap.meta)
+                if count > 1:
+                    snap.stripes = read_stripes(
+                        node_client, snap.queue, count, snap.world, snap.now_ms
+                    )
+                found[snap.queue] = snap
+    return [found[q] for q in queues]
+
+
+def _read_on(
+    client: redis.Redis, queues: list[str], history: int, leases: bool
+) -> list[QueueSnapshot]:
+    """:func:`read_snapshots` of queues that one client reaches."""
     keys = [QueueKeys(q) for q in queues]
 
     def first_reads(pipe: Any) -> None:

@@ -168,7 +168,22 @@ def _host_lines(r: dict[str, Any]) -> list[str]:
             f"  shared memory here: {r['shm_segments']} segments, {fmt_bytes(r['shm_bytes'])}"
         )
     if r["run"]:
-        lines.append(f"  run {r['run']}")
+        lines.append(f"  run {r['run']}" + (f" on {r['node']}" if r.get("node") else ""))
+    return lines
+
+
+def _stripe_lines(r: dict[str, Any]) -> list[str]:
+    """A striped queue's stripes: where each is, and what went through it."""
+    stripes = r.get("stripes") or []
+    if not stripes:
+        return []
+    lines = [f"  {len(stripes)} stripes (the figures above are stripe 0's):"]
+    for s in stripes:
+        lines.append(
+            f"    stripe {s['stripe']} {s['queue']} on {s['node']}: depth {s['depth']}/"
+            f"{r['hwm']}, pushed {s['pushed']}, popped {s['popped']}, "
+            f"{s['producers_alive']} producers"
+        )
     return lines
 
 
@@ -183,6 +198,7 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
         *_dead_lines(r),
         *_rank_lines(r),
         *_group_lines(r),
+        *_stripe_lines(r),
         *_params_lines(r),
         *_host_lines(r),
     ]

@@ -24,6 +24,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import redis
 
 from batchq.client.connection import convert_error
+from batchq.client.redirects import REDIRECTS, follow_redirects
 from batchq.client.redis_internals import borrow, give_back
 from batchq.errors import ProtocolError
 from batchq.protocol.script_files import SCRIPTS, Arg, Header, Script, load_all, parse_header
@@ -250,6 +251,8 @@ def round_trip(
     step; a connection that failed half-way is closed before anything reads it again.
     On NOSCRIPT (a new or restarted server) every script is loaded and the commands sent
     again once: as for :func:`execute_pipeline`, what batchq sends this way is idempotent.
+    On a Redis Cluster, the commands a node refused with MOVED, ASK or TRYAGAIN (it ran
+    none of them) go again where they belong (:func:`batchq.client.redirects.follow_redirects`).
     Where the calling thread holds the client (:func:`batchq.client.held.hold`: the producer's
     serving thread, the trainer's reader) its connection is taken from the pool without
     the pool's checks, else the pool lends one.
@@ -281,10 +284,17 @@ def round_trip(
     try:
         for attempt in (0, 1):
             replies = _send_and_read(client, commands, between if attempt == 0 else None, readers)
+            redirected = any(isinstance(r, REDIRECTS) for r in replies)
+            if redirected:  # a cluster's slot moved, or moves
+                replies = follow_redirects(
+                    client, commands, replies, readers,
+                    lambda again, read: _send_and_read(client, again, None, read), load_all,
+                )  # fmt: skip
             failed = _failed(replies, keep_errors)
             if failed is None:
                 return replies
-            if attempt == 0 and failed[1]:
+            # After redirects some commands ran on another node: never all of them again.
+            if attempt == 0 and failed[1] and not redirected:
                 load_all(client)
                 continue
             raise failed[0]

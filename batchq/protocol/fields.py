@@ -58,6 +58,7 @@ class MetaField:
     SHARDS: Final = "shards"  # S, shards per epoch
     WINDOW: Final = "window"  # W, the look-ahead in shards past the floor
     EPOCH_BATCHES: Final = "epoch_batches"  # batches per epoch, -1 if unknown
+    STRIPES: Final = "stripes"  # the run's stripes (batchq/protocol/stripes.py)
     NEXT: Final = "next"  # the next shard to mint
     FLOOR: Final = "floor"  # the trainer's oldest incomplete shard
     FINISHED: Final = "finished"  # '1' once the trainer finished the run

@@ -9,7 +9,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 finished flag, batches per epoch, the trainer's
                                 shared-memory host identity (``shm_host``, see
                                 :mod:`batchq.wire.shm`), the pipeline's axis labels (JSON
-                                source -> axis names, set by producers)
+                                source -> axis names, set by producers), the run's
+                                stripes (batchq/protocol/stripes.py)
     bq:{Q}:data         LIST    frames (or references to frames): producers push left,
                                 the trainer pops right; LLEN is the queue's depth
     bq:{Q}:wake         LIST    wake-up tokens for producers blocked at the hwm or at the
@@ -80,24 +81,37 @@ formats of entries and values in :mod:`batchq.protocol.layout`.
 
 Only the data list's name contains "data"; producer ids and queue names may not contain
 the characters that would break that (see :func:`check_name`).
+
+A striped queue (:mod:`batchq.protocol.stripes`) is several queues: stripe 0 is ``Q``
+itself, stripe k >= 1 the queue ``<Q>--s<k>.<i>`` (:func:`stripe_name`), whose hash tag
+puts it in a slot of its own, in the middle of the k-th N-th of the cluster's slot space
+after the one holding ``Q``'s: on a cluster of N masters owning equal ranges of slots
+(what ``redis-cli --cluster create`` makes), N stripes land on N masters. Names
+ending in ``--s<k>.<i>`` are reserved for stripes: ``batchq status`` lists them under
+their queue (:func:`queue_from_meta_key` skips them).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Final, TypeVar
 
+from batchq.client.cluster import SLOTS, key_slot
 from batchq.errors import ConfigError
 
 __all__ = [
     "KEY_TYPES",
     "PREFIX",
     "SLOT_KEYS",
+    "STRIPE_CANDIDATES",
     "QueueKeys",
     "check_name",
+    "is_stripe",
     "queue_from_meta_key",
     "slot_suffix",
+    "stripe_name",
 ]
 
 PREFIX = "bq"
@@ -154,10 +168,53 @@ def check_name(value: str, what: str) -> str:
 
 
 def queue_from_meta_key(key: str | bytes) -> str | None:
-    """Return the queue name of a ``bq:{Q}:meta`` key, or None for any other key."""
+    """Return the queue name of a ``bq:{Q}:meta`` key, or None for any other key (and
+    for a stripe's: it is listed with its queue)."""
     text = key.decode() if isinstance(key, bytes) else key
     match = _META_RE.match(text)
-    return match.group(1) if match else None
+    return match.group(1) if match and not is_stripe(match.group(1)) else None
+
+
+_STRIPE_RE = re.compile(r"--s[0-9]+\.[0-9]+$")
+#: How many names a stripe's is chosen among (the one whose slot is nearest its target).
+STRIPE_CANDIDATES = 1024
+
+
+def is_stripe(name: str) -> bool:
+    """Whether ``name`` is a stripe's (``<Q>--s<k>.<i>``)."""
+    return _STRIPE_RE.search(name) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def stripe_name(queue: str, stripe: int, count: int) -> str:
+    """The queue name of stripe ``stripe`` of a queue striped ``count`` ways: ``queue``
+    itself for stripe 0, else ``<queue>--s<stripe>.<i>`` for the ``i`` below
+    :data:`STRIPE_CANDIDATES` whose cluster slot is nearest the middle of the
+    ``stripe``-th ``1/count`` of the slot space after the one holding ``queue``'s slot
+    (the first such ``i``). A pure function of its arguments: every producer and
+    trainer names the same stripes.
+
+    Raises:
+        ConfigError: the name would be longer than a queue name may be.
+    """
+    if stripe == 0:
+        return queue
+    base = f"{queue}--s{stripe}."
+    if len(base) + len(str(STRIPE_CANDIDATES - 1)) > 128:
+        raise ConfigError(
+            f"queue {queue!r} is too long to be striped: expected at most "
+            f"{128 - len(base) + len(queue) - len(str(STRIPE_CANDIDATES - 1))} characters"
+        )
+    # The middle of the count-th of the slot space ``stripe`` after the one holding the
+    # queue's slot: with equal ranges per master (count of them), a master each.
+    first = key_slot(f"{{{queue}}}") * count // SLOTS
+    target = (2 * ((first + stripe) % count) + 1) * SLOTS // (2 * count)
+
+    def distance(i: int) -> int:
+        gap = abs(key_slot(f"{{{base}{i}}}") - target)
+        return min(gap, SLOTS - gap)
+
+    return f"{base}{min(range(STRIPE_CANDIDATES), key=distance)}"
 
 
 K = TypeVar("K")
@@ -331,6 +388,11 @@ class QueueKeys:
     def frame_pattern(self) -> str:
         """A SCAN pattern matching this queue's frames stored by reference."""
         return f"{PREFIX}:\\{{{self.queue}\\}}:frame:*"
+
+    def stripe(self, stripe: int, count: int) -> QueueKeys:
+        """The keys of stripe ``stripe`` of this queue striped ``count`` ways (stripe 0:
+        these)."""
+        return self if stripe == 0 else QueueKeys(stripe_name(self.queue, stripe, count))
 
     def __repr__(self) -> str:
         return f"QueueKeys({self.queue!r})"

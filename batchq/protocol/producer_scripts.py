@@ -126,9 +126,12 @@ def join(
     grace_ms: int,
     no_create: bool,
     shard_batches: int | None = None,
+    stripes: int = 1,
 ) -> JoinReply:
     """A producer joins the queue's run (join.lua); ``shard_batches``: the plan's
-    batches per full shard (None: it cannot count them, published as 0)."""
+    batches per full shard (None: it cannot count them, published as 0); ``stripes``:
+    the run's stripes (:mod:`batchq.protocol.stripes`), set with the plan, then
+    checked."""
     return build_call(
         "join",
         JoinReply.parse,
@@ -140,7 +143,7 @@ def join(
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,
          "epoch_batches": -1 if epoch_batches is None else epoch_batches,
          "served": served, "grace_ms": grace_ms, "no_create": FLAGS[no_create],
-         "shard_batches": shard_batches or 0},
+         "shard_batches": shard_batches or 0, "stripes": stripes},
     ).run(client)  # fmt: skip
 
 

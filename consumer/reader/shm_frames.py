@@ -163,6 +163,12 @@ class TrainerShm:
         self.frames = 0  # frames received through shared memory
         self.swept = 0  # segments of gone producers removed by sweep()
 
+    def sibling(self, keys: QueueKeys) -> TrainerShm:
+        """The same trainer's shared memory for another queue: a stripe of this one
+        (:mod:`batchq.protocol.stripes`), whose segments and host are its own."""
+        writable = self.access is not ArrayAccess.READ_ONLY
+        return TrainerShm(keys, self.mode, self.shm_dir, writable, rank=self.rank, world=self.world)
+
     def publish(self, client: redis.Redis, lookahead: int, slot: int = 0) -> None:
         """Tell the producers this trainer's host and its look-ahead (the decoded frames
         it may hold ahead of its caller), or that it takes nothing by shared memory;
@@ -247,7 +253,15 @@ class TrainerShm:
         if desc.host != self.identity:
             raise self._host_error(desc)
         path = os.path.join(self.shm_dir, desc.segment)
-        ino, size, mm, _dev = self._map(desc.segment, path)
+        try:
+            ino, size, mm, _dev = self._map(desc.segment, path)
+        except FrameError as e:
+            if e.reason == "shm_missing" and self._had(desc.segment, desc.gen):
+                # A batch had and released whose segment went since (its producer left
+                # or was reaped), listed again: a pop a Redis failover lost.
+                self.duplicates += 1
+                return None
+            raise
         if HEADER_BYTES + desc.length > size:
             raise FrameError(
                 "shm_wrong_size",
@@ -277,6 +291,10 @@ class TrainerShm:
             # Copied into memory the arrays own; the owner goes here: released at once.
             return memoryview(bytearray(owner))
         return owner
+
+    def _had(self, segment: str, gen: int) -> bool:
+        """Whether this trainer resolved generation ``gen`` of ``segment`` (any inode)."""
+        return any(s == segment and g == gen for s, _ino, g in self._seen)
 
     def release_unread(self, element: bytes) -> bool:
         """Hand back the segment of a descriptor this trainer popped and will never read

@@ -35,8 +35,9 @@ import redis
 from batchq.protocol.calls import Call
 from batchq.protocol.group_scripts import GLeaseReply
 from batchq.protocol.layout import lease_entry
-from batchq.protocol.ranks import shard_of_slot
+from batchq.protocol.ranks import RankLayout, shard_of_slot
 from batchq.protocol.replies import LeaseReply
+from batchq.protocol.stripes import Stripes
 from batchq.protocol.words import Status
 from producer.serving.params_follow import ProducerParams, ShardParams
 from producer.serving.sharding import ShardPlan
@@ -54,7 +55,9 @@ AnyLeaseReply = LeaseReply | GLeaseReply
 class Lease(NamedTuple):
     """One leased slot (see :mod:`batchq.protocol.ranks`): its global number, the batches the
     trainer has already, the lease's token, the run's slots per epoch and world, and the
-    group slots it is built for (:mod:`batchq.protocol.groups`; 1: slot 0 alone)."""
+    group slots it is built for (:mod:`batchq.protocol.groups`; 1: slot 0 alone), and the
+    stripe it was leased from (:mod:`batchq.protocol.stripes`: ``g`` is then the
+    stripe's number)."""
 
     g: int
     skip: int
@@ -64,17 +67,28 @@ class Lease(NamedTuple):
     shard: int | None = None  # the shard to build, where a resume remapped the slot
     params: str = ""  # the params log's stamp when it was granted
     mask: int = 1
+    stripe: int = 0
+    stripes: int = 1
 
     @classmethod
-    def from_reply(cls, reply: AnyLeaseReply, token: str, shards: int) -> Lease:
+    def from_reply(
+        cls, reply: AnyLeaseReply, token: str, shards: int, stripe: int = 0, stripes: int = 1
+    ) -> Lease:
         """From lease.lua's or glease.lua's OK reply (world 1 says no slots: the plan's S)."""
         mask = reply.mask if isinstance(reply, GLeaseReply) else 1
         slots = reply.slots or shards
-        return cls(reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, mask)
+        return cls(
+            reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, mask,
+            stripe, stripes,
+        )  # fmt: skip
 
     def address(self, shards: int) -> tuple[int, int, int]:
-        """(epoch, slot, the shard to build) in a plan of ``shards`` shards."""
-        epoch, slot = divmod(self.g, self.slots)
+        """(epoch, slot, the shard to build) in a plan of ``shards`` shards (a stripe's
+        slot number turned into the plan's)."""
+        g = self.g
+        if self.stripes > 1:
+            g = Stripes(self.stripes).plan_g(g, self.stripe, RankLayout(self.slots, self.world))
+        epoch, slot = divmod(g, self.slots)
         return epoch, slot, self.shard if self.shard is not None else shard_of_slot(slot, shards)
 
     @property
@@ -120,7 +134,8 @@ class Ready:
 class Ahead:
     """The leases a producer holds beyond the shard it serves, and the next one built."""
 
-    def __init__(self) -> None:
+    def __init__(self, stripe: int = 0, stripes: int = 1) -> None:
+        self.stripe, self.stripes = stripe, stripes  # where its leases come from
         self.leases: deque[Lease] = deque()
         self.ready: Ready | None = None
         self.depth = -1  # the list's length after this producer's last push (-1: none yet)
@@ -141,7 +156,8 @@ class Ahead:
             reply = None if isinstance(value, redis.ResponseError) else request.parse(value)
             ok = reply is not None and reply.status == Status.OK
             if reply is not None and ok:
-                self.leases.append(Lease.from_reply(reply, token, shards))
+                lease = Lease.from_reply(reply, token, shards, self.stripe, self.stripes)
+                self.leases.append(lease)
             granted.append(ok)
         return granted
 

@@ -127,7 +127,8 @@ class FramePusher:
         self._oom_logged = False
         self._frame_seq = 0
         self.pending_ref: str | None = None  # a frame stored by reference, not yet listed
-        self.ahead = Ahead()  # leased with the last pushes; the next shard built ahead
+        # Leased with the last pushes; the next shard built ahead.
+        self.ahead = Ahead(settings.stripe, settings.stripes)
         # The run's params log as last read, and the params of the shard being built.
         self.params = ProducerParams(settings.keys, plan.shard_batches)
         self._shard_params = self.params.shard(0)

@@ -93,7 +93,7 @@ class Heartbeat:
 
     def run(self) -> None:
         """The thread's loop: beat, reap, check for an orphaned run, until stopped."""
-        client = make_client(self.url)
+        client = make_client(self.url, key=self.keys.meta)
         interval_s = self.heartbeat_ttl_ms / 1000 / BEATS_PER_TTL
         record = True  # the heartbeat's CLIENT ID, re-recorded each beat (it may reconnect)
         while True:

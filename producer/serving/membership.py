@@ -59,6 +59,7 @@ class Membership:
             trainer to re-create the run.
         axis_labels: the stream's axis labels as :func:`axis_labels_json` gives them.
         stop: the producer's stop event (ends a wait).
+        stripes: the queues the run is striped over (:mod:`batchq.protocol.stripes`).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class Membership:
         orphan_wait_s: float,
         axis_labels: str | None,
         stop: threading.Event,
+        stripes: int = 1,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -85,6 +87,7 @@ class Membership:
         self.orphan_wait_s = orphan_wait_s
         self.axis_labels = axis_labels
         self._stop = stop
+        self.stripes = stripes
         self._record_id = True  # False once the server refused CLIENT ID (ACL)
 
     def join(self, served: RunPosition) -> RunPosition | None:
@@ -146,6 +149,7 @@ class Membership:
             grace_ms=int(FINISHED_GRACE_S * 1000),
             no_create=no_create,
             shard_batches=self.plan.shard_batches,
+            stripes=self.stripes,
         )
 
     def _check(self, reply: JoinReply) -> None:
@@ -153,7 +157,9 @@ class Membership:
         if reply.status == Status.FINISHED:
             raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
         if reply.status == Status.MISMATCH:
-            got = self.plan.fingerprint if reply.what == "fingerprint" else str(self.hwm)
+            got = {"fingerprint": self.plan.fingerprint, "stripes": str(self.stripes)}.get(
+                reply.what, str(self.hwm)
+            )
             raise PipelineMismatch(reply.what, reply.expected, got)
         if reply.status != Status.OK:
             raise status_error(reply.status, f"producer {self.id} joining")

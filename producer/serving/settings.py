@@ -29,6 +29,9 @@ class PushSettings:
         inline_max_bytes: frames larger than this travel by reference.
         heartbeat_ttl_ms: a producer silent for this long is declared dead.
         max_attempts: a shard whose pipeline raised this many times is reported.
+        stripe: the stripe the producer serves (``keys`` are its) of the ``stripes`` of
+            a striped queue (:mod:`batchq.protocol.stripes`).
+        stripes: how many the queue has.
     """
 
     keys: QueueKeys
@@ -39,3 +42,5 @@ class PushSettings:
     inline_max_bytes: int
     heartbeat_ttl_ms: int
     max_attempts: int
+    stripe: int = 0
+    stripes: int = 1

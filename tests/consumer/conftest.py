@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from batchq.host.embedded import EmbeddedRedis
-from producer import Producer
+from producer import Producer, StripedProducer
 
 
 @pytest.fixture
@@ -24,13 +24,22 @@ def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-def producer_thread(redis_url: str, queue_name: str) -> Iterator[Callable[..., Producer]]:
-    """Start Producers serving in threads; each is stopped when the test ends."""
-    started: list[tuple[Producer, threading.Thread]] = []
+def producer_thread(
+    queue_url: str, queue_name: str, queue_stripes: int
+) -> Iterator[Callable[..., Any]]:
+    """Start Producers serving in threads (StripedProducers where ``queue_url`` is
+    parametrized "stripes"); each is stopped when the test ends."""
+    started: list[tuple[Producer | StripedProducer, threading.Thread]] = []
 
-    def start(stream: Any, **options: Any) -> Producer:
+    def start(stream: Any, **options: Any) -> Producer | StripedProducer:
         options.setdefault("hwm", 4)
-        producer = Producer(stream, redis_url, queue_name, **options)
+        producer: Producer | StripedProducer
+        if queue_stripes > 1:
+            producer = StripedProducer(
+                stream, queue_url, queue_name, stripes=queue_stripes, **options
+            )
+        else:
+            producer = Producer(stream, queue_url, queue_name, **options)
         thread = threading.Thread(target=producer.serve, daemon=True)
         thread.start()
         started.append((producer, thread))

@@ -92,13 +92,14 @@ def check_epoch(plan: list[list[int]], per_rank: list[list[list[int]]], world: i
     assert set(together) == {tuple(b) for b in plan}  # every batch of the epoch
 
 
+@pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
 def test_four_ranks_three_producers_one_killed(
-    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
+    queue_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
 ) -> None:
     procs = producers(3)
     outs = [tmp_path / f"r{r}.jsonl" for r in range(4)]
     ranks = [
-        spawn_proc(rank_argv(redis_url, queue_name, outs[r], 3, r, 4, "--finish")) for r in range(4)
+        spawn_proc(rank_argv(queue_url, queue_name, outs[r], 3, r, 4, "--finish")) for r in range(4)
     ]
     wait_until(lambda: sum(len(lines(o)) for o in outs) >= 30, timeout_s=60, what="epoch 1")
     procs[0].send_signal(signal.SIGKILL)

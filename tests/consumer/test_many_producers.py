@@ -15,6 +15,7 @@ from waiting import wait_until
 
 from batchq.client.connection import make_client
 from batchq.errors import PipelineMismatch, ProducerFailed
+from batchq.monitoring.rows import status_rows
 from batchq.protocol import scripts
 from batchq.protocol.calls import decode_reply
 from batchq.protocol.keys import QueueKeys
@@ -66,8 +67,14 @@ def test_four_producers_five_epochs_exact(
         stream.close(finished=True)
 
 
+@pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
 def test_sigkill_producers_mid_shard_every_epoch_stays_exact(
-    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+    queue_url: str,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    queue_stripes: int,
 ) -> None:
     env = serve_env(examples=300, batch_size=10, slow_ms=15)
     argv = serve_argv("--hwm", "4", "--heartbeat-ttl-s", "1")
@@ -76,7 +83,7 @@ def test_sigkill_producers_mid_shard_every_epoch_stays_exact(
     kill_at = sorted(rng.sample(range(5, 85), 4))
     expected = reference(3, examples=300, batch_size=10)
     seen = 0
-    with trainer(redis_url, queue_name, stall_s=1.0) as stream:
+    with trainer(queue_url, queue_name, stall_s=1.0) as stream:
         for e in range(3):
             got = []
             for f, _ in stream.get_epoch_iterator():
@@ -89,6 +96,12 @@ def test_sigkill_producers_mid_shard_every_epoch_stays_exact(
                     victim.wait(timeout=10)
                     procs.append(spawn_proc(argv, env=env))  # a replacement joins
             assert got == expected[e]
+        if queue_stripes > 1:  # one queue over the cluster's 3 masters: data went on each
+            client = make_client(queue_url)
+            (row,) = status_rows(client, [queue_name])
+            client.close()
+            assert len({s["node"] for s in row["stripes"]}) == queue_stripes
+            assert all(s["pushed"] > 0 and s["popped"] > 0 for s in row["stripes"])
         stream.close(finished=True)
     assert not kill_at
 

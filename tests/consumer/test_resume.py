@@ -84,19 +84,20 @@ def test_checkpoint_in_epoch_2_resumes_exactly_in_a_fresh_process(
             )
 
 
+@pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
 def test_sigkilled_trainer_restarts_from_its_last_state(
-    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
+    queue_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
 ) -> None:
     producers(3)
     out_a, out_b, state = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "s.json"
-    a = spawn_proc(train_argv(redis_url, queue_name, out_a, 4, "--state-out", str(state)))
+    a = spawn_proc(train_argv(queue_url, queue_name, out_a, 4, "--state-out", str(state)))
     wait_until(lambda: len(lines(out_a)) >= 33, timeout_s=60, what="the trainer in epoch 1")
     a.send_signal(signal.SIGKILL)
     a.wait(timeout=10)
     saved = json.loads(state.read_text())
     # load_state_dict takes over at once although the killed trainer's claim is live.
     b = spawn_proc(
-        train_argv(redis_url, queue_name, out_b, 4, "--state-in", str(state), "--finish")
+        train_argv(queue_url, queue_name, out_b, 4, "--state-in", str(state), "--finish")
     )
     assert b.wait(timeout=60) == 0
     assert lines(out_a)[: position(saved)] + lines(out_b) == reference(4)

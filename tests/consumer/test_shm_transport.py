@@ -227,18 +227,19 @@ def test_hostile_descriptors_are_bad_frames_and_the_epoch_stays_exact(
     assert redis_client.llen(keys.dead) == 4
 
 
+@pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
 def test_resume_from_a_checkpoint_is_exact_with_shared_memory(
-    redis_url: str, queue_name: str, producer_thread: Callable[..., Producer]
+    queue_url: str, queue_name: str, producer_thread: Callable[..., Producer]
 ) -> None:
     producer_thread(numbered(EXAMPLES, BATCH))
     got = []
-    first = trainer(redis_url, queue_name)
+    first = trainer(queue_url, queue_name)
     got += [examples_of(f) for f, _ in first.get_epoch_iterator()]  # epoch 0
     it = first.get_epoch_iterator()
     got += [examples_of(next(it)[0]) for _ in range(7)]
     state = first.state_dict()
     first.close()
-    second = trainer(redis_url, queue_name)
+    second = trainer(queue_url, queue_name)
     second.load_state_dict(state)
     for _ in range(2):
         got += [examples_of(f) for f, _ in second.get_epoch_iterator()]

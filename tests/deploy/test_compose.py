@@ -19,6 +19,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from batchq.cli.serve import load_factory
+from batchq.client.urls import parse_target
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -26,6 +27,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 SERVICES = {"redis", "producer", "trainer", "exporter", "prometheus", "grafana"}
+CLUSTER_NODES = {"redis-node-1", "redis-node-2", "redis-node-3"}
+CLUSTER = {*CLUSTER_NODES, "cluster-init", "producer-cluster", "trainer-cluster"}
 
 
 def load_yaml(path: Path) -> Any:
@@ -83,10 +86,11 @@ def _after(command: list[str], flag: str) -> str:
 
 def test_the_services_and_the_monitoring_profile(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == SERVICES
+    assert set(services) == SERVICES | CLUSTER
     profiled = {name for name, s in services.items() if s.get("profiles")}
-    assert profiled == {"prometheus", "grafana"}
-    assert all(services[n]["profiles"] == ["monitoring"] for n in profiled)
+    assert profiled == {"prometheus", "grafana"} | CLUSTER
+    assert all(services[n]["profiles"] == ["monitoring"] for n in ("prometheus", "grafana"))
+    assert all(services[n]["profiles"] == ["cluster"] for n in CLUSTER)
 
 
 def test_redis_never_evicts_persists_nothing_by_default_and_has_a_healthcheck(
@@ -134,6 +138,45 @@ def test_the_batchq_services(compose: dict[str, Any], monkeypatch: pytest.Monkey
     assert exporter[:2] == ["batchq", "exporter"]
     assert _after(exporter, "--port") == "9108"
     assert _after(exporter, "--host") == "0.0.0.0"  # reachable by Prometheus' container
+
+
+def test_the_cluster_profile_runs_the_job_on_three_masters_striped(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    services = compose["services"]
+    for name in CLUSTER_NODES:  # as the single server, with cluster mode on
+        node = services[name]
+        command = node["command"]
+        assert re.fullmatch(r"redis:7(\.\d+)*(-\w+)?", node["image"])
+        assert _after(command, "--cluster-enabled") == "yes"
+        assert _after(command, "--maxmemory-policy") == "noeviction"
+        assert _after(command, "--save") == "" and _after(command, "--appendonly") == "no"
+        assert "+cluster" in command and "-@dangerous" in command
+        assert node["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+        assert "ports" not in node
+    init = services["cluster-init"]
+    script = " ".join(init["command"])
+    assert "redis-cli --cluster create --cluster-yes" in script
+    assert all(f"getent hosts {n} " in script for n in CLUSTER_NODES)  # MEET wants addresses
+    assert set(init["depends_on"]) == CLUSTER_NODES
+    monkeypatch.syspath_prepend(str(ROOT))
+    for name in ("producer-cluster", "trainer-cluster"):
+        service = services[name]
+        assert service["depends_on"] == {
+            "cluster-init": {"condition": "service_completed_successfully"}
+        }
+        env = service["environment"]
+        default_url = re.fullmatch(r"\$\{BATCHQ_CLUSTER_URL:-(.+)\}", env["BATCHQ_URL"])
+        assert default_url is not None
+        target = parse_target(default_url.group(1))
+        assert target.kind == "cluster"
+        assert {host for host, _ in target.nodes} == CLUSTER_NODES
+        assert env["BATCHQ_STRIPES"] == "${BATCHQ_STRIPES:-3}"
+    producer = services["producer-cluster"]
+    assert producer["command"] == services["producer"]["command"]
+    assert callable(load_factory(producer["command"][2]))
+    assert producer["ipc"] == "service:trainer-cluster"
+    assert services["trainer-cluster"]["command"] == services["trainer"]["command"]
 
 
 def test_published_ports_are_on_loopback_only(compose: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from pipelines import examples_of
@@ -50,6 +51,8 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--even", default="pad")
     parser.add_argument("--stop-after", type=int, help="exit 3 after this many batches")
+    parser.add_argument("--until", help="read epochs (past --epochs) until this file exists")
+    parser.add_argument("--figures", help="write the stream's figures here at the end (JSON)")
     parser.add_argument("--group", help="read as this group (a run read by several groups)")
     parser.add_argument("--max-lag", type=int, help="the group's max_lag_batches")
     parser.add_argument("--stats-out", help="write the stream's figures there at the end")
@@ -72,10 +75,16 @@ def main() -> int:
         with open(args.state_in) as f:
             stream.load_state_dict(json.load(f))
     yielded = 0
+    waits: list[float] = []  # seconds between consecutive batches
+    last = None
     with open(args.out, "a") as out:
-        while stream.epoch + 1 < args.epochs:
+        while stream.epoch + 1 < args.epochs or (args.until and not os.path.exists(args.until)):
             it = stream.get_epoch_iterator()
             for features, _ in it:
+                now = time.monotonic()
+                if last is not None:
+                    waits.append(now - last)
+                last = now
                 out.write(json.dumps([stream.epoch, examples_of(features)]) + "\n")
                 out.flush()
                 yielded += 1
@@ -87,11 +96,29 @@ def main() -> int:
                 if args.stop_after is not None and yielded >= args.stop_after:
                     stream.close()
                     return 3
+    if args.figures:
+        write_figures(stream, args.figures, waits)
     stream.close(finished=args.finish)
     if args.stats_out:
         with open(args.stats_out, "w") as f:
             json.dump({"shm_frames": stream._shm.frames, **stream.stats}, f)
     return 0
+
+
+def write_figures(stream: ServerDataStream, path: str, waits: list[float]) -> None:
+    """What the trainer dropped and redid: duplicates (frames it had already: a shard
+    built again, a frame a failover brought back), frames past its window, bad frames;
+    and its ten longest waits for a batch (s)."""
+    buffer, reader = stream._buffer, stream._reader
+    figures = {
+        "epochs": stream.epoch + 1,
+        "duplicates": buffer.ledger.duplicates if buffer is not None else 0,
+        "dropped_ahead": stream.stats["dropped_ahead"],
+        "bad_frames": reader.bad_frames if reader is not None else 0,
+        "longest_waits_s": [round(w, 2) for w in sorted(waits, reverse=True)[:10]],
+    }
+    with open(path, "w") as f:
+        json.dump(figures, f)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ local no_create = ARGV[13]       -- '1': create no queue and no run (after Redis
                                  -- ledger; producers wait for that)
 local shard_batches = ARGV[14]   -- batches per full shard, 0 if the plan cannot count
                                  -- them (the params log's numbering, ranks.py)
+local stripes = ARGV[15]         -- the queues the run is striped over (batchq/protocol/
+                                 -- stripes.py): set with the plan, then checked
 
 local now = server_now_ms()
 
@@ -75,6 +77,12 @@ else
   if not redis.call('HGET', meta_key, 'shard_batches') then
     redis.call('HSET', meta_key, 'shard_batches', shard_batches)
   end
+end
+local run_stripes = redis.call('HGET', meta_key, 'stripes')
+if not run_stripes then
+  redis.call('HSET', meta_key, 'stripes', stripes)
+elseif run_stripes ~= stripes then
+  return {'MISMATCH', 'stripes', run_stripes}
 end
 
 -- Leases this producer id still holds from an earlier life go back to the front of the

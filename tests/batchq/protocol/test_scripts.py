@@ -50,7 +50,7 @@ class Q:
             {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
              "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
              "version": "1", "epoch_batches": shards, "served": self.run, "grace_ms": grace,
-             "no_create": "0", "shard_batches": 1},
+             "no_create": "0", "shard_batches": 1, "stripes": 1},
         )  # fmt: skip
         if reply[0] == "OK":
             self.inc, self.run = reply[1], reply[2]

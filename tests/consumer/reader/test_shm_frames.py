@@ -130,6 +130,21 @@ def test_missing_segment(pair: Any, tmp_path: Path) -> None:
     assert reason(trainer, frame.element) == "shm_missing"
 
 
+def test_a_batch_had_listed_again_after_its_segment_went_is_a_duplicate(pair: Any) -> None:
+    # A Redis failover lost the pop: the descriptor is listed again, and its segment was
+    # removed meanwhile (its producer was reaped, the trainer swept it).
+    producer, trainer = pair
+    frame = send(producer, np.zeros(100))
+    codec.decode_frame(trainer.resolve(frame.element))
+    gc.collect()
+    os.unlink(frame.segment.path)
+    assert trainer.resolve(frame.element) is None and trainer.duplicates == 1
+    other = send(producer, np.ones(100))  # never had: still a bad frame
+    if os.path.exists(other.segment.path):  # (the pool may have reused the gone one)
+        os.unlink(other.segment.path)
+    assert reason(trainer, other.element) == "shm_missing"
+
+
 def test_wrong_size(pair: Any, tmp_path: Path) -> None:
     producer, trainer = pair
     frame = send(producer, np.zeros(100))

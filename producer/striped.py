@@ -1,0 +1,111 @@
+"""A producer serving a striped queue: one lane per stripe, served in turn.
+
+A queue of N stripes (:mod:`batchq.protocol.stripes`) is N queues, each in a slot of its
+own (on a cluster, on a master of its own). :class:`StripedProducer` holds one
+:class:`producer.server.Producer` per stripe (a *lane*: its own client bound to the
+stripe's node, membership, heartbeat, leases, pusher and shared-memory segments), all
+sharing the stream and its plan, and serves them from one thread: a shard from each
+lane in turn, skipping a lane with nothing to lease (its window or list is full) and
+waiting (bounded, on one lane's wake list, a different one each time) only when none
+had any. So one producer process spreads its batches over every stripe, and a producer
+killed mid-shard leaves work in every stripe that the others redo, as with one queue.
+
+A lane whose Redis is unreachable holds the thread in its reconnect loop (bounded by
+``reconnect_timeout_s``): the other stripes wait meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from batchq.client.connection import tune_malloc
+from batchq.errors import RunFinished
+from batchq.protocol.layout import default_id
+from batchq.protocol.stripes import check_stripes
+from producer.server import Producer
+from producer.serving.sharding import ShardPlan
+
+__all__ = ["StripedProducer"]
+
+log = logging.getLogger(__name__)
+
+
+class StripedProducer:
+    """Serves one stream into the N stripes of a queue.
+
+    Args:
+        stream: a DataStream or transformer chain (Fuel's API).
+        url: the Redis URL (a cluster's puts the stripes on its masters).
+        queue: the queue's name.
+        hwm: each stripe's cap (the run's hwm).
+        stripes: N, fixed when the run is created (a producer with another N is
+            refused with PipelineMismatch).
+        **options: :class:`producer.server.Producer`'s (window, producer_id, ...); the
+            lanes share one producer id.
+    """
+
+    def __init__(
+        self, stream: Any, url: str, queue: str = "default", hwm: int = 10, *, stripes: int,
+        **options: Any,
+    ) -> None:  # fmt: skip
+        count = check_stripes(stripes)
+        options.setdefault("producer_id", default_id())
+        plan = ShardPlan(stream, options.pop("requests_per_shard", None))
+        self.lanes = [
+            Producer(stream, url, queue, hwm, stripe=(k, count), shard_plan=plan, **options)
+            for k in range(count)
+        ]
+        self.id = self.lanes[0].id
+        self._turn = 0  # the lane served first in the next round
+
+    @property
+    def stopped(self) -> bool:
+        """Whether serving stops (asked to, a lane orphaned, or the run finished)."""
+        return any(lane.stopped for lane in self.lanes)
+
+    @property
+    def orphaned(self) -> bool:
+        """Whether serving stopped because no trainer claimed the run (orphan_exit_s)."""
+        return any(lane.orphaned for lane in self.lanes)
+
+    def stop(self) -> None:
+        """Ask every lane to stop after its current step (thread- and signal-safe)."""
+        for lane in self.lanes:
+            lane.stop()
+
+    def serve(self) -> int:
+        """Serve until the run finishes (returns 0) or :meth:`stop` is called (returns 0).
+
+        Raises:
+            PipelineMismatch: the run was created by another pipeline, hwm or stripes.
+            ConnectionLost: a stripe's Redis could not be reached.
+        """
+        tune_malloc()
+        started: list[Producer] = []
+        finished = False
+        try:
+            for lane in self.lanes:
+                started.append(lane)
+                lane.begin()
+            while not self.stopped:
+                self._round()
+        except RunFinished as e:
+            log.info("producer %s: %s", self.id, e)
+            finished = True
+        finally:
+            for lane in started:
+                lane.end(finished)
+        return 0
+
+    def _round(self) -> None:
+        """A shard from each lane that has one to lease; a bounded wait if none had."""
+        count = len(self.lanes)
+        served = False
+        for i in range(count):
+            if self.stopped:
+                return
+            served = self.lanes[(self._turn + i) % count].step(wait=False) or served
+        self._turn = (self._turn + 1) % count
+        if not served and not self.stopped:
+            self.lanes[self._turn].wait_for_room()
