@@ -51,9 +51,10 @@ def is_redirect(reply: object) -> bool:
 _REFUSED: Final = (*REDIRECTS, NoScriptError)
 
 
-def _refused(reply: object) -> bool:
-    """A redirect, or NOSCRIPT: a command that did not run, to send again alone."""
-    return isinstance(reply, _REFUSED)
+def _pending(replies: Sequence[object]) -> list[int]:
+    """The indexes of the redirects and NOSCRIPTs: commands that did not run, to send
+    again alone."""
+    return [i for i, reply in enumerate(replies) if isinstance(reply, _REFUSED)]
 
 
 def follow_redirects(
@@ -79,40 +80,62 @@ def follow_redirects(
     route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
     if not isinstance(route, SlotRoute):
         return replies
-    deadline = time.monotonic() + TRYAGAIN_S
-    pause_s = 0.0  # the first redirect is followed at once, the next after a pause
-    while True:
-        pending = [i for i, reply in enumerate(replies) if _refused(reply)]
-        if not pending:
-            break
-        if pause_s:  # the slot is moving: its nodes may disagree for a moment
-            if time.monotonic() + pause_s > deadline:
-                break
-            time.sleep(pause_s)
-        pause_s = min(2 * pause_s, PAUSE_MAX_S) if pause_s else PAUSE_FIRST_S
-        again = []
-        noscript = any(isinstance(replies[i], NoScriptError) for i in pending)
-        for i in pending:
-            reply, read = replies[i], readers[i] if readers is not None else None
-            if isinstance(reply, NoScriptError):
-                again.append(i)
-            elif isinstance(reply, MovedError) and reply.slot_id == route.slot:
-                route.moved(reply.host, reply.port)
-                again.append(i)
-            elif isinstance(reply, AskError):  # MOVED for another slot, or ASK
-                asking = not isinstance(reply, MovedError)
-                replies[i] = _elsewhere(route.topology, reply, commands[i], read, asking, load)
-            else:  # TRYAGAIN, CLUSTERDOWN: a migration or a failover in progress
-                again.append(i)
-        if noscript:
+    reads = list(readers) if readers is not None else [None] * len(commands)
+    pauses = _Pauses(time.monotonic() + TRYAGAIN_S)
+    while (pending := _pending(replies)) and pauses.wait():
+        again = _place(route, commands, replies, reads, pending, load)
+        if any(isinstance(replies[i], NoScriptError) for i in again):
             load(client)  # on the node the client is bound to now (after any MOVED)
         if again:
-            resent = send([commands[i] for i in again], [
-                readers[i] if readers is not None else None for i in again
-            ])  # fmt: skip
+            resent = send([commands[i] for i in again], [reads[i] for i in again])
             for i, reply in zip(again, resent, strict=True):
                 replies[i] = reply
     return replies
+
+
+class _Pauses:
+    """The waits between rounds of redirects: the first round goes at once, the next
+    after a pause that doubles up to a cap, none past the deadline (a moving slot's
+    nodes may disagree for a moment)."""
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._pause_s = 0.0
+
+    def wait(self) -> bool:
+        """Sleeps before the next round; False where the deadline would pass."""
+        if self._pause_s:
+            if time.monotonic() + self._pause_s > self._deadline:
+                return False
+            time.sleep(self._pause_s)
+        self._pause_s = min(2 * self._pause_s, PAUSE_MAX_S) if self._pause_s else PAUSE_FIRST_S
+        return True
+
+
+def _place(
+    route: SlotRoute,
+    commands: Sequence[Sequence[Any]],
+    replies: list[Any],
+    reads: Sequence[Reader | None],
+    pending: Sequence[int],
+    load: Callable[[redis.Redis], None],
+) -> list[int]:
+    """Follows each refused reply: one for another node is sent there at once (its reply
+    put in place); the indexes of the others, to send again on the client's own
+    connection, are returned (NOSCRIPT, a MOVED of the route's slot, which moves the
+    route, TRYAGAIN, CLUSTERDOWN: a migration or a failover in progress)."""
+    again = []
+    for i in pending:
+        reply = replies[i]
+        ours = isinstance(reply, MovedError) and reply.slot_id == route.slot
+        if isinstance(reply, AskError) and not ours:  # MOVED for another slot, or ASK
+            asking = not isinstance(reply, MovedError)
+            replies[i] = _elsewhere(route.topology, reply, commands[i], reads[i], asking, load)
+            continue
+        if ours:
+            route.moved(reply.host, reply.port)
+        again.append(i)
+    return again
 
 
 def _elsewhere(

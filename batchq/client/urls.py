@@ -100,37 +100,51 @@ def parse_target(url: str) -> Target:
         raise _bad(str(url), "no scheme")
     scheme = url.split("://", 1)[0].lower()
     if scheme in SERVER_SCHEMES:
-        try:
-            options = parse_url(url)  # type: ignore[no-untyped-call]
-        except ValueError as e:
-            raise _bad(url, str(e)) from e
+        options = _redis_py_options(url, url)
         return Target(url, "server", db=int(options.get("db") or 0), tls=scheme == "rediss")
     if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
         raise _bad(url, f"unknown scheme {scheme!r}")
+    return _many_nodes(url, scheme)
+
+
+def _many_nodes(url: str, scheme: str) -> Target:
+    """The target of a cluster or Sentinel URL."""
     kind: Kind = "cluster" if scheme in CLUSTER_SCHEMES else "sentinel"
-    rest = url.split("://", 1)[1]
-    netloc, _, tail = rest.partition("/")
-    path, _, query = tail.partition("?")
-    if "?" in netloc:  # no path at all: 'redis+cluster://h:1?x=y'
-        netloc, _, query = netloc.partition("?")
-    userinfo, _, hosts = netloc.rpartition("@")
+    userinfo, hosts, path, query = _parts(url.split("://", 1)[1])
     nodes = tuple(_node(url, item, _DEFAULT_PORT[kind]) for item in hosts.split(","))
     service, db = _path(url, kind, path)
     pairs = parse_qsl(query, keep_blank_values=True)
-    sentinel_pairs = [(k, v) for k, v in pairs if k in _SENTINEL_QUERY]
     node_query = urlencode([(k, v) for k, v in pairs if k not in _SENTINEL_QUERY])
     tls = scheme.startswith("rediss")
     one = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}x:1/{db}"
-    try:
-        options = parse_url(f"{one}?{node_query}" if node_query else one)  # type: ignore[no-untyped-call]
-    except ValueError as e:
-        raise _bad(url, str(e)) from e
+    options = _redis_py_options(url, f"{one}?{node_query}" if node_query else one)
     for name in ("host", "port", "path"):
         options.pop(name, None)
     if kind == "cluster" and int(options.get("db") or 0) != 0:
         raise _bad(url, f"a cluster has only database 0, not {options['db']}")
-    sentinel = {k.removeprefix("sentinel_"): v for k, v in sentinel_pairs}
+    sentinel = {k.removeprefix("sentinel_"): v for k, v in pairs if k in _SENTINEL_QUERY}
     return Target(url, kind, nodes, service, db, tls, options, sentinel)
+
+
+def _parts(rest: str) -> tuple[str, str, str, str]:
+    """(userinfo, hosts, path, query) of what follows a cluster or Sentinel URL's
+    scheme; the path may be left out ('redis+cluster://h:1?x=y')."""
+    netloc, _, tail = rest.partition("/")
+    path, _, query = tail.partition("?")
+    if "?" in netloc:
+        netloc, _, query = netloc.partition("?")
+    userinfo, _, hosts = netloc.rpartition("@")
+    return userinfo, hosts, path, query
+
+
+def _redis_py_options(url: str, one_server_url: str) -> dict[str, Any]:
+    """redis-py's connection arguments for a one-server URL; its ValueError named as the
+    URL given (``url``, masked) being invalid."""
+    try:
+        options: dict[str, Any] = parse_url(one_server_url)  # type: ignore[no-untyped-call]
+    except ValueError as e:
+        raise _bad(url, str(e)) from e
+    return options
 
 
 def _node(url: str, item: str, default_port: int) -> tuple[str, int]:
