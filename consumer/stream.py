@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 from batchq.client.connection import make_client, resolve_url, tune_malloc
@@ -412,12 +411,7 @@ class ServerDataStream(FuelStreamMixin):
     def __enter__(self) -> ServerDataStream:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     @property

@@ -32,7 +32,7 @@ import warnings
 import weakref
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -184,12 +184,7 @@ class TorchStream(IterableDataset[Any]):
     def __enter__(self) -> TorchStream:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     @property

@@ -23,124 +23,23 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from batchq.errors import ConfigError
-from producer.config import default_seed
 from producer.streams import AbstractDataStream
+from producer.torch_args import (
+    LoaderArgs,
+    check_batching,
+    check_common,
+    check_map_style,
+    check_seed,
+    check_threads,
+    default_samplers,
+)
 from producer.torch_collate import SourceLayout, flatten
 from producer.torch_orders import SamplerOrders
 from producer.torch_seeding import batch_seed, derive_seed, preserved_rng, seed_globals
 
-__all__ = ["DatasetStream", "check_common", "check_seed", "check_threads"]
+__all__ = ["DatasetStream"]
 
 log = logging.getLogger(__name__)
-
-
-def check_seed(seed: Any) -> int:
-    """The run's seed for the orders and per-batch seeds (None: Fuel's default seed).
-
-    Raises:
-        ConfigError: not an integer >= 0 or None.
-    """
-    if seed is None:
-        return int(default_seed)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError(f"seed {seed!r} is not valid: expected an integer >= 0 or None")
-    return seed
-
-
-def check_threads(threads: Any) -> int | None:
-    """torch's intra-op threads per producer (None: torch's own default).
-
-    Raises:
-        ConfigError: not an integer >= 1 or None.
-    """
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise ConfigError(
-            f"torch_threads {threads!r} is not valid: expected an integer >= 1 or None"
-        )
-    return threads
-
-
-def _check_map_style(
-    dataset: Any, num_shards: int | None, worker_init_fn: Any, generator: Any
-) -> None:
-    """A map-style dataset and the arguments that go with one (DataLoader's messages)."""
-    import torch
-
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise ConfigError(
-            f"dataset {dataset!r} is not valid: expected a map-style dataset "
-            "(__len__ and __getitem__) or a torch IterableDataset"
-        )
-    if num_shards is not None or worker_init_fn is not None:
-        raise ConfigError(
-            "num_shards and worker_init_fn are for an IterableDataset: a map-style "
-            "dataset is cut into one shard per batch"
-        )
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ConfigError(f"generator {generator!r} is not valid: expected a torch.Generator")
-
-
-def _check_batching(
-    batch_size: int | None, shuffle: bool, drop_last: bool, sampler: Any, batch_sampler: Any
-) -> int | None:
-    """DataLoader's exclusions between its batching arguments; the batch size in effect
-    (None with a batch sampler)."""
-    if sampler is not None and shuffle:
-        raise ConfigError("sampler option is mutually exclusive with shuffle")
-    if batch_sampler is not None:
-        if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ConfigError(
-                "batch_sampler option is mutually exclusive with batch_size, shuffle, "
-                "sampler, and drop_last"
-            )
-        return None
-    if batch_size is None and drop_last:
-        raise ConfigError(
-            "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
-        )
-    return batch_size
-
-
-def _default_samplers(
-    dataset: Any,
-    batch_size: int | None,
-    shuffle: bool,
-    drop_last: bool,
-    generator: Any,
-    sampler: Any,
-    batch_sampler: Any,
-) -> tuple[Any, Any]:
-    """DataLoader's default sampler and batch sampler, the same objects it would make."""
-    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
-
-    if sampler is None:
-        sampler = (
-            RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
-        )
-    if batch_size is not None:
-        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
-    return sampler, batch_sampler
-
-
-def check_common(batch_size: Any, collate_fn: Any, sources: Any) -> None:
-    """The arguments a map-style and an iterable dataset's streams share.
-
-    Raises:
-        ConfigError: a batch size that is not a positive integer or None, a collate_fn
-            that is not callable, or sources that are not a sequence of names.
-    """
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ConfigError(
-            f"batch_size {batch_size!r} is not valid: expected an integer >= 1 or None"
-        )
-    if collate_fn is not None and not callable(collate_fn):
-        raise ConfigError(f"collate_fn {collate_fn!r} is not valid: expected a callable")
-    if sources is not None and (isinstance(sources, str) or not isinstance(sources, Sequence)):
-        raise ConfigError(f"sources {sources!r} is not valid: expected a sequence of names")
 
 
 class DatasetStream(AbstractDataStream):
@@ -204,36 +103,54 @@ class DatasetStream(AbstractDataStream):
         from torch.utils.data._utils.collate import default_collate, default_convert
 
         check_common(batch_size, collate_fn, sources)
-        _check_map_style(dataset, num_shards, worker_init_fn, generator)
-        batch_size = _check_batching(batch_size, shuffle, drop_last, sampler, batch_sampler)
-        sampler, batch_sampler = _default_samplers(
-            dataset, batch_size, shuffle, drop_last, generator, sampler, batch_sampler
-        )
         self.dataset = dataset
-        self.seed = check_seed(seed)
-        self.batch_size = batch_size
         self.drop_last = drop_last
-        self.sampler = sampler
-        self.batch_sampler = batch_sampler
-        self.generator = generator
-        self.auto_collation = batch_sampler is not None
+        self._configure(
+            LoaderArgs(
+                dataset, batch_size, shuffle, drop_last, collate_fn, generator, sampler,
+                batch_sampler, sources, seed, num_shards, worker_init_fn, torch_threads,
+            )
+        )  # fmt: skip
         self.collate_fn = collate_fn or (
             default_collate if self.auto_collation else default_convert
         )
-        self.orders = SamplerOrders(
-            dataset,
-            batch_sampler if self.auto_collation else sampler,
-            generator,
-            self.seed,
-            batched=self.auto_collation,
-        )
-        super().__init__(iteration_scheme=self.orders)
         self._wanted_sources = None if sources is None else tuple(sources)
         self._layout: SourceLayout | None = None
         self._shard_seed: int | None = None
         self._k = 0
         self.torch_threads = check_threads(torch_threads)
         self._threads_set = False
+
+    def _configure(self, args: LoaderArgs) -> None:
+        """What a map-style dataset's stream makes of the arguments: DataLoader's
+        samplers, their orders as the iteration scheme."""
+        check_map_style(args.dataset, args.num_shards, args.worker_init_fn, args.generator)
+        batch_size = check_batching(
+            args.batch_size, args.shuffle, args.drop_last, args.sampler, args.batch_sampler
+        )
+        sampler, batch_sampler = default_samplers(
+            args.dataset,
+            batch_size,
+            args.shuffle,
+            args.drop_last,
+            args.generator,
+            args.sampler,
+            args.batch_sampler,
+        )
+        self.seed = check_seed(args.seed)
+        self.batch_size = batch_size
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.generator = args.generator
+        self.auto_collation = batch_sampler is not None
+        self.orders = SamplerOrders(
+            args.dataset,
+            batch_sampler if self.auto_collation else sampler,
+            args.generator,
+            self.seed,
+            batched=self.auto_collation,
+        )
+        AbstractDataStream.__init__(self, iteration_scheme=self.orders)
 
     # -- what the shard plan and the producer read -----------------------------------
 

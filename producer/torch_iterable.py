@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from batchq.errors import ConfigError
 from producer.streams import AbstractDataStream
-from producer.torch_collate import SourceLayout
-from producer.torch_dataset import DatasetStream, check_common, check_seed, check_threads
+from producer.torch_args import LoaderArgs, check_iterable, check_seed
+from producer.torch_dataset import DatasetStream
 from producer.torch_seeding import batch_seed, derive_seed, seed_globals
 
 __all__ = ["IterableDatasetStream"]
@@ -89,71 +89,21 @@ class IterableDatasetStream(DatasetStream):
     #: Not one batch per request: the plan reads a shard's batches one ahead.
     one_to_one = False
 
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int | None = 1,
-        shuffle: bool = False,
-        drop_last: bool = False,
-        collate_fn: Callable[[Any], Any] | None = None,
-        generator: Any = None,
-        sampler: Any = None,
-        batch_sampler: Any = None,
-        sources: Sequence[str] | None = None,
-        *,
-        seed: int | None = None,
-        num_shards: int | None = None,
-        worker_init_fn: Callable[[int], Any] | None = None,
-        torch_threads: int | None = 1,
-    ) -> None:
-        from torch.utils.data._utils.collate import default_collate, default_convert
-
-        check_common(batch_size, collate_fn, sources)
-        for name, value in (("shuffle", shuffle or None), ("sampler", sampler)):
-            if value is not None:
-                raise ConfigError(
-                    f"DataLoader with IterableDataset: expected unspecified {name} option, "
-                    f"but got {name}={value!r}"
-                )
-        if batch_sampler is not None or generator is not None:
-            raise ConfigError(
-                "DataLoader with IterableDataset: batch_sampler and generator are not "
-                "used (the dataset's own __iter__ gives the order)"
-            )
-        if batch_size is None and drop_last:
-            raise ConfigError(
-                "batch_size=None option disables auto-batching and is mutually exclusive "
-                "with drop_last"
-            )
-        shards = 1 if num_shards is None else num_shards
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise ConfigError(f"num_shards {num_shards!r} is not valid: expected an integer >= 1")
-        if worker_init_fn is not None and not callable(worker_init_fn):
-            raise ConfigError(
-                f"worker_init_fn {worker_init_fn!r} is not valid: expected a callable"
-            )
-        self.dataset = dataset
-        self.seed = check_seed(seed)
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+    def _configure(self, args: LoaderArgs) -> None:
+        """What an IterableDataset's stream makes of the arguments: ``num_shards``
+        shards per epoch, each a DataLoader worker's share."""
+        shards = check_iterable(args)
+        self.seed = check_seed(args.seed)
+        self.batch_size = args.batch_size
         self.num_shards = shards
-        self.worker_init_fn = worker_init_fn
+        self.worker_init_fn = args.worker_init_fn
         self.sampler = None
         self.batch_sampler = None
         self.generator = None
-        self.auto_collation = batch_size is not None
-        self.collate_fn = collate_fn or (
-            default_collate if self.auto_collation else default_convert
-        )
+        self.auto_collation = args.batch_size is not None
         self.data_stream = _ShardRoot(shards)
         AbstractDataStream.__init__(self, iteration_scheme=None)
         self._produces_examples = False
-        self._wanted_sources = None if sources is None else tuple(sources)
-        self._layout: SourceLayout | None = None
-        self._shard_seed: int | None = None
-        self._k = 0
-        self.torch_threads = check_threads(torch_threads)
-        self._threads_set = False
 
     @property
     def plan_fingerprint(self) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 
 import redis
 from redis.backoff import NoBackoff
@@ -283,12 +282,7 @@ class EmbeddedRedis:
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 
