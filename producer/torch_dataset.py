@@ -33,7 +33,8 @@ from producer.torch_args import (
     check_threads,
     default_samplers,
 )
-from producer.torch_collate import SourceLayout, flatten
+from producer.torch_collate import SourceLayout
+from producer.torch_flatten import flatten
 from producer.torch_orders import SamplerOrders
 from producer.torch_seeding import batch_seed, derive_seed, preserved_rng, seed_globals
 

@@ -36,12 +36,13 @@ from batchq.protocol.replies import PushReply
 from batchq.protocol.words import Status
 from batchq.wire import refs
 from producer.serving.ahead import Ahead, AnyLeaseReply
-from producer.serving.blocking import Waiting, hand_back
+from producer.serving.blocking import hand_back
 from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
 from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
+from producer.serving.waiting import Waiting
 
 __all__ = [
     "PENDING_FRAME_TTL_MS",

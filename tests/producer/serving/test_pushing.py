@@ -23,13 +23,13 @@ from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
 from producer.serving import ahead, frame_push
 from producer.serving.ahead import Lease
-from producer.serving.blocking import HANDBACK_S, Waiting
 from producer.serving.frame_push import Handover
 from producer.serving.position import RunPosition
 from producer.serving.pushing import ShardPusher
 from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
+from producer.serving.waiting import HANDBACK_S, Waiting
 from producer.streams import DataStream
 from producer.transformers import Mapping
 
