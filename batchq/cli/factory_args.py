@@ -1,4 +1,5 @@
-"""Keyword arguments for the factory ``batchq serve`` calls: ``--arg key=value``.
+"""The factory ``batchq serve`` calls: ``MODULE:FACTORY`` loaded, and its keyword
+arguments, ``--arg key=value``.
 
 ``batchq serve mod:make_stream --arg seed=3 --arg size=large`` calls
 ``make_stream(seed=3, size='large')``. A value is read as JSON when it parses as JSON
@@ -14,14 +15,24 @@ command line.
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from batchq.cli.args_text import parse_args_text
 from batchq.errors import ConfigError
 
-__all__ = ["ENV_ARGS", "FactoryArgsAction", "add_factory_args", "call_factory"]
+__all__ = [
+    "ENV_ARGS",
+    "FactoryArgsAction",
+    "add_factory_args",
+    "as_stream",
+    "call_factory",
+    "load_factory",
+]
 
 ENV_ARGS = "BATCHQ_ARGS"
 
@@ -84,3 +95,39 @@ def call_factory(factory: Callable[..., Any], spec: str, kwargs: dict[str, Any])
 def shown(value: dict[str, Any], secret_words: Sequence[str]) -> dict[str, Any]:
     """The arguments for display, values of secret-looking keys masked."""
     return {k: "***" if any(w in k.lower() for w in secret_words) else v for k, v in value.items()}
+
+
+def load_factory(spec: str) -> Any:
+    """Import ``MODULE:FACTORY`` and return the callable.
+
+    Raises:
+        ConfigError: the spec is malformed, the module cannot be imported, or it has no
+            such callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"factory {spec!r} is not valid: expected MODULE:FACTORY")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as python -m does: modules of this folder
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"factory {spec!r}: cannot import module {module_name!r}: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"factory {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def as_stream(obj: Any) -> Any:
+    """The factory's stream; a torch DataLoader becomes one (producer.torch).
+
+    torch is looked for only among the modules already imported: a factory that made
+    a DataLoader imported it, and batchq itself never imports torch.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.utils.data.DataLoader):
+        from producer.torch import loader_stream
+
+        return loader_stream(obj)
+    return obj

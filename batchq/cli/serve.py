@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -12,53 +11,16 @@ import sys
 import threading
 from typing import Any
 
-from batchq.cli.factory_args import ENV_ARGS, call_factory
+from batchq.cli.factory_args import ENV_ARGS, as_stream, call_factory, load_factory
 from batchq.client.connection import ENV_URL, make_client, resolve_url
-from batchq.errors import ConfigError
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.pool import WorkerPool
 from batchq.host.procs import spawn, stop_group
 from batchq.protocol.keys import QueueKeys
 
-__all__ = ["load_factory", "run_serve"]
+__all__ = ["run_serve"]
 
 log = logging.getLogger(__name__)
-
-
-def load_factory(spec: str) -> Any:
-    """Import ``MODULE:FACTORY`` and return the callable.
-
-    Raises:
-        ConfigError: the spec is malformed, the module cannot be imported, or it has no
-            such callable.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"factory {spec!r} is not valid: expected MODULE:FACTORY")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as python -m does: modules of this folder
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"factory {spec!r}: cannot import module {module_name!r}: {e}") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"factory {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return factory
-
-
-def _as_stream(obj: Any) -> Any:
-    """The factory's stream; a torch DataLoader becomes one (producer.torch).
-
-    torch is looked for only among the modules already imported: a factory that made
-    a DataLoader imported it, and batchq itself never imports torch.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.utils.data.DataLoader):
-        from producer.torch import loader_stream
-
-        return loader_stream(obj)
-    return obj
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -69,7 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _supervise(args, url, policy)
     from producer import start_server
 
-    stream = _as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
+    stream = as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
     return start_server(
         stream,
         hwm=args.hwm,

@@ -82,20 +82,11 @@ from batchq.wire.frame import (
     header_problem,
     is_int,
 )
+from batchq.wire.item_decode import build_item, parse_item
+from batchq.wire.item_encode import encode_item
 from batchq.wire.pieces import Pieces
-from batchq.wire.values import (
-    PREFIX,
-    Copy,
-    align,
-    array_or_value,
-    build_item,
-    encode_item,
-    layout,
-    pack_header,
-    parse_item,
-    short,
-    unpack_header,
-)
+from batchq.wire.regular_arrays import array_or_value
+from batchq.wire.values import PREFIX, Copy, align, layout, pack_header, short, unpack_header
 
 __all__ = [
     "FORMAT_VERSION",

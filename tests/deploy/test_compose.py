@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from ruamel.yaml import YAML
 
-from batchq.cli.serve import load_factory
+from batchq.cli.factory_args import load_factory
 from batchq.client.urls import parse_target
 
 ROOT = Path(__file__).resolve().parents[2]
