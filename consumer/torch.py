@@ -26,8 +26,6 @@ imports this module.
 from __future__ import annotations
 
 import dataclasses
-import gc
-import time
 import warnings
 import weakref
 from collections import Counter, deque
@@ -36,19 +34,21 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 from batchq.errors import BatchQueueError, ConfigError
 from batchq.protocol.params_log import EMPTY_PARAMS
 from consumer.reader.prepare import ArrayAccess
 from consumer.stream import ServerDataStream
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
+from consumer.torch_workers import (
+    DataLoaderWorkersError,
+    refuse_loader_workers,
+    refuse_worker_process,
+)
 
 __all__ = ["DataLoaderWorkersError", "TorchStream"]
 
-# After a scan of the heap for DataLoaders holding a stream, how long only the loaders it
-# found are looked at again (a loader's iterator asks several times in a row).
-LOADER_SCAN_S = 1.0
 
 # A batch on its way to the device: its shard, sources, tensors, copy event and params.
 Pending = tuple[int, tuple[str, ...], tuple[Any, ...], Any, Mapping[str, Any]]
@@ -57,11 +57,6 @@ _NO_ACCELERATOR = (
     "pin_memory=True, but no accelerator is available: batches are delivered in ordinary "
     "(unpinned) memory"
 )
-
-
-class DataLoaderWorkersError(ConfigError):
-    """A DataLoader with ``num_workers > 0`` around a TorchStream: the producers are the
-    workers, and a queue has one trainer (a worker process would be a second one)."""
 
 
 def _numpy_dtype(source: str, wanted: Any) -> Any:
@@ -139,7 +134,7 @@ class TorchStream(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch per call (what a DataLoader asks for each epoch)."""
-        _refuse_worker_process()
+        refuse_worker_process()
         return self._epoch(self.as_dict)
 
     def __len__(self) -> int:
@@ -204,7 +199,7 @@ class TorchStream(IterableDataset[Any]):
     # datapipe: isinstance reads __class__, before any worker process starts.
     @property  # type: ignore[misc]
     def __class__(self) -> type:
-        self._loaders = _refuse_loader_workers(self, self._loaders)
+        self._loaders = refuse_loader_workers(self, self._loaders)
         return type(self)
 
     # -- internals ---------------------------------------------------------------------
@@ -334,80 +329,3 @@ def _check_device(device: torch.device) -> None:
             f"device {str(device)!r} is not valid here: this machine has {count()} "
             f"{device.type} device(s)"
         )
-
-
-def _workers_error(num_workers: int) -> DataLoaderWorkersError:
-    return DataLoaderWorkersError(
-        f"DataLoader(num_workers={num_workers}) around a TorchStream: use num_workers=0. "
-        "batchq's producers are the workers (start more with `batchq serve --workers N`); "
-        "a DataLoader worker process would be a second trainer on the queue"
-    )
-
-
-def _refuse_loader_workers(
-    dataset: TorchStream, known: tuple[float, weakref.WeakSet[Any]] | None
-) -> tuple[float, weakref.WeakSet[Any]]:
-    """Raise if a DataLoader with workers holds ``dataset``; return the loaders found.
-
-    Its iterator's base class checks ``isinstance(self._dataset, IterDataPipe)`` (in
-    torch's DataLoader and torchdata's StatefulDataLoader alike) before the multi-process
-    iterator starts a single worker, and isinstance reads ``__class__``: the error comes
-    from there, at ``iter(loader)``. The loaders holding the dataset are found among the
-    objects that refer to it (the garbage collector's public view of the heap), not by
-    looking at the caller's frames. A scan costs time in proportion to the heap (15-30 ms
-    for 200k objects), and a loader's construction and iteration ask several times: for
-    LOADER_SCAN_S after a scan only the loaders it found are looked at again. (A loader
-    made and iterated within that time is refused in its worker instead, at its first
-    batch: :func:`_refuse_worker_process`.)
-    """
-    now = time.monotonic()
-    if known is None or now - known[0] >= LOADER_SCAN_S:
-        found = (_loader_of(holder, dataset) for holder in gc.get_referrers(dataset))
-        known = (now, weakref.WeakSet(loader for loader in found if loader is not None))
-    loaders = known[1]
-    for loader in list(loaders):
-        # Only a loader being iterated: its own constructor's isinstance checks come
-        # before it sets persistent_workers (its last public attribute).
-        if loader.num_workers > 0 and _constructed(loader):
-            for it in gc.get_referrers(dataset):
-                _mark_shut(it, dataset)
-            raise _workers_error(loader.num_workers)
-    return known
-
-
-def _mark_shut(holder: Any, dataset: TorchStream) -> None:
-    """Mark the half-built iterator (it holds the dataset as ``_dataset``) shut.
-
-    Its ``__del__`` reads ``_shutdown``, which our error comes before: without it the
-    user sees a second traceback ("Exception ignored in __del__") after ours. The one
-    private attribute of torch's this module writes (tests/consumer/test_torch.py fails
-    if torch renames it).
-    """
-    attrs = getattr(holder, "__dict__", None)
-    if isinstance(attrs, dict) and attrs.get("_dataset") is dataset and "_shutdown" not in attrs:
-        attrs["_shutdown"] = True
-
-
-def _constructed(loader: DataLoader[Any]) -> bool:
-    return "persistent_workers" in vars(loader)
-
-
-def _loader_of(holder: Any, dataset: TorchStream) -> DataLoader[Any] | None:
-    """The DataLoader that ``holder`` is (or whose attribute dict it is), if it holds
-    ``dataset`` (an object's attributes are its own referrer or its dict's, depending on
-    whether Python materialised the dict)."""
-    if isinstance(holder, DataLoader):
-        return holder if vars(holder).get("dataset") is dataset else None
-    if not isinstance(holder, dict) or holder.get("dataset") is not dataset:
-        return None
-    for owner in gc.get_referrers(holder):
-        if isinstance(owner, DataLoader) and vars(owner) is holder:
-            return owner
-    return None
-
-
-def _refuse_worker_process() -> None:
-    # The last line of defence (a DataLoader copy this module does not know).
-    info = torch.utils.data.get_worker_info()
-    if info is not None:
-        raise _workers_error(info.num_workers)
