@@ -21,7 +21,7 @@ from batchq.client.connection import (
     make_client,
     tune_malloc,
 )
-from batchq.errors import ConfigError, ConnectionLost, ProtocolError, RunFinished
+from batchq.errors import ConnectionLost, ProtocolError, RunFinished
 from batchq.protocol import scripts
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call
@@ -30,6 +30,7 @@ from batchq.protocol.keys import QueueKeys, check_name
 from batchq.protocol.layout import default_id
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
+from producer.producer_options import check_options, require
 from producer.serving.ahead import AnyLeaseReply, Lease
 from producer.serving.heartbeat import Heartbeat
 from producer.serving.membership import Membership, axis_labels_json
@@ -42,30 +43,6 @@ from producer.serving.transport import Transport
 __all__ = ["Producer"]
 
 log = logging.getLogger(__name__)
-
-
-def _check_options(
-    hwm: Any, window: Any, heartbeat_ttl_s: float, max_attempts: Any, orphan_exit_s: float | None
-) -> None:
-    """Refuse a Producer argument that cannot work, naming it and what was expected.
-
-    Raises:
-        ConfigError: the first invalid argument.
-    """
-    _require(_is_count(hwm), "hwm", hwm, "an integer >= 1")
-    _require(window is None or _is_count(window), "window", window, "an integer >= 1")
-    _require(heartbeat_ttl_s > 0, "heartbeat_ttl_s", heartbeat_ttl_s, "> 0")
-    _require(_is_count(max_attempts), "max_attempts", max_attempts, ">= 1")
-    _require(orphan_exit_s is None or orphan_exit_s > 0, "orphan_exit_s", orphan_exit_s, "> 0")
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and value >= 1
-
-
-def _require(valid: bool, name: str, value: Any, expected: str) -> None:
-    if not valid:
-        raise ConfigError(f"{name} {value!r} is not valid: expected {expected}")
 
 
 class Producer:
@@ -132,9 +109,9 @@ class Producer:
         stripe: tuple[int, int] = (0, 1),
         shard_plan: ShardPlan | None = None,
     ) -> None:
-        _check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
+        check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
         k, stripes = stripe
-        _require(0 <= k < check_stripes(stripes), "stripe", stripe, f"0..{stripes - 1}")
+        require(0 <= k < check_stripes(stripes), "stripe", stripe, f"0..{stripes - 1}")
         self.stream = stream
         self.url = url
         self.keys = QueueKeys(queue).stripe(k, stripes)
