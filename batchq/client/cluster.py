@@ -41,16 +41,15 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import redis
 from redis.backoff import NoBackoff
-from redis.crc import key_slot as _crc_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 from redis.retry import Retry
 
 from batchq.client.redis_internals import HeldPool
+from batchq.client.slots import SLOTS, SlotMap, key_slot
 from batchq.client.urls import Target
 
 __all__ = [
@@ -71,48 +70,10 @@ __all__ = [
     "masters",
 ]
 
-SLOTS: Final = 16384  # Redis Cluster's hash slots
 TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
 PAUSE_FIRST_S, PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
 #: Reads one reply from a connection (as in :func:`batchq.protocol.calls.round_trip`).
 Reader = Callable[[Any], Any]
-
-
-def key_slot(key: str | bytes) -> int:
-    """The cluster slot of a key (its hash tag's, if it has one)."""
-    return int(_crc_slot(key.encode() if isinstance(key, str) else key))
-
-
-@dataclass(frozen=True)
-class SlotMap:
-    """Which master owns which slots: ``(first, last, host, port)`` ranges."""
-
-    ranges: tuple[tuple[int, int, str, int], ...]
-
-    @classmethod
-    def from_reply(cls, reply: Any) -> SlotMap:
-        """From a ``CLUSTER SLOTS`` reply."""
-        ranges = []
-        for entry in reply:
-            host = entry[2][0]
-            host = host.decode() if isinstance(host, bytes) else str(host)
-            ranges.append((int(entry[0]), int(entry[1]), host, int(entry[2][1])))
-        return cls(tuple(sorted(ranges)))
-
-    def owner(self, slot: int) -> tuple[str, int] | None:
-        """The master that owns ``slot``, or None (no master serves it)."""
-        for first, last, host, port in self.ranges:
-            if first <= slot <= last:
-                return host, port
-        return None
-
-    def masters(self) -> list[tuple[str, int]]:
-        """Every master that owns slots, in slot order, each once."""
-        out: list[tuple[str, int]] = []
-        for _, _, host, port in self.ranges:
-            if (host, port) not in out:
-                out.append((host, port))
-        return out
 
 
 class Topology:
