@@ -26,7 +26,6 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any
 
 import redis
@@ -300,10 +299,5 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
