@@ -47,12 +47,8 @@ local max_groups = tonumber(ARGV[18])  -- the most group slots a run has
 local first_tail = 9
 
 local now = server_now_ms()
-local per = 3 + 3 * key_world
-local tail_slots = (#KEYS - first_tail + 1) / per
-if tail_slots ~= math.max(groups, 1) + 1 then
-  return redis.error_reply('gclaim.lua: KEYS do not cover the group slots')
-end
-local function slot_key(i, j) return KEYS[first_tail + i * per + j] end
+local per, tail_slots, slot_key = slot_tail(KEYS, first_tail, key_world, groups)
+if not per then return redis.error_reply('gclaim.lua: KEYS do not cover the group slots') end
 -- Delete a slot's keys (its figures too, but for slot 0, whose are the queue's own).
 local function drop_slot(i, keep_figures)
   for j = 0, per - 1 do

@@ -36,10 +36,8 @@ local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
   'hwm', 'groups', 'epoch_batches', 'params')
-if m[1] ~= run then return {'RUN_CHANGED'} end
-if m[2] == '1' then return {'FINISHED'} end
-if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
-redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
+local refused = run_refused(m, run) or heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
+if refused then return refused end
 
 local n = tonumber(m[8] or '0')
 local world = tonumber(m[5] or '1')
@@ -86,19 +84,15 @@ local function needed(g, mask, r)
 end
 
 -- A retried request first (its first reply was lost): the same shard.
-local suffix = ':' .. token
-for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
-  if string.sub(e, -#suffix) == suffix then
-    local g, mask = parse_spec(e)
-    local _, skip = needed(g, mask, (g % S) % world)
-    return {'OK', g, skip, S, world, mask, stamp}
-  end
+local again = retried_lease(lease_key, token)
+if again then
+  local g, mask = parse_spec(again)
+  local _, skip = needed(g, mask, (g % S) % world)
+  return {'OK', g, skip, S, world, mask, stamp}
 end
+if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
 
-if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
-    redis.call('LLEN', lease_key) >= prefetch) then
-  return {'BUSY'}
-end
+local suffix = ':' .. token
 
 local function has_room(i, r) return redis.call('LLEN', data_of(i, r)) < hwm end
 local function grant(g, mask, skip)

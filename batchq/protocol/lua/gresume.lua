@@ -42,12 +42,8 @@ local wake_cap = tonumber(ARGV[21])  -- the wake list's length cap
 -- ARGV[22..]: the ledger pairs '<epoch>:<slot>', 'd' or batches already had
 local first_tail, first_pair = 9, 22
 
-local per = 3 + 3 * key_world
-local tail_slots = (#KEYS - first_tail + 1) / per
-if tail_slots ~= math.max(groups, 1) + 1 then
-  return redis.error_reply('gresume.lua: KEYS do not cover the group slots')
-end
-local function slot_key(i, j) return KEYS[first_tail + i * per + j] end
+local per, tail_slots, slot_key = slot_tail(KEYS, first_tail, key_world, groups)
+if not per then return redis.error_reply('gresume.lua: KEYS do not cover the group slots') end
 
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
 local n = tonumber(m[4] or '0')

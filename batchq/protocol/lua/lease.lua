@@ -39,13 +39,13 @@ local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'next', 'floor', 'window', 'shards',
   'world', 'even', 'hwm', 'remap_epoch', 'params')
-if m[1] ~= run then return {'RUN_CHANGED'} end
-if m[2] == '1' then return {'FINISHED'} end
+local refused = run_refused(m, run)
+if refused then return refused end
 -- A run read by several groups is glease.lua's (batchq/protocol/groups.py).
 local grouped = redis.call('HGET', meta_key, 'groups')
 if grouped then return {'GROUPS', tonumber(grouped)} end
-if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
-redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
+refused = heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
+if refused then return refused end
 
 local world = tonumber(m[7] or '1')
 if world > 1 and #KEYS ~= first_rank_data + world then return {'RUN_CHANGED'} end  -- a stale view
@@ -73,18 +73,11 @@ end
 
 -- A retried request first (its first reply was lost): the same shard, even if the
 -- producer now holds k leases with it.
-local suffix = ':' .. token
-for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
-  if string.sub(e, -#suffix) == suffix then
-    local g = string.sub(e, 1, #e - #suffix)
-    return granted(g, math.max(had(tonumber(g)), 0))
-  end
-end
+local again = retried_lease(lease_key, token)
+if again then return granted(again, math.max(had(tonumber(again)), 0)) end
+if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
 
-if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
-    redis.call('LLEN', lease_key) >= prefetch) then
-  return {'BUSY'}
-end
+local suffix = ':' .. token
 
 if world > 1 then
   local P = S / world

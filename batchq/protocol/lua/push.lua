@@ -34,21 +34,14 @@ local typed = {
   {meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}, {stats_key, 'hash'},
   {producers_key, 'zset'}, {lease_key, 'list'}, {pstats_key, 'hash'},
 }
-for _, kw in ipairs(typed) do
-  local kind = redis.call('TYPE', kw[1]).ok
-  if kind ~= kw[2] and kind ~= 'none' then return {'WRONG_TYPE', kw[1], kind} end
-end
+local refused = wrong_type(typed)
+if refused then return refused end
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', host_field)
-if m[1] ~= run then return {'RUN_CHANGED'} end
-if m[2] == '1' then return {'FINISHED'} end
-if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
-redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
+refused = run_refused(m, run) or heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
+if refused then return refused end
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
-if blocked_ms > 0 then
-  redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
-  redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
-end
+count_blocked(stats_key, pstats_key, producer, blocked_ms)
 -- A descriptor goes only into the list of a trainer on its host: one whose trainer
 -- changed (a takeover, another rank's host) would get a segment it cannot map.
 if shm_host ~= '' and m[4] ~= shm_host then return {'REROUTE'} end
@@ -59,13 +52,6 @@ local depth = redis.call('LLEN', data_key)
 if depth >= tonumber(m[3]) then return {'FULL', depth} end
 redis.call('LPUSH', data_key, element)
 if frame_key then redis.call('PERSIST', frame_key) end
-redis.call('HINCRBY', stats_key, 'pushed', 1)
-redis.call('HINCRBY', stats_key, 'pushed_bytes', frame_bytes)
-redis.call('HINCRBY', pstats_key, producer .. ':batches', 1)
-redis.call('HINCRBY', pstats_key, producer .. ':bytes', frame_bytes)
-redis.call('HINCRBY', pstats_key, producer .. ':produce_ms', produce_ms)
-if last == '1' then
-  redis.call('LREM', lease_key, 1, entry)
-  redis.call('HINCRBY', stats_key, 'shards_done', 1)
-end
+count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
+if last == '1' then shard_pushed(stats_key, lease_key, entry) end
 return {'OK', depth + 1}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from lua_text import reachable
 
 from batchq.protocol import keys as keys_module
 from batchq.protocol.calls import SCRIPTS
@@ -81,8 +82,10 @@ def test_formats() -> None:
     assert set(TrainerField.PUBLISHED) <= _declared(TrainerField)
 
 
-def _pstats_used(source: str) -> set[str]:
-    """The counters a script names in pstats fields (none if it has no pstats key)."""
+def _pstats_used(name: str) -> set[str]:
+    """The counters script ``name`` names in pstats fields, in its own text and the library
+    functions it calls (none if it has no pstats key)."""
+    source = reachable(name)
     return set(PSTAT.findall(source)) if "pstats_key" in source else set()
 
 
@@ -97,13 +100,13 @@ def _types_checked(source: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_every_per_producer_counter_a_script_uses_is_declared(name: str) -> None:
-    unknown = _pstats_used(SCRIPTS[name].source) - _declared(ProducerStat)
+    unknown = _pstats_used(name) - _declared(ProducerStat)
     assert not unknown, f"{name}.lua uses pstats counters {sorted(unknown)} not in ProducerStat"
 
 
 def test_push_counts_every_per_producer_counter_and_pop_sums_two() -> None:
-    assert _pstats_used(SCRIPTS["push"].source) == set(ProducerStat.ALL) == _declared(ProducerStat)
-    assert _pstats_used(SCRIPTS["pop"].source) == {ProducerStat.BATCHES, ProducerStat.PRODUCE_MS}
+    assert _pstats_used("push") == set(ProducerStat.ALL) == _declared(ProducerStat)
+    assert _pstats_used("pop") == {ProducerStat.BATCHES, ProducerStat.PRODUCE_MS}
 
 
 def test_pop_adds_the_queue_side_of_the_history_sample() -> None:

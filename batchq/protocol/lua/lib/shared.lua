@@ -37,3 +37,75 @@ local function hand_back_leases(lease_key, work_key)
   redis.call('DEL', lease_key)
   return returned
 end
+
+-- The first key of `typed` ({key, type} pairs, batchq.protocol.keys.KEY_TYPES) that holds
+-- another type than its own (a foreign writer's): the reply {'WRONG_TYPE', key, type}, else
+-- nil. A script checks every key before it writes: its writes are not rolled back, so a
+-- foreign type found half-way would leave its work half done.
+local function wrong_type(typed)
+  for _, kw in ipairs(typed) do
+    local kind = redis.call('TYPE', kw[1]).ok
+    if kind ~= kw[2] and kind ~= 'none' then return {'WRONG_TYPE', kw[1], kind} end
+  end
+  return nil
+end
+
+-- The reply that refuses a producer's call for run `run`, given the meta fields run and
+-- finished it read (m[1], m[2]): {'RUN_CHANGED'}, {'FINISHED'}, or nil.
+local function run_refused(m, run)
+  if m[1] ~= run then return {'RUN_CHANGED'} end
+  if m[2] == '1' then return {'FINISHED'} end
+  return nil
+end
+
+-- A producer's heartbeat: its deadline (producers ZSET) moves to deadline_ms. Returns
+-- {'REAPED'}, writing nothing, when it was declared dead (it joins again), else nil.
+local function heartbeat(producers_key, producer, deadline_ms)
+  if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
+  redis.call('ZADD', producers_key, deadline_ms, producer)
+  return nil
+end
+
+-- The lease a retried lease request (the same token: its first reply was lost) was granted
+-- already: its entry's part before ':<token>' ('<g>', or '<g>/<mask>' in a run of several
+-- groups), or nil.
+local function retried_lease(lease_key, token)
+  local suffix = ':' .. token
+  for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
+    if string.sub(e, -#suffix) == suffix then return string.sub(e, 1, #e - #suffix) end
+  end
+  return nil
+end
+
+-- Whether a prefetch (k = prefetch > 0: a lease request sent right behind a shard's last
+-- push) is declined: that push did not go through (its entry `after` is still leased), or
+-- the producer holds k leases already.
+local function prefetch_declined(lease_key, prefetch, after)
+  return prefetch > 0 and (redis.call('LPOS', lease_key, after) or
+    redis.call('LLEN', lease_key) >= prefetch)
+end
+
+-- The time a producer spent blocked at the hwm since its last try, counted for the queue
+-- and for the producer (per-producer fields '<producer>:<counter>',
+-- batchq.protocol.fields.ProducerStat).
+local function count_blocked(stats_key, pstats_key, producer, blocked_ms)
+  if blocked_ms > 0 then
+    redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
+    redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
+  end
+end
+
+-- A frame pushed, counted for the queue and for the producer.
+local function count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
+  redis.call('HINCRBY', stats_key, 'pushed', 1)
+  redis.call('HINCRBY', stats_key, 'pushed_bytes', frame_bytes)
+  redis.call('HINCRBY', pstats_key, producer .. ':batches', 1)
+  redis.call('HINCRBY', pstats_key, producer .. ':bytes', frame_bytes)
+  redis.call('HINCRBY', pstats_key, producer .. ':produce_ms', produce_ms)
+end
+
+-- A shard's last frame pushed: its lease released, the shard counted done.
+local function shard_pushed(stats_key, lease_key, entry)
+  redis.call('LREM', lease_key, 1, entry)
+  redis.call('HINCRBY', stats_key, 'shards_done', 1)
+end
