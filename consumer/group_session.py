@@ -273,7 +273,7 @@ class GroupSession(Session):
         """
         if not self.grouped:
             try:
-                super()._restart(client, asked)
+                self._resume_alone(client, asked)
                 return
             except RunGrouped:
                 self.grouped = True

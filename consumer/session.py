@@ -137,12 +137,10 @@ class Session:
     def _claim(
         self, client: redis.Redis, op: ClaimOp, takeover: str = "", run: str = ""
     ) -> ClaimReply:
+        lists = self._data_lists(client) if op in ("acquire", "finish") else ()
         with self._typed_errors(client):
             return scripts.claim(
-                client,
-                self.keys,
-                rank_lists=self._data_lists(client) if op in ("acquire", "finish") else (),
-                **self._claim_args(op, takeover, run),
+                client, self.keys, rank_lists=lists, **self._claim_args(op, takeover, run)
             )
 
     def _claim_args(self, op: ClaimOp, takeover: str, run: str) -> ClaimArgs:
@@ -349,6 +347,11 @@ class Session:
         log.info("%s: resumed at shard %d in run %s", self.what, first_shard, self.run)
 
     def _restart(self, client: redis.Redis, asked: Restart) -> None:
+        """The restart's script call (a GroupSession's: gresume.lua once its run is read
+        by several groups)."""
+        self._resume_alone(client, asked)
+
+    def _resume_alone(self, client: redis.Redis, asked: Restart) -> None:
         """resume.lua, retried; the session reads the run it answers."""
         run = self.resume_run if self.world > 1 and self.resume_run else uuid.uuid4().hex[:16]
         lists = self._resume_lists(client)
