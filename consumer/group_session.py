@@ -18,12 +18,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
-from collections.abc import Iterable
 from typing import Any
 
 import redis
 
-from batchq.client.connection import is_wrong_type, wrong_type_error
 from batchq.errors import (
     ConfigError,
     GroupWorldMismatch,
@@ -37,11 +35,11 @@ from batchq.protocol import scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.group_scripts import GClaimReply, GResumeReply, GroupClaimOp
 from batchq.protocol.groups import check_group, reader_field
-from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import MAX_GROUPS
 from batchq.protocol.replies import status_error
-from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int
-from consumer.session import Session, resumed_shape
+from batchq.protocol.words import Status, as_int
+from consumer.plan import Restart
+from consumer.session import Session
 from consumer.state_keys import GROUP_KEY
 
 __all__ = [
@@ -103,7 +101,8 @@ class GroupSession(Session):
     """A trainer's claim on one queue, as one group of its run (see the module docstring).
 
     Args:
-        client, keys, claim_ttl_ms, retry_s: as :class:`Session`'s.
+        *args: :class:`Session`'s positional arguments (client, keys, claim_ttl_ms,
+            retry_s).
         group: the group's name; None: the default group (a single trainer's session
             until the run is read by several groups).
         max_lag_batches: how many batches this group may fall behind the leading group
@@ -113,17 +112,13 @@ class GroupSession(Session):
 
     def __init__(
         self,
-        client: redis.Redis,
-        keys: QueueKeys,
-        claim_ttl_ms: int,
-        retry_s: float = 60.0,
-        *,
+        *args: Any,
         group: str | None = None,
         max_lag_batches: int | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(client, keys, claim_ttl_ms, retry_s, **options)
-        self.base_keys = keys
+        super().__init__(*args, **options)
+        self.base_keys = self.keys  # the run's own; self.keys: the slot read
         self.group = check_group(group)
         self.grouped = group is not None  # through the group scripts
         self.groups = 0  # the run's group slots, as the last claim or pop said
@@ -251,20 +246,12 @@ class GroupSession(Session):
         while another group registers meanwhile)."""
         for _ in range(GROUPS_TRIES):
             groups, key_world = self._read_shape(client)
-            try:
+            with self._typed_errors(client):
                 reply = scripts.gclaim(
-                    client, self.base_keys, op=op, token=self.token,
-                    claim_ttl_ms=self.claim_ttl_ms, run_id=run or uuid.uuid4().hex[:16],
-                    new_incarnation=uuid.uuid4().hex, takeover_run=takeover,
-                    version=PROTOCOL_VERSION, group=self.group, rank=self.rank,
-                    world=self.world, even=self.even, resumed=self.resume_run,
-                    incarnation="" if op == "acquire" else self.incarnation, groups=groups,
+                    client, self.base_keys, group=self.group, groups=groups,
                     key_world=key_world, max_lag=self.max_lag_batches, slot=self.slot,
+                    **self._claim_args(op, takeover, run),
                 )  # fmt: skip
-            except redis.ResponseError as e:
-                if not is_wrong_type(e):
-                    raise
-                raise wrong_type_error(client, self._types(), e) from e
             if reply.status != Status.GROUPS:
                 return reply
         raise ProtocolError(f"{self.what}: the run's groups kept changing while claiming")
@@ -276,72 +263,50 @@ class GroupSession(Session):
 
     # -- a restart from a ledger --------------------------------------------------------
 
-    def resume(
-        self,
-        client: redis.Redis,
-        first_shard: int,
-        fingerprint: str,
-        ledger: Iterable[tuple[str, str]],
-        *,
-        step: int = 0,
-        shards: int | None = None,
-        remap: tuple[int, dict[int, int]] | None = None,
-    ) -> None:
-        """Restart this group's plan at ``first_shard`` (see :meth:`Session.resume`): in
-        the checkpoint's run, if the queue still runs it, the other groups read on.
+    def _restart(self, client: redis.Redis, asked: Restart) -> None:
+        """Restart this group's plan (see :meth:`Session.resume`): in the checkpoint's
+        run, if the queue still runs it, the other groups read on.
 
         Raises:
             StepMismatch: another rank of the group resumed from another step.
             ConfigError: a checkpoint of another number of ranks, in a run of groups.
         """
-        pairs = list(ledger)
         if not self.grouped:
             try:
-                super().resume(client, first_shard, fingerprint, pairs, step=step,
-                               shards=shards, remap=remap)  # fmt: skip
+                self._resume_alone(client, asked)
                 return
             except RunGrouped:
                 self.grouped = True
-        if remap is not None:
+        if asked.remap is not None:
             raise ConfigError(
                 f"{self.what}: a checkpoint of another number of ranks cannot resume a "
                 "group (its epoch's slots would be split unlike the other groups'); resume "
                 "it with the world_size it was saved with"
             )
-        shape = resumed_shape(self.plan, fingerprint, shards)
         new_run = self.resume_run or uuid.uuid4().hex[:16]
 
         def call() -> GResumeReply:
             for _ in range(GROUPS_TRIES):
                 groups, key_world = self._read_shape(client)
                 reply = scripts.gresume(
-                    client, self.base_keys, token=self.token, new_run=new_run,
-                    takeover_run=self.checkpoint_run, first=first_shard,
-                    fingerprint=fingerprint, hwm=shape.hwm, shards=shape.shards,
-                    window=shape.window, epoch_batches=shape.epoch_batches, group=self.group,
-                    rank=self.rank, world=self.world, even=self.even, step=step,
-                    held=self.held, groups=groups, key_world=key_world, slot=self.slot,
-                    acquired=self.run, claim_ttl_ms=self.claim_ttl_ms, ledger=pairs,
+                    client, self.base_keys, takeover_run=self.checkpoint_run,
+                    group=self.group, groups=groups, key_world=key_world, slot=self.slot,
+                    acquired=self.run, claim_ttl_ms=self.claim_ttl_ms, ledger=asked.ledger,
+                    **self._resume_args(asked, new_run),
                 )  # fmt: skip
                 if reply.status != Status.GROUPS:
                     return reply
             raise ProtocolError(f"{self.what}: the run's groups kept changing while resuming")
 
-        try:
-            reply: GResumeReply = self._retry(call, "resuming", client)
-        except redis.ResponseError as e:
-            if not is_wrong_type(e):
-                raise
-            raise wrong_type_error(client, self._types(), e) from e
+        reply: GResumeReply = self._retry(call, "resuming", client)
         if reply.status == Status.STEP:
             raise StepMismatch(
-                f"{self.what}: resumed from a state at step {step}, but the group's other "
-                f"ranks resumed from step {reply.text}; expected the states of one checkpoint"
+                f"{self.what}: resumed from a state at step {asked.step}, but the group's "
+                f"other ranks resumed from step {reply.text}; expected the states of one "
+                "checkpoint"
             )
         if reply.status != Status.OK:
             raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
         with self._lock:
             self.run = reply.run
             self._use_slot(reply.slot, reply.groups)
-        self._published(client)
-        log.info("%s: resumed at shard %d in run %s", self.what, first_shard, self.run)

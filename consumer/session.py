@@ -12,8 +12,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import redis
 
@@ -32,34 +32,13 @@ from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout
 from batchq.protocol.replies import ClaimReply, CountReply, status_error
-from batchq.protocol.scripts import ClaimOp
+from batchq.protocol.script_args import ClaimArgs, ClaimOp, ResumeArgs
 from batchq.protocol.words import PROTOCOL_VERSION, Status
+from consumer.plan import Plan, Restart, resumed_shape
 
-__all__ = ["Plan", "Session", "Shape", "resumed_shape"]
+__all__ = ["Plan", "Session"]
 
 log = logging.getLogger(__name__)
-
-
-class Plan:
-    """What the producers published about the run: enough to re-create it."""
-
-    def __init__(self, meta: dict[bytes, bytes]) -> None:
-        def get(name: str, default: str = "") -> str:
-            return meta.get(name.encode(), default.encode()).decode()
-
-        f = MetaField
-        self.fingerprint = get(f.FINGERPRINT)
-        self.hwm = get(f.HWM)
-        self.shards = int(get(f.SHARDS, "0"))
-        self.window = int(get(f.WINDOW, "1"))
-        self.has_window = f.WINDOW.encode() in meta  # published by the run's first producer
-        self.epoch_batches = int(get(f.EPOCH_BATCHES, "-1"))
-        self.world = int(get(f.WORLD, "1"))
-        self.even = get(f.EVEN, "pad")
-        # B, batches per full shard (0: the plan cannot count them; -1: not published).
-        stride = get(f.SHARD_BATCHES, "-1")
-        self.shard_batches = int(stride) if stride.lstrip("-").isdigit() else -1
-        self.stripes = int(get(f.STRIPES, "1"))  # batchq/protocol/stripes.py
 
 
 class Session:
@@ -158,24 +137,28 @@ class Session:
     def _claim(
         self, client: redis.Redis, op: ClaimOp, takeover: str = "", run: str = ""
     ) -> ClaimReply:
-        try:
+        lists = self._data_lists(client) if op in ("acquire", "finish") else ()
+        with self._typed_errors(client):
             return scripts.claim(
-                client,
-                self.keys,
-                op=op,
-                token=self.token,
-                claim_ttl_ms=self.claim_ttl_ms,
-                run_id=run or uuid.uuid4().hex[:16],
-                new_incarnation=uuid.uuid4().hex,
-                takeover_run=takeover,
-                version=PROTOCOL_VERSION,
-                rank=self.rank,
-                world=self.world,
-                even=self.even,
-                resumed=self.resume_run,
-                incarnation="" if op == "acquire" else self.incarnation,
-                rank_lists=self._data_lists(client) if op in ("acquire", "finish") else (),
+                client, self.keys, rank_lists=lists, **self._claim_args(op, takeover, run)
             )
+
+    def _claim_args(self, op: ClaimOp, takeover: str, run: str) -> ClaimArgs:
+        """What claim.lua and gclaim.lua take of this session (``run``: the run id a new
+        run gets, '' for a fresh one; ``takeover``: see :meth:`acquire`)."""
+        return ClaimArgs(
+            op=op, token=self.token, claim_ttl_ms=self.claim_ttl_ms,
+            run_id=run or uuid.uuid4().hex[:16], new_incarnation=uuid.uuid4().hex,
+            takeover_run=takeover, version=PROTOCOL_VERSION, rank=self.rank,
+            world=self.world, even=self.even, resumed=self.resume_run,
+            incarnation="" if op == "acquire" else self.incarnation,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def _typed_errors(self, client: redis.Redis) -> Iterator[None]:
+        """A script's WRONGTYPE error becomes the error naming what each key holds."""
+        try:
+            yield
         except redis.ResponseError as e:
             if not is_wrong_type(e):
                 raise
@@ -354,33 +337,48 @@ class Session:
         Raises:
             StepMismatch: another rank of the job resumed from another step.
         """
-        shape = resumed_shape(self.plan, fingerprint, shards)
+        asked = Restart(
+            first_shard, fingerprint, list(ledger), step,
+            resumed_shape(self.plan, fingerprint, shards), remap,
+        )  # fmt: skip
+        with self._typed_errors(client):
+            self._restart(client, asked)
+        self._published(client)
+        log.info("%s: resumed at shard %d in run %s", self.what, first_shard, self.run)
+
+    def _restart(self, client: redis.Redis, asked: Restart) -> None:
+        """The restart's script call (a GroupSession's: gresume.lua once its run is read
+        by several groups)."""
+        self._resume_alone(client, asked)
+
+    def _resume_alone(self, client: redis.Redis, asked: Restart) -> None:
+        """resume.lua, retried; the session reads the run it answers."""
         run = self.resume_run if self.world > 1 and self.resume_run else uuid.uuid4().hex[:16]
-        pairs = list(ledger)
         lists = self._resume_lists(client)
 
         def call() -> CountReply:
             if self._before_resume is not None:
                 self._before_resume(client, self, run)
             return scripts.resume(
-                client, self.keys, rank_lists=lists, token=self.token, new_run=run,
-                first=first_shard, fingerprint=fingerprint, hwm=shape.hwm,
-                shards=shape.shards, window=shape.window, epoch_batches=shape.epoch_batches,
-                rank=self.rank, world=self.world, even=self.even, step=step, held=self.held,
-                remap=remap, ledger=pairs,
+                client, self.keys, rank_lists=lists, remap=asked.remap, ledger=asked.ledger,
+                **self._resume_args(asked, run),
             )  # fmt: skip
 
-        try:
-            reply: CountReply = self._retry(call, "resuming", client)
-        except redis.ResponseError as e:
-            if not is_wrong_type(e):
-                raise
-            raise wrong_type_error(client, self._types(), e) from e
-        self._check_resumed(reply, step)
+        reply: CountReply = self._retry(call, "resuming", client)
+        self._check_resumed(reply, asked.step)
         with self._lock:
             self.run = reply.text
-        self._published(client)
-        log.info("queue %s: resumed at shard %d as run %s", self.keys.queue, first_shard, self.run)
+
+    def _resume_args(self, asked: Restart, run: str) -> ResumeArgs:
+        """What resume.lua and gresume.lua take of this session, restarting as ``asked``
+        into ``run``."""
+        shape = asked.shape
+        return ResumeArgs(
+            token=self.token, new_run=run, first=asked.first_shard,
+            fingerprint=asked.fingerprint, hwm=shape.hwm, shards=shape.shards,
+            window=shape.window, epoch_batches=shape.epoch_batches, rank=self.rank,
+            world=self.world, even=self.even, step=asked.step, held=self.held,
+        )  # fmt: skip
 
     def _resume_lists(self, client: redis.Redis) -> list[str]:
         """The rank lists resume.lua drops: none for a single trainer; a rank's own first
@@ -400,21 +398,3 @@ class Session:
             )
         if reply.status != Status.OK:
             raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
-
-
-class Shape(NamedTuple):
-    """The plan's figures a resume sends (resume.lua writes them into meta)."""
-
-    hwm: str
-    shards: int
-    window: int
-    epoch_batches: int
-
-
-def resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> Shape:
-    """What a resume tells of the plan: the published plan's (its hwm only for the same
-    pipeline), or where no producer published one, S from the checkpoint."""
-    if plan is None:
-        return Shape("", shards or 0, 1, -1)
-    same = plan.fingerprint == fingerprint and plan.hwm != ""
-    return Shape(plan.hwm if same else "", plan.shards, plan.window, plan.epoch_batches)

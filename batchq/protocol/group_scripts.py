@@ -14,13 +14,15 @@ caller reads again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple, Unpack, cast
 
 import redis
 
 from batchq.protocol.calls import Arg, Call, build_call, decode_reply, reply_int
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import FLAGS, MAX_GROUPS, WAKE_CAP
+from batchq.protocol.script_args import Argv, ClaimArgs, ClaimOp, LeaseArgs, PushArgs, ResumeArgs
+from batchq.protocol.trainer_scripts import ClaimReply
 from batchq.protocol.words import Status
 
 __all__ = [
@@ -37,7 +39,7 @@ __all__ = [
     "release_call",
 ]
 
-GroupClaimOp = Literal["acquire", "refresh", "release", "finish"]
+GroupClaimOp = ClaimOp  # the same ops as a single trainer's claim
 
 
 class GLeaseReply(NamedTuple):
@@ -101,29 +103,12 @@ class GPushReply(NamedTuple):
         return cls(r[0], reply_int(r, 1), reply_int(r, 2))
 
 
-class GClaimReply(NamedTuple):
+class GClaimReply(ClaimReply):
     """gclaim.lua. acquire: ``{'OK', incarnation, run, new_run, fence, held, slot,
     groups}``, ``{'CONFLICT', ms}``, ``{'WORLD', world}``, ``{'FULL', groups}``,
     ``{'GROUPS', groups}``; refresh, release: ``{'OK'}`` or a status; finish: ``{'OK',
-    group done, run ended}``.
-
-    Attributes:
-        value: CONFLICT's ms, WORLD's world size, FULL's and GROUPS' group slots.
-        group_done, run_done: a finish's: every rank of the group finished; the run
-            ended (every group finished).
+    group done, run ended}`` (the fields: :class:`~batchq.protocol.replies.ClaimReply`).
     """
-
-    status: str
-    incarnation: str = ""
-    run: str = ""
-    new_run: bool = False
-    fence: int = 0
-    held: bool = False
-    slot: int = 0
-    groups: int = 0
-    value: int = -1
-    group_done: bool = False
-    run_done: bool = False
 
     @classmethod
     def parse(cls, raw: Any) -> GClaimReply:
@@ -161,27 +146,17 @@ class GResumeReply(NamedTuple):
 
 
 def glease_call(
-    keys: QueueKeys,
-    *,
-    incarnation: str,
-    run: str,
-    producer: str,
-    token: str,
-    heartbeat_ttl_ms: int,
-    prefetch: int,
-    groups: int,
-    world: int,
-    after: str = "",
+    keys: QueueKeys, *, groups: int, world: int, **shared: Unpack[LeaseArgs]
 ) -> Call[GLeaseReply]:
     """A producer's next lease in a run of ``groups`` group slots and ``world`` ranks
-    (glease.lua; ``prefetch`` and ``after`` as :func:`batchq.protocol.scripts.lease_call`)."""
+    (glease.lua; ``shared``, ``prefetch`` and ``after`` as
+    :func:`batchq.protocol.scripts.lease_call`'s)."""
     return build_call(
         "glease",
         GLeaseReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-         "lease": keys.leases[producer], "producers": keys.producers},
-        {"incarnation": incarnation, "run": run, "producer": producer, "token": token,
-         "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": int(prefetch), "after": after,
+         "lease": keys.leases[shared["producer"]], "producers": keys.producers},
+        {"after": "", **cast(Argv, shared), "prefetch": int(shared["prefetch"]),
          "groups": groups},
         more_keys=keys.glease_tails[groups, world],
     )  # fmt: skip
@@ -194,22 +169,13 @@ def gpush_call(
     rank: int,
     world: int,
     frame_key: str | None,
-    incarnation: str,
-    run: str,
-    producer: str,
-    entry: str,
-    element: Arg,
-    last: bool,
-    heartbeat_ttl_ms: int,
-    frame_bytes: int,
-    blocked_ms: int,
-    produce_ms: int,
-    shm_host: str = "",
+    **shared: Unpack[PushArgs],
 ) -> Call[GPushReply]:
     """The capped push of one frame into rank ``rank``'s list of every group slot of
-    ``targets`` (a mask; gpush.lua); ``frame_key`` names a frame stored by reference
-    (None: inline); ``shm_host``: the element is a shared-memory descriptor of that host,
-    pushed only into lists whose trainers published it."""
+    ``targets`` (a mask; gpush.lua; ``shared``: see
+    :class:`~batchq.protocol.script_args.PushArgs`); ``frame_key`` names a frame stored
+    by reference (None: inline); ``shm_host``: the element is a shared-memory descriptor
+    of that host, pushed only into lists whose trainers published it."""
     tail = keys.gpush_tails[targets, rank, world]
     if frame_key is not None:
         tail = [*tail, frame_key]
@@ -217,13 +183,10 @@ def gpush_call(
         "gpush",
         GPushReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "stats": keys.stats,
-         "producers": keys.producers, "lease": keys.leases[producer], "pstats": keys.pstats,
-         "refs": keys.refs, "work": keys.work},
-        {"incarnation": incarnation, "run": run, "producer": producer, "entry": entry,
-         "element": element, "last": FLAGS[last], "heartbeat_ttl_ms": heartbeat_ttl_ms,
-         "frame_bytes": frame_bytes, "blocked_ms": blocked_ms, "produce_ms": produce_ms,
-         "shm_host": shm_host, "rank": rank, "targets": targets,
-         "by_ref": FLAGS[frame_key is not None]},
+         "producers": keys.producers, "lease": keys.leases[shared["producer"]],
+         "pstats": keys.pstats, "refs": keys.refs, "work": keys.work},
+        {"shm_host": "", **cast(Argv, shared), "last": FLAGS[shared["last"]], "rank": rank,
+         "targets": targets, "by_ref": FLAGS[frame_key is not None]},
         more_keys=tail,
     )  # fmt: skip
 
@@ -232,25 +195,15 @@ def gclaim(
     client: redis.Redis,
     keys: QueueKeys,
     *,
-    op: GroupClaimOp,
-    token: str,
-    claim_ttl_ms: int,
-    run_id: str,
-    new_incarnation: str,
-    takeover_run: str,
-    version: str,
     group: str,
-    rank: int,
-    world: int,
-    even: str,
-    resumed: str,
-    incarnation: str,
     groups: int,
     key_world: int,
     max_lag: int | None,
     slot: int,
+    **shared: Unpack[ClaimArgs],
 ) -> GClaimReply:
-    """Acquire, refresh, release or finish a group's claim (gclaim.lua).
+    """Acquire, refresh, release or finish a group's claim (gclaim.lua; ``shared``: see
+    :class:`~batchq.protocol.script_args.ClaimArgs`).
 
     Args:
         groups: the run's group slots as the caller read them (meta ``groups``).
@@ -262,13 +215,8 @@ def gclaim(
     return build_call(
         "gclaim",
         GClaimReply.parse,
-        {"meta": keys.meta, "incarnation": keys.incarnation, "groups": keys.groups,
-         "work": keys.work, "wake": keys.wake, "failures": keys.failures, "refs": keys.refs,
-         "remap": keys.remap},
-        {"token": token, "claim_ttl_ms": claim_ttl_ms, "op": op, "run_id": run_id,
-         "new_incarnation": new_incarnation, "takeover_run": takeover_run,
-         "version": version, "group": group, "rank": rank, "world": world, "even": even,
-         "resumed": resumed, "incarnation": incarnation, "groups": groups,
+        _slot_keys(keys),
+        {"incarnation": "", **cast(Argv, shared), "group": group, "groups": groups,
          "key_world": key_world, "max_lag": "" if max_lag is None else max_lag,
          "slot_arg": slot, "max_groups": MAX_GROUPS},
         more_keys=keys.slot_tails[groups, key_world],
@@ -279,33 +227,21 @@ def gresume(
     client: redis.Redis,
     keys: QueueKeys,
     *,
-    token: str,
-    new_run: str,
     takeover_run: str,
-    first: int,
-    fingerprint: str,
-    hwm: int | str,
-    shards: int,
-    window: int,
-    epoch_batches: int,
     group: str,
-    rank: int,
-    world: int,
-    even: str,
-    step: int,
-    held: bool,
     groups: int,
     key_world: int,
     slot: int,
     acquired: str,
     claim_ttl_ms: int,
     ledger: Sequence[tuple[str, str]],
+    **shared: Unpack[ResumeArgs],
 ) -> GResumeReply:
-    """Restart a group's plan from a ledger (gresume.lua).
+    """Restart a group's plan from a ledger (gresume.lua; ``shared``: see
+    :class:`~batchq.protocol.script_args.ResumeArgs`).
 
     Args:
         takeover_run: the checkpoint's run (it lives on if the queue still runs it).
-        new_run: the run any other run is replaced by.
         slot, acquired: the slot and run the caller's claim was made for.
         ledger: ('<epoch>:<slot>', 'd' or batches had) pairs.
     """
@@ -315,18 +251,21 @@ def gresume(
     return build_call(
         "gresume",
         GResumeReply.parse,
-        {"meta": keys.meta, "incarnation": keys.incarnation, "groups": keys.groups,
-         "work": keys.work, "wake": keys.wake, "failures": keys.failures, "refs": keys.refs,
-         "remap": keys.remap},
-        {"token": token, "new_run": new_run, "takeover_run": takeover_run, "first": first,
-         "fingerprint": fingerprint, "hwm": hwm, "shards": shards, "window": window,
-         "epoch_batches": epoch_batches, "group": group, "rank": rank, "world": world,
-         "even": even, "step": step, "held": FLAGS[held], "groups": groups,
+        _slot_keys(keys),
+        {**cast(Argv, shared), "held": FLAGS[shared["held"]], "wake_cap": WAKE_CAP,
+         "takeover_run": takeover_run, "group": group, "groups": groups,
          "key_world": key_world, "slot_arg": slot, "acquired": acquired,
-         "claim_ttl_ms": claim_ttl_ms, "wake_cap": WAKE_CAP},
+         "claim_ttl_ms": claim_ttl_ms},
         more_keys=keys.slot_tails[groups, key_world],
         more_args=pairs,
     ).run(client)  # fmt: skip
+
+
+def _slot_keys(keys: QueueKeys) -> dict[str, str | None]:
+    """The KEYS gclaim.lua and gresume.lua name before their tail."""
+    return {"meta": keys.meta, "incarnation": keys.incarnation, "groups": keys.groups,
+            "work": keys.work, "wake": keys.wake, "failures": keys.failures,
+            "refs": keys.refs, "remap": keys.remap}  # fmt: skip
 
 
 class ReleaseReply(NamedTuple):

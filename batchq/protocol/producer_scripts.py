@@ -6,12 +6,11 @@ attempt (fail.lua) and a shard handed back untouched (handback.lua).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack, cast
 
 import redis
 
 from batchq.protocol.calls import (
-    Arg,
     Call,
     CountReply,
     StatusReply,
@@ -22,6 +21,7 @@ from batchq.protocol.calls import (
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import FLAGS
+from batchq.protocol.script_args import Argv, LeaseArgs, PushArgs
 from batchq.protocol.words import Status
 
 __all__ = [
@@ -147,31 +147,20 @@ def join(
     ).run(client)  # fmt: skip
 
 
-def lease_call(
-    keys: QueueKeys,
-    *,
-    incarnation: str,
-    run: str,
-    producer: str,
-    token: str,
-    heartbeat_ttl_ms: int,
-    prefetch: int,
-    world: int,
-    after: str = "",
-) -> Call[LeaseReply]:
-    """A producer's next lease (lease.lua); a data-parallel run (``world`` > 1) adds
-    every rank's data list and the remap hash. ``prefetch`` k > 0: it rides behind the
-    last push of the shard whose lease entry is ``after``, and is granted only if that
-    push went through and the producer then holds fewer than k leases."""
-    tail = keys.lease_tails[world]
+def lease_call(keys: QueueKeys, *, world: int, **shared: Unpack[LeaseArgs]) -> Call[LeaseReply]:
+    """A producer's next lease (lease.lua; ``shared``: see
+    :class:`~batchq.protocol.script_args.LeaseArgs`); a data-parallel run (``world`` > 1)
+    adds every rank's data list and the remap hash. ``prefetch`` k > 0: it rides behind
+    the last push of the shard whose lease entry is ``after``, and is granted only if
+    that push went through and the producer then holds fewer than k leases."""
     return build_call(
         "lease",
         LeaseReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-         "lease": keys.leases[producer], "producers": keys.producers, "ledger": keys.ledger},
-        {"incarnation": incarnation, "run": run, "producer": producer, "token": token,
-         "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": int(prefetch), "after": after},
-        more_keys=tail,
+         "lease": keys.leases[shared["producer"]], "producers": keys.producers,
+         "ledger": keys.ledger},
+        {"after": "", **cast(Argv, shared), "prefetch": int(shared["prefetch"])},
+        more_keys=keys.lease_tails[world],
     )  # fmt: skip
 
 
@@ -180,20 +169,11 @@ def push_call(
     *,
     data: str,
     frame_key: str | None,
-    incarnation: str,
-    run: str,
-    producer: str,
-    entry: str,
-    element: Arg,
-    last: bool,
-    heartbeat_ttl_ms: int,
-    frame_bytes: int,
-    blocked_ms: int,
-    produce_ms: int,
-    shm_host: str = "",
     host_field: str = MetaField.SHM_HOST,
+    **shared: Unpack[PushArgs],
 ) -> Call[PushReply]:
-    """The capped push of one frame (push.lua) into ``data`` (a rank's list, or the
+    """The capped push of one frame (push.lua; ``shared``: see
+    :class:`~batchq.protocol.script_args.PushArgs`) into ``data`` (a rank's list, or the
     queue's); ``frame_key`` names a frame stored by reference (None: inline).
     ``shm_host``: the element is a shared-memory descriptor of that host, pushed only
     while meta's ``host_field`` (the rank's published host) says the same."""
@@ -201,12 +181,10 @@ def push_call(
         "push",
         PushReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "data": data,
-         "stats": keys.stats, "producers": keys.producers, "lease": keys.leases[producer],
-         "pstats": keys.pstats, "frame": frame_key},
-        {"incarnation": incarnation, "run": run, "producer": producer, "entry": entry,
-         "element": element, "last": FLAGS[last], "heartbeat_ttl_ms": heartbeat_ttl_ms,
-         "frame_bytes": frame_bytes, "blocked_ms": blocked_ms, "produce_ms": produce_ms,
-         "shm_host": shm_host, "host_field": host_field},
+         "stats": keys.stats, "producers": keys.producers,
+         "lease": keys.leases[shared["producer"]], "pstats": keys.pstats, "frame": frame_key},
+        {"shm_host": "", **cast(Argv, shared), "last": FLAGS[shared["last"]],
+         "host_field": host_field},
     )  # fmt: skip
 
 

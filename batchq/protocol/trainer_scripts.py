@@ -6,13 +6,14 @@ checkpoint's ledger (resume.lua).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple, Unpack, cast
 
 import redis
 
 from batchq.protocol.calls import Arg, CountReply, build_call, decode_reply, reply_int
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import FLAGS, HISTORY_CAP, WAKE_CAP
+from batchq.protocol.script_args import Argv, ClaimArgs, ClaimOp, ResumeArgs
 from batchq.protocol.words import Status
 
 __all__ = ["ClaimOp", "ClaimReply", "PopReply", "claim", "pop", "resume"]
@@ -21,11 +22,17 @@ __all__ = ["ClaimOp", "ClaimReply", "PopReply", "claim", "pop", "resume"]
 class ClaimReply(NamedTuple):
     """claim.lua. acquire: ``{'OK', incarnation, run, new_run, fence[, held]}``,
     ``{'CONFLICT', ms}``, ``{'WORLD', world}``; the other ops ``{'OK'[, last]}`` or
-    ``{'CLAIM_LOST'}``.
+    ``{'CLAIM_LOST'}``. gclaim.lua's reply is one too, with what only a group's claim
+    says (:class:`batchq.protocol.group_scripts.GClaimReply`).
 
     Attributes:
+        slot, groups: a group's acquire: the group slot it reads and the run's group
+            slots (0 and 0 from claim.lua).
         value: CONFLICT's ms until the other claim lapses, WORLD's world size, or a
-            rank's finish: 1 if it was the last rank (else 0; -1 when not said).
+            rank's finish: 1 if it was the last rank (else 0; -1 when not said);
+            gclaim.lua's FULL and GROUPS: the run's group slots.
+        group_done, run_done: a group's finish: every rank of the group finished; the
+            run ended (every group finished).
     """
 
     status: str
@@ -34,7 +41,11 @@ class ClaimReply(NamedTuple):
     new_run: bool = False
     fence: int = 0
     held: bool = False
+    slot: int = 0
+    groups: int = 0
     value: int = -1
+    group_done: bool = False
+    run_done: bool = False
 
     @classmethod
     def parse(cls, raw: Any) -> ClaimReply:
@@ -71,9 +82,6 @@ class PopReply(NamedTuple):
         return cls(r[0], int(r[1]), int(r[2]), list(r[3]), groups=reply_int(r, 4))
 
 
-ClaimOp = Literal["acquire", "refresh", "release", "finish"]
-
-
 def _trainer_keys(keys: QueueKeys) -> dict[str, str | None]:
     return {"meta": keys.meta, "incarnation": keys.incarnation, "data": keys.data,
             "work": keys.work}  # fmt: skip
@@ -83,25 +91,13 @@ def claim(
     client: redis.Redis,
     keys: QueueKeys,
     *,
-    op: ClaimOp,
-    token: str,
-    claim_ttl_ms: int,
-    run_id: str,
-    new_incarnation: str,
-    takeover_run: str,
-    version: str,
-    rank: int,
-    world: int,
-    even: str,
-    resumed: str,
-    incarnation: str = "",
     rank_lists: Sequence[str] = (),
+    **shared: Unpack[ClaimArgs],
 ) -> ClaimReply:
-    """Acquire, refresh, release or finish a trainer's claim (claim.lua).
+    """Acquire, refresh, release or finish a trainer's claim (claim.lua; ``shared``: see
+    :class:`~batchq.protocol.script_args.ClaimArgs`).
 
     Args:
-        incarnation: refresh, release, finish: the queue's incarnation the claim was
-            made in; another (Redis lost the queue) answers STATE_LOST.
         rank_lists: what a new or finished run drops besides the queue's own lists
             (data-parallel: every rank's data list, the counts and remap hashes).
     """
@@ -110,10 +106,7 @@ def claim(
         ClaimReply.parse,
         {**_trainer_keys(keys), "wake": keys.wake, "failures": keys.failures,
          "ledger": keys.ledger},
-        {"token": token, "claim_ttl_ms": claim_ttl_ms, "op": op, "run_id": run_id,
-         "new_incarnation": new_incarnation, "takeover_run": takeover_run,
-         "version": version, "rank": rank, "world": world, "even": even,
-         "resumed": resumed, "incarnation": incarnation},
+        {"incarnation": "", **cast(Argv, shared)},
         more_keys=rank_lists,
     ).run(client)  # fmt: skip
 
@@ -164,23 +157,12 @@ def resume(
     keys: QueueKeys,
     *,
     rank_lists: Sequence[str],
-    token: str,
-    new_run: str,
-    first: int,
-    fingerprint: str,
-    hwm: int | str,
-    shards: int,
-    window: int,
-    epoch_batches: int,
-    rank: int,
-    world: int,
-    even: str,
-    step: int,
-    held: bool,
     remap: tuple[int, Mapping[int, int]] | None,
     ledger: Sequence[tuple[str, str]],
+    **shared: Unpack[ResumeArgs],
 ) -> CountReply:
-    """Restart the plan from a ledger (resume.lua): ``text`` is the run on OK, the
+    """Restart the plan from a ledger (resume.lua; ``shared``: see
+    :class:`~batchq.protocol.script_args.ResumeArgs`): ``text`` is the run on OK, the
     run's step on STEP.
 
     Args:
@@ -199,11 +181,9 @@ def resume(
         CountReply.parse,
         {**_trainer_keys(keys), "failures": keys.failures, "ledger": keys.ledger,
          "wake": keys.wake},
-        {"token": token, "new_run": new_run, "first": first, "fingerprint": fingerprint,
-         "hwm": hwm, "shards": shards, "window": window, "epoch_batches": epoch_batches,
-         "rank": rank, "world": world, "even": even, "step": step, "held": FLAGS[held],
+        {**cast(Argv, shared), "held": FLAGS[shared["held"]], "wake_cap": WAKE_CAP,
          "remap_epoch": "" if remap is None else remap[0],
-         "remapped": 0 if remap is None else len(remap[1]), "wake_cap": WAKE_CAP},
+         "remapped": 0 if remap is None else len(remap[1])},
         more_keys=rank_lists,
         more_args=tail,
     ).run(client)  # fmt: skip

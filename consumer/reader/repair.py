@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import redis
 
@@ -40,36 +41,36 @@ REAP_CLOSED_S = 0.1
 REAP_IDLE_S = 0.25  # and this often while it does not wait
 
 
+@dataclass(eq=False)
 class StallRepair:
     """One reader's watch over the producers it waits for.
 
-    Args:
+    Attributes:
         client: the reader's client.
-        keys: the queue's keys.
+        keys: the queue's keys (the reader's: the group slot's, once it reads one).
         session: the trainer's claim (incarnation, run, rank, plan).
         buffer: the trainer's buffer (whether the iterator waits, what is missing).
         settings: the reader's settings (timeout_s, stall_s, layout).
+        last_frame, last_alive: when frames last arrived, when a pop script last saw a
+            producer alive (monotonic; both start at the repair's creation).
+        last_repair, last_gone: when it last repaired, when it last looked for closed
+            producers.
+        no_client_list: CLIENT LIST was refused (ACL): the TTL alone tells.
     """
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        keys: QueueKeys,
-        session: Session,
-        buffer: Buffer,
-        settings: ReaderSettings,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.session = session
-        self.buffer = buffer
-        self.settings = settings
-        now = time.monotonic()
-        self.last_frame = now  # when frames last arrived
-        self.last_alive = now  # when a pop script last saw a producer alive
-        self.last_repair = 0.0
-        self.last_gone = 0.0  # when closed producers were last looked for
-        self.no_client_list = False  # CLIENT LIST refused (ACL): the TTL alone tells
+    client: redis.Redis
+    keys: QueueKeys
+    session: Session
+    buffer: Buffer
+    settings: ReaderSettings
+    last_frame: float = field(init=False)
+    last_alive: float = field(init=False)
+    last_repair: float = field(init=False, default=0.0)
+    last_gone: float = field(init=False, default=0.0)
+    no_client_list: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.last_frame = self.last_alive = time.monotonic()
 
     def frames_arrived(self) -> None:
         self.last_frame = time.monotonic()

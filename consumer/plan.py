@@ -1,0 +1,63 @@
+"""A run's plan: what the producers published of it (:class:`Plan`), and what a trainer's
+resume sends of it (:class:`Shape`, within the :class:`Restart` it was asked for).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from batchq.protocol.fields import MetaField
+
+__all__ = ["Plan", "Restart", "Shape", "resumed_shape"]
+
+
+class Plan:
+    """What the producers published about the run: enough to re-create it."""
+
+    def __init__(self, meta: dict[bytes, bytes]) -> None:
+        def get(name: str, default: str = "") -> str:
+            return meta.get(name.encode(), default.encode()).decode()
+
+        f = MetaField
+        self.fingerprint = get(f.FINGERPRINT)
+        self.hwm = get(f.HWM)
+        self.shards = int(get(f.SHARDS, "0"))
+        self.window = int(get(f.WINDOW, "1"))
+        self.has_window = f.WINDOW.encode() in meta  # published by the run's first producer
+        self.epoch_batches = int(get(f.EPOCH_BATCHES, "-1"))
+        self.world = int(get(f.WORLD, "1"))
+        self.even = get(f.EVEN, "pad")
+        # B, batches per full shard (0: the plan cannot count them; -1: not published).
+        stride = get(f.SHARD_BATCHES, "-1")
+        self.shard_batches = int(stride) if stride.lstrip("-").isdigit() else -1
+        self.stripes = int(get(f.STRIPES, "1"))  # batchq/protocol/stripes.py
+
+
+class Shape(NamedTuple):
+    """The plan's figures a resume sends (resume.lua writes them into meta)."""
+
+    hwm: str
+    shards: int
+    window: int
+    epoch_batches: int
+
+
+class Restart(NamedTuple):
+    """A :meth:`Session.resume` as asked: the first shard, the pipeline, the ledger's
+    pairs, the checkpoint's step, the plan's figures and the remap (if any)."""
+
+    first_shard: int
+    fingerprint: str
+    ledger: list[tuple[str, str]]
+    step: int
+    shape: Shape
+    remap: tuple[int, dict[int, int]] | None
+
+
+def resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> Shape:
+    """What a resume tells of the plan: the published plan's (its hwm only for the same
+    pipeline), or where no producer published one, S from the checkpoint."""
+    if plan is None:
+        return Shape("", shards or 0, 1, -1)
+    same = plan.fingerprint == fingerprint and plan.hwm != ""
+    return Shape(plan.hwm if same else "", plan.shards, plan.window, plan.epoch_batches)
