@@ -219,6 +219,29 @@ class LocalSentinel:
 
         _wait(caught_up, timeout_s, f"node {i} in sync with its master")
 
+    def _wait_pair_synced(self, timeout_s: float = 60.0) -> None:
+        """Until the node the sentinels name the master has the other as an up-to-date
+        replica. Which node that is is read each time: on a loaded machine the sentinels
+        may fail over once more by themselves (a master silent past down_after_ms), and
+        the pair then settles the other way round."""
+
+        def paired() -> tuple[int, int] | None:
+            master = self.master_index()
+            node = self.node(1 - master)
+            try:
+                info = node.info("replication")
+            finally:
+                node.close()
+            up = (
+                info["role"] == "slave"
+                and int(info["master_port"]) == self.nodes[master].port
+                and info["master_link_status"] == "up"
+            )
+            return (master, 1 - master) if up else None
+
+        master, replica = _wait(paired, timeout_s, "a master with its replica linked")
+        self._wait_synced(replica, self.nodes[master].port, timeout_s)
+
     def _clients_left(self, i: int) -> int:
         """Clients of data node ``i`` that sent a command within the last second, but
         the sentinels' and this one (an idle connection writes nothing; its next
@@ -272,7 +295,7 @@ class LocalSentinel:
                 node.execute_command("REPLICAOF", "127.0.0.1", self.nodes[new].port)
             finally:
                 node.close()
-        self._wait_synced(old, self.nodes[new].port)
+        self._wait_pair_synced()
         _wait(self._settled, 60.0, "every sentinel sees the old master as a good replica")
         return Failover(kill, switch_s, drained_s, time.monotonic() - started)
 
