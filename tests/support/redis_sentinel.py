@@ -267,7 +267,10 @@ class LocalSentinel:
             drain_s: (SENTINEL FAILOVER) how long the old master's clients get to leave
                 it before it is made a replica.
         """
-        old = self.master_index()
+        # The sentinels agree at the end of every failover (_settled), but on a loaded
+        # machine they may start one of their own later (a master silent past
+        # down_after_ms): wait until they agree again before forcing the next.
+        (old,) = _wait(lambda: (self.master_index(),), 60.0, "every sentinel names one master")
         new = 1 - old
         started = time.monotonic()
         if kill:
