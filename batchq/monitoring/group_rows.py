@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchq.monitoring.group_snapshot import GroupSnapshot
-from batchq.monitoring.rank_rows import reader_fields
+from batchq.monitoring.rank_rows import reader_fields, trainer_state
 from batchq.monitoring.snapshot import QueueSnapshot
 from batchq.protocol.fields import MetaField, StatsField
 from batchq.protocol.groups import lag_batches
@@ -47,12 +46,6 @@ GROUP_FIELDS = (
 )
 
 
-def _state(snap: QueueSnapshot, group: GroupSnapshot) -> str:
-    if snap.meta.get(MetaField.FINISHED) == "1" or group.done:
-        return "finished"
-    return "attached" if group.claim_deadline_ms > snap.now_ms else "detached"
-
-
 def group_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per group (:data:`GROUP_FIELDS`); empty for a run of one group."""
     reading = [g for g in snap.groups if not g.done]
@@ -62,7 +55,9 @@ def group_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES) or -1)
     rows = []
     for g in snap.groups:
-        fields = reader_fields(snap, g.figure, _state(snap, g), g.depth, g.history)
+        fields = reader_fields(
+            snap, g.figure, trainer_state(snap, g.done, g.claim_deadline_ms), g.depth, g.history
+        )
         rows.append(
             {
                 "group": g.name,

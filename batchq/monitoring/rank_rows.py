@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from batchq.monitoring.snapshot import QueueSnapshot, RankSnapshot
+from batchq.monitoring.snapshot import QueueSnapshot
 from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, recent_depths
 from batchq.protocol.fields import MetaField, TrainerField
 
-__all__ = ["RANK_FIELDS", "rank_rows", "reader_fields", "slowest_rank"]
+__all__ = ["RANK_FIELDS", "rank_rows", "reader_fields", "slowest_rank", "trainer_state"]
 
 #: The fields of each object in a status row's ``ranks``, in order.
 RANK_FIELDS = (
@@ -34,10 +34,11 @@ RANK_FIELDS = (
 )
 
 
-def _state(snap: QueueSnapshot, rank: RankSnapshot) -> str:
-    if snap.meta.get(MetaField.FINISHED) == "1" or rank.done:
+def trainer_state(snap: QueueSnapshot, done: bool, claim_deadline_ms: int) -> str:
+    """'finished' (the run or this reader), 'attached' (a live claim) or 'detached'."""
+    if snap.meta.get(MetaField.FINISHED) == "1" or done:
         return "finished"
-    return "attached" if rank.claim_deadline_ms > snap.now_ms else "detached"
+    return "attached" if claim_deadline_ms > snap.now_ms else "detached"
 
 
 def reader_fields(
@@ -79,8 +80,16 @@ def reader_fields(
 def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer."""
     return [
-        {"rank": rank.rank, **reader_fields(snap, rank.figure, _state(snap, rank), rank.depth,
-                                            rank.history)}
+        {
+            "rank": rank.rank,
+            **reader_fields(
+                snap,
+                rank.figure,
+                trainer_state(snap, rank.done, rank.claim_deadline_ms),
+                rank.depth,
+                rank.history,
+            ),
+        }
         for rank in snap.ranks
     ]  # fmt: skip
 
