@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchq.monitoring.rank_rows import reader_fields, trainer_state
+from batchq.monitoring.rank_rows import reader_fields
 from batchq.monitoring.snapshot import QueueSnapshot
 from batchq.protocol.fields import MetaField, StatsField
 from batchq.protocol.groups import lag_batches
@@ -55,9 +55,7 @@ def group_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES) or -1)
     rows = []
     for g in snap.groups:
-        fields = reader_fields(
-            snap, g.figure, trainer_state(snap, g.done, g.claim_deadline_ms), g.depth, g.history
-        )
+        fields = reader_fields(snap, g)
         rows.append(
             {
                 "group": g.name,

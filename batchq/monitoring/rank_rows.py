@@ -9,14 +9,13 @@ most), the one a collective op waits for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from batchq.monitoring.snapshot import QueueSnapshot
 from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, recent_depths
 from batchq.protocol.fields import MetaField, TrainerField
 
-__all__ = ["RANK_FIELDS", "rank_rows", "reader_fields", "slowest_rank", "trainer_state"]
+__all__ = ["RANK_FIELDS", "Reader", "rank_rows", "reader_fields", "slowest_rank"]
 
 #: The fields of each object in a status row's ``ranks``, in order.
 RANK_FIELDS = (
@@ -34,23 +33,30 @@ RANK_FIELDS = (
 )
 
 
-def trainer_state(snap: QueueSnapshot, done: bool, claim_deadline_ms: int) -> str:
+class Reader(Protocol):
+    """One reader of a run as its row sees it: a rank (:class:`RankSnapshot`) or a group
+    (:class:`~batchq.monitoring.group_snapshot.GroupSnapshot`)."""
+
+    depth: int
+    history: list[dict[str, Any]]
+    claim_deadline_ms: int
+    done: bool
+
+    def figure(self, name: str) -> float | None:
+        """One of its trainer's figures, None if absent or malformed."""
+
+
+def _state(snap: QueueSnapshot, reader: Reader) -> str:
     """'finished' (the run or this reader), 'attached' (a live claim) or 'detached'."""
-    if snap.meta.get(MetaField.FINISHED) == "1" or done:
+    if snap.meta.get(MetaField.FINISHED) == "1" or reader.done:
         return "finished"
-    return "attached" if claim_deadline_ms > snap.now_ms else "detached"
+    return "attached" if reader.claim_deadline_ms > snap.now_ms else "detached"
 
 
-def reader_fields(
-    snap: QueueSnapshot,
-    figure: Callable[[str], float | None],
-    state: str,
-    depth: int,
-    history: list[dict[str, Any]],
-) -> dict[str, Any]:
+def reader_fields(snap: QueueSnapshot, reader: Reader) -> dict[str, Any]:
     """What a row of one reader of the run (a rank, a group) says of its trainer: its
-    claim state, depth and fill, recent figures and verdict (``figure``: its figures by
-    name)."""
+    claim state, depth and fill, recent figures and verdict."""
+    figure, depth, state = reader.figure, reader.depth, _state(snap, reader)
     updated = figure(TrainerField.UPDATED_MS)
     age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
     fresh = age is not None and age <= FIGURES_FRESH_S
@@ -58,7 +64,7 @@ def reader_fields(
     verdict, reason = judge(
         trainer=state,
         producers_alive=len(snap.alive),
-        depths=recent_depths(depth, history, snap.now_ms / 1000),
+        depths=recent_depths(depth, reader.history, snap.now_ms / 1000),
         hwm=snap.hwm,
         stall=stall if fresh else None,
     )
@@ -79,19 +85,7 @@ def reader_fields(
 
 def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer."""
-    return [
-        {
-            "rank": rank.rank,
-            **reader_fields(
-                snap,
-                rank.figure,
-                trainer_state(snap, rank.done, rank.claim_deadline_ms),
-                rank.depth,
-                rank.history,
-            ),
-        }
-        for rank in snap.ranks
-    ]  # fmt: skip
+    return [{"rank": rank.rank, **reader_fields(snap, rank)} for rank in snap.ranks]
 
 
 def slowest_rank(rows: list[dict[str, Any]]) -> int | None:

@@ -269,7 +269,8 @@ class LocalSentinel:
         """
         # The sentinels agree at the end of every failover (_settled), but on a loaded
         # machine they may start one of their own later (a master silent past
-        # down_after_ms): wait until they agree again before forcing the next.
+        # down_after_ms): wait until they agree again before forcing the next. (A
+        # 1-tuple: master index 0 is falsy, and _wait returns the first truthy value.)
         (old,) = _wait(lambda: (self.master_index(),), 60.0, "every sentinel names one master")
         new = 1 - old
         started = time.monotonic()
