@@ -17,7 +17,7 @@ if importlib.util.find_spec("torch") is not None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DataLoaderWorkersError", "TorchStream"):
+    if name in ("DataLoaderDispatchError", "DataLoaderWorkersError", "TorchStream"):
         try:
             from consumer import torch as adapter
         except ImportError as e:

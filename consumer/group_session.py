@@ -39,7 +39,7 @@ from batchq.protocol.layout import MAX_GROUPS
 from batchq.protocol.replies import status_error
 from batchq.protocol.words import Status, as_int
 from consumer.plan import Restart
-from consumer.session import Session
+from consumer.session import Session, rank_hint
 from consumer.state_keys import GROUP_KEY
 
 __all__ = [
@@ -180,7 +180,7 @@ class GroupSession(Session):
             raise TrainerConflict(
                 f"{self.what} is held by another trainer (its claim lapses in "
                 f"{reply.value / 1000:.1f} s unless it is alive); use another group, or "
-                "resume its run with load_state_dict"
+                f"resume its run with load_state_dict{rank_hint(self.world)}"
             )
         if reply.status == Status.WORLD:
             raise GroupWorldMismatch(self.base_keys.queue, self.group, reply.value, self.world)

@@ -24,6 +24,7 @@ from consumer.state_keys import (
     DONE_KEY,
     EPOCH_KEY,
     EVEN_BATCHES_KEY,
+    EVERY_RANK_KEY,
     FINGERPRINT_KEY,
     PARAMS_KEY,
     PLAN_SHARDS_KEY,
@@ -53,12 +54,25 @@ def pick_rank_state(
 ) -> dict[str, Any]:
     """This rank's state: ``state`` itself, or its entry in a list of every rank's.
 
+    A state marked ``every_rank`` (consumer/state_keys.py) stands for every rank of its
+    checkpoint: another rank of the same world takes it as its own (its rank set), a
+    new world re-splits the rest of the epoch as from every old rank's states.
+
     Raises:
         StepMismatch: the list holds states of different steps (not one checkpoint).
         ConfigError: the list is not one state per rank of this world size.
     """
     if isinstance(state, dict):
-        return state
+        if not state.get(EVERY_RANK_KEY) or not state.get(RUN_KEY):
+            return state
+        saved_world = state.get(WORLD_SIZE_KEY)
+        if not isinstance(saved_world, int) or saved_world < 2:
+            raise ConfigError(
+                f"state['world_size'] = {saved_world!r} is not valid: expected an integer >= 2"
+            )
+        if saved_world == world:
+            return state | {RANK_KEY: rank}
+        state = [state | {RANK_KEY: r} for r in range(saved_world)]
     states = _state_list(state)
     if _checkpoint_world(states) != world:
         return elastic_state(states, rank, world)
@@ -205,7 +219,9 @@ def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
     if saved_world != world or saved_rank != rank:
         raise ConfigError(
             f"state of rank {saved_rank!r} of world_size {saved_world!r} given to rank "
-            f"{rank} of world_size {world}: expected this rank's own state"
+            f"{rank} of world_size {world}: expected this rank's own state, or the list of "
+            "every rank's (one rank's state stands for every rank only where every shard "
+            "is one batch and ordered=True: see 'every_rank' in the README's Frameworks)"
         )
     step = state.get(STEP_KEY, 0)
     if not isinstance(step, int) or step < 0:

@@ -36,7 +36,20 @@ from batchq.protocol.script_args import ClaimArgs, ClaimOp, ResumeArgs
 from batchq.protocol.words import PROTOCOL_VERSION, Status
 from consumer.plan import Plan, Restart, resumed_shape
 
-__all__ = ["Plan", "Session"]
+__all__ = ["Plan", "Session", "rank_hint"]
+
+
+def rank_hint(world: int) -> str:
+    """What a TrainerConflict of a single trainer adds: in a data-parallel job whose
+    ranks were not found, every rank is a "single trainer" and all but one conflict."""
+    if world > 1:
+        return ""
+    return (
+        "; if this is one rank of a data-parallel job, pass rank= and world_size= (or make "
+        "the stream after torch.distributed.init_process_group, or set RANK and WORLD_SIZE: "
+        "they are found then)"
+    )
+
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +206,7 @@ class Session:
             raise TrainerConflict(
                 f"queue {self.keys.queue} is held{rank} by another trainer (its claim lapses "
                 f"in {reply.value / 1000:.1f} s unless it is alive); use another queue, or "
-                "resume its run with load_state_dict"
+                f"resume its run with load_state_dict{rank_hint(self.world)}"
             )
         if reply.status == Status.WORLD:
             raise WorldSizeMismatch(self.keys.queue, reply.value, self.world)

@@ -13,6 +13,11 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
   data-parallel ranks (world_size > 1) add:
     rank, world_size, even_batches ('pad' | 'drop'), plan_shards (the plan's S),
     step (batches the rank yielded: every rank of one checkpoint has the same),
+    every_rank    (where true) this state is every rank's at this step, its rank aside:
+                  every shard is one batch and epochs are yielded in plan order, so
+                  after the same number of batches every rank's local position is the
+                  same; any rank (or a new world, re-split) resumes from it, so a
+                  checkpoint that keeps rank 0's state only resumes the whole job
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
   a group of a run read by several groups (``group=``) adds:
@@ -34,6 +39,7 @@ __all__ = [
     "DONE_KEY",
     "EPOCH_KEY",
     "EVEN_BATCHES_KEY",
+    "EVERY_RANK_KEY",
     "FINGERPRINT_KEY",
     "GROUP_KEY",
     "PARAMS_KEY",
@@ -67,6 +73,7 @@ WORLD_SIZE_KEY = "world_size"
 EVEN_BATCHES_KEY = "even_batches"
 PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
+EVERY_RANK_KEY = "every_rank"
 REMAP_KEY = "remap"
 GROUP_KEY = "group"
 PARAMS_KEY = "params"
@@ -101,13 +108,19 @@ def position_state(
 
 
 def rank_fields(
-    rank: int, world_size: int, even_batches: str, plan_shards: int, step: int
+    rank: int,
+    world_size: int,
+    even_batches: str,
+    plan_shards: int,
+    step: int,
+    every_rank: bool = False,
 ) -> dict[str, Any]:
     """What a data-parallel rank's state adds (world_size > 1)."""
-    return {
+    fields: dict[str, Any] = {
         RANK_KEY: rank,
         WORLD_SIZE_KEY: world_size,
         EVEN_BATCHES_KEY: even_batches,
         PLAN_SHARDS_KEY: plan_shards,
         STEP_KEY: step,
     }
+    return fields | {EVERY_RANK_KEY: True} if every_rank else fields

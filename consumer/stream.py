@@ -8,12 +8,13 @@ popped before the first iteration.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from batchq.client.connection import make_client, resolve_url, tune_malloc
-from batchq.errors import ConfigError, StreamStopped
+from batchq.errors import ConfigError, StreamStopped, TrainerConflict
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
@@ -39,7 +40,7 @@ from consumer.state_keys import (
     unstarted_state,
 )
 from consumer.stats import TrainerStats
-from consumer.stream_options import StreamOptions, check_stream_options
+from consumer.stream_options import StreamOptions, check_stream_options, find_rank
 from consumer.stream_start import Started, claim, new_session, open_reading, release
 from consumer.striped_start import StripeReaders
 
@@ -93,10 +94,14 @@ class ServerDataStream(FuelStreamMixin):
         transport: 'auto' (frames of producers on this host come through shared
             memory) or 'redis' (never); None reads ``BATCHQ_TRANSPORT``, else 'auto'.
         shm_dir: the shared-memory folder (default /dev/shm).
-        rank: this process's rank in a data-parallel job (torch.distributed's RANK).
-        world_size: the job's number of ranks; every rank passes the same. Ranks share
-            one run and one pool of producers; each yields its own share of every
-            epoch (disjoint, in plan order, the same count on every rank).
+        rank: this process's rank in a data-parallel job. None: found, from the
+            initialised ``torch.distributed`` process group, else from the ``RANK`` and
+            ``WORLD_SIZE`` environment variables, else 0 (a single process); found again
+            at the first iteration if the process group was initialised since.
+        world_size: the job's number of ranks (None: found, as ``rank``); every rank
+            has the same. Ranks share one run and one pool of producers; each yields
+            its own share of every epoch (disjoint, in plan order, the same count on
+            every rank).
         even_batches: how ranks get equal counts when the epoch does not split evenly:
             'pad' (each yields ceil(N / world) batches, the extra ones being the
             epoch plan's first batches, as torch's DistributedSampler) or 'drop' (each
@@ -132,8 +137,8 @@ class ServerDataStream(FuelStreamMixin):
         progress: bool = False,
         transport: str | None = None,
         shm_dir: str | None = None,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         even_batches: str = "pad",
         group: str | None = None,
         max_lag_batches: int | None = None,
@@ -141,8 +146,13 @@ class ServerDataStream(FuelStreamMixin):
         self._config = {
             k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
         }
-        check_stream_options(self._config)
-        self.options = StreamOptions.from_config(self._config)
+        # Not given: found (torch.distributed, else RANK/WORLD_SIZE), and found again
+        # before reading starts (a process group initialised after the constructor).
+        self._given_rank = (rank, world_size)
+        rank, world_size = find_rank(rank, world_size)
+        ranked = self._config | {"rank": rank, "world_size": world_size}
+        check_stream_options(ranked)
+        self.options = StreamOptions.from_config(ranked)
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
         self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
@@ -317,6 +327,7 @@ class ServerDataStream(FuelStreamMixin):
     def __len__(self) -> int:
         """Batches per epoch (this rank's share), from the run's plan (waits for a
         producer to publish it)."""
+        self._refind_rank()
         self._connect()
         return epoch_length(
             self._client,
@@ -343,10 +354,13 @@ class ServerDataStream(FuelStreamMixin):
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.
+            self._refind_rank()
             self._connect()
             self._session = new_session(self._client, self.keys, self.options, self._shm)
             resume = self._resume or {}
-            self._session.acquire(takeover=str(resume.get(RUN_KEY) or ""))
+            if not self._acquire_to_finish(str(resume.get(RUN_KEY) or "")):
+                self._session = None
+                return
         if self._client is not None:
             stripes = self._started.stripes if self._started is not None else None
             release(self._session, self._client, self._shm, finished, self.timeout_s, stripes)
@@ -378,7 +392,12 @@ class ServerDataStream(FuelStreamMixin):
         if self.world_size > 1:
             step = self._step + self._feed.yielded - sum((held_back or {}).values())
             plan_shards = self._started.plan_shards if self._started is not None else 0
-            state |= rank_fields(self.rank, self.world_size, self.even_batches, plan_shards, step)
+            # Every shard one batch, yielded in plan order: after `step` batches every
+            # rank's local position is this one (consumer/state_keys.py, every_rank).
+            alike = self.ordered and plan is not None and plan.epoch_batches == plan.shards
+            state |= rank_fields(
+                self.rank, self.world_size, self.even_batches, plan_shards, step, alike
+            )
         if self.options.group is not None:
             state[GROUP_KEY] = self.options.group
         params = self._params.state()
@@ -400,6 +419,7 @@ class ServerDataStream(FuelStreamMixin):
         """
         if self._reader is not None or self._closed:
             raise ConfigError("load_state_dict must be called before the first iteration")
+        self._refind_rank()
         state = pick_rank_state(state, self.rank, self.world_size)
         self._resume = check_group_state(check_state(state, self.keys.queue), self.options.group)
         self._params = StreamParams(ParamsLog.from_json(self._resume.get(PARAMS_KEY)))
@@ -441,6 +461,7 @@ class ServerDataStream(FuelStreamMixin):
         it is made: :meth:`close` releases it whatever failed after."""
         if self._started is not None:
             return self._started.feed
+        self._refind_rank()
         self._connect()
         resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
         self._session, new_run = claim(
@@ -459,6 +480,49 @@ class ServerDataStream(FuelStreamMixin):
             make_shm=self._shm.sibling,
         )
         return self._started.feed
+
+    def _acquire_to_finish(self, takeover: str) -> bool:
+        """Claim the queue to finish a run this stream never read; False where another
+        trainer keeps it. A claim that lapses within claim_ttl_s (a trainer that just
+        died) is waited out; a live one (a stream this job made beside the one it
+        trains from) is left to its trainer, whose run it is to finish."""
+        if self._session is None:
+            return False
+        deadline = time.monotonic() + self.options.claim_ttl_ms / 1000 + 1.0
+        while True:
+            try:
+                self._session.acquire(takeover=takeover)
+                return True
+            except TrainerConflict:
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "close(finished=True) of a stream that never read: queue %s is held "
+                        "by a live trainer, whose run is left to it",
+                        self.keys.queue,
+                    )
+                    return False
+                time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
+
+    def _refind_rank(self) -> None:
+        """Before the claim, find the rank again where it was not given: a process group
+        initialised after the constructor (a stream made at import time) counts."""
+        if self._session is not None:
+            return
+        rank, world_size = find_rank(*self._given_rank)
+        if (rank, world_size) == (self.rank, self.world_size):
+            return
+        ranked = self._config | {"rank": rank, "world_size": world_size}
+        check_stream_options(ranked)
+        self.options = StreamOptions.from_config(ranked)
+        self.rank, self.world_size = rank, world_size
+        self._shm = TrainerShm(
+            self.keys,
+            self._config["transport"],
+            self._config["shm_dir"],
+            writable=self._config["writable"],
+            rank=rank,
+            world=world_size,
+        )
 
     @staticmethod
     def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:

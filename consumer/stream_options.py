@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +12,7 @@ from batchq.errors import ConfigError
 from batchq.protocol.groups import check_group
 from batchq.protocol.ranks import RankLayout
 
-__all__ = ["StreamOptions", "check_stream_options"]
+__all__ = ["StreamOptions", "check_stream_options", "find_rank"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,59 @@ def _check_rank(rank: Any, world_size: Any, even_batches: Any) -> None:
     RankLayout(1, world_size, even_batches)  # checks world_size, even_batches
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank!r} is not valid: expected an integer in [0, {world_size})")
+
+
+def find_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's (rank, world size) in its data-parallel job.
+
+    Explicit arguments win. What is not given comes from ``torch.distributed`` where a
+    process group is initialised (Lightning, Accelerate, the transformers Trainer and
+    torchrun all initialise one before the loop asks for data), else from the
+    ``RANK`` and ``WORLD_SIZE`` environment variables where both are set (torchrun's,
+    before ``init_process_group``), else a single process: rank 0 of 1. torch is never
+    imported here: without it in ``sys.modules`` there is no process group.
+
+    Raises:
+        ConfigError: an explicit argument contradicts the initialised process group
+            (both named), or the environment's values are not integers.
+    """
+    found = _process_group() or _environment()
+    if found is None:
+        return (0 if rank is None else rank), (1 if world_size is None else world_size)
+    found_rank, found_world = found
+    if _process_group() is not None:
+        for name, given, seen in (
+            ("rank", rank, found_rank),
+            ("world_size", world_size, found_world),
+        ):
+            if given is not None and given != seen:
+                raise ConfigError(
+                    f"{name}={given!r} contradicts the initialised torch.distributed process "
+                    f"group ({name} {seen}): leave {name} out (it is found there), or pass "
+                    "the process group's"
+                )
+    return (found_rank if rank is None else rank), (
+        found_world if world_size is None else world_size
+    )
+
+
+def _process_group() -> tuple[int, int] | None:
+    """(rank, world) of torch.distributed's default process group, if initialised."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
+def _environment() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) from the environment where both are set (torchrun's)."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    try:
+        return int(rank), int(world)
+    except ValueError:
+        raise ConfigError(
+            f"RANK={rank!r} and WORLD_SIZE={world!r} in the environment are not valid: "
+            "expected integers (or pass rank= and world_size=)"
+        ) from None

@@ -18,6 +18,10 @@ imports this module.
   num_workers=0)`` works (the producers are the workers); ``num_workers > 0`` raises
   :class:`DataLoaderWorkersError` in the main process when the loader's iterator is made
   (``iter(loader)``, the first ``for``), before any worker process starts.
+* Accelerate's ``DataLoaderDispatcher`` (what ``accelerator.prepare(DataLoader(ts))``
+  makes on several processes: it reads on process 0 only and scatters) raises
+  :class:`DataLoaderDispatchError` in ``prepare()``, on every rank: each rank reads its
+  own share already.
 * ``state_dict()`` / ``load_state_dict()`` delegate to the stream, counting only the
   batches the loop has received (not those prefetched): torchdata's
   ``StatefulDataLoader`` checkpoints and resumes through them.
@@ -42,12 +46,13 @@ from consumer.reader.prepare import ArrayAccess
 from consumer.stream import ServerDataStream
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
 from consumer.torch_workers import (
+    DataLoaderDispatchError,
     DataLoaderWorkersError,
     refuse_loader_workers,
     refuse_worker_process,
 )
 
-__all__ = ["DataLoaderWorkersError", "TorchStream"]
+__all__ = ["DataLoaderDispatchError", "DataLoaderWorkersError", "TorchStream"]
 
 
 # A batch on its way to the device: its shard, sources, tensors, copy event and params.

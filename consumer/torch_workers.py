@@ -9,6 +9,7 @@ caller's frames), when the loader's iterator reads the dataset's ``__class__``.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 import weakref
 from typing import Any
@@ -20,6 +21,7 @@ from batchq.errors import ConfigError
 
 __all__ = [
     "LOADER_SCAN_S",
+    "DataLoaderDispatchError",
     "DataLoaderWorkersError",
     "refuse_loader_workers",
     "refuse_worker_process",
@@ -34,6 +36,40 @@ LOADER_SCAN_S = 1.0
 class DataLoaderWorkersError(ConfigError):
     """A DataLoader with ``num_workers > 0`` around a TorchStream: the producers are the
     workers, and a queue has one trainer (a worker process would be a second one)."""
+
+
+class DataLoaderDispatchError(ConfigError):
+    """Accelerate's ``DataLoaderDispatcher`` around a TorchStream: it iterates the stream
+    on process 0 only and scatters what it read, so every other rank's share of every
+    epoch would never be read (a silent loss of about (R - 1) / R of the data)."""
+
+
+_DISPATCH_ERROR = (
+    "accelerator.prepare() wrapped a DataLoader around a TorchStream in Accelerate's "
+    "DataLoaderDispatcher, which reads on process 0 only and scatters: every other rank's "
+    "share would never be read. Each rank reads its own share already (its rank is found "
+    "from torch.distributed): pass the stream itself to accelerator.prepare() (it is "
+    "returned as it is) or iterate DataLoader(stream, batch_size=None) without preparing "
+    "it; with the transformers Trainer, override get_train_dataloader() to return the "
+    "stream"
+)
+
+
+def _dispatched(loader: object) -> bool:
+    """Whether Accelerate's DataLoaderDispatcher wraps ``loader`` (its
+    ``base_dataloader``). accelerate is never imported here: a process that has not
+    imported it has no dispatcher."""
+    module = sys.modules.get("accelerate.data_loader")
+    dispatcher = getattr(module, "DataLoaderDispatcher", None) if module is not None else None
+    if not isinstance(dispatcher, type):
+        return False
+    for holder in gc.get_referrers(loader):
+        # The wrapper itself, or its attribute dict (as in _loader_of).
+        owners = gc.get_referrers(holder) if isinstance(holder, dict) else [holder]
+        for owner in owners:
+            if isinstance(owner, dispatcher) and vars(owner).get("base_dataloader") is loader:
+                return True
+    return False
 
 
 def _workers_error(num_workers: int) -> DataLoaderWorkersError:
@@ -61,11 +97,21 @@ def refuse_loader_workers(
     batch: :func:`refuse_worker_process`.)
     """
     now = time.monotonic()
-    if known is None or now - known[0] >= LOADER_SCAN_S:
+    # With accelerate imported every ask scans: prepare() makes its dispatcher (over a
+    # loader of its own) right after the user's loader, within LOADER_SCAN_S of the scan
+    # that found that one.
+    rescan = "accelerate.data_loader" in sys.modules
+    if known is None or rescan or now - known[0] >= LOADER_SCAN_S:
         found = (_loader_of(holder, dataset) for holder in gc.get_referrers(dataset))
         known = (now, weakref.WeakSet(loader for loader in found if loader is not None))
     loaders = known[1]
     for loader in list(loaders):
+        # Refused on every rank, where the dispatcher makes its loader's iterator (every
+        # rank does, before rank 0 reads and broadcasts the first batch).
+        if _constructed(loader) and _dispatched(loader):
+            for it in gc.get_referrers(dataset):
+                _mark_shut(it, dataset)
+            raise DataLoaderDispatchError(_DISPATCH_ERROR)
         # Only a loader being iterated: its own constructor's isinstance checks come
         # before it sets persistent_workers (its last public attribute).
         if loader.num_workers > 0 and _constructed(loader):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from collections import Counter
 from collections.abc import Callable
@@ -401,3 +402,56 @@ def test_a_rank_that_stops_never_holds_the_producers_serving_the_others(
     for plan, share in zip(plans(3), got, strict=True):
         assert share == plan[0::2]  # rank 0's whole share (22 slots), every epoch
     ranks[0].close(finished=True)
+
+
+def found_ranks(
+    spawn_proc: Any, url: str, queue: str, outs: list[Path], epochs: int, *extra: str
+) -> list[Any]:
+    """One trainer process per rank that names no rank: RANK and WORLD_SIZE (torchrun's
+    variables) are all it has; each saves its state after every batch beside its --out."""
+    world = len(outs)
+    return [
+        spawn_proc(
+            train_argv(url, queue, outs[r], epochs, "--state-out", f"{outs[r]}.state", *extra),
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world)),
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 2), (2, 3)])
+def test_ranks_found_and_rank_zeros_state_alone_resumes_the_job(
+    redis_url: str,
+    queue_name: str,
+    producers: Any,
+    spawn_proc: Any,
+    tmp_path: Path,
+    old: int,
+    new: int,
+) -> None:
+    # What Lightning and Accelerate do: only rank 0's state is saved, every rank loads it.
+    producers(2)
+    epochs, stop = 2, 4
+    outs = [tmp_path / f"a{r}.jsonl" for r in range(old)]
+    for proc in found_ranks(spawn_proc, redis_url, queue_name, outs, epochs, "--stop-after", "4"):
+        assert proc.wait(timeout=60) == 3
+    saved = json.loads(Path(f"{outs[0]}.state").read_text())
+    assert (saved["rank"], saved["world_size"], saved["step"]) == (0, old, stop)
+    assert saved["every_rank"] is True  # one batch per shard, plan order
+    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(new)]
+    rank_zero = str(Path(f"{outs[0]}.state"))
+    for proc in found_ranks(
+        spawn_proc, redis_url, queue_name, outs_b, epochs, "--finish", "--state-in", rank_zero
+    ):
+        assert proc.wait(timeout=90) == 0
+    plan = plans(epochs)
+    before = [b for o in outs for _, b in lines(o)]
+    assert len(before) == old * stop
+    after = shares(outs_b, epochs)
+    units = plan[0][old * stop :]
+    per = -(-len(units) // new)
+    padded = units + units[: per * new - len(units)]
+    assert after[0] == [padded[r::new] for r in range(new)]  # the rest of epoch 0, split
+    got = Counter(tuple(b) for b in before + [b for s in after[0] for b in s])
+    assert got == Counter(tuple(b) for b in plan[0] + units[: per * new - len(units)])
+    check_epoch(plan[1], after[1], new)

@@ -78,3 +78,23 @@ def test_elastic_to_a_single_trainer_is_refused() -> None:
     states = [state(r, 2, {}, []) for r in range(2)]
     with pytest.raises(ConfigError, match="world_size >= 2"):
         pick_rank_state(states, 0, 1)
+
+
+def test_a_state_for_every_rank_is_taken_by_any_rank_of_its_world() -> None:
+    saved = state(0, 2, {}, [0, 1], every_rank=True)
+    assert pick_rank_state(saved, 1, 2) == saved | {"rank": 1}
+    check_rank_state(pick_rank_state(saved, 1, 2), 1, 2)  # its own now
+
+
+def test_a_state_for_every_rank_re_splits_for_another_world() -> None:
+    saved = state(0, 2, {}, [0, 1], every_rank=True)
+    every = [state(r, 2, {}, [0, 1], every_rank=True) for r in range(2)]
+    for rank in range(3):
+        assert pick_rank_state(saved, rank, 3) == elastic_state(every, rank, 3)
+
+
+def test_a_state_of_one_rank_alone_says_when_it_stands_for_all() -> None:
+    with pytest.raises(ConfigError, match="one batch and ordered=True"):
+        check_rank_state(pick_rank_state(state(0, 2, {}, []), 1, 2), 1, 2)
+    with pytest.raises(ConfigError, match="world_size"):
+        pick_rank_state(state(0, 1, {}, [], every_rank=True), 0, 2)

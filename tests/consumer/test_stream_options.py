@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from batchq.errors import ConfigError
 from consumer import ServerDataStream
 from consumer.group_session import check_group_state
-from consumer.stream_options import check_stream_options
+from consumer.stream_options import check_stream_options, find_rank
 
 GOOD: dict[str, Any] = {
     "sources": ("x",), "hwm": 10, "timeout_s": 1.0, "on_bad_frame": "raise",
@@ -61,3 +62,50 @@ def test_a_state_of_another_group_is_refused() -> None:
     with pytest.raises(ConfigError, match="group 'a'"):
         stream.load_state_dict(state)
     assert check_group_state({"run": ""}, "b") == {"run": ""}  # saved before groups
+
+
+def test_ranks_not_given_are_found_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert find_rank(None, None) == (0, 1)  # a single process
+    assert find_rank(1, 3) == (1, 3)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert find_rank(None, None) == (0, 1)  # RANK and WORLD_SIZE both, or neither
+    monkeypatch.setenv("RANK", "1")
+    assert find_rank(None, None) == (1, 2)
+    assert find_rank(0, None) == (0, 2)  # explicit arguments win
+    stream = ServerDataStream(("x",), queue="q")
+    assert (stream.rank, stream.world_size) == (1, 2)
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ConfigError, match="RANK='one' and WORLD_SIZE='2'"):
+        find_rank(None, None)
+
+
+def test_ranks_are_found_again_before_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    stream = ServerDataStream(("x",), queue="q")  # made before the job's ranks are known
+    assert (stream.rank, stream.world_size) == (0, 1)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    stream.load_state_dict({"version": 1, "queue": "q", "run": "", "fingerprint": ""})
+    assert (stream.rank, stream.world_size, stream.options.rank) == (3, 4, 3)
+
+
+def test_ranks_come_from_an_initialised_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    monkeypatch.setenv("RANK", "5")  # the process group wins over the environment
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert find_rank(None, None) == (0, 1)
+        assert ServerDataStream(("x",), queue="q").world_size == 1
+        with pytest.raises(ConfigError, match=r"world_size=2 contradicts .* \(world_size 1\)"):
+            find_rank(None, 2)
+        with pytest.raises(ConfigError, match="rank=1 contradicts"):
+            ServerDataStream(("x",), queue="q", rank=1, world_size=2)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,29 @@
+"""ServerDataStream's own behaviour (its parts have their own files: test_run_start,
+test_session, test_stream_options, ...), against the real redis-server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines import numbered
+
+from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
+from consumer import ServerDataStream
+
+
+def test_finishing_a_stream_that_never_read_leaves_a_live_trainers_run(
+    redis_url: str, queue_name: str, producer_thread: Any, redis_client: Any
+) -> None:
+    # Issue 39: a second stream of the same job (made, never read) closed with
+    # finished=True while the first one trains raised TrainerConflict.
+    producer_thread(numbered(40, 10))
+    keys = QueueKeys(queue_name)
+    with ServerDataStream(("features", "targets"), url=redis_url, queue=queue_name) as reading:
+        next(reading.get_epoch_iterator())
+        idle = ServerDataStream(
+            ("features", "targets"), url=redis_url, queue=queue_name, claim_ttl_s=0.5
+        )
+        idle.close(finished=True)  # waits out a claim that could lapse, then leaves it
+        assert redis_client.hget(keys.meta, MetaField.FINISHED) is None
+        assert len(list(reading.get_epoch_iterator())) == 4  # still its run
