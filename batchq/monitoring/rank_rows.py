@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from batchq.monitoring.snapshot import QueueSnapshot
-from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, recent_depths
+from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, near_cap, recent_depths
 from batchq.protocol.fields import MetaField, TrainerField
 
 __all__ = ["RANK_FIELDS", "Reader", "rank_rows", "reader_fields", "slowest_rank"]
@@ -84,8 +84,21 @@ def reader_fields(snap: QueueSnapshot, reader: Reader) -> dict[str, Any]:
 
 
 def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
-    """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer."""
-    return [{"rank": rank.rank, **reader_fields(snap, rank)} for rank in snap.ranks]
+    """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer. A rank
+    whose list is near its cap with no trainer while another rank reads is ``unread``."""
+    rows = [{"rank": rank.rank, **reader_fields(snap, rank)} for rank in snap.ranks]
+    reading = [r["rank"] for r in rows if r["trainer"] == "attached"]
+    for row in rows:
+        if row["trainer"] == "detached" and reading and near_cap(row["depth"], snap.hwm):
+            names = ", ".join(str(r) for r in reading)
+            row["verdict"] = "unread"
+            row["verdict_reason"] = (
+                f"its list is full ({row['depth']}/{snap.hwm}) and no trainer reads it while "
+                f"rank {names} reads: its share of the epoch goes unread (a wrapper that "
+                "reads on one rank only, such as Accelerate's DataLoaderDispatcher, or a "
+                "rank that never started)"
+            )
+    return rows
 
 
 def slowest_rank(rows: list[dict[str, Any]]) -> int | None:

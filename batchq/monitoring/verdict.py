@@ -22,6 +22,11 @@ The rule (:func:`judge`), first match wins:
 6. ``balanced``: the trainer rarely waits and the producers are rarely blocked: both
    sides run at about the same rate (the cheapest configuration that does not stall).
 
+A rank of a data-parallel run has one more (:mod:`batchq.monitoring.rank_rows`):
+``unread``, its list near its cap with no trainer attached to it while another rank
+reads: its share of the epoch goes unread (a wrapper that reads on one rank and
+scatters, a rank that never started).
+
 When it can, :func:`cause` names why the trainer is input-bound (first match wins):
 
 - ``slow-producer``: one producer builds under half the median rate of the others. It
@@ -71,7 +76,7 @@ FIGURES_FRESH_S = 10.0
 #: How far back history samples count as "recent" for the depth median.
 RECENT_S = 15.0
 #: Every verdict judge() may return.
-VERDICTS = ("input-bound", "trainer-bound", "balanced", "idle", "unknown")
+VERDICTS = ("input-bound", "trainer-bound", "balanced", "idle", "unknown", "unread")
 #: Every cause cause() may return.
 CAUSES = ("transport-saturated", "cpu-starved", "slow-producer")
 #: Delivered under this fraction of the pipelines' summed rate: the transport is the limit.

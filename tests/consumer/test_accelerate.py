@@ -1,6 +1,7 @@
 """Accelerate (CPU, gloo, 2 ranks from torchrun's variables) around a TorchStream: its
-DataLoaderDispatcher, which would read on rank 0 only, is refused on every rank in
-``prepare()``; a plain DataLoader on every rank reads each rank's share exactly."""
+DataLoaderDispatcher, which would read on rank 0 only, is refused on every rank at the
+first batch; a plain DataLoader on every rank reads each rank's share exactly; a job
+killed mid-epoch resumes every rank from ``save_state`` (rank 0's copy)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def ranks(
+    spawn_proc: Any, argv: list[str], per_rank: Callable[[int], list[str]] = lambda r: []
+) -> list[int]:
+    """Run ``python argv`` as every rank of a job (torchrun's variables), and return
+    their exit codes."""
+    port = free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+        env.update(LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SUPPORT))
+        procs.append(spawn_proc([sys.executable, *argv, *per_rank(rank)], env=env))
+    return [proc.wait(timeout=120) for proc in procs]
+
+
+def lines(path: Path) -> list[tuple[int, list[int]]]:
+    """What a rank trained on: (epoch, example indices) per step."""
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines()]  # type: ignore[misc]
+
+
 def test_dispatcher_refused_on_every_rank_and_plain_loaders_read_every_share(
     redis_url: str,
     queue_name: str,
@@ -36,16 +58,9 @@ def test_dispatcher_refused_on_every_rank_and_plain_loaders_read_every_share(
     tmp_path: Path,
 ) -> None:
     spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
-    port = free_port()
     outs = [tmp_path / f"r{r}.json" for r in range(WORLD)]
-    ranks = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-        env.update(LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.update(OMP_NUM_THREADS="1")
-        argv = [sys.executable, str(SUPPORT / "accelerate_rank.py"), redis_url, queue_name]
-        ranks.append(spawn_proc([*argv, str(outs[rank])], env=env))
-    assert [proc.wait(timeout=120) for proc in ranks] == [0] * WORLD
+    job = [str(SUPPORT / "accelerate_rank.py"), redis_url, queue_name]
+    assert ranks(spawn_proc, job, lambda rank: [str(outs[rank])]) == [0] * WORLD
     got = [json.loads(out.read_text()) for out in outs]
     assert [(g["rank"], g["world"]) for g in got] == [(r, WORLD) for r in range(WORLD)]
     for g in got:
@@ -54,3 +69,27 @@ def test_dispatcher_refused_on_every_rank_and_plain_loaders_read_every_share(
     plan = [examples_of(f) for f, _ in numbered(EXAMPLES, BATCH).get_epoch_iterator()]
     for rank, g in enumerate(got):
         assert g["batches"] == plan[rank::WORLD]  # its share, in plan order, nothing lost
+
+
+def test_killed_mid_epoch_resumes_every_rank_from_save_state(
+    redis_url: str,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+) -> None:
+    # register_for_checkpointing + save_state keep rank 0's state of the stream only.
+    spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
+    job = [str(SUPPORT / "accelerate_job.py"), redis_url, queue_name, str(tmp_path), "2"]
+    assert ranks(spawn_proc, [*job, "--stop-at", "7"]) == [3] * WORLD
+    first = [lines(tmp_path / f"rank{r}.jsonl") for r in range(WORLD)]
+    assert [len(f) for f in first] == [7] * WORLD  # the state of step 6 was saved
+    assert ranks(spawn_proc, [*job, "--resume"]) == [0] * WORLD
+    stream = numbered(EXAMPLES, BATCH)
+    plans = [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(2)]
+    for rank in range(WORLD):
+        trained = lines(tmp_path / f"rank{rank}.jsonl")
+        trained = trained[:6] + trained[7:]  # step 7 was lost with the kill
+        for epoch, plan in enumerate(plans):
+            assert [b for e, b in trained if e == epoch] == plan[rank::WORLD]

@@ -455,3 +455,26 @@ def test_ranks_found_and_rank_zeros_state_alone_resumes_the_job(
     got = Counter(tuple(b) for b in before + [b for s in after[0] for b in s])
     assert got == Counter(tuple(b) for b in plan[0] + units[: per * new - len(units)])
     check_epoch(plan[1], after[1], new)
+
+
+def test_a_rank_whose_list_fills_while_another_reads_is_unread(
+    redis_url: str, queue_name: str, producer_thread: Any, redis_client: Any
+) -> None:
+    # Issue 39: what a wrapper reading on rank 0 only looks like from outside.
+    from batchq.monitoring.rows import status_rows
+
+    producer_thread(numbered(EXAMPLES, BATCH), hwm=4)
+    with ServerDataStream(
+        ("features", "targets"), url=redis_url, queue=queue_name, rank=0, world_size=2
+    ) as reading:
+        next(reading.get_epoch_iterator())
+
+        def ranks() -> list[dict[str, Any]]:
+            return list(status_rows(redis_client, [queue_name])[0]["ranks"])
+
+        wait_until(lambda: ranks()[1]["depth"] >= 3, timeout_s=20, what="rank 1's list full")
+        rows = ranks()
+        assert [r["trainer"] for r in rows] == ["attached", "detached"]
+        assert rows[0]["verdict"] != "unread"
+        assert rows[1]["verdict"] == "unread"
+        assert "no trainer reads it while rank 0 reads" in rows[1]["verdict_reason"]

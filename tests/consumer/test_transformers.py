@@ -1,0 +1,60 @@
+"""The transformers Trainer on 2 CPU ranks (torchrun's variables) fed by a TorchStream:
+the stock ``get_train_dataloader()`` (whose DataLoader Accelerate wraps in its
+DataLoaderDispatcher, reading on rank 0 only) is refused on every rank before the first
+step; ``get_train_dataloader()`` returning the stream trains every rank on exactly its
+share of every epoch (one job does both: the import of transformers is the cost)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pipelines import examples_of, numbered
+
+pytest.importorskip("torch")
+if importlib.util.find_spec("transformers") is None:  # not imported: it imports torchvision
+    pytest.skip("needs transformers (the test extra)", allow_module_level=True)
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+EXAMPLES, BATCH, WORLD, EPOCHS = 200, 10, 2, 2
+
+
+def run_job(spawn_proc: Any, url: str, queue: str, out: Path) -> list[int]:
+    """The job's every rank, as torchrun starts them; their exit codes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+        env.update(LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SUPPORT))
+        argv = [sys.executable, str(SUPPORT / "transformers_job.py"), url, queue, str(out)]
+        procs.append(spawn_proc([*argv, str(EPOCHS)], env=env))
+    return [proc.wait(timeout=120) for proc in procs]
+
+
+def test_stock_dataloader_refused_and_the_stream_as_dataloader_exact_on_every_rank(
+    redis_url: str,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+) -> None:
+    spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
+    assert run_job(spawn_proc, redis_url, queue_name, tmp_path) == [0] * WORLD
+    stream = numbered(EXAMPLES, BATCH)
+    plans = [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(EPOCHS)]
+    for rank in range(WORLD):
+        assert "DataLoaderDispatcher" in (tmp_path / f"refused{rank}.txt").read_text()
+        text = (tmp_path / f"rank{rank}.jsonl").read_text()  # the stock run trained nothing
+        trained = [json.loads(line) for line in text.splitlines()]
+        for epoch, plan in enumerate(plans):
+            assert [b for e, b in trained if e == epoch] == plan[rank::WORLD]
