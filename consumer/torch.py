@@ -20,8 +20,8 @@ imports this module.
   (``iter(loader)``, the first ``for``), before any worker process starts.
 * Accelerate's ``DataLoaderDispatcher`` (what ``accelerator.prepare(DataLoader(ts))``
   makes on several processes: it reads on process 0 only and scatters) raises
-  :class:`DataLoaderDispatchError` in ``prepare()``, on every rank: each rank reads its
-  own share already.
+  :class:`DataLoaderDispatchError` on every rank when it is iterated, before the first
+  step: each rank reads its own share already.
 * ``state_dict()`` / ``load_state_dict()`` delegate to the stream, counting only the
   batches the loop has received (not those prefetched): torchdata's
   ``StatefulDataLoader`` checkpoints and resumes through them.
@@ -48,6 +48,7 @@ from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
 from consumer.torch_workers import (
     DataLoaderDispatchError,
     DataLoaderWorkersError,
+    refuse_dispatcher,
     refuse_loader_workers,
     refuse_worker_process,
 )
@@ -140,6 +141,7 @@ class TorchStream(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         """One epoch per call (what a DataLoader asks for each epoch)."""
         refuse_worker_process()
+        refuse_dispatcher(self)
         return self._epoch(self.as_dict)
 
     def __len__(self) -> int:

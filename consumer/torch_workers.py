@@ -23,6 +23,7 @@ __all__ = [
     "LOADER_SCAN_S",
     "DataLoaderDispatchError",
     "DataLoaderWorkersError",
+    "refuse_dispatcher",
     "refuse_loader_workers",
     "refuse_worker_process",
 ]
@@ -97,21 +98,11 @@ def refuse_loader_workers(
     batch: :func:`refuse_worker_process`.)
     """
     now = time.monotonic()
-    # With accelerate imported every ask scans: prepare() makes its dispatcher (over a
-    # loader of its own) right after the user's loader, within LOADER_SCAN_S of the scan
-    # that found that one.
-    rescan = "accelerate.data_loader" in sys.modules
-    if known is None or rescan or now - known[0] >= LOADER_SCAN_S:
+    if known is None or now - known[0] >= LOADER_SCAN_S:
         found = (_loader_of(holder, dataset) for holder in gc.get_referrers(dataset))
         known = (now, weakref.WeakSet(loader for loader in found if loader is not None))
     loaders = known[1]
     for loader in list(loaders):
-        # Refused on every rank, where the dispatcher makes its loader's iterator (every
-        # rank does, before rank 0 reads and broadcasts the first batch).
-        if _constructed(loader) and _dispatched(loader):
-            for it in gc.get_referrers(dataset):
-                _mark_shut(it, dataset)
-            raise DataLoaderDispatchError(_DISPATCH_ERROR)
         # Only a loader being iterated: its own constructor's isinstance checks come
         # before it sets persistent_workers (its last public attribute).
         if loader.num_workers > 0 and _constructed(loader):
@@ -119,6 +110,23 @@ def refuse_loader_workers(
                 _mark_shut(it, dataset)
             raise _workers_error(loader.num_workers)
     return known
+
+
+def refuse_dispatcher(dataset: object) -> None:
+    """Raise if Accelerate's DataLoaderDispatcher wraps a DataLoader holding ``dataset``.
+
+    Called where a loader's iterator asks the dataset for its own (``iter(dataset)``,
+    once per epoch): every rank makes the dispatcher's inner iterator, before rank 0
+    reads and broadcasts the first batch, so every rank raises before the first step.
+    Only where accelerate was imported (without it there is no dispatcher); two scans
+    of the heap's referrers, once per epoch.
+    """
+    if "accelerate.data_loader" not in sys.modules:
+        return
+    for holder in gc.get_referrers(dataset):
+        loader = _loader_of(holder, dataset)
+        if loader is not None and _dispatched(loader):
+            raise DataLoaderDispatchError(_DISPATCH_ERROR)
 
 
 def _mark_shut(holder: Any, dataset: object) -> None:
