@@ -109,25 +109,36 @@ def find_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     before ``init_process_group``), else a single process: rank 0 of 1. torch is never
     imported here: without it in ``sys.modules`` there is no process group.
 
+    A ``world_size`` other than the process group's is a data-parallel layout of its
+    own (tensor or pipeline parallel ranks beside the data-parallel ones): it needs
+    ``rank`` too, and both are taken as given.
+
     Raises:
-        ConfigError: an explicit argument contradicts the initialised process group
-            (both named), or the environment's values are not integers.
+        ConfigError: an explicit rank contradicts the initialised process group (both
+            named), a world size of its own comes without a rank, or the environment's
+            values are not integers.
     """
     found = _process_group() or _environment()
     if found is None:
         return (0 if rank is None else rank), (1 if world_size is None else world_size)
     found_rank, found_world = found
     if _process_group() is not None:
-        for name, given, seen in (
-            ("rank", rank, found_rank),
-            ("world_size", world_size, found_world),
-        ):
-            if given is not None and given != seen:
+        if world_size is not None and world_size != found_world:
+            # Data-parallel ranks fewer than the processes (tensor or pipeline parallelism
+            # beside them): the data-parallel rank is the caller's to say.
+            if rank is None:
                 raise ConfigError(
-                    f"{name}={given!r} contradicts the initialised torch.distributed process "
-                    f"group ({name} {seen}): leave {name} out (it is found there), or pass "
-                    "the process group's"
+                    f"world_size={world_size!r} differs from the initialised torch.distributed "
+                    f"process group's ({found_world}): pass rank= too (this process's "
+                    "data-parallel rank), or leave both out"
                 )
+            return rank, world_size
+        if rank is not None and rank != found_rank:
+            raise ConfigError(
+                f"rank={rank!r} contradicts the initialised torch.distributed process group "
+                f"(rank {found_rank} of world_size {found_world}): leave rank out (it is "
+                "found there), or pass the process group's"
+            )
     return (found_rank if rank is None else rank), (
         found_world if world_size is None else world_size
     )

@@ -103,9 +103,10 @@ def test_ranks_come_from_an_initialised_process_group(monkeypatch: pytest.Monkey
     try:
         assert find_rank(None, None) == (0, 1)
         assert ServerDataStream(("x",), queue="q").world_size == 1
-        with pytest.raises(ConfigError, match=r"world_size=2 contradicts .* \(world_size 1\)"):
+        with pytest.raises(ConfigError, match=r"rank=1 contradicts .* \(rank 0 of world_size 1\)"):
+            ServerDataStream(("x",), queue="q", rank=1)
+        with pytest.raises(ConfigError, match=r"world_size=2 differs .* \(1\): pass rank="):
             find_rank(None, 2)
-        with pytest.raises(ConfigError, match="rank=1 contradicts"):
-            ServerDataStream(("x",), queue="q", rank=1, world_size=2)
+        assert find_rank(1, 2) == (1, 2)  # a data-parallel layout of its own: as given
     finally:
         dist.destroy_process_group()
