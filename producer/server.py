@@ -365,7 +365,7 @@ class Producer:
         status = reply.status
         if status == Status.OK:
             stripe = self.settings.stripe, self.settings.stripes
-            return Lease.from_reply(reply, token, self.plan.shards, *stripe)
+            return Lease.from_reply(reply, token, self.plan.shards, self._pos.run, *stripe)
         if status == Status.WAIT:
             # In a run of several groups, the pops of the group that holds the shared
             # stream make room: wait for those (woken by another's would be in vain).

@@ -18,7 +18,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:work         LIST    shards handed back (by a stopped or dead producer) to be
                                 leased again before any fresh shard; fresh shards are
                                 minted in plan order from meta ``next``
-    bq:{Q}:lease:<p>    LIST    the shards producer p holds, as ``<g>:<token>``
+    bq:{Q}:lease:<p>    LIST    the shards producer p holds, as ``<g>:<run>:<token>``
+                                (the run they were granted in: a reap in another run
+                                drops them)
     bq:{Q}:producers    ZSET    producer id -> heartbeat deadline (server ms)
     bq:{Q}:clients      HASH    '<p>' and '<p>:hb' -> CLIENT ID of producer p's main and
                                 heartbeat connections (all closed: p was killed)
@@ -71,6 +73,14 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 wake-ups: a producer blocked at its full list waits
                                 there), and the meta fields ``<name>@<i>`` /
                                 ``<name>@<i>:<r>`` (claim, next, floor...)
+
+What a finished run leaves are its records, which ``batchq status`` and ``report`` read
+afterwards: ``meta``, ``incarnation``, ``pstats``, each group slot's ``stats``,
+``trainer`` and ``history`` (per rank), ``groups`` where several groups read it, and
+``dead``, ``params``, ``scale``/``scalers``/``scalelog`` where it wrote them. Its lists
+(work, data, wake, per group slot too), counts, failures, remap, refs and frames go
+when its last reader finishes (claim.lua, gclaim.lua), and a producer's lease list when
+it is reaped or joins again (each entry names its run, so none reaches another run).
 
 The type column is :data:`KEY_TYPES` (by the key's name in :class:`QueueKeys`): push.lua
 and pop.lua check theirs before writing (tests/batchq/protocol/test_fields.py compares
@@ -330,9 +340,10 @@ class QueueKeys:
 
     def slot_keys(self, slot: int, world: int) -> list[str]:
         """Every key of group slot ``slot`` in a run of ``world`` ranks, in the order the
-        group scripts read them (3 + 3 x world keys: gclaim.lua and gresume.lua find a
+        group scripts read them (4 + 3 x world keys: gclaim.lua and gresume.lua find a
         slot's keys in their KEYS tail by that count): ledger, counts, each rank's data
-        list, stats, each rank's figures, each rank's history."""
+        list, stats, each rank's figures, each rank's history, the wake list (last: a run
+        that ends deletes it with the lists, a slot's figures stay)."""
         view = self.slot_view(slot)
         return [
             view.ledger,
@@ -341,6 +352,7 @@ class QueueKeys:
             view.stats,
             *(view.trainer_of(r, world) for r in range(world)),
             *(view.history_of(r, world) for r in range(world)),
+            view.wake,
         ]
 
     def lease(self, producer: str) -> str:

@@ -3,10 +3,14 @@ which names the keys).
 
 Entries and fields:
 
-* a lease entry (the lease lists): ``'<g>:<token>'``, g the global slot number
-  (:mod:`batchq.protocol.ranks`), token unique per lease request; in a run read by
-  several groups ``'<g>/<mask>:<token>'`` where the shard is for other groups than
-  slot 0 alone (mask: bit i set for group slot i, :mod:`batchq.protocol.groups`);
+* a lease entry (the lease lists): ``'<g>:<run>:<token>'``, g the global slot number
+  (:mod:`batchq.protocol.ranks`), run the id of the run it was granted in, token unique
+  per lease request; in a run read by several groups ``'<g>/<mask>:<run>:<token>'``
+  where the shard is for other groups than slot 0 alone (mask: bit i set for group slot
+  i, :mod:`batchq.protocol.groups`). The run is there so that a lease list that outlived
+  its run (a killed producer's) is never handed to the next one: reap.lua, gone.lua and
+  join.lua give back only the entries of the queue's current, unfinished run and drop
+  the others (:func:`entry_run`);
 * a work entry (the work list): ``'<g>'`` or ``'<g>/<mask>'`` (the part of a lease entry
   before its token: a shard handed back is built again for the same groups);
 * a frame stored by reference for several groups: the refs hash's field is the frame's
@@ -59,6 +63,7 @@ __all__ = [
     "count_value",
     "counts_field",
     "default_id",
+    "entry_run",
     "entry_slot",
     "flag",
     "id_host",
@@ -117,15 +122,27 @@ def parse_work_entry(entry: str) -> tuple[int, int]:
     return int(g), int(mask) if mask else 1
 
 
-def lease_entry(g: int, token: str, mask: int = 1) -> str:
-    """The lease list's entry for slot ``g`` leased with ``token`` for the groups of
-    ``mask``."""
-    return f"{work_entry(g, mask)}:{token}"
+def lease_entry(g: int, run: str, token: str, mask: int = 1) -> str:
+    """The lease list's entry for slot ``g`` leased in run ``run`` with ``token`` for the
+    groups of ``mask``."""
+    return f"{work_entry(g, mask)}:{run}:{token}"
 
 
 def entry_slot(entry: str) -> int:
     """The global slot number of a lease entry."""
     return parse_work_entry(entry.split(":", 1)[0])[0]
+
+
+def entry_run(entry: str) -> str:
+    """The run a lease entry was granted in.
+
+    Raises:
+        ValueError: not ``'<g>[/<mask>]:<run>:<token>'``.
+    """
+    parts = entry.split(":", 2)
+    if len(parts) < 3:
+        raise ValueError(f"lease entry {entry!r}: expected '<g>[/<mask>]:<run>:<token>'")
+    return parts[1]
 
 
 def params_stamp(run: str, version: int) -> str:

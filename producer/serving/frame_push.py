@@ -313,7 +313,7 @@ class FramePusher:
         if not leases:
             return leases
         raw = replies[len(replies) - len(leases) :]
-        granted = self.ahead.keep_granted(leases, raw, self.plan.shards)
+        granted = self.ahead.keep_granted(leases, raw, self.plan.shards, self._run.run)
         del replies[len(replies) - len(leases) :]
         return [r for r, ok in zip(leases, granted, strict=True) if not ok]
 
