@@ -17,6 +17,7 @@ __all__ = [
     "IncompleteBatchError",
     "InvalidRequestError",
     "MissingDependencyError",
+    "QuarantineExceeded",
     "RequestError",
     "RngError",
     "SchemeError",
@@ -95,3 +96,9 @@ class RngError(BatchQueueError, TypeError):
 
 class MissingDependencyError(BatchQueueError, ImportError):
     """An optional dependency (e.g. ``h5py``) is needed and is not installed."""
+
+
+class QuarantineExceeded(BatchQueueError):
+    """More examples of a dataset raised than ``max_quarantined`` allows (or none of the
+    substitutes drawn for one could be read); the message names them
+    (:mod:`producer.quarantine`)."""

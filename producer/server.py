@@ -36,6 +36,7 @@ from producer.serving.heartbeat import Heartbeat
 from producer.serving.membership import Membership, axis_labels_json
 from producer.serving.position import RunPosition
 from producer.serving.pushing import ShardPusher
+from producer.serving.quarantine_sink import bind_records
 from producer.serving.settings import INLINE_MAX_BYTES, PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import Transport
@@ -147,6 +148,10 @@ class Producer:
             self.settings, self.client, self.plan, self._transport, self._pos, self._stop,
             self._lease_request,
         )  # fmt: skip
+        # Examples replaced by substitutes (on_sample_error='quarantine') go to the run.
+        self._records = bind_records(
+            stream, url, self.keys, self.id, lambda: (self._pos.incarnation, self._pos.run)
+        )
 
     @property
     def orphaned(self) -> bool:
@@ -308,6 +313,8 @@ class Producer:
         self._pusher.ahead.drop()  # a frame built ahead: its segment is free again
         self._transport.close(self._finished)
         self._beat.join(timeout_s=5)
+        if self._records is not None:
+            self._records.close()
         held.release(self.client)
         self.client.close()
 

@@ -58,6 +58,13 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:params       STRING  the run's change log of producer parameters (JSON, run
                                 id and entries: batchq.protocol.params_log), written by
                                 params.lua only; meta ``params`` is its stamp
+    bq:{Q}:quarantine   HASH    the run's examples its dataset could not read, replaced by
+                                substitutes (``on_sample_error='quarantine'``,
+                                producer/quarantine.py): 'run', 'count' (examples met),
+                                'kept' (records), 'i:<index>' -> the record (JSON,
+                                :func:`batchq.protocol.layout.quarantine_record`), at most
+                                :data:`batchq.protocol.layout.QUARANTINE_CAP` records;
+                                written by quarantine.lua only
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
     bq:{Q}:groups       HASH    a run read by several groups (:mod:`batchq.protocol.groups`):
@@ -77,7 +84,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
 What a finished run leaves are its records, which ``batchq status`` and ``report`` read
 afterwards: ``meta``, ``incarnation``, ``pstats``, each group slot's ``stats``,
 ``trainer`` and ``history`` (per rank), ``groups`` where several groups read it, and
-``dead``, ``params``, ``scale``/``scalers``/``scalelog`` where it wrote them. Its lists
+``dead``, ``params``, ``quarantine``, ``scale``/``scalers``/``scalelog`` where it wrote
+them. Its lists
 (work, data, wake, per group slot too), counts, failures, remap, refs and frames go
 when its last reader finishes (claim.lua, gclaim.lua), and a producer's lease list when
 it is reaped or joins again (each entry names its run, so none reaches another run).
@@ -136,7 +144,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
     "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
     "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
     "groups": "hash", "refs": "hash",
-    "params": "string",
+    "params": "string", "quarantine": "hash",
 }  # fmt: skip
 
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
@@ -286,6 +294,7 @@ class QueueKeys:
         self.refs = f"{self.base}:refs"  # frame key -> groups yet to read it
         self.slot = 0  # the group slot whose keys data, stats, trainer... name (slot_view)
         self.params = f"{self.base}:params"  # the run's change log of producer parameters
+        self.quarantine = f"{self.base}:quarantine"  # examples replaced by substitutes
         #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
         self.leases: Mapping[str, str] = _Derived(self._lease)
         #: world -> the KEYS tail of lease.lua for a run of that many ranks: every

@@ -71,6 +71,9 @@ WRAPPERS: dict[str, Any] = {
     "handback": lambda c: scripts.handback(
         c, K, incarnation="i", run="r", producer="p", entry="3:t"
     ),
+    "quarantine": lambda c: scripts.quarantine(
+        c, K, incarnation="i", run="r", index=7, record="{}"
+    ),
     "reap": lambda c: scripts.reap(c, K, incarnation="i", why="dead", producers=["a", "b"]),
     "gone": lambda c: scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
     "requeue": lambda c: scripts.requeue(
