@@ -74,7 +74,9 @@ def check_sample_errors(on_sample_error: Any, max_quarantined: Any) -> None:
         )
 
 
-def set_sample_errors(stream: Any, on_sample_error: str | None, max_quarantined: float | None) -> None:
+def set_sample_errors(
+    stream: Any, on_sample_error: str | None, max_quarantined: float | None
+) -> None:
     """Set ``on_sample_error`` and ``max_quarantined`` (None: the stream's own) on the
     root of ``stream`` (``start_server``'s arguments).
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from batchq.errors import ConfigError
+from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
 from producer.streams import AbstractDataStream
 from producer.torch_args import (
     LoaderArgs,
@@ -38,7 +39,6 @@ from producer.torch_args import (
     check_threads,
     default_samplers,
 )
-from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
 from producer.torch_collate import SourceLayout
 from producer.torch_flatten import flatten
 from producer.torch_orders import SamplerOrders

@@ -81,12 +81,12 @@ __all__ = [
     "lease_entry",
     "ledger_field",
     "params_stamp",
-    "quarantine_record",
     "parse_count_value",
     "parse_ledger_field",
     "parse_params_stamp",
     "parse_quarantine_record",
     "parse_work_entry",
+    "quarantine_record",
     "time_ms",
     "work_entry",
 ]
@@ -231,7 +231,15 @@ def id_pid(process_id: str) -> int | None:
 
 
 #: The fields of a quarantined example's record, in order.
-QUARANTINE_FIELDS = ("index", "epoch", "substitute", "error_type", "message", "traceback", "producer")
+QUARANTINE_FIELDS = (
+    "index",
+    "epoch",
+    "substitute",
+    "error_type",
+    "message",
+    "traceback",
+    "producer",
+)
 
 
 def quarantine_record(

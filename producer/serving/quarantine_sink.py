@@ -93,4 +93,3 @@ def bind_records(
     records = RunRecords(url, keys, position)
     errors.bind(records, producer)
     return records
-

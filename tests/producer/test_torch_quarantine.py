@@ -10,6 +10,8 @@ example is replaced by the first of its drawn substitutes that is not bad.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -22,6 +24,7 @@ torch = pytest.importorskip("torch")
 from torch_pipelines import quarantine_stream  # noqa: E402
 
 from batchq.errors import ProducerFailed  # noqa: E402
+from batchq.monitoring.rows import queue_status  # noqa: E402
 from batchq.protocol.keys import QueueKeys  # noqa: E402
 from batchq.protocol.layout import parse_quarantine_record  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
@@ -119,7 +122,8 @@ def test_two_ranks_read_exact_epochs_with_substitutes_and_the_bad_examples_liste
     keys = QueueKeys(queue_name)
     fields = redis_client.hgetall(keys.quarantine)
     records = {
-        r["index"]: r for r in (parse_quarantine_record(v) for k, v in fields.items() if k[:2] == b"i:")
+        r["index"]: r
+        for r in (parse_quarantine_record(v) for k, v in fields.items() if k[:2] == b"i:")
     }
     assert sorted(records) == sorted(BAD)
     for i, r in records.items():
@@ -127,6 +131,15 @@ def test_two_ranks_read_exact_epochs_with_substitutes_and_the_bad_examples_liste
         assert "raise ValueError" in r["traceback"] and r["substitute"] not in BAD
     assert int(fields[b"count"]) == len(BAD)
     assert int(redis_client.hget(keys.stats, "quarantined") or 0) == len(BAD)
+    assert queue_status(redis_client, queue_name)["quarantined"] == len(BAD)  # status row
+    # `batchq dead` lists them, as a table and as JSON.
+    cli = [sys.executable, "-m", "batchq.cli", "dead", "--url", redis_url, "--queue", queue_name]
+    listed = json.loads(subprocess.run([*cli, "--json"], check=True, capture_output=True).stdout)
+    assert listed["count"] == len(BAD)
+    assert listed["examples"] == sorted(records.values(), key=lambda r: (r["epoch"], r["index"]))
+    table = subprocess.run(cli, check=True, capture_output=True, text=True).stdout
+    for i in BAD:
+        assert f"example {i}: truncated record" in table
 
 
 def test_more_bad_examples_than_max_quarantined_is_producer_failed_naming_them(
@@ -137,13 +150,15 @@ def test_more_bad_examples_than_max_quarantined_is_producer_failed_naming_them(
         examples=EXAMPLES, batch_size=BATCH, bad=",".join(map(str, BAD)), max_quarantined=5
     )
     spawn_proc(serve_argv("--hwm", "4", factory="torch_pipelines:quarantine_stream"), env=env)
-    with ServerDataStream(
-        ("index", "aug"), False, url=redis_url, queue=queue_name, timeout_s=60
-    ) as stream:
-        with pytest.raises(ProducerFailed) as caught:
-            for _ in range(EPOCHS):
-                for _ in stream.get_epoch_iterator():
-                    pass
+    with (
+        ServerDataStream(
+            ("index", "aug"), False, url=redis_url, queue=queue_name, timeout_s=60
+        ) as stream,
+        pytest.raises(ProducerFailed) as caught,
+    ):
+        for _ in range(EPOCHS):
+            for _ in stream.get_epoch_iterator():
+                pass
     text = str(caught.value)
     assert "QuarantineExceeded" in text and "max_quarantined=0.005" in text
     named = [i for i in BAD if f"{i} (ValueError: example {i}: truncated record)" in text]
