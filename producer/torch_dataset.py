@@ -140,6 +140,7 @@ class DatasetStream(AbstractDataStream):
         self._epoch = 0  # the epoch of the shard built (begin_shard); in-process: 0
         self._batch_seed: int | None = None
         self.sample_errors: SampleErrors | None = None
+        self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
         self.set_sample_errors(on_sample_error, max_quarantined)
 
     def set_sample_errors(self, on_sample_error: str | None, max_quarantined: float | None) -> None:
@@ -149,13 +150,14 @@ class DatasetStream(AbstractDataStream):
         Raises:
             ConfigError: an invalid value, or quarantine asked of an iterable dataset.
         """
-        current = self.sample_errors
-        mode = on_sample_error or (current.mode if current else "raise")
-        fraction = max_quarantined
-        if fraction is None:
-            fraction = current.max_quarantined if current else DEFAULT_MAX_QUARANTINED
+        mode = on_sample_error or self._sample_settings[0]
+        fraction = self._sample_settings[1] if max_quarantined is None else max_quarantined
         check_sample_errors(mode, fraction)
-        if mode == "quarantine" and not hasattr(self.dataset, "__getitem__"):
+        self._sample_settings = (mode, fraction)
+        if mode == "raise":
+            self.sample_errors = None  # the build raises, as it always did
+            return
+        if not isinstance(getattr(self, "orders", None), SamplerOrders):
             raise ConfigError(
                 f"on_sample_error='quarantine' given for {type(self.dataset).__name__}: "
                 "expected a map-style dataset (an iterable one has no example to replace)"

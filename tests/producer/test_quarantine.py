@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipelines import numbered  # noqa: E402
-from torch_pipelines import BrokenExamples  # noqa: E402
+from torch_pipelines import BrokenExamples, SplitRange  # noqa: E402
 
 from batchq.errors import ConfigError  # noqa: E402
 from producer.errors import QuarantineExceeded  # noqa: E402
@@ -112,3 +112,8 @@ def test_start_servers_arguments_need_a_dataset_stream() -> None:
     assert s.sample_errors is not None and s.sample_errors.quarantine
     assert s.sample_errors.limit == 20
     assert s.plan_fingerprint["on_sample_error"] == "quarantine"  # producers must agree
+
+
+def test_an_iterable_dataset_has_no_example_to_replace() -> None:
+    with pytest.raises(ConfigError, match="expected a map-style dataset"):
+        DatasetStream(SplitRange(10), batch_size=2, num_shards=2, on_sample_error="quarantine")
