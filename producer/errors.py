@@ -12,6 +12,7 @@ from batchq.errors import BatchQueueError, ConfigError
 __all__ = [
     "AxisLabelsMismatchError",
     "BatchSizeError",
+    "BuildTimeout",
     "ConfigError",
     "ImageDimensionsError",
     "IncompleteBatchError",
@@ -102,3 +103,9 @@ class QuarantineExceeded(BatchQueueError):
     """More examples of a dataset raised than ``max_quarantined`` allows (or none of the
     substitutes drawn for one could be read); the message names them
     (:mod:`producer.quarantine`)."""
+
+
+class BuildTimeout(BatchQueueError, TimeoutError):
+    """A batch's build took longer than ``build_timeout_s``: the message names the shard
+    and, where the stream tells it, the example being read
+    (:mod:`producer.serving.build_watch`)."""

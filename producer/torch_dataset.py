@@ -138,6 +138,9 @@ class DatasetStream(AbstractDataStream):
         self.torch_threads = check_threads(torch_threads)
         self._threads_set = False
         self._epoch = 0  # the epoch of the shard built (begin_shard); in-process: 0
+        #: What the stream reads now ('example 17', 'examples [3, 4]'; '' between
+        #: batches): a build past build_timeout_s names it.
+        self.reading = ""
         self._batch_seed: int | None = None
         self.sample_errors: SampleErrors | None = None
         self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
@@ -282,24 +285,35 @@ class DatasetStream(AbstractDataStream):
         if errors is not None and errors.quarantine:
             return self.collate_fn(self._read_quarantined(request, errors))
         if not self.auto_collation:
-            return self.collate_fn(self.dataset[request])
+            return self.collate_fn(self._get(request))
         getitems = getattr(self.dataset, "__getitems__", None)
         # As torch's _MapDatasetFetcher reads a batch.
-        data = getitems(request) if getitems else [self.dataset[i] for i in request]
+        if getitems:
+            self.reading = f"examples {list(request)}"
+            data = getitems(request)
+        else:
+            data = [self._get(i) for i in request]
+        self.reading = ""
         return self.collate_fn(data)
+
+    def _get(self, i: Any) -> Any:
+        """``dataset[i]``, saying so (:attr:`reading`)."""
+        self.reading = f"example {i}"
+        return self.dataset[i]
 
     def _read_quarantined(self, request: Any, errors: SampleErrors) -> Any:
         """The batch's examples, an example that raises replaced by its substitute."""
         epoch = self._epoch
 
         def read(i: int) -> Any:
-            return errors.read(self.dataset.__getitem__, i, epoch, seed_globals)
+            return errors.read(self._get, i, epoch, seed_globals)
 
         if not self.auto_collation:
             return read(request)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems and not errors.known_bad.intersection(request):
             try:
+                self.reading = f"examples {list(request)}"
                 return getitems(request)
             except Exception:
                 # Read again example by example, from the batch's seed: an example that

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -154,4 +155,28 @@ def quarantine_stream(examples: int | None = None, batch_size: int | None = None
         sources=("index", "aug"),
         on_sample_error="quarantine",
         max_quarantined=_env("max_quarantined", 10) / 1000,
+    )
+
+
+class HangingExample(RngDataset):
+    """RngDataset whose example ``hang`` never returns (a decoder stuck for good)."""
+
+    def __init__(self, n: int, hang: int) -> None:
+        super().__init__(n)
+        self.hang = hang
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        if i == self.hang:
+            threading.Event().wait()  # forever
+        return super().__getitem__(i)
+
+
+def hanging_stream() -> DatasetStream:
+    """rng_stream over HangingExample (TEST_EXAMPLES, TEST_BATCH_SIZE, TEST_HANG)."""
+    return DatasetStream(
+        HangingExample(_env("examples", 120), _env("hang", 7)),
+        batch_size=_env("batch_size", 8),
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        sources=("index", "aug"),
     )
