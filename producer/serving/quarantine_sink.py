@@ -86,9 +86,13 @@ def bind_records(
     stream: Any, url: str, keys: QueueKeys, producer: str, position: Callable[[], tuple[str, str]]
 ) -> RunRecords | None:
     """Bind the run's records to the stream's root where it quarantines examples
-    (``sample_errors`` in 'quarantine' mode); None where it does not."""
+    (``sample_errors`` in 'quarantine' mode); None where it does not, or where a producer
+    bound them already (a striped producer's lanes share the stream: stripe 0's, the
+    first, records, where ``batchq dead --queue Q`` reads)."""
     errors = getattr(find_root(stream), "sample_errors", None)
     if not isinstance(errors, SampleErrors) or not errors.quarantine:
+        return None
+    if isinstance(errors.records, RunRecords):
         return None
     records = RunRecords(url, keys, position)
     errors.bind(records, producer)
