@@ -13,10 +13,13 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import redis
+
 from batchq.client.connection import make_client, resolve_url, tune_malloc
 from batchq.errors import ConfigError, StreamStopped, TrainerConflict
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
+from batchq.protocol.quarantine_records import read_quarantine
 from batchq.wire.codec import Frame
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
@@ -541,8 +544,22 @@ class ServerDataStream(FuelStreamMixin):
         ``dropped_ahead``: frames past the look-ahead window dropped, to be built again
         (shards leased before the run's floor moved back, see docs/design.md);
         ``rebuilt_params``: frames built with params a later :meth:`set_params` changed,
-        dropped and built again."""
+        dropped and built again; ``quarantined``: examples of the run its dataset could
+        not read, replaced by substitutes (``on_sample_error='quarantine'``, one read of
+        Redis)."""
         out = self._stats.snapshot()
         out["dropped_ahead"] = self._buffer.dropped_ahead if self._buffer is not None else 0
         out["rebuilt_params"] = self._params.rebuilt
+        out["quarantined"] = self._quarantined()
         return out
+
+    def _quarantined(self) -> int:
+        session = self._session
+        if self._client is None or session is None:
+            return 0
+        try:
+            found = read_quarantine(self._client, self.keys, records=False)
+        except (redis.RedisError, OSError) as e:
+            log.debug("queue %s: quarantined examples not read: %s", self.keys.queue, e)
+            return 0
+        return found.count_of(session.run)

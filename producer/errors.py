@@ -12,11 +12,13 @@ from batchq.errors import BatchQueueError, ConfigError
 __all__ = [
     "AxisLabelsMismatchError",
     "BatchSizeError",
+    "BuildTimeout",
     "ConfigError",
     "ImageDimensionsError",
     "IncompleteBatchError",
     "InvalidRequestError",
     "MissingDependencyError",
+    "QuarantineExceeded",
     "RequestError",
     "RngError",
     "SchemeError",
@@ -95,3 +97,15 @@ class RngError(BatchQueueError, TypeError):
 
 class MissingDependencyError(BatchQueueError, ImportError):
     """An optional dependency (e.g. ``h5py``) is needed and is not installed."""
+
+
+class QuarantineExceeded(BatchQueueError):
+    """More examples of a dataset raised than ``max_quarantined`` allows (or none of the
+    substitutes drawn for one could be read); the message names them
+    (:mod:`producer.quarantine`)."""
+
+
+class BuildTimeout(BatchQueueError, TimeoutError):
+    """A batch's build took longer than ``build_timeout_s``: the message names the shard
+    and, where the stream tells it, the example being read
+    (:mod:`producer.serving.build_watch`)."""

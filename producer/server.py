@@ -32,10 +32,12 @@ from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
 from producer.producer_options import check_options, require
 from producer.serving.ahead import AnyLeaseReply, Lease
+from producer.serving.build_watch import BuildWatch, reading_of
 from producer.serving.heartbeat import Heartbeat
 from producer.serving.membership import Membership, axis_labels_json
 from producer.serving.position import RunPosition
 from producer.serving.pushing import ShardPusher
+from producer.serving.quarantine_sink import bind_records
 from producer.serving.settings import INLINE_MAX_BYTES, PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import Transport
@@ -82,6 +84,10 @@ class Producer:
             :func:`start_server` makes for ``stripes=N``); (0, 1): the queue itself.
         shard_plan: the plan, where the caller made it already (a striped producer's
             lanes share one).
+        build_timeout_s: the longest a batch's build may take (None: no limit); past it
+            the attempt counts as failed (the trainer gets ProducerFailed naming the
+            example after max_attempts) and :meth:`serve` raises BuildTimeout (see
+            :mod:`producer.serving.build_watch`).
     """
 
     def __init__(
@@ -108,8 +114,13 @@ class Producer:
         shm_max_bytes: int | None = None,
         stripe: tuple[int, int] = (0, 1),
         shard_plan: ShardPlan | None = None,
+        build_timeout_s: float | None = None,
     ) -> None:
         check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
+        require(
+            build_timeout_s is None or build_timeout_s > 0, "build_timeout_s", build_timeout_s,
+            "> 0 seconds, or None",
+        )  # fmt: skip
         k, stripes = stripe
         require(0 <= k < check_stripes(stripes), "stripe", stripe, f"0..{stripes - 1}")
         self.stream = stream
@@ -147,6 +158,12 @@ class Producer:
             self.settings, self.client, self.plan, self._transport, self._pos, self._stop,
             self._lease_request,
         )  # fmt: skip
+        # Examples replaced by substitutes (on_sample_error='quarantine') go to the run.
+        self._records = bind_records(
+            stream, url, self.keys, self.id, lambda: (self._pos.incarnation, self._pos.run)
+        )
+        if build_timeout_s is not None:
+            self._pusher.watch = BuildWatch(build_timeout_s, reading_of(stream))
 
     @property
     def orphaned(self) -> bool:
@@ -243,6 +260,11 @@ class Producer:
         self._pusher.aim(slot % lease.world, lease.world, lease.mask)
         self._pusher.params.follow(self.client, lease.params)  # read again if it changed
         status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
+        watch = self._pusher.watch
+        if watch is not None and watch.hung is not None:
+            # Counted as a failed attempt already; the build still runs: stop serving.
+            log.error("producer %s: %s; stopping", self.id, watch.hung)
+            raise watch.hung
         if status is not None:
             self._handle_status(status)
 
@@ -308,6 +330,8 @@ class Producer:
         self._pusher.ahead.drop()  # a frame built ahead: its segment is free again
         self._transport.close(self._finished)
         self._beat.join(timeout_s=5)
+        if self._records is not None:
+            self._records.close()
         held.release(self.client)
         self.client.close()
 
@@ -365,7 +389,7 @@ class Producer:
         status = reply.status
         if status == Status.OK:
             stripe = self.settings.stripe, self.settings.stripes
-            return Lease.from_reply(reply, token, self.plan.shards, *stripe)
+            return Lease.from_reply(reply, token, self.plan.shards, self._pos.run, *stripe)
         if status == Status.WAIT:
             # In a run of several groups, the pops of the group that holds the shared
             # stream make room: wait for those (woken by another's would be in vain).

@@ -14,6 +14,7 @@ from typing import Any
 
 from batchq.client.connection import resolve_url
 from batchq.protocol.stripes import check_stripes
+from producer.quarantine import set_sample_errors
 from producer.server import Producer
 from producer.striped import StripedProducer
 
@@ -30,6 +31,8 @@ def start_server(
     url: str | None = None,
     handle_signals: bool = True,
     stripes: int = 1,
+    on_sample_error: str | None = None,
+    max_quarantined: float | None = None,
     **options: Any,
 ) -> int:
     """Serve ``data_stream`` into a Redis queue, epoch after epoch (Fuel's start_server).
@@ -45,12 +48,18 @@ def start_server(
         handle_signals: stop cleanly on SIGINT/SIGTERM (main thread only).
         stripes: split the queue over this many slots (on a cluster, masters), fixed
             when the run is created (:mod:`batchq.protocol.stripes`).
+        on_sample_error: 'raise' or 'quarantine' (:mod:`producer.quarantine`), set on
+            the stream's root (a map-style DatasetStream); None: the stream's own.
+        max_quarantined: the fraction of an epoch's examples that may be quarantined;
+            None: the stream's own.
         **options: passed to :class:`Producer` (window, requests_per_shard, ...).
 
     Returns:
         0 once the trainer finished the run or a stop was requested.
     """
     where = resolve_url(url, host, port)
+    if on_sample_error is not None or max_quarantined is not None:
+        set_sample_errors(data_stream, on_sample_error, max_quarantined)
     producer: Producer | StripedProducer
     if check_stripes(stripes) > 1:
         producer = StripedProducer(data_stream, where, queue, hwm, stripes=stripes, **options)

@@ -14,6 +14,11 @@ dataset has it (Hugging Face ``datasets.Dataset`` does, with its batch access), 
 ``default_collate``; ``default_convert`` without batching). Before each batch the
 producer seeds torch's, numpy's and Python's global generators from (seed, the shard's
 seed, the batch's position) (:mod:`producer.torch_seeding`).
+
+With ``on_sample_error='quarantine'`` an example whose read raises is recorded and
+replaced by a substitute drawn from (seed, epoch, index), so the batch keeps its size
+(:mod:`producer.quarantine`): a batch read by ``__getitems__`` that raises is read again
+example by example, from the batch's seed.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from batchq.errors import ConfigError
+from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
 from producer.streams import AbstractDataStream
 from producer.torch_args import (
     LoaderArgs,
@@ -69,6 +75,13 @@ class DatasetStream(AbstractDataStream):
         worker_init_fn: an IterableDataset's ``worker_init_fn`` (not for map-style).
         torch_threads: torch's intra-op threads in a producer serving this stream (1,
             as in a DataLoader worker; None: torch's default).
+        on_sample_error: 'raise' (default: the batch's build raises, the shard is
+            retried and reported as ProducerFailed after max_attempts) or 'quarantine'
+            (a map-style dataset: the example is recorded and replaced by a
+            substitute, see :mod:`producer.quarantine`).
+        max_quarantined: with 'quarantine', the most examples that may be quarantined,
+            a fraction of an epoch's examples (default 0.01): more is QuarantineExceeded
+            (ProducerFailed to the trainer) naming them.
 
     Raises:
         ConfigError: (a ValueError, as DataLoader raises) an argument is invalid or the
@@ -100,10 +113,13 @@ class DatasetStream(AbstractDataStream):
         num_shards: int | None = None,
         worker_init_fn: Callable[[int], Any] | None = None,
         torch_threads: int | None = 1,
+        on_sample_error: str = "raise",
+        max_quarantined: float = DEFAULT_MAX_QUARANTINED,
     ) -> None:
         from torch.utils.data._utils.collate import default_collate, default_convert
 
         check_common(batch_size, collate_fn, sources)
+        check_sample_errors(on_sample_error, max_quarantined)
         self.dataset = dataset
         self.drop_last = drop_last
         self._configure(
@@ -121,6 +137,37 @@ class DatasetStream(AbstractDataStream):
         self._k = 0
         self.torch_threads = check_threads(torch_threads)
         self._threads_set = False
+        self._epoch = 0  # the epoch of the shard built (begin_shard); in-process: 0
+        #: What the stream reads now ('example 17', 'examples [3, 4]'; '' between
+        #: batches): a build past build_timeout_s names it.
+        self.reading = ""
+        self._batch_seed: int | None = None
+        self.sample_errors: SampleErrors | None = None
+        self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
+        self.set_sample_errors(on_sample_error, max_quarantined)
+
+    def set_sample_errors(self, on_sample_error: str | None, max_quarantined: float | None) -> None:
+        """What a read that raises does (see the class's arguments; None keeps the
+        current value). Set before the stream is served: the plan's fingerprint names it.
+
+        Raises:
+            ConfigError: an invalid value, or quarantine asked of an iterable dataset.
+        """
+        mode = on_sample_error or self._sample_settings[0]
+        fraction = self._sample_settings[1] if max_quarantined is None else max_quarantined
+        check_sample_errors(mode, fraction)
+        self._sample_settings = (mode, fraction)
+        if mode == "raise":
+            self.sample_errors = None  # the build raises, as it always did
+            return
+        if not isinstance(getattr(self, "orders", None), SamplerOrders):
+            raise ConfigError(
+                f"on_sample_error='quarantine' given for {type(self.dataset).__name__}: "
+                "expected a map-style dataset (an iterable one has no example to replace)"
+            )
+        examples = self._examples() or 0
+        epoch_examples = sum(len(r) if isinstance(r, list) else 1 for r in self.orders.epoch(0))
+        self.sample_errors = SampleErrors(mode, fraction, self.seed, examples, epoch_examples)
 
     def _configure(self, args: LoaderArgs) -> None:
         """What a map-style dataset's stream makes of the arguments: DataLoader's
@@ -178,8 +225,9 @@ class DatasetStream(AbstractDataStream):
 
     @property
     def plan_fingerprint(self) -> dict[str, Any]:
-        """What the plan's fingerprint adds for this stream (producers must agree)."""
-        return {
+        """What the plan's fingerprint adds for this stream (producers must agree; a
+        stream that quarantines says so: its batches hold substitutes)."""
+        out = {
             "dataset": type(self.dataset).__qualname__,
             "examples": self._examples(),
             "batch_size": self.batch_size,
@@ -187,6 +235,13 @@ class DatasetStream(AbstractDataStream):
             "collate_fn": getattr(self.collate_fn, "__qualname__", repr(self.collate_fn)),
             "sources": list(self.sources),
         }
+        if self._quarantines:
+            out["on_sample_error"] = "quarantine"
+        return out
+
+    def begin_shard(self, epoch: int, shard: int) -> None:
+        """Called by the producer before each shard (before reseed): its address."""
+        self._epoch = epoch
 
     def reseed(self, seed: int) -> None:
         """Called by the producer before each shard: the shard's seed.
@@ -214,17 +269,58 @@ class DatasetStream(AbstractDataStream):
     # -- building -----------------------------------------------------------------------
 
     def _seed_batch(self) -> None:
+        self._batch_seed = None
         if self._shard_seed is not None:  # served: the producer reseeded for the shard
-            seed_globals(batch_seed(self.seed, self._shard_seed, self._k))
+            self._batch_seed = batch_seed(self.seed, self._shard_seed, self._k)
+            seed_globals(self._batch_seed)
         self._k += 1
 
+    @property
+    def _quarantines(self) -> bool:
+        errors = getattr(self, "sample_errors", None)
+        return errors is not None and errors.quarantine
+
     def _build(self, request: Any) -> Any:
+        errors = self.sample_errors
+        if errors is not None and errors.quarantine:
+            return self.collate_fn(self._read_quarantined(request, errors))
         if not self.auto_collation:
-            return self.collate_fn(self.dataset[request])
+            return self.collate_fn(self._get(request))
         getitems = getattr(self.dataset, "__getitems__", None)
         # As torch's _MapDatasetFetcher reads a batch.
-        data = getitems(request) if getitems else [self.dataset[i] for i in request]
+        if getitems:
+            self.reading = f"examples {list(request)}"
+            data = getitems(request)
+        else:
+            data = [self._get(i) for i in request]
+        self.reading = ""
         return self.collate_fn(data)
+
+    def _get(self, i: Any) -> Any:
+        """``dataset[i]``, saying so (:attr:`reading`)."""
+        self.reading = f"example {i}"
+        return self.dataset[i]
+
+    def _read_quarantined(self, request: Any, errors: SampleErrors) -> Any:
+        """The batch's examples, an example that raises replaced by its substitute."""
+        epoch = self._epoch
+
+        def read(i: int) -> Any:
+            return errors.read(self._get, i, epoch, seed_globals)
+
+        if not self.auto_collation:
+            return read(request)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems and not errors.known_bad.intersection(request):
+            try:
+                self.reading = f"examples {list(request)}"
+                return getitems(request)
+            except Exception:
+                # Read again example by example, from the batch's seed: an example that
+                # raises is found and replaced (the same way in every producer).
+                if self._batch_seed is not None:
+                    seed_globals(self._batch_seed)
+        return [read(i) for i in request]
 
     def _probe_batch(self) -> Any:
         requests = self.orders.epoch(0)

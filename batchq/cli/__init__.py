@@ -1,4 +1,4 @@
-"""The ``batchq`` command: serve, demo, status, top, exporter, report, reset.
+"""The ``batchq`` command: serve, demo, status, top, exporter, report, dead, reset.
 
 Redis is always ``--url`` (default: the BATCHQ_URL environment variable, else
 redis://localhost:6379/0; ``demo`` starts an embedded redis-server when neither is set).
@@ -223,6 +223,19 @@ def build_parser() -> Parser:
     )
     config.add_argument("--json", action="store_true", help="machine-readable output")
 
+    dead = parser.add_command(
+        sub,
+        "dead",
+        help="list the examples a run quarantined, with their errors",
+        description="List the examples of the queue's run whose read raised and which "
+        "were replaced by substitutes (on_sample_error='quarantine'): epoch, index, the "
+        "substitute, the error's type and message, the producer. --json adds the "
+        "tracebacks.",
+    )
+    _add_url(dead)
+    dead.add_argument("--queue", required=True, help="the queue to look at")
+    dead.add_argument("--json", action="store_true", help="machine-readable output")
+
     reset = parser.add_command(
         sub,
         "reset",
@@ -243,6 +256,7 @@ def build_parser() -> Parser:
 
 
 _COMMANDS = {
+    "dead": ("batchq.cli.dead", "run_dead"),
     "demo": ("batchq.cli.demo", "run_demo"),
     "exporter": ("batchq.cli.exporter", "run_exporter"),
     "report": ("batchq.cli.report", "run_report"),

@@ -47,6 +47,7 @@ def counter_fields(stats: dict[str, int]) -> dict[str, Any]:
         "producer_blocked_s": stats.get(f.PRODUCER_BLOCKED_MS, 0) / 1000,
         "shards_done": stats.get(f.SHARDS_DONE, 0),
         "redone_shards": stats.get(f.REDONE_SHARDS, 0),
+        "quarantined": stats.get(f.QUARANTINED, 0),
         "epochs_completed": stats.get(f.EPOCHS_COMPLETED, 0),
         "dead_by_reason": {
             k.removeprefix(dead): v for k, v in sorted(stats.items()) if k.startswith(dead) and v

@@ -6,7 +6,8 @@ all the queues, a second for lease lists and referenced frames); nothing here wr
 Redis. The verdict's rule and thresholds are in :mod:`batchq.monitoring.verdict`.
 
 ``status --json`` prints a list of objects, one per queue, with these fields in this
-order (schema version 5; version 4 had the fields up to ``rebuilt_params``; version 3
+order (schema version 6; version 5 had the fields up to ``stripes``; version 4 had the
+fields up to ``rebuilt_params``; version 3
 had the fields up to ``shm_bytes``; version 2 had
 the fields up to ``verdict_reason``, and
 ``host`` was not in the producer objects; version 1 had the first 13, with the same
@@ -114,6 +115,9 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        depth (every rank's list), pushed, popped,
                                        producers_alive (empty when not striped; the row's
                                        other fields are stripe 0's); added after node
+    quarantined           int          examples its dataset could not read, replaced by
+                                       substitutes (on_sample_error='quarantine';
+                                       cumulative; `batchq dead` lists the run's); schema 6
 
 For a run read by several groups the queue-level figures are the group in slot 0's (the
 first to claim the run, whose keys keep the plain names); ``groups`` has every group's.
@@ -188,7 +192,7 @@ __all__ = [
 ]
 
 #: The version of the row layout documented above.
-STATUS_SCHEMA_VERSION = 5
+STATUS_SCHEMA_VERSION = 6
 
 STATUS_FIELDS = (
     "queue", "run", "depth", "hwm", "producers_alive", "leases", "shards_per_epoch",
@@ -203,7 +207,7 @@ STATUS_FIELDS = (
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
     "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
-    "slowest_group", "node", "stripes",
+    "slowest_group", "node", "stripes", "quarantined",
 )  # fmt: skip
 
 

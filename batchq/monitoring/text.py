@@ -109,6 +109,13 @@ def _producer_lines(r: dict[str, Any], max_producers: int) -> list[str]:
 
 
 def _dead_lines(r: dict[str, Any]) -> list[str]:
+    quarantined = r.get("quarantined", 0)
+    if quarantined:
+        return [
+            "  quarantined examples: "
+            f"{quarantined} (replaced by substitutes; `batchq dead` lists them)",
+            *_dead_lines({**r, "quarantined": 0}),
+        ]
     if not r["dead_by_reason"]:
         return []
     return ["  dead frames: " + ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())]

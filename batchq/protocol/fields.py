@@ -101,6 +101,10 @@ class StatsField:
     REDONE_SHARDS: Final = "redone_shards"  # shards handed back to be built again
     FAILED_ATTEMPTS: Final = "failed_attempts"  # shard attempts whose pipeline raised
     REAPED_CLOSED: Final = "reaped_closed"  # producers reaped for closed connections
+    QUARANTINED: Final = "quarantined"  # examples replaced by a substitute (quarantine)
+    # Leases of an earlier (or finished) run a reap dropped instead of handing them to
+    # the queue's current run (a killed producer's lease list outlives its run).
+    STALE_LEASES: Final = "stale_leases"
     DROPPED_AHEAD: Final = "dropped_ahead"  # frames past the trainer's window (built again)
     REBUILT_PARAMS: Final = "rebuilt_params"  # frames built with params since changed
     EPOCHS_COMPLETED: Final = "epochs_completed"

@@ -18,7 +18,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:work         LIST    shards handed back (by a stopped or dead producer) to be
                                 leased again before any fresh shard; fresh shards are
                                 minted in plan order from meta ``next``
-    bq:{Q}:lease:<p>    LIST    the shards producer p holds, as ``<g>:<token>``
+    bq:{Q}:lease:<p>    LIST    the shards producer p holds, as ``<g>:<run>:<token>``
+                                (the run they were granted in: a reap in another run
+                                drops them)
     bq:{Q}:producers    ZSET    producer id -> heartbeat deadline (server ms)
     bq:{Q}:clients      HASH    '<p>' and '<p>:hb' -> CLIENT ID of producer p's main and
                                 heartbeat connections (all closed: p was killed)
@@ -56,6 +58,13 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:params       STRING  the run's change log of producer parameters (JSON, run
                                 id and entries: batchq.protocol.params_log), written by
                                 params.lua only; meta ``params`` is its stamp
+    bq:{Q}:quarantine   HASH    the run's examples its dataset could not read, replaced by
+                                substitutes (``on_sample_error='quarantine'``,
+                                producer/quarantine.py): 'run', 'count' (examples met),
+                                'kept' (records), 'i:<index>' -> the record (JSON,
+                                :func:`batchq.protocol.layout.quarantine_record`), at most
+                                :data:`batchq.protocol.layout.QUARANTINE_CAP` records;
+                                written by quarantine.lua only
     bq:{Q}:trainer:<r>  HASH    rank r's recent figures (as ``trainer``)
     bq:{Q}:history:<r>  LIST    rank r's samples (as ``history``)
     bq:{Q}:groups       HASH    a run read by several groups (:mod:`batchq.protocol.groups`):
@@ -71,6 +80,15 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 wake-ups: a producer blocked at its full list waits
                                 there), and the meta fields ``<name>@<i>`` /
                                 ``<name>@<i>:<r>`` (claim, next, floor...)
+
+What a finished run leaves are its records, which ``batchq status`` and ``report`` read
+afterwards: ``meta``, ``incarnation``, ``pstats``, each group slot's ``stats``,
+``trainer`` and ``history`` (per rank), ``groups`` where several groups read it, and
+``dead``, ``params``, ``quarantine``, ``scale``/``scalers``/``scalelog`` where it wrote
+them. Its lists
+(work, data, wake, per group slot too), counts, failures, remap, refs and frames go
+when its last reader finishes (claim.lua, gclaim.lua), and a producer's lease list when
+it is reaped or joins again (each entry names its run, so none reaches another run).
 
 The type column is :data:`KEY_TYPES` (by the key's name in :class:`QueueKeys`): push.lua
 and pop.lua check theirs before writing (tests/batchq/protocol/test_fields.py compares
@@ -126,7 +144,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
     "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
     "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
     "groups": "hash", "refs": "hash",
-    "params": "string",
+    "params": "string", "quarantine": "hash",
 }  # fmt: skip
 
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
@@ -276,6 +294,7 @@ class QueueKeys:
         self.refs = f"{self.base}:refs"  # frame key -> groups yet to read it
         self.slot = 0  # the group slot whose keys data, stats, trainer... name (slot_view)
         self.params = f"{self.base}:params"  # the run's change log of producer parameters
+        self.quarantine = f"{self.base}:quarantine"  # examples replaced by substitutes
         #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
         self.leases: Mapping[str, str] = _Derived(self._lease)
         #: world -> the KEYS tail of lease.lua for a run of that many ranks: every
@@ -330,9 +349,10 @@ class QueueKeys:
 
     def slot_keys(self, slot: int, world: int) -> list[str]:
         """Every key of group slot ``slot`` in a run of ``world`` ranks, in the order the
-        group scripts read them (3 + 3 x world keys: gclaim.lua and gresume.lua find a
+        group scripts read them (4 + 3 x world keys: gclaim.lua and gresume.lua find a
         slot's keys in their KEYS tail by that count): ledger, counts, each rank's data
-        list, stats, each rank's figures, each rank's history."""
+        list, stats, each rank's figures, each rank's history, the wake list (last: a run
+        that ends deletes it with the lists, a slot's figures stay)."""
         view = self.slot_view(slot)
         return [
             view.ledger,
@@ -341,6 +361,7 @@ class QueueKeys:
             view.stats,
             *(view.trainer_of(r, world) for r in range(world)),
             *(view.history_of(r, world) for r in range(world)),
+            view.wake,
         ]
 
     def lease(self, producer: str) -> str:

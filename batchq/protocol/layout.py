@@ -3,10 +3,14 @@ which names the keys).
 
 Entries and fields:
 
-* a lease entry (the lease lists): ``'<g>:<token>'``, g the global slot number
-  (:mod:`batchq.protocol.ranks`), token unique per lease request; in a run read by
-  several groups ``'<g>/<mask>:<token>'`` where the shard is for other groups than
-  slot 0 alone (mask: bit i set for group slot i, :mod:`batchq.protocol.groups`);
+* a lease entry (the lease lists): ``'<g>:<run>:<token>'``, g the global slot number
+  (:mod:`batchq.protocol.ranks`), run the id of the run it was granted in, token unique
+  per lease request; in a run read by several groups ``'<g>/<mask>:<run>:<token>'``
+  where the shard is for other groups than slot 0 alone (mask: bit i set for group slot
+  i, :mod:`batchq.protocol.groups`). The run is there so that a lease list that outlived
+  its run (a killed producer's) is never handed to the next one: reap.lua, gone.lua and
+  join.lua give back only the entries of the queue's current, unfinished run and drop
+  the others (:func:`entry_run`);
 * a work entry (the work list): ``'<g>'`` or ``'<g>/<mask>'`` (the part of a lease entry
   before its token: a shard handed back is built again for the same groups);
 * a frame stored by reference for several groups: the refs hash's field is the frame's
@@ -27,6 +31,11 @@ Entries and fields:
   ``params`` field is its stamp ``'<run>:<version>'`` (:func:`params_stamp`), which
   lease.lua returns with every lease so that a producer reads the log again only when
   it changed;
+* a quarantined example (the quarantine hash's field ``'i:<index>'``,
+  ``on_sample_error='quarantine'``): a JSON object ``{"index", "epoch", "substitute",
+  "error_type", "message", "traceback", "producer"}`` (:func:`quarantine_record`,
+  :func:`parse_quarantine_record`), the message and traceback cut to
+  :data:`QUARANTINE_TEXT_MAX` characters, at most :data:`QUARANTINE_CAP` records a run;
 * a default process id (a producer's, an autoscaler's): ``'<host>-<pid>-<6 hex>'``
   (:func:`default_id`; :func:`id_host` and :func:`id_pid` read it back: ``status``
   shows the host, an autoscaler tells its own workers by the pid).
@@ -40,10 +49,12 @@ gclaim.lua).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "DEAD_CAP",
@@ -53,12 +64,16 @@ __all__ = [
     "MAX_GROUPS",
     "PARAMS_LOG_MAX_BYTES",
     "PARAMS_MAX_ENTRIES",
+    "QUARANTINE_CAP",
+    "QUARANTINE_FIELDS",
+    "QUARANTINE_TEXT_MAX",
     "SCALELOG_CAP",
     "WAIT_BUCKETS_S",
     "WAKE_CAP",
     "count_value",
     "counts_field",
     "default_id",
+    "entry_run",
     "entry_slot",
     "flag",
     "id_host",
@@ -69,7 +84,9 @@ __all__ = [
     "parse_count_value",
     "parse_ledger_field",
     "parse_params_stamp",
+    "parse_quarantine_record",
     "parse_work_entry",
+    "quarantine_record",
     "time_ms",
     "work_entry",
 ]
@@ -77,6 +94,8 @@ __all__ = [
 WAKE_CAP = 8  # a pop wakes at most this many blocked producers
 HISTORY_CAP = 3600  # one sample per second: the last hour
 DEAD_CAP = 1000  # bad frames kept for `batchq dead`
+QUARANTINE_CAP = 1000  # quarantined examples' records kept per run (`batchq dead`)
+QUARANTINE_TEXT_MAX = 4000  # characters of a quarantined example's message, traceback
 SCALELOG_CAP = 500  # autoscaler decisions kept
 # Group slots of one run (a sweep's trials): one release word each in a shared-memory
 # segment's header (batchq.wire.shm), one bit each in a lease's mask.
@@ -117,15 +136,27 @@ def parse_work_entry(entry: str) -> tuple[int, int]:
     return int(g), int(mask) if mask else 1
 
 
-def lease_entry(g: int, token: str, mask: int = 1) -> str:
-    """The lease list's entry for slot ``g`` leased with ``token`` for the groups of
-    ``mask``."""
-    return f"{work_entry(g, mask)}:{token}"
+def lease_entry(g: int, run: str, token: str, mask: int = 1) -> str:
+    """The lease list's entry for slot ``g`` leased in run ``run`` with ``token`` for the
+    groups of ``mask``."""
+    return f"{work_entry(g, mask)}:{run}:{token}"
 
 
 def entry_slot(entry: str) -> int:
     """The global slot number of a lease entry."""
     return parse_work_entry(entry.split(":", 1)[0])[0]
+
+
+def entry_run(entry: str) -> str:
+    """The run a lease entry was granted in.
+
+    Raises:
+        ValueError: not ``'<g>[/<mask>]:<run>:<token>'``.
+    """
+    parts = entry.split(":", 2)
+    if len(parts) < 3:
+        raise ValueError(f"lease entry {entry!r}: expected '<g>[/<mask>]:<run>:<token>'")
+    return parts[1]
 
 
 def params_stamp(run: str, version: int) -> str:
@@ -197,3 +228,57 @@ def id_pid(process_id: str) -> int | None:
     """The pid in a :func:`default_id`, None for an id of another form."""
     parts = process_id.rsplit("-", 2)
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+#: The fields of a quarantined example's record, in order.
+QUARANTINE_FIELDS = (
+    "index",
+    "epoch",
+    "substitute",
+    "error_type",
+    "message",
+    "traceback",
+    "producer",
+)
+
+
+def quarantine_record(
+    index: int,
+    epoch: int,
+    substitute: int,
+    error_type: str,
+    message: str,
+    traceback: str,
+    producer: str,
+) -> str:
+    """The quarantine hash's record of example ``index`` (JSON; the message and the
+    traceback cut to :data:`QUARANTINE_TEXT_MAX` characters, the end of a traceback
+    kept: its last lines say where it raised)."""
+    return json.dumps(
+        {
+            "index": index,
+            "epoch": epoch,
+            "substitute": substitute,
+            "error_type": error_type[:200],
+            "message": message[:QUARANTINE_TEXT_MAX],
+            "traceback": traceback[-QUARANTINE_TEXT_MAX:],
+            "producer": producer,
+        }
+    )
+
+
+def parse_quarantine_record(raw: str | bytes) -> dict[str, Any]:
+    """A quarantined example's record as written by :func:`quarantine_record`.
+
+    Raises:
+        ValueError: not such a record (another writer's, or truncated).
+    """
+    if len(raw) > 4 * QUARANTINE_TEXT_MAX + 1000:
+        raise ValueError(f"quarantine record of {len(raw)} bytes: expected a record")
+    value = json.loads(raw)
+    if not isinstance(value, dict) or set(value) != set(QUARANTINE_FIELDS):
+        raise ValueError(f"quarantine record {value!r:.200}: expected {QUARANTINE_FIELDS}")
+    kinds = [int] * 3 + [str] * 4
+    if not all(type(value[f]) is k for f, k in zip(QUARANTINE_FIELDS, kinds, strict=True)):
+        raise ValueError(f"quarantine record {value!r:.200}: expected 3 integers, 4 strings")
+    return value

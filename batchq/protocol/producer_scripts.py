@@ -1,7 +1,8 @@
 """The producer's scripts, one typed function each (see :mod:`batchq.protocol.scripts`):
 joining a run (join.lua), a lease (lease.lua) and the capped push (push.lua), which
 travel in pipelines and are built as a :class:`~batchq.protocol.calls.Call`, a failed
-attempt (fail.lua) and a shard handed back untouched (handback.lua).
+attempt (fail.lua), a shard handed back untouched (handback.lua) and an example replaced
+by a substitute (quarantine.lua).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from batchq.protocol.calls import (
 )
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import FLAGS
+from batchq.protocol.layout import FLAGS, QUARANTINE_CAP
 from batchq.protocol.script_args import Argv, LeaseArgs, PushArgs
 from batchq.protocol.words import Status
 
@@ -33,6 +34,7 @@ __all__ = [
     "join",
     "lease_call",
     "push_call",
+    "quarantine",
 ]
 
 
@@ -122,7 +124,6 @@ def join(
     heartbeat_ttl_ms: int,
     version: str,
     epoch_batches: int | None,
-    served: str,
     grace_ms: int,
     no_create: bool,
     shard_batches: int | None = None,
@@ -142,7 +143,7 @@ def join(
          "window": window, "new_run": new_run, "new_incarnation": new_incarnation,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,
          "epoch_batches": -1 if epoch_batches is None else epoch_batches,
-         "served": served, "grace_ms": grace_ms, "no_create": FLAGS[no_create],
+         "grace_ms": grace_ms, "no_create": FLAGS[no_create],
          "shard_batches": shard_batches or 0, "stripes": stripes},
     ).run(client)  # fmt: skip
 
@@ -224,3 +225,19 @@ def handback(
         _shard_keys(keys, producer),
         {"incarnation": incarnation, "run": run, "entry": entry},
     ).run(client)
+
+
+def quarantine(
+    client: redis.Redis, keys: QueueKeys, *, incarnation: str, run: str, index: int, record: str
+) -> CountReply:
+    """Record example ``index`` of the run as quarantined (quarantine.lua; ``record``:
+    :func:`batchq.protocol.layout.quarantine_record`): ``first`` is how many examples
+    the run quarantined so far."""
+    return build_call(
+        "quarantine",
+        CountReply.parse,
+        {"meta": keys.meta, "incarnation": keys.incarnation, "quarantine": keys.quarantine,
+         "stats": keys.stats},
+        {"incarnation": incarnation, "run": run, "index": index, "record": record,
+         "cap": QUARANTINE_CAP},
+    ).run(client)  # fmt: skip

@@ -133,6 +133,7 @@ SCRIPTS: dict[str, Script] = {
         "params",
         "pop",
         "push",
+        "quarantine",
         "reap",
         "release",
         "requeue",

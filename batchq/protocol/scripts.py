@@ -30,7 +30,14 @@ from batchq.protocol.group_scripts import (
     release_call,
 )
 from batchq.protocol.params_scripts import ParamsOp, ParamsReply, Rebuild, params
-from batchq.protocol.producer_scripts import fail, handback, join, lease_call, push_call
+from batchq.protocol.producer_scripts import (
+    fail,
+    handback,
+    join,
+    lease_call,
+    push_call,
+    quarantine,
+)
 from batchq.protocol.recovery_scripts import gone, reap, requeue
 from batchq.protocol.trainer_scripts import ClaimOp, claim, pop, resume
 
@@ -58,6 +65,7 @@ __all__ = [
     "params",
     "pop",
     "push_call",
+    "quarantine",
     "reap",
     "release_call",
     "requeue",

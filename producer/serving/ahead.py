@@ -57,7 +57,7 @@ class Lease(NamedTuple):
     trainer has already, the lease's token, the run's slots per epoch and world, and the
     group slots it is built for (:mod:`batchq.protocol.groups`; 1: slot 0 alone), and the
     stripe it was leased from (:mod:`batchq.protocol.stripes`: ``g`` is then the
-    stripe's number)."""
+    stripe's number), and the run it was granted in (its lease entry names it)."""
 
     g: int
     skip: int
@@ -69,17 +69,25 @@ class Lease(NamedTuple):
     mask: int = 1
     stripe: int = 0
     stripes: int = 1
+    run: str = ""
 
     @classmethod
     def from_reply(
-        cls, reply: AnyLeaseReply, token: str, shards: int, stripe: int = 0, stripes: int = 1
+        cls,
+        reply: AnyLeaseReply,
+        token: str,
+        shards: int,
+        run: str,
+        stripe: int = 0,
+        stripes: int = 1,
     ) -> Lease:
-        """From lease.lua's or glease.lua's OK reply (world 1 says no slots: the plan's S)."""
+        """From lease.lua's or glease.lua's OK reply to a request of run ``run`` (world 1
+        says no slots: the plan's S)."""
         mask = reply.mask if isinstance(reply, GLeaseReply) else 1
         slots = reply.slots or shards
         return cls(
             reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, mask,
-            stripe, stripes,
+            stripe, stripes, run,
         )  # fmt: skip
 
     def address(self, shards: int) -> tuple[int, int, int]:
@@ -94,7 +102,7 @@ class Lease(NamedTuple):
     @property
     def entry(self) -> str:
         """The lease's entry in the producer's lease list."""
-        return lease_entry(self.g, self.token, self.mask)
+        return lease_entry(self.g, self.run, self.token, self.mask)
 
 
 # (epoch, slot, k, batch, last, rank, params version, group mask) -> the batch's frame
@@ -147,16 +155,21 @@ class Ahead:
         return MAX_AHEAD if quick else 1
 
     def keep_granted(
-        self, requests: Sequence[tuple[Call[AnyLeaseReply], str]], raw: Sequence[Any], shards: int
+        self,
+        requests: Sequence[tuple[Call[AnyLeaseReply], str]],
+        raw: Sequence[Any],
+        shards: int,
+        run: str,
     ) -> list[bool]:
-        """Keep the leases that rode with a shard's last push, those granted (``raw``:
-        their replies; an OOM refusal is the error itself); returns which were."""
+        """Keep the leases that rode with a shard's last push (requests of run ``run``),
+        those granted (``raw``: their replies; an OOM refusal is the error itself);
+        returns which were."""
         granted = []
         for (request, token), value in zip(requests, raw, strict=True):
             reply = None if isinstance(value, redis.ResponseError) else request.parse(value)
             ok = reply is not None and reply.status == Status.OK
             if reply is not None and ok:
-                lease = Lease.from_reply(reply, token, shards, self.stripe, self.stripes)
+                lease = Lease.from_reply(reply, token, shards, run, self.stripe, self.stripes)
                 self.leases.append(lease)
             granted.append(ok)
         return granted

@@ -37,6 +37,7 @@ from batchq.protocol.words import Status
 from batchq.wire import refs
 from producer.serving.ahead import Ahead, AnyLeaseReply
 from producer.serving.blocking import hand_back
+from producer.serving.build_watch import BuildWatch
 from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
 from producer.serving.settings import PushSettings
@@ -137,6 +138,7 @@ class FramePusher:
         self._rank = 0
         self._world = 1
         self.targets = 1  # the group slots the current shard goes to (a mask)
+        self.watch: BuildWatch | None = None  # build_timeout_s: builds on a watched thread
         self._wrong_logged: tuple[str, str] | None = None
 
     def aim(self, rank: int, world: int, mask: int = 1) -> None:
@@ -313,7 +315,7 @@ class FramePusher:
         if not leases:
             return leases
         raw = replies[len(replies) - len(leases) :]
-        granted = self.ahead.keep_granted(leases, raw, self.plan.shards)
+        granted = self.ahead.keep_granted(leases, raw, self.plan.shards, self._run.run)
         del replies[len(replies) - len(leases) :]
         return [r for r, ok in zip(leases, granted, strict=True) if not ok]
 

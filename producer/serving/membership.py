@@ -125,13 +125,13 @@ class Membership:
         waits up to orphan_wait_s for a lost run's trainer); None once stopped."""
         deadline = time.monotonic() + (self.orphan_wait_s if served.incarnation else 0.0)
         while True:
-            reply = self._join_once(served.run, no_create=time.monotonic() < deadline)
+            reply = self._join_once(no_create=time.monotonic() < deadline)
             if reply.status != Status.WAIT:
                 return reply
             if self._stop.wait(JOIN_POLL_S):
                 return None
 
-    def _join_once(self, served: str, *, no_create: bool) -> JoinReply:
+    def _join_once(self, *, no_create: bool) -> JoinReply:
         return scripts.join(
             self.client,
             self.keys,
@@ -145,7 +145,6 @@ class Membership:
             heartbeat_ttl_ms=self.heartbeat_ttl_ms,
             version=PROTOCOL_VERSION,
             epoch_batches=self.plan.epoch_batches,
-            served=served,
             grace_ms=int(FINISHED_GRACE_S * 1000),
             no_create=no_create,
             shard_batches=self.plan.shard_batches,
@@ -177,15 +176,14 @@ class Membership:
             log.debug("producer %s: axis labels not published: %s", self.id, e)
 
     def leave(self, incarnation: str, pending_ref: str | None) -> None:
-        """Hand every lease back (reap.lua, why 'leave'), delete a frame stored by
-        reference and never listed, forget the recorded connections; logs what fails."""
+        """Hand every lease back and forget the recorded connections (reap.lua, why
+        'leave'), delete a frame stored by reference and never listed; logs what fails."""
         try:
             if pending_ref:
                 self.client.delete(pending_ref)
             scripts.reap(
                 self.client, self.keys, incarnation=incarnation, why="leave", producers=[self.id]
             )
-            self.client.hdel(self.keys.clients, self.id, f"{self.id}:hb")
         except (redis.RedisError, OSError, BatchQueueError) as e:
             log.warning("producer %s: could not hand back its leases: %s", self.id, e)
 

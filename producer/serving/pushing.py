@@ -127,7 +127,11 @@ class ShardPusher(FramePusher):
             if ready.error is not None:
                 raise ready.error
             return ready.step, ready.frame, ready.took_s
-        step = next(batches, None)
+        if self.watch is None:
+            step = next(batches, None)
+        else:  # at most build_timeout_s, else BuildTimeout: the pipeline failed
+            what = f"epoch {epoch} shard {label} batch {k}"
+            step = self.watch.call(lambda: next(batches, None), what)
         frame = None
         if step is not None and k >= skip:
             version = self._shard_params.version(k)
@@ -240,7 +244,12 @@ class ShardPusher(FramePusher):
         push asks to hold two leases ahead, and a last push with the next shard leased
         builds that shard's first batch while it travels."""
         ahead = self.ahead
-        between = self._build_ahead if last and ahead.leases and ahead.ready is None else None
+        # Not with build_timeout_s: a build ahead would run outside the watch.
+        between = (
+            self._build_ahead
+            if last and ahead.leases and ahead.ready is None and self.watch is None
+            else None
+        )
         push = OnePush(entry, last, produce_ms, built_s)
         if isinstance(frame, ShmFrame):
             return self._push_descriptor(frame, push, between)

@@ -234,6 +234,11 @@ class ShardPlan:
         # Each component gets its own seed (its position in the chain mixed in): two
         # random transformers never share a stream, whatever rng they were given.
         for position, node in enumerate(iter_chain(self.stream)):
+            # A node that needs the shard's address (a DatasetStream's quarantine draws
+            # substitutes per epoch) is told it first.
+            begin = getattr(node, "begin_shard", None)
+            if callable(begin):
+                begin(epoch, shard)
             reseed = getattr(node, "reseed", None)
             if callable(reseed):
                 reseed(component_seed(seed, position))

@@ -3,9 +3,11 @@
 checkpoint, through shared memory and through Redis.
 
 The killed producer held leases minted under the killed trainer's floor, further ahead
-than the new trainer's; its shards are built again after the restart, past the new
-trainer's look-ahead window. Before the fix the new trainer raised FrameError
-(impossible) on such a frame in 20 of 20 runs (5 of each case).
+than the new trainer's. Reaped in the new run, they were handed to it and built past the
+new trainer's look-ahead window: at first the new trainer raised FrameError (impossible)
+on such a frame in 20 of 20 runs (5 of each case), then it dropped them, counted as
+``dropped_ahead``. Now each lease entry names its run and a reap in another run drops
+them (issue 42): the new run receives no shard of the old one, ``dropped_ahead`` is 0.
 """
 
 from __future__ import annotations
@@ -78,13 +80,14 @@ def test_a_trainer_restarted_after_a_crash_reads_exact_epochs(
         proc.wait(timeout=10)
     saved = json.loads(state.read_text())
     assert position(saved) == STATE_AT
+    figures = tmp_path / "figures.json"
     if restart == "no_state":
         # A trainer without state waits for the killed one's claim to lapse (else
         # TrainerConflict) and then starts a new run.
         wait_until(lambda: claim_lapsed(redis_client, queue_name), what="the claim to lapse")
-        extra = ["--finish"]
+        extra = ["--finish", "--figures", str(figures)]
     else:
-        extra = ["--state-in", str(state), "--finish"]
+        extra = ["--state-in", str(state), "--finish", "--figures", str(figures)]
     meta = QueueKeys(queue_name).meta
     old_run = redis_client.hget(meta, "run")
     trainer = spawn_proc(train_argv(redis_url, queue_name, out_b, EPOCHS, *extra), env=env)
@@ -97,6 +100,8 @@ def test_a_trainer_restarted_after_a_crash_reads_exact_epochs(
         assert lines(out_b) == reference(EPOCHS)
     else:
         assert lines(out_a)[: position(saved)] + lines(out_b) == reference(EPOCHS)
+    # Nothing of the old run reached the new one: no frame past the window to drop.
+    assert json.loads(figures.read_text())["dropped_ahead"] == 0
 
 
 def test_a_shard_handed_back_past_the_window_is_dropped_counted_and_built_again(
@@ -113,9 +118,11 @@ def test_a_shard_handed_back_past_the_window_is_dropped_counted_and_built_again(
     ) as stream:
         it = stream.get_epoch_iterator()
         got = [examples_of(next(it)[0])]
-        # What reap.lua does with a killed producer's lease of the run before: epoch 5
-        # shard 2 goes to the work list, and the producer builds it next. The trainer's
-        # floor cannot pass the shards minted so far, so it arrives far past the window.
+        # A shard handed back far ahead of the trainer (what reap.lua did with a killed
+        # producer's lease of the run before, until issue 42; the trainer still guards
+        # against it): epoch 5 shard 2 goes to the work list, and the producer builds it
+        # next. The trainer's floor cannot pass the shards minted so far, so it arrives
+        # far past the window.
         redis_client.lpush(keys.work, 5 * 6 + 2)
         got += [examples_of(f) for f, _ in it]
         for _ in range(5):

@@ -121,7 +121,7 @@ def test_redis_emptied_while_waiting_for_the_plan_claims_the_new_run(
                 client, keys, producer="p", fingerprint="fp", hwm=3, shards=4, window=6,
                 new_run="producers-run", new_incarnation="producers-inc",
                 heartbeat_ttl_ms=TTL_MS, version=PROTOCOL_VERSION, epoch_batches=None,
-                served="", grace_ms=1, no_create=False,
+                grace_ms=1, no_create=False,
             )  # fmt: skip
             assert joined.status == "OK"
         real_refresh(c)

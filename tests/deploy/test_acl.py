@@ -45,7 +45,17 @@ SECRET = "app:secret"  # a key of some other application on the same server
 # Which Lua scripts each role runs (producer/server.py, consumer/, batchq/protocol/reaper.py).
 # Every redis.call in them runs as the calling user, so the role needs those commands.
 ROLE_SCRIPTS = {
-    "bq-producer": {"join", "lease", "push", "fail", "handback", "reap", "glease", "gpush"},
+    "bq-producer": {
+        "join",
+        "lease",
+        "push",
+        "fail",
+        "handback",
+        "reap",
+        "glease",
+        "gpush",
+        "quarantine",
+    },
     "bq-trainer": {
         "claim",
         "gone",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -122,3 +123,60 @@ def hf_stream(fmt: str = "transform") -> DatasetStream:
     else:
         ds = ds.with_format(fmt)
     return DatasetStream(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
+
+
+def bad_examples() -> set[int]:
+    """The examples that raise (TEST_BAD: comma-separated indices)."""
+    return {int(i) for i in os.environ.get("TEST_BAD", "").split(",") if i}
+
+
+class BrokenExamples(RngDataset):
+    """RngDataset whose examples in ``bad`` raise, as a truncated file would."""
+
+    def __init__(self, n: int, bad: set[int], slow_ms: float = 0.0) -> None:
+        super().__init__(n, slow_ms)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        if i in self.bad:
+            raise ValueError(f"example {i}: truncated record")
+        return super().__getitem__(i)
+
+
+def quarantine_stream(examples: int | None = None, batch_size: int | None = None) -> DatasetStream:
+    """rng_stream over BrokenExamples (TEST_BAD) with on_sample_error='quarantine' and
+    TEST_MAX_QUARANTINED (per mille, default 10: 0.01)."""
+    n = examples or _env("examples", 120)
+    return DatasetStream(
+        BrokenExamples(n, bad_examples(), slow_ms=_env("slow_ms", 0)),
+        batch_size=batch_size or _env("batch_size", 8),
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        sources=("index", "aug"),
+        on_sample_error="quarantine",
+        max_quarantined=_env("max_quarantined", 10) / 1000,
+    )
+
+
+class HangingExample(RngDataset):
+    """RngDataset whose example ``hang`` never returns (a decoder stuck for good)."""
+
+    def __init__(self, n: int, hang: int) -> None:
+        super().__init__(n)
+        self.hang = hang
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        if i == self.hang:
+            threading.Event().wait()  # forever
+        return super().__getitem__(i)
+
+
+def hanging_stream() -> DatasetStream:
+    """rng_stream over HangingExample (TEST_EXAMPLES, TEST_BATCH_SIZE, TEST_HANG)."""
+    return DatasetStream(
+        HangingExample(_env("examples", 120), _env("hang", 7)),
+        batch_size=_env("batch_size", 8),
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        sources=("index", "aug"),
+    )

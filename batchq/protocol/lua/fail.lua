@@ -10,7 +10,7 @@ local failures_key = KEYS[5]     -- HASH   g -> attempts that raised
 local stats_key = KEYS[6]        -- HASH   queue counters
 local incarnation = ARGV[1]
 local run = ARGV[2]
-local entry = ARGV[3]            -- lease entry '<g>:<token>'
+local entry = ARGV[3]            -- lease entry '<g>:<run>:<token>'
 local max_attempts = tonumber(ARGV[4])  -- before the shard is reported to the trainer
 
 local g = entry_slot(entry)

@@ -25,7 +25,8 @@ local refs_key = KEYS[7]         -- HASH   frame key -> readers left
 local remap_key = KEYS[8]        -- HASH   (an elastic resume's; dropped with a run)
 -- KEYS[9..]: the keys of group slots 0..max(groups, 1) (batchq.protocol.keys.QueueKeys
 -- .slot_keys for key_world ranks, each slot's in a row: ledger, counts, data lists,
--- stats, figures, histories): what a new or finished run drops, and a new slot clears
+-- stats, figures, histories, wake list): what a new or finished run drops, and a new slot
+-- clears
 local token = ARGV[1]            -- the trainer's claim token
 local claim_ttl_ms = tonumber(ARGV[2])
 local op = ARGV[3]               -- 'acquire' | 'refresh' | 'release' | 'finish'
@@ -52,7 +53,8 @@ if not per then return redis.error_reply('gclaim.lua: KEYS do not cover the grou
 -- Delete a slot's keys (its figures too, but for slot 0, whose are the queue's own).
 local function drop_slot(i, keep_figures)
   for j = 0, per - 1 do
-    if not (keep_figures and j >= 2 + key_world) then redis.call('DEL', slot_key(i, j)) end
+    local figure = j >= 2 + key_world and j < per - 1
+    if not (keep_figures and figure) then redis.call('DEL', slot_key(i, j)) end
   end
 end
 
@@ -99,6 +101,9 @@ if op ~= 'acquire' then
   redis.call('DEL', work_key, wake_key, failures_key, refs_key, remap_key)
   for i = 0, tail_slots - 1 do
     for j = 1, 1 + key_world do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
+    -- Its wake list: no producer waits for a group of a finished run (issue 42: they
+    -- were left behind).
+    redis.call('DEL', slot_key(i, per - 1))
   end
   redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
   return {'OK', 1, 1}

@@ -84,7 +84,7 @@ local function needed(g, mask, r)
 end
 
 -- A retried request first (its first reply was lost): the same shard.
-local again = retried_lease(lease_key, token)
+local again = retried_lease(lease_key, run, token)
 if again then
   local g, mask = parse_spec(again)
   local _, skip = needed(g, mask, (g % S) % world)
@@ -92,7 +92,7 @@ if again then
 end
 if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
 
-local suffix = ':' .. token
+local suffix = ':' .. run .. ':' .. token  -- the lease entry's tail (layout.py)
 
 local function has_room(i, r) return redis.call('LLEN', data_of(i, r)) < hwm end
 local function grant(g, mask, skip)

@@ -1,32 +1,38 @@
 -- gone.lua: hand back the leases of producers whose Redis connections are all closed
 -- (a killed process), without waiting for their heartbeat deadline.
 -- A producer is reaped only if it still records exactly those ids (it did not reconnect
--- since the caller listed the connections) and is still registered.
+-- since the caller listed the connections) and is still registered. Only leases of the
+-- queue's current, unfinished run go back (reap.lua's rule: an older run's are dropped,
+-- counted as stale_leases).
 -- Returns {'OK', producers reaped, shards returned} or {'STATE_LOST'}
 local incarnation_key = KEYS[1]  -- STRING
 local producers_key = KEYS[2]    -- ZSET   producer -> heartbeat deadline (ms)
 local work_key = KEYS[3]         -- LIST   shards handed back
 local stats_key = KEYS[4]        -- HASH   queue counters
 local clients_key = KEYS[5]      -- HASH   '<producer>', '<producer>:hb' -> CLIENT ID
--- KEYS[6..]: the lease lists, one per producer of the ARGV pairs
+local meta_key = KEYS[6]         -- HASH   the run's meta (which run the leases must be of)
+-- KEYS[7..]: the lease lists, one per producer of the ARGV pairs
 local incarnation = ARGV[1]
 -- ARGV[2..]: pairs of producer id, the ids the caller found closed ('<main>,<heartbeat>')
-local first_lease, first_pair = 6, 2
+local first_lease, first_pair = 7, 2
 
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
-local reaped, returned = 0, 0
+local run = live_run(meta_key)
+local reaped, returned, stale = 0, 0, 0
 for i = first_pair, #ARGV - 1, 2 do
   local p, expected = ARGV[i], ARGV[i + 1]
   local lease = KEYS[first_lease + (i - first_pair) / 2]
   local ids = (redis.call('HGET', clients_key, p) or '') .. ',' ..
     (redis.call('HGET', clients_key, p .. ':hb') or '')
   if ids == expected and redis.call('ZSCORE', producers_key, p) then
-    returned = returned + hand_back_leases(lease, work_key)
+    local back, dropped = hand_back_leases(lease, work_key, run)
+    returned, stale = returned + back, stale + dropped
     redis.call('ZREM', producers_key, p)
     redis.call('HDEL', clients_key, p, p .. ':hb')
     reaped = reaped + 1
   end
 end
 if returned > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', returned) end
+if stale > 0 then redis.call('HINCRBY', stats_key, 'stale_leases', stale) end
 if reaped > 0 then redis.call('HINCRBY', stats_key, 'reaped_closed', reaped) end
 return {'OK', reaped, returned}

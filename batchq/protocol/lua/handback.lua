@@ -8,7 +8,7 @@ local work_key = KEYS[3]         -- LIST   shards handed back
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local incarnation = ARGV[1]
 local run = ARGV[2]
-local entry = ARGV[3]            -- lease entry '<g>:<token>'
+local entry = ARGV[3]            -- lease entry '<g>:<run>:<token>'
 
 local g = entry_slot(entry)
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end

@@ -21,16 +21,15 @@ local new_incarnation = ARGV[7]  -- incarnation to use if the queue must be crea
 local heartbeat_ttl_ms = tonumber(ARGV[8])
 local version = ARGV[9]          -- protocol version
 local epoch_batches = ARGV[10]   -- batches per epoch (-1 if the pipeline cannot tell)
-local served = ARGV[11]          -- the run this producer served before ('' if none)
-local grace_ms = tonumber(ARGV[12])  -- a run that finished less than this long ago is
+local grace_ms = tonumber(ARGV[11])  -- a run that finished less than this long ago is
                                  -- over for late producers too (they exit); after it, a
                                  -- producer starts the next run
-local no_create = ARGV[13]       -- '1': create no queue and no run (after Redis lost the
+local no_create = ARGV[12]       -- '1': create no queue and no run (after Redis lost the
                                  -- queue's state the trainer re-creates it from its
                                  -- ledger; producers wait for that)
-local shard_batches = ARGV[14]   -- batches per full shard, 0 if the plan cannot count
+local shard_batches = ARGV[13]   -- batches per full shard, 0 if the plan cannot count
                                  -- them (the params log's numbering, ranks.py)
-local stripes = ARGV[15]         -- the queues the run is striped over (batchq/protocol/
+local stripes = ARGV[14]         -- the queues the run is striped over (batchq/protocol/
                                  -- stripes.py): set with the plan, then checked
 
 local now = server_now_ms()
@@ -86,12 +85,9 @@ elseif run_stripes ~= stripes then
 end
 
 -- Leases this producer id still holds from an earlier life go back to the front of the
--- work list when they belong to this run; leases of an older run are simply dropped.
-if served == run then
-  hand_back_leases(lease_key, work_key)
-else
-  redis.call('DEL', lease_key)
-end
+-- work list when they belong to this run (each entry names its run); leases of an older
+-- run are simply dropped.
+hand_back_leases(lease_key, work_key, run)
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world', 'groups')
 -- A run read by several groups (batchq/protocol/groups.py): its leases and pushes are the

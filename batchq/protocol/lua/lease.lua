@@ -73,11 +73,11 @@ end
 
 -- A retried request first (its first reply was lost): the same shard, even if the
 -- producer now holds k leases with it.
-local again = retried_lease(lease_key, token)
+local again = retried_lease(lease_key, run, token)
 if again then return granted(again, math.max(had(tonumber(again)), 0)) end
 if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
 
-local suffix = ':' .. token
+local suffix = ':' .. run .. ':' .. token  -- the lease entry's tail (layout.py)
 
 if world > 1 then
   local P = S / world

@@ -144,7 +144,7 @@ def check_schema(row: dict[str, Any]) -> None:
     for name, typ in _documented("status").items():
         assert isinstance(row[name], _TYPES[typ]), name
         assert typ == "bool" or not isinstance(row[name], bool), name  # a number, not a flag
-    assert row["schema"] == monitor.STATUS_SCHEMA_VERSION == 5
+    assert row["schema"] == monitor.STATUS_SCHEMA_VERSION == 6
     for p in row["producers"]:
         assert tuple(p) == PRODUCER_FIELDS
         for name, typ in _documented("producer").items():

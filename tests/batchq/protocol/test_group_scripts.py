@@ -14,6 +14,7 @@ from batchq.protocol import scripts
 from batchq.protocol.calls import round_trip
 from batchq.protocol.group_scripts import GClaimReply, GLeaseReply, GPushReply
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import lease_entry
 from batchq.protocol.words import Status
 from batchq.wire import refs
 
@@ -51,7 +52,7 @@ class Run:
         reply = scripts.join(
             self.c, self.k, producer=producer, fingerprint="fp", hwm=HWM, shards=SHARDS,
             window=WINDOW, new_run="runX", new_incarnation="incX", heartbeat_ttl_ms=TTL_MS,
-            version="1", epoch_batches=SHARDS, served="", grace_ms=60_000, no_create=False,
+            version="1", epoch_batches=SHARDS, grace_ms=60_000, no_create=False,
         )  # fmt: skip
         assert reply.status == Status.OK and reply.groups == self.groups()
 
@@ -64,7 +65,7 @@ class Run:
     def push(
         self, producer: str, lease: GLeaseReply, token: str, element: bytes, frame: str | None
     ) -> GPushReply:
-        entry = f"{lease.g}:{token}" if lease.mask == 1 else f"{lease.g}/{lease.mask}:{token}"
+        entry = lease_entry(lease.g, self.run, token, lease.mask)
         return scripts.gpush_call(
             self.k, targets=lease.mask, rank=0, world=1, frame_key=frame, incarnation=self.inc,
             run=self.run, producer=producer, entry=entry, element=element, last=True,

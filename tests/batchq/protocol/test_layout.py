@@ -10,9 +10,15 @@ from batchq.protocol import layout
 from batchq.protocol.keys import check_name
 
 
-def test_a_lease_entry_names_its_slot() -> None:
-    entry = layout.lease_entry(41, "p-1:7")  # a token may itself hold colons
-    assert entry == "41:p-1:7" and layout.entry_slot(entry) == 41
+def test_a_lease_entry_names_its_slot_and_run() -> None:
+    entry = layout.lease_entry(41, "r1", "p-1:7")  # a token may itself hold colons
+    assert entry == "41:r1:p-1:7" and layout.entry_slot(entry) == 41
+    assert layout.entry_run(entry) == "r1"
+    grouped = layout.lease_entry(41, "r1", "p-1:7", mask=0b101)
+    assert grouped == "41/5:r1:p-1:7" and layout.entry_slot(grouped) == 41
+    assert layout.entry_run(grouped) == "r1"
+    with pytest.raises(ValueError, match="41:t"):
+        layout.entry_run("41:t")  # a token without its run
 
 
 def test_a_ledger_field_round_trips_and_refuses_others() -> None:

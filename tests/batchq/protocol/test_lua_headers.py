@@ -53,7 +53,7 @@ def _sent(run: Any) -> tuple[str, list[Any], list[Any]]:
 WRAPPERS: dict[str, Any] = {
     "join": lambda c: scripts.join(
         c, K, producer="p", fingerprint="fp", hwm=3, shards=4, window=2, new_run="r",
-        new_incarnation="i", heartbeat_ttl_ms=1, version="1", epoch_batches=None, served="",
+        new_incarnation="i", heartbeat_ttl_ms=1, version="1", epoch_batches=None,
         grace_ms=1, no_create=False,
     ),
     "lease": lambda c: scripts.lease_call(
@@ -70,6 +70,9 @@ WRAPPERS: dict[str, Any] = {
     ),
     "handback": lambda c: scripts.handback(
         c, K, incarnation="i", run="r", producer="p", entry="3:t"
+    ),
+    "quarantine": lambda c: scripts.quarantine(
+        c, K, incarnation="i", run="r", index=7, record="{}"
     ),
     "reap": lambda c: scripts.reap(c, K, incarnation="i", why="dead", producers=["a", "b"]),
     "gone": lambda c: scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),

@@ -49,7 +49,7 @@ class Q:
              "ledger": k.ledger},
             {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
              "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
-             "version": "1", "epoch_batches": shards, "served": self.run, "grace_ms": grace,
+             "version": "1", "epoch_batches": shards, "grace_ms": grace,
              "no_create": "0", "shard_batches": 1, "stripes": 1},
         )  # fmt: skip
         if reply[0] == "OK":
@@ -133,20 +133,20 @@ def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:
     got = [q.lease("p1", f"t{i}")[1] for i in range(2, 7)]
     assert got == ["1", "2", "3", "4", "5"]
     assert q.lease("p1", "t7") == ["WAIT"]  # window 6 past floor 0
-    assert q.c.lrange(q.k.lease("p1"), 0, -1)[0] == b"0:t1"
+    assert q.c.lrange(q.k.lease("p1"), 0, -1)[0] == b"0:run1:t1"
 
 
 def test_push_never_exceeds_the_hwm_and_pop_wakes_producers(q: Q) -> None:
     q.join("p1")
     q.lease("p1", "t1")
     for i in range(3):
-        assert q.push("p1", "0:t1", b"f%d" % i)[0] == "OK"
-    assert q.push("p1", "0:t1", b"f3") == ["FULL", 3]
+        assert q.push("p1", "0:run1:t1", b"f%d" % i)[0] == "OK"
+    assert q.push("p1", "0:run1:t1", b"f3") == ["FULL", 3]
     assert q.claim("tok")[0] == "OK"
     reply = q.pop("tok", n=1)
     assert reply[0] == b"OK" and reply[3] == [b"f0"]  # oldest first
     assert q.c.llen(q.k.wake) == 1  # the list was at the cap: one token
-    assert q.push("p1", "0:t1", b"f3", last=True)[0] == "OK"
+    assert q.push("p1", "0:run1:t1", b"f3", last=True)[0] == "OK"
     assert q.c.llen(q.k.lease("p1")) == 0  # the last frame released the lease
     stats = q.c.hgetall(q.k.stats)
     assert stats[b"pushed"] == b"4" and stats[b"popped"] == b"1" and stats[b"shards_done"] == b"1"
@@ -158,26 +158,26 @@ def test_a_prefetch_is_granted_only_behind_a_push_that_went_through_and_under_k(
     q.join("p1", window=10)
     assert q.lease("p1", "t0")[:2] == ["OK", "0"]
     # Behind a push that did not go through (its entry is still held): never, whatever k.
-    assert q.lease("p1", "t1", prefetch=2, after="0:t0") == ["BUSY"]
-    q.push("p1", "0:t0", b"f0", last=True)  # went through: the entry is gone
-    assert q.lease("p1", "t1", prefetch=2, after="0:t0")[:2] == ["OK", "1"]
-    assert q.lease("p1", "t2", prefetch=2, after="0:t0")[:2] == ["OK", "2"]  # one ahead
-    assert q.lease("p1", "t3", prefetch=2, after="0:t0") == ["BUSY"]  # holds 2 already
-    assert q.lease("p1", "t3", prefetch=1, after="0:t0") == ["BUSY"]  # k=1: only if none
-    assert q.c.lrange(q.k.lease("p1"), 0, -1) == [b"1:t1", b"2:t2"]
+    assert q.lease("p1", "t1", prefetch=2, after="0:run1:t0") == ["BUSY"]
+    q.push("p1", "0:run1:t0", b"f0", last=True)  # went through: the entry is gone
+    assert q.lease("p1", "t1", prefetch=2, after="0:run1:t0")[:2] == ["OK", "1"]
+    assert q.lease("p1", "t2", prefetch=2, after="0:run1:t0")[:2] == ["OK", "2"]  # one ahead
+    assert q.lease("p1", "t3", prefetch=2, after="0:run1:t0") == ["BUSY"]  # holds 2 already
+    assert q.lease("p1", "t3", prefetch=1, after="0:run1:t0") == ["BUSY"]  # k=1: only if none
+    assert q.c.lrange(q.k.lease("p1"), 0, -1) == [b"1:run1:t1", b"2:run1:t2"]
     # A retried request (its reply lost) gets its shard again, though 2 are held.
-    assert q.lease("p1", "t2", prefetch=2, after="0:t0")[:2] == ["OK", "2"]
+    assert q.lease("p1", "t2", prefetch=2, after="0:run1:t0")[:2] == ["OK", "2"]
 
 
 def test_a_descriptor_is_pushed_only_while_its_host_is_the_trainers(q: Q) -> None:
     q.join("p1")
     q.lease("p1", "t1")
-    assert q.push("p1", "0:t1", b"BQM\x01d0", shm_host="here") == ["REROUTE"]  # none yet
+    assert q.push("p1", "0:run1:t1", b"BQM\x01d0", shm_host="here") == ["REROUTE"]  # none yet
     q.c.hset(q.k.meta, "shm_host", "here")
-    assert q.push("p1", "0:t1", b"BQM\x01d1", shm_host="here")[0] == "OK"
+    assert q.push("p1", "0:run1:t1", b"BQM\x01d1", shm_host="here")[0] == "OK"
     q.c.hset(q.k.meta, "shm_host", "elsewhere")  # a trainer on another host took over
-    assert q.push("p1", "0:t1", b"BQM\x01d2", shm_host="here") == ["REROUTE"]
-    assert q.push("p1", "0:t1", b"frame", last=True)[0] == "OK"  # a frame goes anywhere
+    assert q.push("p1", "0:run1:t1", b"BQM\x01d2", shm_host="here") == ["REROUTE"]
+    assert q.push("p1", "0:run1:t1", b"frame", last=True)[0] == "OK"  # a frame goes anywhere
     assert q.c.lrange(q.k.data, 0, -1) == [b"frame", b"BQM\x01d1"]
     assert q.c.llen(q.k.lease("p1")) == 0 and q.c.hget(q.k.stats, "pushed") == b"2"
 
@@ -193,8 +193,8 @@ def test_frames_brpop_took_from_a_full_list_wake_producers_at_the_next_pop(q: Q)
     q.join("p1")
     q.lease("p1", "t1")
     for i in range(3):
-        q.push("p1", "0:t1", b"f%d" % i)
-    assert q.push("p1", "0:t1", b"f3") == ["FULL", 3]  # the producer now waits for a wake
+        q.push("p1", "0:run1:t1", b"f%d" % i)
+    assert q.push("p1", "0:run1:t1", b"f3") == ["FULL", 3]  # the producer now waits for a wake
     assert q.claim("tok")[0] == "OK"
     assert q.c.brpop([q.k.data], timeout=1) == (q.k.data.encode(), b"f0")  # the reader's BRPOP
     reply = q.pop("tok", n=0, extra_popped=1)  # the next pop script counts it
@@ -211,7 +211,7 @@ def test_racing_pushes_at_hwm_minus_one_admit_exactly_one(q: Q, redis_url: str) 
     q.join("p1", hwm=5)
     q.lease("p1", "t1")
     for i in range(4):
-        q.push("p1", "0:t1", b"x%d" % i)
+        q.push("p1", "0:run1:t1", b"x%d" % i)
     barrier = threading.Barrier(8)
     results: list[str] = []
 
@@ -220,7 +220,7 @@ def test_racing_pushes_at_hwm_minus_one_admit_exactly_one(q: Q, redis_url: str) 
         mine = Q(client, q.k.queue)
         mine.inc, mine.run = q.inc, q.run
         barrier.wait(timeout=10)
-        results.append(mine.push("p1", "0:t1", b"r%d" % i)[0])
+        results.append(mine.push("p1", "0:run1:t1", b"r%d" % i)[0])
         client.close()
 
     threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
@@ -254,6 +254,45 @@ def test_dead_reap_spares_live_producers(q: Q) -> None:
     reply = scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 0, 0)
     assert q.c.llen(k.lease("p1")) == 1
+
+
+def test_a_reap_in_a_new_run_drops_the_old_runs_leases(q: Q) -> None:
+    q.join("p1")
+    q.join("p2")
+    assert [q.lease("p1", t)[1] for t in ("a", "b")] == ["0", "1"]  # p1 is then killed
+    k = q.k
+    assert q.claim("t1")[:4] == ["OK", "inc1", "run1", 0]
+    assert q.claim("t1", op="release") == ["OK"]
+    assert q.claim("t2")[:4] == ["OK", "inc1", "run2", 1]  # a trainer without state
+    q.join("p2")  # the producer that lived follows the new run
+    reply = scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
+    assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
+    assert q.c.llen(k.work) == 0 and q.c.exists(k.lease("p1")) == 0
+    assert q.c.hget(k.stats, "stale_leases") == b"2" and q.c.hget(k.stats, "redone_shards") is None
+    assert q.lease("p2", "c")[1] == "0"  # the new run's own first shard, minted
+
+
+def test_gone_in_a_new_run_drops_the_old_runs_leases(q: Q) -> None:
+    q.join("p1")
+    assert q.lease("p1", "a")[1] == "0"
+    k = q.k
+    q.c.hset(k.clients, mapping={"p1": "11", "p1:hb": "12"})  # as the producer records them
+    q.claim("t1")
+    q.claim("t1", op="release")
+    assert q.claim("t2")[2] == "run2"
+    reply = scripts.gone(q.c, k, incarnation=q.inc, closed={"p1": "11,12"})
+    assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
+    assert q.c.llen(k.work) == 0 and q.c.hget(k.stats, "stale_leases") == b"1"
+
+
+def test_a_reap_after_the_run_finished_leaves_no_work_behind(q: Q) -> None:
+    q.join("p1")
+    assert q.lease("p1", "a")[1] == "0"
+    q.claim("t1")
+    assert q.claim("t1", op="finish") == ["OK"]
+    reply = scripts.reap(q.c, q.k, incarnation=q.inc, why="leave", producers=["p1"])
+    assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
+    assert q.c.exists(q.k.work, q.k.lease("p1")) == 0
 
 
 def test_claim_conflict_takeover_and_new_run(q: Q) -> None:

@@ -185,7 +185,7 @@ def test_a_descriptor_whose_push_lost_its_connection_is_remembered_as_uncertain(
 @pytest.mark.usefixtures("quick_builds")
 def test_the_next_leased_shard_is_built_while_the_last_push_travels() -> None:
     p = _pusher(leasing=True)
-    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))  # shard 1, leased ahead
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1, run="run"))  # shard 1, leased ahead
     p.ahead.depth = 1
     order: list[str] = []
 
@@ -198,15 +198,15 @@ def test_the_next_leased_shard_is_built_while_the_last_push_travels() -> None:
         return [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))]
 
     p._send = send  # type: ignore[method-assign]
-    p.serve_shard(0, 0, "0:t0")
+    p.serve_shard(0, 0, "0:run:t0")
     assert order[-3:] == ["sent", "built", "read"]  # the last push built shard 1 meanwhile
     ready = p.ahead.ready
-    assert ready is not None and ready.entry == "1:t1" and ready.error is None
+    assert ready is not None and ready.entry == "1:run:t1" and ready.error is None
     expected = next(iter(p.plan.iter_shard_marked(0, 1)))
     assert ready.step is not None and ready.step[1] == expected[1]
     pushed: list[Any] = []
     p._push = lambda frame, *a, **k: pushed.append(frame) or True  # type: ignore[method-assign]
-    p.serve_shard(0, 1, "1:t1")  # served from what was built: the same frame object
+    p.serve_shard(0, 1, "1:run:t1")  # served from what was built: the same frame object
     assert pushed[0] is ready.frame and p.ahead.ready is None
 
 
@@ -223,15 +223,15 @@ def _pushed_and_busy(
 @pytest.mark.usefixtures("quick_builds")
 def test_a_pipeline_error_met_while_building_ahead_is_reported_by_that_shard() -> None:
     p = _pusher(fail_at=10, leasing=True)  # shard 1's first batch raises
-    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1, run="run"))
     p.ahead.depth = 1
     p._send = _pushed_and_busy  # type: ignore[method-assign]
-    p.serve_shard(0, 0, "0:t0")
+    p.serve_shard(0, 0, "0:run:t0")
     assert p.ahead.ready is not None and isinstance(p.ahead.ready.error, ValueError)
     failed: list[tuple[int, int, str]] = []
     p._retry_elsewhere = lambda e, s, entry: failed.append((e, s, entry)) or True  # type: ignore[method-assign]
-    p.serve_shard(0, 1, "1:t1")
-    assert failed == [(0, 1, "1:t1")]
+    p.serve_shard(0, 1, "1:run:t1")
+    assert failed == [(0, 1, "1:run:t1")]
 
 
 @pytest.mark.usefixtures("quick_builds")
@@ -246,7 +246,7 @@ def test_a_lease_refused_for_oom_never_hides_the_push_that_went_through() -> Non
         return [[b"OK", 1], *([oom] * len(leases or ()))]  # the push went through
 
     p._send = send  # type: ignore[method-assign]
-    p.serve_shard(0, 0, "0:t0")  # would be LEASE_LOST (and drop the listed frame) if resent
+    p.serve_shard(0, 0, "0:run:t0")  # would be LEASE_LOST (and drop the listed frame) if resent
     assert sends == [2] and not p.ahead.leases and p.oom_waits == 0
 
 
@@ -266,7 +266,7 @@ def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
 
     p._send = send  # type: ignore[method-assign]
     p.wait_for_room = lambda: None  # type: ignore[method-assign]
-    p.serve_shard(0, 0, "0:t0")
+    p.serve_shard(0, 0, "0:run:t0")
     assert sends == [2, 2] and p.oom_waits == 1
     assert [lease.g for lease in p.ahead.leases] == [1, 2]
 
@@ -274,7 +274,7 @@ def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
 @pytest.mark.usefixtures("quick_builds")
 def test_a_push_sent_again_after_oom_does_not_build_the_next_shard_again() -> None:
     p = _pusher(leasing=True)
-    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1, run="run"))
     p.ahead.depth = 1
     oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
     replies = iter([[oom, [b"BUSY"]], [[b"OK", 1], [b"BUSY"]]])
@@ -288,21 +288,21 @@ def test_a_push_sent_again_after_oom_does_not_build_the_next_shard_again() -> No
 
     p._send = send  # type: ignore[method-assign]
     p.wait_for_room = lambda: None  # type: ignore[method-assign]
-    p.serve_shard(0, 0, "0:t0")
+    p.serve_shard(0, 0, "0:run:t0")
     assert len(built) == 1 and p.ahead.ready is built[0]
 
 
 @pytest.mark.usefixtures("quick_builds")
 def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host() -> None:
     p = _pusher(leasing=True)
-    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1, run="run"))
     p.ahead.depth = 1
     p._send = _pushed_and_busy  # type: ignore[method-assign]
-    p.serve_shard(0, 0, "0:t0")
+    p.serve_shard(0, 0, "0:run:t0")
     assert p.ahead.ready is not None
     refreshed: list[Any] = []
     p._transport.refresh = lambda client, **kw: refreshed.append(client)  # type: ignore[method-assign]
-    p.serve_shard(0, 1, "1:t1")  # every batch of it was built ahead
+    p.serve_shard(0, 1, "1:run:t1")  # every batch of it was built ahead
     # Without this a producer that started before the trainer, once every shard is
     # built ahead, would never see the trainer's host appear (tests/consumer/test_torch_shm).
     assert refreshed
@@ -311,7 +311,7 @@ def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host
 @pytest.mark.usefixtures("quick_builds")
 def test_a_reply_that_is_the_producers_business_is_returned_with_nothing_dropped() -> None:
     p = _pusher(leasing=True)
-    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1))
+    p.ahead.leases.append(Lease(1, 0, "t1", 4, 1, run="run"))
     p.ahead.depth = 1
 
     def send(ref: Any, store: Any, push: Any, leases: Any = None, between: Any = None) -> Any:
@@ -320,10 +320,11 @@ def test_a_reply_that_is_the_producers_business_is_returned_with_nothing_dropped
         return [[b"RUN_CHANGED"], *([[b"BUSY"]] * len(leases or ()))]
 
     p._send = send  # type: ignore[method-assign]
-    assert p.serve_shard(0, 0, "0:t0") == Status.RUN_CHANGED
+    assert p.serve_shard(0, 0, "0:run:t0") == Status.RUN_CHANGED
     # The pusher did not act on it: what it holds ahead is the Producer's to drop when
     # it joins again (before, the reply's callback joined while the pusher's call ran).
-    assert p.ahead.ready is not None and list(p.ahead.leases) == [Lease(1, 0, "t1", 4, 1)]
+    leased = [Lease(1, 0, "t1", 4, 1, run="run")]
+    assert p.ahead.ready is not None and list(p.ahead.leases) == leased
     p.joined(RunPosition("run2", "inc2"))
     assert p.ahead.ready is None and not p.ahead.leases
 

@@ -33,11 +33,12 @@ end
 
 -- The KEYS tail of gclaim.lua and gresume.lua, from index first_tail: the keys of group
 -- slots 0..max(groups, 1), each slot's in a row (batchq.protocol.keys.QueueKeys.slot_keys
--- for key_world ranks: ledger, counts, data lists, stats, figures, histories). Returns the
--- keys a slot has, the slots the tail covers and slot_key(i, j) (slot i's j-th key, from
--- 0); nil when the tail does not cover the group slots the caller named (groups).
+-- for key_world ranks: ledger, counts, data lists, stats, figures, histories, wake list).
+-- Returns the keys a slot has, the slots the tail covers and slot_key(i, j) (slot i's j-th
+-- key, from 0: its wake list is j = per - 1); nil when the tail does not cover the group
+-- slots the caller named (groups).
 local function slot_tail(keys, first_tail, key_world, groups)
-  local per = 3 + 3 * key_world
+  local per = 4 + 3 * key_world
   local tail_slots = (#keys - first_tail + 1) / per
   if tail_slots ~= math.max(groups, 1) + 1 then return nil end
   return per, tail_slots, function(i, j) return keys[first_tail + i * per + j] end

@@ -8,34 +8,52 @@ local function server_now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The global slot number g of a lease entry '<g>:<token>', or '<g>/<mask>:<token>' in a
--- run of several groups (batchq/protocol/layout.py's entry_slot), as the string it is in
--- the entry; nil for a malformed entry.
+-- The global slot number g of a lease entry '<g>:<run>:<token>', or
+-- '<g>/<mask>:<run>:<token>' in a run of several groups (batchq/protocol/layout.py's
+-- entry_slot), as the string it is in the entry; nil for a malformed entry.
 local function entry_slot(entry)
   return string.match(entry, '^(%d+)[/:]')
 end
 
--- The part of a lease entry before its token: the work entry that builds its shard again
+-- The part of a lease entry before its run: the work entry that builds its shard again
 -- for the same groups ('<g>' or '<g>/<mask>', batchq/protocol/layout.py's work_entry).
 local function entry_spec(entry)
   return string.match(entry, '^(%d+/?%d*):')
 end
 
--- Hand every shard of a producer's lease list back to the front of the work list, for
--- the same groups, in the order they were held so that the oldest is redone first, and
--- delete the list. Returns how many went back.
-local function hand_back_leases(lease_key, work_key)
+-- The run a lease entry was granted in (layout.py's entry_run), or nil.
+local function entry_run(entry)
+  return string.match(entry, '^%d+/?%d*:([^:]*):')
+end
+
+-- Hand the shards of a producer's lease list that were leased in `run` back to the front
+-- of the work list, for the same groups, in the order they were held so that the oldest
+-- is redone first, and delete the list. An entry of another run (a killed producer's
+-- list outlives its run) is dropped: its shard is not this run's, and handed over it
+-- was built past the new trainer's window (issue 42). run nil (the run finished, or
+-- none): every entry is dropped. Returns how many went back, how many were dropped.
+local function hand_back_leases(lease_key, work_key, run)
   local held = redis.call('LRANGE', lease_key, 0, -1)
-  local returned = 0
+  local returned, dropped = 0, 0
   for j = #held, 1, -1 do
     local g = entry_spec(held[j])
-    if g then
+    if g and run and entry_run(held[j]) == run then
       redis.call('LPUSH', work_key, g)
       returned = returned + 1
+    else
+      dropped = dropped + 1
     end
   end
   redis.call('DEL', lease_key)
-  return returned
+  return returned, dropped
+end
+
+-- The run whose leases a reap hands back: meta's run, nil when it finished (its work
+-- list went with it: a shard handed back then would be left behind).
+local function live_run(meta_key)
+  local m = redis.call('HMGET', meta_key, 'run', 'finished')
+  if m[2] == '1' then return nil end
+  return m[1] or nil
 end
 
 -- The first key of `typed` ({key, type} pairs, batchq.protocol.keys.KEY_TYPES) that holds
@@ -67,10 +85,10 @@ local function heartbeat(producers_key, producer, deadline_ms)
 end
 
 -- The lease a retried lease request (the same token: its first reply was lost) was granted
--- already: its entry's part before ':<token>' ('<g>', or '<g>/<mask>' in a run of several
--- groups), or nil.
-local function retried_lease(lease_key, token)
-  local suffix = ':' .. token
+-- already in `run`: its entry's part before ':<run>:<token>' ('<g>', or '<g>/<mask>' in a
+-- run of several groups), or nil.
+local function retried_lease(lease_key, run, token)
+  local suffix = ':' .. run .. ':' .. token
   for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
     if string.sub(e, -#suffix) == suffix then return string.sub(e, 1, #e - #suffix) end
   end

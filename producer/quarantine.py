@@ -1,0 +1,254 @@
+"""``on_sample_error='quarantine'``: an example whose read raises is recorded and replaced.
+
+A map-style dataset (torch, Hugging Face) read with ``on_sample_error='quarantine'``
+(:class:`producer.torch_dataset.DatasetStream`) reads a batch example by example where
+one raised: the example that raised is recorded (its index, the epoch, the error's type,
+message and traceback as text) and replaced by a *substitute*, so every batch keeps its
+size, every data-parallel rank its count and every epoch its plan.
+
+The substitute of example i in epoch e is the first of the draws
+``substitute_draw(seed, e, i, t)``, t = 0, 1, ..., that is not i and reads without
+raising. The draws are a pure function of (the stream's seed, e, i, t), and whether an
+example raises is taken as a property of the example, so every producer, every rebuild
+and every resume picks the same substitute (an example this producer already met as bad
+is skipped without reading it again: the same choice). Before each try the global
+generators are seeded from (seed, e, i, t): the substitute's augmentation, and the
+examples read after it in the batch, draw the same numbers wherever it is built.
+
+``max_quarantined`` (a fraction of an epoch's examples, default 0.01) bounds the run: once
+more distinct examples than that are quarantined (counted over the run, in Redis when
+served: a bad example is bad in every epoch), the build raises
+:class:`QuarantineExceeded` naming them, which reaches the trainer as ``ProducerFailed``
+after ``max_attempts`` (a dataset that broken is not trained on substitutes).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from batchq.errors import ConfigError
+from batchq.protocol.layout import QUARANTINE_CAP, parse_quarantine_record, quarantine_record
+from producer.errors import QuarantineExceeded
+from producer.serving.sharding import find_root
+from producer.torch_seeding import derive_seed
+
+__all__ = [
+    "DEFAULT_MAX_QUARANTINED",
+    "MAX_DRAWS",
+    "ON_SAMPLE_ERROR",
+    "LocalRecords",
+    "QuarantineRecords",
+    "SampleErrors",
+    "check_sample_errors",
+    "set_sample_errors",
+    "substitute_draw",
+]
+
+log = logging.getLogger(__name__)
+
+ON_SAMPLE_ERROR = ("raise", "quarantine")
+DEFAULT_MAX_QUARANTINED = 0.01
+MAX_DRAWS = 64  # substitutes tried for one example before the build gives up
+_NAMED = 20  # examples a QuarantineExceeded names
+
+
+def check_sample_errors(on_sample_error: Any, max_quarantined: Any) -> None:
+    """Refuse an ``on_sample_error`` or ``max_quarantined`` that cannot work.
+
+    Raises:
+        ConfigError: naming the value and what was expected.
+    """
+    if on_sample_error not in ON_SAMPLE_ERROR:
+        raise ConfigError(
+            f"on_sample_error {on_sample_error!r} is not valid: expected one of {ON_SAMPLE_ERROR}"
+        )
+    valid = isinstance(max_quarantined, int | float) and not isinstance(max_quarantined, bool)
+    if not (valid and 0 <= max_quarantined <= 1):
+        raise ConfigError(
+            f"max_quarantined {max_quarantined!r} is not valid: expected a fraction of an "
+            "epoch's examples, 0 to 1"
+        )
+
+
+def set_sample_errors(
+    stream: Any, on_sample_error: str | None, max_quarantined: float | None
+) -> None:
+    """Set ``on_sample_error`` and ``max_quarantined`` (None: the stream's own) on the
+    root of ``stream`` (``start_server``'s arguments).
+
+    Raises:
+        ConfigError: a value is invalid, or the root reads no dataset example by example
+            (only a map-style :class:`producer.torch_dataset.DatasetStream` does).
+    """
+    root = find_root(stream)
+    setter = getattr(root, "set_sample_errors", None)
+    if not callable(setter):
+        raise ConfigError(
+            f"on_sample_error={on_sample_error!r}, max_quarantined={max_quarantined!r} "
+            f"given for {type(root).__name__}: expected a stream over a map-style torch or "
+            "Hugging Face dataset (producer.torch.DatasetStream)"
+        )
+    setter(on_sample_error, max_quarantined)
+
+
+def substitute_draw(seed: int, epoch: int, index: int, t: int, examples: int) -> int:
+    """The t-th candidate substitute of example ``index`` in ``epoch`` among ``examples``
+    (a pure function of its arguments: the same in every producer)."""
+    return derive_seed("substitute", seed, epoch, index, t) % examples
+
+
+class QuarantineRecords(Protocol):
+    """Where quarantined examples are recorded: the run's (Redis, when served) or this
+    process's (:class:`LocalRecords`)."""
+
+    def record(self, index: int, record: str) -> int:
+        """Record example ``index`` (``record``: layout's quarantine_record); returns how
+        many distinct examples the run quarantined so far."""
+
+    def listing(self, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` records (parsed)."""
+
+
+class LocalRecords:
+    """Records kept in this process (a stream iterated in-process, or not yet served)."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, str] = {}
+        self.count = 0
+
+    def record(self, index: int, record: str) -> int:
+        if index not in self.records:
+            self.count += 1
+            if len(self.records) < QUARANTINE_CAP:
+                self.records[index] = record
+        return self.count
+
+    def listing(self, limit: int) -> list[dict[str, Any]]:
+        return [parse_quarantine_record(r) for r in list(self.records.values())[:limit]]
+
+
+class SampleErrors:
+    """What a stream does with an example whose read raises (``on_sample_error``).
+
+    Args:
+        mode: 'raise' (the build raises, as before) or 'quarantine'.
+        max_quarantined: the most examples quarantined, a fraction of ``epoch_examples``.
+        seed: the stream's seed (the substitutes' draws).
+        examples: the dataset's size (substitutes are drawn among its indices).
+        epoch_examples: the examples an epoch reads.
+    """
+
+    def __init__(
+        self, mode: str, max_quarantined: float, seed: int, examples: int, epoch_examples: int
+    ) -> None:
+        check_sample_errors(mode, max_quarantined)
+        self.mode = mode
+        self.max_quarantined = max_quarantined
+        self.seed = seed
+        self.examples = examples
+        self.limit = math.floor(max_quarantined * epoch_examples)
+        self.known_bad: set[int] = set()  # at most the dataset's indices
+        self.records: QuarantineRecords = LocalRecords()
+        self.producer = ""
+        self.count = 0  # examples the run quarantined, as its records last said
+
+    @property
+    def quarantine(self) -> bool:
+        """Whether an example that raises is replaced (else the build raises)."""
+        return self.mode == "quarantine"
+
+    def bind(self, records: QuarantineRecords, producer: str) -> None:
+        """Record in ``records`` from now on (a producer binds the run's)."""
+        self.records = records
+        self.producer = producer
+
+    def read(
+        self, read_one: Callable[[int], Any], index: int, epoch: int, reseed: Callable[[int], None]
+    ) -> Any:
+        """``read_one(index)``, or where it raises (in quarantine mode) the substitute's.
+
+        Args:
+            reseed: seeds the global generators (before each substitute's read).
+
+        Raises:
+            QuarantineExceeded: more examples than max_quarantined raised.
+            Exception: what ``read_one`` raised, in 'raise' mode.
+        """
+        if index in self.known_bad and self.quarantine:
+            self._check_count()  # a rebuild meets it again: still over the cap
+            return self._substitute(read_one, index, epoch, reseed, None)
+        try:
+            return read_one(index)
+        except Exception as e:
+            if not self.quarantine:
+                raise
+            return self._substitute(read_one, index, epoch, reseed, e)
+
+    def _substitute(
+        self,
+        read_one: Callable[[int], Any],
+        index: int,
+        epoch: int,
+        reseed: Callable[[int], None],
+        error: BaseException | None,
+    ) -> Any:
+        self.known_bad.add(index)
+        for t in range(MAX_DRAWS):
+            j = substitute_draw(self.seed, epoch, index, t, self.examples)
+            if j in self.known_bad:
+                continue  # met as bad before: trying it again would raise again
+            # Seeded per try: the same draws whichever candidates this process skipped.
+            reseed(derive_seed("substitute-read", self.seed, epoch, index, t))
+            try:
+                value = read_one(j)
+            except Exception as e:
+                self.known_bad.add(j)
+                self._met(j, epoch, -1, e)
+                continue
+            if error is not None:
+                self._met(index, epoch, j, error)
+            return value
+        raise QuarantineExceeded(
+            f"example {index} of epoch {epoch} raised and no substitute among "
+            f"{MAX_DRAWS} drawn read without raising"
+        )
+
+    def _met(self, index: int, epoch: int, substitute: int, error: BaseException) -> None:
+        """Record example ``index`` (``substitute`` -1: met as a candidate substitute)
+        and enforce max_quarantined."""
+        text = "".join(traceback.format_exception(error))
+        record = quarantine_record(
+            index, epoch, substitute, type(error).__qualname__, _message(error), text,
+            self.producer,
+        )  # fmt: skip
+        self.count = self.records.record(index, record)
+        log.warning(
+            "example %d of epoch %d raised %s: replaced by example %d",
+            index, epoch, type(error).__qualname__, substitute,
+        )  # fmt: skip
+        self._check_count()
+
+    def _check_count(self) -> None:
+        """Raise QuarantineExceeded, naming the examples, past max_quarantined."""
+        if self.count <= self.limit:
+            return
+        named = ", ".join(
+            f"{r['index']} ({r['error_type']}: {r['message'][:80]})"
+            for r in self.records.listing(_NAMED)
+        )
+        raise QuarantineExceeded(
+            f"{self.count} examples quarantined, more than max_quarantined="
+            f"{self.max_quarantined} of an epoch's examples allows ({self.limit}): {named}"
+        )
+
+
+def _message(error: BaseException) -> str:
+    """The error's message; a ``str()`` that itself raises still gives text."""
+    try:
+        return str(error)
+    except Exception as e:  # a broken __str__ must not hide the example
+        return f"<{type(error).__qualname__}: str() raised {type(e).__qualname__}>"

@@ -1,0 +1,60 @@
+"""``build_timeout_s``: an example whose read never returns, served by producer processes
+against the real redis-server (issue 42). Each producer that meets it gives the attempt
+up after build_timeout_s and exits; after max_attempts the trainer gets ProducerFailed
+naming the example, instead of waiting for ever.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from batchq.errors import ProducerFailed
+from consumer import ServerDataStream
+
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "serve_options.py"
+HANG = 7  # the example whose read never returns
+ATTEMPTS = 2
+
+
+@pytest.mark.timeout(120)
+def test_a_build_that_never_returns_is_producer_failed_naming_the_example(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_env: Any
+) -> None:
+    env = serve_env(examples=120, batch_size=8, hang=HANG)
+    argv = [
+        sys.executable, str(SCRIPT), "torch_pipelines:hanging_stream", "--url", redis_url,
+        "--queue", queue_name, "--build-timeout-s", "1", "--max-attempts", str(ATTEMPTS),
+    ]  # fmt: skip
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            with ServerDataStream(("index", "aug"), url=redis_url, queue=queue_name) as stream:
+                for _ in stream.get_epoch_iterator():
+                    pass
+        except BaseException as e:  # the test's thread looks at it
+            errors.append(e)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    # One producer per attempt, one after the other: each gives its attempt up after
+    # build_timeout_s and stops; the next takes the shard handed back first.
+    for _ in range(ATTEMPTS):
+        proc = spawn_proc(argv, env=env, stderr=subprocess.PIPE)
+        assert proc.wait(timeout=60) == 3
+        assert f"(reading example {HANG})".encode() in proc.stderr.read()
+    trainer.join(timeout=60)
+    assert not trainer.is_alive()
+    (error,) = errors
+    assert isinstance(error, ProducerFailed)
+    text = str(error)
+    assert "BuildTimeout" in text and f"(reading example {HANG})" in text
+    assert "build_timeout_s=1.0" in text
