@@ -1,0 +1,265 @@
+"""Where cache entries live: a directory with a byte cap, shared by the processes of a host.
+
+Layout: ``<directory>/<stage>/<index>.bqc``, ``<stage>`` the first 32 hex digits of the
+stage's fingerprint (a changed dataset or transform gets a directory of its own; the old
+one is never read again, and stays until removed: :meth:`DiskCache.clear`), each entry
+a frame (:mod:`producer.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
+change) and ``.bytes`` (the ledger: the bytes of every entry and temporary file).
+
+* **Atomic.** An entry is written to ``.tmp-<index>-<pid>`` in its stage's directory and
+  renamed into place (``os.replace``): a reader sees the old file or the new one, never
+  a part. A process killed while writing leaves only its temporary file.
+* **Capped, across processes.** A writer takes the lock, adds the entry's size to the
+  ledger if that stays within ``max_bytes`` (else it writes nothing more: the cache
+  keeps what it has, a stable part, and never evicts), writes, renames, and only then
+  gives the lock back. So at any moment the files' sizes add up to at most the ledger,
+  and the ledger to at most the cap; a killed writer leaves the ledger counting its
+  temporary file, which is never less than what is on disk.
+* **Reconciled.** A process's first use takes the lock and recounts the ledger from
+  the files, removing every temporary file: writes happen only under the lock, so one
+  found then was left by a killed writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from batchq.errors import ConfigError
+
+__all__ = ["DiskCache", "default_directory"]
+
+log = logging.getLogger(__name__)
+
+_LOCK = ".lock"
+_LEDGER = ".bytes"
+_TMP = ".tmp-"
+_SUFFIX = ".bqc"
+_STAGE_DIGITS = 32
+
+
+def default_directory() -> Path:
+    """``$XDG_CACHE_HOME/batchq`` (``~/.cache/batchq``): one directory per host."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "batchq"
+
+
+class DiskCache:
+    """A directory of cache entries with a byte cap, safe for several processes at once.
+
+    Args:
+        directory: where entries live (default :func:`default_directory`); a directory
+            on a shared file system with working ``flock`` (NFSv4) serves many hosts.
+        max_bytes: the cap on the entries' bytes in ``directory`` (every stage's); None:
+            half the file system's free space when the cache is first used.
+        key: names the cached stage in the fingerprint instead of what
+            :func:`producer.torch_cache.cached` derives from the dataset (use it when
+            the stage's code can change without its class, length or reprs changing).
+
+    Raises:
+        ConfigError: ``max_bytes`` or ``key`` is not valid.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        max_bytes: int | None = None,
+        key: str | None = None,
+    ) -> None:
+        if max_bytes is not None and (
+            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0
+        ):
+            raise ConfigError(f"max_bytes={max_bytes!r} is not valid: expected an int > 0 or None")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise ConfigError(f"key={key!r} is not valid: expected a non-empty str or None")
+        self.directory = Path(directory) if directory is not None else default_directory()
+        self.max_bytes = max_bytes
+        self.key = key
+        self._pid: int | None = None  # the process that reconciled (a fork must again)
+        self.full = False  # this process found the cap reached: it writes no more
+        self.held_bytes = 0  # the ledger as this process last saw it
+
+    # -- what the cached dataset calls --------------------------------------------------
+
+    def read(self, stage: str, index: int) -> bytearray | None:
+        """The bytes of entry ``index`` of ``stage`` (a fingerprint), None if absent."""
+        self._open()
+        try:
+            with open(self._path(stage, index), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                got = f.readinto(buf)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
+            return None
+        return buf if got == size else None
+
+    def write(self, stage: str, index: int, payload: Any) -> bool:
+        """Store an entry atomically if it fits under the cap; False when it does not
+        (then this process writes no more) or the disk refused."""
+        if self.full:
+            return False
+        self._open()
+        size = memoryview(payload).nbytes
+        path = self._path(stage, index)
+        tmp = path.with_name(f"{_TMP}{index}-{os.getpid()}")
+        with self._locked() as fd:
+            used = _read_ledger(fd, self.directory)
+            if used + size > self._cap():
+                self.full = True
+                log.info(
+                    "cache %s: %d bytes held, the cap is %d: no more entries are written",
+                    self.directory,
+                    used,
+                    self._cap(),
+                )
+                return False
+            self.held_bytes = used + size
+            _write_ledger(fd, used + size)  # first: the ledger never counts less than disk
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                old = _size(path)
+                with open(tmp, "xb", buffering=0) as f:
+                    f.write(payload)
+                os.replace(tmp, path)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                _write_ledger(fd, used)
+                self.held_bytes = used
+                self.full = True
+                log.warning(
+                    "cache %s: writing failed (%s): no more entries are written", self.directory, e
+                )
+                return False
+            if old:
+                self.held_bytes = used + size - old
+                _write_ledger(fd, self.held_bytes)
+        return True
+
+    def discard(self, stage: str, index: int) -> None:
+        """Remove a rejected entry (its bytes leave the ledger): built again, it may be
+        stored again."""
+        self._open()
+        path = self._path(stage, index)
+        with self._locked() as fd:
+            size = _size(path)
+            if size:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                self.held_bytes = max(0, _read_ledger(fd, self.directory) - size)
+                _write_ledger(fd, self.held_bytes)
+
+    def bytes_held(self) -> int:
+        """The ledger: the bytes of every entry in the directory (all stages)."""
+        self._open()
+        with self._locked() as fd:
+            self.held_bytes = _read_ledger(fd, self.directory)
+        return self.held_bytes
+
+    def clear(self) -> None:
+        """Remove every entry of every stage (under the lock; the ledger goes to 0)."""
+        self._open()
+        with self._locked() as fd:
+            for child in self.directory.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+            self.held_bytes = _recount(self.directory)
+            _write_ledger(fd, self.held_bytes)
+        self.full = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_pid"] = None  # a copy in another process reconciles on its first use
+        return state
+
+    def __repr__(self) -> str:
+        return f"DiskCache({str(self.directory)!r}, max_bytes={self.max_bytes}, key={self.key!r})"
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _path(self, stage: str, index: int) -> Path:
+        return self.directory / stage[:_STAGE_DIGITS] / f"{index}{_SUFFIX}"
+
+    def _cap(self) -> int:
+        if self.max_bytes is None:
+            usage = shutil.disk_usage(self.directory)
+            self.max_bytes = usage.free // 2
+            log.info(
+                "cache %s: max_bytes not given, half the free space: %d",
+                self.directory,
+                self.max_bytes,
+            )
+        return self.max_bytes
+
+    def _open(self) -> None:
+        if self._pid == os.getpid():
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._locked() as fd:
+            self.held_bytes = _recount(self.directory)
+            _write_ledger(fd, self.held_bytes)
+        self._pid = os.getpid()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[int]:
+        """The lock held: yields the ledger's descriptor. A descriptor per use, so a
+        forked child never shares its parent's lock."""
+        lock = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            ledger = os.open(self.directory / _LEDGER, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                yield ledger
+            finally:
+                os.close(ledger)
+        finally:
+            os.close(lock)  # closing releases the flock
+
+
+def _read_ledger(fd: int, directory: Path) -> int:
+    """The ledger's count (called under the lock); one that is not a count (written by
+    something else) is recounted from the files."""
+    raw = os.pread(fd, 32, 0).split(b"\n", 1)[0]
+    try:
+        return int(raw)
+    except ValueError:
+        used = _recount(directory)
+        _write_ledger(fd, used)
+        return used
+
+
+def _write_ledger(fd: int, used: int) -> None:
+    # One pwrite of a fixed-width line: a killed process cannot tear a syscall.
+    os.pwrite(fd, f"{used:020d}\n".encode(), 0)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _recount(directory: Path) -> int:
+    """The entries' bytes, removing temporary files (called under the lock)."""
+    total = 0
+    for stage in os.scandir(directory):
+        if not stage.is_dir(follow_symlinks=False):
+            continue
+        for entry in os.scandir(stage.path):
+            if entry.name.startswith(_TMP):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
