@@ -28,7 +28,7 @@ class CacheStats:
         writes: entries this process stored.
         bytes_written: their bytes.
         bytes_held: the cache directory's bytes (every stage's, every process's), as of
-            this process's last write or :attr:`CachedDataset.stats` read.
+            this process's last look at the ledger (its first use, a write, a hit).
         build_s: time spent building the misses.
         read_s: time spent reading and decoding the hits.
         saved_s: build time saved: hits x the mean build time, less the reads' time.

@@ -185,6 +185,7 @@ class CachedDataset(Dataset[Any]):
             else:
                 s.hits += 1
                 s.read_s += clock() - t0
+                s.bytes_held = self.cache.held_bytes
                 s.saved_s = s.hits * self._mean_build_s() - s.read_s if s.misses else 0.0
                 self._judge()
                 return item
