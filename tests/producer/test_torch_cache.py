@@ -283,3 +283,27 @@ def test_the_stage_must_not_draw_and_is_warned_about_when_it_does(
     with caplog.at_level(logging.WARNING, logger="producer.torch_cache"):
         ds[0], ds[1]
     assert sum("drew from torch's generator" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_examples_cached_imagefolder_gives_the_uncached_pipelines_images(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("PIL")
+    from examples.imagefolder import resized_imagefolder
+
+    root = str(tmp_path / "img")
+    args = {"images": 6, "side": 50, "height": 40, "resize": 32, "crop": 24}
+    plain = resized_imagefolder(root, **args)
+    cache = str(tmp_path / "cache")
+    for _ in range(2):  # cold, then warm
+        ds = resized_imagefolder(root, **args, cache_dir=cache)
+        for i in range(len(plain)):
+            seed_globals(77 + i)
+            got = ds[i]
+            seed_globals(77 + i)
+            want = plain[i]
+            assert got[0].shape == (3, 24, 24) and got[0].dtype == torch.uint8
+            assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    # The cold pass wrote at least the entries it read back before judging the cache.
+    assert ds.stats["hits"] >= torch_cache.READ_BACK
+    assert ds.stats["hits"] + ds.stats["misses"] == len(plain)
