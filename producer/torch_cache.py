@@ -15,12 +15,13 @@ move (a warning names the dataset otherwise).
 **The fingerprint** (in every entry; a stage's directory is named by it): the cache's
 ``key`` when given, else a hash of the dataset's class (module, qualname, and its
 source code where Python can read it), its length, and the reprs of its ``root``,
-``transform``, ``target_transform``, ``transforms``, ``loader`` and ``cache_files``
-(Hugging Face) where it has them, a function as its module, qualname and source. A repr
-that names a memory address (``<... at 0x...>``) differs per process and is refused:
-pass ``key=``. So a changed transform, root, size or class never serves stale data;
-what these do not show (files replaced in place under the same names, a changed
-helper the class calls) needs a new ``key``.
+``transform``, ``target_transform``, ``transforms``, ``loader``, and Hugging Face's
+``cache_files`` and ``format`` (its ``set_transform``) where it has them, a function as
+its module, qualname and source (inside dicts and lists too). A repr that names a memory
+address (``<... at 0x...>``) differs per process and is refused, as is a Hugging Face
+dataset in memory (no ``cache_files``): pass ``key=``. So a changed transform, root,
+size or class never serves stale data; what these do not show (files replaced in place
+under the same names, a changed helper the class calls) needs a new ``key``.
 
 **Cache or not, measured.** Each process keeps the mean time of a build and of a read
 (the first few entries it writes are read back at once, so this is known during the
@@ -59,7 +60,9 @@ MIN_SAMPLES = 5
 READ_BACK = 5
 # Builds whose effect on torch's generator is checked.
 _RNG_CHECKS = 3
-_ATTRIBUTES = ("root", "transform", "target_transform", "transforms", "loader", "cache_files")
+_ATTRIBUTES = (
+    "root", "transform", "target_transform", "transforms", "loader", "cache_files", "format",
+)  # fmt: skip
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 #: The clock builds and reads are timed with (seconds; a module global so that a test
 #: can judge the cache on a clock of its own).
@@ -344,11 +347,21 @@ def stage_fingerprint(dataset: Any, key: str | None = None) -> str:
         for name in _ATTRIBUTES:
             if hasattr(dataset, name):
                 described[name] = _describe(getattr(dataset, name), f"{name} of {dataset!r:.60}")
+        if described.get("cache_files") == "[]":  # Hugging Face, in memory: nothing names it
+            raise ConfigError(
+                f"cannot derive a cache key for {dataset!r:.80}: a dataset in memory (no "
+                "cache_files); pass DiskCache(key=...) naming its content"
+            )
     text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _describe(value: Any, where: str = "") -> str:
+    if isinstance(value, dict):
+        items = ", ".join(f"{k!r}: {_describe(v, where)}" for k, v in value.items())
+        return "{" + items + "}"
+    if type(value) in (list, tuple):
+        return "[" + ", ".join(_describe(v, where) for v in value) + "]"
     if inspect.isclass(value) or inspect.isfunction(value):
         name = f"{value.__module__}.{value.__qualname__}"
         try:

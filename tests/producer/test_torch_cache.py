@@ -307,3 +307,30 @@ def test_the_examples_cached_imagefolder_gives_the_uncached_pipelines_images(
     # The cold pass wrote at least the entries it read back before judging the cache.
     assert ds.stats["hits"] >= torch_cache.READ_BACK
     assert ds.stats["hits"] + ds.stats["misses"] == len(plain)
+
+
+def _plus_one(batch: dict[str, list[Any]]) -> dict[str, Any]:
+    return {"x": torch.tensor(batch["x"]) + 1}
+
+
+def _plus_two(batch: dict[str, list[Any]]) -> dict[str, Any]:
+    return {"x": torch.tensor(batch["x"]) + 2}
+
+
+def test_a_hugging_face_dataset_is_named_by_its_files_and_its_transform(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    in_memory = datasets.Dataset.from_dict({"x": [[1.0, 2.0], [3.0, 4.0]]})
+    with pytest.raises(ConfigError, match=r"in memory.*DiskCache\(key=\.\.\.\)"):
+        cached(in_memory, cache=DiskCache(tmp_path / "c"))
+    in_memory.save_to_disk(str(tmp_path / "hf"))
+    fingerprints = []
+    for transform in (_plus_one, _plus_two):
+        ds = datasets.load_from_disk(str(tmp_path / "hf"))
+        ds.set_transform(transform)
+        wrapped = cached(ds, cache=DiskCache(tmp_path / "c"), measure=False)
+        assert torch.equal(wrapped[1]["x"], ds[1]["x"]) and torch.equal(wrapped[1]["x"], ds[1]["x"])
+        assert wrapped.stats["hits"] == 1
+        fingerprints.append(wrapped.fingerprint)
+    assert fingerprints[0] != fingerprints[1]  # another set_transform, another stage
+    keyed = cached(in_memory, cache=DiskCache(tmp_path / "c", key="xs-v1"), measure=False)
+    assert keyed[0]["x"] == [1.0, 2.0]
