@@ -57,7 +57,8 @@ class DiskCache:
         directory: where entries live (default :func:`default_directory`); a directory
             on a shared file system with working ``flock`` (NFSv4) serves many hosts.
         max_bytes: the cap on the entries' bytes in ``directory`` (every stage's); None:
-            half the file system's free space when the cache is first used.
+            half of the file system's free space and the entries' bytes, when the
+            process first writes.
         key: names the cached stage in the fingerprint instead of what
             :func:`producer.torch_cache.cached` derives from the dataset (use it when
             the stage's code can change without its class, length or reprs changing).
@@ -192,7 +193,8 @@ class DiskCache:
     def _cap(self) -> int:
         if self.max_bytes is None:
             usage = shutil.disk_usage(self.directory)
-            self.max_bytes = usage.free // 2
+            # Half of what is free and held: the same figure in every process.
+            self.max_bytes = (usage.free + self.held_bytes) // 2
             log.info(
                 "cache %s: max_bytes not given, half the free space: %d",
                 self.directory,
