@@ -274,8 +274,8 @@ def bench_cache(url: str, args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, list[float]]] = []
     for r in range(args.repeats):
         row: dict[str, list[float]] = {}
-        for kind in CACHE_KINDS:
-            cache_dir = tempfile.mkdtemp(prefix="batchq-bench-cache-")
+        for kind in args.cache_kinds:
+            cache_dir = tempfile.mkdtemp(prefix="batchq-bench-cache-", dir=args.cache_dir)
             try:
                 if kind == "loader":
                     row[kind] = _cache_loader(args, root)
@@ -330,7 +330,8 @@ def main_cache(args: argparse.Namespace) -> int:
     )
     with url_or_embedded(args.url) as url:
         results = bench_cache(url, args)
-    print_cache_table(results)
+    if len(args.cache_kinds) == len(CACHE_KINDS):
+        print_cache_table(results)
     print(f"load average before {load0:.2f}, after {os.getloadavg()[0]:.2f}")
     if args.json:
         print(json.dumps(results, indent=2))
@@ -365,6 +366,16 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: decode once (producer.torch.cached) against the uncached pipeline",
     )
     p.add_argument("--cache-images", type=int, default=1200, help="--cache: JPEGs to make")
+    p.add_argument(
+        "--cache-dir", default=None, help="--cache: where the caches go (default: TMPDIR)"
+    )
+    p.add_argument(
+        "--cache-kinds",
+        nargs="+",
+        default=list(CACHE_KINDS),
+        choices=CACHE_KINDS,
+        help="--cache: the ways to run (the ratios need all three)",
+    )
     args = p.parse_args(argv)
     if args.cache:
         return main_cache(args)

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from batchq.errors import ConfigError, FrameError
-from batchq.wire.codec import FrameHeader, FrameKind, decode_frame, encode_frame
+from batchq.wire.codec import FrameHeader, FrameKind, decode_frame, encode_frame_pieces
+from batchq.wire.pieces import Pieces
 
 __all__ = ["LeafCodec", "decode_entry", "encode_entry", "memory_order"]
 
@@ -68,8 +69,10 @@ def memory_order(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], list[
 
 def encode_entry(
     value: Any, fingerprint: str, index: int, leaves: LeafCodec = _NUMPY_ONLY
-) -> memoryview:
-    """The entry of example ``index`` of the stage ``fingerprint``.
+) -> Pieces:
+    """The entry of example ``index`` of the stage ``fingerprint``, as the buffers to write
+    back to back (the header, then the arrays' own memory: nothing is copied; measured,
+    the copy into one buffer was half of an image entry's encoding).
 
     Raises:
         ConfigError: ``value`` holds something an entry cannot (names it and its place).
@@ -81,7 +84,7 @@ def encode_entry(
         kind=FrameKind.BATCH, run=fingerprint, epoch=0, shard=0, k=index,
         producer=_PRODUCER, sources=sources,
     )  # fmt: skip
-    return encode_frame(header, [tree, *arrays], checksum=True)
+    return encode_frame_pieces(header, [tree, *arrays], checksum=True)
 
 
 def _node(value: Any, arrays: list[Any], leaves: LeafCodec, where: str, depth: int) -> Any:

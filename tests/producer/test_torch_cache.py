@@ -4,6 +4,9 @@ measurement (tests/producer/test_torch_cache_served.py serves it with real proce
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from cache_pipelines import (  # noqa: E402
 )
 
 from batchq.errors import ConfigError  # noqa: E402
-from producer import torch_cache  # noqa: E402
+from producer import cache_store, torch_cache  # noqa: E402
 from producer.cache_entry import decode_entry, encode_entry  # noqa: E402
 from producer.cache_store import DiskCache  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
@@ -69,7 +72,8 @@ def test_an_entry_gives_back_the_example_its_types_and_its_layout() -> None:
         "pair": (np.arange(6, dtype=">i4").reshape(2, 3).T, np.float32(0.5)),
         "list": [1, 2.5, True, None, "s", b"b"],
     }
-    got = decode_entry(encode_entry(example, "f" * 64, 7, _TENSORS), "f" * 64, 7, _TENSORS)
+    entry = bytes(encode_entry(example, "f" * 64, 7, _TENSORS))
+    got = decode_entry(entry, "f" * 64, 7, _TENSORS)
     assert list(got) == list(example)
     assert type(got["image"]) is type(example["image"])
     assert got["image"].stride() == example["image"].stride()
@@ -186,13 +190,21 @@ def test_a_killed_writers_leftovers_are_removed_and_the_ledger_recounted(tmp_pat
     for i in range(4):
         ds[i]
     stage_dir = entries(tmp_path)[0].parent
-    (stage_dir / ".tmp-9-12345").write_bytes(b"BQF half an entry")  # killed mid-write
-    (tmp_path / ".bytes").write_bytes(b"00000000000099999999\n")  # it had reserved a lot
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True
+    )
+    host = cache_store._HOST  # the host part of this host's temporary files' names
+    killed = stage_dir / f".tmp-9-{host}-{int(dead.stdout)}-70000"
+    killed.write_bytes(b"BQF half an entry")  # a writer killed mid-write
+    writing = stage_dir / f".tmp-10-{host}-{os.getpid()}-50000"
+    writing.write_bytes(b"BQF a live writer's first bytes")  # one still writing
+    (tmp_path / ".bytes").write_bytes(b"00000000000099999999\n")  # reserved and lost
     again = cached(stage(N), cache=DiskCache(tmp_path, max_bytes=10**6), measure=False)
-    again[9]
-    assert not list(stage_dir.glob(".tmp-*"))
-    assert again.stats["bytes_held"] == disk_bytes(tmp_path)
-    assert int((tmp_path / ".bytes").read_bytes()) == disk_bytes(tmp_path)
+    again[11]
+    assert not killed.exists() and writing.exists()
+    entries_bytes = sum(p.stat().st_size for p in entries(tmp_path) if p != writing)
+    assert again.stats["bytes_held"] == entries_bytes + 50000  # the live reservation too
+    assert int((tmp_path / ".bytes").read_bytes()) == entries_bytes + 50000
 
 
 class _Clock:
