@@ -23,10 +23,12 @@ dataset in memory (no ``cache_files``): pass ``key=``. So a changed transform, r
 size or class never serves stale data; what these do not show (files replaced in place
 under the same names, a changed helper the class calls) needs a new ``key``.
 
-**Cache or not, measured.** Each process keeps the mean time of a build and of a read
-(the first few entries it writes are read back at once, so this is known during the
-first epoch); once a read takes as long as a build (a dataset already in memory), the
-process stops using the cache (neither reads nor writes) and logs so once.
+**Cache or not, measured.** Each process times its builds and its reads (the first
+:data:`READ_BACK` entries it writes are read back at once, so this is known during the
+first epoch); once the median of its last :data:`WINDOW` reads is no faster than that of
+its last builds (a dataset already in memory), the process stops using the cache
+(neither reads nor writes) and logs so once. Medians: on a loaded host a read preempted
+for a few milliseconds must not outweigh the others.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import json
 import logging
 import os
 import re
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -55,9 +59,12 @@ __all__ = ["CachedDataset", "cached", "stage_fingerprint"]
 log = logging.getLogger(__name__)
 
 # Samples of each kind before the cache may be judged (a build and a read).
-MIN_SAMPLES = 5
+MIN_SAMPLES = 8
 # Entries read back right after they are written, to time a read in the first epoch.
-READ_BACK = 5
+READ_BACK = 8
+# The recent samples whose medians are compared (a read preempted on a loaded host must
+# not turn the cache off: one such read made a mean of 5 look like a build).
+WINDOW = 64
 # Builds whose effect on torch's generator is checked.
 _RNG_CHECKS = 3
 _ATTRIBUTES = (
@@ -127,7 +134,8 @@ class CachedDataset(Dataset[Any]):
     def _reset_process_state(self) -> None:
         self.cache_stats = CacheStats()
         self._rng_checks = _RNG_CHECKS
-        self._read_backs = 0  # reads timed right after a write (not hits)
+        self._builds_s: deque[float] = deque(maxlen=WINDOW)
+        self._reads_s: deque[float] = deque(maxlen=WINDOW)
         register(self)
 
     # -- the Dataset protocol -----------------------------------------------------------
@@ -187,7 +195,9 @@ class CachedDataset(Dataset[Any]):
                 s.bytes_held = self.cache.held_bytes
             else:
                 s.hits += 1
-                s.read_s += clock() - t0
+                took = clock() - t0
+                s.read_s += took
+                self._reads_s.append(took)
                 s.bytes_held = self.cache.held_bytes
                 s.saved_s = s.hits * self._mean_build_s() - s.read_s if s.misses else 0.0
                 self._judge()
@@ -199,8 +209,10 @@ class CachedDataset(Dataset[Any]):
         state = _torch_state() if self._rng_checks else None
         t0 = clock()
         item = self.dataset[index]
-        s.build_s += clock() - t0
+        took = clock() - t0
+        s.build_s += took
         s.misses += 1
+        self._builds_s.append(took)
         if state is not None:
             self._check_rng(state)
         if self.cache.full:
@@ -214,8 +226,9 @@ class CachedDataset(Dataset[Any]):
                 raw = self.cache.read(self.fingerprint, index)
                 if raw is not None:
                     item = decode_entry(raw, self.fingerprint, index, _TENSORS)
-                    s.read_s += clock() - t1
-                    self._read_backs += 1
+                    took = clock() - t1
+                    s.read_s += took
+                    self._reads_s.append(took)
         s.bytes_held = self.cache.held_bytes
         self._judge()
         return item
@@ -225,12 +238,12 @@ class CachedDataset(Dataset[Any]):
         return s.build_s / s.misses if s.misses else 0.0
 
     def _judge(self) -> None:
-        """Stop using the cache once a read is measured no faster than a build."""
+        """Stop using the cache once the median of the recent reads is no faster than
+        that of the recent builds."""
         s = self.cache_stats
-        reads = s.hits + self._read_backs
-        if not self.measure or s.misses < MIN_SAMPLES or reads < MIN_SAMPLES:
+        if not self.measure or min(len(self._builds_s), len(self._reads_s)) < MIN_SAMPLES:
             return
-        read_s, build_s = s.read_s / reads, self._mean_build_s()
+        read_s, build_s = statistics.median(self._reads_s), statistics.median(self._builds_s)
         if read_s >= build_s:
             s.bypassed = True
             log.info(
