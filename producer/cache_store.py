@@ -219,6 +219,18 @@ class DiskCache:
             _write_ledger(fd, self.held_bytes)
         self.full = False
 
+    def close(self) -> None:
+        """Close this process's lock and ledger files (a later use opens them again)."""
+        fds, self._fds, self._pid = self._fds, None, None
+        if fds is not None:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_pid", None) == os.getpid():  # not a forked copy: its parent's
+            self.close()
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_pid"] = None  # a copy in another process reconciles on its first use
