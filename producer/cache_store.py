@@ -41,7 +41,7 @@ from typing import Any
 from batchq.errors import ConfigError
 from batchq.wire.pieces import Pieces
 
-__all__ = ["DiskCache", "default_directory"]
+__all__ = ["HOST", "STALE_S", "DiskCache", "default_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ _LEDGER = ".bytes"
 _TMP = ".tmp-"
 # A temporary file: .tmp-<index>-<host>-<pid>-<reserved bytes>.
 _TMP_NAME = re.compile(r"\.tmp-\d+-(?P<host>[A-Za-z0-9_.]*)-(?P<pid>\d+)-(?P<size>\d+)")
-_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+#: This host's name as temporary files carry it.
+HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
 #: A temporary file of another host untouched this long is a dead writer's (seconds).
 STALE_S = 600.0
 _SUFFIX = ".bqc"
@@ -127,7 +128,7 @@ class DiskCache:
         self._open()
         size = payload.nbytes
         path = self._path(stage, index)
-        tmp = path.with_name(f"{_TMP}{index}-{_HOST}-{os.getpid()}-{size}")
+        tmp = path.with_name(f"{_TMP}{index}-{HOST}-{os.getpid()}-{size}")
         if not self._reserve(path, tmp, size):
             return False
         try:
@@ -352,7 +353,7 @@ def _live_reservation(entry: os.DirEntry[str]) -> int | None:
     if match is None:
         return None
     host, pid, size = match["host"], int(match["pid"]), int(match["size"])
-    if host == _HOST:
+    if host == HOST:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,11 +188,9 @@ def test_a_killed_writers_leftovers_are_removed_and_the_ledger_recounted(tmp_pat
     for i in range(4):
         ds[i]
     stage_dir = entries(tmp_path)[0].parent
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True
-    )
-    host = cache_store._HOST  # the host part of this host's temporary files' names
-    killed = stage_dir / f".tmp-9-{host}-{int(dead.stdout)}-70000"
+    dead = _unused_pid()  # a writer that no longer runs
+    host = cache_store.HOST  # the host part of this host's temporary files' names
+    killed = stage_dir / f".tmp-9-{host}-{dead}-70000"
     killed.write_bytes(b"BQF half an entry")  # a writer killed mid-write
     writing = stage_dir / f".tmp-10-{host}-{os.getpid()}-50000"
     writing.write_bytes(b"BQF a live writer's first bytes")  # one still writing
@@ -205,6 +201,19 @@ def test_a_killed_writers_leftovers_are_removed_and_the_ledger_recounted(tmp_pat
     entries_bytes = sum(p.stat().st_size for p in entries(tmp_path) if p != writing)
     assert again.stats["bytes_held"] == entries_bytes + 50000  # the live reservation too
     assert int((tmp_path / ".bytes").read_bytes()) == entries_bytes + 50000
+
+
+def _unused_pid() -> int:
+    """A pid no process has now (from the top of the range, where pids are rarely used)."""
+    top = int(Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(top - 1, top - 10000, -1):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    pytest.fail("no unused pid found")
 
 
 class _Clock:
