@@ -179,6 +179,168 @@ def print_table(results: dict[str, Any]) -> None:
         )
 
 
+# --------------------------------------------------------------------------- --cache
+# Decode once (producer.torch.cached): a block of its own (``--cache``), kept apart from
+# the comparison above. JPEGs of ImageNet's typical size (500 x 375), made here; the
+# pipeline is examples.imagefolder.resized_imagefolder's: decode and resize to 256 (the
+# cached stage), RandomResizedCrop(224) and a flip (augment). Three ways, each from
+# nothing, in the same run: a DataLoader(num_workers=W, persistent_workers=True) over
+# the uncached pipeline, W batchq producers over it, and W producers over the cached
+# one (a cache directory made empty first: epoch 1 is cold). Printed: images/s of each
+# epoch (epoch 1 from its first batch, later epochs from the trainer's iter()), and the
+# ratios the issue asks for.
+
+CACHE_KINDS = ("loader", "batchq", "batchq-cached")
+
+
+def _cache_epochs(source: Any, epochs: int) -> list[float]:
+    """images/s of each epoch of ``source`` (input-bound: the loop only normalises)."""
+    rates = []
+    for e in range(epochs):
+        started = time.perf_counter()
+        images = 0
+        for k, (x, _labels) in enumerate(iter(source)):
+            if e == 0 and k == 0:  # epoch 1 from its first batch: start-up is not in it
+                started = time.perf_counter()
+                continue
+            normalise(x)
+            images += len(x)
+        rates.append(images / (time.perf_counter() - started))
+    return rates
+
+
+def _cache_loader(args: argparse.Namespace, root: str) -> list[float]:
+    from examples.imagefolder import resized_imagefolder
+
+    dataset = resized_imagefolder(root, args.cache_images, 500, 375, 256, 224)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+        num_workers=args.workers,
+        persistent_workers=True,
+    )
+    try:
+        return _cache_epochs(loader, args.epochs)
+    finally:
+        del loader
+
+
+def _cache_batchq(
+    url: str, args: argparse.Namespace, root: str, cache_dir: str | None
+) -> list[float]:
+    queue = f"bench-cache-{uuid.uuid4().hex[:8]}"
+    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
+    argv += ["examples.imagefolder:make_loader", "--url", url, "--queue", queue]
+    argv += ["--hwm", str(args.hwm), "--arg", f"root={root}"]
+    argv += ["--arg", f"images={args.cache_images}", "--arg", f"batch_size={args.batch_size}"]
+    argv += ["--arg", "side=500", "--arg", "height=375", "--arg", "resize=256"]
+    if cache_dir is not None:
+        argv += ["--arg", f"cache_dir={cache_dir}"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+    }
+    procs = [spawn(argv, env=env) for _ in range(args.workers)]
+    stream = ServerDataStream(None, False, url=url, queue=queue, hwm=args.hwm, timeout_s=300)
+    try:
+        with TorchStream(stream) as ts:
+            rates = _cache_epochs(ts, args.epochs)
+            cache = stream.stats.get("cache")
+            if cache:
+                print(
+                    f"  cache: {cache['hits']} hits, {cache['misses']} misses, "
+                    f"{cache['bytes'] / 1e6:.0f} MB held, "
+                    f"build time saved {cache['saved_s']:.1f} s",
+                    flush=True,
+                )
+            ts.close(finished=True)
+        return rates
+    finally:
+        for proc in procs:
+            stop_group(proc, timeout_s=10.0)
+
+
+def bench_cache(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The three ways, ``--repeats`` times, alternated; printed as they finish."""
+    import shutil
+    import tempfile
+
+    from examples.imagefolder import make_folder
+
+    root = f"{args.root}-500x375"
+    make_folder(root, args.cache_images, 500, 375)  # before any clock starts
+    rounds: list[dict[str, list[float]]] = []
+    for r in range(args.repeats):
+        row: dict[str, list[float]] = {}
+        for kind in args.cache_kinds:
+            cache_dir = tempfile.mkdtemp(prefix="batchq-bench-cache-", dir=args.cache_dir)
+            try:
+                if kind == "loader":
+                    row[kind] = _cache_loader(args, root)
+                else:
+                    row[kind] = _cache_batchq(
+                        url, args, root, cache_dir if kind == "batchq-cached" else None
+                    )
+            finally:
+                shutil.rmtree(cache_dir, ignore_errors=True)
+            rates = ", ".join(f"{v:.1f}" for v in row[kind])
+            print(f"repeat {r} {kind:14s} images/s by epoch [{rates}]", flush=True)
+        rounds.append(row)
+    return {"rounds": rounds}
+
+
+def print_cache_table(results: dict[str, Any]) -> None:
+    rounds = results["rounds"]
+
+    def med(kind: str, e: int) -> float:
+        return statistics.median(r[kind][e] for r in rounds)
+
+    epochs = len(rounds[0]["loader"])
+    print("\nway             " + "  ".join(f"epoch {e + 1:d}" for e in range(epochs)))
+    for kind in CACHE_KINDS:
+        print(f"{kind:14s} " + "  ".join(f"{med(kind, e):7.1f}" for e in range(epochs)))
+    later = range(1, epochs)
+
+    def ratio(num: str, e_num: int, den: str, e_den: int) -> float:
+        return statistics.median(r[num][e_num] / r[den][e_den] for r in rounds)
+
+    print("\nratios (median over repeats, each within its repeat):")
+    for e in later:
+        own = ratio("batchq-cached", e, "batchq-cached", 0)
+        print(f"  cached epoch {e + 1} / cached epoch 1:          {own:.2f}x")
+        loader = ratio("batchq-cached", e, "loader", e)
+        print(f"  cached epoch {e + 1} / DataLoader epoch {e + 1}:      {loader:.2f}x")
+    print(
+        f"  cached epoch 1 / uncached batchq epoch 1: {ratio('batchq-cached', 0, 'batchq', 0):.2f}x"
+    )
+    for e in range(epochs):
+        print(
+            f"  uncached batchq / DataLoader, epoch {e + 1}: {ratio('batchq', e, 'loader', e):.2f}x"
+        )
+
+
+def main_cache(args: argparse.Namespace) -> int:
+    load0 = os.getloadavg()[0]
+    print(
+        f"--cache: torch {torch.__version__}, {os.cpu_count()} CPUs, {args.workers} workers, "
+        f"{args.cache_images} JPEGs of 500 x 375, batch {args.batch_size}, load {load0:.2f}",
+        flush=True,
+    )
+    with url_or_embedded(args.url) as url:
+        results = bench_cache(url, args)
+    if len(args.cache_kinds) == len(CACHE_KINDS):
+        print_cache_table(results)
+    print(f"load average before {load0:.2f}, after {os.getloadavg()[0]:.2f}")
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="Redis (default: a private embedded server)")
@@ -198,7 +360,25 @@ def main(argv: list[str] | None = None) -> int:
         "about as long as the pipeline's batch)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--cache",
+        action="store_true",
+        help="instead: decode once (producer.torch.cached) against the uncached pipeline",
+    )
+    p.add_argument("--cache-images", type=int, default=1200, help="--cache: JPEGs to make")
+    p.add_argument(
+        "--cache-dir", default=None, help="--cache: where the caches go (default: TMPDIR)"
+    )
+    p.add_argument(
+        "--cache-kinds",
+        nargs="+",
+        default=list(CACHE_KINDS),
+        choices=CACHE_KINDS,
+        help="--cache: the ways to run (the ratios need all three)",
+    )
     args = p.parse_args(argv)
+    if args.cache:
+        return main_cache(args)
     make_folder(args.root, args.images)  # once, before any clock starts
     load0 = os.getloadavg()[0]
     print(

@@ -21,6 +21,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.quarantine_records import read_quarantine
 from batchq.wire.codec import Frame
+from consumer.cache_figures import CacheFigures
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.group_session import check_group_state, refuse_params
@@ -180,6 +181,7 @@ class ServerDataStream(FuelStreamMixin):
         self.producers_seen: Counter[str] = Counter()
         self.progress = progress
         self._stats = TrainerStats()
+        self._cache_figures = CacheFigures()
         self._shm = TrainerShm(
             self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
         )
@@ -546,11 +548,14 @@ class ServerDataStream(FuelStreamMixin):
         ``rebuilt_params``: frames built with params a later :meth:`set_params` changed,
         dropped and built again; ``quarantined``: examples of the run its dataset could
         not read, replaced by substitutes (``on_sample_error='quarantine'``, one read of
-        Redis)."""
+        Redis); ``cache``: the live producers' cache figures (hits, misses, hit_rate,
+        bytes, saved_s, producers; None when none caches a stage, see
+        :mod:`consumer.cache_figures`)."""
         out = self._stats.snapshot()
         out["dropped_ahead"] = self._buffer.dropped_ahead if self._buffer is not None else 0
         out["rebuilt_params"] = self._params.rebuilt
         out["quarantined"] = self._quarantined()
+        out["cache"] = self._cache_figures.read(self._client, self.keys)
         return out
 
     def _quarantined(self) -> int:

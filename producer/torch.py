@@ -10,6 +10,8 @@ imports this module (or torch).
   (:class:`~producer.torch_iterable.IterableDatasetStream`).
 * :func:`loader_stream` turns a ``torch.utils.data.DataLoader`` into one (``batchq
   serve mod:make_loader`` does it for a factory that returns a DataLoader).
+* :func:`cached` wraps a dataset's deterministic stage in an exact on-disk cache
+  (:class:`DiskCache`), with the random ``augment`` after it (:mod:`producer.torch_cache`).
 * :func:`import_torchvision` imports torchvision where its wheel's C++ ops cannot load
   beside this torch (:mod:`producer.torch_vision`).
 
@@ -22,14 +24,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from producer.cache_store import DiskCache
+from producer.torch_cache import CachedDataset, cached
 from producer.torch_dataset import DatasetStream
 from producer.torch_iterable import IterableDatasetStream
 from producer.torch_vision import import_torchvision
 
 __all__ = [
+    "CachedDataset",
     "DatasetStream",
+    "DiskCache",
     "IterableDatasetStream",
     "as_stream",
+    "cached",
     "import_torchvision",
     "loader_stream",
 ]

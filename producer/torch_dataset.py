@@ -226,9 +226,14 @@ class DatasetStream(AbstractDataStream):
     @property
     def plan_fingerprint(self) -> dict[str, Any]:
         """What the plan's fingerprint adds for this stream (producers must agree; a
-        stream that quarantines says so: its batches hold substitutes)."""
+        stream that quarantines says so: its batches hold substitutes).
+
+        A dataset with a ``plan_name`` (:class:`producer.torch_cache.CachedDataset`:
+        the dataset it wraps) is named by it: the cache is invisible to the plan, so
+        turning it on keeps every shard's seed, and so every augmentation's draws.
+        """
         out = {
-            "dataset": type(self.dataset).__qualname__,
+            "dataset": getattr(self.dataset, "plan_name", None) or type(self.dataset).__qualname__,
             "examples": self._examples(),
             "batch_size": self.batch_size,
             "seed": self.seed,

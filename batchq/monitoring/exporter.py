@@ -45,6 +45,16 @@ reasons, and ``action`` on autoscale decisions: add, retire):
 ``batchq_producer_bytes_pushed_total``      counter   per live producer: bytes pushed
 ``batchq_producer_build_seconds_total``     counter   per live producer: pipeline time
 ``batchq_producer_blocked_seconds_total``   counter   per live producer: blocked at the hwm
+``batchq_producer_cache_hits_total``        counter   per live producer that caches a stage
+                                                      (producer.torch.cached): examples read
+                                                      from the cache
+``batchq_producer_cache_misses_total``      counter   per such producer: examples built
+``batchq_producer_cache_saved_seconds_total`` counter per such producer: build time its
+                                                      hits saved, less their reads
+``batchq_cache_hit_ratio``                  gauge     hits over examples, the live producers
+                                                      that cache (absent when none does)
+``batchq_cache_bytes``                      gauge     bytes their cache directories hold
+                                                      (the largest figure per host, summed)
 ``batchq_trainer_demand_batches_per_second`` gauge    batches/s the trainer would take if
                                                       it never waited (fresh figures only)
 ``batchq_supply_batches_per_second``        gauge     the live producers' summed pipeline
@@ -132,6 +142,11 @@ METRIC_NAMES = (
     "batchq_producer_bytes_pushed",
     "batchq_producer_build_seconds",
     "batchq_producer_blocked_seconds",
+    "batchq_producer_cache_hits",
+    "batchq_producer_cache_misses",
+    "batchq_producer_cache_saved_seconds",
+    "batchq_cache_hit_ratio",
+    "batchq_cache_bytes",
     "batchq_trainer_demand_batches_per_second",
     "batchq_supply_batches_per_second",
     "batchq_producer_rate_batches_per_second",

@@ -41,6 +41,16 @@ _GAUGES: tuple[tuple[str, str, Callable[[Row], float | None]], ...] = (
         lambda r: 0.0 if r["depth"] == 0 else r["oldest_age_s"],
     ),
     (
+        "cache_hit_ratio",
+        "Hits over examples of the live producers' cached stages",
+        lambda r: r["cache_hit_rate"],
+    ),
+    (
+        "cache_bytes",
+        "Bytes the live producers' cache directories hold (largest per host, summed)",
+        lambda r: r["cache_bytes"],
+    ),
+    (
         "producers_alive",
         "Producers whose heartbeat has not lapsed",
         lambda r: r["producers_alive"],
@@ -109,6 +119,13 @@ _PRODUCER_COUNTERS = (
     ("bytes_pushed", "Bytes this producer pushed", "bytes"),
     ("build_seconds", "Time this producer's pipeline spent building batches", "build_s"),
     ("blocked_seconds", "Time this producer spent blocked at the hwm", "blocked_s"),
+    ("cache_hits", "Examples this producer's cached stages read from the cache", "cache_hits"),
+    ("cache_misses", "Examples this producer's cached stages built", "cache_misses"),
+    (
+        "cache_saved_seconds",
+        "Build time this producer's cache hits saved, less their reads",
+        "cache_saved_s",
+    ),
 )
 _BOUNDS = [repr(b) for b in WAIT_BUCKETS_S] + ["+Inf"]
 
@@ -160,7 +177,8 @@ def producer_families(rows: list[Row]) -> Iterable[Metric]:
     for row in rows:
         for prod in row["producers"]:
             for fam, field in fams:
-                fam.add_metric([row["queue"], prod["id"]], prod[field])
+                if prod[field] is not None:  # the cache's: only where it caches
+                    fam.add_metric([row["queue"], prod["id"]], prod[field])
     yield from (fam for fam, _ in fams)
 
 

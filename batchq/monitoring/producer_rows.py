@@ -17,12 +17,13 @@ from batchq.monitoring.snapshot import QueueSnapshot
 from batchq.protocol.fields import ProducerStat, StatsField
 from batchq.protocol.layout import id_host
 
-__all__ = ["PRODUCER_FIELDS", "bytes_held", "live_totals", "producer_rows"]
+__all__ = ["PRODUCER_FIELDS", "bytes_held", "cache_fields", "live_totals", "producer_rows"]
 
 #: The fields of each object in a status row's ``producers``, in order.
 PRODUCER_FIELDS = (
     "id", "batches", "bytes", "build_s", "blocked_s", "build_ms_per_batch", "batches_per_s",
-    "blocked_fraction", "heartbeat_in_s", "host",
+    "blocked_fraction", "heartbeat_in_s", "host", "cache_hits", "cache_misses",
+    "cache_hit_rate", "cache_bytes", "cache_saved_s",
 )  # fmt: skip
 
 
@@ -45,6 +46,46 @@ def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, 
         "blocked_fraction": ratio(blocked_ms, build_ms + blocked_ms),
         "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
         "host": id_host(producer),
+        **_cache(c),
+    }
+
+
+def _cache(c: dict[str, int]) -> dict[str, Any]:
+    """A producer's cache figures (:mod:`producer.cache_stats`); None when it caches
+    nothing."""
+    if ProducerStat.CACHE_HITS not in c:
+        return {name: None for name in _CACHE_FIELDS}
+    hits, misses = c.get(ProducerStat.CACHE_HITS, 0), c.get(ProducerStat.CACHE_MISSES, 0)
+    return {
+        "cache_hits": hits,
+        "cache_misses": misses,
+        "cache_hit_rate": ratio(hits, hits + misses),
+        "cache_bytes": c.get(ProducerStat.CACHE_BYTES, 0),
+        "cache_saved_s": c.get(ProducerStat.CACHE_SAVED_MS, 0) / 1000,
+    }
+
+
+_CACHE_FIELDS = ("cache_hits", "cache_misses", "cache_hit_rate", "cache_bytes", "cache_saved_s")
+
+
+def cache_fields(producers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row's cache fields from its producer objects: hits, misses, the hit rate and
+    the build time saved summed; ``cache_bytes`` the largest figure per host, summed over
+    hosts (the producers of a host share its directory). None when none caches."""
+    caching = [p for p in producers if p["cache_hits"] is not None]
+    if not caching:
+        return {name: None for name in _CACHE_FIELDS}
+    hits = sum(p["cache_hits"] for p in caching)
+    misses = sum(p["cache_misses"] for p in caching)
+    per_host: dict[str, int] = {}
+    for p in caching:
+        per_host[p["host"]] = max(per_host.get(p["host"], 0), p["cache_bytes"])
+    return {
+        "cache_hits": hits,
+        "cache_misses": misses,
+        "cache_hit_rate": ratio(hits, hits + misses),
+        "cache_bytes": sum(per_host.values()),
+        "cache_saved_s": sum(p["cache_saved_s"] for p in caching),
     }
 
 

@@ -118,6 +118,14 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     quarantined           int          examples its dataset could not read, replaced by
                                        substitutes (on_sample_error='quarantine';
                                        cumulative; `batchq dead` lists the run's); schema 6
+    cache_hits            int|null     examples the live producers read from their caches
+                                       (producer.torch.cached; null: none caches); schema
+                                       6, after quarantined, with the next four
+    cache_misses          int|null     examples they built
+    cache_hit_rate        float|null   cache_hits / (cache_hits + cache_misses)
+    cache_bytes           int|null     bytes their cache directories hold (the largest
+                                       figure per host, summed over hosts)
+    cache_saved_s         float|null   build time the hits saved, less the reads' time
 
 For a run read by several groups the queue-level figures are the group in slot 0's (the
 first to claim the run, whose keys keep the plain names); ``groups`` has every group's.
@@ -139,6 +147,12 @@ A producer object (its counters cover its whole life; ids are unique per process
     heartbeat_in_s        float        seconds until its heartbeat deadline
     host                  str          the host part of a default id (host-pid-random),
                                        else the whole id
+    cache_hits            int|null     examples its cached stages read from the cache
+                                       (null: it caches nothing), as of its last heartbeat
+    cache_misses          int|null     examples they built
+    cache_hit_rate        float|null   cache_hits / (cache_hits + cache_misses)
+    cache_bytes           int|null     bytes its cache directory holds (all processes')
+    cache_saved_s         float|null   build time its hits saved, less their reads' time
 
 ``bytes_held``: Redis cannot give the size of a list element without sending it
 (STRLEN works on strings only), so this is an estimate: depth times the mean frame size
@@ -167,7 +181,13 @@ from batchq.client.cluster import masters
 from batchq.monitoring import sizing
 from batchq.monitoring.counters import counter_fields, figure_fields, params_fields
 from batchq.monitoring.group_rows import group_rows, slowest_group
-from batchq.monitoring.producer_rows import PRODUCER_FIELDS, bytes_held, live_totals, producer_rows
+from batchq.monitoring.producer_rows import (
+    PRODUCER_FIELDS,
+    bytes_held,
+    cache_fields,
+    live_totals,
+    producer_rows,
+)
 from batchq.monitoring.rank_rows import rank_rows, slowest_rank
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.verdict import RECENT_S, cause, judge
@@ -207,7 +227,8 @@ STATUS_FIELDS = (
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
     "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
-    "slowest_group", "node", "stripes", "quarantined",
+    "slowest_group", "node", "stripes", "quarantined", "cache_hits", "cache_misses",
+    "cache_hit_rate", "cache_bytes", "cache_saved_s",
 )  # fmt: skip
 
 
@@ -307,6 +328,7 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         **counter_fields(snap.stats),
         **figures,
         **params_fields(snap),
+        **cache_fields(producers),
     }
     row.update(_sizing(snap, row, totals, fresh))
     return {name: row[name] for name in STATUS_FIELDS}  # the documented order

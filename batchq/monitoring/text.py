@@ -102,10 +102,25 @@ def _producer_lines(r: dict[str, Any], max_producers: int) -> list[str]:
         lines.append(
             f"  producer {p['id']}: {p['batches']} batches, builds {rate} batches/s, "
             f"blocked {fmt_pct(p['blocked_fraction'])}"
+            + (
+                ""
+                if p["cache_hits"] is None
+                else f", cache hits {fmt_pct(p['cache_hit_rate'])} ({fmt_bytes(p['cache_bytes'])})"
+            )
         )
     if len(r["producers"]) > max_producers:
         lines.append(f"  ... and {len(r['producers']) - max_producers} more producers")
     return lines
+
+
+def _cache_lines(r: dict[str, Any]) -> list[str]:
+    if r["cache_hits"] is None:
+        return []
+    return [
+        f"  cache: hits {fmt_pct(r['cache_hit_rate'])} ({r['cache_hits']} of "
+        f"{r['cache_hits'] + r['cache_misses']} examples), {fmt_bytes(r['cache_bytes'])} held, "
+        f"build time saved {fmt_age(r['cache_saved_s'])}"
+    ]
 
 
 def _dead_lines(r: dict[str, Any]) -> list[str]:
@@ -202,6 +217,7 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
         *_sizing_lines(r),
         *_autoscale_lines(r),
         *_producer_lines(r, max_producers),
+        *_cache_lines(r),
         *_dead_lines(r),
         *_rank_lines(r),
         *_group_lines(r),

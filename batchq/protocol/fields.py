@@ -166,6 +166,16 @@ class ProducerStat:
     #: Every counter, in the order push.lua increments them.
     ALL: Final = (BLOCKED_MS, BATCHES, BYTES, PRODUCE_MS)
 
+    # A producer's cached stages (producer.torch_cache), summed over its process; set
+    # (not incremented) by its heartbeat thread, absent when it caches nothing.
+    CACHE_HITS: Final = "cache_hits"  # examples read from the cache
+    CACHE_MISSES: Final = "cache_misses"  # examples built
+    CACHE_BYTES: Final = "cache_bytes"  # the bytes its cache directory holds
+    CACHE_SAVED_MS: Final = "cache_saved_ms"  # build time the hits saved, less their reads
+
+    #: The cache's counters, in the order the heartbeat writes them.
+    CACHE: Final = (CACHE_HITS, CACHE_MISSES, CACHE_BYTES, CACHE_SAVED_MS)
+
 
 def producer_stat_field(producer: str, name: str) -> str:
     """The pstats field of ``producer``'s counter ``name`` (one of :class:`ProducerStat`)."""

@@ -18,10 +18,11 @@ import redis
 from batchq.client.connection import make_client
 from batchq.errors import BatchQueueError
 from batchq.protocol.admin import is_oom
-from batchq.protocol.fields import MetaField
+from batchq.protocol.fields import MetaField, ProducerStat, producer_stat_field
 from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, record_client, server_ms
+from producer.cache_stats import process_totals
 from producer.serving.position import RunPosition
 
 __all__ = ["BEATS_PER_TTL", "Heartbeat"]
@@ -110,11 +111,31 @@ class Heartbeat:
                 client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
                 reap_dead(client, self.keys, self.position().incarnation, now_ms)
                 self.check_orphaned(client, now_ms)
+                self.record_cache(client)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 # At maxmemory the heartbeat is refused too; pushes report that once.
                 level = logging.DEBUG if is_oom(e) else logging.WARNING
                 log.log(level, "producer %s: heartbeat failed: %s", self.id, e)
+        try:
+            self.record_cache(client)  # the last figures, as the producer stops
+        except (redis.RedisError, OSError, BatchQueueError) as e:
+            log.debug("producer %s: cache figures not recorded: %s", self.id, e)
         client.close()
+
+    def record_cache(self, client: redis.Redis) -> None:
+        """Set this process's cache figures (:mod:`producer.cache_stats`) in the
+        producer's counters (``ProducerStat.CACHE``); nothing when it caches nothing."""
+        totals = process_totals()
+        if totals is None:
+            return
+        values = (totals.hits, totals.misses, totals.bytes_held, round(totals.saved_s * 1000))
+        client.hset(
+            self.keys.pstats,
+            mapping={
+                producer_stat_field(self.id, name): value
+                for name, value in zip(ProducerStat.CACHE, values, strict=True)
+            },
+        )
 
     def check_orphaned(self, client: redis.Redis, now_ms: int) -> None:
         """Stop the producer once no trainer has held a live claim on the run for

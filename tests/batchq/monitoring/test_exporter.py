@@ -27,6 +27,7 @@ from batchq.monitoring import exporter as exporter_module
 from batchq.monitoring.exporter import METRIC_NAMES, BatchqCollector, start_exporter
 from batchq.monitoring.rows import WAIT_BUCKETS_S
 from batchq.monitoring.verdict import STALL_INPUT_BOUND
+from batchq.protocol.fields import ProducerStat
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import FrameHeader, FrameKind, encode_frame
 from producer import Producer
@@ -276,6 +277,8 @@ def _exposed_names(redis_url: str, redis_client: redis.Redis, queue: str) -> set
     )  # fmt: skip
     for producer in redis_client.zrange(keys.producers, 0, -1):  # builds under 1 ms
         redis_client.hset(keys.pstats, producer.decode() + ":produce_ms", 50)
+        for name, value in zip(ProducerStat.CACHE, (30, 10, 4096, 1500), strict=True):
+            redis_client.hset(keys.pstats, f"{producer.decode()}:{name}", value)  # it caches
     registry = CollectorRegistry(auto_describe=False)
     client = make_client(redis_url)
     registry.register(BatchqCollector(client, [queue]))

@@ -1,0 +1,357 @@
+"""producer.torch.cached in one process: entries, exactness, rejection, the cap, the
+measurement (tests/producer/test_torch_cache_served.py serves it with real processes)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cache_pipelines import (  # noqa: E402
+    BATCH,
+    Stage,
+    cached_stream,
+    jitter_image,
+    stage,
+    uncached_stream,
+)
+
+from batchq.errors import ConfigError  # noqa: E402
+from producer import cache_store, torch_cache  # noqa: E402
+from producer.cache_entry import decode_entry, encode_entry  # noqa: E402
+from producer.cache_store import DiskCache  # noqa: E402
+from producer.serving.sharding import ShardPlan  # noqa: E402
+from producer.torch import cached  # noqa: E402
+from producer.torch_seeding import seed_globals  # noqa: E402
+
+N = 40
+
+Batch = tuple[bytes, ...]
+
+
+def built(stream: Any, epochs: int) -> list[list[Batch]]:
+    """Every batch of every epoch as a producer builds it, shard by shard (bytes)."""
+    plan = ShardPlan(stream)
+    return [
+        [
+            tuple(np.asarray(v).tobytes() for v in b)
+            for s in range(plan.shards)
+            for b in plan.iter_shard(e, s)
+        ]
+        for e in range(epochs)
+    ]
+
+
+def entries(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*/*") if p.is_file())
+
+
+def disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*/*") if p.is_file())
+
+
+def test_an_entry_gives_back_the_example_its_types_and_its_layout() -> None:
+    from producer.torch import import_torchvision
+    from producer.torch_cache import _TENSORS  # the tensors' leaf codec
+
+    import_torchvision()
+    from torchvision import tv_tensors
+
+    hwc = torch.arange(2 * 3 * 3, dtype=torch.uint8).reshape(2, 3, 3)
+    example = {
+        "image": tv_tensors.Image(hwc.permute(2, 0, 1)),  # a CHW view, as ToImage makes
+        "plain": torch.ones(2, dtype=torch.float64),
+        "pair": (np.arange(6, dtype=">i4").reshape(2, 3).T, np.float32(0.5)),
+        "list": [1, 2.5, True, None, "s", b"b"],
+    }
+    entry = bytes(encode_entry(example, "f" * 64, 7, _TENSORS))
+    got = decode_entry(entry, "f" * 64, 7, _TENSORS)
+    assert list(got) == list(example)
+    assert type(got["image"]) is type(example["image"])
+    assert got["image"].stride() == example["image"].stride()
+    assert torch.equal(got["image"], example["image"])
+    assert type(got["plain"]) is torch.Tensor and torch.equal(got["plain"], example["plain"])
+    arr, scalar = got["pair"]
+    assert isinstance(got["pair"], tuple) and arr.dtype == np.dtype(">i4")
+    assert arr.strides == example["pair"][0].strides and (arr == example["pair"][0]).all()
+    assert type(scalar) is np.float32 and scalar == 0.5
+    assert got["list"] == example["list"] and [type(v) for v in got["list"]] == [
+        type(v) for v in example["list"]
+    ]
+    got["plain"].add_(1)  # writable: an augmentation may work in place
+
+
+def test_what_an_entry_cannot_hold_is_refused_naming_it_and_its_place(tmp_path: Path) -> None:
+    from PIL import Image
+
+    with pytest.raises(ConfigError, match=r"example\[0\]: cannot cache a PIL.*ToImage"):
+        encode_entry((Image.new("RGB", (4, 4)), 1), "f" * 64, 0)
+    with pytest.raises(ConfigError, match="dict key 3 is not a str"):
+        encode_entry({3: np.zeros(2)}, "f" * 64, 0)
+    with pytest.raises(ConfigError, match="bfloat16"):
+        cached(_Listed([torch.zeros(2, dtype=torch.bfloat16)]), cache=DiskCache(tmp_path))[0]
+
+
+def test_cached_epochs_are_the_uncached_pipelines_bytes_cold_and_warm(tmp_path: Path) -> None:
+    want = built(uncached_stream(N), 3)
+    assert want[0] != want[1]  # the augmentation differs from epoch to epoch
+    cold = cached_stream(N, str(tmp_path))
+    assert built(cold, 3) == want
+    # The probe batch (which names the sources) reads epoch 0's first batch once more.
+    assert cold.dataset.stats["misses"] == N and cold.dataset.stats["hits"] == 2 * N + BATCH
+    warm = cached_stream(N, str(tmp_path))  # a new process would find the same entries
+    assert built(warm, 3) == want
+    assert warm.dataset.stats["hits"] == 3 * N + BATCH and warm.dataset.stats["misses"] == 0
+    assert len(entries(tmp_path)) == N
+
+
+def test_torn_corrupted_and_foreign_entries_are_rebuilt_never_served(tmp_path: Path) -> None:
+    other_dir, tmp_path = tmp_path / "other", tmp_path / "main"
+    ds = cached(stage(N), augment=jitter_image, cache=DiskCache(tmp_path), measure=False)
+    want = [_seeded(ds.dataset, i) for i in range(N)]
+    for i in range(N):
+        ds[i]  # every entry written
+    files = {int(p.stem): p for p in entries(tmp_path)}
+    files[1].write_bytes(files[1].read_bytes()[:-100])  # torn
+    raw = bytearray(files[2].read_bytes())
+    raw[-1] ^= 0xFF  # one flipped bit of pixels
+    files[2].write_bytes(bytes(raw))
+    files[3].write_bytes(b"not a frame at all")  # foreign
+    files[4].write_bytes(files[5].read_bytes())  # another index's entry
+    other = cached(stage(N, brighten=5), cache=DiskCache(other_dir), measure=False)
+    other[6]
+    files[6].write_bytes(entries(other_dir)[0].read_bytes())  # another stage's entry
+    fresh = cached(stage(N), augment=jitter_image, cache=DiskCache(tmp_path), measure=False)
+    got = [_seeded(fresh, i) for i in range(N)]
+    assert all(_same(g, w) for g, w in zip(got, want, strict=True))
+    assert fresh.stats["rejected"] == 5 and fresh.stats["hits"] == N - 5
+    assert fresh.stats["writes"] == 5  # built again and stored again
+    again = cached(stage(N), augment=jitter_image, cache=DiskCache(tmp_path), measure=False)
+    assert all(_same(_seeded(again, i), want[i]) for i in range(N))
+    assert again.stats["hits"] == N and again.stats["rejected"] == 0
+
+
+def test_a_changed_stage_is_another_fingerprint_and_a_key_names_one(tmp_path: Path) -> None:
+    first = cached(stage(N), cache=DiskCache(tmp_path), measure=False)
+    changed = cached(stage(N, brighten=3), cache=DiskCache(tmp_path), measure=False)
+    assert first.fingerprint != changed.fingerprint
+    first[0]
+    assert torch.equal(changed[0][0], stage(N, brighten=3)[0][0])  # not the first's entry
+    assert changed.stats["misses"] == 1 and changed.stats["hits"] == 0
+    keyed = [cached(stage(N, b), cache=DiskCache(tmp_path, key="v1")) for b in (2, 3)]
+    assert keyed[0].fingerprint == keyed[1].fingerprint  # the user's key names the stage
+    longer = cached(stage(N + 1), cache=DiskCache(tmp_path, key="v1"))
+    assert longer.fingerprint != keyed[0].fingerprint  # the length is in it still
+    # A function is named by its module, qualname and source: the same in every process.
+    halve = cached(Stage(N, lambda x: x // 2), cache=DiskCache(tmp_path))
+    third = cached(Stage(N, lambda x: x // 3), cache=DiskCache(tmp_path))
+    assert halve.fingerprint != third.fingerprint
+
+    class Opaque:  # its repr is '<...Opaque object at 0x...>': per process
+        def __call__(self, x: Any) -> Any:
+            return x
+
+    with pytest.raises(ConfigError, match=r"memory address.*DiskCache\(key=\.\.\.\)"):
+        cached(Stage(N, Opaque()), cache=DiskCache(tmp_path))
+
+
+def test_a_cap_of_half_the_data_keeps_a_stable_half(tmp_path: Path) -> None:
+    size = len(encode_entry(stage(N)[0], "f" * 64, 0, torch_cache._TENSORS))
+    cap = size * N // 2
+    stream = _capped_stream(tmp_path, cap)
+    want = built(uncached_stream(N), 3)
+    plan, ds = ShardPlan(stream), stream.dataset
+    counts = []
+    for e in range(3):
+        shards = [plan.iter_shard(e, s) for s in range(plan.shards)]
+        got = [tuple(np.asarray(v).tobytes() for v in b) for shard in shards for b in shard]
+        assert got == want[e]
+        counts.append((ds.stats["hits"], ds.stats["writes"]))
+        assert disk_bytes(tmp_path) <= cap
+    held = {p.name: p.stat().st_mtime_ns for p in entries(tmp_path)}
+    assert counts[0][1] == N // 2  # epoch 1 (and the probe batch) writes until the cap
+    # Then half the examples hit each epoch, and nothing is written again.
+    assert counts[1] == (counts[0][0] + N // 2, N // 2)
+    assert counts[2] == (counts[1][0] + N // 2, N // 2)
+    assert {p.name: p.stat().st_mtime_ns for p in entries(tmp_path)} == held  # no churn
+    assert ds.stats["bytes_held"] == disk_bytes(tmp_path) <= cap
+
+
+def test_a_killed_writers_leftovers_are_removed_and_the_ledger_recounted(tmp_path: Path) -> None:
+    ds = cached(stage(N), cache=DiskCache(tmp_path, max_bytes=10**6), measure=False)
+    for i in range(4):
+        ds[i]
+    stage_dir = entries(tmp_path)[0].parent
+    dead = _unused_pid()  # a writer that no longer runs
+    host = cache_store.HOST  # the host part of this host's temporary files' names
+    killed = stage_dir / f".tmp-9-{host}-{dead}-70000"
+    killed.write_bytes(b"BQF half an entry")  # a writer killed mid-write
+    writing = stage_dir / f".tmp-10-{host}-{os.getpid()}-50000"
+    writing.write_bytes(b"BQF a live writer's first bytes")  # one still writing
+    (tmp_path / ".bytes").write_bytes(b"00000000000099999999\n")  # reserved and lost
+    again = cached(stage(N), cache=DiskCache(tmp_path, max_bytes=10**6), measure=False)
+    again[11]
+    assert not killed.exists() and writing.exists()
+    entries_bytes = sum(p.stat().st_size for p in entries(tmp_path) if p != writing)
+    assert again.stats["bytes_held"] == entries_bytes + 50000  # the live reservation too
+    assert int((tmp_path / ".bytes").read_bytes()) == entries_bytes + 50000
+
+
+def _unused_pid() -> int:
+    """A pid no process has now (from the top of the range, where pids are rarely used)."""
+    top = int(Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(top - 1, top - 10000, -1):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    pytest.fail("no unused pid found")
+
+
+class _Clock:
+    """A clock the test moves: builds and reads cost what the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Timed(DiskCache):
+    def __init__(self, clock: _Clock, read_s: float, directory: Path) -> None:
+        super().__init__(directory)
+        self.clock, self.read_s = clock, read_s
+
+    def read(self, stage: str, index: int) -> bytearray | None:
+        self.clock.now += self.read_s
+        return super().read(stage, index)
+
+
+class _Listed:
+    """A dataset in memory; each item costs ``build_s`` on the test's clock."""
+
+    def __init__(self, items: list[Any], clock: _Clock | None = None, build_s: float = 0) -> None:
+        self.items, self.clock, self.build_s = items, clock, build_s
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        if self.clock is not None:
+            self.clock.now += self.build_s
+        return self.items[i]
+
+
+@pytest.mark.parametrize(
+    ("build_s", "read_s", "bypassed"), [(1e-6, 1e-4, True), (5e-3, 1e-4, False)]
+)
+def test_the_cache_is_used_where_a_read_is_faster_than_a_build(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    build_s: float,
+    read_s: float,
+    bypassed: bool,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(torch_cache, "clock", clock)
+    items = [np.full(3, i) for i in range(30)]
+    ds = cached(_Listed(items, clock, build_s), lambda x: x * 2, _Timed(clock, read_s, tmp_path))
+    with caplog.at_level(logging.INFO, logger="producer.torch_cache"):
+        for _ in range(2):
+            assert all((ds[i] == items[i] * 2).all() for i in range(len(items)))
+    assert ds.stats["bypassed"] is bypassed
+    said = [r for r in caplog.records if "does not pay" in r.getMessage()]
+    assert len(said) == (1 if bypassed else 0)
+    if bypassed:  # judged within the first epoch: entries read back as they were written
+        assert ds.stats["writes"] == torch_cache.READ_BACK and ds.stats["hits"] == 0
+    else:
+        assert ds.stats["hits"] == len(items) and ds.stats["saved_s"] > 0
+
+
+def _seeded(ds: Any, i: int) -> Any:
+    seed_globals(1000 + i)  # as a producer seeds before a batch
+    return ds[i] if not isinstance(ds, Stage) else jitter_image(ds[i])
+
+
+def _same(a: Any, b: Any) -> bool:
+    return bool(torch.equal(a[0], b[0])) and a[1] == b[1]
+
+
+def _capped_stream(directory: Path, cap: int) -> Any:
+    stream = cached_stream(N, str(directory))
+    stream.dataset.cache.max_bytes = cap
+    return stream
+
+
+def test_the_stage_must_not_draw_and_is_warned_about_when_it_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Drawing(_Listed):
+        def __getitem__(self, i: int) -> Any:
+            return self.items[i] + torch.rand(1)
+
+    ds = cached(Drawing([torch.zeros(1)] * 4), cache=DiskCache(tmp_path), measure=False)
+    with caplog.at_level(logging.WARNING, logger="producer.torch_cache"):
+        ds[0], ds[1]
+    assert sum("drew from torch's generator" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_examples_cached_imagefolder_gives_the_uncached_pipelines_images(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("PIL")
+    from examples.imagefolder import resized_imagefolder
+
+    root = str(tmp_path / "img")
+    args = {"images": 6, "side": 50, "height": 40, "resize": 32, "crop": 24}
+    plain = resized_imagefolder(root, **args)
+    cache = str(tmp_path / "cache")
+    for _ in range(2):  # cold, then warm
+        ds = resized_imagefolder(root, **args, cache_dir=cache)
+        for i in range(len(plain)):
+            seed_globals(77 + i)
+            got = ds[i]
+            seed_globals(77 + i)
+            want = plain[i]
+            assert got[0].shape == (3, 24, 24) and got[0].dtype == torch.uint8
+            assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    # Fewer builds than the cache needs to judge itself: every entry was written.
+    assert len(plain) < torch_cache.MIN_SAMPLES
+    assert ds.stats["hits"] == len(plain) and ds.stats["misses"] == 0
+
+
+def _plus_one(batch: dict[str, list[Any]]) -> dict[str, Any]:
+    return {"x": torch.tensor(batch["x"]) + 1}
+
+
+def _plus_two(batch: dict[str, list[Any]]) -> dict[str, Any]:
+    return {"x": torch.tensor(batch["x"]) + 2}
+
+
+def test_a_hugging_face_dataset_is_named_by_its_files_and_its_transform(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    in_memory = datasets.Dataset.from_dict({"x": [[1.0, 2.0], [3.0, 4.0]]})
+    with pytest.raises(ConfigError, match=r"in memory.*DiskCache\(key=\.\.\.\)"):
+        cached(in_memory, cache=DiskCache(tmp_path / "c"))
+    in_memory.save_to_disk(str(tmp_path / "hf"))
+    fingerprints = []
+    for transform in (_plus_one, _plus_two):
+        ds = datasets.load_from_disk(str(tmp_path / "hf"))
+        ds.set_transform(transform)
+        wrapped = cached(ds, cache=DiskCache(tmp_path / "c"), measure=False)
+        assert torch.equal(wrapped[1]["x"], ds[1]["x"]) and torch.equal(wrapped[1]["x"], ds[1]["x"])
+        assert wrapped.stats["hits"] == 1
+        fingerprints.append(wrapped.fingerprint)
+    assert fingerprints[0] != fingerprints[1]  # another set_transform, another stage
+    keyed = cached(in_memory, cache=DiskCache(tmp_path / "c", key="xs-v1"), measure=False)
+    assert keyed[0]["x"] == [1.0, 2.0]
