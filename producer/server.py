@@ -38,6 +38,7 @@ from producer.serving.position import RunPosition
 from producer.serving.pushing import ShardPusher
 from producer.serving.settings import INLINE_MAX_BYTES, PushSettings
 from producer.serving.sharding import ShardPlan
+from producer.serving.started import FirstPush
 from producer.serving.transport import Transport
 
 __all__ = ["Producer"]
@@ -81,7 +82,9 @@ class Producer:
             :class:`producer.serving.striped.StripedProducer`, which
             :func:`start_server` makes for ``stripes=N``); (0, 1): the queue itself.
         shard_plan: the plan, where the caller made it already (a striped producer's
-            lanes share one).
+            lanes share one; a forked worker's pool made it before the fork).
+        started_at: when this producer started (wall clock, s), the zero of its
+            ``first_push_s`` in ``batchq status``; None: its process's start.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class Producer:
         shm_max_bytes: int | None = None,
         stripe: tuple[int, int] = (0, 1),
         shard_plan: ShardPlan | None = None,
+        started_at: float | None = None,
     ) -> None:
         check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
         k, stripes = stripe
@@ -135,9 +139,10 @@ class Producer:
             heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, orphan_wait_s=orphan_wait_s,
             axis_labels=axis_labels_json(stream), stop=self._stop, stripes=stripes,
         )  # fmt: skip
+        self.first_push = FirstPush(started_at)
         self._beat = Heartbeat(
             url, self.keys, self.id, self.settings.heartbeat_ttl_ms, self._pos, self._stop,
-            orphan_exit_s,
+            orphan_exit_s, self.first_push,
         )  # fmt: skip
         self._finished = False
         self._transport = Transport(
@@ -145,7 +150,7 @@ class Producer:
         )
         self._pusher = ShardPusher(
             self.settings, self.client, self.plan, self._transport, self._pos, self._stop,
-            self._lease_request,
+            self._lease_request, self.first_push,
         )  # fmt: skip
 
     @property

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,8 +53,11 @@ def _stream(args: argparse.Namespace) -> Any:
     return as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
 
 
-def _serve(stream: Any, plan: Any, args: argparse.Namespace, url: str) -> int:
-    """Serve ``stream`` in this process (``plan``: its shard plan, made already, or None)."""
+def _serve(
+    stream: Any, plan: Any, args: argparse.Namespace, url: str, started_at: float | None = None
+) -> int:
+    """Serve ``stream`` in this process (``plan``: its shard plan, made already, or None;
+    ``started_at``: the worker's start, wall clock, where it is not the process's)."""
     from producer import start_server
 
     return start_server(
@@ -67,6 +71,7 @@ def _serve(stream: Any, plan: Any, args: argparse.Namespace, url: str) -> int:
         transport=args.transport,
         shm_dir=args.shm_dir,
         stripes=args.stripes,
+        started_at=started_at,
         **({"shard_plan": plan} if plan is not None else {}),
     )
 
@@ -129,7 +134,8 @@ def _forker(
             return spawner()
         if client is not None:
             client.connection_pool.disconnect()  # no socket of ours in the child
-        return fork_child(lambda: _serve(stream, plan, args, url))
+        forked_at = time.time()  # the worker's start: its first_push_s counts from here
+        return fork_child(lambda: _serve(stream, plan, args, url, forked_at))
 
     return start
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchq.monitoring.sizing import ratio
 from batchq.monitoring.snapshot import QueueSnapshot
-from batchq.protocol.fields import ProducerStat, StatsField
+from batchq.protocol.fields import ProducerFigure, ProducerStat, StatsField
 from batchq.protocol.layout import id_host
 
 __all__ = ["PRODUCER_FIELDS", "bytes_held", "live_totals", "producer_rows"]
@@ -22,7 +22,7 @@ __all__ = ["PRODUCER_FIELDS", "bytes_held", "live_totals", "producer_rows"]
 #: The fields of each object in a status row's ``producers``, in order.
 PRODUCER_FIELDS = (
     "id", "batches", "bytes", "build_s", "blocked_s", "build_ms_per_batch", "batches_per_s",
-    "blocked_fraction", "heartbeat_in_s", "host",
+    "blocked_fraction", "heartbeat_in_s", "host", "first_push_s",
 )  # fmt: skip
 
 
@@ -45,6 +45,9 @@ def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, 
         "blocked_fraction": ratio(blocked_ms, build_ms + blocked_ms),
         "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
         "host": id_host(producer),
+        "first_push_s": (
+            c[ProducerFigure.FIRST_PUSH_MS] / 1000 if ProducerFigure.FIRST_PUSH_MS in c else None
+        ),
     }
 
 

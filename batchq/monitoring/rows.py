@@ -114,6 +114,9 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        depth (every rank's list), pushed, popped,
                                        producers_alive (empty when not striped; the row's
                                        other fields are stripe 0's); added after node
+    first_batch_s         float|null   the trainer's time from its stream's first
+                                       iteration to its first batch (consumer.stats);
+                                       added after stripes
 
 For a run read by several groups the queue-level figures are the group in slot 0's (the
 first to claim the run, whose keys keep the plain names); ``groups`` has every group's.
@@ -135,6 +138,10 @@ A producer object (its counters cover its whole life; ids are unique per process
     heartbeat_in_s        float        seconds until its heartbeat deadline
     host                  str          the host part of a default id (host-pid-random),
                                        else the whole id
+    first_push_s          float|null   from its start (its process's, or its fork from
+                                       a warm pool) to its first push; null until its
+                                       heartbeat wrote it (producer/serving/started.py);
+                                       added after host
 
 ``bytes_held``: Redis cannot give the size of a list element without sending it
 (STRLEN works on strings only), so this is an estimate: depth times the mean frame size
@@ -203,7 +210,7 @@ STATUS_FIELDS = (
     "autoscale_added", "autoscale_retired", "autoscale_last",
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
     "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
-    "slowest_group", "node", "stripes",
+    "slowest_group", "node", "stripes", "first_batch_s",
 )  # fmt: skip
 
 
