@@ -493,9 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.startup:
         print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.workers} workers, "
               f"{args.images} images, load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
-        results = startup_bench(args)
+        measured = startup_bench(args)
         if args.json:
-            print(json.dumps(results, indent=2))
+            print(json.dumps(measured, indent=2))
         return 0
     load0 = os.getloadavg()[0]
     print(
