@@ -116,12 +116,12 @@ def _forker(
     process, or with ``spawner`` when a fork is not safe at that moment."""
     from producer.serving.sharding import ShardPlan
 
-    torch = sys.modules.get("torch")
+    stream = _stream(args)
+    torch = sys.modules.get("torch")  # imported by the factory, if at all
     if torch is not None:
         # The probe batch runs here: on one thread, as in the workers, so no OpenMP
         # pool of this process exists when it forks (a forked one has no threads).
         torch.set_num_threads(1)
-    stream = _stream(args)
     plan = ShardPlan(stream, args.requests_per_shard)  # the probe batch too (sources)
     warned: list[str] = []
 
