@@ -193,6 +193,10 @@ def _startup_role(args: argparse.Namespace) -> int:
     trainer; --state resumes, --take N batches then saves its state and detaches).
     Prints one JSON line of figures."""
     launched = args.launched
+    if args.startup_role == "loader":
+        from producer.torch import import_torchvision
+
+        import_torchvision()  # the DataLoader job's imports: torchvision too
     imports_done = time.time()  # this module's imports (torch, consumer) are done
     out: dict[str, Any] = {}
     if args.startup_role == "loader":
