@@ -25,6 +25,10 @@ workers and the producers are other processes); then the ratios to the loader of
 same repeat. Figures are printed, never asserted.
 
     python bench/imagefolder.py [--url URL] [--workers 2] [--images 2000] [--repeats 2] [--json]
+
+``--startup`` measures the first batch of fresh processes instead (issue 40; the code is
+bench/imagefolder_startup.py): cold, producers first, a resumed trainer, and a worker
+added by the autoscaler, batchq's pool forking its workers against spawning them.
 """
 
 from __future__ import annotations
@@ -376,10 +380,26 @@ def main(argv: list[str] | None = None) -> int:
         choices=CACHE_KINDS,
         help="--cache: the ways to run (the ratios need all three)",
     )
+    p.add_argument(
+        "--startup",
+        action="store_true",
+        help="measure the first batch of fresh processes instead (issue 40): cold, "
+        "producers first, a resumed trainer, a worker added by --workers 1:2",
+    )
+    p.add_argument("--startup-rounds", type=int, default=3, help="rounds of --startup")
     args = p.parse_args(argv)
     if args.cache:
         return main_cache(args)
     make_folder(args.root, args.images)  # once, before any clock starts
+    if args.startup:
+        print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.workers} workers, "
+              f"{args.images} images, load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+        from imagefolder_startup import startup_bench  # this folder's (bench/)
+
+        measured = startup_bench(args)
+        if args.json:
+            print(json.dumps(measured, indent=2))
+        return 0
     load0 = os.getloadavg()[0]
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.workers} workers, "

@@ -4,8 +4,11 @@ For every batch the iterator hands out it records the wait (from the caller aski
 the batch to having it: the data stall) and the work before it (from the previous batch
 being handed out to this one being asked for: the trainer's own step). From these:
 the stall fraction of the last epoch and of the last N batches, wait percentiles,
-batches/s and MB/s. The reader thread drains the counters into its next pop script call
-(no extra round trip), so ``batchq status``, ``top`` and the exporter see them too.
+batches/s and MB/s; and ``first_batch_s``, the time from the stream's first iteration
+(its first epoch asked for: connecting, claiming the run, waiting for producers
+included) to the first batch handed out, None before it. The reader thread drains the
+counters into its next pop script call (no extra round trip), so ``batchq status``,
+``top`` and the exporter see them too.
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ class TrainerStats:
         self._out_buckets = [0] * (len(WAIT_BUCKETS_S) + 1)
         self._last_flush = 0.0
         self._flushed_batches = 0  # batches the figures last sent counted
+        self._iterated_at: float | None = None  # the stream's first iteration (monotonic)
+        self.first_batch_s: float | None = None  # from it to the first batch handed out
+
+    def iterating(self) -> None:
+        """The stream's iteration began (its first epoch was asked for): the clock of
+        ``first_batch_s`` starts at the first call."""
+        with self._lock:
+            if self._iterated_at is None:
+                self._iterated_at = time.monotonic()
 
     def start_epoch(self, epoch: int) -> None:
         """An epoch iterator started; the previous epoch's figures are kept."""
@@ -91,7 +103,10 @@ class TrainerStats:
             self.busy_s += busy_s
             self._epoch_wait_s += wait_s
             self._epoch_busy_s += busy_s
-            self._recent.append((wait_s, busy_s, nbytes, time.monotonic()))
+            now = time.monotonic()
+            if self.first_batch_s is None and self._iterated_at is not None:
+                self.first_batch_s = now - self._iterated_at
+            self._recent.append((wait_s, busy_s, nbytes, now))
             self._out_wait_ms += wait_s * 1000
             self._out_busy_ms += busy_s * 1000
             for i, bound in enumerate(WAIT_BUCKETS_S):
@@ -116,6 +131,7 @@ class TrainerStats:
                 TrainerField.EPOCH: self.epoch,
                 TrainerField.EPOCH_PROGRESS: self.epoch_batches,
                 TrainerField.STALL_FRACTION_EPOCH: epoch_stall,
+                TrainerField.FIRST_BATCH_S: self.first_batch_s,
                 "last_epoch": dict(self.last_epoch),
             }
         waits = sorted(w for w, _, _, _ in recent)
@@ -157,7 +173,9 @@ class TrainerStats:
             snap = self.snapshot()
             self._flushed_batches = snap["batches"]
             published = TrainerField.PUBLISHED  # the trainer hash's fields (pop.lua)
-            figures = json.dumps({k: round(float(snap[k]), 6) for k in published})
+            figures = json.dumps(
+                {k: round(float(snap[k]), 6) for k in published if snap[k] is not None}
+            )
             history = json.dumps(
                 {
                     HistoryField.T: round(time.time(), 3),

@@ -268,6 +268,7 @@ class ServerDataStream(FuelStreamMixin):
         """
         if self._closed:
             raise StreamStopped("this ServerDataStream is closed")
+        self._stats.iterating()  # the clock of first_batch_s, from the first call
         feed = self._start()
         self.epoch += 1
         plan = self._session.plan if self._session is not None else None

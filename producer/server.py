@@ -40,6 +40,7 @@ from producer.serving.pushing import ShardPusher
 from producer.serving.quarantine_sink import bind_records
 from producer.serving.settings import INLINE_MAX_BYTES, PushSettings
 from producer.serving.sharding import ShardPlan
+from producer.serving.started import FirstPush
 from producer.serving.transport import Transport
 
 __all__ = ["Producer"]
@@ -83,11 +84,13 @@ class Producer:
             :class:`producer.serving.striped.StripedProducer`, which
             :func:`start_server` makes for ``stripes=N``); (0, 1): the queue itself.
         shard_plan: the plan, where the caller made it already (a striped producer's
-            lanes share one).
+            lanes share one; a forked worker's pool made it before the fork).
         build_timeout_s: the longest a batch's build may take (None: no limit); past it
             the attempt counts as failed (the trainer gets ProducerFailed naming the
             example after max_attempts) and :meth:`serve` raises BuildTimeout (see
             :mod:`producer.serving.build_watch`).
+        started_at: when this producer started (wall clock, s), the zero of its
+            ``first_push_s`` in ``batchq status``; None: its process's start.
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class Producer:
         stripe: tuple[int, int] = (0, 1),
         shard_plan: ShardPlan | None = None,
         build_timeout_s: float | None = None,
+        started_at: float | None = None,
     ) -> None:
         check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
         require(
@@ -146,9 +150,10 @@ class Producer:
             heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, orphan_wait_s=orphan_wait_s,
             axis_labels=axis_labels_json(stream), stop=self._stop, stripes=stripes,
         )  # fmt: skip
+        self.first_push = FirstPush(started_at)
         self._beat = Heartbeat(
             url, self.keys, self.id, self.settings.heartbeat_ttl_ms, self._pos, self._stop,
-            orphan_exit_s,
+            orphan_exit_s, self.first_push,
         )  # fmt: skip
         self._finished = False
         self._transport = Transport(
@@ -156,7 +161,7 @@ class Producer:
         )
         self._pusher = ShardPusher(
             self.settings, self.client, self.plan, self._transport, self._pos, self._stop,
-            self._lease_request,
+            self._lease_request, self.first_push,
         )  # fmt: skip
         # Examples replaced by substitutes (on_sample_error='quarantine') go to the run.
         self._records = bind_records(

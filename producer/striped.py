@@ -41,8 +41,9 @@ class StripedProducer:
         hwm: each stripe's cap (the run's hwm).
         stripes: N, fixed when the run is created (a producer with another N is
             refused with PipelineMismatch).
-        **options: :class:`producer.server.Producer`'s (window, producer_id, ...); the
-            lanes share one producer id.
+        **options: :class:`producer.server.Producer`'s (window, producer_id, ...,
+            ``shard_plan``: the plan, made already); the lanes share one producer id
+            and one plan.
     """
 
     def __init__(
@@ -51,7 +52,10 @@ class StripedProducer:
     ) -> None:  # fmt: skip
         count = check_stripes(stripes)
         options.setdefault("producer_id", default_id())
-        plan = ShardPlan(stream, options.pop("requests_per_shard", None))
+        plan = options.pop("shard_plan", None) or ShardPlan(
+            stream, options.pop("requests_per_shard", None)
+        )
+        options.pop("requests_per_shard", None)  # the plan given has its own
         self.lanes = [
             Producer(stream, url, queue, hwm, stripe=(k, count), shard_plan=plan, **options)
             for k in range(count)

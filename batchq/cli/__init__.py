@@ -135,6 +135,14 @@ def build_parser() -> Parser:
         "trainer's demand (batchq.host.autoscale)",
     )
     serve.add_argument(
+        "--worker-start",
+        choices=("fork", "spawn"),
+        default="fork",
+        help="how --workers starts a worker: fork (from the pool's process, which imported "
+        "the factory and built the stream once; falls back to spawn where fork is not "
+        "safe) or spawn (a fresh `python -m batchq.cli serve` each; default fork)",
+    )
+    serve.add_argument(
         "--requests-per-shard",
         type=int,
         default=None,

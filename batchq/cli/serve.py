@@ -1,4 +1,14 @@
-"""``batchq serve MODULE:FACTORY``: run producers for the stream FACTORY() returns."""
+"""``batchq serve MODULE:FACTORY``: run producers for the stream FACTORY() returns.
+
+With ``--workers`` (N, MIN:MAX or auto) this process is the pool: it imports the factory,
+calls it and plans the stream (the probe batch that names the sources, the shard plan)
+once, then forks each worker from itself (:mod:`batchq.host.forked`), so a worker starts
+serving in milliseconds instead of an interpreter's start, an import of the factory and
+its own plan. Where a fork is not safe (no fork on this platform, another thread runs in
+this process) or ``--worker-start spawn`` asks, each worker is a fresh
+``python -m batchq.cli serve`` instead, as before. Either way the pool keeps its workers:
+one killed by a signal is replaced (:mod:`batchq.host.keeper`).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +19,19 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
+
+import redis
 
 from batchq.cli.factory_args import ENV_ARGS, as_stream, call_factory, load_factory
 from batchq.client.connection import ENV_URL, make_client, resolve_url
 from batchq.host.autoscale import ScalePolicy
+from batchq.host.forked import fork_child, fork_refused
+from batchq.host.keeper import keep_workers
 from batchq.host.pool import WorkerPool
-from batchq.host.procs import spawn, stop_group
+from batchq.host.procs import Child, spawn
 from batchq.protocol.keys import QueueKeys
 
 __all__ = ["run_serve"]
@@ -29,27 +45,39 @@ def run_serve(args: argparse.Namespace) -> int:
     url = resolve_url(args.url)
     if policy.auto or policy.min_workers > 1:
         return _supervise(args, url, policy)
+    return _serve(_stream(args), None, args, url)
+
+
+def _stream(args: argparse.Namespace) -> Any:
+    """The factory's stream (imported and called here)."""
+    return as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
+
+
+def _serve(
+    stream: Any, plan: Any, args: argparse.Namespace, url: str, started_at: float | None = None
+) -> int:
+    """Serve ``stream`` in this process (``plan``: its shard plan, made already, or None;
+    ``started_at``: the worker's start, wall clock, where it is not the process's)."""
     from producer import start_server
 
-    stream = as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
     return start_server(
         stream,
         hwm=args.hwm,
         queue=args.queue,
         url=url,
-        requests_per_shard=args.requests_per_shard,
+        requests_per_shard=None if plan is not None else args.requests_per_shard,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         orphan_exit_s=getattr(args, "orphan_exit_s", 600.0) or None,
         transport=args.transport,
         shm_dir=args.shm_dir,
         stripes=args.stripes,
+        started_at=started_at,
+        **({"shard_plan": plan} if plan is not None else {}),
     )
 
 
-def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
-    # Each worker is a plain `batchq serve` in its own process group; SIGTERM/SIGINT to
-    # the supervisor is passed on, so its workers hand their leases back.
-    load_factory(args.factory)  # fail early, in the parent, on a bad spec
+def _spawner(args: argparse.Namespace, url: str) -> Callable[[], Child]:
+    """Start a worker as a fresh ``python -m batchq.cli serve`` in its own process group."""
     argv = [
         sys.executable,
         "-m",
@@ -78,35 +106,65 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
     # The URL may hold a password: pass it in the environment, not on command lines.
     env = {**os.environ, ENV_URL: url}
     env[ENV_ARGS] = json.dumps(args.factory_args)  # the factory's arguments, same way
+    return lambda: spawn(argv, env=env)
+
+
+def _forker(
+    args: argparse.Namespace, url: str, spawner: Callable[[], Child], client: redis.Redis | None
+) -> Callable[[], Child]:
+    """Build the stream and its plan here, once; then start each worker as a fork of this
+    process, or with ``spawner`` when a fork is not safe at that moment."""
+    from producer.serving.sharding import ShardPlan
+
+    stream = _stream(args)
+    torch = sys.modules.get("torch")  # imported by the factory, if at all
+    if torch is not None:
+        # The probe batch runs here: on one thread, as in the workers, so no OpenMP
+        # pool of this process exists when it forks (a forked one has no threads).
+        torch.set_num_threads(1)
+    plan = ShardPlan(stream, args.requests_per_shard)  # the probe batch too (sources)
+    warned: list[str] = []
+
+    def start() -> Child:
+        refused = fork_refused()
+        if refused is not None:
+            if refused not in warned:
+                log.warning("cannot fork a worker: %s; starting a fresh process", refused)
+                warned.append(refused)
+            return spawner()
+        if client is not None:
+            client.connection_pool.disconnect()  # no socket of ours in the child
+        forked_at = time.time()  # the worker's start: its first_push_s counts from here
+        return fork_child(lambda: _serve(stream, plan, args, url, forked_at))
+
+    return start
+
+
+def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
+    # Each worker runs in its own process group; SIGTERM/SIGINT to the supervisor is
+    # passed on, so its workers hand their leases back.
     stopping = threading.Event()
 
     def forward(signum: int, _frame: Any) -> None:
         stopping.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    if (
-        policy.auto
-    ):  # --workers auto or MIN:MAX: batchq.host.autoscale decides, batchq.host.pool acts
-        client = make_client(url, key=QueueKeys(args.queue).meta)
-        try:
-            pool = WorkerPool(client, args.queue, policy, lambda: spawn(argv, env=env))
-            return pool.run(stopping)
-        finally:
-            client.close()
-    procs = [spawn(argv, env=env) for _ in range(policy.min_workers)]
-    codes: list[int] = []
+    spawner = _spawner(args, url)
+    client = make_client(url, key=QueueKeys(args.queue).meta) if policy.auto else None
     try:
-        for proc in procs:
-            while proc.poll() is None and not stopping.is_set():
-                stopping.wait(0.2)
-            if stopping.is_set():
-                break
-            codes.append(proc.returncode)
+        start_by = getattr(args, "worker_start", "fork")
+        refused = fork_refused() if start_by == "fork" else "--worker-start spawn"
+        if refused is None:
+            start = _forker(args, url, spawner, client)
+        else:
+            log.info("workers start as fresh processes: %s", refused)
+            load_factory(args.factory)  # fail early, in the parent, on a bad spec
+            start = spawner
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, forward)
+        if client is not None:
+            # --workers auto or MIN:MAX: batchq.host.autoscale decides, batchq.host.pool acts
+            return WorkerPool(client, args.queue, policy, start).run(stopping)
+        return keep_workers(start, policy.min_workers, stopping)
     finally:
-        for proc in procs:
-            code = stop_group(proc, timeout_s=10.0)
-            if stopping.is_set() and code is not None:
-                codes.append(code)
-    log.info("workers exited with %s", codes)
-    return max((abs(c) for c in codes), default=0)
+        if client is not None:
+            client.close()

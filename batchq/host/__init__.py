@@ -2,6 +2,7 @@
 
 Process groups (``procs``), the embedded redis-server (``embedded``; its binary and
 version: ``redis_binary``), the pool of
-``serve --workers`` (``pool``) and its autoscaling rule (``autoscale``). Imported by the
+``serve --workers`` (``pool``), its autoscaling rule (``autoscale``), its workers forked
+from the warm pool (``forked``) and kept (``keeper``: killed ones replaced). Imported by the
 CLI, the tests and the benchmarks, never by the producer or the trainer.
 """

@@ -1,12 +1,15 @@
 """This host's producer workers, sized by :func:`batchq.host.autoscale.decide` once a second.
 
 :class:`WorkerPool` starts workers through a callable (``batchq serve`` builds one that
-runs ``python -m batchq.cli serve`` in its own process group, :func:`batchq.host.procs.spawn`),
+forks its warm process, :mod:`batchq.host.forked`, or runs ``python -m batchq.cli serve``,
+:func:`batchq.host.procs.spawn`; either in its own process group),
 retires them with SIGTERM (:func:`batchq.host.procs.stop_group`: a stopped producer hands its
 leases back), and on every tick:
 
-1. reaps workers that exited; once one exits on its own (the run finished, or its
-   pipeline failed) the pool starts no more and ends when the last one has exited;
+1. reaps workers that exited; one killed by a signal is replaced at once (bounded:
+   :class:`batchq.host.keeper.Replacements`); once one exits on its own (the run
+   finished, or its pipeline failed) the pool starts no more and ends when the last one
+   has exited;
 2. refreshes its entry in the queue's autoscaler set (``scalers``) and reads the
    queue's status row (:func:`batchq.monitoring.rows.queue_status`);
 3. counts its workers that have not joined yet as alive (a worker's default id is
@@ -27,7 +30,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +39,8 @@ import redis
 
 from batchq.errors import ConnectionLost
 from batchq.host.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
-from batchq.host.procs import stop_group
+from batchq.host.keeper import Replacements
+from batchq.host.procs import Child, stop_group
 from batchq.monitoring.rows import queue_status
 from batchq.monitoring.verdict import near_cap
 from batchq.protocol.calls import execute_pipeline
@@ -101,6 +104,8 @@ class WorkerPool:
         queue: the queue the workers serve.
         policy: the bounds and tunables (a fixed pool when ``policy.auto`` is False).
         start: starts one worker process (in its own process group).
+        replacements: which workers that died by a signal are replaced
+            (:mod:`batchq.host.keeper`; default :class:`Replacements`).
         tick_s: seconds between looks at the queue.
         stop_timeout_s: how long a retired worker may take to hand its leases back.
     """
@@ -110,16 +115,18 @@ class WorkerPool:
         client: redis.Redis,
         queue: str,
         policy: ScalePolicy,
-        start: Callable[[], subprocess.Popen[bytes]],
+        start: Callable[[], Child],
         *,
         tick_s: float = 1.0,
         stop_timeout_s: float = 10.0,
+        replacements: Replacements | None = None,
     ) -> None:
         self.client, self.keys, self.policy, self._start = client, QueueKeys(queue), policy, start
         self.tick_s, self.stop_timeout_s = tick_s, stop_timeout_s
         self.id = default_id()  # a producer's form: the pid tells this host's workers
         self.state = ScaleState()
-        self.workers: list[subprocess.Popen[bytes]] = []
+        self.workers: list[Child] = []
+        self.replacements = replacements or Replacements()
         self.started_at: dict[int, float] = {}
         self.codes: list[int] = []
         self.ended = False
@@ -171,14 +178,21 @@ class WorkerPool:
     # ------------------------------------------------------------------ pieces
 
     def _reap(self) -> None:
+        now_s = time.monotonic()
         for proc in list(self.workers):
             code = proc.poll()
-            if code is not None:
-                self.workers.remove(proc)
-                self.started_at.pop(proc.pid, None)
-                self.codes.append(code)
-                self.ended = True
-                log.info("worker %d exited by itself with %d: starting no more", proc.pid, code)
+            if code is None:
+                continue
+            self.workers.remove(proc)
+            self.started_at.pop(proc.pid, None)
+            if not self.ended and self.replacements.replace(proc, now_s):
+                fresh = self._start()  # killed, not finished: the pool keeps its size
+                self.workers.append(fresh)
+                self.started_at[fresh.pid] = now_s
+                continue
+            self.codes.append(code)
+            self.ended = True
+            log.info("worker %d exited with %d: starting no more", proc.pid, code)
 
     def _joined(self, row: dict[str, Any]) -> set[int]:
         pids = {id_pid(str(p["id"])) for p in row["producers"]}

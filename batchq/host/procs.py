@@ -20,9 +20,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any, TypeAlias
+from typing import IO, Any, Protocol, TypeAlias
 
-__all__ = ["StdSpec", "die_with_parent_preexec", "group_alive", "spawn", "stop_group"]
+__all__ = [
+    "Child",
+    "StdSpec",
+    "die_with_parent_preexec",
+    "group_alive",
+    "spawn",
+    "stop_group",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +37,25 @@ _PR_SET_PDEATHSIG = 1
 
 #: What Popen accepts for stdout/stderr: None, PIPE, DEVNULL, STDOUT, an fd or a file.
 StdSpec: TypeAlias = int | IO[Any] | None
+
+
+class Child(Protocol):
+    """A child process as :class:`subprocess.Popen` shows it (a spawned one), or
+    :class:`batchq.host.forked.ForkedChild` (a forked one)."""
+
+    @property
+    def pid(self) -> int:
+        """The child's pid (the id of its process group)."""
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code once reaped (negative: killed by that signal), else None."""
+
+    def poll(self) -> int | None:
+        """Reap it if it exited: its exit code, else None."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for its exit; raise :class:`subprocess.TimeoutExpired` after ``timeout``."""
 
 
 def die_with_parent_preexec() -> Callable[[], None] | None:
@@ -155,9 +181,7 @@ def _wait_group(pgid: int, deadline: float) -> bool:
     return True
 
 
-def stop_group(
-    proc: subprocess.Popen[Any], *, timeout_s: float = 5.0, sig: int = signal.SIGTERM
-) -> int | None:
+def stop_group(proc: Child, *, timeout_s: float = 5.0, sig: int = signal.SIGTERM) -> int | None:
     """Stop a process started by :func:`spawn` and every process of its group.
 
     Sends ``sig`` to the group, waits up to ``timeout_s`` for the leader and the rest of

@@ -77,6 +77,7 @@ def figure_fields(snap: QueueSnapshot) -> dict[str, Any]:
         "wait_p50_s": snap.figure(f.WAIT_P50_S),
         "wait_p90_s": snap.figure(f.WAIT_P90_S),
         "wait_p99_s": snap.figure(f.WAIT_P99_S),
+        "first_batch_s": snap.figure(f.FIRST_BATCH_S),
         "epoch": None if epoch is None or epoch < 0 else int(epoch),
         "epoch_progress": None if progress is None else int(progress),
         "epoch_fraction": ratio(progress, epoch_batches) if progress is not None else None,

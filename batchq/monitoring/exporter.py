@@ -40,6 +40,8 @@ reasons, and ``action`` on autoscale decisions: add, retire):
                                                       set_params made stale, built again
 ``batchq_lookahead_batches``                gauge     the run's look-ahead D (set_params'
                                                       default distance, batch indices)
+``batchq_trainer_first_batch_seconds``      gauge     the trainer's time from its stream's
+                                                      first iteration to its first batch
 ``batchq_dead_frames_total``                counter   frames that failed validation
 ``batchq_producer_frames_pushed_total``     counter   per live producer: frames pushed
 ``batchq_producer_bytes_pushed_total``      counter   per live producer: bytes pushed
@@ -55,6 +57,8 @@ reasons, and ``action`` on autoscale decisions: add, retire):
                                                       that cache (absent when none does)
 ``batchq_cache_bytes``                      gauge     bytes their cache directories hold
                                                       (the largest figure per host, summed)
+``batchq_producer_first_push_seconds``      gauge     per live producer: from its start
+                                                      (process or fork) to its first push
 ``batchq_trainer_demand_batches_per_second`` gauge    batches/s the trainer would take if
                                                       it never waited (fresh figures only)
 ``batchq_supply_batches_per_second``        gauge     the live producers' summed pipeline
@@ -137,6 +141,7 @@ METRIC_NAMES = (
     "batchq_redone_shards",
     "batchq_rebuilt_params_frames",
     "batchq_lookahead_batches",
+    "batchq_trainer_first_batch_seconds",
     "batchq_dead_frames",
     "batchq_producer_frames_pushed",
     "batchq_producer_bytes_pushed",
@@ -147,6 +152,7 @@ METRIC_NAMES = (
     "batchq_producer_cache_saved_seconds",
     "batchq_cache_hit_ratio",
     "batchq_cache_bytes",
+    "batchq_producer_first_push_seconds",
     "batchq_trainer_demand_batches_per_second",
     "batchq_supply_batches_per_second",
     "batchq_producer_rate_batches_per_second",

@@ -95,6 +95,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[Row], float | None]], ...] = (
         "The run's look-ahead D: how far past the trainer producers can have built",
         lambda r: r["lookahead_batches"],
     ),
+    (
+        "trainer_first_batch_seconds",
+        "The trainer's time from its stream's first iteration to its first batch",
+        lambda r: r["first_batch_s"],
+    ),
 )
 # Counters per queue: (name, help, the row field).
 _COUNTERS = (
@@ -169,17 +174,26 @@ def queue_families(rows: list[Row]) -> Iterable[Metric]:
 
 
 def producer_families(rows: list[Row]) -> Iterable[Metric]:
-    """The per-producer counters (label ``producer``) of the live producers."""
+    """The per-producer counters (label ``producer``) of the live producers, and the
+    time each took from its start to its first push (once known)."""
     fams = [
         (CounterMetricFamily(f"batchq_producer_{n}", doc, labels=_QP), field)
         for n, doc, field in _PRODUCER_COUNTERS
     ]
+    first_push = GaugeMetricFamily(
+        "batchq_producer_first_push_seconds",
+        "From the producer's start (its process's, or its fork) to its first push",
+        labels=_QP,
+    )
     for row in rows:
         for prod in row["producers"]:
             for fam, field in fams:
                 if prod[field] is not None:  # the cache's: only where it caches
                     fam.add_metric([row["queue"], prod["id"]], prod[field])
+            if prod["first_push_s"] is not None:
+                first_push.add_metric([row["queue"], prod["id"]], prod["first_push_s"])
     yield from (fam for fam, _ in fams)
+    yield first_push
 
 
 def group_families(rows: list[Row]) -> Iterable[Metric]:

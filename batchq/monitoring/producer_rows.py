@@ -14,7 +14,7 @@ from typing import Any
 
 from batchq.monitoring.sizing import ratio
 from batchq.monitoring.snapshot import QueueSnapshot
-from batchq.protocol.fields import ProducerStat, StatsField
+from batchq.protocol.fields import ProducerFigure, ProducerStat, StatsField
 from batchq.protocol.layout import id_host
 
 __all__ = ["PRODUCER_FIELDS", "bytes_held", "cache_fields", "live_totals", "producer_rows"]
@@ -23,7 +23,7 @@ __all__ = ["PRODUCER_FIELDS", "bytes_held", "cache_fields", "live_totals", "prod
 PRODUCER_FIELDS = (
     "id", "batches", "bytes", "build_s", "blocked_s", "build_ms_per_batch", "batches_per_s",
     "blocked_fraction", "heartbeat_in_s", "host", "cache_hits", "cache_misses",
-    "cache_hit_rate", "cache_bytes", "cache_saved_s",
+    "cache_hit_rate", "cache_bytes", "cache_saved_s", "first_push_s",
 )  # fmt: skip
 
 
@@ -47,6 +47,9 @@ def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, 
         "heartbeat_in_s": round((deadline - snap.now_ms) / 1000, 3),
         "host": id_host(producer),
         **_cache(c),
+        "first_push_s": (
+            c[ProducerFigure.FIRST_PUSH_MS] / 1000 if ProducerFigure.FIRST_PUSH_MS in c else None
+        ),
     }
 
 

@@ -126,6 +126,9 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     cache_bytes           int|null     bytes their cache directories hold (the largest
                                        figure per host, summed over hosts)
     cache_saved_s         float|null   build time the hits saved, less the reads' time
+    first_batch_s         float|null   the trainer's time from its stream's first
+                                       iteration to its first batch (consumer.stats);
+                                       schema 6, after cache_saved_s
 
 For a run read by several groups the queue-level figures are the group in slot 0's (the
 first to claim the run, whose keys keep the plain names); ``groups`` has every group's.
@@ -153,6 +156,10 @@ A producer object (its counters cover its whole life; ids are unique per process
     cache_hit_rate        float|null   cache_hits / (cache_hits + cache_misses)
     cache_bytes           int|null     bytes its cache directory holds (all processes')
     cache_saved_s         float|null   build time its hits saved, less their reads' time
+    first_push_s          float|null   from its start (its process's, or its fork from
+                                       a warm pool) to its first push; null until its
+                                       heartbeat wrote it (producer/serving/started.py);
+                                       after cache_saved_s
 
 ``bytes_held``: Redis cannot give the size of a list element without sending it
 (STRLEN works on strings only), so this is an estimate: depth times the mean frame size
@@ -228,7 +235,7 @@ STATUS_FIELDS = (
     "shm_segments", "shm_bytes", "world_size", "ranks", "slowest_rank", "figures_fresh",
     "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
     "slowest_group", "node", "stripes", "quarantined", "cache_hits", "cache_misses",
-    "cache_hit_rate", "cache_bytes", "cache_saved_s",
+    "cache_hit_rate", "cache_bytes", "cache_saved_s", "first_batch_s",
 )  # fmt: skip
 
 

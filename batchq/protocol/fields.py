@@ -18,7 +18,9 @@ module names the fields of:
   once a second with ``updated_ms`` (server ms), read by ``status``.
 * :class:`ProducerStat` -- ``bq:{Q}:pstats``, each producer's counters, field
   :func:`producer_stat_field` (``'<p>:<name>'``): incremented by push.lua, summed over
-  the live producers by pop.lua (into each history sample), read by ``status``.
+  the live producers by pop.lua (into each history sample), read by ``status``;
+  beside them :class:`ProducerFigure`, what a producer writes there itself (its time to
+  its first push).
 * :class:`HistoryField` -- the fields of a history sample (``bq:{Q}:history``, a JSON
   object a second): the trainer's side written by :mod:`consumer.stats`, the queue side
   added by pop.lua; read by ``status`` (:mod:`batchq.monitoring.sizing`), ``top`` and
@@ -37,6 +39,7 @@ from typing import Final
 __all__ = [
     "HistoryField",
     "MetaField",
+    "ProducerFigure",
     "ProducerStat",
     "StatsField",
     "TrainerField",
@@ -146,12 +149,13 @@ class TrainerField:
     WAIT_P99_S: Final = "wait_p99_s"
     BATCHES_PER_S: Final = "batches_per_s"
     MB_PER_S: Final = "mb_per_s"
+    FIRST_BATCH_S: Final = "first_batch_s"  # first iteration -> first batch
     UPDATED_MS: Final = "updated_ms"  # written by pop.lua: when (server ms)
 
     #: The figures the trainer publishes (consumer.stats), in order.
     PUBLISHED: Final = (
         EPOCH, EPOCH_PROGRESS, STALL_FRACTION_EPOCH, STALL_FRACTION_RECENT, WAIT_P50_S,
-        WAIT_P90_S, WAIT_P99_S, BATCHES_PER_S, MB_PER_S,
+        WAIT_P90_S, WAIT_P99_S, BATCHES_PER_S, MB_PER_S, FIRST_BATCH_S,
     )  # fmt: skip
 
 
@@ -175,6 +179,13 @@ class ProducerStat:
 
     #: The cache's counters, in the order the heartbeat writes them.
     CACHE: Final = (CACHE_HITS, CACHE_MISSES, CACHE_BYTES, CACHE_SAVED_MS)
+
+
+class ProducerFigure:
+    """What a producer writes itself into the pstats hash (beside push.lua's counters,
+    under :func:`producer_stat_field` names; producer/serving/started.py)."""
+
+    FIRST_PUSH_MS: Final = "first_push_ms"  # from its start to its first push, written once
 
 
 def producer_stat_field(producer: str, name: str) -> str:

@@ -42,6 +42,7 @@ from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
 from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
+from producer.serving.started import FirstPush
 from producer.serving.transport import ShmFrame, Transport
 from producer.serving.waiting import Waiting
 
@@ -106,6 +107,7 @@ class FramePusher:
         stop: set when the producer stops.
         lease_request: ``(prefetch, after) -> (call, token)``: the next lease request
             (see :func:`batchq.protocol.scripts.lease_call`).
+        first_push: told of the first push (:mod:`producer.serving.started`), if given.
     """
 
     def __init__(
@@ -117,8 +119,10 @@ class FramePusher:
         position: RunPosition,
         stop: threading.Event,
         lease_request: LeaseRequest,
+        first_push: FirstPush | None = None,
     ) -> None:
         self.settings = settings
+        self.first_push = first_push
         self.client = client
         self.plan = plan
         self._transport = transport
@@ -380,6 +384,8 @@ class FramePusher:
         out (detached) are left out of the shard's next frames: it went back for them."""
         self.pending_ref = None
         self.ahead.depth = reply.depth  # 1: the trainer had taken everything before
+        if self.first_push is not None:
+            self.first_push.pushed()
         if isinstance(reply, GPushReply) and reply.dropped:
             self.targets &= ~reply.dropped
         return True

@@ -24,6 +24,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, record_client, server_ms
 from producer.cache_stats import process_totals
 from producer.serving.position import RunPosition
+from producer.serving.started import FirstPush
 
 __all__ = ["BEATS_PER_TTL", "Heartbeat"]
 
@@ -47,6 +48,8 @@ class Heartbeat:
         stop: the producer's stop event: ends the thread; set here when orphaned.
         orphan_exit_s: stop the producer once no trainer has held a live claim on the
             run for this long; None: never.
+        first_push: the producer's start and first push; the beat after that push
+            writes the figure (:mod:`producer.serving.started`); None: not reported.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class Heartbeat:
         position: RunPosition,
         stop: threading.Event,
         orphan_exit_s: float | None,
+        first_push: FirstPush | None = None,
     ) -> None:
         self.url = url
+        self.first_push = first_push
         self.keys = keys
         self.id = producer
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
@@ -109,6 +114,8 @@ class Heartbeat:
                 now_ms = server_ms(client)
                 deadline_ms = now_ms + self.heartbeat_ttl_ms
                 client.zadd(self.keys.producers, {self.id: deadline_ms}, xx=True)
+                if self.first_push is not None:
+                    self.first_push.write(client, self.keys, self.id)
                 reap_dead(client, self.keys, self.position().incarnation, now_ms)
                 self.check_orphaned(client, now_ms)
                 self.record_cache(client)

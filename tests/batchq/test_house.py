@@ -42,6 +42,10 @@ PRIVATE_ALLOWED = {
     ("consumer/torch_memory.py", "_C"): "torch has no public use count of a storage",
     ("consumer/torch_memory.py", "_storage_Use_Count"): "the same",
     ("consumer/torch_memory.py", "_cdata"): "the same (the storage's handle)",
+    ("batchq/host/forked.py", "_exit"): (
+        "os._exit is Python's public way to end a forked child without running the "
+        "parent's cleanup (its name only looks private)"
+    ),
     ("producer/torch_iterable.py", "_worker_info"): (
         "torch's get_worker_info() reads this module global, which DataLoader's own worker "
         "loop sets the same way; nothing public sets it"

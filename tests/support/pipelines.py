@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from typing import Any
 
 import numpy as np
@@ -90,7 +91,32 @@ def numbered(
     build_log = os.environ.get("TEST_BUILD_LOG")
     if build_log:
         stream = Mapping(stream, BuildLog(build_log))
+    draw_log = os.environ.get("TEST_DRAW_LOG")
+    if draw_log:
+        stream = Mapping(stream, DrawLog(draw_log))
     return stream
+
+
+class DrawLog:
+    """A mapping (for :class:`Mapping`) that appends, per batch built, the building
+    process's pid and one draw of Python's and of numpy's global generators, as JSON:
+    what tells whether two producer processes share a random state."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, data: tuple[Any, ...]) -> tuple[Any, ...]:
+        draw = {
+            "pid": os.getpid(),
+            "random": random.random(),
+            "numpy": int(np.random.randint(2**62)),
+        }
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (json.dumps(draw) + "\n").encode())
+        finally:
+            os.close(fd)
+        return data
 
 
 class BuildLog:

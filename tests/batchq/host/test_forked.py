@@ -1,0 +1,206 @@
+"""Workers forked from the pool's warm process: each its own process group, Redis
+connections, random state and producer id; one killed is replaced; no fork while a
+thread runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from pipelines import examples_of, numbered
+from waiting import wait_until
+
+from batchq.cli import serve
+from batchq.host.forked import ForkedChild, fork_child, fork_refused
+from batchq.host.procs import Child, spawn, stop_group
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import id_pid
+from consumer import ServerDataStream
+
+
+def _children(pid: int) -> set[int]:
+    """The live (non-zombie) children of process ``pid``, from /proc."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
+            out.add(int(entry))
+    return out
+
+
+def _sockets(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds open."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
+def _local_ports(inodes: set[int], redis_port: int) -> set[int]:
+    """The local ports of the TCP connections to ``redis_port`` among ``inodes``."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            next(fh)
+            for line in fh:
+                cols = line.split()
+                local, remote, inode = cols[1], cols[2], int(cols[9])
+                if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == redis_port:
+                    ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _joined(client: redis.Redis, queue: str) -> dict[int, str]:
+    """pid -> producer id of the producers that joined ``queue``."""
+    ids = [p.decode() for p in client.zrange(QueueKeys(queue).producers, 0, -1)]
+    return {id_pid(p): p for p in ids}
+
+
+def test_a_fork_is_refused_while_another_thread_runs() -> None:
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, args=(30,), name="busy-thread")
+    thread.start()
+    try:
+        refused = fork_refused()
+        assert refused is not None and "busy-thread" in refused
+    finally:
+        release.set()
+        thread.join(timeout=10)
+    later = fork_refused()
+    assert later is None or "busy-thread" not in later
+
+
+def test_the_pool_spawns_instead_of_forking_while_a_thread_runs(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        factory="pipelines:numbered", factory_args={"examples": 40}, requests_per_shard=None
+    )
+    spawned: list[Child] = []
+
+    def spawner() -> Child:
+        proc = spawn([sys.executable, "-c", "import time; time.sleep(30)"])
+        spawned.append(proc)
+        return proc
+
+    start = serve._forker(args, "redis://127.0.0.1:1/0", spawner, None)
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, args=(30,))
+    thread.start()
+    try:
+        worker = start()  # a thread runs: no fork of this process
+        assert spawned == [worker] and not isinstance(worker, ForkedChild)
+    finally:
+        release.set()
+        thread.join(timeout=10)
+        for proc in spawned:
+            stop_group(proc, timeout_s=5.0)
+
+
+def test_a_forked_child_leads_its_own_group_and_exits_with_its_code() -> None:
+    read_fd, write_fd = os.pipe()
+
+    def target() -> int:
+        os.write(write_fd, f"{os.getpgid(0)} {os.getpid()}".encode())
+        return 7
+
+    child = fork_child(target)
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd, "rb") as fh:
+            pgid, pid = (int(v) for v in fh.read().split())
+        assert pgid == pid == child.pid and os.getpgid(0) != child.pid
+        assert child.wait(timeout=10) == 7
+    finally:
+        stop_group(child, timeout_s=5.0)
+    failing = fork_child(lambda: 1 // 0)
+    assert failing.wait(timeout=10) == 1  # logged, as a failed `batchq serve` exits
+
+
+@pytest.mark.parametrize("workers", ["2", "2:2"])  # a fixed pool; an autoscaler's (a client)
+def test_forked_workers_share_nothing_and_a_killed_one_is_replaced(
+    workers: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+) -> None:
+    draws = tmp_path / "draws.jsonl"
+    env = serve_env(examples=200, batch_size=20, draw_log=draws, slow_ms=10)
+    pool = spawn_proc(serve_argv("--workers", workers, "--heartbeat-ttl-s", "1"), env=env)
+    joined = wait_until(
+        lambda: (
+            (j := _joined(redis_client, queue_name)).keys() == _children(pool.pid)
+            and len(j) == 2
+            and j
+        ),
+        what="both workers to join",
+    )
+    first = set(joined)
+    # Forked, not spawned: a fork keeps the pool's command line.
+    cmdline = Path(f"/proc/{pool.pid}/cmdline").read_bytes()
+    assert all(Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline for pid in first)
+    assert all(os.getpgid(pid) == pid for pid in first)  # each its own group
+    assert len(set(joined.values())) == 2  # producer ids
+    # Redis: no socket shared (not with the pool, not with each other), distinct clients.
+    inodes = {pid: _sockets(pid) for pid in first}
+    a, b = first
+    assert not inodes[a] & inodes[b]
+    assert not (inodes[a] | inodes[b]) & _sockets(pool.pid)
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    by_port = {int(c["addr"].rsplit(":", 1)[1]): c["id"] for c in redis_client.client_list()}
+    ids = {
+        pid: {by_port[p] for p in _local_ports(inodes[pid], port) if p in by_port} for pid in first
+    }
+    assert ids[a] and ids[b] and not ids[a] & ids[b]
+
+    local = numbered(200, 20)  # in-process: the epochs served must be these
+    expected = [[examples_of(f) for f, _ in local.get_epoch_iterator()] for _ in range(3)]
+    stream = ServerDataStream(("features", "targets"), False, url=redis_url, queue=queue_name)
+    try:
+        epochs: list[list[list[int]]] = []
+        it = stream.get_epoch_iterator()
+        epoch = [examples_of(next(it)[0])]
+        os.kill(a, signal.SIGKILL)
+        replaced = wait_until(
+            lambda: set(_joined(redis_client, queue_name)) & (_children(pool.pid) - first),
+            what="a replacement worker to join",
+        )
+        epoch += [examples_of(f) for f, _ in it]
+        epochs.append(epoch)
+        for _ in range(2):
+            epochs.append([examples_of(f) for f, _ in stream.get_epoch_iterator()])
+        assert epochs == expected
+        stream.close(finished=True)
+    finally:
+        stream.close()
+    assert pool.wait(timeout=30) == 0
+    # Random states: each worker's first draws are its own.
+    firsts: dict[int, tuple[float, int]] = {}
+    for line in draws.read_text().splitlines():
+        d = json.loads(line)
+        firsts.setdefault(d["pid"], (d["random"], d["numpy"]))
+    assert first <= set(firsts) and replaced <= set(firsts)
+    assert (
+        len({v[0] for v in firsts.values()}) == len({v[1] for v in firsts.values()}) == len(firsts)
+    )
