@@ -171,6 +171,28 @@ def build_parser() -> Parser:
     serve.add_argument(
         "--shm-dir", default="/dev/shm", help="the shared-memory folder (default /dev/shm)"
     )
+    serve.add_argument(
+        "--on-sample-error",
+        choices=("raise", "quarantine"),
+        default=None,
+        help="an example whose read raises: raise (the shard fails, retried; the default) "
+        "or quarantine (recorded, replaced by a substitute drawn alike in every producer; "
+        "map-style torch and Hugging Face datasets; `batchq dead` lists them)",
+    )
+    serve.add_argument(
+        "--max-quarantined",
+        type=float,
+        default=None,
+        help="with quarantine: the fraction of an epoch's examples that may be quarantined "
+        "before the producers fail the run naming them (default 0.01)",
+    )
+    serve.add_argument(
+        "--build-timeout-s",
+        type=float,
+        default=None,
+        help="the longest one batch's build may take; past it the attempt fails naming the "
+        "example, the shard goes to another producer, and this one exits (default: none)",
+    )
 
     demo = parser.add_command(
         sub,

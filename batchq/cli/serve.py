@@ -29,7 +29,7 @@ from batchq.cli.factory_args import ENV_ARGS, as_stream, call_factory, load_fact
 from batchq.client.connection import ENV_URL, make_client, resolve_url
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.forked import fork_child, fork_refused
-from batchq.host.keeper import keep_workers
+from batchq.host.keeper import REPLACE_EXIT_CODE, keep_workers
 from batchq.host.pool import WorkerPool
 from batchq.host.procs import Child, spawn
 from batchq.protocol.keys import QueueKeys
@@ -48,32 +48,55 @@ def run_serve(args: argparse.Namespace) -> int:
     return _serve(_stream(args), None, args, url)
 
 
+def _opt(args: argparse.Namespace, name: str) -> Any:
+    """An optional serve flag's value (None where the namespace has none: one built by a
+    caller that predates the flag, as the pool's tests build theirs)."""
+    return getattr(args, name, None)
+
+
 def _stream(args: argparse.Namespace) -> Any:
-    """The factory's stream (imported and called here)."""
-    return as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
+    """The factory's stream (imported and called here), with ``--on-sample-error`` and
+    ``--max-quarantined`` set on its root before any plan is made of it (the plan's
+    fingerprint names a stream that quarantines, in a forked worker's pool as in a
+    spawned worker)."""
+    stream = as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
+    on_error, most = _opt(args, "on_sample_error"), _opt(args, "max_quarantined")
+    if on_error is not None or most is not None:
+        from producer.quarantine import set_sample_errors
+
+        set_sample_errors(stream, on_error, most)
+    return stream
 
 
 def _serve(
     stream: Any, plan: Any, args: argparse.Namespace, url: str, started_at: float | None = None
 ) -> int:
     """Serve ``stream`` in this process (``plan``: its shard plan, made already, or None;
-    ``started_at``: the worker's start, wall clock, where it is not the process's)."""
+    ``started_at``: the worker's start, wall clock, where it is not the process's).
+    A build past ``--build-timeout-s`` exits :data:`REPLACE_EXIT_CODE`: the stuck read
+    cannot be interrupted, so this worker goes and a pool replaces it."""
     from producer import start_server
+    from producer.errors import BuildTimeout
 
-    return start_server(
-        stream,
-        hwm=args.hwm,
-        queue=args.queue,
-        url=url,
-        requests_per_shard=None if plan is not None else args.requests_per_shard,
-        heartbeat_ttl_s=args.heartbeat_ttl_s,
-        orphan_exit_s=getattr(args, "orphan_exit_s", 600.0) or None,
-        transport=args.transport,
-        shm_dir=args.shm_dir,
-        stripes=args.stripes,
-        started_at=started_at,
-        **({"shard_plan": plan} if plan is not None else {}),
-    )
+    try:
+        return start_server(
+            stream,
+            hwm=args.hwm,
+            queue=args.queue,
+            url=url,
+            requests_per_shard=None if plan is not None else args.requests_per_shard,
+            heartbeat_ttl_s=args.heartbeat_ttl_s,
+            orphan_exit_s=getattr(args, "orphan_exit_s", 600.0) or None,
+            transport=args.transport,
+            shm_dir=args.shm_dir,
+            stripes=args.stripes,
+            started_at=started_at,
+            build_timeout_s=_opt(args, "build_timeout_s"),
+            **({"shard_plan": plan} if plan is not None else {}),
+        )
+    except BuildTimeout as e:
+        log.error("%s; exiting %d to be replaced", e, REPLACE_EXIT_CODE)
+        return REPLACE_EXIT_CODE
 
 
 def _spawner(args: argparse.Namespace, url: str) -> Callable[[], Child]:
@@ -103,6 +126,13 @@ def _spawner(args: argparse.Namespace, url: str) -> Callable[[], Child]:
     ]
     if args.requests_per_shard is not None:
         argv += ["--requests-per-shard", str(args.requests_per_shard)]
+    for flag, value in (
+        ("--on-sample-error", _opt(args, "on_sample_error")),
+        ("--max-quarantined", _opt(args, "max_quarantined")),
+        ("--build-timeout-s", _opt(args, "build_timeout_s")),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
     # The URL may hold a password: pass it in the environment, not on command lines.
     env = {**os.environ, ENV_URL: url}
     env[ENV_ARGS] = json.dumps(args.factory_args)  # the factory's arguments, same way

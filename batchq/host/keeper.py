@@ -1,15 +1,16 @@
 """A pool that keeps its workers: one killed by a signal is replaced, within bounds.
 
-A worker that exits by itself (code 0: the trainer finished the run; another code: its
-pipeline failed) ends the pool as before: no worker is started after it, and the pool
-ends when the last one has exited. A worker that dies by a signal (SIGKILL from the OOM
-killer or an operator, SIGSEGV in a native library) while none has exited by itself is
-replaced at once; its leases come back to the work list when its heartbeat lapses, as
-for any dead producer. :class:`Replacements` bounds that: after ``max_deaths`` deaths
-within ``window_s`` seconds the pool stops replacing (logged as an error) and the dead
-worker counts as one that exited. :func:`keep_workers` is the loop of a fixed pool
-(``--workers N``); :class:`batchq.host.pool.WorkerPool` (``--workers auto``) replaces
-its workers the same way.
+A worker that exits by itself (code 0: the trainer finished the run; another code but
+:data:`REPLACE_EXIT_CODE`: its pipeline failed) ends the pool as before: no worker is
+started after it, and the pool ends when the last one has exited. A worker that dies by
+a signal (SIGKILL from the OOM killer or an operator, SIGSEGV in a native library) while
+none has exited by itself is replaced at once, and so is one that stopped itself on a
+stuck build (:data:`REPLACE_EXIT_CODE`); its leases come back to the work list when its
+heartbeat lapses, as for any dead producer. :class:`Replacements` bounds that: after
+``max_deaths`` deaths within ``window_s`` seconds the pool stops replacing (logged as an
+error) and the dead worker counts as one that exited. :func:`keep_workers` is the loop
+of a fixed pool (``--workers N``); :class:`batchq.host.pool.WorkerPool` (``--workers
+auto``) replaces its workers the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from collections.abc import Callable
 
 from batchq.host.procs import Child, stop_group
 
-__all__ = ["Replacements", "keep_workers"]
+__all__ = ["REPLACE_EXIT_CODE", "Replacements", "keep_workers"]
+
+#: The exit code of a worker that stopped itself to be replaced: its build passed
+#: ``--build-timeout-s`` and the stuck read cannot be interrupted (EX_TEMPFAIL). The pool
+#: replaces it as one killed by a signal, within the same bounds.
+REPLACE_EXIT_CODE = 75
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,7 @@ class Replacements:
         """Whether the pool replaces ``worker``, which exited (its ``returncode`` set)
         while no worker had exited by itself; logs the death either way."""
         code = worker.returncode
-        if code is None or code >= 0 or self.exhausted:
+        if code is None or (code >= 0 and code != REPLACE_EXIT_CODE) or self.exhausted:
             return False
         self.deaths.append(now_s)
         while self.deaths and now_s - self.deaths[0] > self.window_s:
@@ -53,13 +59,20 @@ class Replacements:
         if len(self.deaths) > self.max_deaths:
             self.exhausted = True
             log.error(
-                "worker %d died by signal %d: %d deaths within %g s, replacing no more",
-                worker.pid, -code, len(self.deaths), self.window_s,
+                "worker %d %s: %d deaths within %g s, replacing no more",
+                worker.pid, _death(code), len(self.deaths), self.window_s,
             )  # fmt: skip
             return False
         self.replaced += 1
-        log.warning("worker %d died by signal %d: replacing it", worker.pid, -code)
+        log.warning("worker %d %s: replacing it", worker.pid, _death(code))
         return True
+
+
+def _death(code: int) -> str:
+    """How a replaced worker ended, for the log."""
+    if code == REPLACE_EXIT_CODE:
+        return "stopped on a stuck build (build_timeout_s)"
+    return f"died by signal {-code}"
 
 
 def keep_workers(

@@ -16,7 +16,7 @@ SAVED_NAMES = {
     "WORLD_SIZE_KEY": "world_size", "EVEN_BATCHES_KEY": "even_batches",
     "PLAN_SHARDS_KEY": "plan_shards", "STEP_KEY": "step", "REMAP_KEY": "remap",
     "GROUP_KEY": "group",
-    "PARAMS_KEY": "params",
+    "PARAMS_KEY": "params", "EVERY_RANK_KEY": "every_rank",
 }  # fmt: skip
 KNOWN = set(SAVED_NAMES.values())
 

@@ -58,3 +58,24 @@ def test_a_build_that_never_returns_is_producer_failed_naming_the_example(
     text = str(error)
     assert "BuildTimeout" in text and f"(reading example {HANG})" in text
     assert "build_timeout_s=1.0" in text
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_replaces_the_workers_a_stuck_build_stops(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    # `batchq serve --workers 2 --build-timeout-s 1`: each worker that meets the hang
+    # gives its attempt up and exits to be replaced; the pool keeps 2 until the trainer
+    # has ProducerFailed naming the example (max_attempts, 3 by default).
+    env = serve_env(examples=120, batch_size=8, hang=HANG)
+    argv = serve_argv(
+        "--workers", "2", "--build-timeout-s", "1", factory="torch_pipelines:hanging_stream"
+    )
+    pool = spawn_proc([*argv, "--heartbeat-ttl-s", "2"], env=env, stderr=subprocess.PIPE)
+    with (
+        ServerDataStream(("index", "aug"), url=redis_url, queue=queue_name) as stream,
+        pytest.raises(ProducerFailed, match=rf"BuildTimeout.*\(reading example {HANG}\)"),
+    ):
+        for _ in stream.get_epoch_iterator():
+            pass
+    assert pool.poll() is None  # still serving: its stopped workers were replaced

@@ -104,8 +104,9 @@ def test_two_ranks_read_exact_epochs_with_substitutes_and_the_bad_examples_liste
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     env = serve_env(examples=EXAMPLES, batch_size=BATCH, bad=",".join(map(str, BAD)))
-    for _ in range(2):
-        spawn_proc(serve_argv("--hwm", "4", factory="torch_pipelines:quarantine_stream"), env=env)
+    # Two workers forked by one `batchq serve`, quarantine set by its flags.
+    argv = serve_argv("--hwm", "4", "--workers", "2", factory="torch_pipelines:broken_stream")
+    spawn_proc([*argv, "--on-sample-error", "quarantine", "--max-quarantined", "0.01"], env=env)
     shares = read_ranks(redis_url, queue_name, EPOCHS)
     monkeypatch.setenv("TEST_BAD", env["TEST_BAD"])  # what every producer builds, here
     local = quarantine_stream(EXAMPLES, BATCH)

@@ -144,8 +144,16 @@ class BrokenExamples(RngDataset):
 
 
 def quarantine_stream(examples: int | None = None, batch_size: int | None = None) -> DatasetStream:
-    """rng_stream over BrokenExamples (TEST_BAD) with on_sample_error='quarantine' and
-    TEST_MAX_QUARANTINED (per mille, default 10: 0.01)."""
+    """broken_stream with on_sample_error='quarantine' and TEST_MAX_QUARANTINED (per
+    mille, default 10: 0.01)."""
+    stream = broken_stream(examples, batch_size)
+    stream.set_sample_errors("quarantine", _env("max_quarantined", 10) / 1000)
+    return stream
+
+
+def broken_stream(examples: int | None = None, batch_size: int | None = None) -> DatasetStream:
+    """rng_stream over BrokenExamples (TEST_BAD), reads that raise as they are (what
+    ``batchq serve --on-sample-error`` changes)."""
     n = examples or _env("examples", 120)
     return DatasetStream(
         BrokenExamples(n, bad_examples(), slow_ms=_env("slow_ms", 0)),
@@ -153,8 +161,6 @@ def quarantine_stream(examples: int | None = None, batch_size: int | None = None
         shuffle=True,
         generator=torch.Generator().manual_seed(3),
         sources=("index", "aug"),
-        on_sample_error="quarantine",
-        max_quarantined=_env("max_quarantined", 10) / 1000,
     )
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from batchq.host.keeper import Replacements, keep_workers
+from batchq.host.keeper import REPLACE_EXIT_CODE, Replacements, keep_workers
 from batchq.host.procs import Child, spawn, stop_group
 
 SUICIDE = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
@@ -54,3 +54,10 @@ def test_deaths_outside_the_window_are_forgotten() -> None:
     bound = Replacements(max_deaths=1, window_s=10.0)
     assert bound.replace(Dead(), 0.0) and bound.replace(Dead(), 20.0)
     assert not bound.replace(Dead(), 21.0) and bound.exhausted
+
+
+def test_a_worker_stopped_on_a_stuck_build_is_replaced_too(started: list[Child]) -> None:
+    bound = Replacements(max_deaths=2, window_s=600.0)
+    stuck = f"raise SystemExit({REPLACE_EXIT_CODE})"  # what serve exits on BuildTimeout
+    code = keep_workers(_starter(stuck, started), 1, threading.Event(), replacements=bound)
+    assert code == REPLACE_EXIT_CODE and len(started) == 3 and bound.replaced == 2
