@@ -69,6 +69,13 @@ def _local_ports(inodes: set[int], redis_port: int) -> set[int]:
     return ports
 
 
+def _drawers(draws: Path) -> set[int]:
+    """The pids that have logged a draw (DrawLog: one line per batch built)."""
+    if not draws.exists():
+        return set()
+    return {json.loads(line)["pid"] for line in draws.read_text().splitlines()}
+
+
 def _joined(client: redis.Redis, queue: str) -> dict[int, str]:
     """pid -> producer id of the producers that joined ``queue``."""
     ids = [p.decode() for p in client.zrange(QueueKeys(queue).producers, 0, -1)]
@@ -174,6 +181,10 @@ def test_forked_workers_share_nothing_and_a_killed_one_is_replaced(
     }
     assert ids[a] and ids[b] and not ids[a] & ids[b]
 
+    # Both have built a batch (the run fills the queue before any trainer comes): each
+    # has drawn from its generators, whatever the trainer's reads interleave with.
+    wait_until(lambda: first <= _drawers(draws), what="both workers to build a batch")
+
     local = numbered(200, 20)  # in-process: the epochs served must be these
     expected = [[examples_of(f) for f, _ in local.get_epoch_iterator()] for _ in range(3)]
     stream = ServerDataStream(("features", "targets"), False, url=redis_url, queue=queue_name)
@@ -200,7 +211,8 @@ def test_forked_workers_share_nothing_and_a_killed_one_is_replaced(
     for line in draws.read_text().splitlines():
         d = json.loads(line)
         firsts.setdefault(d["pid"], (d["random"], d["numpy"]))
-    assert first <= set(firsts) and replaced <= set(firsts)
+    assert replaced and not replaced & first  # a new worker took the killed one's place
+    assert first <= set(firsts)  # a replacement draws too where it built a batch
     assert (
         len({v[0] for v in firsts.values()}) == len({v[1] for v in firsts.values()}) == len(firsts)
     )
