@@ -30,6 +30,7 @@ imports this module.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 import weakref
 from collections import Counter, deque
@@ -131,6 +132,7 @@ class TorchStream(IterableDataset[Any]):
         # The DataLoaders last found holding this stream, and when (a heap scan is
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
         self._loaders: tuple[float, weakref.WeakSet[Any]] | None = None
+        self._refs_checked = -1  # references to this stream at the last dispatcher look
 
     # -- what the loop uses ----------------------------------------------------------
 
@@ -141,7 +143,12 @@ class TorchStream(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         """One epoch per call (what a DataLoader asks for each epoch)."""
         refuse_worker_process()
-        refuse_dispatcher(self)
+        # A dispatcher's loader is one more reference to this stream: where the count
+        # is what it was at the last look, no loader came (a heap scan saved per epoch).
+        refs = sys.getrefcount(self)
+        if refs != self._refs_checked:
+            refuse_dispatcher(self)
+            self._refs_checked = refs
         return self._epoch(self.as_dict)
 
     def __len__(self) -> int:
