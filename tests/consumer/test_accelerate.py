@@ -6,42 +6,17 @@ killed mid-epoch resumes every rank from ``save_state`` (rank 0's copy)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pipelines import examples_of, numbered
+from torchrun import SUPPORT, run_ranks
 
 pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
 EXAMPLES, BATCH, WORLD = 200, 10, 2  # 20 batches (one per shard) per epoch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def ranks(
-    spawn_proc: Any, argv: list[str], per_rank: Callable[[int], list[str]] = lambda r: []
-) -> list[int]:
-    """Run ``python argv`` as every rank of a job (torchrun's variables), and return
-    their exit codes."""
-    port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-        env.update(LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SUPPORT))
-        procs.append(spawn_proc([sys.executable, *argv, *per_rank(rank)], env=env))
-    return [proc.wait(timeout=120) for proc in procs]
 
 
 def lines(path: Path) -> list[tuple[int, list[int]]]:
@@ -60,7 +35,7 @@ def test_dispatcher_refused_on_every_rank_and_plain_loaders_read_every_share(
     spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
     outs = [tmp_path / f"r{r}.json" for r in range(WORLD)]
     job = [str(SUPPORT / "accelerate_rank.py"), redis_url, queue_name]
-    assert ranks(spawn_proc, job, lambda rank: [str(outs[rank])]) == [0] * WORLD
+    assert run_ranks(spawn_proc, job, WORLD, lambda rank: [str(outs[rank])]) == [0] * WORLD
     got = [json.loads(out.read_text()) for out in outs]
     assert [(g["rank"], g["world"]) for g in got] == [(r, WORLD) for r in range(WORLD)]
     for g in got:
@@ -82,10 +57,10 @@ def test_killed_mid_epoch_resumes_every_rank_from_save_state(
     # register_for_checkpointing + save_state keep rank 0's state of the stream only.
     spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
     job = [str(SUPPORT / "accelerate_job.py"), redis_url, queue_name, str(tmp_path), "2"]
-    assert ranks(spawn_proc, [*job, "--stop-at", "7"]) == [3] * WORLD
+    assert run_ranks(spawn_proc, [*job, "--stop-at", "7"], WORLD) == [3] * WORLD
     first = [lines(tmp_path / f"rank{r}.jsonl") for r in range(WORLD)]
     assert [len(f) for f in first] == [7] * WORLD  # the state of step 6 was saved
-    assert ranks(spawn_proc, [*job, "--resume"]) == [0] * WORLD
+    assert run_ranks(spawn_proc, [*job, "--resume"], WORLD) == [0] * WORLD
     stream = numbered(EXAMPLES, BATCH)
     plans = [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(2)]
     for rank in range(WORLD):

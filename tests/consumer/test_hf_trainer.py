@@ -8,36 +8,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pipelines import examples_of, numbered
+from torchrun import SUPPORT, run_ranks
 
 pytest.importorskip("torch")
 if importlib.util.find_spec("transformers") is None:  # not imported: it imports torchvision
     pytest.skip("needs transformers (the test extra)", allow_module_level=True)
 
-SUPPORT = Path(__file__).resolve().parents[1] / "support"
 EXAMPLES, BATCH, WORLD, EPOCHS = 200, 10, 2, 2
-
-
-def run_job(spawn_proc: Any, url: str, queue: str, out: Path) -> list[int]:
-    """The job's every rank, as torchrun starts them; their exit codes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-        env.update(LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SUPPORT))
-        argv = [sys.executable, str(SUPPORT / "transformers_job.py"), url, queue, str(out)]
-        procs.append(spawn_proc([*argv, str(EPOCHS)], env=env))
-    return [proc.wait(timeout=120) for proc in procs]
 
 
 def test_stock_dataloader_refused_and_the_stream_as_dataloader_exact_on_every_rank(
@@ -49,7 +31,8 @@ def test_stock_dataloader_refused_and_the_stream_as_dataloader_exact_on_every_ra
     tmp_path: Path,
 ) -> None:
     spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
-    assert run_job(spawn_proc, redis_url, queue_name, tmp_path) == [0] * WORLD
+    job = [str(SUPPORT / "transformers_job.py"), redis_url, queue_name, str(tmp_path), str(EPOCHS)]
+    assert run_ranks(spawn_proc, job, WORLD) == [0] * WORLD
     stream = numbered(EXAMPLES, BATCH)
     plans = [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(EPOCHS)]
     for rank in range(WORLD):
