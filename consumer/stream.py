@@ -13,15 +13,11 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import redis
-
 from batchq.client.connection import make_client, resolve_url, tune_malloc
 from batchq.errors import ConfigError, StreamStopped, TrainerConflict
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
-from batchq.protocol.quarantine_records import read_quarantine
 from batchq.wire.codec import Frame
-from consumer.cache_figures import CacheFigures
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.group_session import check_group_state, refuse_params
@@ -32,6 +28,7 @@ from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.thread import Reader
+from consumer.run_figures import RunFigures
 from consumer.session import Session
 from consumer.state_keys import (
     EPOCH_KEY,
@@ -181,7 +178,7 @@ class ServerDataStream(FuelStreamMixin):
         self.producers_seen: Counter[str] = Counter()
         self.progress = progress
         self._stats = TrainerStats()
-        self._cache_figures = CacheFigures()
+        self._run_figures = RunFigures()
         self._shm = TrainerShm(
             self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
         )
@@ -548,24 +545,13 @@ class ServerDataStream(FuelStreamMixin):
         (shards leased before the run's floor moved back, see docs/design.md);
         ``rebuilt_params``: frames built with params a later :meth:`set_params` changed,
         dropped and built again; ``quarantined``: examples of the run its dataset could
-        not read, replaced by substitutes (``on_sample_error='quarantine'``, one read of
-        Redis); ``cache``: the live producers' cache figures (hits, misses, hit_rate,
-        bytes, saved_s, producers; None when none caches a stage, see
-        :mod:`consumer.cache_figures`)."""
+        not read, replaced by substitutes (``on_sample_error='quarantine'``);
+        ``cache``: the live producers' cache figures (hits, misses, hit_rate, bytes,
+        saved_s, producers; None when none caches a stage). Those two are read from
+        Redis at most once a second (:mod:`consumer.run_figures`)."""
         out = self._stats.snapshot()
         out["dropped_ahead"] = self._buffer.dropped_ahead if self._buffer is not None else 0
         out["rebuilt_params"] = self._params.rebuilt
-        out["quarantined"] = self._quarantined()
-        out["cache"] = self._cache_figures.read(self._client, self.keys)
+        run = self._session.position()[0] if self._session is not None else ""
+        out["cache"], out["quarantined"] = self._run_figures.read(self._client, self.keys, run)
         return out
-
-    def _quarantined(self) -> int:
-        session = self._session
-        if self._client is None or session is None:
-            return 0
-        try:
-            found = read_quarantine(self._client, self.keys, records=False)
-        except (redis.RedisError, OSError) as e:
-            log.debug("queue %s: quarantined examples not read: %s", self.keys.queue, e)
-            return 0
-        return found.count_of(session.run)

@@ -118,11 +118,12 @@ def find_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
             named), a world size of its own comes without a rank, or the environment's
             values are not integers.
     """
-    found = _process_group() or _environment()
+    group = _process_group()
+    found = group or _environment()
     if found is None:
         return (0 if rank is None else rank), (1 if world_size is None else world_size)
     found_rank, found_world = found
-    if _process_group() is not None:
+    if group is not None:
         if world_size is not None and world_size != found_world:
             # Data-parallel ranks fewer than the processes (tensor or pipeline parallelism
             # beside them): the data-parallel rank is the caller's to say.

@@ -138,9 +138,9 @@ class DatasetStream(AbstractDataStream):
         self.torch_threads = check_threads(torch_threads)
         self._threads_set = False
         self._epoch = 0  # the epoch of the shard built (begin_shard); in-process: 0
-        #: What the stream reads now ('example 17', 'examples [3, 4]'; '' between
-        #: batches): a build past build_timeout_s names it.
-        self.reading = ""
+        # What the stream reads now, as given: formatted only when a build past
+        # build_timeout_s names it (:attr:`reading`), not for every example.
+        self._reading: tuple[str, Any] | None = None
         self._batch_seed: int | None = None
         self.sample_errors: SampleErrors | None = None
         self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
@@ -288,22 +288,34 @@ class DatasetStream(AbstractDataStream):
     def _build(self, request: Any) -> Any:
         errors = self.sample_errors
         if errors is not None and errors.quarantine:
-            return self.collate_fn(self._read_quarantined(request, errors))
+            data = self._read_quarantined(request, errors)
+            self._reading = None
+            return self.collate_fn(data)
         if not self.auto_collation:
             return self.collate_fn(self._get(request))
         getitems = getattr(self.dataset, "__getitems__", None)
         # As torch's _MapDatasetFetcher reads a batch.
         if getitems:
-            self.reading = f"examples {list(request)}"
+            self._reading = ("examples", request)
             data = getitems(request)
         else:
             data = [self._get(i) for i in request]
-        self.reading = ""
+        self._reading = None
         return self.collate_fn(data)
+
+    @property
+    def reading(self) -> str:
+        """What the stream reads now ('example 17', 'examples [3, 4]'; '' between
+        batches): a build past build_timeout_s names it."""
+        what = self._reading
+        if what is None:
+            return ""
+        kind, which = what
+        return f"{kind} {list(which) if kind == 'examples' else which}"
 
     def _get(self, i: Any) -> Any:
         """``dataset[i]``, saying so (:attr:`reading`)."""
-        self.reading = f"example {i}"
+        self._reading = ("example", i)
         return self.dataset[i]
 
     def _read_quarantined(self, request: Any, errors: SampleErrors) -> Any:
@@ -318,7 +330,7 @@ class DatasetStream(AbstractDataStream):
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems and not errors.known_bad.intersection(request):
             try:
-                self.reading = f"examples {list(request)}"
+                self._reading = ("examples", request)
                 return getitems(request)
             except Exception:
                 # Read again example by example, from the batch's seed: an example that
