@@ -9,7 +9,7 @@ it imports; a circle is one floor) and radon's C-or-worse blocks per thousand Py
 lines (and D-or-worse blocks). radon is a dev tool, not a dependency: without it that
 line says so.
 
-    python bench/structure.py                 # the work tree
+    python bench/structure.py                 # the work tree (run from its root)
     python bench/structure.py e7b98c3 HEAD    # commits, side by side
 """
 
@@ -32,8 +32,9 @@ D_RANK = 21
 
 
 def _tree(rev: str | None, into: Path) -> Path:
-    """The library's files at ``rev`` under ``into`` (the work tree when ``rev`` is None)."""
-    root = Path(__file__).resolve().parents[1]
+    """The library's files at ``rev`` under ``into`` (when ``rev`` is None: the work tree
+    the command runs in, so a worktree measures itself)."""
+    root = Path.cwd()
     if rev is None:
         return root
     archive = subprocess.run(
