@@ -21,6 +21,7 @@ standard library is seen through the library frame that called it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -85,7 +86,7 @@ class Tracer:
         for sequence in self.sequences.values():
             files.update(sequence)
             left: set[str] = set()
-            for before, after in zip(sequence, sequence[1:], strict=False):
+            for before, after in itertools.pairwise(sequence):
                 steps += 1
                 left.add(before)
                 returns += after in left
