@@ -1,7 +1,7 @@
 """``on_sample_error='quarantine'``: an example whose read raises is recorded and replaced.
 
 A map-style dataset (torch, Hugging Face) read with ``on_sample_error='quarantine'``
-(:class:`producer.torch_dataset.DatasetStream`) reads a batch example by example where
+(:class:`producer.torch.dataset.DatasetStream`) reads a batch example by example where
 one raised: the example that raised is recorded (its index, the epoch, the error's type,
 message and traceback as text) and replaced by a *substitute*, so every batch keeps its
 size, every data-parallel rank its count and every epoch its plan.
@@ -33,8 +33,8 @@ from typing import Any, Protocol
 from batchq.errors import ConfigError
 from batchq.protocol.layout import QUARANTINE_CAP, parse_quarantine_record, quarantine_record
 from producer.errors import QuarantineExceeded
+from producer.randomness import derive_seed
 from producer.serving.sharding import find_root
-from producer.torch_seeding import derive_seed
 
 __all__ = [
     "DEFAULT_MAX_QUARANTINED",
@@ -82,7 +82,7 @@ def set_sample_errors(
 
     Raises:
         ConfigError: a value is invalid, or the root reads no dataset example by example
-            (only a map-style :class:`producer.torch_dataset.DatasetStream` does).
+            (only a map-style :class:`producer.torch.dataset.DatasetStream` does).
     """
     root = find_root(stream)
     setter = getattr(root, "set_sample_errors", None)
