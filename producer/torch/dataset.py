@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from batchq.errors import ConfigError
 from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
@@ -87,13 +87,19 @@ class DatasetStream(AbstractDataStream):
             combination is one DataLoader refuses.
     """
 
+    #: The kind of dataset the class serves. ``DatasetStream(dataset)`` is the one
+    #: constructor of both kinds: given an IterableDataset it makes its subclass of kind
+    #: 'iterable' (:class:`producer.torch.iterable.IterableDatasetStream`, defined where
+    #: the package imports it), found among its subclasses so that this module does not
+    #: import that one, which builds on this one.
+    dataset_kind: ClassVar[str] = "map-style"
+
     def __new__(cls, dataset: Any, *args: Any, **kwargs: Any) -> DatasetStream:
         import torch.utils.data
 
         if cls is DatasetStream and isinstance(dataset, torch.utils.data.IterableDataset):
-            from producer.torch.iterable import IterableDatasetStream
-
-            return super().__new__(IterableDatasetStream)
+            (iterable,) = [k for k in cls.__subclasses__() if k.dataset_kind == "iterable"]
+            return super().__new__(iterable)
         return super().__new__(cls)
 
     def __init__(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from batchq.errors import ConfigError
 from producer.randomness import derive_seed
@@ -87,6 +87,7 @@ class IterableDatasetStream(DatasetStream):
         ConfigError: an argument is invalid.
     """
 
+    dataset_kind: ClassVar[str] = "iterable"
     #: Not one batch per request: the plan reads a shard's batches one ahead.
     one_to_one = False
 
