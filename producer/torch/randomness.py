@@ -1,26 +1,28 @@
 """What a torch pipeline draws, made a pure function of the run's seed: the order of
 each epoch's indices and the global generators' state before each batch.
 
-**Seeds.** PyTorch pipelines draw their augmentations from process-wide generators: torchvision's
-random transforms from torch's default generator, many user transforms from numpy's
-global ``RandomState`` or Python's ``random``. A DataLoader worker seeds torch's from its
-base seed and leaves the rest to the user; the batches it yields depend on which worker
-built what. Served, any producer may build (or build again) any batch, so before each
-batch the producer seeds all three from (the run's seed, the shard's seed, the batch's
-position in its shard): the same batch gets the same draws wherever it is built.
+**Seeds.** PyTorch pipelines draw their augmentations from process-wide generators:
+torchvision's random transforms from torch's default generator, many user transforms
+from numpy's global ``RandomState`` or Python's ``random``. A DataLoader worker seeds
+torch's from its base seed and leaves the rest to the user; the batches it yields depend
+on which worker built what. Served, any producer may build (or build again) any batch,
+so before each batch the producer seeds all three from (the run's seed, the shard's
+seed, the batch's position in its shard): the same batch gets the same draws wherever it
+is built.
 
 What this cannot cover: a generator the user keeps in their own object (a
 ``torch.Generator`` or ``numpy.random.Generator`` attribute of a transform), which
 carries its state from batch to batch inside one producer.
 
-**Orders.** A DataLoader's samplers keep state between epochs: ``RandomSampler(generator=g)``
-draws a new permutation from ``g`` every epoch, and each ``iter(loader)`` also draws its
-base seed from the loader's generator first. Epoch e's order therefore depends on the
-generator's state after e epochs. :class:`SamplerOrders` snapshots the sampler (and the
-generators it holds) at construction and replays the draws, so every producer computes
-epoch e's batches of indices alone, and they are exactly those the DataLoader yields in
-its (e+1)-th epoch (as :class:`producer.randomness.FuelShuffles` does for Fuel's
-schemes: the state before every 16th computed epoch and the latest are kept).
+**Orders.** A DataLoader's samplers keep state between epochs:
+``RandomSampler(generator=g)`` draws a new permutation from ``g`` every epoch, and each
+``iter(loader)`` also draws its base seed from the loader's generator first. Epoch e's
+order therefore depends on the generator's state after e epochs. :class:`SamplerOrders`
+snapshots the sampler (and the generators it holds) at construction and replays the
+draws, so every producer computes epoch e's batches of indices alone, and they are
+exactly those the DataLoader yields in its (e+1)-th epoch (as
+:class:`producer.randomness.FuelShuffles` does for Fuel's schemes: the state before
+every 16th computed epoch and the latest are kept).
 
 Where a DataLoader would draw from torch's global generator (a ``RandomSampler`` or
 ``WeightedRandomSampler`` without a generator, the base seed of a loader without one),
