@@ -3,20 +3,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from producer._scheme_args import check_count
 from producer.errors import ConfigError
-
-if TYPE_CHECKING:
-    from producer.schemes import IterationScheme
 
 __all__ = ["cross_validation"]
 
 
 def cross_validation(
-    scheme_class: type[IterationScheme],
+    scheme_class: Callable[..., Any],
     num_examples: int,
     num_folds: int,
     strict: bool = True,
@@ -83,7 +80,7 @@ def _check_folds(num_examples: Any, num_folds: Any, strict: bool) -> tuple[int, 
 
 
 def _fold(
-    scheme_class: type[IterationScheme],
+    scheme_class: Callable[..., Any],
     i: int,
     examples: int,
     folds: int,
@@ -93,6 +90,6 @@ def _fold(
     """Fold ``i``'s (train, valid[, valid size]) schemes."""
     begin = examples * i // folds
     end = examples * (i + 1) // folds
-    train = scheme_class([*range(begin), *range(end, examples)], **kwargs)  # type: ignore[call-arg]
-    valid = scheme_class(list(range(begin, end)), **kwargs)  # type: ignore[call-arg]
+    train = scheme_class([*range(begin), *range(end, examples)], **kwargs)
+    valid = scheme_class(list(range(begin, end)), **kwargs)
     return (train, valid) if strict else (train, valid, end - begin)

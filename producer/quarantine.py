@@ -1,7 +1,7 @@
 """``on_sample_error='quarantine'``: an example whose read raises is recorded and replaced.
 
 A map-style dataset (torch, Hugging Face) read with ``on_sample_error='quarantine'``
-(:class:`producer.torch_dataset.DatasetStream`) reads a batch example by example where
+(:class:`producer.torch.dataset.DatasetStream`) reads a batch example by example where
 one raised: the example that raised is recorded (its index, the epoch, the error's type,
 message and traceback as text) and replaced by a *substitute*, so every batch keeps its
 size, every data-parallel rank its count and every epoch its plan.
@@ -20,6 +20,14 @@ more distinct examples than that are quarantined (counted over the run, in Redis
 served: a bad example is bad in every epoch), the build raises
 :class:`QuarantineExceeded` naming them, which reaches the trainer as ``ProducerFailed``
 after ``max_attempts`` (a dataset that broken is not trained on substitutes).
+
+**Records.** In-process the records stay here (:class:`LocalRecords`). A producer
+serving the stream binds the run's (:func:`bind_records`, :class:`RunRecords`): every
+example replaced by a substitute goes into the run's quarantine hash (quarantine.lua;
+``batchq dead`` lists them, ``status`` and ``stream.stats`` count them), and the run's
+count bounds ``max_quarantined`` over every producer. The records travel on a client of
+their own: an example is met while a batch is built, which may happen while the serving
+thread's connection waits for a push's reply.
 """
 
 from __future__ import annotations
@@ -30,11 +38,18 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from batchq.errors import ConfigError
+import redis
+
+from batchq.client.connection import make_client
+from batchq.errors import BatchQueueError, ConfigError
+from batchq.protocol import scripts
+from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import QUARANTINE_CAP, parse_quarantine_record, quarantine_record
+from batchq.protocol.quarantine_records import read_quarantine
+from batchq.protocol.words import Status
 from producer.errors import QuarantineExceeded
+from producer.randomness import derive_seed
 from producer.serving.sharding import find_root
-from producer.torch_seeding import derive_seed
 
 __all__ = [
     "DEFAULT_MAX_QUARANTINED",
@@ -42,7 +57,9 @@ __all__ = [
     "ON_SAMPLE_ERROR",
     "LocalRecords",
     "QuarantineRecords",
+    "RunRecords",
     "SampleErrors",
+    "bind_records",
     "check_sample_errors",
     "set_sample_errors",
     "substitute_draw",
@@ -82,7 +99,7 @@ def set_sample_errors(
 
     Raises:
         ConfigError: a value is invalid, or the root reads no dataset example by example
-            (only a map-style :class:`producer.torch_dataset.DatasetStream` does).
+            (only a map-style :class:`producer.torch.dataset.DatasetStream` does).
     """
     root = find_root(stream)
     setter = getattr(root, "set_sample_errors", None)
@@ -129,6 +146,57 @@ class LocalRecords:
 
     def listing(self, limit: int) -> list[dict[str, Any]]:
         return [parse_quarantine_record(r) for r in list(self.records.values())[:limit]]
+
+
+class RunRecords:
+    """Quarantined examples recorded in the run a producer serves.
+
+    Args:
+        url: the queue's Redis.
+        keys: the queue's keys.
+        position: ``() -> (incarnation, run)`` of the run served now.
+    """
+
+    def __init__(self, url: str, keys: QueueKeys, position: Callable[[], tuple[str, str]]) -> None:
+        self.url = url
+        self.keys = keys
+        self.position = position
+        self.local = LocalRecords()  # what could not reach Redis still counts here
+        self._client: redis.Redis | None = None
+
+    def record(self, index: int, record: str) -> int:
+        local = self.local.record(index, record)
+        incarnation, run = self.position()
+        try:
+            reply = scripts.quarantine(
+                self.client, self.keys, incarnation=incarnation, run=run, index=index,
+                record=record,
+            )  # fmt: skip
+        except (redis.RedisError, OSError, BatchQueueError) as e:
+            log.warning("example %d: quarantine not recorded in Redis: %s", index, e)
+            return local
+        # Another run now (the shard is dropped anyway): this process's count.
+        return reply.first if reply.status == Status.OK else local
+
+    def listing(self, limit: int) -> list[dict[str, Any]]:
+        try:
+            found = read_quarantine(self.client, self.keys).records
+        except (redis.RedisError, OSError, BatchQueueError) as e:
+            log.warning("quarantined examples not read from Redis: %s", e)
+            found = []
+        return found[:limit] or self.local.listing(limit)
+
+    @property
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            self._client = make_client(self.url, key=self.keys.meta)
+        return self._client
+
+    def close(self) -> None:
+        """Close the records' client (made on the first record)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 class SampleErrors:
@@ -252,3 +320,20 @@ def _message(error: BaseException) -> str:
         return str(error)
     except Exception as e:  # a broken __str__ must not hide the example
         return f"<{type(error).__qualname__}: str() raised {type(e).__qualname__}>"
+
+
+def bind_records(
+    stream: Any, url: str, keys: QueueKeys, producer: str, position: Callable[[], tuple[str, str]]
+) -> RunRecords | None:
+    """Bind the run's records to the stream's root where it quarantines examples
+    (``sample_errors`` in 'quarantine' mode); None where it does not, or where a producer
+    bound them already (a striped producer's lanes share the stream: stripe 0's, the
+    first, records, where ``batchq dead --queue Q`` reads)."""
+    errors = getattr(find_root(stream), "sample_errors", None)
+    if not isinstance(errors, SampleErrors) or not errors.quarantine:
+        return None
+    if isinstance(errors.records, RunRecords):
+        return None
+    records = RunRecords(url, keys, position)
+    errors.bind(records, producer)
+    return records

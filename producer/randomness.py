@@ -14,7 +14,9 @@ Either way, when the producer builds a shard it calls ``reseed(seed)`` on each r
 component with a seed derived from (the chain's fingerprint, epoch, shard, the
 component's position in the chain) (:func:`component_seed`), so two components never
 share a stream, even when both were left at ``rng=None``, and a shard built again
-gives the same data.
+gives the same data. :func:`derive_seed` hashes any parts into a seed, for what draws
+outside the chain (a torch pipeline's orders and batches: :mod:`producer.torch.randomness`;
+a quarantined example's substitutes: :mod:`producer.quarantine`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "RngLike",
     "chain_depth",
     "component_seed",
+    "derive_seed",
     "seed_from_rng",
     "state_seed",
 ]
@@ -44,6 +47,8 @@ DEFAULT_SEED = 1
 _SEED_BOUND = 2**32
 # FuelShuffles keeps the RandomState of every _EVERY-th epoch.
 _EVERY = 16
+# torch.manual_seed takes a 64-bit seed; keep to 63 bits so it is never negative.
+_SEED_BITS = 63
 
 RngLike = int | np.integer | np.random.Generator | np.random.RandomState | None
 
@@ -91,6 +96,14 @@ def component_seed(shard_seed: int, position: int) -> int:
     """The seed of the component at ``position`` in the chain, for one shard."""
     state = np.random.SeedSequence([int(shard_seed), int(position)]).generate_state(1)
     return int(state[0])
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed that is a pure function of ``parts`` (their text forms): the seeds
+    of a torch pipeline's batches and orders, and of a quarantined example's substitutes."""
+    blob = ":".join(str(p) for p in parts).encode()
+    digest = hashlib.sha256(blob).digest()
+    return int.from_bytes(digest[:8], "little") >> (64 - _SEED_BITS)
 
 
 def chain_depth(stream: Any) -> int:

@@ -31,14 +31,14 @@ from batchq.protocol.layout import default_id
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
 from producer.producer_options import check_options, require
+from producer.quarantine import bind_records
 from producer.serving.ahead import AnyLeaseReply, Lease
 from producer.serving.build_watch import BuildWatch, reading_of
+from producer.serving.frames import INLINE_MAX_BYTES, PushSettings
 from producer.serving.heartbeat import Heartbeat
 from producer.serving.membership import Membership, axis_labels_json
 from producer.serving.position import RunPosition
 from producer.serving.pushing import ShardPusher
-from producer.serving.quarantine_sink import bind_records
-from producer.serving.settings import INLINE_MAX_BYTES, PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.started import FirstPush
 from producer.serving.transport import Transport

@@ -4,7 +4,7 @@ stops.
 With ``build_timeout_s`` set, a producer builds each batch on a worker thread of its own
 and waits for it at most that long. A build past it raises :class:`BuildTimeout` in the
 serving thread, naming the shard and, where the stream's root says what it is reading
-(``reading``: a :class:`producer.torch_dataset.DatasetStream` names the example), the
+(``reading``: a :class:`producer.torch.dataset.DatasetStream` names the example), the
 example: the pusher counts it as a failed attempt (fail.lua: the shard goes back to the
 work list, or after ``max_attempts`` the trainer gets ``ProducerFailed`` with that
 message), and the producer then stops serving and raises it (``batchq serve`` exits

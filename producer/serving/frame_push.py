@@ -38,9 +38,9 @@ from batchq.wire import refs
 from producer.serving.ahead import Ahead, AnyLeaseReply
 from producer.serving.blocking import hand_back
 from producer.serving.build_watch import BuildWatch
+from producer.serving.frames import PushSettings
 from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
-from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.started import FirstPush
 from producer.serving.transport import ShmFrame, Transport

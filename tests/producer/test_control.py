@@ -130,7 +130,7 @@ def test_a_producer_reads_the_log_again_only_when_the_stamp_changed() -> None:
 
 def test_a_torch_datasets_getitem_reads_the_params_of_its_batch() -> None:
     pytest.importorskip("torch")
-    from producer.torch_dataset import DatasetStream
+    from producer.torch.dataset import DatasetStream
 
     class Scaled:
         """A map-style dataset whose examples are scaled by the params' ``scale``."""

@@ -16,8 +16,7 @@ from batchq.errors import ConfigError
 from batchq.protocol.params_log import ParamsLog
 from producer import control
 from producer.datasets import IndexableDataset
-from producer.mixture import Mixture
-from producer.mixture_draws import CHECKPOINT
+from producer.mixture import CHECKPOINT, Mixture
 
 
 def sources(n_a: int = 30, n_b: int = 20) -> dict[str, Any]:

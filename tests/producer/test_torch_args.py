@@ -1,4 +1,4 @@
-"""DataLoader's arguments and their checks (producer/torch_args.py)."""
+"""DataLoader's arguments and their checks (producer/torch/loader_args.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from batchq.errors import ConfigError
 from producer.config import default_seed
-from producer.torch_args import (
+from producer.torch.loader_args import (
     LoaderArgs,
     check_batching,
     check_common,

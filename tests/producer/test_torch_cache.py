@@ -23,12 +23,12 @@ from cache_pipelines import (  # noqa: E402
 )
 
 from batchq.errors import ConfigError  # noqa: E402
-from producer import cache_store, torch_cache  # noqa: E402
-from producer.cache_entry import decode_entry, encode_entry  # noqa: E402
-from producer.cache_store import DiskCache  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
-from producer.torch import cached  # noqa: E402
-from producer.torch_seeding import seed_globals  # noqa: E402
+from producer.torch import cache as torch_cache  # noqa: E402
+from producer.torch import cache_store, cached  # noqa: E402
+from producer.torch.cache_entry import decode_entry, encode_entry  # noqa: E402
+from producer.torch.cache_store import DiskCache  # noqa: E402
+from producer.torch.randomness import seed_globals  # noqa: E402
 
 N = 40
 
@@ -58,7 +58,7 @@ def disk_bytes(directory: Path) -> int:
 
 def test_an_entry_gives_back_the_example_its_types_and_its_layout() -> None:
     from producer.torch import import_torchvision
-    from producer.torch_cache import _TENSORS  # the tensors' leaf codec
+    from producer.torch.cache import _TENSORS  # the tensors' leaf codec
 
     import_torchvision()
     from torchvision import tv_tensors
@@ -266,7 +266,7 @@ def test_the_cache_is_used_where_a_read_is_faster_than_a_build(
     monkeypatch.setattr(torch_cache, "clock", clock)
     items = [np.full(3, i) for i in range(30)]
     ds = cached(_Listed(items, clock, build_s), lambda x: x * 2, _Timed(clock, read_s, tmp_path))
-    with caplog.at_level(logging.INFO, logger="producer.torch_cache"):
+    with caplog.at_level(logging.INFO, logger="producer.torch.cache"):
         for _ in range(2):
             assert all((ds[i] == items[i] * 2).all() for i in range(len(items)))
     assert ds.stats["bypassed"] is bypassed
@@ -301,7 +301,7 @@ def test_the_stage_must_not_draw_and_is_warned_about_when_it_does(
             return self.items[i] + torch.rand(1)
 
     ds = cached(Drawing([torch.zeros(1)] * 4), cache=DiskCache(tmp_path), measure=False)
-    with caplog.at_level(logging.WARNING, logger="producer.torch_cache"):
+    with caplog.at_level(logging.WARNING, logger="producer.torch.cache"):
         ds[0], ds[1]
     assert sum("drew from torch's generator" in r.getMessage() for r in caplog.records) == 1
 

@@ -14,8 +14,7 @@ from torch.utils.data import IterableDataset, TensorDataset, get_worker_info  # 
 from batchq.errors import ConfigError  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch import DatasetStream, IterableDatasetStream  # noqa: E402
-from producer.torch_collate import SourceLayout  # noqa: E402
-from producer.torch_flatten import flatten  # noqa: E402
+from producer.torch.sources import SourceLayout, flatten  # noqa: E402
 
 
 def test_names_follow_the_structure() -> None:

@@ -25,7 +25,7 @@ from torch.utils.data import (  # noqa: E402
 from batchq.errors import BatchQueueError, ConfigError  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch import DatasetStream, loader_stream  # noqa: E402
-from producer.torch_orders import epoch_seed  # noqa: E402
+from producer.torch.randomness import epoch_seed  # noqa: E402
 
 N = 23
 EPOCHS = 3

@@ -1,11 +1,11 @@
-"""producer.serving.frames: a batch's header and the frame that ends a shard."""
+"""producer.serving.frames: a batch's header and the frame that ends a shard (the
+producer's fixed PushSettings they carry)."""
 
 from __future__ import annotations
 
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import codec
-from producer.serving.frames import batch_header, end_frame
-from producer.serving.settings import PushSettings
+from producer.serving.frames import PushSettings, batch_header, end_frame
 
 SETTINGS = PushSettings(QueueKeys("f"), "p", ("x", "y"), False, None, 1024, 1000, 3)
 

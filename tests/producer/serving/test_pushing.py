@@ -24,9 +24,9 @@ from producer.schemes import SequentialScheme
 from producer.serving import ahead, frame_push
 from producer.serving.ahead import Lease
 from producer.serving.frame_push import Handover
+from producer.serving.frames import PushSettings
 from producer.serving.position import RunPosition
 from producer.serving.pushing import ShardPusher
-from producer.serving.settings import PushSettings
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
 from producer.serving.waiting import HANDBACK_S, Waiting

@@ -2,10 +2,10 @@
 
 ``cached(dataset, augment=f, cache=DiskCache(...))`` is a map-style Dataset whose item
 ``i`` is ``f(dataset[i])``, ``dataset[i]`` read from the cache when it is there (else
-built, then stored: :mod:`producer.cache_store`, entries in batchq's frame format:
-:mod:`producer.cache_entry`). ``augment`` runs after the cache, in the same process and
+built, then stored: :mod:`producer.torch.cache_store`, entries in batchq's frame format:
+:mod:`producer.torch.cache_entry`). ``augment`` runs after the cache, in the same process and
 at the same point as it would run inside the dataset, so under the per-batch seeds a
-producer sets (:mod:`producer.torch_seeding`) its draws are the same whether an example
+producer sets (:mod:`producer.torch.randomness`) its draws are the same whether an example
 came from the cache or not: turning the cache on, cold or warm, changes no byte.
 
 The stage must be deterministic (draw nothing, depend only on ``i``): its first result
@@ -49,10 +49,10 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from batchq.errors import ConfigError, FrameError
-from producer.cache_entry import LeafCodec, decode_entry, encode_entry
 from producer.cache_stats import CacheStats, register
-from producer.cache_store import DiskCache
-from producer.torch_vision import import_torchvision
+from producer.torch.cache_entry import LeafCodec, decode_entry, encode_entry
+from producer.torch.cache_store import DiskCache
+from producer.torch.vision import import_torchvision
 
 __all__ = ["CachedDataset", "cached", "stage_fingerprint"]
 
@@ -94,7 +94,7 @@ def cached(
             them, None, bool, int, float, str, bytes.
         augment: applied to each item after the cache (the random part), or None.
         cache: a :class:`DiskCache`, or a directory for one with its defaults (None:
-            :func:`producer.cache_store.default_directory`).
+            :func:`producer.torch.cache_store.default_directory`).
         measure: stop using the cache in a process where a read is not faster than a
             build (False: always use it).
 
@@ -153,7 +153,7 @@ class CachedDataset(Dataset[Any]):
     @property
     def plan_name(self) -> str:
         """The wrapped dataset's class name, which a stream's plan fingerprint uses in
-        place of this wrapper's (:attr:`producer.torch_dataset.DatasetStream.plan_fingerprint`):
+        place of this wrapper's (:attr:`producer.torch.dataset.DatasetStream.plan_fingerprint`):
         with the cache on or off, the shards' seeds are the same."""
         return str(type(self.dataset).__qualname__)
 

@@ -3,7 +3,7 @@
 Layout: ``<directory>/<stage>/<index>.bqc``, ``<stage>`` the first 32 hex digits of the
 stage's fingerprint (a changed dataset or transform gets a directory of its own; the old
 one is never read again, and stays until removed: :meth:`DiskCache.clear`), each entry
-a frame (:mod:`producer.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
+a frame (:mod:`producer.torch.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
 change) and ``.bytes`` (the ledger: the bytes of every entry and temporary file).
 
 * **Atomic.** An entry is written to ``.tmp-<index>-<host>-<pid>-<bytes>`` in its
@@ -74,7 +74,7 @@ class DiskCache:
             half of the file system's free space and the entries' bytes, when the
             process first writes.
         key: names the cached stage in the fingerprint instead of what
-            :func:`producer.torch_cache.cached` derives from the dataset (use it when
+            :func:`producer.torch.cache.cached` derives from the dataset (use it when
             the stage's code can change without its class, length or reprs changing).
 
     Raises:

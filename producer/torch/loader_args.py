@@ -1,6 +1,6 @@
 """DataLoader's arguments, as a torch dataset's stream takes them, and their checks.
 
-:class:`~producer.torch_dataset.DatasetStream` takes a DataLoader's arguments; it keeps
+:class:`~producer.torch.dataset.DatasetStream` takes a DataLoader's arguments; it keeps
 them as one :class:`LoaderArgs` and hands them to the stream of its kind of dataset
 (map-style or iterable), whose checks are here with DataLoader's messages.
 """
@@ -28,7 +28,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LoaderArgs:
-    """A DataLoader's arguments as given (see :class:`producer.torch_dataset.DatasetStream`)."""
+    """A DataLoader's arguments as given (see :class:`producer.torch.dataset.DatasetStream`)."""
 
     dataset: Any
     batch_size: int | None

@@ -2,7 +2,7 @@
 
 ``DatasetStream(dataset, batch_size, shuffle, ...)`` takes a DataLoader's arguments with
 their meaning and is the root of a pipeline :func:`producer.start_server` and ``batchq
-serve`` serve. Its iteration scheme is :class:`~producer.torch_orders.SamplerOrders`:
+serve`` serve. Its iteration scheme is :class:`~producer.torch.randomness.SamplerOrders`:
 epoch e's requests are the index batches the DataLoader yields in its (e+1)-th epoch,
 a pure function of the sampler's settings and e, so the usual shard plan applies (one
 shard per batch): shards, exactly-once delivery, ordered serving, resume and
@@ -13,7 +13,7 @@ dataset has it (Hugging Face ``datasets.Dataset`` does, with its batch access), 
 ``[dataset[i] for i in indices]``, then ``collate_fn`` (default: torch's
 ``default_collate``; ``default_convert`` without batching). Before each batch the
 producer seeds torch's, numpy's and Python's global generators from (seed, the shard's
-seed, the batch's position) (:mod:`producer.torch_seeding`).
+seed, the batch's position) (:mod:`producer.torch.randomness`).
 
 With ``on_sample_error='quarantine'`` an example whose read raises is recorded and
 replaced by a substitute drawn from (seed, epoch, index), so the batch keeps its size
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from batchq.errors import ConfigError
 from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
+from producer.randomness import derive_seed
 from producer.streams import AbstractDataStream
-from producer.torch_args import (
+from producer.torch.loader_args import (
     LoaderArgs,
     check_batching,
     check_common,
@@ -39,10 +40,8 @@ from producer.torch_args import (
     check_threads,
     default_samplers,
 )
-from producer.torch_collate import SourceLayout
-from producer.torch_flatten import flatten
-from producer.torch_orders import SamplerOrders
-from producer.torch_seeding import batch_seed, derive_seed, preserved_rng, seed_globals
+from producer.torch.randomness import SamplerOrders, batch_seed, preserved_rng, seed_globals
+from producer.torch.sources import SourceLayout, flatten
 
 __all__ = ["DatasetStream"]
 
@@ -55,7 +54,7 @@ class DatasetStream(AbstractDataStream):
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``, and
             ``__getitems__`` when it has one), or a ``torch.utils.data.IterableDataset``
-            (then see :class:`producer.torch_iterable.IterableDatasetStream`).
+            (then see :class:`producer.torch.iterable.IterableDatasetStream`).
         batch_size: examples per batch; None: no batching (each index is one batch,
             ``collate_fn`` defaults to ``default_convert``), as in DataLoader.
         shuffle: a ``RandomSampler(dataset, generator=generator)`` order.
@@ -67,10 +66,10 @@ class DatasetStream(AbstractDataStream):
         batch_sampler: any batch sampler (mutually exclusive with ``batch_size``,
             ``shuffle``, ``sampler`` and ``drop_last``).
         sources: names for the collated batch's values (see
-            :mod:`producer.torch_collate`); a dict batch is named by its keys.
+            :mod:`producer.torch.sources`); a dict batch is named by its keys.
         seed: the run's seed (default 1): the per-batch seeds of the global generators,
             and torch's global generator where a DataLoader would draw a fresh seed from
-            it (shuffling without a generator: see :mod:`producer.torch_orders`).
+            it (shuffling without a generator: see :mod:`producer.torch.randomness`).
         num_shards: an IterableDataset's shards per epoch (not for map-style datasets).
         worker_init_fn: an IterableDataset's ``worker_init_fn`` (not for map-style).
         torch_threads: torch's intra-op threads in a producer serving this stream (1,
@@ -88,13 +87,19 @@ class DatasetStream(AbstractDataStream):
             combination is one DataLoader refuses.
     """
 
+    #: The kind of dataset the class serves. ``DatasetStream(dataset)`` is the one
+    #: constructor of both kinds: given an IterableDataset it makes its subclass of kind
+    #: 'iterable' (:class:`producer.torch.iterable.IterableDatasetStream`, defined where
+    #: the package imports it), found among its subclasses so that this module does not
+    #: import that one, which builds on this one.
+    dataset_kind: ClassVar[str] = "map-style"
+
     def __new__(cls, dataset: Any, *args: Any, **kwargs: Any) -> DatasetStream:
         import torch.utils.data
 
         if cls is DatasetStream and isinstance(dataset, torch.utils.data.IterableDataset):
-            from producer.torch_iterable import IterableDatasetStream
-
-            return super().__new__(IterableDatasetStream)
+            (iterable,) = [k for k in cls.__subclasses__() if k.dataset_kind == "iterable"]
+            return super().__new__(iterable)
         return super().__new__(cls)
 
     def __init__(
@@ -228,7 +233,7 @@ class DatasetStream(AbstractDataStream):
         """What the plan's fingerprint adds for this stream (producers must agree; a
         stream that quarantines says so: its batches hold substitutes).
 
-        A dataset with a ``plan_name`` (:class:`producer.torch_cache.CachedDataset`:
+        A dataset with a ``plan_name`` (:class:`producer.torch.cache.CachedDataset`:
         the dataset it wraps) is named by it: the cache is invisible to the plan, so
         turning it on keeps every shard's seed, and so every augmentation's draws.
         """

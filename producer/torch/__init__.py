@@ -7,16 +7,24 @@ imports this module (or torch).
   ``drop_last``, ``collate_fn``, ``generator``, ``sampler``, ``batch_sampler``) and is
   a stream :func:`producer.start_server` and ``batchq serve`` serve; an
   ``IterableDataset`` is served as ``num_shards`` shards
-  (:class:`~producer.torch_iterable.IterableDatasetStream`).
+  (:class:`~producer.torch.iterable.IterableDatasetStream`).
 * :func:`loader_stream` turns a ``torch.utils.data.DataLoader`` into one (``batchq
   serve mod:make_loader`` does it for a factory that returns a DataLoader).
 * :func:`cached` wraps a dataset's deterministic stage in an exact on-disk cache
-  (:class:`DiskCache`), with the random ``augment`` after it (:mod:`producer.torch_cache`).
+  (:class:`DiskCache`), with the random ``augment`` after it (:mod:`producer.torch.cache`).
 * :func:`import_torchvision` imports torchvision where its wheel's C++ ops cannot load
-  beside this torch (:mod:`producer.torch_vision`).
+  beside this torch (:mod:`producer.torch.vision`).
 
-Orders: :mod:`producer.torch_orders`; sources: :mod:`producer.torch_collate`; the
-per-batch seeds: :mod:`producer.torch_seeding`.
+The modules, one batch's way through them: a DataLoader's arguments and their checks
+(:mod:`~producer.torch.loader_args`); the stream of a map-style dataset
+(:mod:`~producer.torch.dataset`) or of an IterableDataset's shards
+(:mod:`~producer.torch.iterable`); each epoch's order and the per-batch seeds of the
+global generators (:mod:`~producer.torch.randomness`); the collated batch as the
+frame's named sources (:mod:`~producer.torch.sources`). The cache: the cached Dataset
+(:mod:`~producer.torch.cache`), an entry's bytes (:mod:`~producer.torch.cache_entry`),
+the directory (:mod:`~producer.torch.cache_store`); its figures are summed for the
+heartbeat by :mod:`producer.cache_stats`, outside this package so that a producer
+without torch imports it.
 """
 
 from __future__ import annotations
@@ -24,11 +32,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from producer.cache_store import DiskCache
-from producer.torch_cache import CachedDataset, cached
-from producer.torch_dataset import DatasetStream
-from producer.torch_iterable import IterableDatasetStream
-from producer.torch_vision import import_torchvision
+from producer.torch.cache import CachedDataset, cached
+from producer.torch.cache_store import DiskCache
+from producer.torch.dataset import DatasetStream
+from producer.torch.iterable import IterableDatasetStream
+from producer.torch.vision import import_torchvision
 
 __all__ = [
     "CachedDataset",

@@ -1,13 +1,28 @@
-"""A DataLoader's order of indices, epoch by epoch, as a pure function of the epoch.
+"""What a torch pipeline draws, made a pure function of the run's seed: the order of
+each epoch's indices and the global generators' state before each batch.
 
-A DataLoader's samplers keep state between epochs: ``RandomSampler(generator=g)``
-draws a new permutation from ``g`` every epoch, and each ``iter(loader)`` also draws its
-base seed from the loader's generator first. Epoch e's order therefore depends on the
-generator's state after e epochs. :class:`SamplerOrders` snapshots the sampler (and the
-generators it holds) at construction and replays the draws, so every producer computes
-epoch e's batches of indices alone, and they are exactly those the DataLoader yields in
-its (e+1)-th epoch (as :class:`producer.randomness.FuelShuffles` does for Fuel's
-schemes: the state before every 16th computed epoch and the latest are kept).
+**Seeds.** PyTorch pipelines draw their augmentations from process-wide generators:
+torchvision's random transforms from torch's default generator, many user transforms
+from numpy's global ``RandomState`` or Python's ``random``. A DataLoader worker seeds
+torch's from its base seed and leaves the rest to the user; the batches it yields depend
+on which worker built what. Served, any producer may build (or build again) any batch,
+so before each batch the producer seeds all three from (the run's seed, the shard's
+seed, the batch's position in its shard): the same batch gets the same draws wherever it
+is built.
+
+What this cannot cover: a generator the user keeps in their own object (a
+``torch.Generator`` or ``numpy.random.Generator`` attribute of a transform), which
+carries its state from batch to batch inside one producer.
+
+**Orders.** A DataLoader's samplers keep state between epochs:
+``RandomSampler(generator=g)`` draws a new permutation from ``g`` every epoch, and each
+``iter(loader)`` also draws its base seed from the loader's generator first. Epoch e's
+order therefore depends on the generator's state after e epochs. :class:`SamplerOrders`
+snapshots the sampler (and the generators it holds) at construction and replays the
+draws, so every producer computes epoch e's batches of indices alone, and they are
+exactly those the DataLoader yields in its (e+1)-th epoch (as
+:class:`producer.randomness.FuelShuffles` does for Fuel's schemes: the state before
+every 16th computed epoch and the latest are kept).
 
 Where a DataLoader would draw from torch's global generator (a ``RandomSampler`` or
 ``WeightedRandomSampler`` without a generator, the base seed of a loader without one),
@@ -24,19 +39,63 @@ whose plans differ (the plan's fingerprint: ``PipelineMismatch``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from batchq.errors import ConfigError
-from producer.torch_seeding import derive_seed, preserved_rng, seed_globals
+from producer.randomness import derive_seed
 
-__all__ = ["SamplerOrders", "epoch_seed"]
+__all__ = ["SamplerOrders", "batch_seed", "epoch_seed", "preserved_rng", "seed_globals"]
 
 # The state before every _EVERY-th epoch is kept (besides the latest).
 _EVERY = 16
+
+
+def batch_seed(seed: int, shard_seed: int, k: int) -> int:
+    """The seed of batch ``k`` of the shard whose plan seed is ``shard_seed``.
+
+    Args:
+        seed: the run's seed (the stream's ``seed`` argument).
+        shard_seed: what the producer passed to ``reseed`` for the shard (a hash of the
+            pipeline's fingerprint, the epoch and the shard).
+        k: the batch's position in its shard.
+    """
+    return derive_seed("batch", seed, shard_seed, k)
+
+
+def seed_globals(seed: int) -> None:
+    """Seed torch's default generator, numpy's global RandomState and ``random``."""
+    import torch
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)  # the global state is the point
+    random.seed(seed)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run a block that reseeds the global generators, restoring their states after.
+
+    Used where batchq draws in the caller's process (computing an epoch's order, the
+    probe batch that names the sources): constructing a stream must not move the
+    trainer's or the user's generators.
+    """
+    import torch
+
+    torch_state = torch.get_rng_state()
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

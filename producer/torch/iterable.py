@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from batchq.errors import ConfigError
+from producer.randomness import derive_seed
 from producer.streams import AbstractDataStream
-from producer.torch_args import LoaderArgs, check_iterable, check_seed
-from producer.torch_dataset import DatasetStream
-from producer.torch_seeding import batch_seed, derive_seed, seed_globals
+from producer.torch.dataset import DatasetStream
+from producer.torch.loader_args import LoaderArgs, check_iterable, check_seed
+from producer.torch.randomness import batch_seed, seed_globals
 
 __all__ = ["IterableDatasetStream"]
 
@@ -75,7 +76,7 @@ class IterableDatasetStream(DatasetStream):
             for an IterableDataset.
         drop_last: drop each shard's last, incomplete batch.
         collate_fn: as DataLoader's (default ``default_collate``).
-        sources: names for the collated values (see :mod:`producer.torch_collate`).
+        sources: names for the collated values (see :mod:`producer.torch.sources`).
         seed: the run's seed (default 1).
         num_shards: shards per epoch, the ``num_workers`` the dataset's split sees
             (default 1).
@@ -86,6 +87,7 @@ class IterableDatasetStream(DatasetStream):
         ConfigError: an argument is invalid.
     """
 
+    dataset_kind: ClassVar[str] = "iterable"
     #: Not one batch per request: the plan reads a shard's batches one ahead.
     one_to_one = False
 

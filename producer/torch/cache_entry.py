@@ -12,7 +12,7 @@ The tree is nested lists: ``["t", [...]]`` a tuple, ``["l", [...]]`` a list, ``[
 [[key, node], ...]]`` a dict (str keys, in order), ``["v", value]`` a plain value (None,
 bool, int, float, str, bytes), ``["a", i, perm]`` the array of source ``a<i>``, and
 ``[tag, i, perm]`` an array that a *leaf codec* restores (torch's tensors:
-:mod:`producer.torch_cache`). ``perm`` keeps an array's memory order: a transposed view
+:mod:`producer.torch.cache`). ``perm`` keeps an array's memory order: a transposed view
 (a CHW tensor made from an HWC image) is stored in its own order and transposed back on
 read, so the example read is laid out as the one built (some kernels pick their path by
 layout).
