@@ -22,8 +22,8 @@ from consumer.balance import Balancer, StaticPads
 from consumer.progress import EpochProgress
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import FramePrep
-from consumer.reader.thread import BLOCK_S
-from consumer.stats import TrainerStats
+from consumer.reader.settings import BLOCK_S
+from consumer.reader.stats import TrainerStats
 
 __all__ = ["EpochFeed", "batch_frames"]
 

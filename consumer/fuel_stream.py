@@ -15,8 +15,8 @@ from typing import Any
 from batchq.client.connection import call
 from batchq.errors import ConfigError
 from batchq.protocol.fields import MetaField
+from consumer.checkpoint import RUN_KEY
 from consumer.reader.prepare import FramePrep, decode_axis_labels
-from consumer.state_keys import RUN_KEY
 
 __all__ = ["FuelStreamMixin"]
 

@@ -15,7 +15,7 @@ call at the same step gets the same index, resumed or not. An index before the p
 is a ConfigError.
 
 A frame whose params version is not the one the log gives its index is never yielded:
-it is dropped on arrival (:meth:`StreamParams.file`, the reader thread) or, where a
+it is dropped on arrival (:meth:`StreamParams.screen`, the reader thread's filer) or, where a
 change makes frames already held stale, at the change (the buffer is purged, under the
 same lock as a reader round's filing). Each such shard goes back to the front of the
 work list with the batches the trainer keeps of it (params.lua's rebuild, which
@@ -30,7 +30,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import redis
@@ -75,7 +75,7 @@ class StreamParams:
         self._lock = threading.Lock()  # the log is replaced by both threads
         # A reader round's screening and filing against a change's new log and purge:
         # a frame is either filed before the purge (and purged) or screened after it.
-        self._filing = threading.Lock()
+        self.filing = threading.Lock()
         self._session: Session | None = None
         self._layout: RankLayout | None = None
         self._numbering: BatchNumbering | None = None
@@ -193,7 +193,7 @@ class StreamParams:
             f"{step}:{at_batch}:{at_epoch}:{dump_params(plain)}".encode()
         ).hexdigest()[:20]
         stored = self._add(session, index, dump_params(plain), call_id)
-        with self._filing:
+        with self.filing:
             self._take(stored)
             rows = self._drop_stale(client, buffer)
         entry = self.log.find(call_id)
@@ -248,25 +248,15 @@ class StreamParams:
         index = frame_index(g, frame.k, numbering.stride)
         return self.log.version_at(index) != frame.params_version
 
-    def file(
-        self,
-        decoded: Decoded,
-        client: redis.Redis,
-        buffer: Buffer,
-        file: Callable[[Decoded], None],
-    ) -> None:
-        """File a reader round's frames (``file``: the filer's) without those built with
-        stale params, as one step against a change (whose new log and purge wait for
-        it), then hand the shards they belong to back (reader thread).
+    def screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
+        """A reader round's frames less those built with stale params (the reader
+        thread, under :attr:`filing`: the filer holds this log as its screen,
+        :class:`consumer.reader.filing.FrameScreen`); their shards are noted, for
+        :meth:`send_rebuilds` after the filing.
 
         A frame of a version this log does not have yet (another rank's change) reads
         the log first, and what the buffer holds that the change made stale goes too.
         """
-        with self._filing:
-            file(self._screen(decoded, client, buffer))
-        self._send_rebuilds(client, buffer)
-
-    def _screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
         frames = decoded.frames
         if not frames or (not self.log and not any(f.params_version for f, _ in frames)):
             return decoded
@@ -286,8 +276,8 @@ class StreamParams:
                 kept.append((frame, raw))
         return Decoded(kept, decoded.stale)
 
-    def _send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
-        """Hand the shards noted by :meth:`_screen` back (reader thread)."""
+    def send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
+        """Hand the shards noted by :meth:`screen` back (reader thread)."""
         if not self._pending or self._session is None:
             return
         pending, self._pending = self._pending, {}

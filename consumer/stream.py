@@ -18,32 +18,33 @@ from batchq.errors import ConfigError, StreamStopped, TrainerConflict
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
-from consumer.epoch import EpochFeed
-from consumer.fuel_stream import FuelStreamMixin
-from consumer.group_session import check_group_state, refuse_params
-from consumer.length import epoch_length
-from consumer.params import StreamParams
-from consumer.rank_state import check_rank_state, check_state, pick_rank_state
-from consumer.reader.buffer import Buffer
-from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
-from consumer.reader.shm_frames import TrainerShm
-from consumer.reader.thread import Reader
-from consumer.run_figures import RunFigures
-from consumer.session import Session
-from consumer.state_keys import (
+from consumer.checkpoint import (
     EPOCH_KEY,
     GROUP_KEY,
     PARAMS_KEY,
     RUN_KEY,
     STEP_KEY,
+    check_group_state,
+    check_rank_state,
+    check_state,
     position_state,
     rank_fields,
     unstarted_state,
 )
-from consumer.stats import TrainerStats
+from consumer.epoch import EpochFeed
+from consumer.fuel_stream import FuelStreamMixin
+from consumer.group_session import GroupSession, refuse_params
+from consumer.length import epoch_length
+from consumer.params import StreamParams
+from consumer.rank_state import pick_rank_state
+from consumer.reader.buffer import Buffer
+from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
+from consumer.reader.shm_frames import TrainerShm
+from consumer.reader.stats import TrainerStats
+from consumer.reader.thread import Reader
+from consumer.run_figures import RunFigures
+from consumer.start import Started, claim, new_session, open_reading, release
 from consumer.stream_options import StreamOptions, check_stream_options, find_rank
-from consumer.stream_start import Started, claim, new_session, open_reading, release
-from consumer.striped_start import StripeReaders
 
 __all__ = ["ServerDataStream"]
 
@@ -169,8 +170,8 @@ class ServerDataStream(FuelStreamMixin):
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
         # The claim (kept from the moment it is made), then, once reading starts (the
-        # first epoch), the parts that read the run (stream_start.Started).
-        self._session: Session | None = None
+        # first epoch), the parts that read the run (consumer.start.Started).
+        self._session: GroupSession | None = None
         self._started: Started | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
@@ -212,8 +213,9 @@ class ServerDataStream(FuelStreamMixin):
         return self._started.buffer if self._started is not None else None
 
     @property
-    def _reader(self) -> Reader | StripeReaders | None:
-        return self._started.reader if self._started is not None else None
+    def _reader(self) -> Reader | None:
+        """Stripe 0's reader (the queue's own)."""
+        return self._started.readers.first if self._started is not None else None
 
     @property
     def _feed(self) -> EpochFeed | None:
@@ -350,10 +352,10 @@ class ServerDataStream(FuelStreamMixin):
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            # The reader sends the last epoch's figures itself, as its last act: only
-            # its thread ever pops, even when stopping takes longer than the join.
-            self._reader.stop(flush=True)
+        if self._started is not None:
+            # The readers send the last epoch's figures themselves, as their last act:
+            # only their threads ever pop, even when stopping takes longer than the join.
+            self._started.readers.stop(flush=True)
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.
@@ -365,8 +367,8 @@ class ServerDataStream(FuelStreamMixin):
                 self._session = None
                 return
         if self._client is not None:
-            stripes = self._started.stripes if self._started is not None else None
-            release(self._session, self._client, self._shm, finished, self.timeout_s, stripes)
+            others = self._started.stripes[1:] if self._started is not None else []
+            release(self._session, self._client, self._shm, finished, self.timeout_s, others)
 
     def state_dict(self, held_back: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Where the caller is: a small JSON-serialisable dict for checkpoints.
@@ -396,7 +398,7 @@ class ServerDataStream(FuelStreamMixin):
             step = self._step + self._feed.yielded - sum((held_back or {}).values())
             plan_shards = self._started.plan_shards if self._started is not None else 0
             # Every shard one batch, yielded in plan order: after `step` batches every
-            # rank's local position is this one (consumer/state_keys.py, every_rank).
+            # rank's local position is this one (consumer/checkpoint.py, every_rank).
             alike = self.ordered and plan is not None and plan.epoch_batches == plan.shards
             state |= rank_fields(
                 self.rank, self.world_size, self.even_batches, plan_shards, step, alike
@@ -460,7 +462,7 @@ class ServerDataStream(FuelStreamMixin):
 
     def _start(self) -> EpochFeed:
         """Start reading, once: claim the queue, find where the run starts, start the
-        reader thread (:mod:`consumer.stream_start`). The claim is kept from the moment
+        reader threads (:mod:`consumer.start`). The claim is kept from the moment
         it is made: :meth:`close` releases it whatever failed after."""
         if self._started is not None:
             return self._started.feed
@@ -473,14 +475,15 @@ class ServerDataStream(FuelStreamMixin):
         self._started = open_reading(
             self._session,
             new_run,
-            make_client(self.url, key=self.keys.meta),
-            self.options,
+            options=self.options,
             resume=resume,
             step=self._step,
-            parts=(self._shm, self._prep, self._stats, self.producers_seen),
+            shm=self._shm,
+            prep=self._prep,
+            stats=self._stats,
+            seen=self.producers_seen,
             params=self._params,
             connect=lambda keys: make_client(self.url, key=keys.meta),
-            make_shm=self._shm.sibling,
         )
         return self._started.feed
 
@@ -540,7 +543,7 @@ class ServerDataStream(FuelStreamMixin):
     @property
     def stats(self) -> dict[str, Any]:
         """The trainer's figures: stall fraction of the last epoch and of the last 100
-        batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`), and
+        batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.reader.stats`), and
         ``dropped_ahead``: frames past the look-ahead window dropped, to be built again
         (shards leased before the run's floor moved back, see docs/design.md);
         ``rebuilt_params``: frames built with params a later :meth:`set_params` changed,

@@ -28,8 +28,7 @@ from batchq.errors import ProducersLost
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, reap_gone, requeue_gaps
 from consumer.reader.buffer import Buffer
-from consumer.reader.settings import ReaderSettings
-from consumer.session import Session
+from consumer.reader.settings import ReaderSettings, RunView
 
 __all__ = ["REAP_CLOSED_S", "REAP_IDLE_S", "StallRepair"]
 
@@ -60,7 +59,7 @@ class StallRepair:
 
     client: redis.Redis
     keys: QueueKeys
-    session: Session
+    session: RunView
     buffer: Buffer
     settings: ReaderSettings
     last_frame: float = field(init=False)

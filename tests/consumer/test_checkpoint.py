@@ -1,12 +1,13 @@
-"""consumer.state_keys: a checkpoint's keys are a file format, pinned here."""
+"""consumer.checkpoint: a checkpoint's keys are a file format, pinned here."""
 
 from __future__ import annotations
 
 import pytest
 
 from batchq.errors import ConfigError
-from consumer import ServerDataStream, state_keys
-from consumer.rank_state import check_state, elastic_state
+from consumer import ServerDataStream, checkpoint
+from consumer.checkpoint import check_state
+from consumer.rank_state import elastic_state
 
 # Checkpoints saved by earlier versions must keep loading: these names never change.
 SAVED_NAMES = {
@@ -22,10 +23,14 @@ KNOWN = set(SAVED_NAMES.values())
 
 
 def test_the_key_names_are_those_checkpoints_were_saved_with() -> None:
-    assert {n: getattr(state_keys, n) for n in SAVED_NAMES} == SAVED_NAMES
-    assert state_keys.STATE_VERSION == 1
+    assert {n: getattr(checkpoint, n) for n in SAVED_NAMES} == SAVED_NAMES
+    assert checkpoint.STATE_VERSION == 1
     builders = ["position_state", "rank_fields", "unstarted_state"]
-    assert sorted(state_keys.__all__) == sorted([*SAVED_NAMES, "STATE_VERSION", *builders])
+    checks = ["check_group_state", "check_rank_state", "check_state"]
+    loading = ["Resumed", "remap_pairs", "resume_position", "resume_run_id"]
+    assert sorted(checkpoint.__all__) == sorted(
+        [*SAVED_NAMES, "STATE_VERSION", *builders, *checks, *loading]
+    )
 
 
 def test_every_state_written_uses_only_those_keys() -> None:
@@ -46,15 +51,15 @@ def test_another_version_is_refused_naming_it() -> None:
 
 
 def test_the_builders_write_the_documented_state() -> None:
-    assert state_keys.unstarted_state("q") == {
+    assert checkpoint.unstarted_state("q") == {
         "version": 1, "queue": "q", "run": "", "fingerprint": ""
     }  # fmt: skip
-    state = state_keys.position_state("q", "r1", "fp", 4, 2, {0: 3, 2: 1}, [1])
+    state = checkpoint.position_state("q", "r1", "fp", 4, 2, {0: 3, 2: 1}, [1])
     assert state == {
         "version": 1, "queue": "q", "run": "r1", "fingerprint": "fp", "shards": 4,
         "epoch": 2, "consumed": {"0": 3, "2": 1}, "done": [1],
     }  # fmt: skip
     assert check_state(state, "q") == state  # what is written loads
-    ranks = state_keys.rank_fields(1, 2, "pad", 8, 40)
+    ranks = checkpoint.rank_fields(1, 2, "pad", 8, 40)
     assert ranks == {"rank": 1, "world_size": 2, "even_batches": "pad", "plan_shards": 8,
                      "step": 40}  # fmt: skip
