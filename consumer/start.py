@@ -196,11 +196,7 @@ def open_reading(
         start.ledger.window *= count  # each stripe mints W of its own shards past its floor
     params.bind(session, start.layout)
     params.refresh(session.client)  # another rank's changes, if any
-    settings = ReaderSettings(
-        hwm=options.hwm, timeout_s=timeout_s, writable=prep.writable,
-        max_frame_bytes=options.max_frame_bytes, on_bad_frame=options.on_bad_frame,
-        stall_s=options.stall_s, layout=start.layout,
-    )  # fmt: skip
+    settings = ReaderSettings(options, writable=prep.writable, layout=start.layout)
     buffer = Buffer(start.ledger)
     members = []
     for k, stripe in enumerate(stripes):

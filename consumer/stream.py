@@ -44,7 +44,7 @@ from consumer.reader.stats import TrainerStats
 from consumer.reader.thread import Reader
 from consumer.run_figures import RunFigures
 from consumer.start import Started, claim, new_session, open_reading, release
-from consumer.stream_options import StreamOptions, check_stream_options, find_rank
+from consumer.stream_options import StreamOptions
 
 __all__ = ["ServerDataStream"]
 
@@ -145,28 +145,19 @@ class ServerDataStream(FuelStreamMixin):
         group: str | None = None,
         max_lag_batches: int | None = None,
     ) -> None:
-        self._config = {
-            k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
-        }
-        # Not given: found (torch.distributed, else RANK/WORLD_SIZE), and found again
-        # before reading starts (a process group initialised after the constructor).
-        self._given_rank = (rank, world_size)
-        rank, world_size = find_rank(rank, world_size)
-        ranked = self._config | {"rank": rank, "world_size": world_size}
-        check_stream_options(ranked)
-        self.options = StreamOptions.from_config(ranked)
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        arguments["axis_labels"] = None if axis_labels is None else dict(axis_labels)
+        # The rank and world size not given are found (torch.distributed, else
+        # RANK/WORLD_SIZE), and found again before reading starts (a process group
+        # initialised after the constructor).
+        self.options = StreamOptions.checked(arguments)
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
-        self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
         self._step = 0  # batches yielded before this stream's ledger (a resume)
         self._prep = FramePrep(sources, dtypes, queue, writable=writable)
-        self.produces_examples = produces_examples
-        self._axis_labels = None if axis_labels is None else dict(axis_labels)
-        self._config["axis_labels"] = self._axis_labels
+        self.produces_examples = produces_examples  # Fuel's attribute
+        self._axis_labels = self.options.axis_labels
         self._data_iter: Iterator[Any] | None = None  # get_data's epoch
-        self.hwm = hwm
-        self.timeout_s = timeout_s
-        self.ordered = ordered
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
         # The claim (kept from the moment it is made), then, once reading starts (the
@@ -177,12 +168,9 @@ class ServerDataStream(FuelStreamMixin):
         self._closed = False
         # Batches handed out, by the producer that made them (monitoring, tests).
         self.producers_seen: Counter[str] = Counter()
-        self.progress = progress
         self._stats = TrainerStats()
         self._run_figures = RunFigures()
-        self._shm = TrainerShm(
-            self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
-        )
+        self._shm = _trainer_shm(self.keys, self.options)
         self._params = StreamParams()  # the run's params log (set_params)
 
     # -- Fuel's interface --------------------------------------------------------------
@@ -453,6 +441,41 @@ class ServerDataStream(FuelStreamMixin):
     def __repr__(self) -> str:
         return f"ServerDataStream(sources={self.sources!r}, queue={self.keys.queue!r})"
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in its data-parallel job (``rank``, or found)."""
+        return self.options.rank
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks (``world_size``, or found)."""
+        return self.options.world_size
+
+    @property
+    def even_batches(self) -> str:
+        """How ranks get equal counts ('pad' or 'drop')."""
+        return self.options.even_batches
+
+    @property
+    def hwm(self) -> int:
+        """The trainer's prefetch bound (decoded frames held ahead of the caller)."""
+        return self.options.hwm
+
+    @property
+    def timeout_s(self) -> float:
+        """How long without a live producer before ProducersLost."""
+        return self.options.timeout_s
+
+    @property
+    def ordered(self) -> bool:
+        """Whether epochs are yielded in plan order."""
+        return self.options.ordered
+
+    @property
+    def progress(self) -> bool:
+        """Whether a progress bar is shown per epoch."""
+        return self.options.progress
+
     # -- internals ---------------------------------------------------------------------
 
     def _connect(self) -> None:
@@ -514,21 +537,10 @@ class ServerDataStream(FuelStreamMixin):
         initialised after the constructor (a stream made at import time) counts."""
         if self._session is not None:
             return
-        rank, world_size = find_rank(*self._given_rank)
-        if (rank, world_size) == (self.rank, self.world_size):
-            return
-        ranked = self._config | {"rank": rank, "world_size": world_size}
-        check_stream_options(ranked)
-        self.options = StreamOptions.from_config(ranked)
-        self.rank, self.world_size = rank, world_size
-        self._shm = TrainerShm(
-            self.keys,
-            self._config["transport"],
-            self._config["shm_dir"],
-            writable=self._config["writable"],
-            rank=rank,
-            world=world_size,
-        )
+        options = self.options.refound()
+        if options is not self.options:
+            self.options = options
+            self._shm = _trainer_shm(self.keys, options)
 
     @staticmethod
     def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:
@@ -558,3 +570,11 @@ class ServerDataStream(FuelStreamMixin):
         run = self._session.position()[0] if self._session is not None else ""
         out["cache"], out["quarantined"] = self._run_figures.read(self._client, self.keys, run)
         return out
+
+
+def _trainer_shm(keys: QueueKeys, options: StreamOptions) -> TrainerShm:
+    """The trainer's shared memory for ``options``' rank."""
+    return TrainerShm(
+        keys, options.transport, options.shm_dir, writable=options.writable,
+        rank=options.rank, world=options.world_size,
+    )  # fmt: skip

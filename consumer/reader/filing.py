@@ -90,7 +90,7 @@ class Filer:
         """Decode a round's resolved elements (those that are None were bad already)."""
         frames = []
         stale = 0
-        writable, limit = self.settings.writable, self.settings.max_frame_bytes
+        writable, limit = self.settings.writable, self.settings.options.max_frame_bytes
         layout, prepare, run = self.settings.layout, self.prepare, self.session.run
         accounting = self.accounting
         for raw, _element, _key in fetched:

@@ -106,10 +106,10 @@ class StallRepair:
         if self.buffer.waited_since() is None:
             return
         now = time.monotonic()
-        if now - self.last_alive > self.settings.timeout_s:
+        if now - self.last_alive > self.settings.options.timeout_s:
             epoch, missing = self.buffer.missing()
-            raise ProducersLost(epoch, missing, self.settings.timeout_s)
-        stall_s = self.settings.stall_s
+            raise ProducersLost(epoch, missing, self.settings.options.timeout_s)
+        stall_s = self.settings.options.stall_s
         if now - self.last_frame > stall_s and now - self.last_repair > stall_s:
             self.repair()
 

@@ -16,6 +16,7 @@ import redis
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout
 from consumer.plan import Plan
+from consumer.stream_options import StreamOptions
 
 __all__ = ["BLOCK_S", "ReaderSettings", "RunView"]
 
@@ -30,25 +31,21 @@ class ReaderSettings:
     """The reader's settings, fixed when reading starts (the stream's, at its first epoch).
 
     Attributes:
-        hwm: the trainer's prefetch bound (frames held but not handed out).
-        timeout_s: raise ProducersLost after this long with no producer alive; also the
-            bound of a reconnect and of the wait for a replaced key's repair.
+        options: the stream's options (the reader reads hwm, the trainer's prefetch
+            bound; timeout_s, after which ProducersLost is raised with no producer
+            alive, also the bound of a reconnect and of the wait for a replaced key's
+            repair; max_frame_bytes, above which frames go to the dead list undecoded;
+            on_bad_frame, 'raise' or 'skip'; stall_s, after which without a frame
+            dead producers are reaped and shards with a gap handed back).
         writable: writable arrays: frames stored by reference are received into buffers
-            of their own (no copy); frames inside the list are copied once.
-        max_frame_bytes: frames above this go to the dead list without being decoded.
-        on_bad_frame: 'raise' (the iterator raises FrameError) or 'skip'.
-        stall_s: after this long without a frame while the trainer waits, reap dead
-            producers and hand shards with a gap back to the work list.
+            of their own (no copy); frames inside the list are copied once (the
+            stream's frame preparation says, as set before the first epoch).
         layout: a data-parallel job's split: the ledger holds this rank's local shards.
             None for a single trainer (a layout of world 1 is stored as None).
     """
 
-    hwm: int
-    timeout_s: float
+    options: StreamOptions
     writable: bool = False
-    max_frame_bytes: int | None = None
-    on_bad_frame: str = "raise"
-    stall_s: float = 5.0
     layout: RankLayout | None = None
 
     def __post_init__(self) -> None:

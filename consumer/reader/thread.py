@@ -100,10 +100,12 @@ class Reader(threading.Thread):
         self.shm = shm or TrainerShm(keys, "redis", None)
         self._halt = threading.Event()
         self._flush_on_stop = False
-        self.guard = KeyGuard(keys.queue, settings.timeout_s, self._halt)
+        self.guard = KeyGuard(keys.queue, settings.options.timeout_s, self._halt)
         self._accounting = Accounting(stats or TrainerStats())
-        self._dead = DeadList(client, keys, settings.on_bad_frame)
-        self._fetcher = Fetcher(client, keys, self.shm, settings.max_frame_bytes, self._dead.record)
+        self._dead = DeadList(client, keys, settings.options.on_bad_frame)
+        self._fetcher = Fetcher(
+            client, keys, self.shm, settings.options.max_frame_bytes, self._dead.record
+        )
         self._fetcher.shared = session.grouped
         self._filer = Filer(
             session, buffer, settings, prepare, self._dead, self._accounting, screen
@@ -143,7 +145,9 @@ class Reader(threading.Thread):
         try:
             while not self._halt.is_set():
                 claim_s = self.session.claim_ttl_ms / 3000
-                idle, stale = self.buffer.idle(self.settings.hwm, self._published_floor, claim_s)
+                idle, stale = self.buffer.idle(
+                    self.settings.options.hwm, self._published_floor, claim_s
+                )
                 if self._halt.is_set():
                     break
                 try:
@@ -201,7 +205,7 @@ class Reader(threading.Thread):
         """
         log.warning("queue %s: %s; reconnecting", self.keys.queue, error)
         # AuthFailed and RedisConfigError are not retried: they propagate.
-        if reconnect(self.client, self.settings.timeout_s, self._halt):
+        if reconnect(self.client, self.settings.options.timeout_s, self._halt):
             log.warning("queue %s: reconnected", self.keys.queue)
 
     def _recover(self, error: StateLost) -> None:
@@ -252,7 +256,7 @@ class Reader(threading.Thread):
         """(how many frames to pop, the floor to publish); ``room`` 0 pops nothing."""
         buffered, floor = self.buffer.fill()
         if room is None:
-            room = max(1, self.settings.hwm - buffered)
+            room = max(1, self.settings.options.hwm - buffered)
             if not self._popped_once:
                 # The first batch as soon as it can be, rather than after fetching and
                 # decoding a whole buffer; later pops take all there is room for
