@@ -51,9 +51,11 @@ from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.ranks import RankLayout
 from batchq.protocol.stripes import Stripes
+from consumer.plan import Plan
 from consumer.reader.ledger import Ledger, global_pairs
 from consumer.reader.settings import BLOCK_S
 from consumer.session import Session
+from consumer.stream_options import StreamOptions
 
 __all__ = [
     "CONSUMED_KEY",
@@ -78,11 +80,13 @@ __all__ = [
     "check_group_state",
     "check_rank_state",
     "check_state",
+    "load_state",
     "position_state",
     "rank_fields",
     "remap_pairs",
     "resume_position",
     "resume_run_id",
+    "stream_state",
     "unstarted_state",
 ]
 
@@ -154,6 +158,41 @@ def rank_fields(
     return fields | {EVERY_RANK_KEY: True} if every_rank else fields
 
 
+def stream_state(
+    options: StreamOptions,
+    run: str,
+    plan: Plan | None,
+    shards: int,
+    position: tuple[int, Mapping[int, int], Sequence[int]],
+    *,
+    step: int,
+    plan_shards: int,
+    params: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The state of a stream of ``options`` at ``position`` in ``run`` (the buffer's
+    ``consumed``: the epoch, shard -> batches yielded of it, its shards done): a rank
+    adds its fields, a group its name, a changed params log the log.
+
+    Args:
+        step: batches the rank yielded since the job began.
+        plan_shards: S of the run's plan.
+        params: the params log as JSON (None: never changed).
+    """
+    epoch, counts, done = position
+    fingerprint = plan.fingerprint if plan else ""
+    state = position_state(options.queue, run, fingerprint, shards, epoch, counts, done)
+    if options.world_size > 1:
+        # Every shard one batch, yielded in plan order: after `step` batches every
+        # rank's local position is this one (every_rank, the module's docstring).
+        alike = options.ordered and plan is not None and plan.epoch_batches == plan.shards
+        state |= rank_fields(
+            options.rank, options.world_size, options.even_batches, plan_shards, step, alike
+        )
+    if options.group is not None:
+        state[GROUP_KEY] = options.group
+    return state if params is None else state | {PARAMS_KEY: params}
+
+
 # -- checks (a state comes from a file) --------------------------------------------------
 
 
@@ -206,6 +245,19 @@ def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
     step = state.get(STEP_KEY, 0)
     if not isinstance(step, int) or step < 0:
         raise ConfigError(f"state['step'] = {step!r} is not valid: expected an integer >= 0")
+
+
+def load_state(state: Any, options: StreamOptions) -> dict[str, Any]:
+    """``state`` checked for a stream of ``options`` (:func:`check_state`; a state of
+    another group or, once it names a run, of another rank is refused).
+
+    Raises:
+        ConfigError: naming what is wrong.
+    """
+    loaded = check_group_state(check_state(state, options.queue), options.group)
+    if loaded.get(RUN_KEY):
+        check_rank_state(loaded, options.rank, options.world_size)
+    return loaded
 
 
 def check_group_state(state: dict[str, Any], group: str | None) -> dict[str, Any]:

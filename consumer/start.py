@@ -28,6 +28,7 @@ trainer's figures and checks frames against the params log.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 import redis
 
 from batchq.client.connection import retrying
-from batchq.errors import ConfigError, ConnectionLost
+from batchq.errors import ConfigError, ConnectionLost, TrainerConflict
 from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
@@ -65,6 +66,7 @@ __all__ = [
     "Started",
     "Stripe",
     "claim",
+    "claim_to_finish",
     "delete_old_frames",
     "new_session",
     "open_reading",
@@ -215,6 +217,31 @@ def open_reading(
     feed = EpochFeed(buffer, readers.is_alive, evener, stats, prep, seen)
     readers.start()
     return Started(stripes, buffer, readers, feed, start.plan_shards)
+
+
+def claim_to_finish(
+    client: redis.Redis, keys: QueueKeys, options: StreamOptions, shm: TrainerShm, takeover: str
+) -> GroupSession | None:
+    """Claim the queue to finish a run this stream never read (``takeover``: a
+    checkpoint's run); None where another trainer keeps it. A claim that lapses within
+    claim_ttl_s (a trainer that just died) is waited out; a live one (a stream this job
+    made beside the one it trains from) is left to its trainer, whose run it is to
+    finish."""
+    session = new_session(client, keys, options, shm)
+    deadline = time.monotonic() + options.claim_ttl_s + 1.0
+    while True:
+        try:
+            session.acquire(takeover=takeover)
+            return session
+        except TrainerConflict:
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "close(finished=True) of a stream that never read: queue %s is held "
+                    "by a live trainer, whose run is left to it",
+                    keys.queue,
+                )
+                return None
+            time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
 
 
 def _stripe_count(session: Session) -> int:

@@ -7,28 +7,22 @@ popped before the first iteration.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from batchq.client.connection import make_client, resolve_url, tune_malloc
-from batchq.errors import ConfigError, StreamStopped, TrainerConflict
+from batchq.errors import ConfigError, StreamStopped
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
 from consumer.checkpoint import (
     EPOCH_KEY,
-    GROUP_KEY,
     PARAMS_KEY,
     RUN_KEY,
     STEP_KEY,
-    check_group_state,
-    check_rank_state,
-    check_state,
-    position_state,
-    rank_fields,
+    load_state,
+    stream_state,
     unstarted_state,
 )
 from consumer.epoch import EpochFeed
@@ -43,12 +37,10 @@ from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.stats import TrainerStats
 from consumer.reader.thread import Reader
 from consumer.run_figures import RunFigures
-from consumer.start import Started, claim, new_session, open_reading, release
+from consumer.start import Started, claim, claim_to_finish, open_reading, release
 from consumer.stream_options import StreamOptions
 
 __all__ = ["ServerDataStream"]
-
-log = logging.getLogger(__name__)
 
 
 class ServerDataStream(FuelStreamMixin):
@@ -349,10 +341,11 @@ class ServerDataStream(FuelStreamMixin):
             # finishing still has to reach the producers, or they serve for ever.
             self._refind_rank()
             self._connect()
-            self._session = new_session(self._client, self.keys, self.options, self._shm)
-            resume = self._resume or {}
-            if not self._acquire_to_finish(str(resume.get(RUN_KEY) or "")):
-                self._session = None
+            takeover = str((self._resume or {}).get(RUN_KEY) or "")
+            self._session = claim_to_finish(
+                self._client, self.keys, self.options, self._shm, takeover
+            )
+            if self._session is None:
                 return
         if self._client is not None:
             others = self._started.stripes[1:] if self._started is not None else []
@@ -376,25 +369,13 @@ class ServerDataStream(FuelStreamMixin):
             if self._resume is not None:
                 return dict(self._resume)
             return unstarted_state(self.keys.queue)
-        epoch, counts, done = self._buffer.consumed(held_back)
         run, plan = self._session.position()
-        state = position_state(
-            self.keys.queue, run, plan.fingerprint if plan else "", self._buffer.shards,
-            epoch, counts, done,
+        step = self._step + self._feed.yielded - sum((held_back or {}).values())
+        return stream_state(
+            self.options, run, plan, self._buffer.shards, self._buffer.consumed(held_back),
+            step=step, plan_shards=self._started.plan_shards if self._started else 0,
+            params=self._params.state(),
         )  # fmt: skip
-        if self.world_size > 1:
-            step = self._step + self._feed.yielded - sum((held_back or {}).values())
-            plan_shards = self._started.plan_shards if self._started is not None else 0
-            # Every shard one batch, yielded in plan order: after `step` batches every
-            # rank's local position is this one (consumer/checkpoint.py, every_rank).
-            alike = self.ordered and plan is not None and plan.epoch_batches == plan.shards
-            state |= rank_fields(
-                self.rank, self.world_size, self.even_batches, plan_shards, step, alike
-            )
-        if self.options.group is not None:
-            state[GROUP_KEY] = self.options.group
-        params = self._params.state()
-        return state if params is None else state | {PARAMS_KEY: params}
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Resume from a :meth:`state_dict`; call before iterating.
@@ -414,10 +395,9 @@ class ServerDataStream(FuelStreamMixin):
             raise ConfigError("load_state_dict must be called before the first iteration")
         self._refind_rank()
         state = pick_rank_state(state, self.rank, self.world_size)
-        self._resume = check_group_state(check_state(state, self.keys.queue), self.options.group)
+        self._resume = load_state(state, self.options)
         self._params = StreamParams(ParamsLog.from_json(self._resume.get(PARAMS_KEY)))
         if self._resume.get(RUN_KEY):
-            check_rank_state(self._resume, self.rank, self.world_size)
             self._step = int(self._resume.get(STEP_KEY, 0))
         self.epoch = self._resume.get(EPOCH_KEY, 0) - 1 if self._resume.get(RUN_KEY) else -1
 
@@ -509,28 +489,6 @@ class ServerDataStream(FuelStreamMixin):
             connect=lambda keys: make_client(self.url, key=keys.meta),
         )
         return self._started.feed
-
-    def _acquire_to_finish(self, takeover: str) -> bool:
-        """Claim the queue to finish a run this stream never read; False where another
-        trainer keeps it. A claim that lapses within claim_ttl_s (a trainer that just
-        died) is waited out; a live one (a stream this job made beside the one it
-        trains from) is left to its trainer, whose run it is to finish."""
-        if self._session is None:
-            return False
-        deadline = time.monotonic() + self.options.claim_ttl_ms / 1000 + 1.0
-        while True:
-            try:
-                self._session.acquire(takeover=takeover)
-                return True
-            except TrainerConflict:
-                if time.monotonic() >= deadline:
-                    log.warning(
-                        "close(finished=True) of a stream that never read: queue %s is held "
-                        "by a live trainer, whose run is left to it",
-                        self.keys.queue,
-                    )
-                    return False
-                time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
 
     def _refind_rank(self) -> None:
         """Before the claim, find the rank again where it was not given: a process group
