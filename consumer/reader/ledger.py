@@ -19,8 +19,7 @@ from collections.abc import Callable
 from batchq.protocol.layout import DONE, ledger_field, parse_ledger_field
 from batchq.protocol.ranks import RankLayout
 from batchq.wire.codec import Frame, FrameKind
-from consumer.reader.impossible import why_impossible
-from consumer.reader.shard_state import ShardState
+from consumer.reader.shard_state import ShardState, why_impossible
 
 __all__ = ["Ledger", "ShardState", "global_pairs"]
 
@@ -84,8 +83,8 @@ class Ledger:
         Its count must fit its position (a last batch at k counts k + 1 batches, an END
         or ERROR at k counts k), it must lie within the plan's batches per epoch, and fit
         what the shard's last frame already said (the rules:
-        :mod:`consumer.reader.impossible`). A frame past the look-ahead window is not
-        impossible (see :meth:`ahead`).
+        :func:`consumer.reader.shard_state.why_impossible`). A frame past the look-ahead
+        window is not impossible (see :meth:`ahead`).
         """
         state = self._epochs.get(frame.epoch, {}).get(frame.shard)
         return why_impossible(frame, self.epoch_batches, None if state is None else state.count)
