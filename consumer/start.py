@@ -48,6 +48,7 @@ from consumer.epoch import EpochFeed
 from consumer.group_drain import drain_group
 from consumer.group_session import GroupSession
 from consumer.params import StreamParams
+from consumer.plan import Plan
 from consumer.reader.buffer import Buffer
 from consumer.reader.ledger import Ledger, global_pairs
 from consumer.reader.prepare import FramePrep
@@ -186,14 +187,15 @@ def open_reading(
     )
     stripes = [Stripe(session.keys, session, shm, session.client)]
     plan = session.plan
-    count = _stripe_count(session)
+    striped = _striped_plan(session)
+    count = striped.stripes if striped is not None else 1
     for k in range(1, count):
         keys = session.keys.stripe(k, count)
         client, sibling = connect(keys), shm.sibling(keys)
         # The ranks of a job name a stripe's new run alike: after stripe 0's run.
         member = new_session(client, keys, options, sibling, stripe_run_id(session.run, k))
         stripes.append(Stripe(keys, member, sibling, client))
-        _start_stripe(session, member, start, k, Stripes(count), new_run, step, timeout_s)
+        _start_stripe(session, member, striped, start, k, new_run, step, timeout_s)
     if count > 1 and start.ledger.window is not None:
         start.ledger.window *= count  # each stripe mints W of its own shards past its floor
     params.bind(session, start.layout)
@@ -244,22 +246,23 @@ def claim_to_finish(
             time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
 
 
-def _stripe_count(session: Session) -> int:
-    """How many stripes the claimed run's plan deals its shards to (1: a plain queue).
+def _striped_plan(session: Session) -> Plan | None:
+    """The claimed run's plan where it deals its shards to several stripes; None for a
+    plain queue (a stripe set of one).
 
     Raises:
         ConfigError: a striped run read by several groups (not supported).
     """
     plan = session.plan
     if plan is None or plan.stripes <= 1:
-        return 1
+        return None
     if getattr(session, "grouped", False):
         raise ConfigError(
             f"{session.what}: groups (a run read by several groups) on a queue striped "
             f"{plan.stripes} ways are not supported; expected one trainer (or one job's "
             "ranks) per striped queue"
         )
-    return plan.stripes
+    return plan
 
 
 def _for_run(stripe: Stripe, prep: FramePrep) -> TrainerShm:
@@ -309,17 +312,17 @@ def start_position(
 def _start_stripe(
     first: Session,
     session: Session,
+    plan: Plan | None,
     start: Resumed,
     k: int,
-    stripes: Stripes,
     new_run: bool,
     step: int,
     timeout_s: float,
 ) -> None:
-    """Take stripe ``k`` over and start it as stripe 0 started (the module's docstring)."""
-    plan = first.plan
-    if plan is None:  # start_position waited for it
-        raise ConfigError(f"{first.what}: a striped queue's stripes started before its plan")
+    """Take stripe ``k`` of ``plan``'s stripes over and start it as stripe 0 started (the
+    module's docstring)."""
+    if plan is None:  # a plain queue has no stripe k > 0
+        raise ConfigError(f"{first.what}: stripe {k} of a queue that is not striped")
     client, keys = session.client, session.keys
 
     def current() -> list[bytes | None]:
@@ -334,7 +337,7 @@ def _start_stripe(
     delete_old_frames(client, keys, timeout_s)
     if start.stripe_pairs is not None:  # a checkpoint: the stripe's share of it
         pairs = global_pairs(start.stripe_pairs[k], start.layout, first.rank)
-        origin = stripes.floor_of(start.first, k)
+        origin = Stripes(plan.stripes).floor_of(start.first, k)
     else:
         pairs, origin = [], 0
     session.resume(client, origin, plan.fingerprint, pairs, step=step, shards=plan.shards)
