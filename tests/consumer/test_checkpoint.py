@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchq.errors import ConfigError
+from batchq.protocol import run_ids
 from consumer import ServerDataStream, checkpoint
 from consumer.checkpoint import check_state
 from consumer.rank_state import elastic_state
@@ -63,3 +64,27 @@ def test_the_builders_write_the_documented_state() -> None:
     ranks = checkpoint.rank_fields(1, 2, "pad", 8, 40)
     assert ranks == {"rank": 1, "world_size": 2, "even_batches": "pad", "plan_shards": 8,
                      "step": 40}  # fmt: skip
+
+
+def test_the_run_a_checkpoint_resumes_into_is_computed_alike_by_ranks_and_groups() -> None:
+    state = {"version": 1, "queue": "q", "run": "r1", "fingerprint": "f"}
+    assert checkpoint.resume_run_id(state, 1, None) == ""  # a single trainer: minted anew
+    ranks = checkpoint.resume_run_id(state, 2, None)
+    # The groups of a sweep resume into one run, whatever their world: as the ranks do.
+    assert (
+        checkpoint.resume_run_id(state, 2, "g1") == checkpoint.resume_run_id(state, 2, "") == ranks
+    )
+    assert checkpoint.resume_run_id(state, 1, "g1") not in ("", ranks)
+    assert ranks == run_ids.resume_run_id("r1", 2)
+
+
+def test_a_loaded_state_must_be_this_group_s_and_this_rank_s() -> None:
+    base = {"version": 1, "queue": "q", "run": "r1", "fingerprint": "f", "shards": 2,
+            "epoch": 0, "consumed": {}, "done": []}  # fmt: skip
+    mine = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q", group="g1")
+    assert checkpoint.load_state(base | {"group": "g1"}, mine.options)["run"] == "r1"
+    with pytest.raises(ConfigError, match="state is of group 'g2'"):
+        checkpoint.load_state(base | {"group": "g2"}, mine.options)
+    rank1 = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q", rank=1, world_size=2)
+    with pytest.raises(ConfigError, match="state of rank 0 of world_size 1 given to rank 1"):
+        checkpoint.load_state(base, rank1.options)
