@@ -5,7 +5,9 @@ ERROR frame raises :class:`~batchq.errors.ProducerFailed`, or under
 ``on_producer_error='skip'`` skips the rest of its shard. A rank's counts are evened on
 the way (:mod:`consumer.balance`). :class:`EpochFeed` hands the frames out: each one
 timed into the trainer's figures, counted by the producer that made it, the reader
-thread's cast warnings raised on the training thread, the progress bar drawn.
+thread's cast warnings raised on the training thread, the progress bar drawn (an
+optional :class:`EpochProgress` per epoch: batches, rate and stall %, on stderr, with
+rich).
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from batchq.errors import ProducerFailed
+from batchq.errors import ConfigError, ProducerFailed
 from batchq.wire.codec import Frame, FrameKind
 from consumer.balance import Balancer, StaticPads
-from consumer.progress import EpochProgress
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import FramePrep
-from consumer.reader.thread import BLOCK_S
-from consumer.stats import TrainerStats
+from consumer.reader.settings import BLOCK_S
+from consumer.reader.stats import TrainerStats
 
-__all__ = ["EpochFeed", "batch_frames"]
+__all__ = ["EpochFeed", "EpochProgress", "batch_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +141,43 @@ class EpochFeed:
         finally:
             if bar is not None:
                 bar.close()
+
+
+class EpochProgress:
+    """One epoch's bar.
+
+    Args:
+        epoch: the epoch's number (for the label).
+        total: batches in the epoch, if known.
+
+    Raises:
+        ConfigError: rich is not installed.
+    """
+
+    def __init__(self, epoch: int, total: int | None) -> None:
+        try:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        except ImportError as e:  # pragma: no cover - rich is a dependency
+            raise ConfigError("progress=True needs the 'rich' package") from e
+        self._progress = Progress(
+            TextColumn(f"epoch {epoch}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]:>7.1f} batches/s  stall {task.fields[stall]:>5.1f}%"),
+            transient=False,
+        )
+        self._task = self._progress.add_task("epoch", total=total, rate=0.0, stall=0.0)
+        self._progress.start()
+
+    def update(self, figures: dict[str, Any]) -> None:
+        """Advance by one batch and show the current rate and stall fraction."""
+        self._progress.update(
+            self._task,
+            advance=1,
+            rate=figures["batches_per_s"],
+            stall=100 * figures["stall_fraction_epoch"],
+        )
+
+    def close(self) -> None:
+        """Stop drawing (the last state stays on screen)."""
+        self._progress.stop()

@@ -9,14 +9,16 @@ connection settings, plus here the position; never a socket, thread or lock).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from batchq.client.connection import call
 from batchq.errors import ConfigError
 from batchq.protocol.fields import MetaField
+from consumer.checkpoint import RUN_KEY
 from consumer.reader.prepare import FramePrep, decode_axis_labels
-from consumer.state_keys import RUN_KEY
+from consumer.stream_options import StreamOptions
 
 __all__ = ["FuelStreamMixin"]
 
@@ -28,7 +30,7 @@ class FuelStreamMixin:
     _prep: FramePrep
     _reader: Any
     _client: Any
-    _config: dict[str, Any]
+    options: StreamOptions
     _axis_labels: dict[str, Any] | None
     _data_iter: Iterator[Any] | None
     keys: Any
@@ -53,7 +55,7 @@ class FuelStreamMixin:
         if self._reader is not None:
             raise ConfigError("sources cannot change once the stream has started")
         self._prep.set_sources(value)
-        self._config["sources"] = self._prep.sources
+        self.options = dataclasses.replace(self.options, sources=self._prep.sources)
 
     @property
     def axis_labels(self) -> dict[str, Any] | None:
@@ -100,7 +102,7 @@ class FuelStreamMixin:
     def __getstate__(self) -> dict[str, Any]:
         # As Fuel's: the connection settings, never a socket, a thread or a lock; plus
         # the position, so that the copy resumes where the original was.
-        return {"config": dict(self._config), "state": self.state_dict()}
+        return {"config": self.options.arguments(), "state": self.state_dict()}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(**saved["config"])  # type: ignore[misc]  # a fresh stream

@@ -38,9 +38,9 @@ from batchq.protocol.groups import check_group, reader_field
 from batchq.protocol.layout import MAX_GROUPS
 from batchq.protocol.replies import status_error
 from batchq.protocol.words import Status, as_int
+from consumer.checkpoint import GROUP_KEY
 from consumer.plan import Restart
 from consumer.session import Session, rank_hint
-from consumer.state_keys import GROUP_KEY
 
 __all__ = [
     "GROUPS_TRIES",

@@ -19,7 +19,7 @@ from batchq.errors import LengthUnknown, ProducersLost
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout
-from consumer.reader.thread import BLOCK_S
+from consumer.reader.settings import BLOCK_S
 
 __all__ = ["epoch_length"]
 

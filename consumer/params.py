@@ -7,7 +7,7 @@ params.lua (which gives it its version and returns the whole log, another rank's
 changes included), a checkpoint carries it, and a resume writes it back before the
 resumed run exists (:meth:`load`, the session's hook before resume.lua).
 
-Where a change applies (``set_params``, :mod:`consumer.params_index`): at ``at_batch``,
+Where a change applies (``set_params``, :func:`change_index`): at ``at_batch``,
 at ``at_epoch``'s first batch, or by default at the trainer's position plus the run's
 look-ahead D (:func:`batchq.protocol.ranks.lookahead_batches`), the first index no
 producer can have built yet. D depends on the plan alone, so a loop that makes the same
@@ -15,7 +15,7 @@ call at the same step gets the same index, resumed or not. An index before the p
 is a ConfigError.
 
 A frame whose params version is not the one the log gives its index is never yielded:
-it is dropped on arrival (:meth:`StreamParams.file`, the reader thread) or, where a
+it is dropped on arrival (:meth:`StreamParams.screen`, the reader thread's filer) or, where a
 change makes frames already held stale, at the change (the buffer is purged, under the
 same lock as a reader round's filing). Each such shard goes back to the front of the
 work list with the batches the trainer keeps of it (params.lua's rebuild, which
@@ -30,7 +30,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import redis
@@ -51,12 +51,11 @@ from batchq.protocol.ranks import BatchNumbering, RankLayout, frame_index
 from batchq.protocol.replies import status_error
 from batchq.protocol.words import Status
 from batchq.wire.codec import Frame
-from consumer.params_index import change_index, positions
 from consumer.reader.buffer import Buffer
 from consumer.reader.filing import Decoded
 from consumer.session import Session
 
-__all__ = ["StreamParams"]
+__all__ = ["StreamParams", "change_index", "positions"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ class StreamParams:
         self._lock = threading.Lock()  # the log is replaced by both threads
         # A reader round's screening and filing against a change's new log and purge:
         # a frame is either filed before the purge (and purged) or screened after it.
-        self._filing = threading.Lock()
+        self.filing = threading.Lock()
         self._session: Session | None = None
         self._layout: RankLayout | None = None
         self._numbering: BatchNumbering | None = None
@@ -193,7 +192,7 @@ class StreamParams:
             f"{step}:{at_batch}:{at_epoch}:{dump_params(plain)}".encode()
         ).hexdigest()[:20]
         stored = self._add(session, index, dump_params(plain), call_id)
-        with self._filing:
+        with self.filing:
             self._take(stored)
             rows = self._drop_stale(client, buffer)
         entry = self.log.find(call_id)
@@ -248,25 +247,15 @@ class StreamParams:
         index = frame_index(g, frame.k, numbering.stride)
         return self.log.version_at(index) != frame.params_version
 
-    def file(
-        self,
-        decoded: Decoded,
-        client: redis.Redis,
-        buffer: Buffer,
-        file: Callable[[Decoded], None],
-    ) -> None:
-        """File a reader round's frames (``file``: the filer's) without those built with
-        stale params, as one step against a change (whose new log and purge wait for
-        it), then hand the shards they belong to back (reader thread).
+    def screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
+        """A reader round's frames less those built with stale params (the reader
+        thread, under :attr:`filing`: the filer holds this log as its screen,
+        :class:`consumer.reader.filing.FrameScreen`); their shards are noted, for
+        :meth:`send_rebuilds` after the filing.
 
         A frame of a version this log does not have yet (another rank's change) reads
         the log first, and what the buffer holds that the change made stale goes too.
         """
-        with self._filing:
-            file(self._screen(decoded, client, buffer))
-        self._send_rebuilds(client, buffer)
-
-    def _screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
         frames = decoded.frames
         if not frames or (not self.log and not any(f.params_version for f, _ in frames)):
             return decoded
@@ -286,8 +275,8 @@ class StreamParams:
                 kept.append((frame, raw))
         return Decoded(kept, decoded.stale)
 
-    def _send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
-        """Hand the shards noted by :meth:`_screen` back (reader thread)."""
+    def send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
+        """Hand the shards noted by :meth:`screen` back (reader thread)."""
         if not self._pending or self._session is None:
             return
         pending, self._pending = self._pending, {}
@@ -374,3 +363,52 @@ def _refuse_striped(session: Session) -> None:
             f"{session.what}: set_params (or a checkpoint's params log) on a queue "
             f"striped {plan.stripes} ways is not supported; expected a queue of one stripe"
         )
+
+
+def positions(
+    numbering: BatchNumbering, consumed: tuple[int, Mapping[int, int], list[int]], rank: int
+) -> tuple[int, int]:
+    """(position, past) of a trainer whose ledger says ``consumed`` (epoch, local shard
+    -> batches handed out, local shards handed out completely).
+
+    ``position`` is :meth:`BatchNumbering.position` of its first local shard not handed
+    out completely (its next batch in plan order); ``past`` is one more than the largest
+    index it handed out (in arrival order it may have handed out batches beyond its
+    position; at most ``position`` in plan order).
+    """
+    epoch, counts, done = consumed
+    per_rank = numbering.layout.per_rank
+    finished = set(done)
+    first = next((s for s in range(per_rank) if s not in finished), per_rank)
+    position = numbering.position(epoch * per_rank + first, counts.get(first, 0))
+    past = 0
+    for shard, n in counts.items():
+        if n > 0:
+            last = numbering.local_index(epoch * per_rank + shard, n - 1, rank)
+            past = max(past, last + 1)
+    return position, past
+
+
+def change_index(
+    numbering: BatchNumbering, at_batch: Any, at_epoch: Any, position: int, past: int
+) -> int:
+    """The index a change applies from: at_batch, at_epoch's first, or the default."""
+    if at_batch is not None and at_epoch is not None:
+        raise ConfigError(f"at_batch={at_batch!r} and at_epoch={at_epoch!r}: expected at most one")
+    for name, value in (("at_batch", at_batch), ("at_epoch", at_epoch)):
+        if value is not None and (type(value) is not int or value < 0):
+            raise ConfigError(f"{name} {value!r} is not valid: expected an integer >= 0")
+    first = max(position, past)
+    if at_batch is not None:
+        index, what = int(at_batch), f"at_batch {at_batch}"
+    elif at_epoch is not None:
+        index, what = numbering.epoch_first(at_epoch), f"at_epoch {at_epoch} (batch "
+        what += f"{numbering.epoch_first(at_epoch)})"
+    else:
+        return max(position + numbering.lookahead, past)
+    if index < first:
+        raise ConfigError(
+            f"{what} is in the past: the trainer has handed out batches up to index "
+            f"{first - 1}; expected an index >= {first}"
+        )
+    return index

@@ -1,25 +1,21 @@
-"""Checkpoint states: checking them, and those of a data-parallel job's ranks.
+"""The checkpoint states of a data-parallel job's ranks: this rank's picked from a list
+of every rank's, and the rest of an epoch re-split for another number of ranks.
 
-:func:`check_state` validates any ``state_dict()`` (it comes from a file).
-
-Every rank saves its own ``state_dict()``: its position in its own share (local shards,
-see :mod:`batchq.protocol.ranks`) plus ``rank``, ``world_size``, ``even_batches``,
-``plan_shards`` (S) and ``step`` (batches yielded since the job began). The ranks of
-one checkpoint resume into one run whose id every rank computes alike
-(:func:`resume_run_id`), so the first to resume creates it and the others join it.
+One state's keys, checks and loading are :mod:`consumer.checkpoint`'s. Every rank saves
+its own ``state_dict()``: its position in its own share (local shards, see
+:mod:`batchq.protocol.ranks`) plus ``rank``, ``world_size``, ``even_batches``,
+``plan_shards`` (S) and ``step`` (batches yielded since the job began).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from batchq.errors import ConfigError, StepMismatch
-from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.params_log import ParamsLog, merged
 from batchq.protocol.ranks import RankLayout
-from consumer.state_keys import (
+from consumer.checkpoint import (
     CONSUMED_KEY,
     DONE_KEY,
     EPOCH_KEY,
@@ -39,14 +35,7 @@ from consumer.state_keys import (
     WORLD_SIZE_KEY,
 )
 
-__all__ = [
-    "check_rank_state",
-    "check_state",
-    "elastic_state",
-    "pick_rank_state",
-    "remap_pairs",
-    "resume_run_id",
-]
+__all__ = ["elastic_state", "pick_rank_state"]
 
 
 def pick_rank_state(
@@ -54,7 +43,7 @@ def pick_rank_state(
 ) -> dict[str, Any]:
     """This rank's state: ``state`` itself, or its entry in a list of every rank's.
 
-    A state marked ``every_rank`` (consumer/state_keys.py) stands for every rank of its
+    A state marked ``every_rank`` (consumer/checkpoint.py) stands for every rank of its
     checkpoint: another rank of the same world takes it as its own (its rank set), a
     new world re-splits the rest of the epoch as from every old rank's states.
 
@@ -192,79 +181,3 @@ def _units_left(states: list[dict[str, Any]], old: RankLayout) -> list[tuple[int
 def _share(units: int, world: int, even: str) -> int:
     """Units per new rank: rounded up ('pad': the first units repeat) or down."""
     return -(-units // world) if even == "pad" else units // world
-
-
-def remap_pairs(
-    state: dict[str, Any], layout: RankLayout
-) -> tuple[list[tuple[str, str]], dict[int, int]]:
-    """For an :func:`elastic_state`: the ledger pairs of every slot of the resumed epoch
-    (batches had, or done for the slots past the re-split) and slot -> shard to build."""
-    epoch, remap = int(state[EPOCH_KEY]), state[REMAP_KEY]
-    pairs = []
-    for slot in range(layout.slots):
-        if slot >= len(remap):
-            pairs.append((ledger_field(epoch, slot), DONE))
-        elif remap[slot][1]:
-            pairs.append((ledger_field(epoch, slot), str(remap[slot][1])))
-    return pairs, {slot: int(unit[0]) for slot, unit in enumerate(remap)}
-
-
-def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
-    """Refuse a state saved by another rank or another world size.
-
-    Raises:
-        ConfigError: naming the state's rank/world and this stream's.
-    """
-    saved_world, saved_rank = state.get(WORLD_SIZE_KEY, 1), state.get(RANK_KEY, 0)
-    if saved_world != world or saved_rank != rank:
-        raise ConfigError(
-            f"state of rank {saved_rank!r} of world_size {saved_world!r} given to rank "
-            f"{rank} of world_size {world}: expected this rank's own state, or the list of "
-            "every rank's (one rank's state stands for every rank only where every shard "
-            "is one batch and ordered=True: see 'every_rank' in the README's Frameworks)"
-        )
-    step = state.get(STEP_KEY, 0)
-    if not isinstance(step, int) or step < 0:
-        raise ConfigError(f"state['step'] = {step!r} is not valid: expected an integer >= 0")
-
-
-def resume_run_id(state: dict[str, Any], world: int) -> str:
-    """The run id every rank of one checkpoint resumes into ('' for a single trainer:
-    the session mints one)."""
-    if world == 1:
-        return ""
-    # Not the step: a rank resuming from another step must find the run and be refused.
-    text = f"resume:{state.get('run')}:{world}"
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
-
-
-def check_state(state: Any, queue: str) -> dict[str, Any]:
-    """Validate a state dict, naming what is wrong (it comes from a file)."""
-    if not isinstance(state, dict):
-        raise ConfigError(f"state {state!r} is not valid: expected a dict from state_dict()")
-    if state.get(VERSION_KEY) != STATE_VERSION:
-        raise ConfigError(f"state version {state.get('version')!r} is not valid: expected 1")
-    if state.get(QUEUE_KEY) not in (None, queue):
-        raise ConfigError(f"state is of queue {state.get('queue')!r}, this stream reads {queue!r}")
-    if not state.get(RUN_KEY):
-        return dict(state)  # taken before the first iteration: nothing to resume
-    for name, kind in ((RUN_KEY, str), (FINGERPRINT_KEY, str), (SHARDS_KEY, int), (EPOCH_KEY, int)):
-        if not isinstance(state.get(name), kind):
-            raise ConfigError(
-                f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
-            )
-    _check_position(state.get(CONSUMED_KEY), state.get(DONE_KEY))
-    ParamsLog.from_json(state.get(PARAMS_KEY), "state['params']")  # ConfigError if bad
-    return dict(state)
-
-
-def _check_position(consumed: Any, done: Any) -> None:
-    """Refuse a position that is not shard -> batches yielded, and a list of shards."""
-    if not isinstance(consumed, dict) or not all(
-        str(k).isdigit() and isinstance(v, int) and v >= 0 for k, v in consumed.items()
-    ):
-        raise ConfigError(
-            f"state['consumed'] = {consumed!r} is not valid: expected shard -> batches"
-        )
-    if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
-        raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")

@@ -7,47 +7,40 @@ popped before the first iteration.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from batchq.client.connection import make_client, resolve_url, tune_malloc
-from batchq.errors import ConfigError, StreamStopped, TrainerConflict
+from batchq.errors import ConfigError, StreamStopped
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
-from consumer.epoch import EpochFeed
-from consumer.fuel_stream import FuelStreamMixin
-from consumer.group_session import check_group_state, refuse_params
-from consumer.length import epoch_length
-from consumer.params import StreamParams
-from consumer.rank_state import check_rank_state, check_state, pick_rank_state
-from consumer.reader.buffer import Buffer
-from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
-from consumer.reader.shm_frames import TrainerShm
-from consumer.reader.thread import Reader
-from consumer.run_figures import RunFigures
-from consumer.session import Session
-from consumer.state_keys import (
+from consumer.checkpoint import (
     EPOCH_KEY,
-    GROUP_KEY,
     PARAMS_KEY,
     RUN_KEY,
     STEP_KEY,
-    position_state,
-    rank_fields,
+    load_state,
+    stream_state,
     unstarted_state,
 )
-from consumer.stats import TrainerStats
-from consumer.stream_options import StreamOptions, check_stream_options, find_rank
-from consumer.stream_start import Started, claim, new_session, open_reading, release
-from consumer.striped_start import StripeReaders
+from consumer.epoch import EpochFeed
+from consumer.fuel_stream import FuelStreamMixin
+from consumer.group_session import GroupSession, refuse_params
+from consumer.length import epoch_length
+from consumer.params import StreamParams
+from consumer.rank_state import pick_rank_state
+from consumer.reader.buffer import Buffer
+from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
+from consumer.reader.shm_frames import TrainerShm
+from consumer.reader.stats import TrainerStats
+from consumer.reader.thread import Reader
+from consumer.run_figures import RunFigures
+from consumer.start import Started, claim, claim_to_finish, open_reading, release
+from consumer.stream_options import StreamOptions
 
 __all__ = ["ServerDataStream"]
-
-log = logging.getLogger(__name__)
 
 
 class ServerDataStream(FuelStreamMixin):
@@ -144,44 +137,32 @@ class ServerDataStream(FuelStreamMixin):
         group: str | None = None,
         max_lag_batches: int | None = None,
     ) -> None:
-        self._config = {
-            k: v for k, v in locals().items() if k not in ("self", "__class__", "axis_labels")
-        }
-        # Not given: found (torch.distributed, else RANK/WORLD_SIZE), and found again
-        # before reading starts (a process group initialised after the constructor).
-        self._given_rank = (rank, world_size)
-        rank, world_size = find_rank(rank, world_size)
-        ranked = self._config | {"rank": rank, "world_size": world_size}
-        check_stream_options(ranked)
-        self.options = StreamOptions.from_config(ranked)
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        arguments["axis_labels"] = None if axis_labels is None else dict(axis_labels)
+        # The rank and world size not given are found (torch.distributed, else
+        # RANK/WORLD_SIZE), and found again before reading starts (a process group
+        # initialised after the constructor).
+        self.options = StreamOptions.checked(arguments)
         self.url = resolve_url(url, host, port)
         self.keys = QueueKeys(queue)
-        self.rank, self.world_size, self.even_batches = rank, world_size, even_batches
         self._step = 0  # batches yielded before this stream's ledger (a resume)
         self._prep = FramePrep(sources, dtypes, queue, writable=writable)
-        self.produces_examples = produces_examples
-        self._axis_labels = None if axis_labels is None else dict(axis_labels)
-        self._config["axis_labels"] = self._axis_labels
+        self.produces_examples = produces_examples  # Fuel's attribute
+        self._axis_labels = self.options.axis_labels
         self._data_iter: Iterator[Any] | None = None  # get_data's epoch
-        self.hwm = hwm
-        self.timeout_s = timeout_s
-        self.ordered = ordered
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
         # The claim (kept from the moment it is made), then, once reading starts (the
-        # first epoch), the parts that read the run (stream_start.Started).
-        self._session: Session | None = None
+        # first epoch), the parts that read the run (consumer.start.Started).
+        self._session: GroupSession | None = None
         self._started: Started | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
         # Batches handed out, by the producer that made them (monitoring, tests).
         self.producers_seen: Counter[str] = Counter()
-        self.progress = progress
         self._stats = TrainerStats()
         self._run_figures = RunFigures()
-        self._shm = TrainerShm(
-            self.keys, transport, shm_dir, writable=writable, rank=rank, world=world_size
-        )
+        self._shm = _trainer_shm(self.keys, self.options)
         self._params = StreamParams()  # the run's params log (set_params)
 
     # -- Fuel's interface --------------------------------------------------------------
@@ -212,8 +193,9 @@ class ServerDataStream(FuelStreamMixin):
         return self._started.buffer if self._started is not None else None
 
     @property
-    def _reader(self) -> Reader | StripeReaders | None:
-        return self._started.reader if self._started is not None else None
+    def _reader(self) -> Reader | None:
+        """Stripe 0's reader (the queue's own)."""
+        return self._started.readers.first if self._started is not None else None
 
     @property
     def _feed(self) -> EpochFeed | None:
@@ -350,23 +332,24 @@ class ServerDataStream(FuelStreamMixin):
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            # The reader sends the last epoch's figures itself, as its last act: only
-            # its thread ever pops, even when stopping takes longer than the join.
-            self._reader.stop(flush=True)
+        if self._started is not None:
+            # The readers send the last epoch's figures themselves, as their last act:
+            # only their threads ever pop, even when stopping takes longer than the join.
+            self._started.readers.stop(flush=True)
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.
             self._refind_rank()
             self._connect()
-            self._session = new_session(self._client, self.keys, self.options, self._shm)
-            resume = self._resume or {}
-            if not self._acquire_to_finish(str(resume.get(RUN_KEY) or "")):
-                self._session = None
+            takeover = str((self._resume or {}).get(RUN_KEY) or "")
+            self._session = claim_to_finish(
+                self._client, self.keys, self.options, self._shm, takeover
+            )
+            if self._session is None:
                 return
         if self._client is not None:
-            stripes = self._started.stripes if self._started is not None else None
-            release(self._session, self._client, self._shm, finished, self.timeout_s, stripes)
+            others = self._started.stripes[1:] if self._started is not None else []
+            release(self._session, self._client, self._shm, finished, self.timeout_s, others)
 
     def state_dict(self, held_back: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Where the caller is: a small JSON-serialisable dict for checkpoints.
@@ -386,25 +369,13 @@ class ServerDataStream(FuelStreamMixin):
             if self._resume is not None:
                 return dict(self._resume)
             return unstarted_state(self.keys.queue)
-        epoch, counts, done = self._buffer.consumed(held_back)
         run, plan = self._session.position()
-        state = position_state(
-            self.keys.queue, run, plan.fingerprint if plan else "", self._buffer.shards,
-            epoch, counts, done,
+        step = self._step + self._feed.yielded - sum((held_back or {}).values())
+        return stream_state(
+            self.options, run, plan, self._buffer.shards, self._buffer.consumed(held_back),
+            step=step, plan_shards=self._started.plan_shards if self._started else 0,
+            params=self._params.state(),
         )  # fmt: skip
-        if self.world_size > 1:
-            step = self._step + self._feed.yielded - sum((held_back or {}).values())
-            plan_shards = self._started.plan_shards if self._started is not None else 0
-            # Every shard one batch, yielded in plan order: after `step` batches every
-            # rank's local position is this one (consumer/state_keys.py, every_rank).
-            alike = self.ordered and plan is not None and plan.epoch_batches == plan.shards
-            state |= rank_fields(
-                self.rank, self.world_size, self.even_batches, plan_shards, step, alike
-            )
-        if self.options.group is not None:
-            state[GROUP_KEY] = self.options.group
-        params = self._params.state()
-        return state if params is None else state | {PARAMS_KEY: params}
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Resume from a :meth:`state_dict`; call before iterating.
@@ -424,10 +395,9 @@ class ServerDataStream(FuelStreamMixin):
             raise ConfigError("load_state_dict must be called before the first iteration")
         self._refind_rank()
         state = pick_rank_state(state, self.rank, self.world_size)
-        self._resume = check_group_state(check_state(state, self.keys.queue), self.options.group)
+        self._resume = load_state(state, self.options)
         self._params = StreamParams(ParamsLog.from_json(self._resume.get(PARAMS_KEY)))
         if self._resume.get(RUN_KEY):
-            check_rank_state(self._resume, self.rank, self.world_size)
             self._step = int(self._resume.get(STEP_KEY, 0))
         self.epoch = self._resume.get(EPOCH_KEY, 0) - 1 if self._resume.get(RUN_KEY) else -1
 
@@ -451,6 +421,41 @@ class ServerDataStream(FuelStreamMixin):
     def __repr__(self) -> str:
         return f"ServerDataStream(sources={self.sources!r}, queue={self.keys.queue!r})"
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in its data-parallel job (``rank``, or found)."""
+        return self.options.rank
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks (``world_size``, or found)."""
+        return self.options.world_size
+
+    @property
+    def even_batches(self) -> str:
+        """How ranks get equal counts ('pad' or 'drop')."""
+        return self.options.even_batches
+
+    @property
+    def hwm(self) -> int:
+        """The trainer's prefetch bound (decoded frames held ahead of the caller)."""
+        return self.options.hwm
+
+    @property
+    def timeout_s(self) -> float:
+        """How long without a live producer before ProducersLost."""
+        return self.options.timeout_s
+
+    @property
+    def ordered(self) -> bool:
+        """Whether epochs are yielded in plan order."""
+        return self.options.ordered
+
+    @property
+    def progress(self) -> bool:
+        """Whether a progress bar is shown per epoch."""
+        return self.options.progress
+
     # -- internals ---------------------------------------------------------------------
 
     def _connect(self) -> None:
@@ -460,7 +465,7 @@ class ServerDataStream(FuelStreamMixin):
 
     def _start(self) -> EpochFeed:
         """Start reading, once: claim the queue, find where the run starts, start the
-        reader thread (:mod:`consumer.stream_start`). The claim is kept from the moment
+        reader threads (:mod:`consumer.start`). The claim is kept from the moment
         it is made: :meth:`close` releases it whatever failed after."""
         if self._started is not None:
             return self._started.feed
@@ -473,59 +478,27 @@ class ServerDataStream(FuelStreamMixin):
         self._started = open_reading(
             self._session,
             new_run,
-            make_client(self.url, key=self.keys.meta),
-            self.options,
+            options=self.options,
             resume=resume,
             step=self._step,
-            parts=(self._shm, self._prep, self._stats, self.producers_seen),
+            shm=self._shm,
+            prep=self._prep,
+            stats=self._stats,
+            seen=self.producers_seen,
             params=self._params,
             connect=lambda keys: make_client(self.url, key=keys.meta),
-            make_shm=self._shm.sibling,
         )
         return self._started.feed
-
-    def _acquire_to_finish(self, takeover: str) -> bool:
-        """Claim the queue to finish a run this stream never read; False where another
-        trainer keeps it. A claim that lapses within claim_ttl_s (a trainer that just
-        died) is waited out; a live one (a stream this job made beside the one it
-        trains from) is left to its trainer, whose run it is to finish."""
-        if self._session is None:
-            return False
-        deadline = time.monotonic() + self.options.claim_ttl_ms / 1000 + 1.0
-        while True:
-            try:
-                self._session.acquire(takeover=takeover)
-                return True
-            except TrainerConflict:
-                if time.monotonic() >= deadline:
-                    log.warning(
-                        "close(finished=True) of a stream that never read: queue %s is held "
-                        "by a live trainer, whose run is left to it",
-                        self.keys.queue,
-                    )
-                    return False
-                time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
 
     def _refind_rank(self) -> None:
         """Before the claim, find the rank again where it was not given: a process group
         initialised after the constructor (a stream made at import time) counts."""
         if self._session is not None:
             return
-        rank, world_size = find_rank(*self._given_rank)
-        if (rank, world_size) == (self.rank, self.world_size):
-            return
-        ranked = self._config | {"rank": rank, "world_size": world_size}
-        check_stream_options(ranked)
-        self.options = StreamOptions.from_config(ranked)
-        self.rank, self.world_size = rank, world_size
-        self._shm = TrainerShm(
-            self.keys,
-            self._config["transport"],
-            self._config["shm_dir"],
-            writable=self._config["writable"],
-            rank=rank,
-            world=world_size,
-        )
+        options = self.options.refound()
+        if options is not self.options:
+            self.options = options
+            self._shm = _trainer_shm(self.keys, options)
 
     @staticmethod
     def _iterate(frames: Iterator[Frame], as_dict: bool) -> Iterator[Any]:
@@ -540,7 +513,7 @@ class ServerDataStream(FuelStreamMixin):
     @property
     def stats(self) -> dict[str, Any]:
         """The trainer's figures: stall fraction of the last epoch and of the last 100
-        batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.stats`), and
+        batches, wait percentiles, batches/s and MB/s (see :mod:`consumer.reader.stats`), and
         ``dropped_ahead``: frames past the look-ahead window dropped, to be built again
         (shards leased before the run's floor moved back, see docs/design.md);
         ``rebuilt_params``: frames built with params a later :meth:`set_params` changed,
@@ -555,3 +528,11 @@ class ServerDataStream(FuelStreamMixin):
         run = self._session.position()[0] if self._session is not None else ""
         out["cache"], out["quarantined"] = self._run_figures.read(self._client, self.keys, run)
         return out
+
+
+def _trainer_shm(keys: QueueKeys, options: StreamOptions) -> TrainerShm:
+    """The trainer's shared memory for ``options``' rank."""
+    return TrainerShm(
+        keys, options.transport, options.shm_dir, writable=options.writable,
+        rank=options.rank, world=options.world_size,
+    )  # fmt: skip

@@ -1,11 +1,12 @@
-"""What :class:`consumer.ServerDataStream`'s constructor fixes for the run it reads
-(:class:`StreamOptions`), and the checks of its arguments."""
+"""ServerDataStream's constructor arguments, checked and held once (:class:`StreamOptions`),
+the checks of its arguments, and this process's rank in its job (:func:`find_rank`)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from batchq.errors import ConfigError
@@ -17,41 +18,73 @@ __all__ = ["StreamOptions", "check_stream_options", "find_rank"]
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """The stream's settings that reading a run uses (see ServerDataStream's arguments);
-    made once by the constructor, after :func:`check_stream_options`."""
+    """Everything :class:`consumer.ServerDataStream`'s constructor was given (see its
+    arguments), checked, held once: the stream, its start and its readers read them
+    here, and a pickled stream is made again from :meth:`arguments`.
 
+    ``rank`` and ``world_size`` are this process's, found (:func:`find_rank`) where they
+    were not given; ``given_rank`` keeps them as given (they are found again before
+    reading starts: :meth:`refound`).
+    """
+
+    sources: Sequence[str] | None
+    produces_examples: bool
+    host: str | None
+    port: int | None
     hwm: int
+    axis_labels: dict[str, Any] | None
+    dtypes: Mapping[str, Any] | None
+    queue: str
+    url: str | None
     timeout_s: float
     ordered: bool
-    claim_ttl_ms: int
+    writable: bool
+    claim_ttl_s: float
     max_frame_bytes: int | None
     on_bad_frame: str
     on_producer_error: str
     stall_s: float
+    progress: bool
+    transport: str | None
+    shm_dir: str | None
     rank: int
     world_size: int
     even_batches: str
-    group: str | None = None  # None: the default group (batchq.protocol.groups)
-    max_lag_batches: int | None = None
+    group: str | None  # None: the default group (batchq.protocol.groups)
+    max_lag_batches: int | None
+    given_rank: tuple[int | None, int | None] = (None, None)
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> StreamOptions:
-        """From the constructor's arguments by name (checked)."""
-        return cls(
-            hwm=config["hwm"],
-            timeout_s=config["timeout_s"],
-            ordered=config["ordered"],
-            claim_ttl_ms=int(config["claim_ttl_s"] * 1000),
-            max_frame_bytes=config["max_frame_bytes"],
-            on_bad_frame=config["on_bad_frame"],
-            on_producer_error=config["on_producer_error"],
-            stall_s=config["stall_s"],
-            rank=config["rank"],
-            world_size=config["world_size"],
-            even_batches=config["even_batches"],
-            group=config.get("group"),
-            max_lag_batches=config.get("max_lag_batches"),
-        )
+    def checked(cls, arguments: Mapping[str, Any]) -> StreamOptions:
+        """From the constructor's arguments by name: the rank found, every one checked.
+
+        Raises:
+            ConfigError: the first invalid argument (:func:`check_stream_options`), or
+                a rank that contradicts the process group (:func:`find_rank`).
+        """
+        given = (arguments["rank"], arguments["world_size"])
+        rank, world_size = find_rank(*given)
+        ranked = {**arguments, "rank": rank, "world_size": world_size}
+        check_stream_options(ranked)
+        return cls(**ranked, given_rank=given)
+
+    def refound(self) -> StreamOptions:
+        """These options with the rank found again where it was not given (a process
+        group initialised after the constructor counts); ``self`` where it is the same."""
+        if find_rank(*self.given_rank) == (self.rank, self.world_size):
+            return self
+        return self.checked(self.arguments())
+
+    def arguments(self) -> dict[str, Any]:
+        """The constructor's arguments by name, the rank and world size as given."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "given_rank"}
+        out["rank"], out["world_size"] = self.given_rank
+        return out
+
+    @property
+    def claim_ttl_ms(self) -> int:
+        """``claim_ttl_s`` in the scripts' unit."""
+        return int(self.claim_ttl_s * 1000)
 
 
 def check_stream_options(options: dict[str, Any]) -> None:

@@ -1,6 +1,26 @@
 """The trainer's reader resolves what it popped into frame bytes: inline frames as they
 are, frames stored by reference fetched (straight into buffers of their own), frames in
 shared memory mapped; what cannot be resolved is a bad frame (the reader's dead list).
+
+Frames stored by reference are received into buffers the trainer owns. redis-py hands a
+reply over as an immutable ``bytes`` object, so an array over it can only be writable
+after a copy. The reader's pipelined ``GETDEL`` commands go through the one path
+commands take (:func:`batchq.protocol.calls.round_trip`), each reply read straight from
+the socket into a fresh, uninitialised numpy buffer of that frame's size
+(:func:`batchq.client.redis_internals.read_bulk_into`): one buffer per frame, never
+pooled, so the arrays decoded over it are writable without a copy and no later frame can
+write into them. Where the socket cannot be read that way (TLS, fakeredis in unit tests)
+each reply is copied once into a buffer of its own.
+
+Frames stored once for several groups (:mod:`batchq.protocol.groups`): a frame gpush.lua
+listed for k > 1 groups is read by each group's trainer and deleted by the last: the
+reader GETs each frame (into a buffer of its own, as :func:`getdel_into` does with
+GETDEL) and, in the same round trip, releases them (release.lua). Redis runs the
+commands in order, so the bytes are read before the count drops; a key without a count
+(one reader) goes at its release like a GETDEL. A trainer killed between its pop and
+this round trip leaves the frames' counts up: they go when the run ends (every frame of
+the queue is deleted then).
+
 """
 
 from __future__ import annotations
@@ -11,16 +31,16 @@ from typing import Any
 import redis
 
 from batchq.client.connection import call, is_wrong_type, redis_errors
+from batchq.client.redis_internals import BulkReply, read_bulk_into
 from batchq.errors import ConnectionLost, FrameError
-from batchq.protocol.calls import execute_pipeline
+from batchq.protocol import scripts
+from batchq.protocol.calls import execute_pipeline, round_trip
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
 from batchq.wire.shm import is_descriptor
-from consumer.reader.receive import getdel_into
-from consumer.reader.shared_receive import get_and_release, release
 from consumer.reader.shm_frames import TrainerShm
 
-__all__ = ["Fetched", "Fetcher", "ref_error"]
+__all__ = ["Fetched", "Fetcher", "Reply", "get_and_release", "getdel_into", "ref_error", "release"]
 
 # One popped element resolved: (its frame's bytes or None when it is a bad frame, the
 # list element itself, the key of a frame stored by reference or '').
@@ -53,7 +73,7 @@ class Fetcher:
         self.max_frame_bytes = max_frame_bytes
         self._dead = dead
         # A run read by several groups: frames stored by reference may be stored once
-        # for all, so they are read and released (shared_receive), never GETDELed.
+        # for all, so they are read and released (get_and_release), never GETDELed.
         self.shared = False
 
     def fetch(self, elements: list[bytes]) -> list[Fetched]:
@@ -156,3 +176,76 @@ def ref_error(key: str, error: Exception) -> FrameError:
     if isinstance(error, redis_errors):
         raise ConnectionLost(f"Redis connection lost while fetching {key!r}: {error}") from error
     return FrameError("bad_ref", f"frame key {key!r} could not be read: {error}")
+
+
+Reply = BulkReply
+
+
+def getdel_into(
+    client: redis.Redis, keys: list[str], *, raise_on_error: bool = True
+) -> list[Reply]:
+    """GETDEL each key, each value received into a writable buffer of its own.
+
+    Args:
+        client: the reader's client.
+        keys: the frame keys to fetch and delete.
+        raise_on_error: raise the first error Redis answered (after reading every reply);
+            False: return it in that key's place (a key of another type, WRONGTYPE).
+
+    Returns:
+        One writable byte memoryview per key (None where the key was gone, the error where
+        Redis refused and ``raise_on_error`` is False).
+
+    Raises:
+        ConnectionLost: the connection failed (it is dropped, never handed back out of
+            step with its replies).
+        redis.ResponseError: Redis refused a command (after all replies were read).
+    """
+    if not keys:
+        return []
+    replies: list[Reply] = round_trip(
+        client,
+        [("GETDEL", key) for key in keys],
+        "fetching frames",
+        keep_errors=True,
+        readers=[read_bulk_into] * len(keys),
+    )
+    if raise_on_error:
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+    return replies
+
+
+def get_and_release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> list[BulkReply]:
+    """GET each frame key, each value received into a writable buffer of its own, then
+    release them all (one round trip).
+
+    Returns:
+        One writable byte memoryview per key (None where the key was gone, the error
+        where Redis refused: a key of another type).
+
+    Raises:
+        ConnectionLost: the connection failed (nothing is released twice: the reader
+            does not fetch those elements again).
+        redis.ResponseError: Redis refused the release (OOM is not: it deletes).
+    """
+    if not names:
+        return []
+    call = scripts.release_call(keys, names)
+    replies = round_trip(
+        client,
+        [*(("GET", name) for name in names), call.command()],
+        "fetching frames",
+        keep_errors=True,
+        readers=[*([read_bulk_into] * len(names)), None],
+    )
+    if isinstance(replies[-1], redis.ResponseError):
+        raise replies[-1]
+    return replies[:-1]
+
+
+def release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> None:
+    """Release frames this reader will not read (refused unfetched: too large)."""
+    if names:
+        scripts.release_call(keys, names).run(client)

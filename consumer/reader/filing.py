@@ -1,6 +1,8 @@
 """From resolved frame bytes to frames in the buffer: decoded (zero-copy), frames of
 other runs dropped, a rank's slots renumbered as its local shards, prepared for the
-trainer (:class:`consumer.reader.prepare.FramePrep`), then filed (:meth:`Buffer.put`).
+trainer (:class:`consumer.reader.prepare.FramePrep`), screened (a :class:`FrameScreen`
+the filer holds: the stream's params log drops frames built with params since changed),
+then filed (:meth:`Buffer.put`).
 
 What fails on the way is a bad frame (:class:`consumer.reader.dead.DeadList`): a frame
 that does not decode, a slot that is not this rank's, a frame the ledger finds
@@ -11,19 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple, Protocol
+
+import redis
 
 from batchq.errors import FrameError
 from batchq.protocol.ranks import RankLayout
 from batchq.wire import codec
-from consumer.reader.accounting import Accounting
 from consumer.reader.buffer import Buffer
 from consumer.reader.dead import DeadList
 from consumer.reader.fetch import Fetched
-from consumer.reader.settings import ReaderSettings
-from consumer.session import Session
+from consumer.reader.settings import ReaderSettings, RunView
+from consumer.reader.stats import Accounting
 
-__all__ = ["Decoded", "Filer"]
+__all__ = ["Decoded", "Filer", "FrameScreen"]
 
 
 class Decoded(NamedTuple):
@@ -32,6 +36,23 @@ class Decoded(NamedTuple):
 
     frames: list[tuple[codec.Frame, bytes]]
     stale: int
+
+
+class FrameScreen(Protocol):
+    """What a round's frames pass before they are filed (the stream's params log,
+    :class:`consumer.params.StreamParams`): frames it says must not be yielded are
+    dropped, and the shards they belong to handed back after the filing."""
+
+    @property
+    def filing(self) -> AbstractContextManager[Any]:
+        """Held across a round's screening and filing (a change of the screen's own
+        waits for it: a frame is filed before the change or screened after it)."""
+
+    def screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
+        """``decoded`` less the frames that must not be filed."""
+
+    def send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
+        """Hand back the shards of the frames the last screens dropped."""
 
 
 class Filer:
@@ -44,18 +65,21 @@ class Filer:
         prepare: applied to each frame of this run before it is filed.
         dead: where bad frames go.
         accounting: where the bytes received are counted.
+        screen: what a round's frames pass before they are filed (None: all are).
     """
 
     def __init__(
         self,
-        session: Session,
+        session: RunView,
         buffer: Buffer,
         settings: ReaderSettings,
         prepare: Callable[[codec.Frame], codec.Frame] | None,
         dead: DeadList,
         accounting: Accounting,
+        screen: FrameScreen | None = None,
     ) -> None:
         self.session = session
+        self.screen = screen
         self.buffer = buffer
         self.settings = settings
         self.prepare = prepare
@@ -66,7 +90,7 @@ class Filer:
         """Decode a round's resolved elements (those that are None were bad already)."""
         frames = []
         stale = 0
-        writable, limit = self.settings.writable, self.settings.max_frame_bytes
+        writable, limit = self.settings.writable, self.settings.options.max_frame_bytes
         layout, prepare, run = self.settings.layout, self.prepare, self.session.run
         accounting = self.accounting
         for raw, _element, _key in fetched:
@@ -104,8 +128,18 @@ class Filer:
             return None
         return dataclasses.replace(frame, shard=local)
 
-    def file(self, decoded: Decoded) -> None:
-        """File decoded frames; the impossible ones, and those the ledger purged, go to
+    def file(self, decoded: Decoded, client: redis.Redis) -> None:
+        """File a round's decoded frames, those the screen keeps, as one step against a
+        change of the screen's; the impossible ones, and those the ledger purged, go to
         the dead list."""
+        screen = self.screen
+        if screen is None:
+            self._put(decoded)
+            return
+        with screen.filing:
+            self._put(screen.screen(decoded, client, self.buffer))
+        screen.send_rebuilds(client, self.buffer)
+
+    def _put(self, decoded: Decoded) -> None:
         for element, reason in self.buffer.put(decoded.frames, decoded.stale):
             self.dead.record(element, FrameError("impossible", reason))

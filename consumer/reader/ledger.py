@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from batchq.protocol.layout import DONE, ledger_field
+from batchq.protocol.layout import DONE, ledger_field, parse_ledger_field
+from batchq.protocol.ranks import RankLayout
 from batchq.wire.codec import Frame, FrameKind
-from consumer.reader.impossible import why_impossible
-from consumer.reader.shard_state import ShardState
+from consumer.reader.shard_state import ShardState, why_impossible
 
-__all__ = ["Ledger", "ShardState"]
+__all__ = ["Ledger", "ShardState", "global_pairs"]
 
 
 class Ledger:
@@ -83,8 +83,8 @@ class Ledger:
         Its count must fit its position (a last batch at k counts k + 1 batches, an END
         or ERROR at k counts k), it must lie within the plan's batches per epoch, and fit
         what the shard's last frame already said (the rules:
-        :mod:`consumer.reader.impossible`). A frame past the look-ahead window is not
-        impossible (see :meth:`ahead`).
+        :func:`consumer.reader.shard_state.why_impossible`). A frame past the look-ahead
+        window is not impossible (see :meth:`ahead`).
         """
         state = self._epochs.get(frame.epoch, {}).get(frame.shard)
         return why_impossible(frame, self.epoch_batches, None if state is None else state.count)
@@ -400,3 +400,16 @@ class Ledger:
     def needs_more(self) -> bool:
         """True if the next frame to hand out has not arrived (pop even past the hwm)."""
         return self._find(take=False) is None and not self.epoch_done()
+
+
+def global_pairs(
+    pairs: list[tuple[str, str]], layout: RankLayout | None, rank: int
+) -> list[tuple[str, str]]:
+    """Ledger pairs of local shards ('<epoch>:<j>') as Redis names them (slots)."""
+    if layout is None:
+        return pairs
+    out = []
+    for field, value in pairs:
+        epoch, local = parse_ledger_field(field)
+        out.append((ledger_field(epoch, layout.slot(local, rank)), value))
+    return out

@@ -28,8 +28,7 @@ from batchq.errors import ProducersLost
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, reap_gone, requeue_gaps
 from consumer.reader.buffer import Buffer
-from consumer.reader.settings import ReaderSettings
-from consumer.session import Session
+from consumer.reader.settings import ReaderSettings, RunView
 
 __all__ = ["REAP_CLOSED_S", "REAP_IDLE_S", "StallRepair"]
 
@@ -60,7 +59,7 @@ class StallRepair:
 
     client: redis.Redis
     keys: QueueKeys
-    session: Session
+    session: RunView
     buffer: Buffer
     settings: ReaderSettings
     last_frame: float = field(init=False)
@@ -107,10 +106,10 @@ class StallRepair:
         if self.buffer.waited_since() is None:
             return
         now = time.monotonic()
-        if now - self.last_alive > self.settings.timeout_s:
+        if now - self.last_alive > self.settings.options.timeout_s:
             epoch, missing = self.buffer.missing()
-            raise ProducersLost(epoch, missing, self.settings.timeout_s)
-        stall_s = self.settings.stall_s
+            raise ProducersLost(epoch, missing, self.settings.options.timeout_s)
+        stall_s = self.settings.options.stall_s
         if now - self.last_frame > stall_s and now - self.last_repair > stall_s:
             self.repair()
 

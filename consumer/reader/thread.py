@@ -10,8 +10,10 @@ when no producer is left (:mod:`consumer.reader.repair`).
 The thread talks to the iterator through one channel, the :class:`Buffer`: frames go in
 with :meth:`Buffer.put`, the error that stops the thread is handed over as a value
 (:meth:`Buffer.fail`), and everything the thread reads of the ledger it reads through
-the buffer's methods. It changes the shared :class:`Session` only through the session's
-own methods (refresh, and after Redis lost the queue: reclaim and resume).
+the buffer's methods. It knows the run through a
+:class:`consumer.reader.settings.RunView` (the trainer's session, shared with the
+stream) and changes it only through its methods (refresh, and after Redis lost the
+queue: reclaim and resume).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
@@ -32,34 +34,24 @@ from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import round_trip
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import ledger_field, parse_ledger_field
-from batchq.protocol.ranks import RankLayout
 from batchq.protocol.replies import PopReply, status_error
 from batchq.protocol.words import Status, as_int
 from batchq.wire import codec
-from consumer.group_session import GroupSession
-from consumer.reader.accounting import Accounting
 from consumer.reader.buffer import Buffer
 from consumer.reader.dead import DeadList
 from consumer.reader.fetch import Fetched, Fetcher
-from consumer.reader.filing import Filer
+from consumer.reader.filing import Filer, FrameScreen
 from consumer.reader.guards import KeyGuard
+from consumer.reader.ledger import global_pairs
 from consumer.reader.repair import StallRepair
-from consumer.reader.settings import ReaderSettings
+from consumer.reader.settings import BLOCK_S, ReaderSettings, RunView
 from consumer.reader.shm_frames import TrainerShm
-from consumer.session import Session
-from consumer.stats import TrainerStats
+from consumer.reader.stats import Accounting, TrainerStats
 
-if TYPE_CHECKING:
-    from consumer.params import StreamParams
-
-__all__ = ["BLOCK_S", "QUICK_S", "Reader", "global_pairs"]
+__all__ = ["QUICK_S", "Reader", "Readers"]
 
 log = logging.getLogger(__name__)
 
-# When the list is empty the reader blocks on BRPOP this long at most, so that the claim
-# is refreshed and a lost producer is noticed; well below the socket timeout.
-BLOCK_S = 0.2
 # A trainer that keeps up gets its frames one by one by BRPOP, each right after it was
 # pushed. It then skips the pop script (about half its CPU per frame and a third of
 # Redis') while the list stays empty and the last script ran at most this long ago: the
@@ -81,23 +73,23 @@ class Reader(threading.Thread):
         shm: the trainer's shared memory (default: none, frames come through Redis).
         prepare: applied to each frame of this run before it is filed (the trainer's
             sources, dtypes and hooks: :class:`consumer.reader.prepare.FramePrep`).
-        params: the stream's params log: frames built with params since changed are
-            dropped before filing and their shards built again
-            (:class:`consumer.params.StreamParams`).
+        screen: what frames pass before they are filed (the stream's params log:
+            frames built with params since changed are dropped and their shards built
+            again, :class:`consumer.params.StreamParams`); None: every frame is filed.
     """
 
     def __init__(
         self,
         client: redis.Redis,
         keys: QueueKeys,
-        session: Session,
+        session: RunView,
         buffer: Buffer,
         settings: ReaderSettings,
         *,
         stats: TrainerStats | None = None,
         shm: TrainerShm | None = None,
         prepare: Callable[[codec.Frame], codec.Frame] | None = None,
-        params: StreamParams | None = None,
+        screen: FrameScreen | None = None,
     ) -> None:
         super().__init__(name=f"batchq-reader-{keys.queue}", daemon=True)
         self.client = client
@@ -108,14 +100,17 @@ class Reader(threading.Thread):
         self.shm = shm or TrainerShm(keys, "redis", None)
         self._halt = threading.Event()
         self._flush_on_stop = False
-        self.guard = KeyGuard(keys.queue, settings.timeout_s, self._halt)
+        self.guard = KeyGuard(keys.queue, settings.options.timeout_s, self._halt)
         self._accounting = Accounting(stats or TrainerStats())
-        self._dead = DeadList(client, keys, settings.on_bad_frame)
-        self._fetcher = Fetcher(client, keys, self.shm, settings.max_frame_bytes, self._dead.record)
-        self._fetcher.shared = isinstance(session, GroupSession) and session.grouped
-        self._filer = Filer(session, buffer, settings, prepare, self._dead, self._accounting)
+        self._dead = DeadList(client, keys, settings.options.on_bad_frame)
+        self._fetcher = Fetcher(
+            client, keys, self.shm, settings.options.max_frame_bytes, self._dead.record
+        )
+        self._fetcher.shared = session.grouped
+        self._filer = Filer(
+            session, buffer, settings, prepare, self._dead, self._accounting, screen
+        )
         self._repair = StallRepair(client, keys, session, buffer, settings)
-        self._params = params
         # The pop loop's own pace.
         self._popped_once = False
         self._published_floor = -1  # the floor the last successful pop sent
@@ -150,7 +145,9 @@ class Reader(threading.Thread):
         try:
             while not self._halt.is_set():
                 claim_s = self.session.claim_ttl_ms / 3000
-                idle, stale = self.buffer.idle(self.settings.hwm, self._published_floor, claim_s)
+                idle, stale = self.buffer.idle(
+                    self.settings.options.hwm, self._published_floor, claim_s
+                )
                 if self._halt.is_set():
                     break
                 try:
@@ -208,7 +205,7 @@ class Reader(threading.Thread):
         """
         log.warning("queue %s: %s; reconnecting", self.keys.queue, error)
         # AuthFailed and RedisConfigError are not retried: they propagate.
-        if reconnect(self.client, self.settings.timeout_s, self._halt):
+        if reconnect(self.client, self.settings.options.timeout_s, self._halt):
             log.warning("queue %s: reconnected", self.keys.queue)
 
     def _recover(self, error: StateLost) -> None:
@@ -259,7 +256,7 @@ class Reader(threading.Thread):
         """(how many frames to pop, the floor to publish); ``room`` 0 pops nothing."""
         buffered, floor = self.buffer.fill()
         if room is None:
-            room = max(1, self.settings.hwm - buffered)
+            room = max(1, self.settings.options.hwm - buffered)
             if not self._popped_once:
                 # The first batch as soon as it can be, rather than after fetching and
                 # decoding a whole buffer; later pops take all there is room for
@@ -300,8 +297,7 @@ class Reader(threading.Thread):
         group scripts."""
         if groups and not self._fetcher.shared:
             self._fetcher.shared = True
-            if isinstance(self.session, GroupSession):
-                self.session.saw_groups(groups)
+            self.session.saw_groups(groups)
 
     def _quick_ok(self) -> bool:
         """May this round be a BRPOP alone? Only while the pop script's work can wait:
@@ -355,21 +351,35 @@ class Reader(threading.Thread):
         decoded = self._filer.decode(fetched)
         if decoded.frames:
             self._repair.frames_arrived()
-        if self._params is None:
-            self._filer.file(decoded)
-        else:  # frames built with params since changed are dropped, built again
-            self._params.file(decoded, self.client, self.buffer, self._filer.file)
+        self._filer.file(decoded, self.client)
         self._accounting.count_ahead(self.client, self.keys, self.buffer.dropped_ahead)
 
 
-def global_pairs(
-    pairs: list[tuple[str, str]], layout: RankLayout | None, rank: int
-) -> list[tuple[str, str]]:
-    """Ledger pairs of local shards ('<epoch>:<j>') as Redis names them (slots)."""
-    if layout is None:
-        return pairs
-    out = []
-    for field, value in pairs:
-        epoch, local = parse_ledger_field(field)
-        out.append((ledger_field(epoch, layout.slot(local, rank)), value))
-    return out
+class Readers:
+    """The reader threads of a stream, one per stripe (stripe 0's first), seen as one."""
+
+    def __init__(self, members: list[Reader]) -> None:
+        self.members = members
+
+    @property
+    def first(self) -> Reader:
+        """Stripe 0's reader (the queue's own; a plain queue's only one)."""
+        return self.members[0]
+
+    def start(self) -> None:
+        for reader in self.members:
+            reader.start()
+
+    def stop(self, flush: bool = False) -> None:
+        """Stop every reader (each sends its last accounting with ``flush``)."""
+        for reader in self.members:
+            reader.stop(flush=flush)
+
+    def is_alive(self) -> bool:
+        """Whether every reader still runs (one that stopped handed its error over)."""
+        return all(reader.is_alive() for reader in self.members)
+
+    @property
+    def bad_frames(self) -> int:
+        """Bad elements moved to the dead lists, all stripes."""
+        return sum(reader.bad_frames for reader in self.members)

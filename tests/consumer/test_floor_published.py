@@ -38,7 +38,7 @@ def test_the_floor_is_published_when_the_reader_idles(
 
         def settled() -> bool:
             with buffer.cond:
-                idle = ledger.buffered >= reader.settings.hwm and not ledger.needs_more()
+                idle = ledger.buffered >= reader.settings.options.hwm and not ledger.needs_more()
                 floor = ledger.floor()
             published = int(redis_client.hget(keys.meta, "floor") or -1)
             return idle and published == floor

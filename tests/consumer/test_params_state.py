@@ -12,8 +12,9 @@ from batchq.errors import ConfigError
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.ranks import BatchNumbering, RankLayout
 from consumer import ServerDataStream
-from consumer.params_index import change_index, positions
-from consumer.rank_state import check_state, elastic_state
+from consumer.checkpoint import check_state
+from consumer.params import change_index, positions
+from consumer.rank_state import elastic_state
 
 LOG = ParamsLog().add(5, {"level": 1}, "c1").add(9, {"level": 2}, "c2")
 

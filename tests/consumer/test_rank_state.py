@@ -9,13 +9,8 @@ import pytest
 
 from batchq.errors import ConfigError, StepMismatch
 from batchq.protocol.ranks import RankLayout
-from consumer.rank_state import (
-    check_rank_state,
-    elastic_state,
-    pick_rank_state,
-    remap_pairs,
-    resume_run_id,
-)
+from consumer.checkpoint import check_rank_state, remap_pairs, resume_run_id
+from consumer.rank_state import elastic_state, pick_rank_state
 
 
 def state(
@@ -60,7 +55,11 @@ def test_elastic_four_to_two_re_splits_the_rest() -> None:
     pairs, slots = remap_pairs(new[0], layout)
     assert slots == {i: 12 + i for i in range(10)}
     assert pairs == [(f"0:{s}", "d") for s in range(10, 22)]
-    assert resume_run_id(new[0], 2) == resume_run_id(new[1], 2) != resume_run_id(new[0], 4)
+    assert (
+        resume_run_id(new[0], 2, None)
+        == resume_run_id(new[1], 2, None)
+        != resume_run_id(new[0], 4, None)
+    )
 
 
 def test_elastic_two_to_three_pads_with_the_first_units_and_keeps_partial_shards() -> None:

@@ -1,4 +1,4 @@
-"""ServerDataStream's own behaviour (its parts have their own files: test_run_start,
+"""ServerDataStream's own behaviour (its parts have their own files: test_start,
 test_session, test_stream_options, ...), against the real redis-server."""
 
 from __future__ import annotations

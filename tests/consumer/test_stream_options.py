@@ -9,7 +9,7 @@ import pytest
 
 from batchq.errors import ConfigError
 from consumer import ServerDataStream
-from consumer.group_session import check_group_state
+from consumer.checkpoint import check_group_state
 from consumer.stream_options import check_stream_options, find_rank
 
 GOOD: dict[str, Any] = {

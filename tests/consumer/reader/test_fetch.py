@@ -3,14 +3,19 @@ frame with its reason, never an exception out of the round."""
 
 from __future__ import annotations
 
-import fakeredis
-import pytest
+from typing import Any
 
+import fakeredis
+import numpy as np
+import pytest
+import redis
+
+from batchq.client.connection import make_client
 from batchq.errors import FrameError
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
 from batchq.wire.shm import encode_descriptor, segment_name
-from consumer.reader.fetch import Fetcher
+from consumer.reader.fetch import Fetcher, getdel_into
 from consumer.reader.shm_frames import TrainerShm
 
 KEYS = QueueKeys("fq")
@@ -82,3 +87,46 @@ def test_a_policy_that_raises_stops_the_round(fake_redis: fakeredis.FakeRedis) -
     f = Fetcher(fake_redis, KEYS, TrainerShm(KEYS, "redis", None), None, raising)
     with pytest.raises(FrameError, match="gone"):
         f.fetch([refs.encode_ref(f"{KEYS.frame_prefix}gone")])
+
+
+@pytest.fixture
+def client(redis_url: str, queue_name: str) -> Any:
+    out = make_client(redis_url)
+    yield out
+    out.delete(*[f"{queue_name}:{i}" for i in range(8)])
+    out.close()
+
+
+def test_values_land_in_writable_buffers_and_keys_are_deleted(client: Any, queue_name: str) -> None:
+    big = np.arange(3_000_000, dtype=np.uint8).tobytes()  # several socket reads
+    keys = [f"{queue_name}:{i}" for i in range(4)]
+    client.set(keys[0], big)
+    client.set(keys[1], b"")
+    client.set(keys[3], b"x\r\n$5\r\n")  # RESP-looking bytes inside a value
+    got = getdel_into(client, keys)
+    assert got[0] is not None and bytes(got[0]) == big
+    assert got[1] is not None and bytes(got[1]) == b""
+    assert got[2] is None  # missing key
+    assert got[3] is not None and bytes(got[3]) == b"x\r\n$5\r\n"
+    assert not got[0].readonly
+    np.frombuffer(got[0], dtype=np.uint8)[0] = 7  # writable, and its own memory
+    assert client.exists(*keys) == 0
+    assert client.ping()  # the connection is still in step
+
+
+def test_an_error_reply_raises_after_every_reply_was_read(client: Any, queue_name: str) -> None:
+    keys = [f"{queue_name}:{i}" for i in range(3)]
+    client.set(keys[0], b"a")
+    client.rpush(keys[1], b"not a string")
+    client.set(keys[2], b"c")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        getdel_into(client, keys)
+    assert client.exists(keys[0], keys[2]) == 0  # both GETDELs ran
+    assert client.get(keys[2]) is None and client.ping()
+
+
+def test_fakeredis_takes_the_pipeline_and_copies_once(fake_redis: Any) -> None:
+    fake_redis.set("k", b"hello")
+    (got,) = getdel_into(fake_redis, ["k"])
+    assert got is not None and bytes(got) == b"hello" and not got.readonly
+    assert fake_redis.exists("k") == 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import redis
 
 from batchq.protocol.keys import QueueKeys
-from consumer import run_start
-from consumer.run_start import DELETE_CHUNK, delete_old_frames
+from consumer import checkpoint, start
+from consumer.start import DELETE_CHUNK, delete_old_frames
 
 
 def test_old_frames_are_deleted_in_chunks_and_nothing_else(
@@ -28,5 +28,6 @@ def test_old_frames_are_deleted_in_chunks_and_nothing_else(
 
 
 def test_the_module_says_what_it_offers() -> None:
-    assert run_start.__all__ == sorted(run_start.__all__)
-    assert {"delete_old_frames", "resume_position", "Resumed"} <= set(run_start.__all__)
+    assert start.__all__ == sorted(start.__all__)
+    assert {"delete_old_frames", "open_reading"} <= set(start.__all__)
+    assert {"resume_position", "Resumed"} <= set(checkpoint.__all__)

@@ -1,4 +1,4 @@
-"""consumer.reader.stripe_view: one stripe's reader reads the one buffer in its numbers."""
+"""consumer.reader.stripes: one stripe's reader reads the one buffer in its numbers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from batchq.protocol.stripes import Stripes
 from batchq.wire.codec import Frame, FrameKind
 from consumer.reader.buffer import Buffer
 from consumer.reader.ledger import Ledger
-from consumer.reader.stripe_view import StripeView
+from consumer.reader.stripes import StripeView
 
 SHARDS = 10  # per epoch; shard n of the trainer belongs to stripe n % 3
 

@@ -12,7 +12,7 @@ from pipelines import numbered
 
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
-from consumer.stats import WAIT_BUCKETS_S, TrainerStats
+from consumer.reader.stats import WAIT_BUCKETS_S, TrainerStats
 
 
 def test_stall_fractions_percentiles_and_rates_from_known_numbers() -> None:

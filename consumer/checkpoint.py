@@ -1,0 +1,388 @@
+"""A trainer's checkpoint: its keys, its assembly, its checks and its loading, in one place.
+
+The state (``ServerDataStream.state_dict()``) is a file format: its keys never change.
+
+A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
+
+    version       1 (STATE_VERSION)
+    queue         the queue's name
+    run           the run id ('' before the first batch: nothing to resume)
+    fingerprint   the pipeline's fingerprint (producers of another pipeline are refused)
+    shards        S, the shards of one epoch (a rank: its own share)
+    epoch         the oldest epoch not yet yielded completely
+    consumed      shard -> batches of it yielded in that epoch (keys are strings: JSON)
+    done          shards of that epoch yielded completely
+  data-parallel ranks (world_size > 1) add:
+    rank, world_size, even_batches ('pad' | 'drop'), plan_shards (the plan's S),
+    step (batches the rank yielded: every rank of one checkpoint has the same),
+    every_rank    (where true) this state is every rank's at this step, its rank aside:
+                  every shard is one batch and epochs are yielded in plan order, so
+                  after the same number of batches every rank's local position is the
+                  same; any rank (or a new world, re-split) resumes from it, so a
+                  checkpoint that keeps rank 0's state only resumes the whole job
+  and a state re-split for another number of ranks (consumer/rank_state.py) adds:
+    remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
+  a group of a run read by several groups (``group=``) adds:
+    group         its name (a state of another group is refused)
+  and once ``set_params`` was called:
+    params        the run's change log of producer parameters, a list of entries
+                  {version, index, id, params} (batchq/protocol/params_log.py): a resume
+                  writes it back, so the resumed stream is the same even if Redis lost
+                  the queue
+
+Assembled from the stream's position (:func:`stream_state`), checked when it is loaded
+(:func:`check_state`, :func:`check_rank_state`, :func:`check_group_state`: it comes from a
+file), and loaded into a claimed run (:func:`resume_position`: the ledger preloaded, the
+same pairs sent to resume.lua). The ranks (and groups) of one checkpoint resume into one
+run whose id each computes alike (:func:`resume_run_id`), so the first to resume creates
+it and the others join it. A list of every rank's states, and a state re-split for
+another number of ranks, are :mod:`consumer.rank_state`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from batchq.client.connection import retrying
+from batchq.errors import ConfigError
+from batchq.protocol import run_ids
+from batchq.protocol.layout import DONE, ledger_field
+from batchq.protocol.params_log import ParamsLog
+from batchq.protocol.ranks import RankLayout
+from batchq.protocol.stripes import Stripes
+from consumer.plan import Plan
+from consumer.reader.ledger import Ledger, global_pairs
+from consumer.reader.settings import BLOCK_S
+from consumer.session import Session
+from consumer.stream_options import StreamOptions
+
+__all__ = [
+    "CONSUMED_KEY",
+    "DONE_KEY",
+    "EPOCH_KEY",
+    "EVEN_BATCHES_KEY",
+    "EVERY_RANK_KEY",
+    "FINGERPRINT_KEY",
+    "GROUP_KEY",
+    "PARAMS_KEY",
+    "PLAN_SHARDS_KEY",
+    "QUEUE_KEY",
+    "RANK_KEY",
+    "REMAP_KEY",
+    "RUN_KEY",
+    "SHARDS_KEY",
+    "STATE_VERSION",
+    "STEP_KEY",
+    "VERSION_KEY",
+    "WORLD_SIZE_KEY",
+    "Resumed",
+    "check_group_state",
+    "check_rank_state",
+    "check_state",
+    "load_state",
+    "position_state",
+    "rank_fields",
+    "remap_pairs",
+    "resume_position",
+    "resume_run_id",
+    "stream_state",
+    "unstarted_state",
+]
+
+STATE_VERSION = 1
+
+VERSION_KEY = "version"
+QUEUE_KEY = "queue"
+RUN_KEY = "run"
+FINGERPRINT_KEY = "fingerprint"
+SHARDS_KEY = "shards"
+EPOCH_KEY = "epoch"
+CONSUMED_KEY = "consumed"
+DONE_KEY = "done"
+RANK_KEY = "rank"
+WORLD_SIZE_KEY = "world_size"
+EVEN_BATCHES_KEY = "even_batches"
+PLAN_SHARDS_KEY = "plan_shards"
+STEP_KEY = "step"
+EVERY_RANK_KEY = "every_rank"
+REMAP_KEY = "remap"
+GROUP_KEY = "group"
+PARAMS_KEY = "params"
+
+
+def unstarted_state(queue: str) -> dict[str, Any]:
+    """The state of a stream that has not read anything: nothing to resume."""
+    return {VERSION_KEY: STATE_VERSION, QUEUE_KEY: queue, RUN_KEY: "", FINGERPRINT_KEY: ""}
+
+
+def position_state(
+    queue: str,
+    run: str,
+    fingerprint: str,
+    shards: int,
+    epoch: int,
+    consumed: Mapping[int, int],
+    done: Sequence[int],
+) -> dict[str, Any]:
+    """The state at a position: ``consumed`` shard -> batches yielded of ``epoch``,
+    ``done`` its shards yielded completely."""
+    return {
+        VERSION_KEY: STATE_VERSION,
+        QUEUE_KEY: queue,
+        RUN_KEY: run,
+        FINGERPRINT_KEY: fingerprint,
+        SHARDS_KEY: shards,
+        EPOCH_KEY: epoch,
+        CONSUMED_KEY: {str(s): n for s, n in consumed.items()},
+        DONE_KEY: list(done),
+    }
+
+
+def rank_fields(
+    rank: int,
+    world_size: int,
+    even_batches: str,
+    plan_shards: int,
+    step: int,
+    every_rank: bool = False,
+) -> dict[str, Any]:
+    """What a data-parallel rank's state adds (world_size > 1)."""
+    fields: dict[str, Any] = {
+        RANK_KEY: rank,
+        WORLD_SIZE_KEY: world_size,
+        EVEN_BATCHES_KEY: even_batches,
+        PLAN_SHARDS_KEY: plan_shards,
+        STEP_KEY: step,
+    }
+    return fields | {EVERY_RANK_KEY: True} if every_rank else fields
+
+
+def stream_state(
+    options: StreamOptions,
+    run: str,
+    plan: Plan | None,
+    shards: int,
+    position: tuple[int, Mapping[int, int], Sequence[int]],
+    *,
+    step: int,
+    plan_shards: int,
+    params: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The state of a stream of ``options`` at ``position`` in ``run`` (the buffer's
+    ``consumed``: the epoch, shard -> batches yielded of it, its shards done): a rank
+    adds its fields, a group its name, a changed params log the log.
+
+    Args:
+        step: batches the rank yielded since the job began.
+        plan_shards: S of the run's plan.
+        params: the params log as JSON (None: never changed).
+    """
+    epoch, counts, done = position
+    fingerprint = plan.fingerprint if plan else ""
+    state = position_state(options.queue, run, fingerprint, shards, epoch, counts, done)
+    if options.world_size > 1:
+        # Every shard one batch, yielded in plan order: after `step` batches every
+        # rank's local position is this one (every_rank, the module's docstring).
+        alike = options.ordered and plan is not None and plan.epoch_batches == plan.shards
+        state |= rank_fields(
+            options.rank, options.world_size, options.even_batches, plan_shards, step, alike
+        )
+    if options.group is not None:
+        state[GROUP_KEY] = options.group
+    return state if params is None else state | {PARAMS_KEY: params}
+
+
+# -- checks (a state comes from a file) --------------------------------------------------
+
+
+def check_state(state: Any, queue: str) -> dict[str, Any]:
+    """Validate a state dict, naming what is wrong (it comes from a file)."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"state {state!r} is not valid: expected a dict from state_dict()")
+    if state.get(VERSION_KEY) != STATE_VERSION:
+        raise ConfigError(f"state version {state.get('version')!r} is not valid: expected 1")
+    if state.get(QUEUE_KEY) not in (None, queue):
+        raise ConfigError(f"state is of queue {state.get('queue')!r}, this stream reads {queue!r}")
+    if not state.get(RUN_KEY):
+        return dict(state)  # taken before the first iteration: nothing to resume
+    for name, kind in ((RUN_KEY, str), (FINGERPRINT_KEY, str), (SHARDS_KEY, int), (EPOCH_KEY, int)):
+        if not isinstance(state.get(name), kind):
+            raise ConfigError(
+                f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
+            )
+    _check_position(state.get(CONSUMED_KEY), state.get(DONE_KEY))
+    ParamsLog.from_json(state.get(PARAMS_KEY), "state['params']")  # ConfigError if bad
+    return dict(state)
+
+
+def _check_position(consumed: Any, done: Any) -> None:
+    """Refuse a position that is not shard -> batches yielded, and a list of shards."""
+    if not isinstance(consumed, dict) or not all(
+        str(k).isdigit() and isinstance(v, int) and v >= 0 for k, v in consumed.items()
+    ):
+        raise ConfigError(
+            f"state['consumed'] = {consumed!r} is not valid: expected shard -> batches"
+        )
+    if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
+        raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")
+
+
+def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
+    """Refuse a state saved by another rank or another world size.
+
+    Raises:
+        ConfigError: naming the state's rank/world and this stream's.
+    """
+    saved_world, saved_rank = state.get(WORLD_SIZE_KEY, 1), state.get(RANK_KEY, 0)
+    if saved_world != world or saved_rank != rank:
+        raise ConfigError(
+            f"state of rank {saved_rank!r} of world_size {saved_world!r} given to rank "
+            f"{rank} of world_size {world}: expected this rank's own state, or the list of "
+            "every rank's (one rank's state stands for every rank only where every shard "
+            "is one batch and ordered=True: see 'every_rank' in the README's Frameworks)"
+        )
+    step = state.get(STEP_KEY, 0)
+    if not isinstance(step, int) or step < 0:
+        raise ConfigError(f"state['step'] = {step!r} is not valid: expected an integer >= 0")
+
+
+def load_state(state: Any, options: StreamOptions) -> dict[str, Any]:
+    """``state`` checked for a stream of ``options`` (:func:`check_state`; a state of
+    another group or, once it names a run, of another rank is refused).
+
+    Raises:
+        ConfigError: naming what is wrong.
+    """
+    loaded = check_group_state(check_state(state, options.queue), options.group)
+    if loaded.get(RUN_KEY):
+        check_rank_state(loaded, options.rank, options.world_size)
+    return loaded
+
+
+def check_group_state(state: dict[str, Any], group: str | None) -> dict[str, Any]:
+    """A checkpoint's state for a stream of ``group``: refused when it names another
+    group (each group's position is its own); a state without a group (the default
+    group's, or saved before groups) is taken as it is.
+
+    Raises:
+        ConfigError: the state names another group.
+    """
+    saved = state.get(GROUP_KEY)
+    if saved is not None and saved != (group or ""):
+        raise ConfigError(
+            f"state is of group {saved or '(default)'!r}, this stream reads group "
+            f"{group or '(default)'!r}; expected a state_dict() of the same group"
+        )
+    return state
+
+
+# -- loading: a claimed run resumed at the state's position ------------------------------
+
+
+def resume_run_id(state: dict[str, Any], world: int, group: str | None) -> str:
+    """The run id a stream resumes ``state``'s run into: every rank of a job, and every
+    group of a run (a sweep's groups resume into one run), computes the same, so the
+    first creates it and the others join it; '' for a single trainer of the default
+    group (the session mints one)."""
+    if world == 1 and group is None:
+        return ""
+    return run_ids.resume_run_id(str(state.get(RUN_KEY)), world)
+
+
+class Resumed(NamedTuple):
+    """Where a resumed run stands: this rank's slots, its preloaded ledger, and S of the
+    run's plan (the checkpoint's, where no producer has joined this Redis yet); for a
+    checkpoint of a striped queue also the first shard and every stripe's ledger pairs
+    (in its numbers, local), which its other stripes resume from
+    (:mod:`consumer.start`)."""
+
+    layout: RankLayout
+    ledger: Ledger
+    plan_shards: int
+    first: int = 0
+    stripe_pairs: dict[int, list[tuple[str, str]]] | None = None
+
+
+def resume_position(
+    session: Session, resume: dict[str, Any], *, ordered: bool, step: int, timeout_s: float
+) -> Resumed:
+    """Recreate a checkpoint's position: the ledger preloaded with what the state says
+    was yielded, the same pairs sent to resume.lua (the producers re-plan the saved epoch
+    from them).
+
+    Args:
+        session: the trainer's session (its plan is set here; its client is the stream's).
+        resume: the checkpoint (one rank's state, see the module docstring).
+        ordered: the ledger yields in plan order.
+        step: batches yielded before the checkpoint (resume.lua checks it).
+        timeout_s: the stream's reconnect bound, and how long to wait for a plan.
+    """
+    client, keys = session.client, session.keys
+
+    def read_meta() -> dict[bytes, bytes]:
+        return client.hgetall(keys.meta)  # type: ignore[return-value]
+
+    # The plan first: a striped queue's stripes are resumed each from its own pairs.
+    # (A producer may never have joined this Redis: it restarted.)
+    meta = retrying(read_meta, f"reading meta (queue {keys.queue})", timeout_s, client=client)
+    plan = session.use_plan(meta) or session.wait_for_plan(timeout_s, BLOCK_S)
+    stripes = Stripes(plan.stripes)
+    shards, epoch = int(resume[SHARDS_KEY]), int(resume[EPOCH_KEY])
+    plan_shards = int(resume.get(PLAN_SHARDS_KEY, shards))
+    layout = session.layout(plan_shards)
+    ledger = Ledger(shards, ordered=ordered, first_epoch=epoch)
+    local = _preload(ledger, resume)
+    split = stripes.split(local, shards)
+    pairs = global_pairs(split[0], layout, session.rank)
+    remap = None
+    if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
+        if stripes.striped:
+            raise ConfigError(
+                f"queue {keys.queue}: resuming with another number of ranks is not "
+                f"supported for a striped queue ({stripes.count} stripes); expected the "
+                "checkpoint's world size"
+            )
+        pairs, slots = remap_pairs(resume, layout)
+        remap = (epoch, slots)
+    first = epoch * shards
+    session.resume(
+        client,
+        stripes.floor_of(first, 0),
+        resume[FINGERPRINT_KEY],
+        pairs,
+        step=step,
+        shards=plan_shards,
+        remap=remap,
+    )
+    if session.plan is None:
+        session.wait_for_plan(timeout_s, BLOCK_S)
+    return Resumed(layout, ledger, plan_shards, first, split if stripes.striped else None)
+
+
+def _preload(ledger: Ledger, resume: dict[str, Any]) -> list[tuple[str, str]]:
+    """Mark in the ledger what the checkpoint says was yielded; the same as ledger pairs
+    of the rank's own (local) shards, ``'<epoch>:<j>'``."""
+    epoch = int(resume[EPOCH_KEY])
+    done = set(resume[DONE_KEY])
+    pairs = []
+    for shard in sorted(done | {int(k) for k in resume[CONSUMED_KEY]}):
+        had = int(resume[CONSUMED_KEY].get(str(shard), 0))
+        ledger.preload(epoch, shard, had, done=shard in done)
+        pairs.append((ledger_field(epoch, shard), DONE if shard in done else str(had)))
+    return pairs
+
+
+def remap_pairs(
+    state: dict[str, Any], layout: RankLayout
+) -> tuple[list[tuple[str, str]], dict[int, int]]:
+    """For an :func:`elastic_state`: the ledger pairs of every slot of the resumed epoch
+    (batches had, or done for the slots past the re-split) and slot -> shard to build."""
+    epoch, remap = int(state[EPOCH_KEY]), state[REMAP_KEY]
+    pairs = []
+    for slot in range(layout.slots):
+        if slot >= len(remap):
+            pairs.append((ledger_field(epoch, slot), DONE))
+        elif remap[slot][1]:
+            pairs.append((ledger_field(epoch, slot), str(remap[slot][1])))
+    return pairs, {slot: int(unit[0]) for slot, unit in enumerate(remap)}

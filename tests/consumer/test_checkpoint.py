@@ -1,0 +1,90 @@
+"""consumer.checkpoint: a checkpoint's keys are a file format, pinned here."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchq.errors import ConfigError
+from batchq.protocol import run_ids
+from consumer import ServerDataStream, checkpoint
+from consumer.checkpoint import check_state
+from consumer.rank_state import elastic_state
+
+# Checkpoints saved by earlier versions must keep loading: these names never change.
+SAVED_NAMES = {
+    "VERSION_KEY": "version", "QUEUE_KEY": "queue", "RUN_KEY": "run",
+    "FINGERPRINT_KEY": "fingerprint", "SHARDS_KEY": "shards", "EPOCH_KEY": "epoch",
+    "CONSUMED_KEY": "consumed", "DONE_KEY": "done", "RANK_KEY": "rank",
+    "WORLD_SIZE_KEY": "world_size", "EVEN_BATCHES_KEY": "even_batches",
+    "PLAN_SHARDS_KEY": "plan_shards", "STEP_KEY": "step", "REMAP_KEY": "remap",
+    "GROUP_KEY": "group",
+    "PARAMS_KEY": "params", "EVERY_RANK_KEY": "every_rank",
+}  # fmt: skip
+KNOWN = set(SAVED_NAMES.values())
+
+
+def test_the_key_names_are_those_checkpoints_were_saved_with() -> None:
+    assert {n: getattr(checkpoint, n) for n in SAVED_NAMES} == SAVED_NAMES
+    assert checkpoint.STATE_VERSION == 1
+    builders = ["position_state", "rank_fields", "stream_state", "unstarted_state"]
+    checks = ["check_group_state", "check_rank_state", "check_state", "load_state"]
+    loading = ["Resumed", "remap_pairs", "resume_position", "resume_run_id"]
+    assert sorted(checkpoint.__all__) == sorted(
+        [*SAVED_NAMES, "STATE_VERSION", *builders, *checks, *loading]
+    )
+
+
+def test_every_state_written_uses_only_those_keys() -> None:
+    fresh = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q").state_dict()
+    assert set(fresh) <= KNOWN
+    old = [
+        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
+         "plan_shards": 6, "epoch": 0, "consumed": {}, "done": [], "rank": r,
+         "world_size": 2, "even_batches": "pad", "step": 0}
+        for r in range(2)
+    ]  # fmt: skip
+    assert set(elastic_state(old, 0, 3)) <= KNOWN
+
+
+def test_another_version_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="state version 2 is not valid: expected 1"):
+        check_state({"version": 2, "run": "r"}, "q")
+
+
+def test_the_builders_write_the_documented_state() -> None:
+    assert checkpoint.unstarted_state("q") == {
+        "version": 1, "queue": "q", "run": "", "fingerprint": ""
+    }  # fmt: skip
+    state = checkpoint.position_state("q", "r1", "fp", 4, 2, {0: 3, 2: 1}, [1])
+    assert state == {
+        "version": 1, "queue": "q", "run": "r1", "fingerprint": "fp", "shards": 4,
+        "epoch": 2, "consumed": {"0": 3, "2": 1}, "done": [1],
+    }  # fmt: skip
+    assert check_state(state, "q") == state  # what is written loads
+    ranks = checkpoint.rank_fields(1, 2, "pad", 8, 40)
+    assert ranks == {"rank": 1, "world_size": 2, "even_batches": "pad", "plan_shards": 8,
+                     "step": 40}  # fmt: skip
+
+
+def test_the_run_a_checkpoint_resumes_into_is_computed_alike_by_ranks_and_groups() -> None:
+    state = {"version": 1, "queue": "q", "run": "r1", "fingerprint": "f"}
+    assert checkpoint.resume_run_id(state, 1, None) == ""  # a single trainer: minted anew
+    ranks = checkpoint.resume_run_id(state, 2, None)
+    # The groups of a sweep resume into one run, whatever their world: as the ranks do.
+    assert (
+        checkpoint.resume_run_id(state, 2, "g1") == checkpoint.resume_run_id(state, 2, "") == ranks
+    )
+    assert checkpoint.resume_run_id(state, 1, "g1") not in ("", ranks)
+    assert ranks == run_ids.resume_run_id("r1", 2)
+
+
+def test_a_loaded_state_must_be_this_group_s_and_this_rank_s() -> None:
+    base = {"version": 1, "queue": "q", "run": "r1", "fingerprint": "f", "shards": 2,
+            "epoch": 0, "consumed": {}, "done": []}  # fmt: skip
+    mine = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q", group="g1")
+    assert checkpoint.load_state(base | {"group": "g1"}, mine.options)["run"] == "r1"
+    with pytest.raises(ConfigError, match="state is of group 'g2'"):
+        checkpoint.load_state(base | {"group": "g2"}, mine.options)
+    rank1 = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q", rank=1, world_size=2)
+    with pytest.raises(ConfigError, match="state of rank 0 of world_size 1 given to rank 1"):
+        checkpoint.load_state(base, rank1.options)
