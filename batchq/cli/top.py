@@ -57,7 +57,7 @@ _STYLE = {
     "balanced": "bold cyan",
     "idle": "dim",
     "unknown": "yellow",
-    "unread": "bold magenta",  # a rank's share goes unread (batchq.monitoring.rank_rows)
+    "unread": "bold magenta",  # a rank's share goes unread (batchq.monitoring.reader_rows)
 }
 _MAX_PRODUCERS = 3
 
