@@ -45,7 +45,7 @@ from batchq.errors import (
     RedisConfigError,
     WrongKeyType,
 )
-from batchq.wire.pieces import Pieces
+from batchq.wire.frame import Pieces
 
 __all__ = [
     "BACKOFF_FIRST_S",

@@ -1,9 +1,12 @@
 """What a frame is: its kinds, the decoded :class:`Frame`, the encoders' input
-(:class:`FrameHeader`) and the rules a header's fields obey.
+(:class:`FrameHeader`), the rules a header's fields obey, and an encoded frame as the
+buffers that go to the socket back to back (:class:`Pieces`).
 
-The wire layout is :mod:`batchq.wire.codec`'s (which re-exports everything here); both its
-encoder (which raises ConfigError) and its decoder (FrameError) check headers with
-:func:`header_problem`, so that both sides hold the same rules.
+The wire layout is :mod:`batchq.wire.codec`'s (which re-exports everything here but
+:class:`Pieces`); both its encoder (which raises ConfigError) and its decoder
+(FrameError) check headers with :func:`header_problem`, so that both sides hold the
+same rules. The connection's packer (:mod:`batchq.client.redis_internals`) writes a
+:class:`Pieces` argument as one bulk string, without joining its buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ __all__ = [
     "Frame",
     "FrameHeader",
     "FrameKind",
+    "Pieces",
     "header_problem",
     "is_int",
 ]
@@ -124,6 +128,32 @@ class FrameHeader:
     error_name: str | None = None
     produced_at: float | None = None
     params_version: int = 0
+
+
+class Pieces:
+    """One Redis value sent as several buffers, back to back, without joining them.
+
+    A command argument of this type is written as one bulk string (its total length,
+    then each buffer as it is): a frame's header and its arrays' own memory go to the
+    socket without being copied into one buffer first.
+
+    Args:
+        buffers: the value's parts, in order (bytes, or byte-format memoryviews).
+        nbytes: their total length.
+    """
+
+    def __init__(self, buffers: list[bytes | memoryview], nbytes: int) -> None:
+        self.buffers = buffers
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(bytes(b) for b in self.buffers)
+
+    def __repr__(self) -> str:
+        return f"Pieces({len(self.buffers)} buffers, {self.nbytes} bytes)"
 
 
 def is_int(value: Any, low: int) -> bool:

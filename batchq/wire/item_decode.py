@@ -121,6 +121,12 @@ def _parse_elem(entry: Any, where: str, data_start: int, size: int) -> ArraySpec
             f"item keys {sorted(map(repr, keys))}; expected "
             "{dtype, shape, off, len[, sc]}, {v} or {obj, items}",
         )
+    return _parse_array(entry, where, data_start, size)
+
+
+def _parse_array(entry: dict[Any, Any], where: str, data_start: int, size: int) -> ArraySpec:
+    """An array entry (its keys checked): its dtype, its shape, and its bytes' length
+    and place inside the buffer region."""
     text = entry["dtype"]
     dt = _parse_dtype(text) if isinstance(text, str) and len(text) <= 32 else None
     if dt is None:
@@ -141,6 +147,13 @@ def _parse_elem(entry: Any, where: str, data_start: int, size: int) -> ArraySpec
         )
     if (scalar is not True and scalar is not False) or (scalar and shape):
         raise _bad("bad_header", where, f"sc {short(scalar)}: expected true on a 0-d array")
+    _check_range(off, length, where, data_start, size)
+    return ArraySpec(dt, shape, off, length, scalar)
+
+
+def _check_range(off: Any, length: int, where: str, data_start: int, size: int) -> None:
+    """An array's bytes ``[off, off + length)`` are a 64-aligned range inside the buffer
+    region ``[data_start, size)``."""
     if type(off) is not int or off % ALIGN or off < data_start or off + length > size:
         raise _bad(
             "bad_range",
@@ -148,7 +161,6 @@ def _parse_elem(entry: Any, where: str, data_start: int, size: int) -> ArraySpec
             f"bytes [{short(off)}, +{length}) are not a 64-aligned range inside "
             f"the buffer region [{data_start}, {size})",
         )
-    return ArraySpec(dt, shape, off, length, scalar)
 
 
 def build_item(spec: Spec, buf: Any, writable: bool) -> Any:

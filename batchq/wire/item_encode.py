@@ -87,18 +87,7 @@ def check_value(value: Any, where: str, depth: int = 0) -> None:
     Raises:
         ConfigError: naming the offending type and where it sits.
     """
-    if isinstance(value, str):
-        if not value.isascii():  # isascii is a flag check; only lone surrogates fail here
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ConfigError(f"{where}: str {short(value)} is not valid unicode: {e}") from e
-        return
-    if value is None or isinstance(value, bool | float | bytes | bytearray):
-        return
-    if isinstance(value, int):
-        if not -(2**63) <= value < 2**64:
-            raise ConfigError(f"{where}: integer {value} does not fit in 64 bits")
+    if _plain_scalar(value, where):
         return
     if depth >= MAX_VALUE_DEPTH:
         raise ConfigError(f"{where}: value nests deeper than {MAX_VALUE_DEPTH} levels")
@@ -119,3 +108,22 @@ def check_value(value: Any, where: str, depth: int = 0) -> None:
         f"{type(value).__qualname__}; use an np.ndarray or None/bool/int/float/str/bytes "
         "and lists/dicts of those"
     )
+
+
+def _plain_scalar(value: Any, where: str) -> bool:
+    """Whether ``value`` is a scalar msgpack value, checked (a str is valid unicode, an
+    int fits in 64 bits); False for anything else (a container, another type)."""
+    if isinstance(value, str):
+        if not value.isascii():  # isascii is a flag check; only lone surrogates fail here
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{where}: str {short(value)} is not valid unicode: {e}") from e
+        return True
+    if value is None or isinstance(value, bool | float | bytes | bytearray):
+        return True
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**64:
+            raise ConfigError(f"{where}: integer {value} does not fit in 64 bits")
+        return True
+    return False
