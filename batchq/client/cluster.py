@@ -41,10 +41,7 @@ from batchq.client.redis_internals import HeldPool
 from batchq.client.urls import Target
 
 __all__ = [
-    "PAUSE_FIRST_S",
-    "PAUSE_MAX_S",
     "SLOTS",
-    "TRYAGAIN_S",
     "NodeConnection",
     "NodeSSLConnection",
     "Reader",
@@ -58,8 +55,6 @@ __all__ = [
     "route_of",
 ]
 
-TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
-PAUSE_FIRST_S, PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
 #: Reads one reply from a connection (as in :func:`batchq.protocol.calls.round_trip`).
 Reader = Callable[[Any], Any]
 

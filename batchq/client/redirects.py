@@ -13,7 +13,7 @@ A refused command is sent again only where the node says it did not run:
   ``ASKING`` and the command on the target, once.
 * ``TRYAGAIN`` (a command on several keys of a slot in the middle of a migration) and
   ``CLUSTERDOWN``: the command goes again after a pause, for up to
-  :data:`batchq.client.cluster.TRYAGAIN_S`; so does a second MOVED for the same command
+  :data:`TRYAGAIN_S`; so does a second MOVED for the same command
   (the nodes may disagree for a moment while a slot changes owner).
 
 None of these ran the command, so sending it again is not a retry of a command that
@@ -42,9 +42,6 @@ from redis.exceptions import (
 )
 
 from batchq.client.cluster import (
-    PAUSE_FIRST_S,
-    PAUSE_MAX_S,
-    TRYAGAIN_S,
     Reader,
     SlotRoute,
     Topology,
@@ -52,14 +49,19 @@ from batchq.client.cluster import (
 )
 
 __all__ = [
+    "PAUSE_FIRST_S",
+    "PAUSE_MAX_S",
     "REDIRECTS",
+    "TRYAGAIN_S",
     "NodeClient",
     "Pauses",
-    "Reader",
     "Send",
     "follow_redirects",
     "is_redirect",
 ]
+
+TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
+PAUSE_FIRST_S, PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
 
 #: Sends commands on a client's own connection, reading each with its reader (or raw);
 #: error replies in place.
