@@ -1,7 +1,7 @@
 """The frame format: what one list element is, byte for byte.
 
-The codec (``codec``) and the values it packs (``values``; one item encoded:
-``item_encode``, decoded: ``item_decode``; lists sent as arrays: ``regular_arrays``),
+The codec (``codec``) and the values it packs (``values``; one item encoded and
+decoded: ``items``; lists sent as arrays: ``regular_arrays``),
 the frame's kinds, header rules and its pieces for the wire (``frame``), the reference
 element of a frame stored under its own key (``refs``) and the shared-memory segment
 and descriptor formats (``shm``). Imports nothing of batchq but ``batchq.errors``.

@@ -80,11 +80,11 @@ from batchq.wire.frame import (
     FrameHeader,
     FrameKind,
     Pieces,
+    header_fields,
     header_problem,
     is_int,
 )
-from batchq.wire.item_decode import build_item, parse_item
-from batchq.wire.item_encode import encode_item
+from batchq.wire.items import build_item, encode_item, parse_item
 from batchq.wire.regular_arrays import array_or_value
 from batchq.wire.values import (
     PREFIX,
@@ -272,7 +272,7 @@ def _prepare(
     sources, data = tuple(spec.sources), tuple(data)
     if len(sources) != len(data):
         raise ConfigError(f"{len(sources)} sources but {len(data)} data values")
-    header = _header_fields(spec, kind)
+    header = header_fields(spec, kind)
     copies: list[Copy] = []
     header["items"] = [encode_item(s, v, copies) for s, v in zip(sources, data, strict=True)]
 
@@ -283,33 +283,6 @@ def _prepare(
             f"(run {spec.run!r}, epoch {spec.epoch}, shard {spec.shard}, k {spec.k})"
         )
     return kind, header, packed, data_start, total, copies
-
-
-def _header_fields(spec: FrameHeader, kind: FrameKind) -> dict[str, Any]:
-    """The header map of ``spec`` but its items, checked by the rules both sides hold
-    (:func:`batchq.wire.frame.header_problem`); optional fields only when set."""
-    header: dict[str, Any] = {
-        "run": spec.run, "ep": _plain(spec.epoch), "sh": _plain(spec.shard),
-        "k": _plain(spec.k), "g": _plain(spec.g), "pid": spec.producer,
-        "last": True if kind is FrameKind.END else spec.last, "src": list(spec.sources),
-    }  # fmt: skip
-    pv = _plain(spec.params_version) or None  # absent means 0: small frames stay small
-    optional = {
-        "n": _plain(spec.count), "err": spec.error, "ename": spec.error_name,
-        "t": spec.produced_at, "pv": pv,
-    }  # fmt: skip
-    header.update((key, value) for key, value in optional.items() if value is not None)
-    problem = header_problem(kind, header)
-    if problem:
-        raise ConfigError(f"cannot encode the frame: {problem}")
-    if spec.produced_at is not None:
-        header["t"] = float(spec.produced_at)
-    return header
-
-
-def _plain(value: Any) -> Any:
-    # Coordinates often come out of numpy arithmetic; msgpack only packs Python ints.
-    return int(value) if isinstance(value, np.integer) else value
 
 
 def _check_kind(kind: Any) -> FrameKind:

@@ -1,5 +1,6 @@
 """What a frame is: its kinds, the decoded :class:`Frame`, the encoders' input
-(:class:`FrameHeader`), the rules a header's fields obey, and an encoded frame as the
+(:class:`FrameHeader`) and the header map made of it (:func:`header_fields`), the rules
+a header's fields obey, and an encoded frame as the
 buffers that go to the socket back to back (:class:`Pieces`).
 
 The wire layout is :mod:`batchq.wire.codec`'s (which re-exports everything here but
@@ -16,6 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from batchq.errors import ConfigError
 from batchq.wire.values import short
 
 __all__ = [
@@ -26,6 +30,7 @@ __all__ = [
     "FrameHeader",
     "FrameKind",
     "Pieces",
+    "header_fields",
     "header_problem",
     "is_int",
 ]
@@ -154,6 +159,38 @@ class Pieces:
 
     def __repr__(self) -> str:
         return f"Pieces({len(self.buffers)} buffers, {self.nbytes} bytes)"
+
+
+def header_fields(spec: FrameHeader, kind: FrameKind) -> dict[str, Any]:
+    """The header map of ``spec`` (its ``kind`` checked) but its items, optional fields
+    only when set, checked by the rules both sides hold (:func:`header_problem`): the
+    encoder's header.
+
+    Raises:
+        ConfigError: a field breaks a rule.
+    """
+    header: dict[str, Any] = {
+        "run": spec.run, "ep": _plain(spec.epoch), "sh": _plain(spec.shard),
+        "k": _plain(spec.k), "g": _plain(spec.g), "pid": spec.producer,
+        "last": True if kind is FrameKind.END else spec.last, "src": list(spec.sources),
+    }  # fmt: skip
+    pv = _plain(spec.params_version) or None  # absent means 0: small frames stay small
+    optional = {
+        "n": _plain(spec.count), "err": spec.error, "ename": spec.error_name,
+        "t": spec.produced_at, "pv": pv,
+    }  # fmt: skip
+    header.update((key, value) for key, value in optional.items() if value is not None)
+    problem = header_problem(kind, header)
+    if problem:
+        raise ConfigError(f"cannot encode the frame: {problem}")
+    if spec.produced_at is not None:
+        header["t"] = float(spec.produced_at)
+    return header
+
+
+def _plain(value: Any) -> Any:
+    # Coordinates often come out of numpy arithmetic; msgpack only packs Python ints.
+    return int(value) if isinstance(value, np.integer) else value
 
 
 def is_int(value: Any, low: int) -> bool:

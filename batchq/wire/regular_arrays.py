@@ -4,7 +4,7 @@ server did: its ``send_arrays`` made every batch a contiguous array).
 :func:`array_or_value` looks at the leaves of nested lists and tuples: all of one
 plain kind (bools, ints, floats, complex, str) and a regular shape make one array;
 anything else stays the value it is (a msgpack value, or refused by
-:func:`batchq.wire.item_encode.check_value`).
+:func:`batchq.wire.items.check_value`).
 """
 
 from __future__ import annotations
