@@ -58,6 +58,31 @@ RANK_FIELDS = (
 )
 
 
+#: The fields of each object in a status row's ``groups``, in order.
+GROUP_FIELDS = (
+    "group",  # str: its name ('' the default group: a trainer without group=)
+    "slot",  # int: its slot in the run (slot 0 keeps the plain key names)
+    "trainer",  # 'attached' (a live claim), 'detached' (none: crashed or closed), 'finished'
+    "sharing",  # 'shared' (reads the shared stream) or 'alone' (detached from it: its
+    # batches are built for it alone, until its cursor reaches the others')
+    "lag_batches",  # float: batches its floor is behind the leading group's
+    "max_lag_batches",  # int|null: its max_lag_batches (null: the others wait for it)
+    "solo_builds",  # int: frames built for it alone (cumulative)
+    "detached_drops",  # int: pushes that left out its full list while it lagged
+    "depth",  # int: items in its data list(s)
+    "fill",  # float: depth / hwm
+    "pushed",  # int: frames pushed into its list (slot 0: the queue's frames pushed)
+    "popped",  # int: frames it popped
+    "stall",  # float|null: fraction of its last 100 batches' time spent waiting
+    "batches_per_s",  # float|null: batches it took per second (last 100)
+    "epoch",  # int|null
+    "epoch_progress",  # int|null: batches it yielded in that epoch
+    "figures_age_s",  # float|null
+    "verdict",  # as the queue's verdict (batchq.monitoring.verdict), for this group alone
+    "verdict_reason",  # str
+)
+
+
 class Reader(Protocol):
     """One reader of a run as its row sees it: a rank or a group
     (:mod:`batchq.monitoring.reader_snapshots`)."""
@@ -143,31 +168,6 @@ def _slowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         return (r["epoch"] or 0, r["epoch_progress"] or 0, -(r["stall"] or 0.0))
 
     return min(reading, key=behind)
-
-
-#: The fields of each object in a status row's ``groups``, in order.
-GROUP_FIELDS = (
-    "group",  # str: its name ('' the default group: a trainer without group=)
-    "slot",  # int: its slot in the run (slot 0 keeps the plain key names)
-    "trainer",  # 'attached' (a live claim), 'detached' (none: crashed or closed), 'finished'
-    "sharing",  # 'shared' (reads the shared stream) or 'alone' (detached from it: its
-    # batches are built for it alone, until its cursor reaches the others')
-    "lag_batches",  # float: batches its floor is behind the leading group's
-    "max_lag_batches",  # int|null: its max_lag_batches (null: the others wait for it)
-    "solo_builds",  # int: frames built for it alone (cumulative)
-    "detached_drops",  # int: pushes that left out its full list while it lagged
-    "depth",  # int: items in its data list(s)
-    "fill",  # float: depth / hwm
-    "pushed",  # int: frames pushed into its list (slot 0: the queue's frames pushed)
-    "popped",  # int: frames it popped
-    "stall",  # float|null: fraction of its last 100 batches' time spent waiting
-    "batches_per_s",  # float|null: batches it took per second (last 100)
-    "epoch",  # int|null
-    "epoch_progress",  # int|null: batches it yielded in that epoch
-    "figures_age_s",  # float|null
-    "verdict",  # as the queue's verdict (batchq.monitoring.verdict), for this group alone
-    "verdict_reason",  # str
-)
 
 
 def group_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
