@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from batchq.cli.config import Parser, apply_environment, run_config
 from batchq.cli.factory_args import add_factory_args
-from batchq.cli.parser import Parser
 from batchq.client.connection import ENV_URL
 from batchq.errors import BatchQueueError
 
@@ -286,21 +286,19 @@ def build_parser() -> Parser:
 
 
 _COMMANDS = {
-    "dead": ("batchq.cli.dead", "run_dead"),
+    "dead": ("batchq.cli.queues", "run_dead"),
     "demo": ("batchq.cli.demo", "run_demo"),
-    "exporter": ("batchq.cli.exporter", "run_exporter"),
+    "exporter": ("batchq.cli.top", "run_exporter"),
     "report": ("batchq.cli.report", "run_report"),
-    "reset": ("batchq.cli.reset", "run_reset"),
+    "reset": ("batchq.cli.queues", "run_reset"),
     "serve": ("batchq.cli.serve", "run_serve"),
-    "status": ("batchq.cli.status", "run_status"),
+    "status": ("batchq.cli.queues", "run_status"),
     "top": ("batchq.cli.top", "run_top"),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchq`` command; returns the exit code."""
-    from batchq.cli.config import apply_environment, run_config
-
     parser = build_parser()
     try:
         apply_environment(parser)  # every option: BATCHQ_<OPTION> (batchq/cli/config.py)

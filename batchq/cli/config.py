@@ -4,7 +4,9 @@
 ``BATCHQ_HEARTBEAT_TTL_S``, ``--url`` reads ``BATCHQ_URL``: the variable is ``BATCHQ_``
 plus the option's name in upper case with dashes as underscores. A flag on the command
 line wins over the variable, the variable over the built-in default. ``batchq config``
-prints the effective settings (and where each came from) with secrets masked.
+prints the effective settings (and where each came from) with secrets masked. The
+command's parser is a :class:`Parser`, which remembers every option added to it for
+both (argparse itself lists them only in private attributes).
 """
 
 from __future__ import annotations
@@ -15,15 +17,49 @@ import os
 from typing import Any
 
 from batchq.cli.factory_args import shown
-from batchq.cli.parser import Parser
 from batchq.client.connection import describe_url
 from batchq.errors import ConfigError
+from batchq.monitoring.text import columns
 
-__all__ = ["apply_environment", "env_name", "run_config", "settings"]
+__all__ = ["Parser", "apply_environment", "env_name", "run_config", "settings"]
 
 PREFIX = "BATCHQ_"
 # Options that are not settings (help, positional arguments, --json output switches).
 _SKIP = {"help", "json", "yes"}
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that keeps what was added to it, for the environment and
+    ``batchq config`` (argparse itself lists them only in private attributes).
+
+    Attributes:
+        options: every action added with an option string, in order.
+        commands: the subcommands' parsers, by name (their class is this one too).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before argparse's own __init__, which adds --help through add_argument.
+        self.options: list[argparse.Action] = []
+        self.commands: dict[str, Parser] = {}
+        self.appending: set[str] = set()  # dests of action="append" (lists of values)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """As argparse's; the action is remembered when it has option strings."""
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings:
+            self.options.append(action)
+        if kwargs.get("action") == "append":
+            self.appending.add(action.dest)
+        return action
+
+    def add_command(self, sub: Any, name: str, **kwargs: Any) -> Parser:
+        """``sub.add_parser(name, **kwargs)`` (``sub`` from ``add_subparsers``), remembered."""
+        parser = sub.add_parser(name, **kwargs)
+        if not isinstance(parser, Parser):  # pragma: no cover - parser_class is ours
+            raise TypeError(f"subcommand {name!r} got a {type(parser).__name__}")
+        self.commands[name] = parser
+        return parser
 
 
 def env_name(option: str) -> str:
@@ -120,7 +156,5 @@ def run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     table = [headers] + [
         (r["command"], r["option"], r["variable"], str(r["value"]), r["source"]) for r in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print("\n".join(columns(table)))
     return 0

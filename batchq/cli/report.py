@@ -193,6 +193,47 @@ def _plot_producers(prod_ax: Any, t: list[float], sz: dict[str, Any]) -> None:
     prod_ax.set_xlabel("seconds since the first sample")
 
 
+def _reader_lines(
+    ranks: dict[int, list[dict[str, Any]]], groups: dict[str, list[dict[str, Any]]]
+) -> dict[str, list[dict[str, Any]]]:
+    """The samples of each line the plots draw per reader: each rank, each group."""
+    lines = {f"rank {r}": rs for r, rs in sorted(ranks.items())}
+    lines |= {f"group {g or '(default)'}": gs for g, gs in groups.items()}
+    return lines
+
+
+def _figure(
+    samples: list[dict[str, Any]],
+    lines: dict[str, list[dict[str, Any]]],
+    t0: float,
+    t: list[float],
+    hwm: int,
+) -> Any:
+    """The four plots, one above the other: depth, stall, rates (a line per rank or
+    group of ``lines``, else the trainer's), the producers; ``t``: the samples' seconds
+    since ``t0``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    depth_ax, stall_ax, rate_ax, prod_ax = fig.subplots(
+        4, 1, sharex=True, height_ratios=[1, 1, 1.3, 0.8]
+    )
+    sz = sizing_series(samples)
+    if lines:
+        _plot_ranks((depth_ax, stall_ax, rate_ax), lines, t0)
+    else:
+        _plot_trainer((depth_ax, stall_ax, rate_ax), samples, t)
+    _label_axes(depth_ax, stall_ax, hwm)
+    _plot_sizing(rate_ax, samples, t, sz)
+    _plot_producers(prod_ax, t, sz)
+    _mark_changes([depth_ax, stall_ax, rate_ax], t, sz["change"])
+    for ax in (depth_ax, stall_ax, rate_ax, prod_ax):
+        ax.grid(alpha=0.3)
+    return fig
+
+
 def plot_report(
     samples: list[dict[str, Any]],
     out: str | Path,
@@ -226,29 +267,10 @@ def plot_report(
         raise ConfigError(
             f"queue {queue!r} has no history: the trainer writes one sample a second while it runs"
         )
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    lines = {f"rank {r}": rs for r, rs in sorted((ranks or {}).items())}
-    lines |= {f"group {g or '(default)'}": gs for g, gs in (groups or {}).items()}
+    lines = _reader_lines(ranks or {}, groups or {})
     t0 = min(s[0][H.T] for s in [samples, *lines.values()] if s)
     t = [s[H.T] - t0 for s in samples]
-    fig = Figure(figsize=(10, 7.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    depth_ax, stall_ax, rate_ax, prod_ax = fig.subplots(
-        4, 1, sharex=True, height_ratios=[1, 1, 1.3, 0.8]
-    )
-    sz = sizing_series(samples)
-    if lines:
-        _plot_ranks((depth_ax, stall_ax, rate_ax), lines, t0)
-    else:
-        _plot_trainer((depth_ax, stall_ax, rate_ax), samples, t)
-    _label_axes(depth_ax, stall_ax, hwm)
-    _plot_sizing(rate_ax, samples, t, sz)
-    _plot_producers(prod_ax, t, sz)
-    _mark_changes([depth_ax, stall_ax, rate_ax], t, sz["change"])
-    for ax in (depth_ax, stall_ax, rate_ax, prod_ax):
-        ax.grid(alpha=0.3)
+    fig = _figure(samples, lines, t0, t, hwm)
     mean_stall = sum(_series(samples, H.STALL)) / len(samples)
     fig.suptitle(
         f"batchq queue {queue}: {len(samples)} samples over {t[-1]:.0f} s, "

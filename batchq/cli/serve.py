@@ -2,12 +2,12 @@
 
 With ``--workers`` (N, MIN:MAX or auto) this process is the pool: it imports the factory,
 calls it and plans the stream (the probe batch that names the sources, the shard plan)
-once, then forks each worker from itself (:mod:`batchq.host.forked`), so a worker starts
+once, then forks each worker from itself (:func:`batchq.host.procs.fork_child`), so a worker starts
 serving in milliseconds instead of an interpreter's start, an import of the factory and
 its own plan. Where a fork is not safe (no fork on this platform, another thread runs in
 this process) or ``--worker-start spawn`` asks, each worker is a fresh
 ``python -m batchq.cli serve`` instead, as before. Either way the pool keeps its workers:
-one killed by a signal is replaced (:mod:`batchq.host.keeper`).
+one killed by a signal is replaced (:mod:`batchq.host.pool`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import redis
 from batchq.cli.factory_args import ENV_ARGS, as_stream, call_factory, load_factory
 from batchq.client.connection import ENV_URL, make_client, resolve_url
 from batchq.host.autoscale import ScalePolicy
-from batchq.host.forked import fork_child, fork_refused
-from batchq.host.keeper import REPLACE_EXIT_CODE, keep_workers
-from batchq.host.pool import WorkerPool
-from batchq.host.procs import Child, spawn
+from batchq.host.pool import REPLACE_EXIT_CODE, WorkerPool, keep_workers
+from batchq.host.procs import Child, fork_child, fork_refused, spawn
 from batchq.protocol.keys import QueueKeys
 
 __all__ = ["run_serve"]

@@ -1,4 +1,6 @@
-"""``batchq top``: the queues live, with sparklines of depth and stall (rich).
+"""The queues watched until stopped: ``batchq top`` (live, with sparklines of depth and
+stall; rich) and ``batchq exporter`` (a Prometheus endpoint, until SIGTERM/SIGINT, exit 0;
+the collector: :mod:`batchq.monitoring.exporter`).
 
 Each refresh reads every queue shown in one round trip (:func:`batchq.monitoring.rows.status_rows`
 underneath) and appends this read's depth and the trainer's stall to the sparklines,
@@ -15,6 +17,8 @@ pool needs (:mod:`batchq.monitoring.sizing`).
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -35,7 +39,14 @@ from batchq.monitoring.verdict import RECENT_S
 from batchq.protocol.fields import HistoryField as H
 from batchq.protocol.keys import check_name
 
-__all__ = ["SPARK_WIDTH", "TopState", "render_top", "run_top", "sparkline"]
+__all__ = [
+    "SPARK_WIDTH",
+    "TopState",
+    "render_top",
+    "run_exporter",
+    "run_top",
+    "sparkline",
+]
 
 #: Samples (characters) per sparkline.
 SPARK_WIDTH = 24
@@ -46,7 +57,7 @@ _STYLE = {
     "balanced": "bold cyan",
     "idle": "dim",
     "unknown": "yellow",
-    "unread": "bold magenta",  # a rank's share goes unread (batchq.monitoring.rank_rows)
+    "unread": "bold magenta",  # a rank's share goes unread (batchq.monitoring.reader_rows)
 }
 _MAX_PRODUCERS = 3
 
@@ -268,3 +279,42 @@ def run_top(args: argparse.Namespace, console: Console | None = None) -> int:
         return 0
     finally:
         client.close()
+
+
+_EXPORTER_MISSING = "batchq exporter needs prometheus-client: pip install 'batchq[exporter]'"
+
+
+def run_exporter(args: argparse.Namespace) -> int:
+    """Serve ``/metrics`` until SIGTERM or SIGINT; 0 when stopped by either."""
+    try:
+        from batchq.monitoring.exporter import start_exporter
+    except ImportError as e:
+        raise ConfigError(f"{_EXPORTER_MISSING} ({e})") from None
+    queues = [check_name(q, "queue") for q in args.queue or []]
+    url = resolve_url(args.url)
+    client = make_client(url, socket_timeout_s=5.0)
+    stop = threading.Event()
+
+    def _stop(_signum: int, _frame: Any) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server = start_exporter(client, port=args.port, host=args.host, queues=queues)
+        try:
+            what = ", ".join(queues) if queues else "every queue"
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            print(
+                f"batchq exporter: serving http://{host}:{server.port}/metrics "
+                f"({what} at {describe_url(url)})",
+                flush=True,
+            )
+            while not stop.wait(1.0):
+                pass
+        finally:
+            server.close()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        client.close()
+    return 0

@@ -1,63 +1,47 @@
-"""Redis Cluster: a client bound to the master that holds one slot, following it.
+"""Redis Cluster: where a queue's slot lives, and a client bound to its master.
 
 Every key of a queue carries the queue's hash tag (``bq:{Q}:...``), so the whole queue
-lives in one slot, on one master. A client made for a key of it
+lives in one slot (:func:`key_slot`), on one master. A client made for a key of it
 (``make_client(url, key=...)`` with a ``redis+cluster://`` URL) is an ordinary
 ``redis.Redis`` whose connections go to the master that owns that slot now
-(:class:`SlotRoute`): every script, pipeline and round trip of the queue runs unchanged
-on that node, with batchq's own pool and packer, and per-node commands (CLIENT LIST,
-CLIENT ID, SCAN of the queue's keys) ask the node that holds the queue.
+(:class:`SlotRoute`, over the cluster's :class:`Topology` and its :class:`SlotMap`: a
+``CLUSTER SLOTS`` reply, read once per change of the cluster's layout): every script,
+pipeline and round trip of the queue runs unchanged on that node, with batchq's own pool
+and packer, and per-node commands (CLIENT LIST, CLIENT ID, SCAN of the queue's keys) ask
+the node that holds the queue.
 
-The route follows the slot, and a refused command is sent again only where the node
-says it did not run (here for redis-py's own commands, :class:`NodeClient`; for
-batchq's round trips, :mod:`batchq.client.redirects`):
+The route follows the slot: a MOVED of its slot moves it (its connections reconnect
+there at their next send), and a connection refused or lost makes it read the slot map
+again before its next connect (a failover moved the slot). Which refused commands go
+again, and where: :mod:`batchq.client.redirects`. redis-py's own ``RedisCluster`` is not
+used: it retries by default, routes every command by its keys (a pipeline per node, a
+callback per reply) and has neither the pool that lends the hot path's thread its
+connection nor the copy-free packer.
 
-* ``MOVED <slot> <host>:<port>``: the slot has a new owner (a resharding finished, a
-  failover). The route takes it (its connections reconnect there at their next send)
-  and the command goes again. A MOVED for another slot (a tool reading several queues
-  through one node's client) is followed for that command alone.
-* ``ASK <slot> <host>:<port>``: the slot is migrating and this key has left already:
-  ``ASKING`` and the command on the target, once.
-* ``TRYAGAIN`` (a command on several keys of a slot in the middle of a migration) and
-  ``CLUSTERDOWN``: the command goes again after a pause, for up to :data:`TRYAGAIN_S`;
-  so does a second MOVED for the same command (the nodes may disagree for a moment
-  while a slot changes owner).
-* A connection refused or lost: the route reads the slot map again before its next
-  connect (a failover moved the slot).
-
-None of these ran the command, so sending it again is not a retry of a command that
-may have run: batchq's clients keep redis-py's retries off (docs/design.md, "Client
-settings that matter"). redis-py's own ``RedisCluster`` is not used: it retries by
-default, routes every command by its keys (a pipeline per node, a callback per reply)
-and has neither the pool that lends the hot path's thread its connection nor the
-copy-free packer.
-
-:func:`masters` lists the masters (a ``batchq status`` without a queue scans each).
+:func:`masters` lists the masters (a ``batchq status`` without a queue scans each);
+:func:`grouped` groups queues by the master that holds each (a tool reads many queues
+with one pipeline per master).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+from redis.crc import key_slot as _crc_slot
+from redis.exceptions import AskError, MovedError
 from redis.retry import Retry
 
 from batchq.client.redis_internals import HeldPool
-from batchq.client.slots import SLOTS, SlotMap, key_slot
 from batchq.client.urls import Target
 
 __all__ = [
-    "PAUSE_FIRST_S",
-    "PAUSE_MAX_S",
     "SLOTS",
-    "TRYAGAIN_S",
-    "NodeClient",
     "NodeConnection",
     "NodeSSLConnection",
     "Reader",
@@ -68,12 +52,51 @@ __all__ = [
     "grouped",
     "key_slot",
     "masters",
+    "route_of",
 ]
 
-TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
-PAUSE_FIRST_S, PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
 #: Reads one reply from a connection (as in :func:`batchq.protocol.calls.round_trip`).
 Reader = Callable[[Any], Any]
+
+
+SLOTS: Final = 16384  # Redis Cluster's hash slots
+
+
+def key_slot(key: str | bytes) -> int:
+    """The cluster slot of a key (its hash tag's, if it has one)."""
+    return int(_crc_slot(key.encode() if isinstance(key, str) else key))
+
+
+@dataclass(frozen=True)
+class SlotMap:
+    """Which master owns which slots: ``(first, last, host, port)`` ranges."""
+
+    ranges: tuple[tuple[int, int, str, int], ...]
+
+    @classmethod
+    def from_reply(cls, reply: Any) -> SlotMap:
+        """From a ``CLUSTER SLOTS`` reply."""
+        ranges = []
+        for entry in reply:
+            host = entry[2][0]
+            host = host.decode() if isinstance(host, bytes) else str(host)
+            ranges.append((int(entry[0]), int(entry[1]), host, int(entry[2][1])))
+        return cls(tuple(sorted(ranges)))
+
+    def owner(self, slot: int) -> tuple[str, int] | None:
+        """The master that owns ``slot``, or None (no master serves it)."""
+        for first, last, host, port in self.ranges:
+            if first <= slot <= last:
+                return host, port
+        return None
+
+    def masters(self) -> list[tuple[str, int]]:
+        """Every master that owns slots, in slot order, each once."""
+        out: list[tuple[str, int]] = []
+        for _, _, host, port in self.ranges:
+            if (host, port) not in out:
+                out.append((host, port))
+        return out
 
 
 class Topology:
@@ -235,6 +258,19 @@ class SlotRoute:
             self.generation += 1
         self.topology.stale()
 
+    def owns(self, redirect: object) -> bool:
+        """Whether a redirect is a MOVED of this route's slot (the slot has a new owner);
+        any other (an ASK, another slot's MOVED) is followed for its command alone."""
+        return isinstance(redirect, MovedError) and redirect.slot_id == self.slot
+
+    def elsewhere(self, redirect: AskError, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        """One command a redirect sends to another node: a MOVED of another slot after
+        the slot map is marked stale, an ASK with ASKING first."""
+        asking = not isinstance(redirect, MovedError)
+        if not asking:
+            self.topology.stale()
+        return self.topology.send(redirect.host, redirect.port, args, options, asking=asking)
+
     def describe(self) -> str:
         """'host:port' of the slot's master (the cluster's seeds if none answers), for
         messages and status."""
@@ -277,39 +313,11 @@ class NodeSSLConnection(NodeConnection, redis.SSLConnection):
     """:class:`NodeConnection` over TLS (``rediss+cluster://``)."""
 
 
-class NodeClient(redis.Redis):
-    """A ``redis.Redis`` bound to the master of one slot (its pool's connections are
-    :class:`NodeConnection` s of one :class:`SlotRoute`), following redirects."""
-
-    @property
-    def route(self) -> SlotRoute:
-        """The slot this client serves, and where it is."""
-        route: SlotRoute = self.connection_pool.connection_kwargs["route"]
-        return route
-
-    def execute_command(self, *args: Any, **options: Any) -> Any:
-        route = self.route
-        deadline = time.monotonic() + TRYAGAIN_S
-        pause_s = 0.0  # the first redirect is followed at once, the next after a pause
-        while True:
-            try:
-                return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
-            except MovedError as e:
-                if e.slot_id != route.slot:  # another queue's key: that command alone
-                    route.topology.stale()
-                    return route.topology.send(e.host, e.port, args, options)
-                route.moved(e.host, e.port)
-                if pause_s and time.monotonic() + pause_s > deadline:
-                    raise
-            except AskError as e:
-                return route.topology.send(e.host, e.port, args, options, asking=True)
-            except (TryAgainError, ClusterDownError):
-                pause_s = pause_s or PAUSE_FIRST_S
-                if time.monotonic() + pause_s > deadline:
-                    raise
-            if pause_s:
-                time.sleep(pause_s)
-            pause_s = min(2 * pause_s, PAUSE_MAX_S) if pause_s else PAUSE_FIRST_S
+def route_of(client: redis.Redis) -> SlotRoute | None:
+    """The slot route of a cluster client (:func:`batchq.client.connection.make_client`
+    with a key), None for a client that is not a cluster's."""
+    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
+    return route if isinstance(route, SlotRoute) else None
 
 
 @contextlib.contextmanager
@@ -320,8 +328,8 @@ def grouped(
     each group with a client bound to its first key's slot (closed after the block): a
     tool reads many queues with one pipeline per master. A client that is not a
     cluster's reads them all: ``[(client, names)]``."""
-    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
-    if not isinstance(route, SlotRoute) or not keyed:
+    route = route_of(client)
+    if route is None or not keyed:
         yield [(client, list(keyed))]
         return
     groups: dict[tuple[str, int], list[str]] = {}
@@ -333,7 +341,8 @@ def grouped(
         for names in groups.values():
             bound = SlotRoute(route.topology, key_slot(keyed[names[0]]))
             kwargs = {**pool.connection_kwargs, "route": bound}
-            made.append((NodeClient.from_pool(HeldPool(pool.connection_class, **kwargs)), names))
+            # The client's own class (redirects.NodeClient): it follows redirects too.
+            made.append((type(client).from_pool(HeldPool(pool.connection_class, **kwargs)), names))
         yield made
     finally:
         for node, _ in made:
@@ -344,17 +353,18 @@ def grouped(
 def describe(client: redis.Redis) -> str | None:
     """'host:port' of the master a cluster client is bound to now, None for a client
     that is not a cluster's."""
-    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
-    return route.describe() if isinstance(route, SlotRoute) else None
+    route = route_of(client)
+    return route.describe() if route is not None else None
 
 
 def masters(client: Any) -> Iterator[redis.Redis]:
     """A client of each master of ``client``'s cluster (each closed after its turn), or
     ``client`` itself where it is not a cluster's."""
-    if not isinstance(client, NodeClient):
+    route = route_of(client)
+    if route is None:
         yield client
         return
-    topology = client.route.topology
+    topology = route.topology
     for host, port in topology.slot_map().masters():
         node = topology.node(host, port)
         try:

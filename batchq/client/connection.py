@@ -32,7 +32,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from batchq.client import cluster, urls
-from batchq.client.cluster import NodeClient, NodeConnection, NodeSSLConnection, SlotRoute, Topology
+from batchq.client.cluster import NodeConnection, NodeSSLConnection, SlotRoute, Topology
+from batchq.client.redirects import NodeClient
 from batchq.client.redis_internals import HeldPool, pieces_packer
 from batchq.client.sentinel import MasterPool, master_pool, not_written
 from batchq.client.urls import parse_target
@@ -44,7 +45,7 @@ from batchq.errors import (
     RedisConfigError,
     WrongKeyType,
 )
-from batchq.wire.pieces import Pieces
+from batchq.wire.frame import Pieces
 
 __all__ = [
     "BACKOFF_FIRST_S",

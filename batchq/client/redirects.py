@@ -1,11 +1,29 @@
-"""A round trip's replies that a Redis Cluster refused (MOVED, ASK, TRYAGAIN), sent
-again where they belong.
+"""Commands a Redis Cluster refused (MOVED, ASK, TRYAGAIN, CLUSTERDOWN), sent again
+where they belong: redis-py's own commands (:class:`NodeClient`, the client of
+:func:`batchq.client.connection.make_client` for a cluster's queue) and batchq's round
+trips (:func:`follow_redirects`).
+
+A refused command is sent again only where the node says it did not run:
+
+* ``MOVED <slot> <host>:<port>``: the slot has a new owner (a resharding finished, a
+  failover). The route takes it (:meth:`batchq.client.cluster.SlotRoute.moved`) and the
+  command goes again. A MOVED for another slot (a tool reading several queues through
+  one node's client) is followed for that command alone.
+* ``ASK <slot> <host>:<port>``: the slot is migrating and this key has left already:
+  ``ASKING`` and the command on the target, once.
+* ``TRYAGAIN`` (a command on several keys of a slot in the middle of a migration) and
+  ``CLUSTERDOWN``: the command goes again after a pause, for up to
+  :data:`TRYAGAIN_S`; so does a second MOVED for the same command
+  (the nodes may disagree for a moment while a slot changes owner).
+
+None of these ran the command, so sending it again is not a retry of a command that
+may have run: batchq's clients keep redis-py's retries off (docs/design.md, "Client
+settings that matter").
 
 :func:`batchq.protocol.calls.round_trip` reads every reply of its commands in place;
 where one is a redirect (:data:`REDIRECTS`) it hands them to :func:`follow_redirects`,
 which sends again only the refused commands (the others ran), in their order, and
-returns the replies with theirs in place. What each redirect means and how the client
-follows the slot: :mod:`batchq.client.cluster`.
+returns the replies with theirs in place.
 """
 
 from __future__ import annotations
@@ -24,15 +42,26 @@ from redis.exceptions import (
 )
 
 from batchq.client.cluster import (
-    PAUSE_FIRST_S,
-    PAUSE_MAX_S,
-    TRYAGAIN_S,
     Reader,
     SlotRoute,
     Topology,
+    route_of,
 )
 
-__all__ = ["REDIRECTS", "Reader", "Send", "follow_redirects", "is_redirect"]
+__all__ = [
+    "PAUSE_FIRST_S",
+    "PAUSE_MAX_S",
+    "REDIRECTS",
+    "TRYAGAIN_S",
+    "NodeClient",
+    "Pauses",
+    "Send",
+    "follow_redirects",
+    "is_redirect",
+]
+
+TRYAGAIN_S: Final = 10.0  # how long a command refused mid-migration is sent again
+PAUSE_FIRST_S, PAUSE_MAX_S = 0.005, 0.2  # TRYAGAIN's pauses: a migration takes ms
 
 #: Sends commands on a client's own connection, reading each with its reader (or raw);
 #: error replies in place.
@@ -46,6 +75,59 @@ REDIRECTS: Final = (AskError, TryAgainError, ClusterDownError)
 def is_redirect(reply: object) -> bool:
     """Whether a reply is one of :data:`REDIRECTS`."""
     return isinstance(reply, REDIRECTS)
+
+
+class NodeClient(redis.Redis):
+    """A ``redis.Redis`` bound to the master of one slot (its pool's connections are
+    :class:`NodeConnection` s of one :class:`SlotRoute`), following redirects."""
+
+    @property
+    def route(self) -> SlotRoute:
+        """The slot this client serves, and where it is."""
+        route: SlotRoute = self.connection_pool.connection_kwargs["route"]
+        return route
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        route = self.route
+        pauses = Pauses(time.monotonic() + TRYAGAIN_S)
+        while True:
+            try:
+                return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+            except AskError as e:  # MOVED is a kind of ASK
+                if not route.owns(e):  # ASK, or another queue's key: that command alone
+                    return route.elsewhere(e, args, options)
+                route.moved(e.host, e.port)
+                if not pauses.wait():
+                    raise
+            except (TryAgainError, ClusterDownError):
+                if not pauses.wait(at_once=False):
+                    raise
+
+
+class Pauses:
+    """The waits between rounds of redirects: the first round goes at once (unless told
+    otherwise), the next after a pause that doubles up to a cap, none past the deadline
+    (a moving slot's nodes may disagree for a moment).
+
+    Args:
+        deadline: ``time.monotonic()`` past which no round goes.
+    """
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._pause_s = 0.0
+
+    def wait(self, *, at_once: bool = True) -> bool:
+        """Sleeps before the next round (none before the first where ``at_once``: TRYAGAIN
+        pauses from the first); False where the deadline would pass."""
+        if not at_once:
+            self._pause_s = self._pause_s or PAUSE_FIRST_S
+        if self._pause_s:
+            if time.monotonic() + self._pause_s > self._deadline:
+                return False
+            time.sleep(self._pause_s)
+        self._pause_s = min(2 * self._pause_s, PAUSE_MAX_S) if self._pause_s else PAUSE_FIRST_S
+        return True
 
 
 _REFUSED: Final = (*REDIRECTS, NoScriptError)
@@ -77,39 +159,35 @@ def follow_redirects(
     trip, some of whose commands ran on another node. A client that is not a cluster's
     gets ``replies`` back as they are.
     """
-    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
-    if not isinstance(route, SlotRoute):
+    route = route_of(client)
+    if route is None:
         return replies
     reads = list(readers) if readers is not None else [None] * len(commands)
-    pauses = _Pauses(time.monotonic() + TRYAGAIN_S)
+    pauses = Pauses(time.monotonic() + TRYAGAIN_S)
     while (pending := _pending(replies)) and pauses.wait():
         again = _place(route, commands, replies, reads, pending, load)
-        if any(isinstance(replies[i], NoScriptError) for i in again):
-            load(client)  # on the node the client is bound to now (after any MOVED)
         if again:
-            resent = send([commands[i] for i in again], [reads[i] for i in again])
-            for i, reply in zip(again, resent, strict=True):
-                replies[i] = reply
+            _send_again(client, again, commands, replies, reads, send, load)
     return replies
 
 
-class _Pauses:
-    """The waits between rounds of redirects: the first round goes at once, the next
-    after a pause that doubles up to a cap, none past the deadline (a moving slot's
-    nodes may disagree for a moment)."""
-
-    def __init__(self, deadline: float) -> None:
-        self._deadline = deadline
-        self._pause_s = 0.0
-
-    def wait(self) -> bool:
-        """Sleeps before the next round; False where the deadline would pass."""
-        if self._pause_s:
-            if time.monotonic() + self._pause_s > self._deadline:
-                return False
-            time.sleep(self._pause_s)
-        self._pause_s = min(2 * self._pause_s, PAUSE_MAX_S) if self._pause_s else PAUSE_FIRST_S
-        return True
+def _send_again(
+    client: redis.Redis,
+    again: Sequence[int],
+    commands: Sequence[Sequence[Any]],
+    replies: list[Any],
+    reads: Sequence[Reader | None],
+    send: Send,
+    load: Callable[[redis.Redis], None],
+) -> None:
+    """The refused commands of the client's own node sent again, in their order (the
+    scripts loaded there first where one was refused with NOSCRIPT), their replies put
+    in place."""
+    if any(isinstance(replies[i], NoScriptError) for i in again):
+        load(client)  # on the node the client is bound to now (after any MOVED)
+    resent = send([commands[i] for i in again], [reads[i] for i in again])
+    for i, reply in zip(again, resent, strict=True):
+        replies[i] = reply
 
 
 def _place(
@@ -127,7 +205,7 @@ def _place(
     again = []
     for i in pending:
         reply = replies[i]
-        ours = isinstance(reply, MovedError) and reply.slot_id == route.slot
+        ours = route.owns(reply)
         if isinstance(reply, AskError) and not ours:  # MOVED for another slot, or ASK
             asking = not isinstance(reply, MovedError)
             replies[i] = _elsewhere(route.topology, reply, commands[i], reads[i], asking, load)

@@ -6,7 +6,7 @@ Two measured costs are only avoidable below redis-py's public API (docs/design.m
 * **The command packer.** redis-py's hiredis packer copies every value; its pure-Python
   one (``redis.connection.PythonRespSerializer``, not exported) sends large values as
   separate buffers. :func:`pieces_packer` subclasses it to send a frame's
-  :class:`~batchq.wire.pieces.Pieces` (header, then each array's own memory) as one bulk
+  :class:`~batchq.wire.frame.Pieces` (header, then each array's own memory) as one bulk
   string without a copy, and packs small commands with hiredis.
 * **Replies into buffers of their own.** redis-py hands a reply over as an immutable
   ``bytes`` object, so an array over it is writable only after a copy.
@@ -40,7 +40,7 @@ import numpy as np
 import redis
 from redis.connection import Encoder, PythonRespSerializer  # type: ignore[attr-defined]
 
-from batchq.wire.pieces import Pieces
+from batchq.wire.frame import Pieces
 
 __all__ = [
     "CONNECTION_PARTS",

@@ -114,16 +114,26 @@ def _many_nodes(url: str, scheme: str) -> Target:
     nodes = tuple(_node(url, item, _DEFAULT_PORT[kind]) for item in hosts.split(","))
     service, db = _path(url, kind, path)
     pairs = parse_qsl(query, keep_blank_values=True)
-    node_query = urlencode([(k, v) for k, v in pairs if k not in _SENTINEL_QUERY])
     tls = scheme.startswith("rediss")
-    one = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}x:1/{db}"
-    options = _redis_py_options(url, f"{one}?{node_query}" if node_query else one)
-    for name in ("host", "port", "path"):
-        options.pop(name, None)
+    options = _node_options(url, userinfo, db, tls, pairs)
     if kind == "cluster" and int(options.get("db") or 0) != 0:
         raise _bad(url, f"a cluster has only database 0, not {options['db']}")
     sentinel = {k.removeprefix("sentinel_"): v for k, v in pairs if k in _SENTINEL_QUERY}
     return Target(url, kind, nodes, service, db, tls, options, sentinel)
+
+
+def _node_options(
+    url: str, userinfo: str, db: int, tls: bool, pairs: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """redis-py's connection arguments every node of a cluster or Sentinel URL shares
+    (credentials, TLS, the query's options but the Sentinel's own; no host, port or
+    path), read as redis-py reads a one-server URL."""
+    node_query = urlencode([(k, v) for k, v in pairs if k not in _SENTINEL_QUERY])
+    one = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}x:1/{db}"
+    options = _redis_py_options(url, f"{one}?{node_query}" if node_query else one)
+    for name in ("host", "port", "path"):
+        options.pop(name, None)
+    return options
 
 
 def _parts(rest: str) -> tuple[str, str, str, str]:

@@ -1,8 +1,8 @@
-"""The host's processes: process groups, the embedded redis-server, the worker pool.
+"""The host's processes: child processes, the embedded redis-server, the worker pool.
 
-Process groups (``procs``), the embedded redis-server (``embedded``; its binary and
-version: ``redis_binary``), the pool of
-``serve --workers`` (``pool``), its autoscaling rule (``autoscale``), its workers forked
-from the warm pool (``forked``) and kept (``keeper``: killed ones replaced). Imported by the
-CLI, the tests and the benchmarks, never by the producer or the trainer.
+Child processes in their own process groups, spawned or forked from a warm process
+(``procs``), the embedded redis-server and its binary (``embedded``), the pool of
+``serve --workers``: its workers kept and sized (``pool``) by its autoscaling rule
+(``autoscale``). Imported by the CLI, the tests and the benchmarks, never by the
+producer or the trainer.
 """

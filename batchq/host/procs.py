@@ -1,12 +1,37 @@
-"""Process helpers: start children in their own process group, stop whole groups.
+"""The host's child processes: each started in its own process group (spawned, or forked
+from a warm process), whole groups stopped.
 
-Every child batchq starts (the embedded redis-server, the demo's producers, the
-processes of the tests) runs in its own process group, so that stopping it also stops
-whatever it started, and on Linux it gets ``PR_SET_PDEATHSIG=SIGTERM``, so that it
-dies with its parent even when the parent is killed with SIGKILL.
+Every child batchq starts (the embedded redis-server, the demo's producers, the workers
+of ``serve --workers``, the processes of the tests) runs in its own process group, so
+that stopping it also stops whatever it started, and on Linux it gets
+``PR_SET_PDEATHSIG=SIGTERM``, so that it dies with its parent even when the parent is
+killed with SIGKILL.
 
-Zombies count as gone: in some containers PID 1 never reaps orphans, so a dead
+What ``/proc`` says of them (Linux; unknown elsewhere): a group's live members, a
+process's CPU seconds, the host's idle CPU (the autoscaler's figures). Zombies count as
+gone: in some containers PID 1 never reaps orphans, so a dead
 grandchild may linger as a zombie that ``kill(pid, 0)`` still reports.
+
+**Forked workers** (``batchq serve --workers`` without an interpreter start per worker):
+the pool's process imports the factory and builds what every worker shares (the stream,
+its probe batch, the shard plan) once, then :func:`fork_child` starts each worker as a
+copy of it. A fork copies only the calling thread, so one taken while another thread
+runs may copy a lock that thread held, forever held in the child: :func:`fork_refused`
+says why a fork is not safe now (no ``os.fork`` on this platform, or any other Python
+thread alive), and the caller falls back to starting a fresh interpreter
+(:func:`spawn`). The pool's loop runs no thread, so it forks from its own main thread
+right when it decides to add a worker: no fork server is needed.
+
+In the forked child, before the worker's function runs: its own process group
+(``setpgid``; the parent sets it too, so that neither order races a stop of the group),
+death with the parent (``PR_SET_PDEATHSIG``, as :func:`spawn`'s children), the default
+SIGINT/SIGTERM handlers (the parent's forwarders set an event only the parent reads; the
+worker installs its own), and fresh random states: Python's ``random``, numpy's and
+torch's global generators (where imported) are seeded from ``os.urandom``, so no two
+workers draw the same numbers. Redis connections are the caller's business: the pool
+drops its client's connections before it forks (:mod:`batchq.cli.serve`), and a worker
+makes its own clients. The child ends with ``os._exit``: it never returns into the
+parent's stack (whose ``finally`` blocks would stop the other workers).
 """
 
 from __future__ import annotations
@@ -15,23 +40,31 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any, Protocol, TypeAlias
 
 __all__ = [
     "Child",
+    "ForkedChild",
     "StdSpec",
+    "cpu_seconds",
     "die_with_parent_preexec",
+    "fork_child",
+    "fork_refused",
     "group_alive",
+    "host_idle",
+    "reseed_globals",
     "spawn",
     "stop_group",
 ]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,7 +74,7 @@ StdSpec: TypeAlias = int | IO[Any] | None
 
 class Child(Protocol):
     """A child process as :class:`subprocess.Popen` shows it (a spawned one), or
-    :class:`batchq.host.forked.ForkedChild` (a forked one)."""
+    :class:`ForkedChild` (a forked one)."""
 
     @property
     def pid(self) -> int:
@@ -119,7 +152,7 @@ def spawn(
         start_new_session=True,
         preexec_fn=die_with_parent_preexec(),
     )
-    logger.debug("spawned pid %d: %s", proc.pid, " ".join(argv))
+    log.debug("spawned pid %d: %s", proc.pid, " ".join(argv))
     return proc
 
 
@@ -129,6 +162,18 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold
+    spaces): state, ppid, pgrp, ...; None where it cannot be read (exited, not ours,
+    no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
 def _live_members(pgid: int) -> bool | None:
     """Whether a non-zombie process of group ``pgid`` exists (None: no /proc to read)."""
     try:
@@ -136,16 +181,8 @@ def _live_members(pgid: int) -> bool | None:
     except OSError:
         return None
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue  # exited meanwhile, or not ours to read
-        # Fields after the command name (which may hold spaces): state ppid pgrp ...
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields and len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             return True
     return False
 
@@ -167,6 +204,25 @@ def group_alive(pgid: int) -> bool:
         return True
     live = _live_members(pgid)
     return True if live is None else live
+
+
+def host_idle() -> tuple[float, float] | None:
+    """(idle, total) CPU jiffies of the host since boot from /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat", "rb") as fh:
+            fields = fh.readline().split()[1:]
+    except OSError:
+        return None
+    values = [int(v) for v in fields]
+    return float(values[3] + (values[4] if len(values) > 4 else 0)), float(sum(values[:8]))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` used; None if unreadable."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_group(pgid: int, deadline: float) -> bool:
@@ -203,9 +259,117 @@ def stop_group(proc: Child, *, timeout_s: float = 5.0, sig: int = signal.SIGTERM
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
     if proc.returncode is None or not _wait_group(pgid, deadline):
-        logger.warning("process group %d ignored signal %d for %g s: SIGKILL", pgid, sig, timeout_s)
+        log.warning("process group %d ignored signal %d for %g s: SIGKILL", pgid, sig, timeout_s)
         _killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5.0)
         _wait_group(pgid, time.monotonic() + 5.0)
     return proc.returncode
+
+
+def fork_refused() -> str | None:
+    """Why forking a worker from this process is not safe now; None when it is.
+
+    Only Python threads are seen: a native library's thread pool (OpenMP's) is the
+    library's to survive a fork, as it is under a DataLoader's forked workers.
+    """
+    if not hasattr(os, "fork") or not hasattr(os, "setpgid"):
+        return f"this platform ({sys.platform}) has no fork"
+    if threading.active_count() != 1:
+        names = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        return f"{len(names)} other thread(s) run in this process ({', '.join(names)})"
+    return None
+
+
+def reseed_globals() -> None:
+    """Seed Python's, numpy's and torch's global generators from ``os.urandom`` (numpy
+    and torch only where already imported: batchq imports neither)."""
+    random.seed(os.urandom(16))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+class ForkedChild:
+    """A forked worker, as :class:`subprocess.Popen` shows a child: ``pid``,
+    ``returncode`` (negative: killed by that signal), :meth:`poll`, :meth:`wait`.
+
+    Args:
+        pid: the child's pid (its process group's id too).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code if the child exited (reaped now), else None."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: gone, its code unknown
+                self.returncode = 0
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the child's exit (``timeout`` seconds at most, None: no limit).
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout``.
+        """
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            time.sleep(delay if left is None else min(delay, left))
+            delay = min(delay * 2, 0.05)
+        return code
+
+
+def fork_child(target: Callable[[], int]) -> ForkedChild:
+    """Fork a worker that runs ``target()`` and exits with its return value.
+
+    An exception in ``target`` is logged and exits 1 (a worker's failed pipeline, as a
+    ``batchq serve`` process exits).
+
+    Raises:
+        OSError: the fork failed. Check :func:`fork_refused` first: this function forks
+            whatever threads run.
+    """
+    die_with_parent = die_with_parent_preexec()  # built here: it names the parent's pid
+    for stream in (sys.stdout, sys.stderr):  # else the child writes our buffer again
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's lines run in the child (tests cover them)
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            if die_with_parent is not None:
+                die_with_parent()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            reseed_globals()
+            code = target()
+        except BaseException:
+            log.exception("worker %d failed", os.getpid())
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+    # The child may not have run yet: a stop of its group must reach it already.
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)
+    log.debug("forked worker %d", pid)
+    return ForkedChild(pid)

@@ -80,9 +80,9 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     shm_bytes             int          bytes allocated to them
     world_size            int          the trainer's ranks (1: a single trainer)
     ranks                 list         per rank of a data-parallel trainer: objects with
-                                       the fields of batchq.monitoring.rank_rows.RANK_FIELDS
+                                       the fields of batchq.monitoring.reader_rows.RANK_FIELDS
                                        (empty for a single trainer)
-    slowest_rank          int|null     the rank furthest behind (batchq.monitoring.rank_rows)
+    slowest_rank          int|null     the rank furthest behind (batchq.monitoring.reader_rows)
     figures_fresh         bool         figures_age_s <= verdict.FIGURES_FRESH_S (in
                                        batchq.monitoring): the stall and epoch
                                        describe the trainer now (the one rule the
@@ -103,10 +103,10 @@ created: they are not reset between runs (``batchq reset`` deletes them).
                                        stale, dropped and built again (cumulative)
     groups                list         per group of a run read by several groups (a
                                        sweep's trials): objects with the fields of
-                                       batchq.monitoring.group_rows.GROUP_FIELDS (empty
+                                       batchq.monitoring.reader_rows.GROUP_FIELDS (empty
                                        for a run of one group); schema 5
     slowest_group         str|null     the reading group furthest behind, the one that
-                                       sets the pace (batchq.monitoring.group_rows)
+                                       sets the pace (batchq.monitoring.reader_rows)
     node                  str          where the queue is: the server's host:port (a
                                        cluster's master of the queue's slot; Sentinel's
                                        master); schema 5, after slowest_group
@@ -186,16 +186,17 @@ import redis
 
 from batchq.client.cluster import masters
 from batchq.monitoring import sizing
-from batchq.monitoring.counters import counter_fields, figure_fields, params_fields
-from batchq.monitoring.group_rows import group_rows, slowest_group
-from batchq.monitoring.producer_rows import (
+from batchq.monitoring.counters import (
     PRODUCER_FIELDS,
     bytes_held,
     cache_fields,
+    counter_fields,
+    figure_fields,
     live_totals,
+    params_fields,
     producer_rows,
 )
-from batchq.monitoring.rank_rows import rank_rows, slowest_rank
+from batchq.monitoring.reader_rows import group_rows, rank_rows, slowest_group, slowest_rank
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.verdict import RECENT_S, cause, judge
 from batchq.monitoring.verdict import recent_depths as verdict_depths

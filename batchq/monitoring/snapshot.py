@@ -7,16 +7,24 @@ element of the data list, the autoscalers' registry and their last decision, the
 registry of groups), plus a second one only when it needs what the first returned: the
 lease lists of live producers (``leases=True``), the first 64 KiB of a frame stored by
 reference when that is the oldest element, the ranks of a data-parallel trainer and the
-groups of a run read by several (:mod:`batchq.monitoring.group_snapshot`). Nothing here
+groups of a run read by several (:mod:`batchq.monitoring.reader_snapshots`). Nothing here
 writes.
 
 Times are the Redis server's (``TIME``), so every viewer agrees on "now" and on which
 producers are alive, whatever its own clock says.
+
+Where a queue lives and, for a striped one, each stripe: a queue of N stripes
+(:mod:`batchq.protocol.stripes`) is N queues, on a cluster each on a master of its own.
+Its status row is stripe 0's (the queue itself: the trainer's figures, the producers,
+the run) plus ``stripes``: per stripe its queue name, the node that holds it, its depth
+(every rank's list), frames pushed and popped, and producers alive there.
+:func:`read_stripes` reads them, one pipeline per master
+(:func:`batchq.client.cluster.grouped`); ``node`` is where the client that read it is
+bound: a cluster master's ``host:port``, a Sentinel master, or the one server's address.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,48 +33,34 @@ import redis
 from batchq.client.cluster import grouped
 from batchq.client.connection import server_of
 from batchq.errors import FrameError
-from batchq.monitoring.group_snapshot import GroupSnapshot, file_group_read, queue_group_reads
-from batchq.monitoring.stripe_reads import StripeSnapshot, read_stripes, stripe_count
+from batchq.monitoring.reader_snapshots import (
+    GroupSnapshot,
+    RankSnapshot,
+    file_group_read,
+    file_rank_read,
+    queue_group_reads,
+    queue_rank_reads,
+    samples,
+    texts,
+)
 from batchq.protocol.calls import execute_pipeline
-from batchq.protocol.fields import MetaField, parse_producer_stat_field
+from batchq.protocol.fields import MetaField, StatsField, parse_producer_stat_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
-from batchq.protocol.ranks import rank_field
 from batchq.protocol.words import as_int, as_text
 from batchq.wire import codec, refs
 
-__all__ = ["HEADER_PEEK_BYTES", "QueueSnapshot", "RankSnapshot", "read_snapshots"]
+__all__ = [
+    "HEADER_PEEK_BYTES",
+    "QueueSnapshot",
+    "StripeSnapshot",
+    "read_snapshots",
+    "read_stripes",
+    "stripe_count",
+]
 
 #: How much of a frame stored by reference is read to find its header (GETRANGE 0 N-1).
 HEADER_PEEK_BYTES = 65536
-
-
-@dataclass
-class RankSnapshot:
-    """One rank of a data-parallel trainer (world > 1), read with its queue.
-
-    Attributes:
-        rank: the rank.
-        depth: LLEN of its data list.
-        trainer: its figures (as the queue's trainer hash).
-        history: its history samples, newest first.
-        claim_deadline_ms: its claim's deadline (0: none).
-        done: it finished the run (``close(finished=True)``).
-    """
-
-    rank: int
-    depth: int
-    trainer: dict[str, str]
-    history: list[dict[str, Any]]
-    claim_deadline_ms: int
-    done: bool
-
-    def figure(self, name: str) -> float | None:
-        """One of the rank's figures as a float, None if absent or malformed."""
-        try:
-            return float(self.trainer[name])
-        except (KeyError, ValueError):
-            return None
 
 
 @dataclass
@@ -94,7 +88,7 @@ class QueueSnapshot:
         ranks: each rank of a data-parallel trainer (meta ``world`` > 1), else empty.
         node: the server (a cluster's master, ``host:port``) the queue was read on.
         stripes: each stripe of a striped queue (meta ``stripes`` > 1), stripe 0 first
-            (:mod:`batchq.monitoring.stripe_reads`), else empty.
+            (:class:`StripeSnapshot`), else empty.
         groups: each group of a run read by several groups (by slot), else empty.
         registry: the run's groups, name -> slot (empty for a run of one group).
     """
@@ -153,18 +147,6 @@ def _pstats(raw: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _history(raw: list[bytes]) -> list[dict[str, Any]]:
-    samples = []
-    for item in raw:
-        try:
-            sample = json.loads(item)
-        except ValueError:
-            continue
-        if isinstance(sample, dict):
-            samples.append(sample)
-    return samples
-
-
 def _header_time(buf: bytes | None) -> float | None:
     """The ``t`` of a frame's header, None if absent or unreadable."""
     if not buf:
@@ -176,26 +158,56 @@ def _header_time(buf: bytes | None) -> float | None:
     return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
 
 
-def _add_rank(snap: QueueSnapshot, what: str, value: Any) -> None:
-    """File one of a rank's three reads (depth first) into ``snap.ranks``."""
-    if what == "rank_depth":
-        r = len(snap.ranks)
-        snap.ranks.append(
-            RankSnapshot(
-                rank=r,
-                depth=int(value),
-                trainer={},
-                history=[],
-                claim_deadline_ms=as_int(
-                    snap.meta.get(rank_field(MetaField.CLAIM_DEADLINE, r, snap.world))
-                ),
-                done=snap.meta.get(rank_field(MetaField.DONE, r, snap.world)) == "1",
-            )
-        )
-    elif what == "rank_trainer":
-        snap.ranks[-1].trainer = {as_text(a): as_text(b) for a, b in value.items()}
-    else:
-        snap.ranks[-1].history = _history(value)
+@dataclass
+class StripeSnapshot:
+    """One stripe of a queue as read (stripe 0: the queue itself)."""
+
+    stripe: int
+    queue: str
+    node: str
+    depth: int
+    pushed: int
+    popped: int
+    producers_alive: int
+
+    def row(self) -> dict[str, Any]:
+        """As a status row's ``stripes`` entry."""
+        return dict(vars(self))
+
+
+def stripe_count(meta: dict[str, str]) -> int:
+    """The stripes a queue's meta says its run has (1: not striped)."""
+    return max(1, as_int(meta.get(MetaField.STRIPES) or 1))
+
+
+def read_stripes(
+    client: redis.Redis, queue: str, count: int, world: int, now_ms: int
+) -> list[StripeSnapshot]:
+    """Every stripe of ``queue`` striped ``count`` ways (stripe 0 too), in order."""
+    keys = {str(k): QueueKeys(queue).stripe(k, count) for k in range(count)}
+    out: dict[str, StripeSnapshot] = {}
+    with grouped(client, {name: k.meta for name, k in keys.items()}) as groups:
+        for node_client, names in groups:
+            node = server_of(node_client)
+
+            def reads(pipe: Any, names: list[str] = names) -> None:
+                for name in names:
+                    k = keys[name]
+                    for data in k.rank_data(world) or [k.data]:
+                        pipe.llen(data)
+                    pipe.hmget(k.stats, [StatsField.PUSHED, StatsField.POPPED])
+                    pipe.zcount(k.producers, now_ms, "+inf")
+
+            replies = iter(execute_pipeline(node_client, reads))
+            for name in names:
+                lists = len(keys[name].rank_data(world)) or 1
+                depth = sum(int(next(replies)) for _ in range(lists))
+                pushed, popped = next(replies)
+                out[name] = StripeSnapshot(
+                    int(name), keys[name].queue, node, depth, as_int(pushed), as_int(popped),
+                    int(next(replies)),
+                )  # fmt: skip
+    return [out[str(k)] for k in range(count)]
 
 
 def read_snapshots(
@@ -297,17 +309,17 @@ def _from_replies(
     snap = QueueSnapshot(
         queue=k.queue,
         now_ms=now_ms,
-        meta={as_text(a): as_text(b) for a, b in meta.items()},
+        meta=texts(meta),
         depth=int(depth),
         alive=dict(sorted(alive.items())),
         stats={as_text(a): as_int(b) for a, b in stats.items()},
         dead=int(dead),
         pstats=_pstats(pstats),
-        trainer={as_text(a): as_text(b) for a, b in trainer.items()},
-        history=_history(hist) if history else [],
+        trainer=texts(trainer),
+        history=samples(hist) if history else [],
         autoscalers=sum(1 for _, score in scalers if float(score) >= now_ms),
-        last_decision=next(iter(_history([decision] if decision else [])), None),
-        registry={as_text(a): as_text(b) for a, b in groups.items()},
+        last_decision=next(iter(samples([decision] if decision else [])), None),
+        registry=texts(groups),
     )
     return snap, last
 
@@ -321,40 +333,45 @@ def _later_reads(
     leases: bool,
 ) -> list[str]:
     """Queue the second round's reads of one queue; what each reply is, in order."""
-    what: list[str] = []
-    if snap.registry and as_int(snap.meta.get(MetaField.GROUPS)):
-        snap.groups = queue_group_reads(pipe, k, snap.registry, snap.meta, history)
-        reads = ["group_depth"] * snap.world + ["group_stats", "group_trainer", "group_history"]
-        what += [f"{w}:{i}" for i in range(len(snap.groups)) for w in reads]
-    for r in range(snap.world if snap.world > 1 else 0):
-        pipe.llen(k.data_of(r, snap.world))
-        pipe.hgetall(k.trainer_of(r, snap.world))
-        pipe.lrange(k.history_of(r, snap.world), 0, history - 1 if history >= 0 else -1)
-        what += ["rank_depth", "rank_trainer", "rank_history"]
+    what = _group_reads(pipe, k, snap, history) + queue_rank_reads(pipe, k, snap.world, history)
     if leases:
         snap.leases = 0
         for p in snap.alive:
             pipe.llen(k.lease(p))
             what.append("lease")
-    if last is not None and refs.is_ref(last):
-        try:
-            ref = refs.decode_ref(last, k.frame_prefix)
-        except FrameError:
-            return what
-        pipe.getrange(ref, 0, HEADER_PEEK_BYTES - 1)
-        what.append("ref")
-    else:
+    return what + _oldest_read(pipe, k, snap, last)
+
+
+def _group_reads(pipe: Any, k: QueueKeys, snap: QueueSnapshot, history: int) -> list[str]:
+    """Queue the reads of a run read by several groups (each group's); what each is."""
+    if not snap.registry or not as_int(snap.meta.get(MetaField.GROUPS)):
+        return []
+    snap.groups = queue_group_reads(pipe, k, snap.registry, snap.meta, history)
+    reads = ["group_depth"] * snap.world + ["group_stats", "group_trainer", "group_history"]
+    return [f"{w}:{i}" for i in range(len(snap.groups)) for w in reads]
+
+
+def _oldest_read(pipe: Any, k: QueueKeys, snap: QueueSnapshot, last: bytes | None) -> list[str]:
+    """The oldest element's time: read from its header now, or, where it is a reference,
+    the start of the frame it names queued (``["ref"]``; nothing for a bad reference)."""
+    if last is None or not refs.is_ref(last):
         snap.oldest_t = _header_time(last)
-    return what
+        return []
+    try:
+        ref = refs.decode_ref(last, k.frame_prefix)
+    except FrameError:
+        return []
+    pipe.getrange(ref, 0, HEADER_PEEK_BYTES - 1)
+    return ["ref"]
 
 
 def _file_later(snap: QueueSnapshot, what: str, value: Any) -> None:
     """File one second-round reply into its snapshot."""
     if what.startswith("group_"):
         name, i = what.split(":")
-        file_group_read(snap.groups[int(i)], name, value, _history)
+        file_group_read(snap.groups[int(i)], name, value)
     elif what.startswith("rank_"):
-        _add_rank(snap, what, value)
+        file_rank_read(snap.ranks, what, value, snap.meta, snap.world)
     elif what == "lease":
         snap.leases = (snap.leases or 0) + int(value)
     else:

@@ -1,14 +1,25 @@
-"""The status rows as text: the table of ``batchq status``, each queue's details, and
-the number formats ``top`` shares. Rows come from :mod:`batchq.monitoring.rows`; this reads
-their fields and computes nothing.
+"""The status rows as text: the table of ``batchq status``, each queue's details, the
+number formats ``top`` shares, and text columns (the CLI's other tables too). Rows come
+from :mod:`batchq.monitoring.rows`; this reads their fields and computes nothing.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["fmt_age", "fmt_bytes", "fmt_epoch", "fmt_pct", "render_table"]
+__all__ = ["columns", "fmt_age", "fmt_bytes", "fmt_epoch", "fmt_pct", "render_table"]
+
+
+def columns(table: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of ``table`` (the header first) as left-aligned columns two spaces
+    apart."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -255,11 +266,7 @@ def render_table(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
                 str(r["dead"]),
             )
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in table
-    ]
+    lines = columns(table)
     for r in rows:
         lines.append("")
         lines.extend(_details(r))

@@ -22,7 +22,7 @@ The rule (:func:`judge`), first match wins:
 6. ``balanced``: the trainer rarely waits and the producers are rarely blocked: both
    sides run at about the same rate (the cheapest configuration that does not stall).
 
-A rank of a data-parallel run has one more (:mod:`batchq.monitoring.rank_rows`):
+A rank of a data-parallel run has one more (:mod:`batchq.monitoring.reader_rows`):
 ``unread``, its list near its cap with no trainer attached to it while another rank
 reads: its share of the epoch goes unread (a wrapper that reads on one rank and
 scatters, a rank that never started).

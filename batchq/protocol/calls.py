@@ -28,7 +28,7 @@ from batchq.client.redirects import REDIRECTS, follow_redirects
 from batchq.client.redis_internals import borrow, give_back
 from batchq.errors import ProtocolError
 from batchq.protocol.script_files import SCRIPTS, Arg, Header, Script, load_all, parse_header
-from batchq.wire.pieces import Pieces
+from batchq.wire.frame import Pieces
 
 __all__ = [
     "SCRIPTS",

@@ -116,7 +116,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Final, TypeVar
 
-from batchq.client.slots import SLOTS, key_slot
+from batchq.client.cluster import SLOTS, key_slot
 from batchq.errors import ConfigError
 
 __all__ = [

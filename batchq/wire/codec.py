@@ -79,14 +79,23 @@ from batchq.wire.frame import (
     Frame,
     FrameHeader,
     FrameKind,
+    Pieces,
+    header_fields,
     header_problem,
     is_int,
 )
-from batchq.wire.item_decode import build_item, parse_item
-from batchq.wire.item_encode import encode_item
-from batchq.wire.pieces import Pieces
+from batchq.wire.items import build_item, encode_item, parse_item
 from batchq.wire.regular_arrays import array_or_value
-from batchq.wire.values import PREFIX, Copy, align, layout, pack_header, short, unpack_header
+from batchq.wire.values import (
+    PREFIX,
+    Copy,
+    Spec,
+    align,
+    layout,
+    pack_header,
+    short,
+    unpack_header,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -225,7 +234,7 @@ def encode_frame_pieces(
     The same bytes as :func:`encode_frame` (arguments and errors alike), as the
     prefix and header, then each array's own memory and the padding between: the
     producer's hot path sends them straight to the socket (see
-    :class:`batchq.client.connection.Pieces`), so a contiguous batch is never copied in Python.
+    :class:`batchq.wire.frame.Pieces`), so a contiguous batch is never copied in Python.
     """
     kind, fields, packed, data_start, total, copies = _prepare(
         header, data, checksum, max_frame_bytes
@@ -260,24 +269,10 @@ def _prepare(
     if not isinstance(spec, FrameHeader):
         raise ConfigError(f"header {spec!r} is not valid: expected a FrameHeader")
     kind = _check_kind(spec.kind)
-    run, epoch, shard, k, produced_at = spec.run, spec.epoch, spec.shard, spec.k, spec.produced_at
-    last, count, error, error_name = spec.last, spec.count, spec.error, spec.error_name
-    producer, g = spec.producer, spec.g
     sources, data = tuple(spec.sources), tuple(data)
     if len(sources) != len(data):
         raise ConfigError(f"{len(sources)} sources but {len(data)} data values")
-    header: dict[str, Any] = {
-        "run": run, "ep": _plain(epoch), "sh": _plain(shard), "k": _plain(k), "g": _plain(g),
-        "pid": producer, "last": True if kind is FrameKind.END else last, "src": list(sources),
-    }  # fmt: skip
-    pv = _plain(spec.params_version) or None  # absent means 0: small frames stay small
-    optional = {"n": _plain(count), "err": error, "ename": error_name, "t": produced_at, "pv": pv}
-    header.update((key, value) for key, value in optional.items() if value is not None)
-    problem = header_problem(kind, header)
-    if problem:
-        raise ConfigError(f"cannot encode the frame: {problem}")
-    if produced_at is not None:
-        header["t"] = float(produced_at)
+    header = header_fields(spec, kind)
     copies: list[Copy] = []
     header["items"] = [encode_item(s, v, copies) for s, v in zip(sources, data, strict=True)]
 
@@ -285,14 +280,9 @@ def _prepare(
     if max_frame_bytes is not None and total > max_frame_bytes:
         raise ConfigError(
             f"frame of {total} bytes exceeds max_frame_bytes={max_frame_bytes} "
-            f"(run {run!r}, epoch {epoch}, shard {shard}, k {k})"
+            f"(run {spec.run!r}, epoch {spec.epoch}, shard {spec.shard}, k {spec.k})"
         )
     return kind, header, packed, data_start, total, copies
-
-
-def _plain(value: Any) -> Any:
-    # Coordinates often come out of numpy arithmetic; msgpack only packs Python ints.
-    return int(value) if isinstance(value, np.integer) else value
 
 
 def _check_kind(kind: Any) -> FrameKind:
@@ -339,16 +329,7 @@ def decode_frame(
     if max_frame_bytes is not None and size > max_frame_bytes:
         raise FrameError("too_large", f"frame of {size} bytes exceeds max {max_frame_bytes}")
     frame_kind, hlen, header = _read_header(view, size)
-    sources, items = header["src"], header.get("items")
-    if not isinstance(items, list) or len(items) != len(sources):
-        raise FrameError(
-            "bad_header", f"'items' is {short(items)}, expected a list of {len(sources)}"
-        )
-    data_start = align(PREFIX.size + hlen)
-    specs = [
-        parse_item(entry, f"source {short(src)}", data_start, size)
-        for src, entry in zip(sources, items, strict=True)
-    ]
+    specs = _item_specs(header, align(PREFIX.size + hlen), size)
     crc = header.get("crc")
     if crc is not None:
         _check_crc(view, PREFIX.size + hlen, crc, verify_checksum)
@@ -357,11 +338,24 @@ def decode_frame(
     return Frame(
         kind=frame_kind, run=header["run"], epoch=header["ep"], shard=header["sh"],
         k=header["k"], g=header["g"], producer=header["pid"], last=header["last"],
-        count=header.get("n"), sources=tuple(sources),
+        count=header.get("n"), sources=tuple(header["src"]),
         data=tuple(build_item(spec, source, writable) for spec in specs),
         error=header.get("err"), error_name=header.get("ename"), nbytes=size,
         produced_at=None if t is None else float(t), params_version=header.get("pv", 0),
     )  # fmt: skip
+
+
+def _item_specs(header: dict[Any, Any], data_start: int, size: int) -> list[Spec]:
+    """The header's items checked, one per source, before numpy sees any of them."""
+    sources, items = header["src"], header.get("items")
+    if not isinstance(items, list) or len(items) != len(sources):
+        raise FrameError(
+            "bad_header", f"'items' is {short(items)}, expected a list of {len(sources)}"
+        )
+    return [
+        parse_item(entry, f"source {short(src)}", data_start, size)
+        for src, entry in zip(sources, items, strict=True)
+    ]
 
 
 def _check_crc(view: memoryview, header_end: int, crc: Any, verify: bool) -> None:
@@ -425,9 +419,6 @@ def _read_header(view: memoryview, size: int) -> tuple[FrameKind, int, dict[Any,
     if problem:
         raise FrameError("bad_header", problem)
     return frame_kind, hlen, header
-
-
-# --------------------------------------------------------------------------- references
 
 
 def is_frame(elem: Any) -> bool:

@@ -1,9 +1,13 @@
 """What a frame is: its kinds, the decoded :class:`Frame`, the encoders' input
-(:class:`FrameHeader`) and the rules a header's fields obey.
+(:class:`FrameHeader`) and the header map made of it (:func:`header_fields`), the rules
+a header's fields obey, and an encoded frame as the
+buffers that go to the socket back to back (:class:`Pieces`).
 
-The wire layout is :mod:`batchq.wire.codec`'s (which re-exports everything here); both its
-encoder (which raises ConfigError) and its decoder (FrameError) check headers with
-:func:`header_problem`, so that both sides hold the same rules.
+The wire layout is :mod:`batchq.wire.codec`'s (which re-exports everything here but
+:class:`Pieces`); both its encoder (which raises ConfigError) and its decoder
+(FrameError) check headers with :func:`header_problem`, so that both sides hold the
+same rules. The connection's packer (:mod:`batchq.client.redis_internals`) writes a
+:class:`Pieces` argument as one bulk string, without joining its buffers.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from batchq.errors import ConfigError
 from batchq.wire.values import short
 
 __all__ = [
@@ -22,6 +29,8 @@ __all__ = [
     "Frame",
     "FrameHeader",
     "FrameKind",
+    "Pieces",
+    "header_fields",
     "header_problem",
     "is_int",
 ]
@@ -124,6 +133,64 @@ class FrameHeader:
     error_name: str | None = None
     produced_at: float | None = None
     params_version: int = 0
+
+
+class Pieces:
+    """One Redis value sent as several buffers, back to back, without joining them.
+
+    A command argument of this type is written as one bulk string (its total length,
+    then each buffer as it is): a frame's header and its arrays' own memory go to the
+    socket without being copied into one buffer first.
+
+    Args:
+        buffers: the value's parts, in order (bytes, or byte-format memoryviews).
+        nbytes: their total length.
+    """
+
+    def __init__(self, buffers: list[bytes | memoryview], nbytes: int) -> None:
+        self.buffers = buffers
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(bytes(b) for b in self.buffers)
+
+    def __repr__(self) -> str:
+        return f"Pieces({len(self.buffers)} buffers, {self.nbytes} bytes)"
+
+
+def header_fields(spec: FrameHeader, kind: FrameKind) -> dict[str, Any]:
+    """The header map of ``spec`` (its ``kind`` checked) but its items, optional fields
+    only when set, checked by the rules both sides hold (:func:`header_problem`): the
+    encoder's header.
+
+    Raises:
+        ConfigError: a field breaks a rule.
+    """
+    header: dict[str, Any] = {
+        "run": spec.run, "ep": _plain(spec.epoch), "sh": _plain(spec.shard),
+        "k": _plain(spec.k), "g": _plain(spec.g), "pid": spec.producer,
+        "last": True if kind is FrameKind.END else spec.last, "src": list(spec.sources),
+    }  # fmt: skip
+    pv = _plain(spec.params_version) or None  # absent means 0: small frames stay small
+    optional = {
+        "n": _plain(spec.count), "err": spec.error, "ename": spec.error_name,
+        "t": spec.produced_at, "pv": pv,
+    }  # fmt: skip
+    header.update((key, value) for key, value in optional.items() if value is not None)
+    problem = header_problem(kind, header)
+    if problem:
+        raise ConfigError(f"cannot encode the frame: {problem}")
+    if spec.produced_at is not None:
+        header["t"] = float(spec.produced_at)
+    return header
+
+
+def _plain(value: Any) -> Any:
+    # Coordinates often come out of numpy arithmetic; msgpack only packs Python ints.
+    return int(value) if isinstance(value, np.integer) else value
 
 
 def is_int(value: Any, low: int) -> bool:

@@ -4,7 +4,7 @@ server did: its ``send_arrays`` made every batch a contiguous array).
 :func:`array_or_value` looks at the leaves of nested lists and tuples: all of one
 plain kind (bools, ints, floats, complex, str) and a regular shape make one array;
 anything else stays the value it is (a msgpack value, or refused by
-:func:`batchq.wire.item_encode.check_value`).
+:func:`batchq.wire.items.check_value`).
 """
 
 from __future__ import annotations
@@ -73,9 +73,15 @@ def array_or_value(value: Any) -> Any:
     if not isinstance(value, list | tuple):
         return value
     found = _leaves(value)
-    if found is None:
-        return value
-    leaves, types = found
+    kind = _one_kind(*found) if found is not None else None
+    arr = _exact_array(value, kind) if kind is not None else None
+    return value if arr is None else arr
+
+
+def _one_kind(leaves: list[Any], types: set[type]) -> str | None:
+    """The one plain kind of every leaf (an array counts by its dtype), None where the
+    leaves are of several kinds or of none (a str ending in NUL counts as none: numpy
+    drops trailing NULs)."""
     kinds: set[str | None] = set()
     for cls in types:
         if cls is np.ndarray:
@@ -83,19 +89,24 @@ def array_or_value(value: Any) -> Any:
         else:
             kinds.add(_leaf_kind(cls))
     kind = kinds.pop() if len(kinds) == 1 else None
-    if kind is None:
-        return value
     if kind == "U" and any(isinstance(s, str) and s.endswith("\0") for s in leaves):
-        return value
+        return None
+    return kind
+
+
+def _exact_array(value: list[Any] | tuple[Any, ...], kind: str) -> np.ndarray | None:
+    """numpy's array of ``value``, where it holds exactly its values: of the leaves'
+    ``kind``, with at most MAX_NDIM dimensions, of a size every platform reads alike;
+    None otherwise."""
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError, OverflowError):  # ragged below the leaves' level
-        return value
+        return None
     dt = arr.dtype
     if (
         dt.kind not in _ARRAY_KINDS[kind]
         or arr.ndim > MAX_NDIM
         or (dt.kind in PORTABLE_SIZES and dt.itemsize not in PORTABLE_SIZES[dt.kind])
     ):
-        return value
+        return None
     return arr

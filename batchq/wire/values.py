@@ -3,10 +3,10 @@ fixed prefix, header packing and the buffer region's layout.
 
 An *item* is one source's value inside a frame. The header describes each item with one
 msgpack map (see :mod:`batchq.wire.codec` for the key names); the raw array bytes live in
-the frame's buffer region. A value becomes its map in :mod:`batchq.wire.item_encode`
+the frame's buffer region. A value becomes its map in :mod:`batchq.wire.items`
 (recording which arrays must be copied where), a batch of lists the array numpy makes of
 it in :mod:`batchq.wire.regular_arrays`, and a validated map a value again in
-:mod:`batchq.wire.item_decode`.
+:mod:`batchq.wire.items`.
 """
 
 from __future__ import annotations
@@ -166,9 +166,3 @@ def unpack_header(raw: memoryview) -> dict[Any, Any]:
     if not isinstance(header, dict):
         raise FrameError("bad_header", f"header is a {type(header).__name__}, expected a map")
     return header
-
-
-# --------------------------------------------------------------------------- encoding
-
-
-# --------------------------------------------------------------------------- decoding

@@ -28,7 +28,7 @@ import numpy as np
 
 from batchq.errors import ConfigError, FrameError
 from batchq.wire.codec import FrameHeader, FrameKind, decode_frame, encode_frame_pieces
-from batchq.wire.pieces import Pieces
+from batchq.wire.frame import Pieces
 
 __all__ = ["LeafCodec", "decode_entry", "encode_entry", "memory_order"]
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from batchq.errors import ConfigError
-from batchq.wire.pieces import Pieces
+from batchq.wire.frame import Pieces
 
 __all__ = ["HOST", "STALE_S", "DiskCache", "default_directory"]
 

@@ -42,7 +42,7 @@ PRIVATE_ALLOWED = {
     ("consumer/torch_memory.py", "_C"): "torch has no public use count of a storage",
     ("consumer/torch_memory.py", "_storage_Use_Count"): "the same",
     ("consumer/torch_memory.py", "_cdata"): "the same (the storage's handle)",
-    ("batchq/host/forked.py", "_exit"): (
+    ("batchq/host/procs.py", "_exit"): (
         "os._exit is Python's public way to end a forked child without running the "
         "parent's cleanup (its name only looks private)"
     ),

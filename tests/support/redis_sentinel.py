@@ -38,9 +38,8 @@ from typing import Any
 
 import redis
 
-from batchq.host.embedded import EmbeddedRedis
+from batchq.host.embedded import EmbeddedRedis, find_redis_server
 from batchq.host.procs import spawn, stop_group
-from batchq.host.redis_binary import find_redis_server
 
 __all__ = ["Failover", "LocalSentinel"]
 

@@ -9,9 +9,8 @@ import pytest
 from pipelines import examples_of
 
 from batchq.cli import build_parser, main
-from batchq.cli.args_text import parse_args_text
 from batchq.cli.config import apply_environment
-from batchq.cli.factory_args import call_factory
+from batchq.cli.factory_args import call_factory, parse_args_text
 from batchq.errors import ConfigError
 from consumer import ServerDataStream
 

@@ -11,8 +11,9 @@ from uuid import uuid4
 
 import pytest
 
-from batchq.client.cluster import NodeClient, describe, key_slot, masters
+from batchq.client.cluster import describe, key_slot, masters
 from batchq.client.connection import make_client
+from batchq.client.redirects import NodeClient
 from batchq.monitoring.rows import list_queues, status_rows
 from batchq.protocol import scripts
 from batchq.protocol.calls import round_trip

@@ -19,8 +19,7 @@ from pipelines import examples_of, numbered
 from waiting import wait_until
 
 from batchq.cli import serve
-from batchq.host.forked import ForkedChild, fork_child, fork_refused
-from batchq.host.procs import Child, spawn, stop_group
+from batchq.host.procs import Child, ForkedChild, fork_child, fork_refused, spawn, stop_group
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import id_pid
 from consumer import ServerDataStream

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from batchq.host.keeper import REPLACE_EXIT_CODE, Replacements, keep_workers
+from batchq.host.pool import REPLACE_EXIT_CODE, Replacements, keep_workers
 from batchq.host.procs import Child, spawn, stop_group
 
 SUICIDE = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"

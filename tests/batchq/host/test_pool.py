@@ -14,8 +14,8 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.host.autoscale import ScalePolicy
-from batchq.host.pool import WorkerPool, cpu_seconds, host_idle
-from batchq.host.procs import group_alive, spawn, stop_group
+from batchq.host.pool import WorkerPool
+from batchq.host.procs import cpu_seconds, group_alive, host_idle, spawn, stop_group
 from batchq.protocol.keys import QueueKeys
 
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchq.client.connection import make_client
 from batchq.monitoring.exporter import BatchqCollector
-from batchq.monitoring.group_rows import GROUP_FIELDS
+from batchq.monitoring.reader_rows import GROUP_FIELDS
 from batchq.monitoring.rows import queue_status
 from batchq.monitoring.text import render_table
 from tests.batchq.protocol.test_group_scripts import Run

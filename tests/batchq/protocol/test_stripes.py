@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from batchq.client.slots import SLOTS, key_slot
+from batchq.client.cluster import SLOTS, key_slot
 from batchq.errors import ConfigError
 from batchq.protocol.keys import QueueKeys, is_stripe, queue_from_meta_key, stripe_name
 from batchq.protocol.layout import ledger_field

@@ -14,7 +14,7 @@ from shm_pair import shm_pair
 
 from batchq.wire import codec
 from batchq.wire.codec import FrameKind
-from batchq.wire.pieces import Pieces
+from batchq.wire.frame import Pieces
 from consumer.reader.shm_frames import TrainerShm
 from producer.serving import transport as transport_module
 from producer.serving.transport import ShmFrame, Transport
