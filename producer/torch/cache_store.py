@@ -55,6 +55,7 @@ HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
 #: A temporary file of another host untouched this long is a dead writer's (seconds).
 STALE_S = 600.0
 _SUFFIX = ".bqc"
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _STAGE_DIGITS = 32
 
 
@@ -129,10 +130,14 @@ class DiskCache:
         size = payload.nbytes
         path = self._path(stage, index)
         tmp = path.with_name(f"{_TMP}{index}-{HOST}-{os.getpid()}-{size}")
-        if not self._reserve(path, tmp, size):
+        fd = self._reserve(path, tmp, size)
+        if fd is None:
             return False
         try:
-            _write_all(tmp, payload)  # outside the lock: the other writers go on
+            try:
+                _write_all(fd, payload)  # outside the lock: the other writers go on
+            finally:
+                os.close(fd)
             with self._locked() as fd:
                 old = _size(path)
                 os.replace(tmp, path)
@@ -148,9 +153,11 @@ class DiskCache:
             return False
         return True
 
-    def _reserve(self, path: Path, tmp: Path, size: int) -> bool:
+    def _reserve(self, path: Path, tmp: Path, size: int) -> int | None:
         """Under the lock: add ``size`` to the ledger if it stays within the cap, and
-        create the temporary file (its name says its size: a recount counts it)."""
+        create the temporary file (its name says its size: a recount counts it); its
+        descriptor, open for writing (one open per entry: creating a file is most of a
+        write's system time), or None where the cap or the disk refused."""
         with self._locked() as fd:
             used = _read_ledger(fd, self.directory)
             if used + size > self._cap():
@@ -161,7 +168,7 @@ class DiskCache:
                     used,
                     self._cap(),
                 )
-                return False
+                return None
             self.held_bytes = used + size
             _write_ledger(fd, used + size)  # first: the ledger never counts less than disk
             try:
@@ -169,17 +176,16 @@ class DiskCache:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     self._made.add(path.parent)
                 try:
-                    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    return os.open(tmp, _CREATE, 0o644)
                 except FileNotFoundError:  # its directory removed since (clear())
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    return os.open(tmp, _CREATE, 0o644)
             except OSError as e:
                 self.held_bytes = used
                 _write_ledger(fd, used)
                 self.full = True
                 log.warning("cache %s: no entry can be made (%s)", self.directory, e)
-                return False
-        return True
+                return None
 
     def _give_back(self, tmp: Path, size: int) -> None:
         with self._locked() as fd:
@@ -303,19 +309,15 @@ def _write_ledger(fd: int, used: int) -> None:
     os.pwrite(fd, f"{used:020d}\n".encode(), 0)
 
 
-def _write_all(path: Path, payload: Pieces) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        views = [memoryview(b).cast("B") for b in payload.buffers]
-        while views:
-            done = os.writev(fd, views[:1024])  # IOV_MAX
-            while views and done >= len(views[0]):
-                done -= len(views[0])
-                views.pop(0)
-            if views and done:
-                views[0] = views[0][done:]
-    finally:
-        os.close(fd)
+def _write_all(fd: int, payload: Pieces) -> None:
+    views = [memoryview(b).cast("B") for b in payload.buffers]
+    while views:
+        done = os.writev(fd, views[:1024])  # IOV_MAX
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
 
 
 def _size(path: Path) -> int:
