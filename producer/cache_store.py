@@ -3,7 +3,7 @@
 Layout: ``<directory>/<stage>/<index>.bqc``, ``<stage>`` the first 32 hex digits of the
 stage's fingerprint (a changed dataset or transform gets a directory of its own; the old
 one is never read again, and stays until removed: :meth:`DiskCache.clear`), each entry
-a frame (:mod:`producer.torch.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
+a frame (:mod:`producer.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
 change) and ``.bytes`` (the ledger: the bytes of every entry and temporary file).
 
 * **Atomic.** An entry is written to ``.tmp-<index>-<host>-<pid>-<bytes>`` in its
