@@ -176,7 +176,7 @@ def _feed(h: Any, value: Any, where: str, depth: int) -> None:
         _part(h, b"a", f"{arr.dtype.str}{arr.shape}".encode())
         flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
         h.update(struct.pack("<Q", flat.nbytes))
-        h.update(memoryview(flat))
+        h.update(flat.data)  # the bytes, not a copy
     elif type(value) is tuple or type(value) is list:
         _part(h, b"t" if type(value) is tuple else b"l", struct.pack("<Q", len(value)))
         for i, v in enumerate(value):
