@@ -55,7 +55,8 @@ HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
 #: A temporary file of another host untouched this long is a dead writer's (seconds).
 STALE_S = 600.0
 _SUFFIX = ".bqc"
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
 _STAGE_DIGITS = 32
 
 
@@ -99,7 +100,8 @@ class DiskCache:
         self.key = key
         self._pid: int | None = None  # the process that reconciled (a fork must again)
         self._fds: tuple[int, int] | None = None  # that process's lock and ledger files
-        self._made: set[Path] = set()  # stage directories known to exist
+        self._made: set[str] = set()  # stage directories known to exist
+        self._root = os.fspath(self.directory)  # paths as str: pathlib's cost ~20 us an entry
         self.full = False  # this process found the cap reached: it writes no more
         self.held_bytes = 0  # the ledger as this process last saw it
 
@@ -109,15 +111,21 @@ class DiskCache:
         """The bytes of entry ``index`` of ``stage`` (a fingerprint), None if absent."""
         self._open()
         try:
-            with open(self._path(stage, index), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                got = f.readinto(buf)
+            fd = os.open(self._path(stage, index), os.O_RDONLY | _CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as e:
             log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
             return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            got = os.readv(fd, [buf])
+        except OSError as e:
+            log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
+            return None
+        finally:
+            os.close(fd)
         return buf if got == size else None
 
     def write(self, stage: str, index: int, payload: Pieces) -> bool:
@@ -129,7 +137,7 @@ class DiskCache:
         self._open()
         size = payload.nbytes
         path = self._path(stage, index)
-        tmp = path.with_name(f"{_TMP}{index}-{HOST}-{os.getpid()}-{size}")
+        tmp = f"{self._stage_dir(stage)}/{_TMP}{index}-{HOST}-{os.getpid()}-{size}"
         fd = self._reserve(path, tmp, size)
         if fd is None:
             return False
@@ -153,7 +161,7 @@ class DiskCache:
             return False
         return True
 
-    def _reserve(self, path: Path, tmp: Path, size: int) -> int | None:
+    def _reserve(self, path: str, tmp: str, size: int) -> int | None:
         """Under the lock: add ``size`` to the ledger if it stays within the cap, and
         create the temporary file (its name says its size: a recount counts it); its
         descriptor, open for writing (one open per entry: creating a file is most of a
@@ -172,13 +180,14 @@ class DiskCache:
             self.held_bytes = used + size
             _write_ledger(fd, used + size)  # first: the ledger never counts less than disk
             try:
-                if path.parent not in self._made:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    self._made.add(path.parent)
+                parent = os.path.dirname(path)
+                if parent not in self._made:
+                    os.makedirs(parent, exist_ok=True)
+                    self._made.add(parent)
                 try:
                     return os.open(tmp, _CREATE, 0o644)
                 except FileNotFoundError:  # its directory removed since (clear())
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                    os.makedirs(parent, exist_ok=True)
                     return os.open(tmp, _CREATE, 0o644)
             except OSError as e:
                 self.held_bytes = used
@@ -187,7 +196,7 @@ class DiskCache:
                 log.warning("cache %s: no entry can be made (%s)", self.directory, e)
                 return None
 
-    def _give_back(self, tmp: Path, size: int) -> None:
+    def _give_back(self, tmp: str, size: int) -> None:
         with self._locked() as fd:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -249,8 +258,11 @@ class DiskCache:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _path(self, stage: str, index: int) -> Path:
-        return self.directory / stage[:_STAGE_DIGITS] / f"{index}{_SUFFIX}"
+    def _stage_dir(self, stage: str) -> str:
+        return f"{self._root}/{stage[:_STAGE_DIGITS]}"
+
+    def _path(self, stage: str, index: int) -> str:
+        return f"{self._root}/{stage[:_STAGE_DIGITS]}/{index}{_SUFFIX}"
 
     def _cap(self) -> int:
         if self.max_bytes is None:
@@ -320,9 +332,9 @@ def _write_all(fd: int, payload: Pieces) -> None:
             views[0] = views[0][done:]
 
 
-def _size(path: Path) -> int:
+def _size(path: str) -> int:
     try:
-        return path.stat().st_size
+        return os.stat(path).st_size
     except FileNotFoundError:
         return 0
 
