@@ -164,12 +164,16 @@ def test_a_stage_that_draws_is_warned_about(
     assert sum("drew from numpy's" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_producer_without_torch_imports_the_fuel_cache() -> None:
+def test_a_producer_without_torch_imports_the_fuel_cache(spawn_proc: Any) -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any import of torch fails
         "import producer, producer.transformers.cached, producer.cache_store\n"
         "print('ok')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    root = Path(__file__).resolve().parents[2]  # `python -c` imports from its cwd
+    proc = spawn_proc(
+        [sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == "ok"
