@@ -155,8 +155,9 @@ def mapping_fingerprint(mapping: Callable[[Any], Any], key: str | None = None) -
 
 def content_digest(value: Any) -> bytes:
     """sha256 of ``value``'s structure and contents (32 bytes): tuples, lists and
-    str-keyed dicts item by item, numpy arrays and scalars by dtype, shape and bytes,
-    None/bool/int/float/str/bytes by type and value; every part length-prefixed.
+    str-keyed dicts (and OrderedDicts) item by item, in order; numpy arrays and scalars
+    by dtype, shape and bytes; None/bool/int/float/str/bytes by type and value; every
+    part length-prefixed.
 
     Raises:
         ConfigError: ``value`` holds something else (named with its place).
@@ -181,7 +182,7 @@ def _feed(h: Any, value: Any, where: str, depth: int) -> None:
         _part(h, b"t" if type(value) is tuple else b"l", struct.pack("<Q", len(value)))
         for i, v in enumerate(value):
             _feed(h, v, f"{where}[{i}]", depth + 1)
-    elif type(value) is dict:
+    elif isinstance(value, dict):  # an OrderedDict too: what mapping_accepts=dict passes
         _part(h, b"d", struct.pack("<Q", len(value)))
         for k, v in value.items():
             if not isinstance(k, str):

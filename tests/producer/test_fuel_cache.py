@@ -12,12 +12,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fuel_cache_pipelines import Darken, cached_stream, pipeline, uncached_stream
+from fuel_cache_pipelines import Darken, cached_stream, dataset, pipeline, uncached_stream
 
 from batchq.errors import ConfigError
 from producer.cache_store import DiskCache
+from producer.schemes import SequentialExampleScheme
 from producer.serving.sharding import ShardPlan
-from producer.transformers import cached_mapping
+from producer.streams import DataStream
+from producer.transformers import Mapping, cached_mapping
 from producer.transformers.cached import content_digest
 
 N = 24
@@ -150,6 +152,26 @@ def test_a_mapping_is_named_by_its_code_and_settings(tmp_path: Path) -> None:
     first, again = keyed((np.ones(2), 1)), keyed((np.ones(2), 1))
     assert (again[0] == first[0]).all() and again[1] == first[1] == 1
     assert keyed.stats["hits"] == 1
+
+
+def _brighter(example: dict[str, Any]) -> dict[str, Any]:
+    return {"image": example["image"] // 2 + 10, "label": example["label"]}
+
+
+def test_a_mapping_that_accepts_dicts_is_cached_too(tmp_path: Path) -> None:
+    def stream(stage: Any) -> Any:
+        base = DataStream(dataset(N), iteration_scheme=SequentialExampleScheme(N))
+        return Mapping(base, stage, mapping_accepts=dict)
+
+    want = [_bytes(x) for x in stream(_brighter).get_epoch_iterator()]
+    for _ in range(2):  # cold, then warm
+        cached = cached_mapping(_brighter, DiskCache(tmp_path), measure=False)
+        assert [_bytes(x) for x in stream(cached).get_epoch_iterator()] == want
+    assert cached.stats["hits"] == N and cached.stats["misses"] == 0
+
+
+def _bytes(example: Any) -> Batch:
+    return tuple(np.asarray(v).tobytes() for v in example)
 
 
 def test_a_stage_that_draws_is_warned_about(
