@@ -50,8 +50,13 @@ class LeafCodec:
     from_array: Mapping[str, Callable[[np.ndarray[Any, Any]], Any]] = field(default_factory=dict)
 
 
-#: The codec of entries that hold numpy arrays only (no other leaves).
-NUMPY_ONLY = LeafCodec(to_array=lambda leaf: None)
+def _no_leaf(leaf: Any) -> None:
+    return None
+
+
+#: The codec of entries that hold numpy arrays only (no other leaves); its function a
+#: module's, not a lambda: a stage is pickled into a DataLoader's spawned workers.
+NUMPY_ONLY = LeafCodec(to_array=_no_leaf)
 
 
 def memory_order(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], list[int]]:

@@ -5,6 +5,7 @@ real processes)."""
 from __future__ import annotations
 
 import logging
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,15 @@ def test_a_mapping_is_named_by_its_code_and_settings(tmp_path: Path) -> None:
     first, again = keyed((np.ones(2), 1)), keyed((np.ones(2), 1))
     assert (again[0] == first[0]).all() and again[1] == first[1] == 1
     assert keyed.stats["hits"] == 1
+
+
+def test_a_cached_mapping_pickles_and_starts_afresh_in_its_new_process(tmp_path: Path) -> None:
+    f = cached_mapping(Darken(3), DiskCache(tmp_path), measure=False)
+    f((np.ones(2, np.uint8), 1))
+    copy = pickle.loads(pickle.dumps(f))  # as a DataLoader's spawned worker gets it
+    assert copy.fingerprint == f.fingerprint and copy.stats["misses"] == 0
+    image, label = copy((np.ones(2, np.uint8), 1))
+    assert copy.stats["hits"] == 1 and label == 1 and image.tolist() == [0, 0]
 
 
 def _brighter(example: dict[str, Any]) -> dict[str, Any]:
