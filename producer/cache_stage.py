@@ -115,6 +115,15 @@ class StageCache:
         self._reset_process_state()  # another process: its own figures and decision
 
     @property
+    def stats(self) -> dict[str, Any]:
+        """This process's figures (:class:`producer.cache_stats.CacheStats`, with
+        ``hit_rate``); ``bytes_held`` read from the cache's ledger now (every process's
+        entries)."""
+        if not self.cache_stats.bypassed:
+            self.cache_stats.bytes_held = self.cache.bytes_held()
+        return self.cache_stats.as_dict()
+
+    @property
     def bypassed(self) -> bool:
         """The cache did not pay in this process: the stage is used directly."""
         return self.cache_stats.bypassed

@@ -145,9 +145,7 @@ class CachedDataset(Dataset[Any]):
     def stats(self) -> dict[str, Any]:
         """This process's figures (:class:`producer.cache_stats.CacheStats`, with
         ``hit_rate``); ``bytes_held`` read from the cache's ledger now."""
-        if not self.cache_stats.bypassed:
-            self.cache_stats.bytes_held = self.cache.bytes_held()  # other processes' too
-        return self.cache_stats.as_dict()
+        return self.stage.stats
 
     def __repr__(self) -> str:
         return (
