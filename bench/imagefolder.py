@@ -29,6 +29,8 @@ same repeat. Figures are printed, never asserted.
 ``--startup`` measures the first batch of fresh processes instead (issue 40; the code is
 bench/imagefolder_startup.py): cold, producers first, a resumed trainer, and a worker
 added by the autoscaler, batchq's pool forking its workers against spawning them.
+``--cache`` measures decode once (issue 41) served by producers, ``--cache-cost`` the CPU
+an entry of that cache costs, in one process (bench/imagefolder_cache_cost.py).
 """
 
 from __future__ import annotations
@@ -374,6 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         "--cache-dir", default=None, help="--cache: where the caches go (default: TMPDIR)"
     )
     p.add_argument(
+        "--cache-cost",
+        action="store_true",
+        help="instead: the CPU an entry of the cache costs, in one process, uncached, cold "
+        "and warm alternated (bench/imagefolder_cache_cost.py)",
+    )
+    p.add_argument("--cost-rounds", type=int, default=5, help="--cache-cost: rounds")
+    p.add_argument(
         "--cache-kinds",
         nargs="+",
         default=list(CACHE_KINDS),
@@ -388,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--startup-rounds", type=int, default=3, help="rounds of --startup")
     args = p.parse_args(argv)
+    if args.cache_cost:
+        from imagefolder_cache_cost import main_cost  # this folder's (bench/)
+
+        measured = main_cost(args, f"{args.root}-500x375")
+        if args.json:
+            print(json.dumps(measured, indent=2))
+        return 0
     if args.cache:
         return main_cache(args)
     make_folder(args.root, args.images)  # once, before any clock starts

@@ -1,8 +1,10 @@
 """A cache's figures, and the process's caches summed for the producer's counters.
 
-Every cached stage (:func:`producer.torch.cache.cached`) keeps a :class:`CacheStats` of
-what happened in this process and registers itself here; the producer's heartbeat
-writes :func:`process_totals` into its pstats counters
+Every cached stage (:func:`producer.torch.cache.cached`,
+:func:`producer.transformers.cached_mapping`: their
+:class:`producer.cache_stage.StageCache`) keeps a :class:`CacheStats` of what happened in
+this process and registers itself here; the producer's heartbeat writes
+:func:`process_totals` into its pstats counters
 (:class:`batchq.protocol.fields.ProducerStat`'s ``cache_*``), which ``status``, the
 exporter and ``report`` read, and the trainer's ``stream.stats`` sums.
 """

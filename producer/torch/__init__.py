@@ -21,8 +21,8 @@ The modules, one batch's way through them: a DataLoader's arguments and their ch
 (:mod:`~producer.torch.iterable`); each epoch's order and the per-batch seeds of the
 global generators (:mod:`~producer.torch.randomness`); the collated batch as the
 frame's named sources (:mod:`~producer.torch.sources`). The cache: the cached Dataset
-(:mod:`~producer.torch.cache`), an entry's bytes (:mod:`~producer.torch.cache_entry`),
-the directory (:mod:`~producer.torch.cache_store`); its figures are summed for the
+(:mod:`~producer.torch.cache`), an entry's bytes (:mod:`~producer.cache_entry`),
+the directory (:mod:`~producer.cache_store`); its figures are summed for the
 heartbeat by :mod:`producer.cache_stats`, outside this package so that a producer
 without torch imports it.
 """
@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from producer.cache_store import DiskCache
 from producer.torch.cache import CachedDataset, cached
-from producer.torch.cache_store import DiskCache
 from producer.torch.dataset import DatasetStream
 from producer.torch.iterable import IterableDatasetStream
 from producer.torch.vision import import_torchvision

@@ -2,8 +2,8 @@
 
 ``cached(dataset, augment=f, cache=DiskCache(...))`` is a map-style Dataset whose item
 ``i`` is ``f(dataset[i])``, ``dataset[i]`` read from the cache when it is there (else
-built, then stored: :mod:`producer.torch.cache_store`, entries in batchq's frame format:
-:mod:`producer.torch.cache_entry`). ``augment`` runs after the cache, in the same process and
+built, then stored: :mod:`producer.cache_store`, entries in batchq's frame format:
+:mod:`producer.cache_entry`). ``augment`` runs after the cache, in the same process and
 at the same point as it would run inside the dataset, so under the per-batch seeds a
 producer sets (:mod:`producer.torch.randomness`) its draws are the same whether an example
 came from the cache or not: turning the cache on, cold or warm, changes no byte.
@@ -23,59 +23,34 @@ dataset in memory (no ``cache_files``): pass ``key=``. So a changed transform, r
 size or class never serves stale data; what these do not show (files replaced in place
 under the same names, a changed helper the class calls) needs a new ``key``.
 
-**Cache or not, measured.** Each process times its builds and its reads (the first
-:data:`READ_BACK` entries it writes are read back at once, so this is known during the
-first epoch); once the median of its last :data:`WINDOW` reads is no faster than that of
-its last builds (a dataset already in memory), the process stops using the cache
-(neither reads nor writes) and logs so once. Medians: on a loaded host a read preempted
-for a few milliseconds must not outweigh the others.
+**Cache or not, measured** (:mod:`producer.cache_stage`, shared with the Fuel variant):
+each process stops using a cache whose reads are no faster than its builds.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import inspect
 import json
-import logging
 import os
-import re
-import statistics
-import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from batchq.errors import ConfigError, FrameError
-from producer.cache_stats import CacheStats, register
-from producer.torch.cache_entry import LeafCodec, decode_entry, encode_entry
-from producer.torch.cache_store import DiskCache
+from batchq.errors import ConfigError
+from producer.cache_entry import LeafCodec
+from producer.cache_stage import StageCache, describe
+from producer.cache_stats import CacheStats
+from producer.cache_store import DiskCache
 from producer.torch.vision import import_torchvision
 
 __all__ = ["CachedDataset", "cached", "stage_fingerprint"]
 
-log = logging.getLogger(__name__)
-
-# Samples of each kind before the cache may be judged (a build and a read).
-MIN_SAMPLES = 8
-# Entries read back right after they are written, to time a read in the first epoch.
-READ_BACK = 8
-# The recent samples whose medians are compared (a read preempted on a loaded host must
-# not turn the cache off: one such read made a mean of 5 look like a build).
-WINDOW = 64
-# Items between two judgements.
-JUDGE_EVERY = 4
-# Builds whose effect on torch's generator is checked.
-_RNG_CHECKS = 3
 _ATTRIBUTES = (
     "root", "transform", "target_transform", "transforms", "loader", "cache_files", "format",
 )  # fmt: skip
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-#: The clock builds and reads are timed with (seconds; a module global so that a test
-#: can judge the cache on a clock of its own).
-clock = time.perf_counter
 
 
 def cached(
@@ -94,7 +69,7 @@ def cached(
             them, None, bool, int, float, str, bytes.
         augment: applied to each item after the cache (the random part), or None.
         cache: a :class:`DiskCache`, or a directory for one with its defaults (None:
-            :func:`producer.torch.cache_store.default_directory`).
+            :func:`producer.cache_store.default_directory`).
         measure: stop using the cache in a process where a read is not faster than a
             build (False: always use it).
 
@@ -131,15 +106,20 @@ class CachedDataset(Dataset[Any]):
         self.cache = cache if isinstance(cache, DiskCache) else DiskCache(cache)
         self.measure = measure
         self.fingerprint = stage_fingerprint(dataset, self.cache.key)
-        self._reset_process_state()
+        self.stage = StageCache(
+            self.cache,
+            self.fingerprint,
+            type(dataset).__qualname__,
+            _TENSORS,
+            measure=measure,
+            rng_state=_torch_state,
+            rng_name="torch's generator",
+        )
 
-    def _reset_process_state(self) -> None:
-        self.cache_stats = CacheStats()
-        self._rng_checks = _RNG_CHECKS
-        self._builds_s: deque[float] = deque(maxlen=WINDOW)
-        self._reads_s: deque[float] = deque(maxlen=WINDOW)
-        self._events = 0  # items served, to judge every JUDGE_EVERY-th
-        register(self)
+    @property
+    def cache_stats(self) -> CacheStats:
+        """This process's figures (:class:`producer.cache_stats.CacheStats`)."""
+        return self.stage.cache_stats
 
     # -- the Dataset protocol -----------------------------------------------------------
 
@@ -147,7 +127,11 @@ class CachedDataset(Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        item = self._stage(index)
+        if self.stage.bypassed:
+            item = self.stage.build_only(lambda: self.dataset[index])
+        else:
+            i = _check_index(index, len(self))
+            item = self.stage.get(i, lambda: self.dataset[i])
         return item if self.augment is None else self.augment(item)
 
     @property
@@ -161,116 +145,13 @@ class CachedDataset(Dataset[Any]):
     def stats(self) -> dict[str, Any]:
         """This process's figures (:class:`producer.cache_stats.CacheStats`, with
         ``hit_rate``); ``bytes_held`` read from the cache's ledger now."""
-        if not self.cache_stats.bypassed:
-            self.cache_stats.bytes_held = self.cache.bytes_held()  # other processes' too
-        return self.cache_stats.as_dict()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset_process_state()  # another process: its own figures and decision
+        return self.stage.stats
 
     def __repr__(self) -> str:
         return (
             f"cached({self.dataset!r}, augment={self.augment!r}, cache={self.cache!r}, "
             f"fingerprint={self.fingerprint[:16]})"
         )
-
-    # -- the cached stage ---------------------------------------------------------------
-
-    def _stage(self, index: int) -> Any:
-        s = self.cache_stats
-        if s.bypassed:
-            s.misses += 1
-            return self.dataset[index]
-        index = _check_index(index, len(self))
-        t0 = clock()
-        raw = self.cache.read(self.fingerprint, index)
-        if raw is not None:
-            try:
-                item = decode_entry(raw, self.fingerprint, index, _TENSORS)
-            except FrameError as e:
-                log.debug("cache entry %d of %s rejected: %s", index, self.fingerprint[:16], e)
-                s.rejected += 1
-                self.cache.discard(self.fingerprint, index)
-                s.bytes_held = self.cache.held_bytes
-            else:
-                s.hits += 1
-                took = clock() - t0
-                s.read_s += took
-                self._reads_s.append(took)
-                s.bytes_held = self.cache.held_bytes
-                s.saved_s = s.hits * self._mean_build_s() - s.read_s if s.misses else 0.0
-                self._judge()
-                return item
-        return self._build(index)
-
-    def _build(self, index: int) -> Any:
-        s = self.cache_stats
-        state = _torch_state() if self._rng_checks else None
-        t0 = clock()
-        item = self.dataset[index]
-        took = clock() - t0
-        s.build_s += took
-        s.misses += 1
-        self._builds_s.append(took)
-        if state is not None:
-            self._check_rng(state)
-        if self.cache.full:
-            return item
-        payload = encode_entry(item, self.fingerprint, index, _TENSORS)
-        if self.cache.write(self.fingerprint, index, payload):
-            s.writes += 1
-            s.bytes_written += payload.nbytes
-            if s.writes <= READ_BACK:  # time a read now: judged within the first epoch
-                t1 = clock()
-                raw = self.cache.read(self.fingerprint, index)
-                if raw is not None:
-                    item = decode_entry(raw, self.fingerprint, index, _TENSORS)
-                    took = clock() - t1
-                    s.read_s += took
-                    self._reads_s.append(took)
-        s.bytes_held = self.cache.held_bytes
-        self._judge()
-        return item
-
-    def _mean_build_s(self) -> float:
-        s = self.cache_stats
-        return s.build_s / s.misses if s.misses else 0.0
-
-    def _judge(self) -> None:
-        """Stop using the cache once the median of the recent reads is no faster than
-        that of the recent builds."""
-        s = self.cache_stats
-        self._events += 1
-        if not self.measure or self._events % JUDGE_EVERY:  # two medians cost ~10 us
-            return
-        if min(len(self._builds_s), len(self._reads_s)) < MIN_SAMPLES:
-            return
-        read_s, build_s = statistics.median(self._reads_s), statistics.median(self._builds_s)
-        if read_s >= build_s:
-            s.bypassed = True
-            log.info(
-                "cache of %s (pid %d): a read takes %.3f ms, a build %.3f ms: the cache "
-                "does not pay here, the dataset is used directly",
-                type(self.dataset).__qualname__,
-                os.getpid(),
-                read_s * 1e3,
-                build_s * 1e3,
-            )
-
-    def _check_rng(self, before: Any) -> None:
-        self._rng_checks -= 1
-        if not _torch_state().equal(before):
-            self._rng_checks = 0
-            log.warning(
-                "the cached stage %s drew from torch's generator while building an item: "
-                "it is not deterministic, and its first result is what later epochs get "
-                "(move the random part into augment=)",
-                type(self.dataset).__qualname__,
-            )
 
 
 def _check_index(index: Any, length: int) -> int:
@@ -284,10 +165,10 @@ def _check_index(index: Any, length: int) -> int:
     return i
 
 
-def _torch_state() -> Any:
+def _torch_state() -> bytes:
     import torch
 
-    return torch.random.get_rng_state()
+    return bytes(torch.random.get_rng_state().numpy().tobytes())
 
 
 # -- tensors in entries -----------------------------------------------------------------
@@ -309,19 +190,16 @@ def _tensor_to_array(leaf: Any) -> tuple[str, np.ndarray[Any, Any]] | None:
     return tag, leaf.detach().cpu().numpy()
 
 
-def _from_array(kind: str) -> Callable[[np.ndarray[Any, Any]], Any]:
-    def make(arr: np.ndarray[Any, Any]) -> Any:
-        import torch
+def _from_array(kind: str, arr: np.ndarray[Any, Any]) -> Any:
+    import torch
 
-        t = torch.from_numpy(arr)
-        if kind == "Tensor":
-            return t
-        import_torchvision()  # beside a CPU torch, PyPI's wheel needs its help
-        from torchvision import tv_tensors
+    t = torch.from_numpy(arr)
+    if kind == "Tensor":
+        return t
+    import_torchvision()  # beside a CPU torch, PyPI's wheel needs its help
+    from torchvision import tv_tensors
 
-        return t.as_subclass(getattr(tv_tensors, kind))
-
-    return make
+    return t.as_subclass(getattr(tv_tensors, kind))
 
 
 _TENSOR_TAGS = {
@@ -333,10 +211,11 @@ _TENSOR_TAGS = {
 _TENSORS = LeafCodec(
     to_array=_tensor_to_array,
     from_array={
-        "x": _from_array("Tensor"),
-        "xi": _from_array("Image"),
-        "xm": _from_array("Mask"),
-        "xv": _from_array("Video"),
+        # partial, not closures: a DataLoader's spawned workers get the dataset pickled
+        "x": functools.partial(_from_array, "Tensor"),
+        "xi": functools.partial(_from_array, "Image"),
+        "xm": functools.partial(_from_array, "Mask"),
+        "xv": functools.partial(_from_array, "Video"),
     },
 )
 
@@ -362,10 +241,10 @@ def stage_fingerprint(dataset: Any, key: str | None = None) -> str:
     if key is not None:
         described["key"] = key
     else:
-        described["class"] = _describe(type(dataset))
+        described["class"] = describe(type(dataset))
         for name in _ATTRIBUTES:
             if hasattr(dataset, name):
-                described[name] = _describe(getattr(dataset, name), f"{name} of {dataset!r:.60}")
+                described[name] = describe(getattr(dataset, name), f"{name} of {dataset!r:.60}")
         if described.get("cache_files") == "[]":  # Hugging Face, in memory: nothing names it
             raise ConfigError(
                 f"cannot derive a cache key for {dataset!r:.80}: a dataset in memory (no "
@@ -373,25 +252,3 @@ def stage_fingerprint(dataset: Any, key: str | None = None) -> str:
             )
     text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _describe(value: Any, where: str = "") -> str:
-    if isinstance(value, dict):
-        items = ", ".join(f"{k!r}: {_describe(v, where)}" for k, v in value.items())
-        return "{" + items + "}"
-    if type(value) in (list, tuple):
-        return "[" + ", ".join(_describe(v, where) for v in value) + "]"
-    if inspect.isclass(value) or inspect.isfunction(value):
-        name = f"{value.__module__}.{value.__qualname__}"
-        try:
-            source = inspect.getsource(value)
-        except (OSError, TypeError):
-            return name
-        return f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
-    text = repr(value)
-    if _ADDRESS.search(text):
-        raise ConfigError(
-            f"cannot derive a cache key: the {where} has the repr {text!r:.120}, which names "
-            "a memory address (it differs per process); pass DiskCache(key=...) naming the stage"
-        )
-    return text

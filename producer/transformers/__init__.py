@@ -4,7 +4,8 @@ Finding the root streams of a chain (for sharding): every transformer keeps the 
 it wraps in ``.data_stream``; :class:`Merge` keeps its streams in ``.data_streams``.
 Walk these down to the :class:`~producer.streams.DataStream` objects. Random
 transformers (:class:`RandomFixedSizeCrop`, :class:`Random2DRotation`, and any class
-using :class:`RandomStateMixin`) have ``reseed(seed)``.
+using :class:`RandomStateMixin`) have ``reseed(seed)``. :func:`cached_mapping` caches a
+per-example deterministic ``Mapping`` on disk (:mod:`producer.transformers.cached`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from producer.transformers.base import (
     stack_examples,
 )
 from producer.transformers.batching import Batch, Cache, Merge, Padding, Unpack
+from producer.transformers.cached import CachedMapping, cached_mapping
 from producer.transformers.defaults import ToBytes
 from producer.transformers.image import (
     MinimumImageDimensions,
@@ -45,6 +47,7 @@ __all__ = [
     "AgnosticTransformer",
     "Batch",
     "Cache",
+    "CachedMapping",
     "Cast",
     "ExpectsAxisLabels",
     "Filter",
@@ -65,6 +68,7 @@ __all__ = [
     "ToBytes",
     "Transformer",
     "Unpack",
+    "cached_mapping",
     "check_sources",
     "stack_examples",
 ]

@@ -23,11 +23,12 @@ from cache_pipelines import (  # noqa: E402
 )
 
 from batchq.errors import ConfigError  # noqa: E402
+from producer import cache_stage, cache_store  # noqa: E402
+from producer.cache_entry import decode_entry, encode_entry  # noqa: E402
+from producer.cache_store import DiskCache  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch import cache as torch_cache  # noqa: E402
-from producer.torch import cache_store, cached  # noqa: E402
-from producer.torch.cache_entry import decode_entry, encode_entry  # noqa: E402
-from producer.torch.cache_store import DiskCache  # noqa: E402
+from producer.torch import cached  # noqa: E402
 from producer.torch.randomness import seed_globals  # noqa: E402
 
 N = 40
@@ -263,17 +264,17 @@ def test_the_cache_is_used_where_a_read_is_faster_than_a_build(
     bypassed: bool,
 ) -> None:
     clock = _Clock()
-    monkeypatch.setattr(torch_cache, "clock", clock)
+    monkeypatch.setattr(cache_stage, "clock", clock)
     items = [np.full(3, i) for i in range(30)]
     ds = cached(_Listed(items, clock, build_s), lambda x: x * 2, _Timed(clock, read_s, tmp_path))
-    with caplog.at_level(logging.INFO, logger="producer.torch.cache"):
+    with caplog.at_level(logging.INFO, logger="producer.cache_stage"):
         for _ in range(2):
             assert all((ds[i] == items[i] * 2).all() for i in range(len(items)))
     assert ds.stats["bypassed"] is bypassed
     said = [r for r in caplog.records if "does not pay" in r.getMessage()]
     assert len(said) == (1 if bypassed else 0)
     if bypassed:  # judged within the first epoch: entries read back as they were written
-        assert ds.stats["writes"] == torch_cache.READ_BACK and ds.stats["hits"] == 0
+        assert ds.stats["writes"] == cache_stage.READ_BACK and ds.stats["hits"] == 0
     else:
         assert ds.stats["hits"] == len(items) and ds.stats["saved_s"] > 0
 
@@ -301,7 +302,7 @@ def test_the_stage_must_not_draw_and_is_warned_about_when_it_does(
             return self.items[i] + torch.rand(1)
 
     ds = cached(Drawing([torch.zeros(1)] * 4), cache=DiskCache(tmp_path), measure=False)
-    with caplog.at_level(logging.WARNING, logger="producer.torch.cache"):
+    with caplog.at_level(logging.WARNING, logger="producer.cache_stage"):
         ds[0], ds[1]
     assert sum("drew from torch's generator" in r.getMessage() for r in caplog.records) == 1
 
@@ -326,7 +327,7 @@ def test_the_examples_cached_imagefolder_gives_the_uncached_pipelines_images(
             assert got[0].shape == (3, 24, 24) and got[0].dtype == torch.uint8
             assert torch.equal(got[0], want[0]) and got[1] == want[1]
     # Fewer builds than the cache needs to judge itself: every entry was written.
-    assert len(plain) < torch_cache.MIN_SAMPLES
+    assert len(plain) < cache_stage.MIN_SAMPLES
     assert ds.stats["hits"] == len(plain) and ds.stats["misses"] == 0
 
 

@@ -26,9 +26,9 @@ from cache_pipelines import stage, uncached_stream  # noqa: E402
 from batchq.monitoring.rows import queue_status  # noqa: E402
 from batchq.protocol.admin import delete_queue  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
+from producer.cache_entry import decode_entry, encode_entry  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch.cache import _TENSORS, stage_fingerprint  # noqa: E402
-from producer.torch.cache_entry import decode_entry, encode_entry  # noqa: E402
 
 N, EPOCHS = 32, 3
 SOURCES = ("image", "label")

@@ -3,7 +3,7 @@
 Layout: ``<directory>/<stage>/<index>.bqc``, ``<stage>`` the first 32 hex digits of the
 stage's fingerprint (a changed dataset or transform gets a directory of its own; the old
 one is never read again, and stays until removed: :meth:`DiskCache.clear`), each entry
-a frame (:mod:`producer.torch.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
+a frame (:mod:`producer.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
 change) and ``.bytes`` (the ledger: the bytes of every entry and temporary file).
 
 * **Atomic.** An entry is written to ``.tmp-<index>-<host>-<pid>-<bytes>`` in its
@@ -55,6 +55,8 @@ HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
 #: A temporary file of another host untouched this long is a dead writer's (seconds).
 STALE_S = 600.0
 _SUFFIX = ".bqc"
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
 _STAGE_DIGITS = 32
 
 
@@ -98,7 +100,8 @@ class DiskCache:
         self.key = key
         self._pid: int | None = None  # the process that reconciled (a fork must again)
         self._fds: tuple[int, int] | None = None  # that process's lock and ledger files
-        self._made: set[Path] = set()  # stage directories known to exist
+        self._made: set[str] = set()  # stage directories known to exist
+        self._root = os.fspath(self.directory)  # paths as str: pathlib's cost ~20 us an entry
         self.full = False  # this process found the cap reached: it writes no more
         self.held_bytes = 0  # the ledger as this process last saw it
 
@@ -108,15 +111,21 @@ class DiskCache:
         """The bytes of entry ``index`` of ``stage`` (a fingerprint), None if absent."""
         self._open()
         try:
-            with open(self._path(stage, index), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                got = f.readinto(buf)
+            fd = os.open(self._path(stage, index), os.O_RDONLY | _CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as e:
             log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
             return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            got = os.readv(fd, [buf])
+        except OSError as e:
+            log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
+            return None
+        finally:
+            os.close(fd)
         return buf if got == size else None
 
     def write(self, stage: str, index: int, payload: Pieces) -> bool:
@@ -128,11 +137,15 @@ class DiskCache:
         self._open()
         size = payload.nbytes
         path = self._path(stage, index)
-        tmp = path.with_name(f"{_TMP}{index}-{HOST}-{os.getpid()}-{size}")
-        if not self._reserve(path, tmp, size):
+        tmp = f"{self._stage_dir(stage)}/{_TMP}{index}-{HOST}-{os.getpid()}-{size}"
+        fd = self._reserve(path, tmp, size)
+        if fd is None:
             return False
         try:
-            _write_all(tmp, payload)  # outside the lock: the other writers go on
+            try:
+                _write_all(fd, payload)  # outside the lock: the other writers go on
+            finally:
+                os.close(fd)
             with self._locked() as fd:
                 old = _size(path)
                 os.replace(tmp, path)
@@ -148,9 +161,11 @@ class DiskCache:
             return False
         return True
 
-    def _reserve(self, path: Path, tmp: Path, size: int) -> bool:
+    def _reserve(self, path: str, tmp: str, size: int) -> int | None:
         """Under the lock: add ``size`` to the ledger if it stays within the cap, and
-        create the temporary file (its name says its size: a recount counts it)."""
+        create the temporary file (its name says its size: a recount counts it); its
+        descriptor, open for writing (one open per entry: creating a file is most of a
+        write's system time), or None where the cap or the disk refused."""
         with self._locked() as fd:
             used = _read_ledger(fd, self.directory)
             if used + size > self._cap():
@@ -161,27 +176,27 @@ class DiskCache:
                     used,
                     self._cap(),
                 )
-                return False
+                return None
             self.held_bytes = used + size
             _write_ledger(fd, used + size)  # first: the ledger never counts less than disk
             try:
-                if path.parent not in self._made:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    self._made.add(path.parent)
+                parent = os.path.dirname(path)
+                if parent not in self._made:
+                    os.makedirs(parent, exist_ok=True)
+                    self._made.add(parent)
                 try:
-                    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    return os.open(tmp, _CREATE, 0o644)
                 except FileNotFoundError:  # its directory removed since (clear())
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    os.makedirs(parent, exist_ok=True)
+                    return os.open(tmp, _CREATE, 0o644)
             except OSError as e:
                 self.held_bytes = used
                 _write_ledger(fd, used)
                 self.full = True
                 log.warning("cache %s: no entry can be made (%s)", self.directory, e)
-                return False
-        return True
+                return None
 
-    def _give_back(self, tmp: Path, size: int) -> None:
+    def _give_back(self, tmp: str, size: int) -> None:
         with self._locked() as fd:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -243,8 +258,11 @@ class DiskCache:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _path(self, stage: str, index: int) -> Path:
-        return self.directory / stage[:_STAGE_DIGITS] / f"{index}{_SUFFIX}"
+    def _stage_dir(self, stage: str) -> str:
+        return f"{self._root}/{stage[:_STAGE_DIGITS]}"
+
+    def _path(self, stage: str, index: int) -> str:
+        return f"{self._root}/{stage[:_STAGE_DIGITS]}/{index}{_SUFFIX}"
 
     def _cap(self) -> int:
         if self.max_bytes is None:
@@ -303,24 +321,20 @@ def _write_ledger(fd: int, used: int) -> None:
     os.pwrite(fd, f"{used:020d}\n".encode(), 0)
 
 
-def _write_all(path: Path, payload: Pieces) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        views = [memoryview(b).cast("B") for b in payload.buffers]
-        while views:
-            done = os.writev(fd, views[:1024])  # IOV_MAX
-            while views and done >= len(views[0]):
-                done -= len(views[0])
-                views.pop(0)
-            if views and done:
-                views[0] = views[0][done:]
-    finally:
-        os.close(fd)
+def _write_all(fd: int, payload: Pieces) -> None:
+    views = [memoryview(b).cast("B") for b in payload.buffers]
+    while views:
+        done = os.writev(fd, views[:1024])  # IOV_MAX
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
 
 
-def _size(path: Path) -> int:
+def _size(path: str) -> int:
     try:
-        return path.stat().st_size
+        return os.stat(path).st_size
     except FileNotFoundError:
         return 0
 

@@ -30,7 +30,7 @@ from batchq.errors import ConfigError, FrameError
 from batchq.wire.codec import FrameHeader, FrameKind, decode_frame, encode_frame_pieces
 from batchq.wire.frame import Pieces
 
-__all__ = ["LeafCodec", "decode_entry", "encode_entry", "memory_order"]
+__all__ = ["NUMPY_ONLY", "LeafCodec", "decode_entry", "encode_entry", "memory_order"]
 
 _PRODUCER = "cache"
 _TREE = "tree"
@@ -50,7 +50,13 @@ class LeafCodec:
     from_array: Mapping[str, Callable[[np.ndarray[Any, Any]], Any]] = field(default_factory=dict)
 
 
-_NUMPY_ONLY = LeafCodec(to_array=lambda leaf: None)
+def _no_leaf(leaf: Any) -> None:
+    return None
+
+
+#: The codec of entries that hold numpy arrays only (no other leaves); its function a
+#: module's, not a lambda: a stage is pickled into a DataLoader's spawned workers.
+NUMPY_ONLY = LeafCodec(to_array=_no_leaf)
 
 
 def memory_order(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], list[int]]:
@@ -68,7 +74,7 @@ def memory_order(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], list[
 
 
 def encode_entry(
-    value: Any, fingerprint: str, index: int, leaves: LeafCodec = _NUMPY_ONLY
+    value: Any, fingerprint: str, index: int, leaves: LeafCodec = NUMPY_ONLY
 ) -> Pieces:
     """The entry of example ``index`` of the stage ``fingerprint``, as the buffers to write
     back to back (the header, then the arrays' own memory: nothing is copied; measured,
@@ -135,7 +141,7 @@ def decode_entry(
     buf: bytes | bytearray | memoryview,
     fingerprint: str,
     index: int,
-    leaves: LeafCodec = _NUMPY_ONLY,
+    leaves: LeafCodec = NUMPY_ONLY,
 ) -> Any:
     """The example an entry holds, its arrays writable copies.
 

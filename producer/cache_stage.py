@@ -1,0 +1,266 @@
+"""A cached stage in one process: read an entry or build it, and decide from measurement.
+
+What :func:`producer.torch.cached` (a torch Dataset) and a Fuel ``Mapping(...,
+cache=...)`` (:mod:`producer.transformers.cached`) share, without torch: a
+:class:`StageCache` reads an example's entry (:mod:`producer.cache_entry`) from a
+:class:`~producer.cache_store.DiskCache`, or builds the example and stores it; a torn,
+corrupted or foreign entry is discarded and built again, never served.
+
+**Cache or not, measured.** Each process times its builds and its reads (the first
+:data:`READ_BACK` entries it writes are read back at once, so this is known during the
+first epoch); once the median of its last :data:`WINDOW` reads is no faster than that of
+its last builds (a stage already in memory), the process stops using the cache (neither
+reads nor writes) and logs so once. Medians: on a loaded host a read preempted for a few
+milliseconds must not outweigh the others.
+
+**The stage draws nothing.** The first few builds compare a generator's state (torch's
+for a Dataset, numpy's global one for a Fuel mapping) before and after, and warn: a
+stage that draws would leave the generators elsewhere on a miss than on a hit.
+
+:func:`describe` names a stage's parts (functions and classes by module, qualname and a
+hash of their source; other values by their repr, refused when it names a memory
+address) for the fingerprints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import re
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from batchq.errors import ConfigError, FrameError
+from producer.cache_entry import NUMPY_ONLY, LeafCodec, decode_entry, encode_entry
+from producer.cache_stats import CacheStats, register
+from producer.cache_store import DiskCache
+
+__all__ = ["JUDGE_EVERY", "MIN_SAMPLES", "READ_BACK", "WINDOW", "StageCache", "describe"]
+
+log = logging.getLogger(__name__)
+
+#: Samples of each kind before the cache may be judged (a build and a read).
+MIN_SAMPLES = 8
+#: Entries read back right after they are written, to time a read in the first epoch.
+READ_BACK = 8
+#: The recent samples whose medians are compared (a read preempted on a loaded host must
+#: not turn the cache off: one such read made a mean of 5 look like a build).
+WINDOW = 64
+#: Items between two judgements (two medians cost ~10 us).
+JUDGE_EVERY = 4
+# Builds whose effect on the generator is checked.
+_RNG_CHECKS = 3
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+#: The clock builds and reads are timed with (seconds; a module global so that a test
+#: can judge the cache on a clock of its own).
+clock = time.perf_counter
+
+
+class StageCache:
+    """One stage's entries in a :class:`DiskCache`, read or built, in one process.
+
+    Args:
+        cache: where the entries live.
+        fingerprint: the stage's fingerprint (hex; its first 32 digits name its
+            directory).
+        name: the stage as the log names it.
+        leaves: how leaves other than numpy arrays are stored (torch's tensors).
+        measure: stop using the cache where a read is not faster than a build.
+        rng_state: the state of the generator the stage must not draw from, as bytes
+            (None: not checked).
+        rng_name: that generator, as the warning names it.
+
+    Attributes:
+        cache_stats: this process's figures (registered for the heartbeat).
+    """
+
+    def __init__(
+        self,
+        cache: DiskCache,
+        fingerprint: str,
+        name: str,
+        leaves: LeafCodec = NUMPY_ONLY,
+        *,
+        measure: bool = True,
+        rng_state: Callable[[], bytes] | None = None,
+        rng_name: str = "",
+    ) -> None:
+        self.cache = cache
+        self.fingerprint = fingerprint
+        self.name = name
+        self.leaves = leaves
+        self.measure = measure
+        self.rng_state = rng_state
+        self.rng_name = rng_name
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        self.cache_stats = CacheStats()
+        self._rng_checks = _RNG_CHECKS if self.rng_state is not None else 0
+        self._builds_s: deque[float] = deque(maxlen=WINDOW)
+        self._reads_s: deque[float] = deque(maxlen=WINDOW)
+        self._events = 0  # items served, to judge every JUDGE_EVERY-th
+        register(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()  # another process: its own figures and decision
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """This process's figures (:class:`producer.cache_stats.CacheStats`, with
+        ``hit_rate``); ``bytes_held`` read from the cache's ledger now (every process's
+        entries)."""
+        if not self.cache_stats.bypassed:
+            self.cache_stats.bytes_held = self.cache.bytes_held()
+        return self.cache_stats.as_dict()
+
+    @property
+    def bypassed(self) -> bool:
+        """The cache did not pay in this process: the stage is used directly."""
+        return self.cache_stats.bypassed
+
+    def build_only(self, build: Callable[[], Any]) -> Any:
+        """``build()``, counted as a miss (the cache bypassed)."""
+        self.cache_stats.misses += 1
+        return build()
+
+    def get(
+        self, index: int, build: Callable[[], Any], run: str | None = None, t0: float | None = None
+    ) -> Any:
+        """The example entry ``index`` holds, else ``build()``'s (then stored).
+
+        Args:
+            index: the entry's index (its file's name, the frame's ``k``).
+            build: makes the example.
+            run: the entry's own fingerprint, checked on read (default: the stage's;
+                a content-keyed entry adds its key's digest).
+            t0: when the read began on :data:`clock` (a key computed first is part of
+                the read's time); default now.
+        """
+        if self.bypassed:
+            return self.build_only(build)
+        s = self.cache_stats
+        run = run or self.fingerprint
+        t0 = clock() if t0 is None else t0
+        raw = self.cache.read(self.fingerprint, index)
+        if raw is not None:
+            try:
+                item = decode_entry(raw, run, index, self.leaves)
+            except FrameError as e:
+                log.debug("cache entry %d of %s rejected: %s", index, self.fingerprint[:16], e)
+                s.rejected += 1
+                self.cache.discard(self.fingerprint, index)
+                s.bytes_held = self.cache.held_bytes
+            else:
+                s.hits += 1
+                took = clock() - t0
+                s.read_s += took
+                self._reads_s.append(took)
+                s.bytes_held = self.cache.held_bytes
+                s.saved_s = s.hits * self._mean_build_s() - s.read_s if s.misses else 0.0
+                self._judge()
+                return item
+        return self._build(index, build, run)
+
+    def _build(self, index: int, build: Callable[[], Any], run: str) -> Any:
+        s = self.cache_stats
+        state = self.rng_state() if self._rng_checks and self.rng_state else None
+        t0 = clock()
+        item = build()
+        took = clock() - t0
+        s.build_s += took
+        s.misses += 1
+        self._builds_s.append(took)
+        if state is not None:
+            self._check_rng(state)
+        if self.cache.full:
+            return item
+        payload = encode_entry(item, run, index, self.leaves)
+        if self.cache.write(self.fingerprint, index, payload):
+            s.writes += 1
+            s.bytes_written += payload.nbytes
+            if s.writes <= READ_BACK:  # time a read now: judged within the first epoch
+                t1 = clock()
+                raw = self.cache.read(self.fingerprint, index)
+                if raw is not None:
+                    item = decode_entry(raw, run, index, self.leaves)
+                    took = clock() - t1
+                    s.read_s += took
+                    self._reads_s.append(took)
+        s.bytes_held = self.cache.held_bytes
+        self._judge()
+        return item
+
+    def _mean_build_s(self) -> float:
+        s = self.cache_stats
+        return s.build_s / s.misses if s.misses else 0.0
+
+    def _judge(self) -> None:
+        """Stop using the cache once the median of the recent reads is no faster than
+        that of the recent builds."""
+        self._events += 1
+        if not self.measure or self._events % JUDGE_EVERY:
+            return
+        if min(len(self._builds_s), len(self._reads_s)) < MIN_SAMPLES:
+            return
+        read_s, build_s = statistics.median(self._reads_s), statistics.median(self._builds_s)
+        if read_s >= build_s:
+            self.cache_stats.bypassed = True
+            log.info(
+                "cache of %s (pid %d): a read takes %.3f ms, a build %.3f ms: the cache "
+                "does not pay here, the stage is used directly",
+                self.name,
+                os.getpid(),
+                read_s * 1e3,
+                build_s * 1e3,
+            )
+
+    def _check_rng(self, before: bytes) -> None:
+        self._rng_checks -= 1
+        if self.rng_state is not None and self.rng_state() != before:
+            self._rng_checks = 0
+            log.warning(
+                "the cached stage %s drew from %s while building an item: it is not "
+                "deterministic, and its first result is what later epochs get (move the "
+                "random part after the cache)",
+                self.name,
+                self.rng_name,
+            )
+
+
+def describe(value: Any, where: str = "") -> str:
+    """``value`` as a stage's fingerprint names it: dicts, lists and tuples item by item,
+    a function or class as its module, qualname and a hash of its source, anything else
+    as its repr.
+
+    Raises:
+        ConfigError: a repr names a memory address (it differs per process).
+    """
+    if isinstance(value, dict):
+        items = ", ".join(f"{k!r}: {describe(v, where)}" for k, v in value.items())
+        return "{" + items + "}"
+    if type(value) in (list, tuple):
+        return "[" + ", ".join(describe(v, where) for v in value) + "]"
+    if inspect.isclass(value) or inspect.isfunction(value):
+        name = f"{value.__module__}.{value.__qualname__}"
+        try:
+            source = inspect.getsource(value)
+        except (OSError, TypeError):
+            return name
+        return f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    text = repr(value)
+    if _ADDRESS.search(text):
+        raise ConfigError(
+            f"cannot derive a cache key: the {where} has the repr {text!r:.120}, which names "
+            "a memory address (it differs per process); pass DiskCache(key=...) naming the stage"
+        )
+    return text
