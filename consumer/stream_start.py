@@ -19,7 +19,7 @@ from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.keys import QueueKeys
 from consumer.epoch import EpochFeed
 from consumer.group_drain import drain_group
-from consumer.group_session import GroupSession, group_resume_run_id
+from consumer.group_session import group_resume_run_id
 from consumer.rank_state import resume_run_id
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import FramePrep
@@ -65,7 +65,7 @@ def new_session(
     """The trainer's session on ``keys``' queue (not claimed yet), as its group
     (:mod:`consumer.group_session`); it publishes this trainer's host after every claim
     and resume (they drop it), and writes ``params``'s log before every resume."""
-    return GroupSession(
+    return Session(
         client,
         keys,
         options.claim_ttl_ms,
@@ -197,7 +197,7 @@ def release(
         if ended and session is not None:
             delete_old_frames(client, session.keys, timeout_s)
             shm.finish()
-        elif finished and isinstance(session, GroupSession) and session.grouped:
+        elif finished and session is not None and session.grouped:
             drain_group(client, session.keys, session.data_key, shm, timeout_s)
     except ConnectionLost as e:
         log.warning("queue %s: could not release the claim: %s", session and session.keys.queue, e)

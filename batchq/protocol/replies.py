@@ -20,27 +20,16 @@ from batchq.errors import (
     TrainerConflict,
 )
 from batchq.protocol.calls import CountReply, StatusReply
-from batchq.protocol.group_scripts import (
-    GClaimReply,
-    GLeaseReply,
-    GPushReply,
-    GResumeReply,
-    ReleaseReply,
-)
 from batchq.protocol.params_scripts import ParamsReply
 from batchq.protocol.producer_scripts import JoinReply, LeaseReply, PushReply
 from batchq.protocol.recovery_scripts import RequeueReply
-from batchq.protocol.trainer_scripts import ClaimReply, PopReply
+from batchq.protocol.trainer_scripts import ClaimReply, PopReply, ReleaseReply, ResumeReply
 from batchq.protocol.words import Status
 
 __all__ = [
     "STATUS_ERRORS",
     "ClaimReply",
     "CountReply",
-    "GClaimReply",
-    "GLeaseReply",
-    "GPushReply",
-    "GResumeReply",
     "JoinReply",
     "LeaseReply",
     "ParamsReply",
@@ -48,6 +37,7 @@ __all__ = [
     "PushReply",
     "ReleaseReply",
     "RequeueReply",
+    "ResumeReply",
     "StatusReply",
     "status_error",
 ]

@@ -35,10 +35,6 @@ Arg = str | bytes | bytearray | memoryview | int | float
 
 _LUA_DIR = Path(__file__).resolve().parent / "lua"
 _SHARED = (_LUA_DIR / "lib" / "shared.lua").read_text()
-# What the scripts of runs read by several groups share (batchq.protocol.groups), put
-# after _SHARED before these scripts only (every script's text is in Redis' cache).
-_GROUPS = (_LUA_DIR / "lib" / "groups.lua").read_text()
-_WITH_GROUPS = frozenset({"gclaim", "glease", "gpush", "gresume", "requeue"})
 _NAMED = re.compile(r"^local (\w+) = (?:tonumber\()?(KEYS|ARGV)\[(\d+)\]")
 _TAIL = re.compile(r"^-- (KEYS|ARGV)\[(\d+)\.\.\]:")
 KEY_SUFFIX = "_key"
@@ -103,9 +99,8 @@ class Script:
         # MultiplexedPath cannot join two parts (TypeError) and may pick the wrong one.
         text = (_LUA_DIR / f"{name}.lua").read_text()
         self.header = parse_header(name, text)
-        # What several scripts do is written once, in lib/shared.lua, put before each
-        # (and lib/groups.lua before those of runs read by several groups).
-        self.source = _SHARED + (_GROUPS if name in _WITH_GROUPS else "") + text
+        # What several scripts do is written once, in lib/shared.lua, put before each.
+        self.source = _SHARED + text
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg]) -> None:
@@ -122,11 +117,7 @@ SCRIPTS: dict[str, Script] = {
     for name in (
         "claim",
         "fail",
-        "gclaim",
-        "glease",
         "gone",
-        "gpush",
-        "gresume",
         "handback",
         "join",
         "lease",

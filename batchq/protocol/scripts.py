@@ -21,14 +21,6 @@ holds them all.
 from __future__ import annotations
 
 from batchq.protocol.calls import SCRIPTS, Call, Script, execute_pipeline, load_all
-from batchq.protocol.group_scripts import (
-    GroupClaimOp,
-    gclaim,
-    glease_call,
-    gpush_call,
-    gresume,
-    release_call,
-)
 from batchq.protocol.params_scripts import ParamsOp, ParamsReply, Rebuild, params
 from batchq.protocol.producer_scripts import (
     fail,
@@ -39,13 +31,12 @@ from batchq.protocol.producer_scripts import (
     quarantine,
 )
 from batchq.protocol.recovery_scripts import gone, reap, requeue
-from batchq.protocol.trainer_scripts import ClaimOp, claim, pop, resume
+from batchq.protocol.trainer_scripts import ClaimOp, claim, pop, release_call, resume
 
 __all__ = [
     "SCRIPTS",
     "Call",
     "ClaimOp",
-    "GroupClaimOp",
     "ParamsOp",
     "ParamsReply",
     "Rebuild",
@@ -53,11 +44,7 @@ __all__ = [
     "claim",
     "execute_pipeline",
     "fail",
-    "gclaim",
-    "glease_call",
     "gone",
-    "gpush_call",
-    "gresume",
     "handback",
     "join",
     "lease_call",

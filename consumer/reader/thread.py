@@ -37,7 +37,6 @@ from batchq.protocol.ranks import RankLayout
 from batchq.protocol.replies import PopReply, status_error
 from batchq.protocol.words import Status, as_int
 from batchq.wire import codec
-from consumer.group_session import GroupSession
 from consumer.reader.accounting import Accounting
 from consumer.reader.buffer import Buffer
 from consumer.reader.dead import DeadList
@@ -112,7 +111,7 @@ class Reader(threading.Thread):
         self._accounting = Accounting(stats or TrainerStats())
         self._dead = DeadList(client, keys, settings.on_bad_frame)
         self._fetcher = Fetcher(client, keys, self.shm, settings.max_frame_bytes, self._dead.record)
-        self._fetcher.shared = isinstance(session, GroupSession) and session.grouped
+        self._fetcher.shared = session.grouped
         self._filer = Filer(session, buffer, settings, prepare, self._dead, self._accounting)
         self._repair = StallRepair(client, keys, session, buffer, settings)
         self._params = params
@@ -300,8 +299,7 @@ class Reader(threading.Thread):
         group scripts."""
         if groups and not self._fetcher.shared:
             self._fetcher.shared = True
-            if isinstance(self.session, GroupSession):
-                self.session.saw_groups(groups)
+            self.session.saw_groups(groups)
 
     def _quick_ok(self) -> bool:
         """May this round be a BRPOP alone? Only while the pop script's work can wait:

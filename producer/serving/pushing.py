@@ -55,7 +55,7 @@ class ShardPusher(FramePusher):
             :meth:`joined`).
         stop: set when the producer stops.
         lease_request: ``(prefetch, after) -> (call, token)``: the next lease request
-            (see :func:`batchq.protocol.scripts.lease_call`).
+            (see :func:`batchq.protocol.producer_scripts.lease_call`).
     """
 
     def serve_shard(

@@ -1,6 +1,6 @@
 """The text of batchq's Lua scripts as the tests read it: what a script can run.
 
-``Script.source`` (batchq/protocol/script_files.py) is what is sent: lib/shared.lua (and
+``Script.source`` (batchq/protocol/script_files.py) is what is sent: lib/shared.lua
 lib/groups.lua) before the script's own text, every library function whether the script
 calls it or not. A test of what a script does (the commands it calls, the counters it
 writes) reads its own text and the library functions it calls, directly or through

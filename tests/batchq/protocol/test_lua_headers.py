@@ -12,6 +12,7 @@ from batchq.errors import ProtocolError
 from batchq.protocol import scripts
 from batchq.protocol.calls import SCRIPTS, Call, build_call, parse_header
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.trainer_scripts import ResumeArgs
 
 K = QueueKeys("hdr")
 LITERAL_INDEX = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
@@ -58,12 +59,12 @@ WRAPPERS: dict[str, Any] = {
     ),
     "lease": lambda c: scripts.lease_call(
         K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
-        prefetch=True, world=2,
+        prefetch=1, groups=3, world=2, after="4/6:s",
     ).run(c),
     "push": lambda c: scripts.push_call(
-        K, data=K.data, frame_key=K.frame("p", 1), incarnation="i", run="r", producer="p",
-        entry="3:t", element=b"x", last=True, heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0,
-        produce_ms=0,
+        K, targets=0b101, rank=1, world=2, groups=3, frame_key=K.frame("p", 1),
+        incarnation="i", run="r", producer="p", entry="3/5:t", element=b"x", last=True,
+        heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0, produce_ms=0,
     ).run(c),
     "fail": lambda c: scripts.fail(
         c, K, incarnation="i", run="r", producer="p", entry="3:t", max_attempts=3
@@ -82,8 +83,8 @@ WRAPPERS: dict[str, Any] = {
     ),
     "claim": lambda c: scripts.claim(
         c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
-        takeover_run="", version="1", rank=0, world=2, even="pad", resumed="", incarnation="",
-        rank_lists=K.rank_data(2),
+        takeover_run="", version="1", group="g", rank=0, world=2, even="pad", resumed="",
+        incarnation="", groups=2, key_world=2, max_lag=4, slot=0,
     ),
     "pop": lambda c: scripts.pop(
         c, K, data=K.data, trainer=K.trainer, history=K.history, incarnation="i", run="r",
@@ -95,29 +96,12 @@ WRAPPERS: dict[str, Any] = {
         rebuild=[scripts.Rebuild("0:3", 1, 3)],
     ),
     "resume": lambda c: scripts.resume(
-        c, K, rank_lists=K.rank_data(2), token="t", new_run="r", first=0, fingerprint="fp",
-        hwm="", shards=4, window=1, epoch_batches=-1, rank=0, world=2, even="pad", step=0,
-        held=False, remap=(0, {1: 0}), ledger=[("0:1", "d")],
-    ),
-    "glease": lambda c: scripts.glease_call(
-        K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
-        prefetch=1, groups=3, world=2, after="4/6:s",
-    ).run(c),
-    "gpush": lambda c: scripts.gpush_call(
-        K, targets=0b101, rank=1, world=2, frame_key=K.frame("p", 1), incarnation="i",
-        run="r", producer="p", entry="3/5:t", element=b"x", last=True, heartbeat_ttl_ms=1,
-        frame_bytes=1, blocked_ms=0, produce_ms=0,
-    ).run(c),
-    "gclaim": lambda c: scripts.gclaim(
-        c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
-        takeover_run="", version="1", group="g", rank=0, world=2, even="pad", resumed="",
-        incarnation="", groups=2, key_world=2, max_lag=4, slot=0,
-    ),
-    "gresume": lambda c: scripts.gresume(
-        c, K, token="t", new_run="r", takeover_run="", first=0, fingerprint="fp", hwm="",
-        shards=4, window=1, epoch_batches=-1, group="g", rank=0, world=2, even="pad",
-        step=0, held=False, groups=2, key_world=2, slot=1, acquired="r0", claim_ttl_ms=1,
-        ledger=[("0:1", "d")],
+        c, K, ResumeArgs(
+            token="t", new_run="r", takeover_run="", first=0, fingerprint="fp", hwm="",
+            shards=4, window=1, epoch_batches=-1, group="g", rank=0, world=2, even="pad",
+            step=0, held=False, slot=1, acquired="r0", claim_ttl_ms=1,
+        ),
+        groups=2, key_world=2, remap=(0, {1: 0}), ledger=[("0:1", "d")],
     ),
     "release": lambda c: scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
 }  # fmt: skip
@@ -161,15 +145,16 @@ def test_the_wrapper_sends_what_the_header_declares(name: str) -> None:
 def test_named_positions_follow_the_header() -> None:
     _, keys, args = _sent(WRAPPERS["push"])
     header = SCRIPTS["push"].header
-    assert dict(zip(header.keys, keys, strict=True))["lease"] == K.lease("p")
-    assert dict(zip(header.args, args, strict=True))["entry"] == "3:t"
+    named_keys, named_args = keys[: len(header.keys)], args[: len(header.args)]
+    assert dict(zip(header.keys, named_keys, strict=True))["lease"] == K.lease("p")
+    assert dict(zip(header.args, named_args, strict=True))["entry"] == "3/5:t"
 
 
 def test_a_call_naming_what_the_header_lacks_is_refused() -> None:
     with pytest.raises(ProtocolError, match="misses"):
         build_call("handback", list, {"meta": K.meta}, {})
     with pytest.raises(ProtocolError, match="no KEYS/ARGV tail"):
-        build_call("push", list, {}, {}, more_keys=["x"])
+        build_call("handback", list, {}, {}, more_keys=["x"])
 
 
 def test_a_header_out_of_order_is_refused() -> None:
@@ -190,9 +175,9 @@ def test_a_call_can_be_queued_in_a_pipeline() -> None:
 
     call: Call[Any] = scripts.lease_call(
         K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
-        prefetch=False, world=1,
+        prefetch=0, groups=0, world=1,
     )  # fmt: skip
     call.queue(Pipe())
-    assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 6)
-    assert call.parse([b"OK", b"7", 0, b"r:2"]).g == 7
-    assert call.parse([b"OK", b"7", 0, b"r:2"]).params == "r:2"  # the params log's stamp
+    assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 7)
+    assert call.parse([b"OK", b"7", 0, 0, 1, 1, b"r:2"]).g == 7
+    assert call.parse([b"OK", b"7", 0, 0, 1, 1, b"r:2"]).params == "r:2"  # the params stamp
