@@ -218,7 +218,7 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
         for i in range(frames_each):
             while True:
                 status = scripts.push_call(
-                    keys, data=keys.data, frame_key=None, incarnation=inc, run=run,
+                    keys, frame_key=None, incarnation=inc, run=run,
                     producer=f"p{p}", entry=entry, element=f"{p}:{i}", last=False,
                     heartbeat_ttl_ms=60_000, frame_bytes=4, blocked_ms=0, produce_ms=0,
                 ).run(client).status  # fmt: skip

@@ -148,13 +148,13 @@ def test_a_descriptor_refused_with_reroute_goes_through_redis_and_frees_its_segm
     frame = p._encode_batch(0, 0, 0, (np.arange(10),), True)
     assert isinstance(frame, ShmFrame)
     pushed: list[tuple[bytes, str]] = []
-    real_push_call = scripts.push_call
+    real_push_call = frame_push.push_call
 
     def push_call(keys: QueueKeys, **kw: Any) -> Any:
         pushed.append((bytes(kw["element"]), kw["shm_host"]))
         return real_push_call(keys, **kw)
 
-    monkeypatch.setattr(scripts, "push_call", push_call)
+    monkeypatch.setattr(frame_push, "push_call", push_call)
     replies = iter([[b"REROUTE"], [b"OK", 1]])
     p._send = lambda *args: [next(replies)]  # type: ignore[method-assign]
     assert p._push_batch(frame, "0:t", True, 0) is True
@@ -256,7 +256,10 @@ def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
     p.ahead.depth = 1
     oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
     replies = iter(
-        [[oom, [b"BUSY"], [b"BUSY"]], [[b"OK", 1], [b"OK", 1, 0, b""], [b"OK", 2, 0, b""]]]
+        [
+            [oom, [b"BUSY"], [b"BUSY"]],
+            [[b"OK", 1], [b"OK", b"1", 0, 0, 1, 1, b""], [b"OK", b"2", 0, 0, 1, 1, b""]],
+        ]
     )
     sends: list[int] = []
 
