@@ -19,7 +19,7 @@ import redis
 
 from batchq.client.connection import retrying
 from batchq.errors import FrameError
-from batchq.protocol import scripts
+from batchq.protocol import trainer_scripts
 from batchq.protocol.calls import round_trip
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
@@ -59,7 +59,7 @@ def drain_group(
                 except FrameError:
                     continue  # not this queue's: nothing of ours to release
         if names:
-            call = scripts.release_call(keys, names)
+            call = trainer_scripts.release_call(keys, names)
 
             def release(call: Any = call) -> Any:
                 return round_trip(client, [call.command()], "releasing frames")

@@ -37,7 +37,7 @@ import redis
 
 from batchq.client.connection import retrying
 from batchq.errors import ConfigError, ProtocolError, StateLost, TrainerConflict
-from batchq.protocol import scripts
+from batchq.protocol import params_scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.layout import PARAMS_LOG_MAX_BYTES, ledger_field
 from batchq.protocol.params_log import (
@@ -48,8 +48,7 @@ from batchq.protocol.params_log import (
     merged,
 )
 from batchq.protocol.ranks import BatchNumbering, RankLayout, frame_index
-from batchq.protocol.replies import status_error
-from batchq.protocol.words import Status
+from batchq.protocol.words import Status, status_error
 from batchq.wire.codec import Frame
 from consumer.params_index import change_index, positions
 from consumer.reader.buffer import Buffer
@@ -102,7 +101,7 @@ class StreamParams:
         log_ = self.log
         if len(log_):
             _refuse_striped(session)
-        reply = scripts.params(
+        reply = params_scripts.params(
             client, session.keys, op="load", incarnation=session.incarnation, run=run,
             token=session.token, suffix=session.suffix, index=len(log_),
             body=log_.entries_json(),
@@ -214,7 +213,7 @@ class StreamParams:
         while True:
             run = session.run
             call = functools.partial(
-                scripts.params, session.client, session.keys, op="add",
+                params_scripts.params, session.client, session.keys, op="add",
                 incarnation=session.incarnation, run=run, token=session.token,
                 suffix=session.suffix, index=index, body=body, call_id=call_id,
             )  # fmt: skip
@@ -319,9 +318,9 @@ class StreamParams:
                     continue
                 self._asked.add((g, version))
                 slot = layout.slot(shard, session.rank)
-                shards.append(scripts.Rebuild(ledger_field(epoch, slot), kept, g))
+                shards.append(params_scripts.Rebuild(ledger_field(epoch, slot), kept, g))
             dropped_now, self._unsent = self._unsent, 0
-        reply = scripts.params(
+        reply = params_scripts.params(
             client, session.keys, op="rebuild", incarnation=session.incarnation,
             run=session.run, token=session.token, suffix=session.suffix, index=dropped_now,
             rebuild=shards,

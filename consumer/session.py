@@ -43,7 +43,6 @@ from batchq.protocol.groups import check_group, reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import MAX_GROUPS
 from batchq.protocol.ranks import RankLayout
-from batchq.protocol.replies import status_error
 from batchq.protocol.trainer_scripts import (
     ClaimOp,
     ClaimReply,
@@ -52,7 +51,7 @@ from batchq.protocol.trainer_scripts import (
     claim,
     resume,
 )
-from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int
+from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from consumer.plan import Plan, Restart, resumed_shape
 
 __all__ = ["GROUPS_TRIES", "Plan", "Session", "rank_hint"]

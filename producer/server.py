@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, cast
+from typing import Any
 
 import redis
 
@@ -25,8 +25,8 @@ from batchq.errors import ConnectionLost, ProtocolError, RunFinished
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call
 from batchq.protocol.keys import QueueKeys, check_name
-from batchq.protocol.producer_scripts import LeaseReply, lease_call
 from batchq.protocol.layout import default_id
+from batchq.protocol.producer_scripts import LeaseReply, lease_call
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
 from producer.producer_options import check_options, require

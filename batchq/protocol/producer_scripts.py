@@ -1,6 +1,7 @@
 """The producer's scripts, one typed function each (see :mod:`batchq.protocol.calls`):
-joining a run (join.lua), a lease (lease.lua) and the capped push (push.lua), which
-travel in pipelines and are built as a :class:`~batchq.protocol.calls.Call`, a failed
+joining a run (join.lua), a lease (lease.lua) and the capped push (push.lua) in a run
+read by one group or several (:mod:`batchq.protocol.groups`), which travel in pipelines
+and are built as a :class:`~batchq.protocol.calls.Call`, a failed
 attempt (fail.lua), a shard handed back untouched (handback.lua) and an example replaced
 by a substitute (quarantine.lua).
 """

@@ -1,6 +1,9 @@
-"""The trainer's scripts, one typed function each (see :mod:`batchq.protocol.scripts`):
-its claim (claim.lua), the pop and its accounting (pop.lua), and a restart from a
-checkpoint's ledger (resume.lua).
+"""The trainer's scripts, one typed function each (see :mod:`batchq.protocol.calls`):
+its claim (claim.lua) and a restart from a checkpoint's ledger (resume.lua), as one group
+of a run read by one group or several (:mod:`batchq.protocol.groups`), the pop and its
+accounting (pop.lua), and the release of frames stored once for several groups
+(release.lua, a :class:`~batchq.protocol.calls.Call` that rides behind the reader's
+GETs).
 """
 
 from __future__ import annotations

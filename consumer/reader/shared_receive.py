@@ -14,7 +14,7 @@ from __future__ import annotations
 import redis
 
 from batchq.client.redis_internals import BulkReply, read_bulk_into
-from batchq.protocol import scripts
+from batchq.protocol import trainer_scripts
 from batchq.protocol.calls import round_trip
 from batchq.protocol.keys import QueueKeys
 
@@ -36,7 +36,7 @@ def get_and_release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> l
     """
     if not names:
         return []
-    call = scripts.release_call(keys, names)
+    call = trainer_scripts.release_call(keys, names)
     replies = round_trip(
         client,
         [*(("GET", name) for name in names), call.command()],
@@ -52,4 +52,4 @@ def get_and_release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> l
 def release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> None:
     """Release frames this reader will not read (refused unfetched: too large)."""
     if names:
-        scripts.release_call(keys, names).run(client)
+        trainer_scripts.release_call(keys, names).run(client)

@@ -348,9 +348,7 @@ class FramePusher:
 
     # -- each reply --------------------------------------------------------------------
 
-    def _after(
-        self, reply: PushReply, entry: str, ref: str | None, wait: Waiting
-    ) -> Pushed | None:
+    def _after(self, reply: PushReply, entry: str, ref: str | None, wait: Waiting) -> Pushed | None:
         """What a push's reply means (None: try again)."""
         status = reply.status
         if status == Status.OK:

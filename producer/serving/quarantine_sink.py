@@ -19,7 +19,7 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.errors import BatchQueueError
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.quarantine_records import read_quarantine
 from batchq.protocol.words import Status
@@ -51,7 +51,7 @@ class RunRecords:
         local = self.local.record(index, record)
         incarnation, run = self.position()
         try:
-            reply = scripts.quarantine(
+            reply = producer_scripts.quarantine(
                 self.client, self.keys, incarnation=incarnation, run=run, index=index,
                 record=record,
             )  # fmt: skip

@@ -1,5 +1,5 @@
 """Every Lua script names its KEYS and ARGV at its top, and every typed wrapper of
-batchq.protocol.scripts names exactly what its script's header declares."""
+batchq.protocol's wrappers name exactly what its script's header declares."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from batchq.errors import ProtocolError
-from batchq.protocol import scripts
+from batchq.protocol import params_scripts, producer_scripts, recovery_scripts, trainer_scripts
 from batchq.protocol.calls import SCRIPTS, Call, build_call, parse_header
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.trainer_scripts import ResumeArgs
@@ -52,50 +52,52 @@ def _sent(run: Any) -> tuple[str, list[Any], list[Any]]:
 
 
 WRAPPERS: dict[str, Any] = {
-    "join": lambda c: scripts.join(
+    "join": lambda c: producer_scripts.join(
         c, K, producer="p", fingerprint="fp", hwm=3, shards=4, window=2, new_run="r",
         new_incarnation="i", heartbeat_ttl_ms=1, version="1", epoch_batches=None,
         grace_ms=1, no_create=False,
     ),
-    "lease": lambda c: scripts.lease_call(
+    "lease": lambda c: producer_scripts.lease_call(
         K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
         prefetch=1, groups=3, world=2, after="4/6:s",
     ).run(c),
-    "push": lambda c: scripts.push_call(
+    "push": lambda c: producer_scripts.push_call(
         K, targets=0b101, rank=1, world=2, groups=3, frame_key=K.frame("p", 1),
         incarnation="i", run="r", producer="p", entry="3/5:t", element=b"x", last=True,
         heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0, produce_ms=0,
     ).run(c),
-    "fail": lambda c: scripts.fail(
+    "fail": lambda c: producer_scripts.fail(
         c, K, incarnation="i", run="r", producer="p", entry="3:t", max_attempts=3
     ),
-    "handback": lambda c: scripts.handback(
+    "handback": lambda c: producer_scripts.handback(
         c, K, incarnation="i", run="r", producer="p", entry="3:t"
     ),
-    "quarantine": lambda c: scripts.quarantine(
+    "quarantine": lambda c: producer_scripts.quarantine(
         c, K, incarnation="i", run="r", index=7, record="{}"
     ),
-    "reap": lambda c: scripts.reap(c, K, incarnation="i", why="dead", producers=["a", "b"]),
-    "gone": lambda c: scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
-    "requeue": lambda c: scripts.requeue(
+    "reap": lambda c: recovery_scripts.reap(
+        c, K, incarnation="i", why="dead", producers=["a", "b"]
+    ),
+    "gone": lambda c: recovery_scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
+    "requeue": lambda c: recovery_scripts.requeue(
         c, K, incarnation="i", run="r", data=K.data, shards=[1, 2], alive=["a"],
         rank=("next:0", [0, 1]),
     ),
-    "claim": lambda c: scripts.claim(
+    "claim": lambda c: trainer_scripts.claim(
         c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
         takeover_run="", version="1", group="g", rank=0, world=2, even="pad", resumed="",
         incarnation="", groups=2, key_world=2, max_lag=4, slot=0,
     ),
-    "pop": lambda c: scripts.pop(
+    "pop": lambda c: trainer_scripts.pop(
         c, K, data=K.data, trainer=K.trainer, history=K.history, incarnation="i", run="r",
         token="t", room=1, floor=0, claim_ttl_ms=1, extra_popped=0, nbytes=0,
         figures=(0, 0, 0, "", "", ""), suffix="",
     ),
-    "params": lambda c: scripts.params(
+    "params": lambda c: params_scripts.params(
         c, K, op="rebuild", incarnation="i", run="r", token="t", suffix=":1", index=2,
-        rebuild=[scripts.Rebuild("0:3", 1, 3)],
+        rebuild=[params_scripts.Rebuild("0:3", 1, 3)],
     ),
-    "resume": lambda c: scripts.resume(
+    "resume": lambda c: trainer_scripts.resume(
         c, K, ResumeArgs(
             token="t", new_run="r", takeover_run="", first=0, fingerprint="fp", hwm="",
             shards=4, window=1, epoch_batches=-1, group="g", rank=0, world=2, even="pad",
@@ -103,7 +105,7 @@ WRAPPERS: dict[str, Any] = {
         ),
         groups=2, key_world=2, remap=(0, {1: 0}), ledger=[("0:1", "d")],
     ),
-    "release": lambda c: scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
+    "release": lambda c: trainer_scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
 }  # fmt: skip
 
 
@@ -173,7 +175,7 @@ def test_a_call_can_be_queued_in_a_pipeline() -> None:
         def execute_command(self, *argv: Any) -> None:
             sent.append(argv)
 
-    call: Call[Any] = scripts.lease_call(
+    call: Call[Any] = producer_scripts.lease_call(
         K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
         prefetch=0, groups=0, world=1,
     )  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from batchq.client.connection import make_client
-from batchq.protocol import scripts
+from batchq.protocol import recovery_scripts
 from batchq.protocol.calls import build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import HISTORY_CAP, WAKE_CAP
@@ -245,7 +245,7 @@ def test_lease_lost_after_reap_and_returned_shards_go_first(q: Q) -> None:
     assert q.lease("p1", "a")[1] == "0"
     assert q.lease("p1", "b")[1] == "1"
     k = q.k
-    reply = scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
+    reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 2)
     assert q.c.hget(k.stats, "redone_shards") == b"2"
     assert q.lease("p2", "c")[1] == "0"  # the returned shards, in order, before fresh ones
@@ -258,7 +258,7 @@ def test_dead_reap_spares_live_producers(q: Q) -> None:
     q.join("p1")
     q.lease("p1", "a")
     k = q.k
-    reply = scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
+    reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 0, 0)
     assert q.c.llen(k.lease("p1")) == 1
 
@@ -272,7 +272,7 @@ def test_a_reap_in_a_new_run_drops_the_old_runs_leases(q: Q) -> None:
     assert q.claim("t1", op="release") == ["OK"]
     assert q.claim("t2")[:4] == ["OK", "inc1", "run2", 1]  # a trainer without state
     q.join("p2")  # the producer that lived follows the new run
-    reply = scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
+    reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
     assert q.c.llen(k.work) == 0 and q.c.exists(k.lease("p1")) == 0
     assert q.c.hget(k.stats, "stale_leases") == b"2" and q.c.hget(k.stats, "redone_shards") is None
@@ -287,7 +287,7 @@ def test_gone_in_a_new_run_drops_the_old_runs_leases(q: Q) -> None:
     q.claim("t1")
     q.claim("t1", op="release")
     assert q.claim("t2")[2] == "run2"
-    reply = scripts.gone(q.c, k, incarnation=q.inc, closed={"p1": "11,12"})
+    reply = recovery_scripts.gone(q.c, k, incarnation=q.inc, closed={"p1": "11,12"})
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
     assert q.c.llen(k.work) == 0 and q.c.hget(k.stats, "stale_leases") == b"1"
 
@@ -297,7 +297,7 @@ def test_a_reap_after_the_run_finished_leaves_no_work_behind(q: Q) -> None:
     assert q.lease("p1", "a")[1] == "0"
     q.claim("t1")
     assert q.claim("t1", op="finish") == ["OK", 1, 1]  # the group done, the run ended
-    reply = scripts.reap(q.c, q.k, incarnation=q.inc, why="leave", producers=["p1"])
+    reply = recovery_scripts.reap(q.c, q.k, incarnation=q.inc, why="leave", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
     assert q.c.exists(q.k.work, q.k.lease("p1")) == 0
 

@@ -14,9 +14,9 @@ import redis
 from shm_pair import shm_pair
 
 from batchq.errors import ConnectionLost
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
+from batchq.protocol.calls import CountReply
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.replies import CountReply
 from batchq.protocol.words import Status
 from batchq.wire import codec, shm
 from producer.datasets import IndexableDataset
@@ -59,7 +59,7 @@ def _pusher(
     def no_lease(prefetch: int, after: str) -> Any:
         if not leasing:
             pytest.fail("asked for a lease")
-        call = scripts.lease_call(
+        call = producer_scripts.lease_call(
             keys, incarnation="inc", run="run", producer="p", token="t9",
             heartbeat_ttl_ms=10_000, prefetch=prefetch, world=1, after=after,
         )  # fmt: skip
@@ -126,7 +126,7 @@ def test_a_status_that_is_not_the_pushers_goes_to_the_producer(
 ) -> None:
     p = _pusher(fail_at=0)
     reply = CountReply(Status.FINISHED)
-    monkeypatch.setattr(scripts, "fail", lambda *a, **k: reply)
+    monkeypatch.setattr(producer_scripts, "fail", lambda *a, **k: reply)
     p._push = lambda *a, **k: pytest.fail("pushed for a finished run")  # type: ignore[method-assign]
     # Returned to the caller (the Producer acts once the pusher is done), not acted on.
     assert p._retry_elsewhere(0, 0, "0:t") == Handover(Status.FINISHED)
