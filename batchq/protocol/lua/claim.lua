@@ -10,8 +10,8 @@
 --                 again)
 -- refresh/release return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish returns
 --              {'OK', group done (0/1: every rank of the group finished), run ended (0/1)}
--- The default group of a run not read by several groups takes the fast path (a single
--- trainer's claim, one per rank). A named group is registered at its first claim: the
+-- The default group of a run not read by several groups is its single trainer (one per
+-- rank), and stays unregistered. A named group is registered at its first claim: the
 -- first group to claim a run takes slot 0 (the plain names: a run a trainer without group
 -- already reads keeps them for it), the others the next free slot, and a group that joins
 -- late starts with its cursors at 0: its epochs are built for it until it catches up with
@@ -75,111 +75,9 @@ local function f(name, r)
   return name .. reader_sfx(slot, r or rank, world)
 end
 
-if n == 0 and group == '' then
-  -- The fast path: the default group of a run not read by several groups.
-  slot = 0
-  m = redis.call('HMGET', meta_key, 'run', f('claim'), f('claim_deadline'), f('claimed'),
-    'finished')
-  -- What a new or finished run drops: its lists (every rank's, the ranks' counts and an
-  -- elastic resume's remap).
-  local function drop_lists()
-    redis.call('DEL', data_key, work_key, wake_key, failures_key)
-    if key_world > 1 then
-      for j = 1, 1 + key_world do redis.call('DEL', slot_key(0, j)) end
-      redis.call('DEL', remap_key)
-    end
-  end
-  -- Whether any rank of the run other than this one holds a live claim.
-  local function others_live()
-    for r = 0, run_world - 1 do
-      if run_world == 1 or tostring(r) ~= rank then
-        local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(0, r, run_world))
-        if tonumber(d or '0') > now then return true end
-      end
-    end
-    return false
-  end
-  -- A retried finish whose first reply was lost: the run (or this rank) is finished.
-  if op == 'finish' and m[5] == '1' then return {'OK', 1, 1} end
-  if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', meta_key, f('done')) == '1' then
-    return {'OK', 0, 0}
-  end
-  if op ~= 'acquire' then
-    if incarnation ~= '' and redis.call('GET', incarnation_key) ~= incarnation then
-      return {'STATE_LOST'}
-    end
-    if m[2] ~= token then return {'CLAIM_LOST'} end
-    if op == 'refresh' then
-      redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
-      return {'OK'}
-    end
-    redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
-    if op == 'release' then return {'OK'} end
-    if world > 1 then
-      -- Every rank finishes the run; the last one ends it.
-      redis.call('HSET', meta_key, f('done'), 1)
-      for r = 0, world - 1 do
-        if redis.call('HGET', meta_key, f('done', r)) ~= '1' then return {'OK', 0, 0} end
-      end
-    end
-    -- Producers see 'finished' on their next call and exit; the frames left are useless.
-    drop_lists()
-    redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
-    return {'OK', 1, 1}
-  end
-
-  local inc = redis.call('GET', incarnation_key)
-  if m[2] == token and m[1] and inc and m[5] ~= '1' then
-    -- A retried acquire whose first reply was lost: this trainer holds the claim already.
-    -- new_run is 1 if that first try started the run (it minted the run id run_id).
-    redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
-    redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
-    local again = 0
-    if m[1] == run_id then again = 1 end
-    return {'OK', inc, m[1], again, tonumber(redis.call('HGET', meta_key, 'fence') or 0), 0, 0, 0}
-  end
-  local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
-    (resumed ~= '' and resumed == m[1]))
-  if m[2] and m[2] ~= token and tonumber(m[3] or 0) > now and not takeover then
-    return {'CONFLICT', tonumber(m[3]) - now}
-  end
-  local new_run, held = 0, 0
-  if m[4] == '1' and resumed ~= '' and m[1] == resumed and world > 1 then held = 1 end
-  if not inc then
-    inc = new_incarnation
-    redis.call('SET', incarnation_key, inc)
-    m[1] = false
-  end
-  local other_world = m[1] and m[5] ~= '1' and run_world ~= world and not takeover
-  if other_world and others_live() then return {'WORLD', run_world} end
-  if (not m[1]) or m[5] == '1' or (m[4] == '1' and not takeover) or other_world then
-    -- No run, a finished run, one that an earlier trainer of this rank held, or one of
-    -- another world size that nobody holds: start a new run. The producers see
-    -- RUN_CHANGED and join it; frames of the old run are dropped here and, should any
-    -- still arrive, by the trainer (the run id is in every frame).
-    redis.call('DEL', meta_key, slot_key(0, 0))
-    drop_lists()
-    redis.call('HSET', meta_key, 'version', version, 'run', run_id, 'next', 0, 'floor', 0)
-    if world > 1 then
-      redis.call('HSET', meta_key, 'world', world, 'even', even)
-      for r = 0, world - 1 do
-        redis.call('HSET', meta_key, 'next:' .. r, 0, 'floor:' .. r, 0)
-      end
-    end
-    m[1] = run_id
-    new_run, held = 1, 0
-  end
-  redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
-    f('claimed'), 1)
-  -- The previous trainer's host goes: until this one publishes its own (right after),
-  -- no shared-memory descriptor is pushed for this rank (push.lua), so none of another
-  -- host's can reach it.
-  redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
-  local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
-  return {'OK', inc, m[1], new_run, fence, held, 0, 0}
-end
-
--- A named group, or a run read by several groups.
+-- The default group of a run not read by several groups, in world 1: a single trainer,
+-- whose fields name no slot or rank ('claim', 'claimed'...).
+local single = n == 0 and world == 1 and group == ''
 local function group_done(i)
   for r = 0, world - 1 do
     if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1' then
@@ -206,13 +104,13 @@ if op ~= 'acquire' then
   end
   redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
   if op == 'release' then return {'OK'} end
-  redis.call('HSET', meta_key, f('done'), 1)
-  local done = group_done(slot)
+  if not single then redis.call('HSET', meta_key, f('done'), 1) end
+  local done = single or group_done(slot)
   for i = 0, math.max(n, 1) - 1 do
-    if not (done and group_done(i)) then return {'OK', done and 1 or 0, 0} end
+    if not (single or group_done(i)) then return {'OK', done and 1 or 0, 0} end
   end
   -- Every group finished: producers see 'finished' and exit; the frames left are useless.
-  redis.call('DEL', work_key, wake_key, failures_key, refs_key, remap_key)
+  redis.call('DEL', data_key, work_key, wake_key, failures_key, refs_key, remap_key)
   for i = 0, tail_slots - 1 do
     for j = 1, 1 + key_world do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
     -- Its wake list: no producer waits for a group of a finished run (issue 42: they
@@ -234,8 +132,9 @@ local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
 local new_run = 0
 
 local function start_run()
-  redis.call('DEL', meta_key, work_key, wake_key, failures_key, refs_key, groups_key, remap_key)
-  for i = 0, tail_slots - 1 do drop_slot(i, i == 0) end
+  redis.call('DEL', meta_key, data_key, work_key, wake_key, failures_key, refs_key, groups_key,
+    remap_key)
+  for i = 0, math.max(n, 1) - 1 do drop_slot(i, i == 0) end
   redis.call('HSET', meta_key, 'version', version, 'run', run_id, 'next', 0, 'floor', 0)
   if world > 1 then
     redis.call('HSET', meta_key, 'world', world, 'even', even)
@@ -266,14 +165,20 @@ local function claimed_by_anyone(i)
   end
   return false
 end
-local function live(i)
+-- Whether a rank of slot i (other than rank `except`, in a run of several ranks) holds
+-- a live claim.
+local function live(i, except)
   for r = 0, run_world - 1 do
-    local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, run_world))
-    if tonumber(d or '0') > now then return true end
+    if run_world == 1 or tostring(r) ~= except then
+      local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, run_world))
+      if tonumber(d or '0') > now then return true end
+    end
   end
   return false
 end
--- A new run for this group alone (a run of the default group alone stays unregistered).
+-- A new run for this group alone (a run of the default group alone stays unregistered):
+-- the producers see RUN_CHANGED and join it; frames of the old run are dropped here and,
+-- should any still arrive, by the trainer (the run id is in every frame).
 local function alone()
   start_run()
   if group ~= '' then register(group, 0, false) end
@@ -282,6 +187,14 @@ end
 
 if (not m[1]) or m[2] == '1' then
   slot = alone()
+elseif n == 0 and group == '' then
+  -- The default group of a run not read by several groups: a run of another world size
+  -- that no other rank holds starts again (one this job resumes is taken over).
+  slot = 0
+  if run_world ~= world and not takeover then
+    if live(0, rank) then return {'WORLD', run_world} end
+    slot = alone()
+  end
 elseif n == 0 then
   redis.call('DEL', groups_key)  -- names left by an earlier run
   if claimed_by_anyone(0) then
@@ -309,7 +222,7 @@ else
     register(group, slot, true)
   end
 end
-if run_world ~= world then return {'WORLD', run_world} end
+if run_world ~= world and (n > 0 or group ~= '') then return {'WORLD', run_world} end
 
 local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'))
 if c[1] == token and new_run == 0 then
@@ -325,7 +238,7 @@ if c[1] and c[1] ~= token and tonumber(c[2] or 0) > now and not takeover then
   return {'CONFLICT', tonumber(c[2]) - now}
 end
 local held = 0
-if c[3] == '1' and resumed ~= '' and m[1] == resumed then held = 1 end
+if c[3] == '1' and resumed ~= '' and m[1] == resumed and not single then held = 1 end
 if new_run == 0 and c[3] == '1' and not takeover then
   -- This rank read its group before and comes back without a checkpoint.
   if n <= 1 then
@@ -346,7 +259,9 @@ if new_run == 0 and c[3] == '1' and not takeover then
 end
 redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
   f('claimed'), 1)
--- The previous trainer's host goes (see claim.lua): this one publishes its own next.
+-- The previous trainer's host goes: until this one publishes its own (right after), no
+-- shared-memory descriptor is pushed for this rank (push.lua), so none of another host's
+-- can reach it.
 redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
 if n > 0 then
   local lag_field = 'max_lag' .. reader_sfx(slot, 0, 1)
