@@ -54,11 +54,11 @@ from batchq.protocol.trainer_scripts import (
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from consumer.plan import Plan, Restart, resumed_shape
 
-__all__ = ["GROUPS_TRIES", "Plan", "Session", "rank_hint"]
+__all__ = ["Plan", "Session", "rank_hint"]
 
 # The scripts answer GROUPS when the run's groups changed since the caller read them
 # (another group registered meanwhile): read again, at most this many times in a row.
-GROUPS_TRIES = 20
+_GROUPS_TRIES = 20
 
 
 def rank_hint(world: int) -> str:
@@ -187,7 +187,7 @@ class Session:
         """One claim.lua call, with the keys of every group slot the run has: read again
         for an acquire or a finish (while another group registers meanwhile), as last
         read for a refresh or a release."""
-        for _ in range(GROUPS_TRIES):
+        for _ in range(_GROUPS_TRIES):
             if op in ("acquire", "finish"):
                 self._read_shape(client)
             with self._typed_errors(client):
@@ -447,7 +447,7 @@ class Session:
             # A run of several groups has no params log (set_params is refused there).
             if self._before_resume is not None and not self.grouped:
                 self._before_resume(client, self, run)
-            for _ in range(GROUPS_TRIES):
+            for _ in range(_GROUPS_TRIES):
                 self._read_shape(client)
                 reply = resume(
                     client, self.base_keys, ResumeArgs(
