@@ -3,7 +3,7 @@
 In a run read by several groups (:mod:`batchq.protocol.groups`) a frame stored by
 reference is deleted by its last reader's release, and a shared-memory segment is reused
 once every group it went to released it. A rank of a group that finished
-(``close(finished=True)``) is no longer a target of any push (gpush.lua), but its list
+(``close(finished=True)``) is no longer a target of any push (push.lua), but its list
 may still hold frames pushed before (the window it read ahead): :func:`drain_group`
 pops them and releases each, so that the other groups' frames and segments are not held
 until the run ends. A trainer killed before it drains leaves that to the run's end

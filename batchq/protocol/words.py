@@ -49,7 +49,7 @@ class Status:
     # {'GROUPS'[, n]}: the run is read by several groups (n slots): the group scripts'
     # (batchq.protocol.group_scripts), with the keys of every slot
     GROUPS = "GROUPS"
-    DROPPED = "DROPPED"  # gpush.lua: no list took the frame (finished, or left behind)
+    DROPPED = "DROPPED"  # push.lua: no list took the frame (finished, or left behind)
     TOO_BIG = "TOO_BIG"  # {'TOO_BIG', bytes}: params.lua, the params log would pass its cap
 
 

@@ -1,6 +1,6 @@
 """Receiving frames stored once for several groups (:mod:`batchq.protocol.groups`).
 
-A frame gpush.lua listed for k > 1 groups is read by each group's trainer and deleted by
+A frame push.lua listed for k > 1 groups is read by each group's trainer and deleted by
 the last: the reader GETs each frame (into a buffer of its own, as
 :mod:`consumer.reader.receive` does with GETDEL) and, in the same round trip, releases
 them (release.lua). Redis runs the commands in order, so the bytes are read before the

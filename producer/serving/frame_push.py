@@ -13,7 +13,7 @@ changed, the producer was reaped), which the pusher hands back to its caller ins
 acting on it: the Producer joins again or stops once the pusher has returned.
 
 In a run read by several groups (:mod:`batchq.protocol.groups`) every push goes into the
-lists of every group the shard is for, in one gpush.lua call; a group whose full list
+lists of every group the shard is for, in one push.lua call; a group whose full list
 was left out (detached) is left out of the shard's later frames too.
 """
 

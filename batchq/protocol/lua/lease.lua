@@ -51,7 +51,7 @@ local first_ledger = 6
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
-  'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch')
+  'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch', 'next', 'floor')
 local refused = run_refused(m, run)
 if refused then return refused end
 local n = tonumber(m[8] or '0')
@@ -133,39 +133,44 @@ end
 if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
 
 if n == 0 then
-  -- The fast path: one group, each rank's cursor 'next[:<rank>]'.
-  local function room(r)
-    return world == 1 or (has_room(0, r) and reading(0, r))
-  end
-  for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
-    local g = tonumber(e)
-    if room((g % S) % world) then
-      redis.call('LREM', work_key, 1, e)
-      return grant(g, 1, math.max(had(0, g), 0))
+  -- The fast path: one group, each rank's cursor 'next[:<rank>]' (world 1: meta's).
+  local function room(r) return has_room(0, r) and reading(0, r) end
+  local g
+  if world == 1 then
+    g = redis.call('LPOP', work_key)
+  else
+    for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
+      if room((tonumber(e) % S) % world) then
+        redis.call('LREM', work_key, 1, e)
+        g = e
+        break
+      end
     end
   end
-  local best, best_ahead
-  for r = 0, world - 1 do
-    local sfx = reader_sfx(0, r, world)
-    local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx)
-    local nxt, floor = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-    if nxt < floor + W and room(r) and (best == nil or nxt - floor < best_ahead) then
-      best, best_ahead = r, nxt - floor
+  if g then return grant(g, 1, math.max(had(0, tonumber(g)), 0)) end
+  local best, nxt, floor = 0, tonumber(m[12]), tonumber(m[13])
+  if world > 1 then
+    best = nil
+    for r = 0, world - 1 do
+      local sfx = reader_sfx(0, r, world)
+      local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx)
+      local v, fl = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+      if v < fl + W and room(r) and (best == nil or v - fl < nxt - floor) then
+        best, nxt, floor = r, v, fl
+      end
     end
+    if best == nil then return {'WAIT'} end
   end
-  if best == nil then return {'WAIT'} end
-  local sfx = reader_sfx(0, best, world)
-  local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx)
-  local nxt, limit = tonumber(f[1] or '0'), tonumber(f[2] or '0') + W
+  local field = 'next' .. reader_sfx(0, best, world)
   while true do
-    if nxt >= limit then
-      redis.call('HSET', meta_key, 'next' .. sfx, nxt)
+    if nxt >= floor + W then
+      redis.call('HSET', meta_key, field, nxt)
       return {'WAIT'}
     end
     local g = math.floor(nxt / P) * S + (nxt % P) * world + best
     local skip = had(0, g)
     if skip >= 0 then
-      redis.call('HSET', meta_key, 'next' .. sfx, nxt + 1)
+      redis.call('HSET', meta_key, field, nxt + 1)
       return grant(g, 1, skip)
     end
     nxt = nxt + 1  -- the rank has all of this slot: never build it

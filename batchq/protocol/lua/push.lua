@@ -58,11 +58,14 @@ if groups > 0 then  -- written in a run of several groups only
   typed[#typed + 1] = {refs_key, 'hash'}
   typed[#typed + 1] = {work_key, 'list'}
 end
-local slots = {}
-local bit = 0
-while 2 ^ bit <= targets do
-  if mask_has(targets, bit) then slots[#slots + 1] = bit end
-  bit = bit + 1
+local slots = {0}  -- a run of one group: slot 0's list
+if groups > 0 then
+  slots = {}
+  local bit = 0
+  while 2 ^ bit <= targets do
+    if mask_has(targets, bit) then slots[#slots + 1] = bit end
+    bit = bit + 1
+  end
 end
 local frame_key = nil
 if by_ref == '1' then frame_key = KEYS[#KEYS] end
@@ -85,18 +88,29 @@ if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
 count_blocked(stats_key, pstats_key, producer, blocked_ms)
 
 local n, hwm = tonumber(m[4] or '1'), tonumber(m[3])
+if groups == 0 then
+  -- The fast path: a run of one group, one list (the rank's), its trainer's host.
+  local data_key = KEYS[first_target]
+  if shm_host ~= '' and m[5] ~= shm_host then return {'REROUTE'} end
+  if frame_key and redis.call('TYPE', frame_key).ok ~= 'string' then return {'GONE'} end
+  local depth = redis.call('LLEN', data_key)
+  if depth >= hwm then return {'FULL', depth} end
+  redis.call('LPUSH', data_key, element)
+  if frame_key then redis.call('PERSIST', frame_key) end
+  count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
+  if last == '1' then shard_pushed(stats_key, lease_key, entry) end
+  return {'OK', depth + 1, 0}
+end
 -- The lists that take it: a group that finished takes nothing; a descriptor goes only
 -- into lists of trainers on its host.
 local go = {}
 for j, i in ipairs(slots) do
+  -- What each target says of itself: whether it finished, its host, its max_lag.
+  local sfx = reader_sfx(i, rank, world)
   local t = {slot = i, data = KEYS[first_target + 2 * (j - 1)],
-    stats = KEYS[first_target + 2 * (j - 1) + 1], f = {nil, m[5], nil}}
-  if groups > 0 then
-    -- What each target says of itself: whether it finished, its host, its max_lag.
-    local sfx = reader_sfx(i, rank, world)
-    t.f = redis.call('HMGET', meta_key, 'done' .. sfx, 'shm_host' .. sfx,
-      'max_lag' .. reader_sfx(i, 0, 1))
-  end
+    stats = KEYS[first_target + 2 * (j - 1) + 1],
+    f = redis.call('HMGET', meta_key, 'done' .. sfx, 'shm_host' .. sfx,
+      'max_lag' .. reader_sfx(i, 0, 1))}
   if t.f[1] ~= '1' then
     if shm_host ~= '' and t.f[2] ~= shm_host then return {'REROUTE'} end
     go[#go + 1] = t
@@ -109,7 +123,6 @@ local into, dropped, depth = {}, 0, nil
 for _, t in ipairs(go) do
   local len = redis.call('LLEN', t.data)
   if len >= hwm then
-    if groups == 0 then return {'FULL', len} end
     if not t.f[3] then return {'FULL', len, t.slot} end  -- the others wait for this group
     dropped = dropped + 2 ^ t.slot
     redis.call('HINCRBY', t.stats, 'detached_drops', 1)
@@ -133,7 +146,7 @@ for _, t in ipairs(into) do
   end
   -- Built for this group alone in a run of several (detached, joined late, or the others
   -- finished before it).
-  if #into == 1 and n > 1 and groups > 0 then redis.call('HINCRBY', t.stats, 'solo_pushed', 1) end
+  if #into == 1 and n > 1 then redis.call('HINCRBY', t.stats, 'solo_pushed', 1) end
 end
 if frame_key then
   redis.call('PERSIST', frame_key)
