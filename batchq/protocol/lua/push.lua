@@ -50,32 +50,30 @@ local now = server_now_ms()
 -- rolled back, so a foreign type found half-way would leave a frame half pushed. The
 -- per-producer counters (field '<producer>:<counter>') are
 -- batchq.protocol.fields.ProducerStat.
+local frame_key = nil
+if by_ref == '1' then frame_key = KEYS[#KEYS] end
 local typed = {
   {meta_key, 'hash'}, {incarnation_key, 'string'}, {stats_key, 'hash'},
   {producers_key, 'zset'}, {lease_key, 'list'}, {pstats_key, 'hash'},
+  {KEYS[first_target], 'list'},
 }
-if groups > 0 then  -- written in a run of several groups only
-  typed[#typed + 1] = {refs_key, 'hash'}
-  typed[#typed + 1] = {work_key, 'list'}
-end
-local slots = {0}  -- a run of one group: slot 0's list
+local slots = {0}  -- a run of one group: slot 0's list, its stats the queue's
 if groups > 0 then
+  typed[#typed + 1] = {refs_key, 'hash'}  -- written in a run of several groups only
+  typed[#typed + 1] = {work_key, 'list'}
   slots = {}
   local bit = 0
   while 2 ^ bit <= targets do
     if mask_has(targets, bit) then slots[#slots + 1] = bit end
     bit = bit + 1
   end
+  for j = 1, #slots do
+    typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1)], 'list'}
+    typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1) + 1], 'hash'}
+  end
 end
-local frame_key = nil
-if by_ref == '1' then frame_key = KEYS[#KEYS] end
-local expected = first_target - 1 + 2 * #slots
-if frame_key then expected = expected + 1 end
-if #KEYS ~= expected then return redis.error_reply('push.lua: KEYS do not match the targets') end
-for j = 1, #slots do
-  typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1)], 'list'}
-  local stats = KEYS[first_target + 2 * (j - 1) + 1]
-  if stats ~= stats_key then typed[#typed + 1] = {stats, 'hash'} end
+if #KEYS ~= first_target - 1 + 2 * #slots + (frame_key and 1 or 0) then
+  return redis.error_reply('push.lua: KEYS do not match the targets')
 end
 local refused = wrong_type(typed)
 if refused then return refused end
