@@ -26,6 +26,7 @@ from batchq.client.connection import make_client
 from batchq.host.embedded import EmbeddedRedis
 from batchq.protocol.calls import round_trip
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import lease_entry
 from batchq.protocol.producer_scripts import join, lease_call, push_call
 from batchq.protocol.trainer_scripts import ClaimReply, claim, release_call
 from batchq.wire import refs
@@ -49,7 +50,7 @@ def setup(client: redis.Redis, queue: str, groups: int) -> tuple[QueueKeys, str,
     join(
         client, keys, producer="p", fingerprint="fp", hwm=10**6, shards=10**6, window=10**6,
         new_run="x", new_incarnation="x", heartbeat_ttl_ms=TTL_MS, version="1",
-        epoch_batches=10**6, served="", grace_ms=0, no_create=False,
+        epoch_batches=10**6, grace_ms=0, no_create=False,
     )  # fmt: skip
     assert reply is not None
     return keys, reply.incarnation, reply.run
@@ -75,7 +76,8 @@ def measure(client: redis.Redis, groups: int, size: int, frames: int, by_ref: bo
         frame = keys.frame("p", n) if by_ref else None
         push = push_call(
             keys, targets=lease.mask, rank=0, world=1, groups=groups, frame_key=frame,
-            incarnation=inc, run=run, producer="p", entry=f"{lease.g}/{lease.mask}:{token}",
+            incarnation=inc, run=run, producer="p",
+            entry=lease_entry(lease.g, run, token, lease.mask),
             element=refs.encode_ref(frame) if frame else payload, last=True,
             heartbeat_ttl_ms=TTL_MS, frame_bytes=size, blocked_ms=0, produce_ms=0,
         )  # fmt: skip
