@@ -262,15 +262,7 @@ class Session:
     def _check_acquired(self, reply: ClaimReply) -> None:
         """Raise what a refused acquire means."""
         if reply.status == Status.CONFLICT:
-            held = f"{self.what} is held" if self.grouped else f"queue {self.keys.queue} is held"
-            if not self.grouped and self.world > 1:
-                held += f" as rank {self.rank}"
-            other = "group" if self.grouped else "queue"
-            raise TrainerConflict(
-                f"{held} by another trainer (its claim lapses in {reply.value / 1000:.1f} s "
-                f"unless it is alive); use another {other}, or resume its run with "
-                f"load_state_dict{rank_hint(self.world)}"
-            )
+            raise self._conflict(reply.value)
         if reply.status == Status.WORLD and self.grouped:
             raise GroupWorldMismatch(self.base_keys.queue, self.group, reply.value, self.world)
         if reply.status == Status.WORLD:
@@ -282,6 +274,17 @@ class Session:
             )
         if reply.status != Status.OK:
             raise status_error(reply.status, self.what)
+
+    def _conflict(self, lapse_ms: int) -> TrainerConflict:
+        """The error of an acquire refused while another trainer's claim lapses in
+        ``lapse_ms`` (a group's names the group; a single trainer's, its rank)."""
+        rank = f" as rank {self.rank}" if self.world > 1 else ""
+        held = f"{self.what} is held" if self.grouped else f"queue {self.keys.queue} is held{rank}"
+        return TrainerConflict(
+            f"{held} by another trainer (its claim lapses in {lapse_ms / 1000:.1f} s "
+            f"unless it is alive); use another {'group' if self.grouped else 'queue'}, or "
+            f"resume its run with load_state_dict{rank_hint(self.world)}"
+        )
 
     def _use_slot(self, slot: int, groups: int) -> None:
         """Read group slot ``slot`` of a run of ``groups`` slots (0: not read by several
