@@ -3,8 +3,8 @@ reference and released by each reader (issue 31's choice for frames below
 ``inline_max_bytes``, measured).
 
 One client drives a run of ``--groups`` groups through the real scripts on a private
-redis-server, one frame at a time: glease.lua, then either gpush.lua with the frame
-itself (Redis keeps one copy per list) or a SET of the frame and gpush.lua with its
+redis-server, one frame at a time: lease.lua, then either push.lua with the frame
+itself (Redis keeps one copy per list) or a SET of the frame and push.lua with its
 reference (one copy, a count of readers), then every group's reader: an RPOP of its
 list, and for a reference the GET and release.lua in one round trip. Printed per frame
 size: microseconds of wall time and of Redis CPU per frame delivered to a group, and
@@ -24,10 +24,11 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.host.embedded import EmbeddedRedis
-from batchq.protocol import scripts
 from batchq.protocol.calls import round_trip
-from batchq.protocol.group_scripts import GClaimReply
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import lease_entry
+from batchq.protocol.producer_scripts import join, lease_call, push_call
+from batchq.protocol.trainer_scripts import ClaimReply, claim, release_call
 from batchq.wire import refs
 
 SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024)
@@ -37,19 +38,19 @@ TTL_MS = 60_000
 def setup(client: redis.Redis, queue: str, groups: int) -> tuple[QueueKeys, str, str]:
     """A run of ``groups`` groups (their claims) and one producer: (keys, incarnation, run)."""
     keys = QueueKeys(queue)
-    reply: GClaimReply | None = None
+    reply: ClaimReply | None = None
     for i in range(groups):
         n = int(client.hget(keys.meta, "groups") or 0)
-        reply = scripts.gclaim(
+        reply = claim(
             client, keys, op="acquire", token=f"t{i}", claim_ttl_ms=TTL_MS, run_id="run",
             new_incarnation="inc", takeover_run="", version="1", group=f"g{i}", rank=0,
             world=1, even="pad", resumed="", incarnation="", groups=n, key_world=1,
             max_lag=None, slot=0,
         )  # fmt: skip
-    scripts.join(
+    join(
         client, keys, producer="p", fingerprint="fp", hwm=10**6, shards=10**6, window=10**6,
         new_run="x", new_incarnation="x", heartbeat_ttl_ms=TTL_MS, version="1",
-        epoch_batches=10**6, served="", grace_ms=0, no_create=False,
+        epoch_batches=10**6, grace_ms=0, no_create=False,
     )  # fmt: skip
     assert reply is not None
     return keys, reply.incarnation, reply.run
@@ -68,14 +69,15 @@ def measure(client: redis.Redis, groups: int, size: int, frames: int, by_ref: bo
     held_mem = 0
     for n in range(frames):
         token = f"t{n}"
-        lease = scripts.glease_call(
+        lease = lease_call(
             keys, incarnation=inc, run=run, producer="p", token=token, heartbeat_ttl_ms=TTL_MS,
             prefetch=0, groups=groups, world=1,
         ).run(client)  # fmt: skip
         frame = keys.frame("p", n) if by_ref else None
-        push = scripts.gpush_call(
-            keys, targets=lease.mask, rank=0, world=1, frame_key=frame, incarnation=inc,
-            run=run, producer="p", entry=f"{lease.g}/{lease.mask}:{token}",
+        push = push_call(
+            keys, targets=lease.mask, rank=0, world=1, groups=groups, frame_key=frame,
+            incarnation=inc, run=run, producer="p",
+            entry=lease_entry(lease.g, run, token, lease.mask),
             element=refs.encode_ref(frame) if frame else payload, last=True,
             heartbeat_ttl_ms=TTL_MS, frame_bytes=size, blocked_ms=0, produce_ms=0,
         )  # fmt: skip
@@ -87,9 +89,7 @@ def measure(client: redis.Redis, groups: int, size: int, frames: int, by_ref: bo
             element = client.rpop(data)
             if frame:
                 name = refs.decode_ref(element, keys.frame_prefix)
-                round_trip(
-                    client, [("GET", name), scripts.release_call(keys, [name]).command()], "get"
-                )
+                round_trip(client, [("GET", name), release_call(keys, [name]).command()], "get")
     wall = time.perf_counter() - t0
     info = client.info()
     cpu = float(info["used_cpu_sys"]) + float(info["used_cpu_user"]) - cpu0

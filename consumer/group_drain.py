@@ -3,7 +3,7 @@
 In a run read by several groups (:mod:`batchq.protocol.groups`) a frame stored by
 reference is deleted by its last reader's release, and a shared-memory segment is reused
 once every group it went to released it. A rank of a group that finished
-(``close(finished=True)``) is no longer a target of any push (gpush.lua), but its list
+(``close(finished=True)``) is no longer a target of any push (push.lua), but its list
 may still hold frames pushed before (the window it read ahead): :func:`drain_group`
 pops them and releases each, so that the other groups' frames and segments are not held
 until the run ends. A trainer killed before it drains leaves that to the run's end
@@ -19,7 +19,7 @@ import redis
 
 from batchq.client.connection import retrying
 from batchq.errors import FrameError
-from batchq.protocol import scripts
+from batchq.protocol import trainer_scripts
 from batchq.protocol.calls import round_trip
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
@@ -59,7 +59,7 @@ def drain_group(
                 except FrameError:
                     continue  # not this queue's: nothing of ours to release
         if names:
-            call = scripts.release_call(keys, names)
+            call = trainer_scripts.release_call(keys, names)
 
             def release(call: Any = call) -> Any:
                 return round_trip(client, [call.command()], "releasing frames")

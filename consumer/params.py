@@ -37,7 +37,7 @@ import redis
 
 from batchq.client.connection import retrying
 from batchq.errors import ConfigError, ProtocolError, StateLost, TrainerConflict
-from batchq.protocol import scripts
+from batchq.protocol import params_scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.layout import PARAMS_LOG_MAX_BYTES, ledger_field
 from batchq.protocol.params_log import (
@@ -48,14 +48,13 @@ from batchq.protocol.params_log import (
     merged,
 )
 from batchq.protocol.ranks import BatchNumbering, RankLayout, frame_index
-from batchq.protocol.replies import status_error
-from batchq.protocol.words import Status
+from batchq.protocol.words import Status, status_error
 from batchq.wire.codec import Frame
 from consumer.reader.buffer import Buffer
 from consumer.reader.filing import Decoded
 from consumer.session import Session
 
-__all__ = ["StreamParams", "change_index", "positions"]
+__all__ = ["StreamParams", "change_index", "positions", "refuse_grouped"]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class StreamParams:
         log_ = self.log
         if len(log_):
             _refuse_striped(session)
-        reply = scripts.params(
+        reply = params_scripts.params(
             client, session.keys, op="load", incarnation=session.incarnation, run=run,
             token=session.token, suffix=session.suffix, index=len(log_),
             body=log_.entries_json(),
@@ -213,7 +212,7 @@ class StreamParams:
         while True:
             run = session.run
             call = functools.partial(
-                scripts.params, session.client, session.keys, op="add",
+                params_scripts.params, session.client, session.keys, op="add",
                 incarnation=session.incarnation, run=run, token=session.token,
                 suffix=session.suffix, index=index, body=body, call_id=call_id,
             )  # fmt: skip
@@ -308,9 +307,9 @@ class StreamParams:
                     continue
                 self._asked.add((g, version))
                 slot = layout.slot(shard, session.rank)
-                shards.append(scripts.Rebuild(ledger_field(epoch, slot), kept, g))
+                shards.append(params_scripts.Rebuild(ledger_field(epoch, slot), kept, g))
             dropped_now, self._unsent = self._unsent, 0
-        reply = scripts.params(
+        reply = params_scripts.params(
             client, session.keys, op="rebuild", incarnation=session.incarnation,
             run=session.run, token=session.token, suffix=session.suffix, index=dropped_now,
             rebuild=shards,
@@ -348,6 +347,21 @@ class StreamParams:
     def state(self) -> list[dict[str, Any]] | None:
         """The log for a checkpoint (None when empty: the state stays as it was)."""
         return self.log.to_json() if self.log else None
+
+
+def refuse_grouped(session: Session | None) -> None:
+    """``set_params`` is not for a run read by several groups: one build serves every
+    group, so no group may steer the producers for itself.
+
+    Raises:
+        ConfigError: the session reads a group of such a run.
+    """
+    if session is not None and session.grouped:
+        raise ConfigError(
+            f"{session.what}: set_params changes what the producers build for every group "
+            "of the run (each batch is built once for all): not supported in a run read by "
+            "several groups"
+        )
 
 
 def _refuse_striped(session: Session) -> None:

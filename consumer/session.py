@@ -1,7 +1,15 @@
 """The trainer's hold on a queue: its claim, the run it reads, and restarting the plan.
 
 One object per ServerDataStream, shared by the stream (start, close) and its reader
-thread (refresh, recovery after Redis lost the queue's state). Every call is one script.
+thread (refresh, recovery after Redis lost the queue's state). Every call is one script
+(claim.lua, resume.lua), as one group of the run (:mod:`batchq.protocol.groups`): a
+stream with ``group=`` names its group, one without it is the default group, which a run
+of one group reads through the scripts' fast path.
+
+Once claimed, the session reads its group's *slot*: its keys (:attr:`Session.keys`, a
+:meth:`batchq.protocol.keys.QueueKeys.slot_view`), its list (:attr:`Session.data_key`)
+and the suffix of its meta fields (:attr:`Session.suffix`). Slot 0 keeps the plain
+names, so the first group of a run reads it as a single trainer would.
 """
 
 from __future__ import annotations
@@ -19,24 +27,38 @@ import redis
 
 from batchq.client.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
+    ConfigError,
+    GroupWorldMismatch,
     ProducersLost,
+    ProtocolError,
     RunChanged,
-    RunGrouped,
     StateLost,
     StepMismatch,
+    TooManyGroups,
     TrainerConflict,
     WorldSizeMismatch,
 )
-from batchq.protocol import scripts
 from batchq.protocol.fields import MetaField
+from batchq.protocol.groups import check_group, reader_field
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import MAX_GROUPS
 from batchq.protocol.ranks import RankLayout
-from batchq.protocol.replies import ClaimReply, CountReply, status_error
-from batchq.protocol.script_args import ClaimArgs, ClaimOp, ResumeArgs
-from batchq.protocol.words import PROTOCOL_VERSION, Status
+from batchq.protocol.trainer_scripts import (
+    ClaimOp,
+    ClaimReply,
+    ResumeArgs,
+    ResumeReply,
+    claim,
+    resume,
+)
+from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from consumer.plan import Plan, Restart, resumed_shape
 
 __all__ = ["Plan", "Session", "rank_hint"]
+
+# The scripts answer GROUPS when the run's groups changed since the caller read them
+# (another group registered meanwhile): read again, at most this many times in a row.
+_GROUPS_TRIES = 20
 
 
 def rank_hint(world: int) -> str:
@@ -74,9 +96,12 @@ class Session:
             resume.lua drop the rank's published shared-memory host, which the trainer
             publishes again there (:meth:`consumer.reader.shm_frames.TrainerShm.publish`).
         before_resume: called as ``(client, session, new run id)`` right before every
-            resume.lua: the trainer's params log is written for the run first
-            (:meth:`consumer.params.StreamParams.load`), so no producer serves the
-            resumed run without it.
+            resume.lua of a run of one group: the trainer's params log is written for
+            the run first (:meth:`consumer.params.StreamParams.load`), so no producer
+            serves the resumed run without it.
+        group: the group's name; None: the default group.
+        max_lag_batches: how many batches this group may fall behind the leading group
+            before the others stop waiting for it (None: they always wait).
     """
 
     def __init__(
@@ -92,9 +117,12 @@ class Session:
         resume_run: str = "",
         publish: Callable[[redis.Redis, int], None] | None = None,
         before_resume: Callable[[redis.Redis, Session, str], None] | None = None,
+        group: str | None = None,
+        max_lag_batches: int | None = None,
     ) -> None:
         self.client = client
         self.retry_s = retry_s
+        self.base_keys = keys  # the run's own; self.keys: the group slot's (slot_view)
         self.keys = keys
         self.claim_ttl_ms = claim_ttl_ms
         self.token = uuid.uuid4().hex
@@ -107,8 +135,14 @@ class Session:
         self.suffix = "" if world == 1 else f":{rank}"
         self.data_key = keys.data_of(rank, world)
         # The group slot read (batchq.protocol.groups): 0, the run's first group, whose
-        # keys and fields keep the plain names; consumer.group_session reads others.
+        # keys and fields keep the plain names.
         self.slot = 0
+        self.group = check_group(group)
+        self.grouped = group is not None  # a named group, or a run of several groups
+        self.groups = 0  # the run's group slots, as the last claim or pop said
+        self._key_world = world  # the ranks the scripts' KEYS name per slot
+        self.max_lag_batches = max_lag_batches
+        self.checkpoint_run = ""  # the run a resume takes over (acquire's takeover)
         self.held = False  # this rank had claimed the run before (a second resume)
         self.resume_run = resume_run  # the run id the job's ranks resume into (see resume)
         self._publish = publish
@@ -119,23 +153,23 @@ class Session:
 
     @property
     def what(self) -> str:
-        """'queue Q' or 'queue Q rank r', for messages."""
+        """'queue Q[ group G][ rank r]', for messages."""
+        group = f" group {self.group}" if self.group else ""
         rank = f" rank {self.rank}" if self.world > 1 else ""
-        return f"queue {self.keys.queue}{rank}"
+        return f"queue {self.base_keys.queue}{group}{rank}"
+
+    def saw_groups(self, groups: int) -> None:
+        """A pop's reply says the run is read by ``groups`` group slots (the reader's
+        thread)."""
+        if groups > 0 and not self.grouped:
+            log.info("%s: the run is read by %d groups now", self.what, groups)
+            with self._lock:
+                self.grouped = True
+                self.groups = groups
 
     def layout(self, shards: int) -> RankLayout:
         """This job's split of a plan of ``shards`` shards among its ranks."""
         return RankLayout(shards, self.world, self.even)
-
-    def _data_lists(self, client: redis.Redis) -> list[str]:
-        # Every rank's list (of this world, and of the one before if larger) and the
-        # ranks' counts: a new run drops them all.
-        world = self.world
-        with contextlib.suppress(redis.RedisError, ValueError):  # this world's, at least
-            world = max(world, int(client.hget(self.keys.meta, MetaField.WORLD) or 1))
-        if world == 1:
-            return []
-        return [*self.keys.rank_data(world), self.keys.counts, self.keys.remap]
 
     def _retry(self, fn: Any, what: str, client: redis.Redis | None = None) -> Any:
         return retrying(
@@ -150,22 +184,34 @@ class Session:
     def _claim(
         self, client: redis.Redis, op: ClaimOp, takeover: str = "", run: str = ""
     ) -> ClaimReply:
-        lists = self._data_lists(client) if op in ("acquire", "finish") else ()
-        with self._typed_errors(client):
-            return scripts.claim(
-                client, self.keys, rank_lists=lists, **self._claim_args(op, takeover, run)
-            )
+        """One claim.lua call, with the keys of every group slot the run has: read again
+        for an acquire or a finish (while another group registers meanwhile), as last
+        read for a refresh or a release."""
+        for _ in range(_GROUPS_TRIES):
+            if op in ("acquire", "finish"):
+                self._read_shape(client)
+            with self._typed_errors(client):
+                reply = claim(
+                    client, self.base_keys, op=op, token=self.token,
+                    claim_ttl_ms=self.claim_ttl_ms, run_id=run or uuid.uuid4().hex[:16],
+                    new_incarnation=uuid.uuid4().hex, takeover_run=takeover,
+                    version=PROTOCOL_VERSION, group=self.group, rank=self.rank,
+                    world=self.world, even=self.even, resumed=self.resume_run,
+                    incarnation="" if op == "acquire" else self.incarnation,
+                    groups=self.groups, key_world=self._key_world,
+                    max_lag=self.max_lag_batches, slot=self.slot,
+                )  # fmt: skip
+            if reply.status != Status.GROUPS:
+                return reply
+        raise ProtocolError(f"{self.what}: the run's groups kept changing while claiming")
 
-    def _claim_args(self, op: ClaimOp, takeover: str, run: str) -> ClaimArgs:
-        """What claim.lua and gclaim.lua take of this session (``run``: the run id a new
-        run gets, '' for a fresh one; ``takeover``: see :meth:`acquire`)."""
-        return ClaimArgs(
-            op=op, token=self.token, claim_ttl_ms=self.claim_ttl_ms,
-            run_id=run or uuid.uuid4().hex[:16], new_incarnation=uuid.uuid4().hex,
-            takeover_run=takeover, version=PROTOCOL_VERSION, rank=self.rank,
-            world=self.world, even=self.even, resumed=self.resume_run,
-            incarnation="" if op == "acquire" else self.incarnation,
-        )  # fmt: skip
+    def _read_shape(self, client: redis.Redis) -> None:
+        """Read the run's group slots and the ranks to send each slot's keys for (this
+        world's, and the run's if larger: a new run drops every rank's lists)."""
+        groups, world = client.hmget(self.base_keys.meta, [MetaField.GROUPS, MetaField.WORLD])
+        with self._lock:
+            self.groups, self._key_world = as_int(groups), max(self.world, as_int(world) or 1)
+            self.grouped = self.grouped or self.groups > 0
 
     @contextlib.contextmanager
     def _typed_errors(self, client: redis.Redis) -> Iterator[None]:
@@ -179,7 +225,9 @@ class Session:
 
     def _types(self) -> dict[str, str]:
         """The Redis type batchq keeps under each key the claim and resume touch."""
-        return self.keys.types("meta", "incarnation", "data", "work", "wake", "failures", "ledger")
+        return self.base_keys.types(
+            "meta", "incarnation", "data", "work", "wake", "failures", "ledger"
+        )
 
     def acquire(
         self, takeover: str = "", client: redis.Redis | None = None, *, resuming: bool = False
@@ -196,31 +244,56 @@ class Session:
         Raises:
             TrainerConflict: another trainer's claim is live.
         """
+        self.checkpoint_run = takeover
         run = uuid.uuid4().hex[:16]  # the same on a retry: claim.lua knows its own try
         client = client or self.client
         reply: ClaimReply = self._retry(
             lambda: self._claim(client, "acquire", takeover, run), "claiming", client
         )
-        if reply.status == Status.CONFLICT:
-            rank = f" as rank {self.rank}" if self.world > 1 else ""
-            raise TrainerConflict(
-                f"queue {self.keys.queue} is held{rank} by another trainer (its claim lapses "
-                f"in {reply.value / 1000:.1f} s unless it is alive); use another queue, or "
-                f"resume its run with load_state_dict{rank_hint(self.world)}"
-            )
-        if reply.status == Status.WORLD:
-            raise WorldSizeMismatch(self.keys.queue, reply.value, self.world)
-        if reply.status == Status.GROUPS:
-            raise RunGrouped(f"{self.what}: the run is read by several groups")
-        if reply.status != Status.OK:
-            raise status_error(reply.status, self.what)
+        self._check_acquired(reply)
         with self._lock:
-            self.incarnation, self.run = reply.incarnation, reply.run
-            self.held = reply.held
+            self.incarnation, self.run, self.held = reply.incarnation, reply.run, reply.held
+            self._use_slot(reply.slot, reply.groups)
         self.claimed = True
         if not resuming:
             self._published(client)
         return reply.new_run
+
+    def _check_acquired(self, reply: ClaimReply) -> None:
+        """Raise what a refused acquire means."""
+        if reply.status == Status.CONFLICT:
+            raise self._conflict(reply.value)
+        if reply.status == Status.WORLD and self.grouped:
+            raise GroupWorldMismatch(self.base_keys.queue, self.group, reply.value, self.world)
+        if reply.status == Status.WORLD:
+            raise WorldSizeMismatch(self.keys.queue, reply.value, self.world)
+        if reply.status == Status.FULL:
+            raise TooManyGroups(
+                f"queue {self.base_keys.queue}: its run is read by {reply.value} groups, the "
+                f"most a run has ({MAX_GROUPS}); group {self.group!r} cannot join it"
+            )
+        if reply.status != Status.OK:
+            raise status_error(reply.status, self.what)
+
+    def _conflict(self, lapse_ms: int) -> TrainerConflict:
+        """The error of an acquire refused while another trainer's claim lapses in
+        ``lapse_ms`` (a group's names the group; a single trainer's, its rank)."""
+        rank = f" as rank {self.rank}" if self.world > 1 else ""
+        held = f"{self.what} is held" if self.grouped else f"queue {self.keys.queue} is held{rank}"
+        return TrainerConflict(
+            f"{held} by another trainer (its claim lapses in {lapse_ms / 1000:.1f} s "
+            f"unless it is alive); use another {'group' if self.grouped else 'queue'}, or "
+            f"resume its run with load_state_dict{rank_hint(self.world)}"
+        )
+
+    def _use_slot(self, slot: int, groups: int) -> None:
+        """Read group slot ``slot`` of a run of ``groups`` slots (0: not read by several
+        groups); under the lock."""
+        self.slot, self.groups = slot, groups
+        self.grouped = groups > 0 or self.group != ""
+        self.keys = self.base_keys.slot_view(slot)
+        self.data_key = self.keys.data_of(self.rank, self.world)
+        self.suffix = reader_field("", slot, self.rank, self.world)
 
     def _published(self, client: redis.Redis) -> None:
         """Publish this trainer's host (after an acquire or a resume), retried as the
@@ -234,11 +307,12 @@ class Session:
         """Claim the queue again after Redis lost its state, a :meth:`resume` to follow
         (the reader thread re-creates the run from what the trainer has received).
 
-        Every rank of a job recovers into the same run, named after the new incarnation.
+        Every rank of a job (and every group) recovers into the same run, named after the
+        new incarnation.
         """
         self.resume_run = ""
         self.acquire(client=client, resuming=True)
-        if self.world > 1:
+        if self.world > 1 or self.grouped:
             self.resume_run = hashlib.sha1(f"lost:{self.incarnation}".encode()).hexdigest()[:16]
 
     def use_plan(self, meta: dict[bytes, bytes]) -> Plan | None:
@@ -264,8 +338,8 @@ class Session:
             raise status_error(status, self.what)
 
     def release(self, finished: bool) -> bool:
-        """Give the claim up; with ``finished`` the run ends and producers exit (a rank:
-        once every rank finished).
+        """Give the claim up; with ``finished`` this rank of the group is done, and the
+        run ends (producers exit) once every rank of every group is.
 
         Returns:
             True if the run ended (this was its last rank to finish).
@@ -274,12 +348,8 @@ class Session:
             return False
         op: ClaimOp = "finish" if finished else "release"
         reply: ClaimReply = self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
-        if reply.status == Status.GROUPS:
-            raise RunGrouped(f"{self.what}: the run is read by several groups")
         self.claimed = False
-        if not finished:
-            return False
-        return reply.value != 0
+        return finished and reply.run_done
 
     def wait_for_plan(self, timeout_s: float, block_s: float) -> Plan:
         """Wait (bounded) until a producer has published the run's plan (S and hwm).
@@ -360,54 +430,53 @@ class Session:
         log.info("%s: resumed at shard %d in run %s", self.what, first_shard, self.run)
 
     def _restart(self, client: redis.Redis, asked: Restart) -> None:
-        """The restart's script call (a GroupSession's: gresume.lua once its run is read
-        by several groups)."""
-        self._resume_alone(client, asked)
+        """resume.lua, retried; the session reads the run (and the slot) it answers.
 
-    def _resume_alone(self, client: redis.Redis, asked: Restart) -> None:
-        """resume.lua, retried; the session reads the run it answers."""
-        run = self.resume_run if self.world > 1 and self.resume_run else uuid.uuid4().hex[:16]
-        lists = self._resume_lists(client)
-
-        def call() -> CountReply:
-            if self._before_resume is not None:
-                self._before_resume(client, self, run)
-            return scripts.resume(
-                client, self.keys, rank_lists=lists, remap=asked.remap, ledger=asked.ledger,
-                **self._resume_args(asked, run),
-            )  # fmt: skip
-
-        reply: CountReply = self._retry(call, "resuming", client)
-        self._check_resumed(reply, asked.step)
-        with self._lock:
-            self.run = reply.text
-
-    def _resume_args(self, asked: Restart, run: str) -> ResumeArgs:
-        """What resume.lua and gresume.lua take of this session, restarting as ``asked``
-        into ``run``."""
+        Raises:
+            StepMismatch: another rank of the job (the group) resumed from another step.
+            ConfigError: a checkpoint of another number of ranks, in a run of groups.
+        """
+        if self.grouped and asked.remap is not None:
+            raise ConfigError(
+                f"{self.what}: a checkpoint of another number of ranks cannot resume a "
+                "group (its epoch's slots would be split unlike the other groups'); resume "
+                "it with the world_size it was saved with"
+            )
+        ranked = self.world > 1 or self.grouped  # the ranks (groups) resume into one run
+        run = self.resume_run if ranked and self.resume_run else uuid.uuid4().hex[:16]
         shape = asked.shape
-        return ResumeArgs(
-            token=self.token, new_run=run, first=asked.first_shard,
-            fingerprint=asked.fingerprint, hwm=shape.hwm, shards=shape.shards,
-            window=shape.window, epoch_batches=shape.epoch_batches, rank=self.rank,
-            world=self.world, even=self.even, step=asked.step, held=self.held,
-        )  # fmt: skip
 
-    def _resume_lists(self, client: redis.Redis) -> list[str]:
-        """The rank lists resume.lua drops: none for a single trainer; a rank's own first
-        (dropped on a second resume), the remap last."""
-        if self.world == 1:
-            return []
-        return [self.data_key, *(d for d in self._data_lists(client) if d != self.data_key)]
+        def call() -> ResumeReply:
+            # A run of several groups has no params log (set_params is refused there).
+            if self._before_resume is not None and not self.grouped:
+                self._before_resume(client, self, run)
+            for _ in range(_GROUPS_TRIES):
+                self._read_shape(client)
+                reply = resume(
+                    client, self.base_keys, ResumeArgs(
+                        token=self.token, new_run=run, takeover_run=self.checkpoint_run,
+                        first=asked.first_shard, fingerprint=asked.fingerprint,
+                        hwm=shape.hwm, shards=shape.shards, window=shape.window,
+                        epoch_batches=shape.epoch_batches, group=self.group, rank=self.rank,
+                        world=self.world, even=self.even, step=asked.step, held=self.held,
+                        slot=self.slot, acquired=self.run, claim_ttl_ms=self.claim_ttl_ms,
+                    ),
+                    groups=self.groups, key_world=self._key_world, remap=asked.remap,
+                    ledger=asked.ledger,
+                )  # fmt: skip
+                if reply.status != Status.GROUPS:
+                    return reply
+            raise ProtocolError(f"{self.what}: the run's groups kept changing while resuming")
 
-    def _check_resumed(self, reply: CountReply, step: int) -> None:
-        """Raise what resume.lua's reply says went wrong, if anything."""
-        if reply.status == Status.GROUPS:
-            raise RunGrouped(f"{self.what}: the run is read by several groups")
+        reply: ResumeReply = self._retry(call, "resuming", client)
         if reply.status == Status.STEP:
             raise StepMismatch(
-                f"{self.what}: resumed from a state at step {step}, but the job's other "
-                f"ranks resumed from step {reply.text}; expected the states of one checkpoint"
+                f"{self.what}: resumed from a state at step {asked.step}, but the "
+                f"{'group' if self.grouped else 'job'}'s other ranks resumed from step "
+                f"{reply.text}; expected the states of one checkpoint"
             )
         if reply.status != Status.OK:
             raise TrainerConflict(f"{self.what}: the claim was lost while resuming")
+        with self._lock:
+            self.run = reply.run
+            self._use_slot(reply.slot, reply.groups)

@@ -46,7 +46,6 @@ from consumer.balance import even_counts
 from consumer.checkpoint import RUN_KEY, Resumed, resume_position, resume_run_id
 from consumer.epoch import EpochFeed
 from consumer.group_drain import drain_group
-from consumer.group_session import GroupSession
 from consumer.params import StreamParams
 from consumer.plan import Plan
 from consumer.reader.buffer import Buffer
@@ -83,7 +82,7 @@ class Stripe(NamedTuple):
     memory and the client of its claims (the stream's side)."""
 
     keys: QueueKeys
-    session: GroupSession
+    session: Session
     shm: TrainerShm
     client: redis.Redis
 
@@ -107,11 +106,11 @@ def new_session(
     shm: TrainerShm,
     resume_run: str = "",
     params: StreamParams | None = None,
-) -> GroupSession:
+) -> Session:
     """The trainer's session on ``keys``' queue (not claimed yet), as its group
-    (:mod:`consumer.group_session`); it publishes this trainer's host after every claim
+    (:mod:`consumer.session`); it publishes this trainer's host after every claim
     and resume (they drop it), and writes ``params``'s log before every resume."""
-    return GroupSession(
+    return Session(
         client,
         keys,
         options.claim_ttl_ms,
@@ -134,7 +133,7 @@ def claim(
     shm: TrainerShm,
     resume: dict[str, Any] | None,
     params: StreamParams | None = None,
-) -> tuple[GroupSession, bool]:
+) -> tuple[Session, bool]:
     """Claim the queue for this trainer: ``(the session, whether a new run started)``.
 
     A checkpoint's run is taken over (``resume``, one rank's state); the stream keeps
@@ -150,7 +149,7 @@ def claim(
 
 
 def open_reading(
-    session: GroupSession,
+    session: Session,
     new_run: bool,
     *,
     options: StreamOptions,
@@ -223,7 +222,7 @@ def open_reading(
 
 def claim_to_finish(
     client: redis.Redis, keys: QueueKeys, options: StreamOptions, shm: TrainerShm, takeover: str
-) -> GroupSession | None:
+) -> Session | None:
     """Claim the queue to finish a run this stream never read (``takeover``: a
     checkpoint's run); None where another trainer keeps it. A claim that lapses within
     claim_ttl_s (a trainer that just died) is waited out; a live one (a stream this job
@@ -367,7 +366,7 @@ def release(
         if ended and session is not None:
             delete_old_frames(client, session.keys, timeout_s)
             shm.finish()
-        elif finished and isinstance(session, GroupSession) and session.grouped:
+        elif finished and session is not None and session.grouped:
             drain_group(client, session.keys, session.data_key, shm, timeout_s)
     except ConnectionLost as e:
         log.warning("queue %s: could not release the claim: %s", session and session.keys.queue, e)

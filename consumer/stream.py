@@ -27,9 +27,8 @@ from consumer.checkpoint import (
 )
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
-from consumer.group_session import GroupSession, refuse_params
 from consumer.length import epoch_length
-from consumer.params import StreamParams
+from consumer.params import StreamParams, refuse_grouped
 from consumer.rank_state import pick_rank_state
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
@@ -37,6 +36,7 @@ from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.stats import TrainerStats
 from consumer.reader.thread import Reader
 from consumer.run_figures import RunFigures
+from consumer.session import Session
 from consumer.start import Started, claim, claim_to_finish, open_reading, release
 from consumer.stream_options import StreamOptions
 
@@ -154,7 +154,7 @@ class ServerDataStream(FuelStreamMixin):
         self._client: Any = None
         # The claim (kept from the moment it is made), then, once reading starts (the
         # first epoch), the parts that read the run (consumer.start.Started).
-        self._session: GroupSession | None = None
+        self._session: Session | None = None
         self._started: Started | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
@@ -289,7 +289,7 @@ class ServerDataStream(FuelStreamMixin):
         self._start()
         if self._buffer is None or self._feed is None:
             raise StreamStopped("this ServerDataStream is closed")
-        refuse_params(self._session)  # one build serves every group: none steers it alone
+        refuse_grouped(self._session)  # one build serves every group: none steers it alone
         held = dict(held_back) if held_back else None
         step = self._step + self._feed.yielded - sum((held or {}).values())
         consumed = self._buffer.consumed(held)

@@ -42,7 +42,7 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.errors import BatchQueueError, ConfigError
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import QUARANTINE_CAP, parse_quarantine_record, quarantine_record
 from batchq.protocol.quarantine_records import read_quarantine
@@ -168,7 +168,7 @@ class RunRecords:
         local = self.local.record(index, record)
         incarnation, run = self.position()
         try:
-            reply = scripts.quarantine(
+            reply = producer_scripts.quarantine(
                 self.client, self.keys, incarnation=incarnation, run=run, index=index,
                 record=record,
             )  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, cast
+from typing import Any
 
 import redis
 
@@ -22,17 +22,16 @@ from batchq.client.connection import (
     tune_malloc,
 )
 from batchq.errors import ConnectionLost, ProtocolError, RunFinished
-from batchq.protocol import scripts
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call
-from batchq.protocol.group_scripts import GLeaseReply
 from batchq.protocol.keys import QueueKeys, check_name
 from batchq.protocol.layout import default_id
+from batchq.protocol.producer_scripts import LeaseReply, lease_call
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
 from producer.producer_options import check_options, require
 from producer.quarantine import bind_records
-from producer.serving.ahead import AnyLeaseReply, Lease
+from producer.serving.ahead import Lease
 from producer.serving.build_watch import BuildWatch, reading_of
 from producer.serving.frames import INLINE_MAX_BYTES, PushSettings
 from producer.serving.heartbeat import Heartbeat
@@ -318,11 +317,10 @@ class Producer:
         self._beat.follow(position)
         self._transport.joined(self.client, position.run, position.world, position.groups)
 
-    def _regroup(self, reply: AnyLeaseReply) -> None:
+    def _regroup(self, reply: LeaseReply) -> None:
         """The run is read by (more) groups than this producer knew: lease and push with
         the keys of every group from now on (the same run: leases held stay ours)."""
-        groups = reply.groups if isinstance(reply, GLeaseReply) else 0
-        groups = groups or self._membership.groups()
+        groups = reply.groups or self._membership.groups()
         position = dataclasses.replace(self._pos, groups=groups)
         log.info("producer %s: the run is read by %d group(s)", self.id, groups)
         self._pos = position
@@ -342,32 +340,18 @@ class Producer:
 
     # -- leasing -----------------------------------------------------------------------
 
-    def _lease_request(self, prefetch: int = 0, after: str = "") -> tuple[Call[AnyLeaseReply], str]:
+    def _lease_request(self, prefetch: int = 0, after: str = "") -> tuple[Call[LeaseReply], str]:
         """The next lease request, and its token (``prefetch``, ``after``: see
-        :func:`batchq.protocol.scripts.lease_call`); glease.lua's in a run read by several
-        groups."""
+        :func:`batchq.protocol.producer_scripts.lease_call`)."""
         self._lease_seq += 1
         token = f"{self.id}.{self._lease_seq}"
         pos = self._pos
-        if pos.groups:
-            grouped = scripts.glease_call(
-                self.keys, incarnation=pos.incarnation, run=pos.run, producer=self.id,
-                token=token, heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms,
-                prefetch=prefetch, groups=pos.groups, world=pos.world, after=after,
-            )  # fmt: skip
-            return cast(Call[AnyLeaseReply], grouped), token
-        request = scripts.lease_call(
-            self.keys,
-            incarnation=self._pos.incarnation,
-            run=self._pos.run,
-            producer=self.id,
-            token=token,
-            heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms,
-            prefetch=prefetch,
-            world=self._pos.world,
-            after=after,
-        )
-        return cast(Call[AnyLeaseReply], request), token
+        request = lease_call(
+            self.keys, incarnation=pos.incarnation, run=pos.run, producer=self.id,
+            token=token, heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, prefetch=prefetch,
+            groups=pos.groups, world=pos.world, after=after,
+        )  # fmt: skip
+        return request, token
 
     def _lease(self, wait: bool = True) -> Lease | None:
         """Lease the next shard, or None (``wait``: after waiting for room when the run
@@ -399,7 +383,7 @@ class Producer:
             # In a run of several groups, the pops of the group that holds the shared
             # stream make room: wait for those (woken by another's would be in vain).
             if wait:
-                self._pusher.wait_for_room(reply.slot if isinstance(reply, GLeaseReply) else -1)
+                self._pusher.wait_for_room(reply.slot)
             return None
         if status == Status.GROUPS:
             self._lease_seq -= 1  # nothing was leased with it

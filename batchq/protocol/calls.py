@@ -161,7 +161,8 @@ def build_call(
 
     Args:
         name: the script.
-        parse: turns its raw reply into a typed one (batchq.protocol.replies).
+        parse: turns its raw reply into a typed one (written beside the script's
+            wrapper).
         keys: every KEYS local of the header by name (without ``_key``); a trailing one
             may be None (left out).
         args: every ARGV local of the header by name.

@@ -116,7 +116,7 @@ class StatsField:
     WAIT_BUCKET: Final = "wait_bucket"  # prefix: see wait_bucket_field
     DEAD: Final = "dead"  # prefix: see dead_field
     AUTOSCALE: Final = "autoscale"  # prefix: see autoscale_field
-    # A group's own counters (its stats hash; slot 0: the queue's), pushed by gpush.lua:
+    # A group's own counters (its stats hash; slot 0: the queue's), pushed by push.lua:
     SOLO_PUSHED: Final = "solo_pushed"  # frames built for this group alone (detached, late)
     DETACHED_DROPS: Final = "detached_drops"  # pushes that left out its full list (detached)
 

@@ -21,8 +21,9 @@ hyperparameter sweep. The default group (no ``group``) is the single trainer of 
 - **World.** Every group of a run has the same number of ranks (the slots of an epoch
   are split alike, so one shard serves the same rank of every group).
 
-The scripts (glease.lua, gpush.lua, gclaim.lua, gresume.lua, release.lua) spell the same
-rules; their wrappers are :mod:`batchq.protocol.group_scripts`.
+The scripts of every run (claim.lua, lease.lua, push.lua, resume.lua, and release.lua)
+spell the same rules; a run of one group takes their fast path. Their wrappers are
+:mod:`batchq.protocol.trainer_scripts` and :mod:`batchq.protocol.producer_scripts`.
 """
 
 from __future__ import annotations

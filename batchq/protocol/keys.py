@@ -87,7 +87,7 @@ afterwards: ``meta``, ``incarnation``, ``pstats``, each group slot's ``stats``,
 ``dead``, ``params``, ``quarantine``, ``scale``/``scalers``/``scalelog`` where it wrote
 them. Its lists
 (work, data, wake, per group slot too), counts, failures, remap, refs and frames go
-when its last reader finishes (claim.lua, gclaim.lua), and a producer's lease list when
+when its last reader finishes (claim.lua), and a producer's lease list when
 it is reaped or joins again (each entry names its run, so none reaches another run).
 
 The type column is :data:`KEY_TYPES` (by the key's name in :class:`QueueKeys`): push.lua
@@ -297,19 +297,18 @@ class QueueKeys:
         self.quarantine = f"{self.base}:quarantine"  # examples replaced by substitutes
         #: producer id -> its lease list (as :meth:`lease`), read as a mapping.
         self.leases: Mapping[str, str] = _Derived(self._lease)
-        #: world -> the KEYS tail of lease.lua for a run of that many ranks: every
-        #: rank's data list, then the remap hash (none for world 1).
-        self.lease_tails: Mapping[int, list[str]] = _Derived(self._lease_tail)
-        # A run read by several groups (batchq.protocol.groups), read as mappings too:
+        # The KEYS tails of the scripts, for a run of one group or several
+        # (batchq.protocol.groups), read as mappings too:
         #: group slot -> the keys as that slot reads the run (:meth:`slot_view`).
         self.slots: Mapping[int, QueueKeys] = _Derived(self.slot_view)
-        #: (group slots, world) -> glease.lua's KEYS tail: every slot's ledger, then
-        #: every slot's data lists (slot 0's ranks first).
-        self.glease_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._glease_tail)
-        #: (target mask, rank, world) -> gpush.lua's KEYS tail: each target slot's data
+        #: (group slots, world) -> lease.lua's KEYS tail: every slot's ledger, then every
+        #: slot's data lists (slot 0's ranks first), then the remap hash (world > 1);
+        #: 0 group slots: a run of one group, slot 0's.
+        self.lease_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._lease_tail)
+        #: (target mask, rank, world) -> push.lua's KEYS tail: each target slot's data
         #: list (of that rank) and stats hash, ascending.
-        self.gpush_tails: Mapping[tuple[int, int, int], list[str]] = _Derived(self._gpush_tail)
-        #: (group slots, world) -> gclaim.lua's and gresume.lua's KEYS tail: the keys of
+        self.push_tails: Mapping[tuple[int, int, int], list[str]] = _Derived(self._push_tail)
+        #: (group slots, world) -> claim.lua's and resume.lua's KEYS tail: the keys of
         #: slots 0..max(groups, 1) (:meth:`slot_keys`, each slot's in a row).
         self.slot_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._slot_tail)
 
@@ -349,7 +348,7 @@ class QueueKeys:
 
     def slot_keys(self, slot: int, world: int) -> list[str]:
         """Every key of group slot ``slot`` in a run of ``world`` ranks, in the order the
-        group scripts read them (4 + 3 x world keys: gclaim.lua and gresume.lua find a
+        scripts read them (4 + 3 x world keys: claim.lua and resume.lua find a
         slot's keys in their KEYS tail by that count): ledger, counts, each rank's data
         list, stats, each rank's figures, each rank's history, the wake list (last: a run
         that ends deletes it with the lists, a slot's figures stay)."""
@@ -371,17 +370,16 @@ class QueueKeys:
     def _lease(self, producer: str) -> str:
         return f"{self.base}:lease:{producer}"
 
-    def _lease_tail(self, world: int) -> list[str]:
-        return [*self.rank_data(world), self.remap] if world > 1 else []
-
-    def _glease_tail(self, shape: tuple[int, int]) -> list[str]:
+    def _lease_tail(self, shape: tuple[int, int]) -> list[str]:
         groups, world = shape
-        views = [self.slot_view(i) for i in range(groups)]
-        return [v.ledger for v in views] + [
-            v.data_of(r, world) for v in views for r in range(world)
+        views = [self.slot_view(i) for i in range(max(groups, 1))]
+        return [
+            *(v.ledger for v in views),
+            *(v.data_of(r, world) for v in views for r in range(world)),
+            *([self.remap] if world > 1 else []),
         ]
 
-    def _gpush_tail(self, aim: tuple[int, int, int]) -> list[str]:
+    def _push_tail(self, aim: tuple[int, int, int]) -> list[str]:
         mask, rank, world = aim
         out: list[str] = []
         for slot in (i for i in range(mask.bit_length()) if mask >> i & 1):

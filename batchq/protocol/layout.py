@@ -44,7 +44,7 @@ Caps (lists that would otherwise grow for ever): a run has at most :data:`MAX_GR
 group slots; the wake list keeps :data:`WAKE_CAP` tokens, a trainer's history
 :data:`HISTORY_CAP` samples, the dead list :data:`DEAD_CAP` frames, the scale log
 :data:`SCALELOG_CAP` decisions. The scripts get them as arguments (pop.lua, resume.lua,
-gclaim.lua).
+claim.lua).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The params log's script (params.lua), its typed wrapper and its reply, together (see
-:mod:`batchq.protocol.scripts`, which re-exports :func:`params`).
+:mod:`batchq.protocol.calls`).
 
 The trainer calls it: ``add`` (a ``set_params`` call), ``load`` (a checkpoint's log for
 the run a resume is about to create) and ``rebuild`` (shards whose batches were built

@@ -1,17 +1,19 @@
-"""The producer's scripts, one typed function each (see :mod:`batchq.protocol.scripts`):
-joining a run (join.lua), a lease (lease.lua) and the capped push (push.lua), which
-travel in pipelines and are built as a :class:`~batchq.protocol.calls.Call`, a failed
+"""The producer's scripts, one typed function each (see :mod:`batchq.protocol.calls`):
+joining a run (join.lua), a lease (lease.lua) and the capped push (push.lua) in a run
+read by one group or several (:mod:`batchq.protocol.groups`), which travel in pipelines
+and are built as a :class:`~batchq.protocol.calls.Call`, a failed
 attempt (fail.lua), a shard handed back untouched (handback.lua) and an example replaced
 by a substitute (quarantine.lua).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Unpack, cast
+from typing import Any, NamedTuple
 
 import redis
 
 from batchq.protocol.calls import (
+    Arg,
     Call,
     CountReply,
     StatusReply,
@@ -19,10 +21,8 @@ from batchq.protocol.calls import (
     decode_reply,
     reply_int,
 )
-from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import FLAGS, QUARANTINE_CAP
-from batchq.protocol.script_args import Argv, LeaseArgs, PushArgs
 from batchq.protocol.words import Status
 
 __all__ = [
@@ -68,10 +68,14 @@ class JoinReply(NamedTuple):
 
 
 class LeaseReply(NamedTuple):
-    """lease.lua: ``{'OK', g, skip[, slots, world[, shard]], params stamp}`` or a status.
+    """lease.lua: ``{'OK', g, skip, slots, world, mask, params stamp[, shard]}``,
+    ``{'WAIT', slot}``, ``{'GROUPS', n}`` or a status.
 
-    ``slots`` is 0 in world-1 replies (the plan's S is the caller's); ``params`` is
-    meta's params stamp ('<run>:<version>' of the params log, '' for none).
+    ``slots`` is 0 in a world-1 run of one group (the plan's S is the caller's); ``mask``:
+    the group slots the shard is built for (1: slot 0 alone); ``params``: meta's params
+    stamp ('<run>:<version>' of the params log, '' for none); ``shard``: the shard a
+    remapped slot builds; with GROUPS, ``groups`` is the run's group slots; with WAIT,
+    ``slot`` is the group whose floor holds the shared stream, -1 for none.
     """
 
     status: str
@@ -81,33 +85,48 @@ class LeaseReply(NamedTuple):
     world: int = 1
     shard: int | None = None
     params: str = ""
+    mask: int = 1
+    groups: int = 0
+    slot: int = -1
 
     @classmethod
     def parse(cls, raw: Any) -> LeaseReply:
         """From lease.lua's raw reply."""
         r = decode_reply(raw)
+        if r[0] == Status.GROUPS:
+            return cls(r[0], groups=reply_int(r, 1))
+        if r[0] == Status.WAIT:
+            return cls(r[0], slot=reply_int(r, 1, -1))
         if r[0] != Status.OK:
             return cls(r[0])
-        r, stamp = r[:-1], str(r[-1])  # the stamp ends every OK reply
-        shard = int(r[5]) if len(r) > 5 else None
-        return cls(r[0], int(r[1]), int(r[2]), reply_int(r, 3), reply_int(r, 4, 1), shard, stamp)
+        shard = int(r[7]) if len(r) > 7 else None
+        return cls(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), shard, str(r[6]), int(r[5]))
 
 
 class PushReply(NamedTuple):
-    """push.lua: ``{'OK'|'FULL', depth}``, ``{'WRONG_TYPE', key, type}`` or a status."""
+    """push.lua: ``{'OK', depth, dropped}``, ``{'FULL', depth[, slot]}``, ``{'DROPPED',
+    mask}``, ``{'WRONG_TYPE', key, type}`` or a status (``dropped``: the group slots whose
+    full lists the frame left out, their shard gone back for them; ``slot``: FULL's, the
+    group whose list is full, -1 in a run of one group)."""
 
     status: str
     depth: int = 0
+    dropped: int = 0
     key: str = ""
     found: str = ""
+    slot: int = -1
 
     @classmethod
     def parse(cls, raw: Any) -> PushReply:
         """From push.lua's raw reply."""
         r = decode_reply(raw)
         if r[0] == Status.WRONG_TYPE:
-            return cls(r[0], 0, str(r[1]), str(r[2]))
-        return cls(r[0], reply_int(r, 1))
+            return cls(r[0], key=str(r[1]), found=str(r[2]))
+        if r[0] == Status.DROPPED:
+            return cls(r[0], dropped=reply_int(r, 1))
+        if r[0] == Status.FULL:
+            return cls(r[0], reply_int(r, 1), slot=reply_int(r, 2, -1))
+        return cls(r[0], reply_int(r, 1), reply_int(r, 2))
 
 
 def join(
@@ -148,44 +167,76 @@ def join(
     ).run(client)  # fmt: skip
 
 
-def lease_call(keys: QueueKeys, *, world: int, **shared: Unpack[LeaseArgs]) -> Call[LeaseReply]:
-    """A producer's next lease (lease.lua; ``shared``: see
-    :class:`~batchq.protocol.script_args.LeaseArgs`); a data-parallel run (``world`` > 1)
-    adds every rank's data list and the remap hash. ``prefetch`` k > 0: it rides behind
-    the last push of the shard whose lease entry is ``after``, and is granted only if
-    that push went through and the producer then holds fewer than k leases."""
+def lease_call(
+    keys: QueueKeys,
+    *,
+    incarnation: str,
+    run: str,
+    producer: str,
+    token: str,
+    heartbeat_ttl_ms: int,
+    prefetch: int,
+    world: int,
+    groups: int = 0,
+    after: str = "",
+) -> Call[LeaseReply]:
+    """A producer's next lease (lease.lua) in a run of ``groups`` group slots (0: one
+    group) and ``world`` ranks. ``prefetch`` k > 0: it rides behind the last push of the
+    shard whose lease entry is ``after``, and is granted only if that push went through
+    and the producer then holds fewer than k leases; ``token`` is unique per request (a
+    retried request with the same token gets the same shard)."""
     return build_call(
         "lease",
         LeaseReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-         "lease": keys.leases[shared["producer"]], "producers": keys.producers,
-         "ledger": keys.ledger},
-        {"after": "", **cast(Argv, shared), "prefetch": int(shared["prefetch"])},
-        more_keys=keys.lease_tails[world],
+         "lease": keys.leases[producer], "producers": keys.producers},
+        {"incarnation": incarnation, "run": run, "producer": producer, "token": token,
+         "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": int(prefetch), "after": after,
+         "groups": groups},
+        more_keys=keys.lease_tails[groups, world],
     )  # fmt: skip
 
 
 def push_call(
     keys: QueueKeys,
     *,
-    data: str,
+    incarnation: str,
+    run: str,
+    producer: str,
+    entry: str,
+    element: Arg,
+    last: bool,
+    heartbeat_ttl_ms: int,
+    frame_bytes: int,
+    blocked_ms: int,
+    produce_ms: int,
     frame_key: str | None,
-    host_field: str = MetaField.SHM_HOST,
-    **shared: Unpack[PushArgs],
+    rank: int = 0,
+    world: int = 1,
+    targets: int = 1,
+    groups: int = 0,
+    shm_host: str = "",
 ) -> Call[PushReply]:
-    """The capped push of one frame (push.lua; ``shared``: see
-    :class:`~batchq.protocol.script_args.PushArgs`) into ``data`` (a rank's list, or the
-    queue's); ``frame_key`` names a frame stored by reference (None: inline).
+    """The capped push of one frame (push.lua) into rank ``rank``'s list of every group
+    slot of ``targets`` (a mask; 1: slot 0) in a run of ``groups`` group slots as the
+    producer knows it (0: one group) and ``world`` ranks; ``last``: the shard's last
+    frame; ``frame_key`` names a frame stored by reference (None: inline);
     ``shm_host``: the element is a shared-memory descriptor of that host, pushed only
-    while meta's ``host_field`` (the rank's published host) says the same."""
+    into lists whose trainers published it; the ms figures go into the producer's
+    stats."""
+    tail = keys.push_tails[targets, rank, world]
     return build_call(
         "push",
         PushReply.parse,
-        {"meta": keys.meta, "incarnation": keys.incarnation, "data": data,
-         "stats": keys.stats, "producers": keys.producers,
-         "lease": keys.leases[shared["producer"]], "pstats": keys.pstats, "frame": frame_key},
-        {"shm_host": "", **cast(Argv, shared), "last": FLAGS[shared["last"]],
-         "host_field": host_field},
+        {"meta": keys.meta, "incarnation": keys.incarnation, "stats": keys.stats,
+         "producers": keys.producers, "lease": keys.leases[producer],
+         "pstats": keys.pstats, "refs": keys.refs, "work": keys.work},
+        {"incarnation": incarnation, "run": run, "producer": producer, "entry": entry,
+         "element": element, "last": FLAGS[last], "heartbeat_ttl_ms": heartbeat_ttl_ms,
+         "frame_bytes": frame_bytes, "blocked_ms": blocked_ms, "produce_ms": produce_ms,
+         "shm_host": shm_host, "rank": rank, "world": world, "targets": targets,
+         "groups": groups, "by_ref": FLAGS[frame_key is not None]},
+        more_keys=tail if frame_key is None else [*tail, frame_key],
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import redis
 
 from batchq.client.connection import call, redis_errors
 from batchq.errors import ConnectionLost
-from batchq.protocol import scripts
+from batchq.protocol import recovery_scripts
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
 from batchq.protocol.words import Status
@@ -54,7 +54,7 @@ def reap_dead(
     dead = _members(client, keys, "-inf", now_ms)
     if not dead:
         return 0, 0
-    reply = scripts.reap(client, keys, incarnation=incarnation, why="dead", producers=dead)
+    reply = recovery_scripts.reap(client, keys, incarnation=incarnation, why="dead", producers=dead)
     if reply.status != Status.OK:
         return 0, 0
     if reply.first:
@@ -88,7 +88,7 @@ def requeue_gaps(
         return []
     now_ms = server_ms(client)
     alive = _members(client, keys, now_ms, "+inf")
-    reply = scripts.requeue(
+    reply = recovery_scripts.requeue(
         client,
         keys,
         incarnation=incarnation,
@@ -181,7 +181,7 @@ def reap_gone(client: redis.Redis, keys: QueueKeys, incarnation: str) -> tuple[i
     closed = _all_closed(alive, recorded, connected)
     if not closed:
         return 0, 0
-    reply = scripts.gone(client, keys, incarnation=incarnation, closed=closed)
+    reply = recovery_scripts.gone(client, keys, incarnation=incarnation, closed=closed)
     if reply.status != Status.OK:
         return 0, 0
     if reply.first:

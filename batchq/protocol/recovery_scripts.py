@@ -1,5 +1,5 @@
 """The scripts of work recovery, one typed function each (see
-:mod:`batchq.protocol.scripts`; used by :mod:`batchq.protocol.reaper`): dead or leaving
+:mod:`batchq.protocol.calls`; used by :mod:`batchq.protocol.reaper`): dead or leaving
 producers' leases back to work (reap.lua), those of producers whose connections closed
 (gone.lua), and shards with a gap nobody can still deliver (requeue.lua).
 """

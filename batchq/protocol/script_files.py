@@ -12,7 +12,8 @@ and says where a variable-length tail starts with a comment ``-- KEYS[7..]: ...`
 order of, so no Python code spells a position (tests/batchq/protocol/test_lua_headers.py
 calls every wrapper against its script's header). KEYS locals end in ``_key``; the
 wrappers name them without that suffix. What several scripts do is written once in
-``lua/lib/shared.lua``, put before each script's text (the sha covers both).
+``lua/lib/shared.lua``; each script is sent with the library functions it calls
+(:func:`library_for`) before its own text (the sha covers both).
 """
 
 from __future__ import annotations
@@ -28,17 +29,26 @@ import redis
 
 from batchq.errors import ProtocolError
 
-__all__ = ["KEY_SUFFIX", "SCRIPTS", "Arg", "Header", "Script", "load_all", "parse_header"]
+__all__ = [
+    "KEY_SUFFIX",
+    "SCRIPTS",
+    "Arg",
+    "Header",
+    "Script",
+    "library_for",
+    "load_all",
+    "parse_header",
+]
 
 #: A value of a script's KEYS or ARGV (or of any command batchq sends).
 Arg = str | bytes | bytearray | memoryview | int | float
 
 _LUA_DIR = Path(__file__).resolve().parent / "lua"
 _SHARED = (_LUA_DIR / "lib" / "shared.lua").read_text()
-# What the scripts of runs read by several groups share (batchq.protocol.groups), put
-# after _SHARED before these scripts only (every script's text is in Redis' cache).
-_GROUPS = (_LUA_DIR / "lib" / "groups.lua").read_text()
-_WITH_GROUPS = frozenset({"gclaim", "glease", "gpush", "gresume", "requeue"})
+# A library function: from its `local function name(` line to the `end` that closes it,
+# the first one at the start of a line (tests/batchq/protocol/test_lua_libs.py: a library
+# holds nothing else).
+_FUNCTION = re.compile(r"^local function (\w+)\(.*?^end$", re.M | re.S)
 _NAMED = re.compile(r"^local (\w+) = (?:tonumber\()?(KEYS|ARGV)\[(\d+)\]")
 _TAIL = re.compile(r"^-- (KEYS|ARGV)\[(\d+)\.\.\]:")
 KEY_SUFFIX = "_key"
@@ -59,6 +69,26 @@ class Header:
     args: tuple[str, ...]
     keys_tail: bool
     args_tail: bool
+
+
+def _code(text: str) -> str:
+    """The text without its comments (a call named in a comment is no call)."""
+    return "\n".join(line.split("--", 1)[0] for line in text.splitlines())
+
+
+def library_for(text: str) -> str:
+    """The library functions script ``text`` calls, directly or through another one, in
+    the library's order (a function is defined before those that call it)."""
+    functions = {m.group(1): m.group(0) for m in _FUNCTION.finditer(_SHARED)}
+    called: set[str] = set()
+    todo = [text]
+    while todo:
+        code = _code(todo.pop())
+        for name, body in functions.items():
+            if name not in called and re.search(rf"\b{name}\(", code):
+                called.add(name)
+                todo.append(body)
+    return "".join(f"{body}\n" for name, body in functions.items() if name in called)
 
 
 def parse_header(name: str, source: str) -> Header:
@@ -103,9 +133,10 @@ class Script:
         # MultiplexedPath cannot join two parts (TypeError) and may pick the wrong one.
         text = (_LUA_DIR / f"{name}.lua").read_text()
         self.header = parse_header(name, text)
-        # What several scripts do is written once, in lib/shared.lua, put before each
-        # (and lib/groups.lua before those of runs read by several groups).
-        self.source = _SHARED + (_GROUPS if name in _WITH_GROUPS else "") + text
+        # What several scripts do is written once, in lib/shared.lua; each script is sent
+        # with the library functions it calls (a script defines every function it is
+        # sent with on each call).
+        self.source = library_for(text) + text
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg]) -> None:
@@ -122,11 +153,7 @@ SCRIPTS: dict[str, Script] = {
     for name in (
         "claim",
         "fail",
-        "gclaim",
-        "glease",
         "gone",
-        "gpush",
-        "gresume",
         "handback",
         "join",
         "lease",

@@ -1,38 +1,52 @@
-"""The trainer's scripts, one typed function each (see :mod:`batchq.protocol.scripts`):
-its claim (claim.lua), the pop and its accounting (pop.lua), and a restart from a
-checkpoint's ledger (resume.lua).
+"""The trainer's scripts, one typed function each (see :mod:`batchq.protocol.calls`):
+its claim (claim.lua) and a restart from a checkpoint's ledger (resume.lua), as one group
+of a run read by one group or several (:mod:`batchq.protocol.groups`), the pop and its
+accounting (pop.lua), and the release of frames stored once for several groups
+(release.lua, a :class:`~batchq.protocol.calls.Call` that rides behind the reader's
+GETs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Unpack, cast
+from typing import Any, Literal, NamedTuple
 
 import redis
 
-from batchq.protocol.calls import Arg, CountReply, build_call, decode_reply, reply_int
+from batchq.protocol.calls import Arg, Call, build_call, decode_reply, reply_int
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import FLAGS, HISTORY_CAP, WAKE_CAP
-from batchq.protocol.script_args import Argv, ClaimArgs, ClaimOp, ResumeArgs
+from batchq.protocol.layout import FLAGS, HISTORY_CAP, MAX_GROUPS, WAKE_CAP
 from batchq.protocol.words import Status
 
-__all__ = ["ClaimOp", "ClaimReply", "PopReply", "claim", "pop", "resume"]
+__all__ = [
+    "ClaimOp",
+    "ClaimReply",
+    "PopReply",
+    "ReleaseReply",
+    "ResumeArgs",
+    "ResumeReply",
+    "claim",
+    "pop",
+    "release_call",
+    "resume",
+]
+
+ClaimOp = Literal["acquire", "refresh", "release", "finish"]
 
 
 class ClaimReply(NamedTuple):
-    """claim.lua. acquire: ``{'OK', incarnation, run, new_run, fence[, held]}``,
-    ``{'CONFLICT', ms}``, ``{'WORLD', world}``; the other ops ``{'OK'[, last]}`` or
-    ``{'CLAIM_LOST'}``. gclaim.lua's reply is one too, with what only a group's claim
-    says (:class:`batchq.protocol.group_scripts.GClaimReply`).
+    """claim.lua. acquire: ``{'OK', incarnation, run, new_run, fence, held, slot,
+    groups}``, ``{'CONFLICT', ms}``, ``{'WORLD', world}``, ``{'FULL', groups}``,
+    ``{'GROUPS', groups}``; refresh, release: ``{'OK'}`` or a status; finish: ``{'OK',
+    group done, run ended}`` or a status.
 
     Attributes:
-        slot, groups: a group's acquire: the group slot it reads and the run's group
-            slots (0 and 0 from claim.lua).
-        value: CONFLICT's ms until the other claim lapses, WORLD's world size, or a
-            rank's finish: 1 if it was the last rank (else 0; -1 when not said);
-            gclaim.lua's FULL and GROUPS: the run's group slots.
-        group_done, run_done: a group's finish: every rank of the group finished; the
-            run ended (every group finished).
+        slot, groups: acquire: the group slot the trainer reads and the run's group
+            slots (0: the run is not read by several groups).
+        value: CONFLICT's ms until the other claim lapses, WORLD's world size, FULL's
+            and GROUPS' group slots.
+        group_done, run_done: finish: every rank of the trainer's group finished; the
+            run ended (every rank of every group finished).
     """
 
     status: str
@@ -51,11 +65,48 @@ class ClaimReply(NamedTuple):
     def parse(cls, raw: Any) -> ClaimReply:
         """From claim.lua's raw reply."""
         r = decode_reply(raw)
-        if len(r) == 2:  # CONFLICT, WORLD, or finish's {'OK', last}
-            return cls(r[0], value=int(r[1]))
-        if r[0] != Status.OK or len(r) == 1:
+        if r[0] != Status.OK:
+            return cls(r[0], value=reply_int(r, 1, -1))
+        if len(r) == 3:  # finish
+            return cls(r[0], group_done=bool(int(r[1])), run_done=bool(int(r[2])))
+        if len(r) == 1:
             return cls(r[0])
-        return cls(r[0], r[1], r[2], bool(int(r[3])), int(r[4]), bool(reply_int(r, 5)))
+        return cls(r[0], r[1], r[2], bool(int(r[3])), int(r[4]), bool(int(r[5])), int(r[6]),
+                   int(r[7]))  # fmt: skip
+
+
+class ResumeReply(NamedTuple):
+    """resume.lua: ``{'OK', run, slot, groups}``, ``{'STEP', step}``, ``{'GROUPS', n}``
+    or a status (``text``: STEP's step)."""
+
+    status: str
+    run: str = ""
+    slot: int = 0
+    groups: int = 0
+    text: str = ""
+
+    @classmethod
+    def parse(cls, raw: Any) -> ResumeReply:
+        """From resume.lua's raw reply."""
+        r = decode_reply(raw)
+        if r[0] == Status.OK:
+            return cls(r[0], str(r[1]), int(r[2]), int(r[3]))
+        if r[0] == Status.GROUPS:
+            return cls(r[0], groups=reply_int(r, 1))
+        return cls(r[0], text=str(r[1]) if len(r) > 1 else "")
+
+
+class ReleaseReply(NamedTuple):
+    """release.lua: ``{'OK', frames deleted}``."""
+
+    status: str
+    deleted: int = 0
+
+    @classmethod
+    def parse(cls, raw: Any) -> ReleaseReply:
+        """From release.lua's raw reply."""
+        r = decode_reply(raw)
+        return cls(r[0], reply_int(r, 1))
 
 
 class PopReply(NamedTuple):
@@ -82,32 +133,64 @@ class PopReply(NamedTuple):
         return cls(r[0], int(r[1]), int(r[2]), list(r[3]), groups=reply_int(r, 4))
 
 
-def _trainer_keys(keys: QueueKeys) -> dict[str, str | None]:
+def _run_keys(keys: QueueKeys) -> dict[str, str | None]:
+    """The KEYS claim.lua and resume.lua name before their tail."""
     return {"meta": keys.meta, "incarnation": keys.incarnation, "data": keys.data,
-            "work": keys.work}  # fmt: skip
+            "groups": keys.groups, "work": keys.work, "wake": keys.wake,
+            "failures": keys.failures, "refs": keys.refs, "remap": keys.remap}  # fmt: skip
 
 
 def claim(
     client: redis.Redis,
     keys: QueueKeys,
     *,
-    rank_lists: Sequence[str] = (),
-    **shared: Unpack[ClaimArgs],
+    op: ClaimOp,
+    token: str,
+    claim_ttl_ms: int,
+    run_id: str,
+    new_incarnation: str,
+    takeover_run: str,
+    version: str,
+    rank: int,
+    world: int,
+    even: str,
+    resumed: str,
+    group: str = "",
+    incarnation: str = "",
+    groups: int = 0,
+    key_world: int | None = None,
+    max_lag: int | None = None,
+    slot: int = 0,
 ) -> ClaimReply:
-    """Acquire, refresh, release or finish a trainer's claim (claim.lua; ``shared``: see
-    :class:`~batchq.protocol.script_args.ClaimArgs`).
+    """Acquire, refresh, release or finish a trainer's claim as one rank of ``group``
+    ('' the default group) (claim.lua).
 
     Args:
-        rank_lists: what a new or finished run drops besides the queue's own lists
-            (data-parallel: every rank's data list, the counts and remap hashes).
+        token: the trainer's claim token.
+        run_id, new_incarnation: the run id a new run gets, the incarnation a queue
+            created now gets.
+        takeover_run, resumed: run ids to take over ('' for none): a checkpoint's, and
+            the run the job's ranks resume into.
+        incarnation: the queue's incarnation the claim was made in ('' for an acquire;
+            another answers STATE_LOST).
+        groups: the run's group slots as the caller read them (meta ``groups``).
+        key_world: the ranks to send each slot's keys for (at least the run's world and
+            the caller's; None: the caller's).
+        max_lag: acquire: the group's max_lag_batches (None: the others wait for it).
+        slot: refresh, release, finish: the caller's slot.
     """
+    key_world = key_world or world
     return build_call(
         "claim",
         ClaimReply.parse,
-        {**_trainer_keys(keys), "wake": keys.wake, "failures": keys.failures,
-         "ledger": keys.ledger},
-        {"incarnation": "", **cast(Argv, shared)},
-        more_keys=rank_lists,
+        _run_keys(keys),
+        {"token": token, "claim_ttl_ms": claim_ttl_ms, "op": op, "run_id": run_id,
+         "new_incarnation": new_incarnation, "takeover_run": takeover_run,
+         "version": version, "group": group, "rank": rank, "world": world, "even": even,
+         "resumed": resumed, "incarnation": incarnation, "groups": groups,
+         "key_world": key_world, "max_lag": "" if max_lag is None else max_lag,
+         "slot_arg": slot, "max_groups": MAX_GROUPS},
+        more_keys=keys.slot_tails[groups, key_world],
     ).run(client)  # fmt: skip
 
 
@@ -152,22 +235,48 @@ def pop(
     ).run(client)  # fmt: skip
 
 
+class ResumeArgs(NamedTuple):
+    """What a restart from a ledger takes besides the keys: the new run, the
+    checkpoint's run (``takeover_run``: it lives on in a run read by several groups, if
+    the queue still runs it), the first shard, the plan's figures, the trainer's group
+    and place, the checkpoint's step, whether the rank held the run before, the slot and
+    run its claim was made for."""
+
+    token: str
+    new_run: str
+    takeover_run: str
+    first: int
+    fingerprint: str
+    hwm: int | str
+    shards: int
+    window: int
+    epoch_batches: int
+    group: str
+    rank: int
+    world: int
+    even: str
+    step: int
+    held: bool
+    slot: int
+    acquired: str
+    claim_ttl_ms: int
+
+
 def resume(
     client: redis.Redis,
     keys: QueueKeys,
+    asked: ResumeArgs,
     *,
-    rank_lists: Sequence[str],
+    groups: int,
+    key_world: int,
     remap: tuple[int, Mapping[int, int]] | None,
     ledger: Sequence[tuple[str, str]],
-    **shared: Unpack[ResumeArgs],
-) -> CountReply:
-    """Restart the plan from a ledger (resume.lua; ``shared``: see
-    :class:`~batchq.protocol.script_args.ResumeArgs`): ``text`` is the run on OK, the
-    run's step on STEP.
+) -> ResumeReply:
+    """Restart a group's plan from a ledger (resume.lua).
 
     Args:
-        rank_lists: data-parallel: this rank's data list first, the others', the counts
-            and remap hashes (remap last).
+        asked: what the restart is.
+        groups, key_world: as :func:`claim`'s.
         remap: (epoch, slot -> shard) of a job resumed with another number of ranks.
         ledger: ('<epoch>:<slot>', 'd' or batches had) pairs.
     """
@@ -176,14 +285,27 @@ def resume(
         tail += [slot, shard]
     for field, value in ledger:
         tail += [field, value]
+    args: dict[str, Arg] = {**asked._asdict(), "held": FLAGS[asked.held]}
+    args["slot_arg"] = args.pop("slot")
     return build_call(
         "resume",
-        CountReply.parse,
-        {**_trainer_keys(keys), "failures": keys.failures, "ledger": keys.ledger,
-         "wake": keys.wake},
-        {**cast(Argv, shared), "held": FLAGS[shared["held"]], "wake_cap": WAKE_CAP,
+        ResumeReply.parse,
+        _run_keys(keys),
+        {**args, "groups": groups, "key_world": key_world, "wake_cap": WAKE_CAP,
          "remap_epoch": "" if remap is None else remap[0],
          "remapped": 0 if remap is None else len(remap[1])},
-        more_keys=rank_lists,
+        more_keys=keys.slot_tails[groups, key_world],
         more_args=tail,
     ).run(client)  # fmt: skip
+
+
+def release_call(keys: QueueKeys, frames: Sequence[str]) -> Call[ReleaseReply]:
+    """The release of frames stored by reference that a reader has read (release.lua);
+    sent behind their GETs in one round trip."""
+    return build_call(
+        "release",
+        ReleaseReply.parse,
+        {"refs": keys.refs},
+        {"frames": len(frames)},
+        more_keys=list(frames),
+    )

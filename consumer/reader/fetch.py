@@ -12,7 +12,7 @@ pooled, so the arrays decoded over it are writable without a copy and no later f
 write into them. Where the socket cannot be read that way (TLS, fakeredis in unit tests)
 each reply is copied once into a buffer of its own.
 
-Frames stored once for several groups (:mod:`batchq.protocol.groups`): a frame gpush.lua
+Frames stored once for several groups (:mod:`batchq.protocol.groups`): a frame push.lua
 listed for k > 1 groups is read by each group's trainer and deleted by the last: the
 reader GETs each frame (into a buffer of its own, as :func:`getdel_into` does with
 GETDEL) and, in the same round trip, releases them (release.lua). Redis runs the
@@ -33,7 +33,7 @@ import redis
 from batchq.client.connection import call, is_wrong_type, redis_errors
 from batchq.client.redis_internals import BulkReply, read_bulk_into
 from batchq.errors import ConnectionLost, FrameError
-from batchq.protocol import scripts
+from batchq.protocol import trainer_scripts
 from batchq.protocol.calls import execute_pipeline, round_trip
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
@@ -232,7 +232,7 @@ def get_and_release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> l
     """
     if not names:
         return []
-    call = scripts.release_call(keys, names)
+    call = trainer_scripts.release_call(keys, names)
     replies = round_trip(
         client,
         [*(("GET", name) for name in names), call.command()],
@@ -248,4 +248,4 @@ def get_and_release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> l
 def release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> None:
     """Release frames this reader will not read (refused unfetched: too large)."""
     if names:
-        scripts.release_call(keys, names).run(client)
+        trainer_scripts.release_call(keys, names).run(client)

@@ -29,13 +29,13 @@ import redis
 from batchq.client import held
 from batchq.client.connection import is_wrong_type, reconnect
 from batchq.errors import BatchQueueError, ConnectionLost, StateLost
-from batchq.protocol import scripts
+from batchq.protocol import trainer_scripts
 from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import round_trip
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.replies import PopReply, status_error
-from batchq.protocol.words import Status, as_int
+from batchq.protocol.trainer_scripts import PopReply
+from batchq.protocol.words import Status, as_int, status_error
 from batchq.wire import codec
 from consumer.reader.buffer import Buffer
 from consumer.reader.dead import DeadList
@@ -270,7 +270,7 @@ class Reader(threading.Thread):
         floor, sends the accounting. None: a key of the wrong type (waited on)."""
         s = self.session
         figures, extra, nbytes = self._accounting.for_pop(force=room == 0)
-        reply = scripts.pop(
+        reply = trainer_scripts.pop(
             self.client, self.keys, data=s.data_key,
             trainer=self.keys.trainer_of(s.rank, s.world),
             history=self.keys.history_of(s.rank, s.world), incarnation=s.incarnation,

@@ -33,23 +33,20 @@ from typing import Any, NamedTuple
 import redis
 
 from batchq.protocol.calls import Call
-from batchq.protocol.group_scripts import GLeaseReply
 from batchq.protocol.layout import lease_entry
+from batchq.protocol.producer_scripts import LeaseReply
 from batchq.protocol.ranks import RankLayout, shard_of_slot
-from batchq.protocol.replies import LeaseReply
 from batchq.protocol.stripes import Stripes
 from batchq.protocol.words import Status
 from producer.serving.params_follow import ProducerParams, ShardParams
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame
 
-__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "AnyLeaseReply", "Encode", "Lease", "Ready"]
+__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "Encode", "Lease", "Ready"]
 
 # A shard built faster than this makes its producer keep one more shard leased ahead.
 AHEAD_MAX_BUILD_S = 0.002
 MAX_AHEAD = 2  # leases a producer asks to hold behind a last push: the next two shards
-# lease.lua's reply, or glease.lua's in a run read by several groups.
-AnyLeaseReply = LeaseReply | GLeaseReply
 
 
 class Lease(NamedTuple):
@@ -74,19 +71,18 @@ class Lease(NamedTuple):
     @classmethod
     def from_reply(
         cls,
-        reply: AnyLeaseReply,
+        reply: LeaseReply,
         token: str,
         shards: int,
         run: str,
         stripe: int = 0,
         stripes: int = 1,
     ) -> Lease:
-        """From lease.lua's or glease.lua's OK reply to a request of run ``run`` (world 1
-        says no slots: the plan's S)."""
-        mask = reply.mask if isinstance(reply, GLeaseReply) else 1
+        """From lease.lua's OK reply to a request of run ``run`` (a world-1 run of one
+        group says no slots: the plan's S)."""
         slots = reply.slots or shards
         return cls(
-            reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, mask,
+            reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, reply.mask,
             stripe, stripes, run,
         )  # fmt: skip
 
@@ -156,7 +152,7 @@ class Ahead:
 
     def keep_granted(
         self,
-        requests: Sequence[tuple[Call[AnyLeaseReply], str]],
+        requests: Sequence[tuple[Call[LeaseReply], str]],
         raw: Sequence[Any],
         shards: int,
         run: str,

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import reader_field, slots_of
@@ -89,7 +89,7 @@ def hand_back(
     why = hand_back_reason(client, keys, rank, position.world, mask)
     if why is None:
         return None
-    reply = scripts.handback(
+    reply = producer_scripts.handback(
         client, keys, incarnation=position.incarnation, run=position.run, producer=producer,
         entry=entry,
     )  # fmt: skip

@@ -13,7 +13,7 @@ changed, the producer was reaped), which the pusher hands back to its caller ins
 acting on it: the Producer joins again or stops once the pusher has returned.
 
 In a run read by several groups (:mod:`batchq.protocol.groups`) every push goes into the
-lists of every group the shard is for, in one gpush.lua call; a group whose full list
+lists of every group the shard is for, in one push.lua call; a group whose full list
 was left out (detached) is left out of the shard's later frames too.
 """
 
@@ -28,14 +28,12 @@ from typing import Any, NamedTuple
 import redis
 
 from batchq.client.connection import Pieces, call, convert_error, is_wrong_type
-from batchq.protocol import scripts
 from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
-from batchq.protocol.group_scripts import GPushReply
-from batchq.protocol.replies import PushReply
+from batchq.protocol.producer_scripts import LeaseReply, PushReply, push_call
 from batchq.protocol.words import Status
 from batchq.wire import refs
-from producer.serving.ahead import Ahead, AnyLeaseReply
+from producer.serving.ahead import Ahead
 from producer.serving.blocking import hand_back
 from producer.serving.build_watch import BuildWatch
 from producer.serving.frames import PushSettings
@@ -65,9 +63,8 @@ WAIT_S = 0.15
 # producer killed at the hwm leaves nothing behind; in the list it never expires.
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
 
-LeaseRequest = Callable[[int, str], tuple[Call[AnyLeaseReply], str]]
-Riders = list[tuple[Call[AnyLeaseReply], str]]  # lease requests riding on a push
-AnyPushReply = PushReply | GPushReply  # push.lua's, or gpush.lua's (several groups)
+LeaseRequest = Callable[[int, str], tuple[Call[LeaseReply], str]]
+Riders = list[tuple[Call[LeaseReply], str]]  # lease requests riding on a push
 
 
 class OnePush(NamedTuple):
@@ -106,7 +103,7 @@ class FramePusher:
         position: the run served (replaced by :meth:`joined`).
         stop: set when the producer stops.
         lease_request: ``(prefetch, after) -> (call, token)``: the next lease request
-            (see :func:`batchq.protocol.scripts.lease_call`).
+            (see :func:`batchq.protocol.producer_scripts.lease_call`).
         first_push: told of the first push (:mod:`producer.serving.started`), if given.
     """
 
@@ -281,25 +278,16 @@ class FramePusher:
         shm_host: str,
         push: OnePush,
         wait: Waiting,
-    ) -> Call[AnyPushReply]:
-        """One try's push.lua call, or gpush.lua's in a run read by several groups (it
-        reports the wait since the last try)."""
+    ) -> Call[PushReply]:
+        """One try's push.lua call (it reports the wait since the last try)."""
         s, run = self.settings, self._run
-        if run.groups:
-            return scripts.gpush_call(  # type: ignore[return-value]
-                s.keys, targets=self.targets, rank=self._rank, world=self._world,
-                frame_key=ref, incarnation=run.incarnation, run=run.run, producer=s.producer,
-                entry=push.entry, element=element, last=push.last,
-                heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
-                blocked_ms=wait.since_last_try_ms(), produce_ms=push.produce_ms,
-                shm_host=shm_host,
-            )  # fmt: skip
-        return scripts.push_call(  # type: ignore[return-value]
-            s.keys, data=self._data_key, frame_key=ref, incarnation=run.incarnation,
-            run=run.run, producer=s.producer, entry=push.entry, element=element,
-            last=push.last, heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
-            blocked_ms=wait.since_last_try_ms(), produce_ms=push.produce_ms,
-            shm_host=shm_host, host_field=self._transport.host_field(self._rank, self._world),
+        return push_call(
+            s.keys, incarnation=run.incarnation, run=run.run, producer=s.producer,
+            entry=push.entry, element=element, last=push.last,
+            heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
+            blocked_ms=wait.since_last_try_ms(), produce_ms=push.produce_ms, frame_key=ref,
+            rank=self._rank, world=self._world, targets=self.targets, groups=run.groups,
+            shm_host=shm_host,
         )  # fmt: skip
 
     def _lease_riders(self, entry: str, built_s: float) -> Riders:
@@ -338,7 +326,7 @@ class FramePusher:
         self,
         ref: str | None,
         store: Pieces | memoryview | None,
-        push: Call[AnyPushReply],
+        push: Call[PushReply],
         leases: Riders | None = None,
         between: Callable[[], None] | None = None,
     ) -> list[Any]:
@@ -360,9 +348,7 @@ class FramePusher:
 
     # -- each reply --------------------------------------------------------------------
 
-    def _after(
-        self, reply: AnyPushReply, entry: str, ref: str | None, wait: Waiting
-    ) -> Pushed | None:
+    def _after(self, reply: PushReply, entry: str, ref: str | None, wait: Waiting) -> Pushed | None:
         """What a push's reply means (None: try again)."""
         status = reply.status
         if status == Status.OK:
@@ -370,7 +356,7 @@ class FramePusher:
         if status == Status.DROPPED:
             return self._dropped(entry, ref)
         if status == Status.FULL:
-            return self._full(entry, ref, wait, reply.slot if isinstance(reply, GPushReply) else -1)
+            return self._full(entry, ref, wait, reply.slot)
         if status == Status.GONE:
             return self._gone(wait)
         if status == Status.WRONG_TYPE:
@@ -379,14 +365,14 @@ class FramePusher:
             return self._lease_lost(entry, ref)
         return self._handover(status, ref)
 
-    def _pushed(self, reply: AnyPushReply) -> Pushed:
+    def _pushed(self, reply: PushReply) -> Pushed:
         """OK: the element is in the list (the lists); groups whose full lists it left
         out (detached) are left out of the shard's next frames: it went back for them."""
         self.pending_ref = None
         self.ahead.depth = reply.depth  # 1: the trainer had taken everything before
         if self.first_push is not None:
             self.first_push.pushed()
-        if isinstance(reply, GPushReply) and reply.dropped:
+        if reply.dropped:
             self.targets &= ~reply.dropped
         return True
 
@@ -422,7 +408,7 @@ class FramePusher:
         wait.restart()
         return None
 
-    def _wrong_type(self, reply: AnyPushReply, wait: Waiting) -> Pushed | None:
+    def _wrong_type(self, reply: PushReply, wait: Waiting) -> Pushed | None:
         """WRONG_TYPE: a foreign writer replaced a queue key: keep the shard, wait for a
         repair."""
         wait.restart()

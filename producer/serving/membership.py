@@ -25,12 +25,12 @@ import redis
 
 from batchq.client.connection import call
 from batchq.errors import BatchQueueError, PipelineMismatch, RunFinished
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts, recovery_scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.producer_scripts import JoinReply
 from batchq.protocol.reaper import record_client
-from batchq.protocol.replies import JoinReply, status_error
-from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int
+from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from producer.serving.position import RunPosition
 from producer.serving.sharding import ShardPlan
 
@@ -97,7 +97,7 @@ class Membership:
         Raises:
             RunFinished: the run finished moments ago.
             PipelineMismatch: the run was created by another pipeline or hwm.
-            BatchQueueError: another refusal (:func:`batchq.protocol.replies.status_error`).
+            BatchQueueError: another refusal (:func:`batchq.protocol.words.status_error`).
         """
         reply = self._reply(served)
         if reply is None:
@@ -115,8 +115,8 @@ class Membership:
         return RunPosition(reply.run, reply.incarnation, reply.world, reply.groups)
 
     def groups(self) -> int:
-        """The group slots of the run (0: read by one group): its leases and pushes are
-        then the group scripts' (batchq.protocol.group_scripts)."""
+        """The group slots of the run (0: read by one group): its leases and pushes then
+        name every slot's keys (batchq.protocol.groups)."""
         value = call(lambda: self.client.hget(self.keys.meta, MetaField.GROUPS), "reading meta")
         return as_int(value)
 
@@ -132,7 +132,7 @@ class Membership:
                 return None
 
     def _join_once(self, *, no_create: bool) -> JoinReply:
-        return scripts.join(
+        return producer_scripts.join(
             self.client,
             self.keys,
             producer=self.id,
@@ -181,7 +181,7 @@ class Membership:
         try:
             if pending_ref:
                 self.client.delete(pending_ref)
-            scripts.reap(
+            recovery_scripts.reap(
                 self.client, self.keys, incarnation=incarnation, why="leave", producers=[self.id]
             )
         except (redis.RedisError, OSError, BatchQueueError) as e:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchq.client.connection import Pieces
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
 from batchq.protocol.layout import entry_slot
 from batchq.protocol.words import Status
 from batchq.wire import codec
@@ -55,7 +55,7 @@ class ShardPusher(FramePusher):
             :meth:`joined`).
         stop: set when the producer stops.
         lease_request: ``(prefetch, after) -> (call, token)``: the next lease request
-            (see :func:`batchq.protocol.scripts.lease_call`).
+            (see :func:`batchq.protocol.producer_scripts.lease_call`).
     """
 
     def serve_shard(
@@ -170,7 +170,7 @@ class ShardPusher(FramePusher):
         for a retry (or was taken from us), False if it gave up (report it), or a
         :class:`Handover`."""
         s = self.settings
-        reply = scripts.fail(
+        reply = producer_scripts.fail(
             self.client, s.keys, incarnation=self._run.incarnation, run=self._run.run,
             producer=s.producer, entry=entry, max_attempts=s.max_attempts,
         )  # fmt: skip

@@ -18,8 +18,8 @@ import redis
 from faultproxy import FaultProxy
 from pipelines import examples_of, numbered
 
+from batchq.protocol.calls import SCRIPTS
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.scripts import SCRIPTS
 from consumer import ServerDataStream
 from consumer.reader.thread import Reader
 

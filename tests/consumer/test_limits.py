@@ -13,8 +13,8 @@ from waiting import wait_until
 
 from batchq.errors import FrameError, ProducerFailed
 from batchq.host.embedded import EmbeddedRedis
+from batchq.protocol.calls import load_all
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.scripts import load_all
 from consumer import ServerDataStream
 from producer import Producer
 

@@ -16,7 +16,7 @@ from waiting import wait_until
 from batchq.client.connection import make_client
 from batchq.errors import PipelineMismatch, ProducerFailed
 from batchq.monitoring.rows import status_rows
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts, trainer_scripts
 from batchq.protocol.calls import decode_reply
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
@@ -192,18 +192,18 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
     setup = make_client(redis_url)
     inc = run = ""
     for p in range(producers):
-        joined = scripts.join(
+        joined = producer_scripts.join(
             setup, keys, producer=f"p{p}", fingerprint="fp", hwm=hwm, shards=1000,
             window=1000, new_run="r", new_incarnation="i", heartbeat_ttl_ms=60_000,
             version="1", epoch_batches=1000, grace_ms=60_000, no_create=False,
         )  # fmt: skip
         inc, run = joined.incarnation, joined.run
-        scripts.lease_call(
+        producer_scripts.lease_call(
             keys, incarnation=inc, run=run, producer=f"p{p}", token="t",
             heartbeat_ttl_ms=60_000, prefetch=False, world=1,
         ).run(setup)  # fmt: skip
     token = "trainer"
-    scripts.claim(
+    trainer_scripts.claim(
         setup, keys, op="acquire", token=token, claim_ttl_ms=60_000, run_id="r2",
         new_incarnation="i2", takeover_run="", version="1", rank=0, world=1, even="pad",
         resumed="",
@@ -217,8 +217,8 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
         entry = decode_reply(client.lrange(keys.lease(f"p{p}"), 0, -1))[0]
         for i in range(frames_each):
             while True:
-                status = scripts.push_call(
-                    keys, data=keys.data, frame_key=None, incarnation=inc, run=run,
+                status = producer_scripts.push_call(
+                    keys, frame_key=None, incarnation=inc, run=run,
                     producer=f"p{p}", entry=entry, element=f"{p}:{i}", last=False,
                     heartbeat_ttl_ms=60_000, frame_bytes=4, blocked_ms=0, produce_ms=0,
                 ).run(client).status  # fmt: skip
@@ -236,7 +236,7 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
     def trainer_pops() -> None:
         client = make_client(redis_url)
         while len(popped) < producers * frames_each and not stop.is_set():
-            reply = scripts.pop(
+            reply = trainer_scripts.pop(
                 client, keys, data=keys.data, trainer=keys.trainer, history=keys.history,
                 incarnation=inc, run=run, token=token, room=2, floor=0, claim_ttl_ms=60_000,
                 extra_popped=0, nbytes=0, figures=(0, 0, 0, "", "", ""), suffix="",

@@ -9,7 +9,7 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.errors import StateLost, StepMismatch, TrainerConflict
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts, trainer_scripts
 from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.words import PROTOCOL_VERSION
@@ -93,7 +93,7 @@ def test_ranks_resuming_from_different_steps_are_refused(
 
 
 def test_a_claim_reply_is_typed(client: redis.Redis, queue_name: str) -> None:
-    reply = scripts.claim(
+    reply = trainer_scripts.claim(
         client, QueueKeys(queue_name), op="acquire", token="t", claim_ttl_ms=TTL_MS,
         run_id="r1", new_incarnation="i1", takeover_run="", version="1", rank=0, world=1,
         even="pad", resumed="",
@@ -117,7 +117,7 @@ def test_redis_emptied_while_waiting_for_the_plan_claims_the_new_run(
         if not restarted:
             restarted.append(True)
             delete_queue(client, queue_name)
-            joined = scripts.join(
+            joined = producer_scripts.join(
                 client, keys, producer="p", fingerprint="fp", hwm=3, shards=4, window=6,
                 new_run="producers-run", new_incarnation="producers-inc",
                 heartbeat_ttl_ms=TTL_MS, version=PROTOCOL_VERSION, epoch_batches=None,

@@ -18,8 +18,8 @@ from faultproxy import FaultProxy
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
+from batchq.protocol.calls import SCRIPTS
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.scripts import SCRIPTS
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 60, 10  # 6 batches per epoch

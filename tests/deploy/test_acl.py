@@ -52,8 +52,6 @@ ROLE_SCRIPTS = {
         "fail",
         "handback",
         "reap",
-        "glease",
-        "gpush",
         "quarantine",
     },
     "bq-trainer": {
@@ -64,8 +62,6 @@ ROLE_SCRIPTS = {
         "reap",
         "requeue",
         "resume",
-        "gclaim",
-        "gresume",
         "release",
     },
     "bq-monitor": set(),

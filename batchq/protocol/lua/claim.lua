@@ -1,23 +1,36 @@
--- claim.lua: a trainer (one rank of a job) acquires, refreshes, releases or finishes its
--- claim on the run.
--- A rank's claim lives in meta fields '<name>:<rank>' (world 1: '<name>'), see
--- batchq/protocol/ranks.py.
--- acquire returns {'OK', incarnation, run, new_run (0/1), fence[, held (world > 1; 0/1:
---              this rank had claimed the resumed run `resumed` before)]}
---              or {'CONFLICT', ms until the other claim lapses},
---                 {'WORLD', the run's world size} (a live rank of the run has another)
--- acquire and finish return {'GROUPS'} for a run read by several groups (gclaim.lua's)
--- refresh/release/finish return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; a rank's finish returns
---              {'OK', 1} when it was the last rank (the run ended), else {'OK', 0}
+-- claim.lua: a trainer (one rank of one group) acquires, refreshes, releases or finishes
+-- its claim on the run. A rank's claim lives in meta fields '<name>' suffixed with the
+-- group slot and rank (batchq/protocol/groups.py reader_field; slot 0 of world 1: '<name>').
+-- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
+--              claimed the resumed run `resumed` before), slot, groups (0: the run is not
+--              read by several groups)}
+--              or {'CONFLICT', ms until the other claim lapses}, {'WORLD', the run's world}
+--                 (a live rank of the run has another), {'FULL', groups} (no slot left),
+--                 {'GROUPS', groups} (not the groups the caller's KEYS are for: read them
+--                 again)
+-- refresh/release return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish returns
+--              {'OK', group done (0/1: every rank of the group finished), run ended (0/1)}
+-- The default group of a run not read by several groups is its single trainer (one per
+-- rank), and stays unregistered. A named group is registered at its first claim: the
+-- first group to claim a run takes slot 0 (the plain names: a run a trainer without group
+-- already reads keeps them for it), the others the next free slot, and a group that joins
+-- late starts with its cursors at 0: its epochs are built for it until it catches up with
+-- the others. A rank that had held its group's slot and comes back without a checkpoint
+-- starts its group again at 0 (a new run where the group is alone); the run ends when
+-- every rank of every group finished.
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
-local data_key = KEYS[3]         -- LIST
-local work_key = KEYS[4]         -- LIST   shards handed back
-local wake_key = KEYS[5]         -- LIST
-local failures_key = KEYS[6]     -- HASH
-local ledger_key = KEYS[7]       -- HASH
--- KEYS[8..]: (data-parallel) every rank's data list, the counts and remap hashes:
--- dropped with the run
+local data_key = KEYS[3]         -- LIST   (dropped with a run)
+local groups_key = KEYS[4]       -- HASH   group name -> slot
+local work_key = KEYS[5]         -- LIST   shards handed back
+local wake_key = KEYS[6]         -- LIST
+local failures_key = KEYS[7]     -- HASH
+local refs_key = KEYS[8]         -- HASH   frame key -> readers left
+local remap_key = KEYS[9]        -- HASH   (an elastic resume's; dropped with a run)
+-- KEYS[10..]: the keys of group slots 0..max(groups, 1) (batchq.protocol.keys.QueueKeys
+-- .slot_keys for key_world ranks, each slot's in a row: ledger, counts, data lists,
+-- stats, figures, histories, wake list): what a new or finished run drops, and a new slot
+-- clears
 local token = ARGV[1]            -- the trainer's claim token
 local claim_ttl_ms = tonumber(ARGV[2])
 local op = ARGV[3]               -- 'acquire' | 'refresh' | 'release' | 'finish'
@@ -25,123 +38,238 @@ local run_id = ARGV[4]           -- run id to use if a new run starts
 local new_incarnation = ARGV[5]  -- incarnation to use if the queue must be created
 local takeover_run = ARGV[6]     -- run id to take over ('' for none)
 local version = ARGV[7]          -- protocol version
-local rank = ARGV[8] or '0'
-local world = tonumber(ARGV[9] or '1')
-local even = ARGV[10] or 'pad'   -- 'pad' | 'drop'
-local resumed = ARGV[11] or ''   -- a second run id to take over: the run that the job's
+local group = ARGV[8]            -- the group's name ('' the default group)
+local rank = ARGV[9]
+local world = tonumber(ARGV[10])
+local even = ARGV[11]            -- 'pad' | 'drop'
+local resumed = ARGV[12]         -- a second run id to take over: the run that the job's
                                  -- first resuming rank created (resume.lua), or ''
-local incarnation = ARGV[12] or ''  -- refresh/release/finish: the queue's incarnation the
+local incarnation = ARGV[13]     -- refresh/release/finish: the queue's incarnation the
                                  -- claim was made in (another, or none: Redis lost the
                                  -- queue, STATE_LOST; not a takeover); acquire: ''
-local first_rank_data = 8
+local groups = tonumber(ARGV[14])  -- the group slots the run had when the caller looked
+local key_world = tonumber(ARGV[15])  -- the ranks the KEYS tail has keys for, per slot
+local max_lag = ARGV[16]         -- acquire: the group's max_lag_batches ('' for none)
+local slot_arg = tonumber(ARGV[17])  -- refresh/release/finish: the caller's slot
+local max_groups = tonumber(ARGV[18])  -- the most group slots a run has
+local first_tail = 10
 
 local now = server_now_ms()
-local function f(name, r)
-  if world == 1 then return name end
-  return name .. ':' .. (r or rank)
+local per, tail_slots, slot_key = slot_tail(KEYS, first_tail, key_world, groups)
+if not per then return redis.error_reply('claim.lua: KEYS do not cover the group slots') end
+-- Delete a slot's keys (its figures too, but for slot 0, whose are the queue's own).
+local function drop_slot(i, keep_figures)
+  for j = 0, per - 1 do
+    local figure = j >= 2 + key_world and j < per - 1
+    if not (keep_figures and figure) then redis.call('DEL', slot_key(i, j)) end
+  end
 end
-local m = redis.call('HMGET', meta_key, 'run', f('claim'), f('claim_deadline'), f('claimed'),
-  'finished', 'world')
-local run_world = tonumber(m[6] or '1')
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
+local run_world = tonumber(m[3] or '1')
+local n = tonumber(m[4] or '0')
+if op == 'acquire' and (n ~= groups or key_world < math.max(world, run_world)) then
+  return {'GROUPS', n}
+end
+local slot = slot_arg
+local function f(name, r)
+  return name .. reader_sfx(slot, r or rank, world)
+end
 
--- Whether any rank of the run other than this one holds a live claim.
-local function others_live()
-  for r = 0, run_world - 1 do
-    if run_world == 1 or tostring(r) ~= rank then
-      local name = 'claim_deadline'
-      if run_world > 1 then name = name .. ':' .. r end
-      if tonumber(redis.call('HGET', meta_key, name) or '0') > now then return true end
+-- The default group of a run not read by several groups, in world 1: a single trainer,
+-- whose fields name no slot or rank ('claim', 'claimed'...).
+local single = n == 0 and world == 1 and group == ''
+local function group_done(i)
+  for r = 0, world - 1 do
+    if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1' then
+      return false
     end
   end
-  return false
+  return true
 end
 
--- A retried finish whose first reply was lost: the run (or this rank) is finished.
-if op == 'finish' and m[5] == '1' then return {'OK', 1} end
--- A run read by several groups is gclaim.lua's (batchq/protocol/groups.py): its groups'
--- keys go with it, and a finish ends it only with the last group.
-if (op == 'acquire' or op == 'finish') and redis.call('HGET', meta_key, 'groups') then
-  return {'GROUPS'}
-end
-if op == 'finish' and world > 1 and not m[2] and redis.call('HGET', meta_key, f('done')) == '1' then
-  return {'OK', 0}
-end
 if op ~= 'acquire' then
+  -- A retried finish whose first reply was lost: the run (or this rank) is finished.
+  if op == 'finish' and m[2] == '1' then return {'OK', 1, 1} end
   if incarnation ~= '' and redis.call('GET', incarnation_key) ~= incarnation then
     return {'STATE_LOST'}
   end
-  if m[2] ~= token then return {'CLAIM_LOST'} end
+  local claim = redis.call('HGET', meta_key, f('claim'))
+  if op == 'finish' and not claim and redis.call('HGET', meta_key, f('done')) == '1' then
+    return {'OK', group_done(slot) and 1 or 0, 0}
+  end
+  if claim ~= token then return {'CLAIM_LOST'} end
   if op == 'refresh' then
     redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
-  elseif op == 'release' then
-    redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
-  elseif op == 'finish' then
-    redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
-    if world > 1 then
-      -- Every rank finishes the run; the last one ends it.
-      redis.call('HSET', meta_key, f('done'), 1)
-      for r = 0, world - 1 do
-        if redis.call('HGET', meta_key, f('done', r)) ~= '1' then return {'OK', 0} end
-      end
-    end
-    -- Producers see 'finished' on their next call and exit; the frames left are useless.
-    redis.call('DEL', data_key, work_key, wake_key, failures_key)
-    for i = first_rank_data, #KEYS do redis.call('DEL', KEYS[i]) end
-    redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
-    if world > 1 then return {'OK', 1} end
+    return {'OK'}
   end
-  return {'OK'}
+  redis.call('HDEL', meta_key, f('claim'), f('claim_deadline'))
+  if op == 'release' then return {'OK'} end
+  if not single then redis.call('HSET', meta_key, f('done'), 1) end
+  local done = single or group_done(slot)
+  for i = 0, math.max(n, 1) - 1 do
+    if not (single or group_done(i)) then return {'OK', done and 1 or 0, 0} end
+  end
+  -- Every group finished: producers see 'finished' and exit; the frames left are useless.
+  redis.call('DEL', data_key, work_key, wake_key, failures_key, refs_key, remap_key)
+  for i = 0, tail_slots - 1 do
+    for j = 1, 1 + key_world do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
+    -- Its wake list: no producer waits for a group of a finished run (issue 42: they
+    -- were left behind).
+    redis.call('DEL', slot_key(i, per - 1))
+  end
+  redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
+  return {'OK', 1, 1}
 end
 
 local inc = redis.call('GET', incarnation_key)
-if m[2] == token and m[1] and inc and m[5] ~= '1' then
-  -- A retried acquire whose first reply was lost: this trainer holds the claim already.
-  -- new_run is 1 if that first try started the run (it minted the run id run_id).
-  redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
-  redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
-  local again = 0
-  if m[1] == run_id then again = 1 end
-  return {'OK', inc, m[1], again, tonumber(redis.call('HGET', meta_key, 'fence') or 0)}
-end
-
-local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
-  (resumed ~= '' and resumed == m[1]))
-if m[2] and m[2] ~= token and tonumber(m[3] or 0) > now and not takeover then
-  return {'CONFLICT', tonumber(m[3]) - now}
-end
-
-local new_run, held = 0, 0
-if m[4] == '1' and resumed ~= '' and m[1] == resumed then held = 1 end
 if not inc then
   inc = new_incarnation
   redis.call('SET', incarnation_key, inc)
   m[1] = false
 end
-local other_world = m[1] and m[5] ~= '1' and run_world ~= world and not takeover
-if other_world and others_live() then return {'WORLD', run_world} end
-if (not m[1]) or m[5] == '1' or (m[4] == '1' and not takeover) or other_world then
-  -- No run, a finished run, one that an earlier trainer of this rank held, or one of
-  -- another world size that nobody holds: start a new run. The producers see
-  -- RUN_CHANGED and join it; frames of the old run are dropped here and, should any
-  -- still arrive, by the trainer (the run id is in every frame).
-  redis.call('DEL', meta_key, data_key, work_key, wake_key, failures_key, ledger_key)
-  for i = first_rank_data, #KEYS do redis.call('DEL', KEYS[i]) end
+local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
+  (resumed ~= '' and resumed == m[1]))
+local new_run = 0
+
+local function start_run()
+  redis.call('DEL', meta_key, data_key, work_key, wake_key, failures_key, refs_key, groups_key,
+    remap_key)
+  for i = 0, math.max(n, 1) - 1 do drop_slot(i, i == 0) end
   redis.call('HSET', meta_key, 'version', version, 'run', run_id, 'next', 0, 'floor', 0)
   if world > 1 then
     redis.call('HSET', meta_key, 'world', world, 'even', even)
+    for r = 0, world - 1 do redis.call('HSET', meta_key, 'next:' .. r, 0, 'floor:' .. r, 0) end
+  end
+  m[1], new_run, n, run_world = run_id, 1, 0, world
+end
+-- Name `name` the group of slot i; a fresh slot's keys (an earlier run's) go and its
+-- cursors start at 0 (slot 0 of a live run keeps its own: its reader, or the producers'
+-- work done before any trainer came).
+local function register(name, i, fresh)
+  redis.call('HSET', groups_key, name, i)
+  if fresh then
+    drop_slot(i, false)
     for r = 0, world - 1 do
-      redis.call('HSET', meta_key, 'next:' .. r, 0, 'floor:' .. r, 0)
+      local sfx = reader_sfx(i, r, world)
+      redis.call('HSET', meta_key, 'next' .. sfx, 0, 'floor' .. sfx, 0)
     end
   end
-  m[1] = run_id
-  new_run, held = 1, 0
+  n = math.max(n, i + 1)
+  redis.call('HSET', meta_key, 'groups', n)
+end
+local function claimed_by_anyone(i)
+  for r = 0, run_world - 1 do
+    if redis.call('HGET', meta_key, 'claimed' .. reader_sfx(i, r, run_world)) == '1' then
+      return true
+    end
+  end
+  return false
+end
+-- Whether a rank of slot i (other than rank `except`, in a run of several ranks) holds
+-- a live claim.
+local function live(i, except)
+  for r = 0, run_world - 1 do
+    if run_world == 1 or tostring(r) ~= except then
+      local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, run_world))
+      if tonumber(d or '0') > now then return true end
+    end
+  end
+  return false
+end
+-- A new run for this group alone (a run of the default group alone stays unregistered):
+-- the producers see RUN_CHANGED and join it; frames of the old run are dropped here and,
+-- should any still arrive, by the trainer (the run id is in every frame).
+local function alone()
+  start_run()
+  if group ~= '' then register(group, 0, false) end
+  return 0
+end
+
+if (not m[1]) or m[2] == '1' then
+  slot = alone()
+elseif n == 0 and group == '' then
+  -- The default group of a run not read by several groups: a run of another world size
+  -- that no other rank holds starts again (one this job resumes is taken over).
+  slot = 0
+  if run_world ~= world and not takeover then
+    if live(0, rank) then return {'WORLD', run_world} end
+    slot = alone()
+  end
+elseif n == 0 then
+  redis.call('DEL', groups_key)  -- names left by an earlier run
+  if claimed_by_anyone(0) then
+    -- A trainer without group reads the run: it keeps slot 0, this group joins late.
+    if run_world ~= world then
+      if live(0) then return {'WORLD', run_world} end
+      slot = alone()
+    else
+      register('', 0, false)
+      register(group, 1, true)
+      slot = 1
+    end
+  else
+    -- Nobody claimed the run yet: this group takes what producers built already.
+    if run_world ~= world then slot = alone() else register(group, 0, false); slot = 0 end
+  end
+else
+  local s = redis.call('HGET', groups_key, group)
+  if s then
+    slot = tonumber(s)
+  else
+    if run_world ~= world then return {'WORLD', run_world} end
+    if n >= max_groups then return {'FULL', n} end
+    slot = n
+    register(group, slot, true)
+  end
+end
+if run_world ~= world and (n > 0 or group ~= '') then return {'WORLD', run_world} end
+
+local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'))
+if c[1] == token and new_run == 0 then
+  -- A retried acquire whose first reply was lost: this trainer holds the claim already.
+  redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
+  redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
+  local again = 0
+  if m[1] == run_id then again = 1 end
+  local fence = tonumber(redis.call('HGET', meta_key, 'fence') or 0)
+  return {'OK', inc, m[1], again, fence, 0, slot, n}
+end
+if c[1] and c[1] ~= token and tonumber(c[2] or 0) > now and not takeover then
+  return {'CONFLICT', tonumber(c[2]) - now}
+end
+local held = 0
+if c[3] == '1' and resumed ~= '' and m[1] == resumed and not single then held = 1 end
+if new_run == 0 and c[3] == '1' and not takeover then
+  -- This rank read its group before and comes back without a checkpoint.
+  if n <= 1 then
+    slot = alone()
+  else
+    -- The others read on: this group starts its epochs again, as one that joins late
+    -- (its list keeps what was pushed for it: the same run's batches, filed or dropped
+    -- by its ledger like any). Its other ranks' claims go (they read the old position).
+    for r = 0, world - 1 do
+      local sfx = reader_sfx(slot, r, world)
+      redis.call('HSET', meta_key, 'next' .. sfx, 0, 'floor' .. sfx, 0)
+      redis.call('HDEL', meta_key, 'done' .. sfx, 'claim' .. sfx, 'claim_deadline' .. sfx,
+        'claimed' .. sfx)
+    end
+    redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1))  -- its ledger and counts
+  end
+  held = 0
 end
 redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
   f('claimed'), 1)
--- The previous trainer's host goes: until this one publishes its own (right after),
--- no shared-memory descriptor is pushed for this rank (push.lua), so none of another
--- host's can reach it.
+-- The previous trainer's host goes: until this one publishes its own (right after), no
+-- shared-memory descriptor is pushed for this rank (push.lua), so none of another host's
+-- can reach it.
 redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
+if n > 0 then
+  local lag_field = 'max_lag' .. reader_sfx(slot, 0, 1)
+  if max_lag ~= '' then
+    redis.call('HSET', meta_key, lag_field, max_lag)
+  else
+    redis.call('HDEL', meta_key, lag_field)
+  end
+end
 local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
-if world == 1 then return {'OK', inc, m[1], new_run, fence} end
-return {'OK', inc, m[1], new_run, fence, held}
+return {'OK', inc, m[1], new_run, fence, held, slot, n}

@@ -1,25 +1,37 @@
--- lease.lua: a producer leases its next shard, idempotently.
--- Returns {'OK', g, skip, slots, world[, shard], stamp} (g = global slot number: epoch *
---         slots + slot, see batchq/protocol/ranks.py; world 1: {'OK', g, skip, stamp},
---         slots = S; skip = batches of it the trainer already has: build it, push only
---         from batch `skip` on; stamp = meta 'params', the params log's '<run>:<version>',
---         '' for none: the producer reads the log again when it changed)
---      or {'WAIT'} (the look-ahead window is full), {'BUSY'} (prefetch declined),
---         {'GROUPS', n} (the run is read by n group slots: glease.lua), {'STATE_LOST'},
---         {'RUN_CHANGED'},
---         {'FINISHED'}, {'REAPED'} (this producer was declared dead: join again)
--- A data-parallel run mints for the rank furthest behind (fewest minted shards above
--- its floor) among those with room in their window and in their data list; a shard
--- handed back is taken from the work list only for a rank whose list has room, so a
--- dead rank's full list never holds the producers.
+-- lease.lua: a producer leases its next shard, idempotently, in a run read by one group
+-- or several (batchq/protocol/groups.py).
+-- Returns {'OK', g, skip, slots, world, mask, stamp[, shard]} (g: global slot number,
+--         epoch * slots + slot, batchq/protocol/ranks.py; slots 0 in a world-1 run of one
+--         group: the plan's S; mask: the group slots it is built for, bit i for slot i;
+--         skip: batches of it every one of them already has: build it, push only from
+--         batch `skip` on; stamp: meta 'params', the params log's '<run>:<version>', ''
+--         for none: the producer reads the log again when it changed; shard: the shard a
+--         slot of a remapped epoch builds, a resume with other ranks)
+--      or {'WAIT', slot} (nothing to mint; slot: the group whose floor holds the shared
+--         stream, -1 for none: its pops wake its own list), {'BUSY'} (prefetch declined),
+--         {'GROUPS', n} (the run has n group slots, not the caller's: read them again),
+--         {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}, {'REAPED'} (this producer was
+--         declared dead: join again)
+-- A run of one group (meta 'groups' unset) takes the fast path: a data-parallel run mints
+-- for the rank furthest behind (fewest minted shards above its floor) among those with
+-- room in their window and in their data list; a shard handed back is taken from the work
+-- list only for a rank whose list has room, so a dead rank's full list never holds the
+-- producers.
+-- In a run of several groups a shard is minted once for every group whose cursor ('next'
+-- of the group slot and rank) is at it: the groups at the largest cursor share it, a
+-- group behind them gets its own (detached, or joined late) until its cursor reaches
+-- theirs. The largest cursor (the shared stream) is minted only below floor + W of every
+-- group that paces it: every group still reading, except one with max_lag set that is
+-- more than that many batches behind the leading group. A handed-back shard (work list)
+-- goes to the groups it names, once one of their lists has room.
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
-local work_key = KEYS[3]         -- LIST   shards handed back
+local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
-local ledger_key = KEYS[6]       -- HASH   what a resumed trainer already has
--- KEYS[7..]: (data-parallel runs) every rank's data list, rank 0 first, then the remap
--- hash (slot -> shard of the epoch meta remap_epoch)
+-- KEYS[6..]: every group slot's ledger (slot 0 first; one for a run of one group), then
+-- every slot's data lists (slot 0's ranks first), then (data-parallel) the remap hash
+-- (slot -> shard of the epoch meta remap_epoch)
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local producer = ARGV[3]
@@ -33,118 +45,246 @@ local prefetch = tonumber(ARGV[6])  -- k > 0 when sent right behind a shard's la
                                  -- reply travels), so that a producer blocked at the hwm
                                  -- is never granted a further shard another could build
 local after = ARGV[7]            -- the lease entry of the push this rides behind
-local first_rank_data = 7
+local groups = tonumber(ARGV[8])  -- the group slots the caller's KEYS are for (0: one group)
+local first_ledger = 6
 
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
-local m = redis.call('HMGET', meta_key, 'run', 'finished', 'next', 'floor', 'window', 'shards',
-  'world', 'even', 'hwm', 'remap_epoch', 'params')
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
+  'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch', 'next', 'floor')
 local refused = run_refused(m, run)
 if refused then return refused end
--- A run read by several groups is glease.lua's (batchq/protocol/groups.py).
-local grouped = redis.call('HGET', meta_key, 'groups')
-if grouped then return {'GROUPS', tonumber(grouped)} end
+local n = tonumber(m[8] or '0')
+if n ~= groups then return {'GROUPS', n} end
 refused = heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
 if refused then return refused end
 
-local world = tonumber(m[7] or '1')
-if world > 1 and #KEYS ~= first_rank_data + world then return {'RUN_CHANGED'} end  -- a stale view
--- The ledger names slots as '<epoch>:<slot>': 'd' when done, else batches already had.
-local S = tonumber(m[6])
+local world = tonumber(m[5] or '1')
+local slots_n = math.max(n, 1)
+local remap_key = nil
+if world > 1 then remap_key = KEYS[first_ledger + slots_n * (1 + world)] end
+if #KEYS ~= first_ledger - 1 + slots_n * (1 + world) + (world > 1 and 1 or 0) then
+  if n == 0 then return {'RUN_CHANGED'} end  -- a stale view of the run's world
+  return {'GROUPS', n}
+end
+local shards = tonumber(m[4])
+local S = shards
 if world > 1 then
-  if m[8] == 'drop' then S = world * math.floor(S / world)
-  else S = world * math.ceil(S / world) end
+  if m[6] == 'drop' then S = world * math.floor(shards / world)
+  else S = world * math.ceil(shards / world) end
 end
-local stamp = m[11] or ''  -- the params log's version rides with every lease
-local function granted(g, skip)
-  if world == 1 then return {'OK', g, skip, stamp} end
-  -- A slot of a remapped epoch names the shard it builds (a resume with other ranks).
-  if m[10] and math.floor(tonumber(g) / S) == tonumber(m[10]) then
-    local shard = redis.call('HGET', KEYS[first_rank_data + world], tostring(tonumber(g) % S))
-    if shard then return {'OK', g, skip, S, world, shard, stamp} end
-  end
-  return {'OK', g, skip, S, world, stamp}
-end
-local function had(g)
-  local v = redis.call('HGET', ledger_key, math.floor(g / S) .. ':' .. (g % S))
+local P = S / world
+local stamp = m[10] or ''  -- the params log's version rides with every lease
+local W, hwm = tonumber(m[3]), tonumber(m[7])
+local suffix = ':' .. run .. ':' .. token  -- the lease entry's tail (layout.py)
+
+local function data_of(i, r) return KEYS[first_ledger + slots_n + i * world + r] end
+local function has_room(i, r) return redis.call('LLEN', data_of(i, r)) < hwm end
+-- The ledger of slot i names slots as '<epoch>:<slot>': 'd' when done, else batches had.
+local function had(i, g)
+  local v = redis.call('HGET', KEYS[first_ledger + i], math.floor(g / S) .. ':' .. (g % S))
   if v == 'd' then return -1 end
   return tonumber(v or '0')
+end
+local function reading(i, r)
+  return redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1'
+end
+-- The groups of `mask` still reading rank r that need g: (their mask, the batches the
+-- one that has fewest already has); mask 0 when none does. A run of one group: slot 0
+-- needs what its ledger does not mark done.
+local function needed(g, mask, r)
+  if n == 0 then return 1, math.max(had(0, g), 0) end
+  local out, skip = 0, nil
+  for i = 0, n - 1 do
+    if mask_has(mask, i) and reading(i, r) then
+      local h = had(i, g)
+      if h >= 0 then
+        out = out + 2 ^ i
+        if skip == nil or h < skip then skip = h end
+      end
+    end
+  end
+  return out, skip or 0
+end
+local function granted(g, mask, skip)
+  g = tonumber(g)
+  local out = {'OK', tostring(g), skip, S, world, mask, stamp}
+  if n == 0 and world == 1 then out[4] = 0 end
+  -- A slot of a remapped epoch names the shard it builds (a resume with other ranks).
+  if remap_key and m[11] and math.floor(g / S) == tonumber(m[11]) then
+    local shard = redis.call('HGET', remap_key, tostring(g % S))
+    if shard then out[8] = shard end
+  end
+  return out
+end
+local function grant(g, mask, skip)
+  redis.call('RPUSH', lease_key, work_spec(g, mask) .. suffix)
+  return granted(g, mask, skip)
 end
 
 -- A retried request first (its first reply was lost): the same shard, even if the
 -- producer now holds k leases with it.
 local again = retried_lease(lease_key, run, token)
-if again then return granted(again, math.max(had(tonumber(again)), 0)) end
+if again then
+  local g, mask = parse_spec(again)
+  local _, skip = needed(g, mask, (g % S) % world)
+  return granted(g, mask, skip)
+end
 if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
 
-local suffix = ':' .. run .. ':' .. token  -- the lease entry's tail (layout.py)
-
-if world > 1 then
-  local P = S / world
-  local W, hwm = tonumber(m[5]), tonumber(m[9])
-  local function room(r)
-    return redis.call('LLEN', KEYS[first_rank_data + r]) < hwm and
-      redis.call('HGET', meta_key, 'done:' .. r) ~= '1'
-  end
+if n == 0 then
+  -- The fast path: one group, each rank's cursor 'next[:<rank>]' (world 1: meta's).
+  local function room(r) return has_room(0, r) and reading(0, r) end
   local g
-  for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
-    if room((tonumber(e) % S) % world) then
-      g = e
-      redis.call('LREM', work_key, 1, e)
-      break
+  if world == 1 then
+    g = redis.call('LPOP', work_key)
+  else
+    for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
+      if room((tonumber(e) % S) % world) then
+        redis.call('LREM', work_key, 1, e)
+        g = e
+        break
+      end
     end
   end
-  local skip = 0
-  if g then
-    skip = math.max(had(tonumber(g)), 0)
-  else
-    local best, best_ahead
+  if g then return grant(g, 1, math.max(had(0, tonumber(g)), 0)) end
+  local best, nxt, floor = 0, tonumber(m[12]), tonumber(m[13])
+  if world > 1 then
+    best = nil
     for r = 0, world - 1 do
-      local f = redis.call('HMGET', meta_key, 'next:' .. r, 'floor:' .. r)
-      local nxt, floor = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-      if nxt < floor + W and room(r) and (best == nil or nxt - floor < best_ahead) then
-        best, best_ahead = r, nxt - floor
+      local sfx = reader_sfx(0, r, world)
+      local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx)
+      local v, fl = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+      if v < fl + W and room(r) and (best == nil or v - fl < nxt - floor) then
+        best, nxt, floor = r, v, fl
       end
     end
     if best == nil then return {'WAIT'} end
-    local field = 'next:' .. best
-    local nxt = tonumber(redis.call('HGET', meta_key, field) or '0')
-    local limit = tonumber(redis.call('HGET', meta_key, 'floor:' .. best) or '0') + W
-    while true do
-      if nxt >= limit then
-        redis.call('HSET', meta_key, field, nxt)
-        return {'WAIT'}
-      end
-      g = math.floor(nxt / P) * S + (nxt % P) * world + best
-      skip = had(g)
-      if skip >= 0 then break end
-      nxt = nxt + 1  -- the rank has all of this slot: never build it
-    end
-    redis.call('HSET', meta_key, field, nxt + 1)
-    g = tostring(g)
   end
-  redis.call('RPUSH', lease_key, g .. suffix)
-  return granted(g, skip)
-end
-
-local g = redis.call('LPOP', work_key)
-local skip = 0
-if g then
-  skip = math.max(had(tonumber(g)), 0)
-else
-  local nxt = tonumber(m[3])
-  local limit = tonumber(m[4]) + tonumber(m[5])
+  local field = 'next' .. reader_sfx(0, best, world)
   while true do
-    if nxt >= limit then
-      redis.call('HSET', meta_key, 'next', nxt)
+    if nxt >= floor + W then
+      redis.call('HSET', meta_key, field, nxt)
       return {'WAIT'}
     end
-    skip = had(nxt)
-    if skip >= 0 then break end
-    nxt = nxt + 1  -- the trainer has all of this shard: never build it
+    local g = math.floor(nxt / P) * S + (nxt % P) * world + best
+    local skip = had(0, g)
+    if skip >= 0 then
+      redis.call('HSET', meta_key, field, nxt + 1)
+      return grant(g, 1, skip)
+    end
+    nxt = nxt + 1  -- the rank has all of this slot: never build it
   end
-  g = tostring(nxt)
-  redis.call('HSET', meta_key, 'next', nxt + 1)
 end
-redis.call('RPUSH', lease_key, g .. suffix)
-return granted(g, skip)
+
+local per_shard = 1
+local eb = tonumber(m[9] or '-1')
+if eb > 0 and shards > 0 then per_shard = eb / shards end
+
+-- A shard handed back, for the groups it names, once one of their lists has room.
+for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
+  local g, mask = parse_spec(e)
+  if g then
+    local r = (g % S) % world
+    local want, skip = needed(g, mask, r)
+    if want == 0 then
+      redis.call('LREM', work_key, 1, e)  -- every group it was for has it, or finished
+    else
+      for i = 0, n - 1 do
+        if mask_has(want, i) and has_room(i, r) then
+          redis.call('LREM', work_key, 1, e)
+          return grant(g, want, skip)
+        end
+      end
+    end
+  end
+end
+-- Each rank's readers: every group still reading it, its cursor, floor and list room, and
+-- whether it may be left behind (max_lag set and exceeded).
+local function readers(r)
+  local out, lead = {}, nil
+  for i = 0, n - 1 do
+    local sfx = reader_sfx(i, r, world)
+    local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx, 'done' .. sfx,
+      'max_lag' .. reader_sfx(i, 0, 1))
+    if f[3] ~= '1' then
+      local c = {slot = i, next = tonumber(f[1] or '0'), floor = tonumber(f[2] or '0'),
+        max_lag = tonumber(f[4] or ''), room = has_room(i, r)}
+      if c.floor > c.next then
+        -- The group has every shard below its floor (frames listed before its trainer
+        -- restarted at an earlier cursor): never mint those again.
+        c.next = c.floor
+        redis.call('HSET', meta_key, 'next' .. sfx, c.next)
+      end
+      out[#out + 1] = c
+      if lead == nil or c.floor > lead then lead = c.floor end
+    end
+  end
+  for _, c in ipairs(out) do
+    c.detachable = c.max_lag ~= nil and (lead - c.floor) * per_shard > c.max_lag
+  end
+  return out
+end
+
+-- The stream to mint from: for each rank, each cursor value held by some group. The
+-- largest (the shared stream) only within the window of every group that paces it; a
+-- group joins a stream only within its own window, and (unless it paces the shared
+-- stream without max_lag, when the others wait for it) only with room in its list. Chosen: the stream whose neediest group has the
+-- fewest shards minted above its floor; then the one shared by more groups.
+local holding = -1  -- the group whose window holds the shared stream (the slowest pacer)
+local function choose()
+  local best = nil
+  for r = 0, world - 1 do
+    local st = readers(r)
+    local front = nil
+    for _, c in ipairs(st) do
+      if front == nil or c.next > front then front = c.next end
+    end
+    local paced, low = true, nil
+    for _, c in ipairs(st) do
+      if not c.detachable and front >= c.floor + W then
+        paced = false
+        if low == nil or c.floor < low then low, holding = c.floor, c.slot end
+      end
+    end
+    local seen = {}
+    for _, first in ipairs(st) do
+      local v = first.next
+      if not seen[v] and (v < front or paced) then
+        seen[v] = true
+        local targets, score, room = {}, nil, false
+        for _, c in ipairs(st) do
+          local pacing = v == front and not c.detachable and c.max_lag == nil
+          if c.next == v and v < c.floor + W and (c.room or pacing) then
+            targets[#targets + 1] = c
+            room = room or c.room
+            if score == nil or c.next - c.floor < score then score = c.next - c.floor end
+          end
+        end
+        if room and (best == nil or score < best.score or
+            (score == best.score and #targets > #best.targets) or
+            (score == best.score and #targets == #best.targets and v > best.value)) then
+          best = {rank = r, value = v, targets = targets, score = score}
+        end
+      end
+    end
+  end
+  return best
+end
+
+-- Mint the chosen stream's next shard; one every target has already (a resumed ledger)
+-- moves their cursors past it and is never built.
+for _ = 1, 1000 do
+  local best = choose()
+  if best == nil then return {'WAIT', holding} end
+  local r, v = best.rank, best.value
+  local g = math.floor(v / P) * S + (v % P) * world + r
+  local mask = 0
+  for _, c in ipairs(best.targets) do
+    redis.call('HSET', meta_key, 'next' .. reader_sfx(c.slot, r, world), v + 1)
+    mask = mask + 2 ^ c.slot
+  end
+  local want, skip = needed(g, mask, r)
+  if want > 0 then return grant(g, want, skip) end
+end
+return {'WAIT'}

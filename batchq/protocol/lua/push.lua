@@ -1,57 +1,155 @@
--- push.lua: push one frame below the hwm (the capped push).
--- Returns {'OK', depth} or {'FULL', depth}, {'GONE'} (the referenced frame expired:
--- store it again), {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'},
--- {'FINISHED'}, {'WRONG_TYPE', key, type} (a foreign writer replaced the data list: wait),
--- {'REROUTE'} (a shared-memory descriptor for a host the rank's trainer has not
--- published: send the frame itself)
+-- push.lua: push one frame below the hwm (the capped push) into the list of every group
+-- it is for: one list in a run of one group (the fast path), or one per target group slot
+-- in a run read by several (batchq/protocol/groups.py).
+-- Returns {'OK', depth (the shortest list it went into, after), dropped mask}
+--      or {'FULL', depth[, slot]} (the list of group slot `slot`, which paces the others,
+--         is full: wait for its pops),
+--         {'DROPPED', mask} (no list took it: the shard is no longer ours),
+--         {'GONE'} (the referenced frame expired: store it again), {'LEASE_LOST'},
+--         {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'},
+--         {'WRONG_TYPE', key, type} (a foreign writer replaced a list: wait),
+--         {'REROUTE'} (a shared-memory descriptor for a host a target rank's trainer has
+--         not published: send the frame itself)
+-- A full list of a group with max_lag set never holds a push: it is left out, and the
+-- shard goes back to the work list for that group alone (dropped mask; the producer
+-- leaves it out of the shard's next frames). Such a group holds the others through its
+-- window only, while it is within its lag (lease.lua): a full list of later frames while
+-- it does not read could otherwise hold them at its floor for ever.
+-- A frame stored by reference and pushed into k > 1 lists gets refs[frame key] = k: each
+-- reader releases it after reading it (release.lua), the last one deletes it.
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
-local data_key = KEYS[3]         -- LIST   the data list (a rank's, data-parallel)
-local stats_key = KEYS[4]        -- HASH   queue counters
-local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
-local lease_key = KEYS[6]        -- LIST   this producer's leases
-local pstats_key = KEYS[7]       -- HASH   per-producer counters
-local frame_key = KEYS[8]        -- STRING only for a frame stored by reference
+local stats_key = KEYS[3]        -- HASH   queue counters
+local producers_key = KEYS[4]    -- ZSET   producer -> heartbeat deadline (ms)
+local lease_key = KEYS[5]        -- LIST   this producer's leases
+local pstats_key = KEYS[6]       -- HASH   per-producer counters
+local refs_key = KEYS[7]         -- HASH   frame key -> readers that have still to read it
+local work_key = KEYS[8]         -- LIST   shards handed back
+-- KEYS[9..]: per target group slot, ascending: its data list (the rank's) and its stats
+-- hash; then, for a frame stored by reference, the frame's key
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local producer = ARGV[3]
-local entry = ARGV[4]            -- lease entry '<g>:<run>:<token>' the frame belongs to
-local element = ARGV[5]          -- the frame itself, or a reference to frame_key
+local entry = ARGV[4]            -- lease entry '<g>[/<mask>]:<run>:<token>' the frame belongs to
+local element = ARGV[5]          -- the frame itself, a reference to it, or a descriptor
 local last = ARGV[6]             -- '1' if the shard's last frame (the lease is released)
 local heartbeat_ttl_ms = tonumber(ARGV[7])
 local frame_bytes = tonumber(ARGV[8])
 local blocked_ms = tonumber(ARGV[9])  -- spent blocked at the hwm since the last try
 local produce_ms = tonumber(ARGV[10]) -- the pipeline took to build this batch
 local shm_host = ARGV[11]        -- the host a descriptor's segment is on; '' for a frame
-local host_field = ARGV[12]      -- the meta field of the rank's published host
+local rank = ARGV[12]            -- the rank the shard is for
+local world = tonumber(ARGV[13])  -- the run's ranks
+local targets = tonumber(ARGV[14])  -- the group slots to push to (a mask; 1: slot 0)
+local groups = tonumber(ARGV[15])  -- the run's group slots as the caller knows them (0: one)
+local by_ref = ARGV[16]          -- '1': the last key is the frame's, stored by reference
+local first_target = 9
 
 local now = server_now_ms()
--- Every key's type first: a foreign type found half-way would leave a frame pushed and
--- its lease held (a script's writes are not rolled back). The types are
--- batchq.protocol.keys.KEY_TYPES; the per-producer counters below (field
--- '<producer>:<counter>') are batchq.protocol.fields.ProducerStat.
+-- Every key's type first (batchq.protocol.keys.KEY_TYPES): a script's writes are not
+-- rolled back, so a foreign type found half-way would leave a frame half pushed. The
+-- per-producer counters (field '<producer>:<counter>') are
+-- batchq.protocol.fields.ProducerStat.
+local frame_key = nil
+if by_ref == '1' then frame_key = KEYS[#KEYS] end
 local typed = {
-  {meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}, {stats_key, 'hash'},
+  {meta_key, 'hash'}, {incarnation_key, 'string'}, {stats_key, 'hash'},
   {producers_key, 'zset'}, {lease_key, 'list'}, {pstats_key, 'hash'},
+  {KEYS[first_target], 'list'},
 }
+local slots = {0}  -- a run of one group: slot 0's list, its stats the queue's
+if groups > 0 then
+  typed[#typed + 1] = {refs_key, 'hash'}  -- written in a run of several groups only
+  typed[#typed + 1] = {work_key, 'list'}
+  slots = {}
+  local bit = 0
+  while 2 ^ bit <= targets do
+    if mask_has(targets, bit) then slots[#slots + 1] = bit end
+    bit = bit + 1
+  end
+  for j = 1, #slots do
+    typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1)], 'list'}
+    typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1) + 1], 'hash'}
+  end
+end
+if #KEYS ~= first_target - 1 + 2 * #slots + (frame_key and 1 or 0) then
+  return redis.error_reply('push.lua: KEYS do not match the targets')
+end
 local refused = wrong_type(typed)
 if refused then return refused end
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
-local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', host_field)
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', 'groups',
+  'shm_host' .. reader_sfx(0, rank, world))
 refused = run_refused(m, run) or heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
 if refused then return refused end
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
 count_blocked(stats_key, pstats_key, producer, blocked_ms)
--- A descriptor goes only into the list of a trainer on its host: one whose trainer
--- changed (a takeover, another rank's host) would get a segment it cannot map.
-if shm_host ~= '' and m[4] ~= shm_host then return {'REROUTE'} end
+
+local n, hwm = tonumber(m[4] or '1'), tonumber(m[3])
+if groups == 0 then
+  -- The fast path: a run of one group, one list (the rank's), its trainer's host.
+  local data_key = KEYS[first_target]
+  if shm_host ~= '' and m[5] ~= shm_host then return {'REROUTE'} end
+  if frame_key and redis.call('TYPE', frame_key).ok ~= 'string' then return {'GONE'} end
+  local depth = redis.call('LLEN', data_key)
+  if depth >= hwm then return {'FULL', depth} end
+  redis.call('LPUSH', data_key, element)
+  if frame_key then redis.call('PERSIST', frame_key) end
+  count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
+  if last == '1' then shard_pushed(stats_key, lease_key, entry) end
+  return {'OK', depth + 1, 0}
+end
+-- The lists that take it: a group that finished takes nothing; a descriptor goes only
+-- into lists of trainers on its host.
+local go = {}
+for j, i in ipairs(slots) do
+  -- What each target says of itself: whether it finished, its host, its max_lag.
+  local sfx = reader_sfx(i, rank, world)
+  local t = {slot = i, data = KEYS[first_target + 2 * (j - 1)],
+    stats = KEYS[first_target + 2 * (j - 1) + 1],
+    f = redis.call('HMGET', meta_key, 'done' .. sfx, 'shm_host' .. sfx,
+      'max_lag' .. reader_sfx(i, 0, 1))}
+  if t.f[1] ~= '1' then
+    if shm_host ~= '' and t.f[2] ~= shm_host then return {'REROUTE'} end
+    go[#go + 1] = t
+  end
+end
 -- The stored frame expired, or a foreign writer put another type there: store it again.
 if frame_key and redis.call('TYPE', frame_key).ok ~= 'string' then return {'GONE'} end
 
-local depth = redis.call('LLEN', data_key)
-if depth >= tonumber(m[3]) then return {'FULL', depth} end
-redis.call('LPUSH', data_key, element)
-if frame_key then redis.call('PERSIST', frame_key) end
+local into, dropped, depth = {}, 0, nil
+for _, t in ipairs(go) do
+  local len = redis.call('LLEN', t.data)
+  if len >= hwm then
+    if not t.f[3] then return {'FULL', len, t.slot} end  -- the others wait for this group
+    dropped = dropped + 2 ^ t.slot
+    redis.call('HINCRBY', t.stats, 'detached_drops', 1)
+  else
+    into[#into + 1] = t
+    if depth == nil or len + 1 < depth then depth = len + 1 end
+  end
+end
+if dropped > 0 then redis.call('RPUSH', work_key, work_spec(entry_slot(entry), dropped)) end
+if #into == 0 then
+  -- Every list it was for is gone (finished) or left behind: not ours any more.
+  redis.call('LREM', lease_key, 1, entry)
+  return {'DROPPED', dropped}
+end
+
+for _, t in ipairs(into) do
+  redis.call('LPUSH', t.data, element)
+  if t.slot > 0 then  -- slot 0's counters are the queue's own (below)
+    redis.call('HINCRBY', t.stats, 'pushed', 1)
+    redis.call('HINCRBY', t.stats, 'pushed_bytes', frame_bytes)
+  end
+  -- Built for this group alone in a run of several (detached, joined late, or the others
+  -- finished before it).
+  if #into == 1 and n > 1 then redis.call('HINCRBY', t.stats, 'solo_pushed', 1) end
+end
+if frame_key then
+  redis.call('PERSIST', frame_key)
+  if #into > 1 then redis.call('HSET', refs_key, frame_key, #into) end
+end
 count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
 if last == '1' then shard_pushed(stats_key, lease_key, entry) end
-return {'OK', depth + 1}
+return {'OK', depth, dropped}

@@ -1,105 +1,227 @@
--- resume.lua: a trainer restarts the plan from its ledger (a checkpoint, or what it had
--- received when Redis lost the queue's state). A new run id makes every producer join
--- again and drop what it was building; the stale contents of the queue go.
--- The ranks of a job resume into one run: the first one creates it (every rank computes
--- the same run id), the others join it and add their ledgers; a rank whose step differs
--- is refused.
--- Returns {'OK', run} or {'CLAIM_LOST'}, {'STEP', the run's step}, {'GROUPS'} (a run read
--- by several groups: gresume.lua's)
+-- resume.lua: a trainer (one rank of one group) restarts its group's plan from its ledger:
+-- a checkpoint, or what it had received when Redis lost the queue's state. A new run id
+-- makes every producer join again and drop what it was building.
+-- Returns {'OK', run, slot, groups} or {'CLAIM_LOST'}, {'STEP', the run's (group's) step},
+--         {'GROUPS', groups} (not the groups the caller's KEYS are for: read them again)
+-- The default group of a run not read by several groups takes the fast path: the stale
+-- contents of the queue go; the ranks of a job resume into one run: the first one creates
+-- it (every rank computes the same run id), the others join it and add their ledgers; a
+-- rank whose step differs is refused.
+-- In a run of several groups (batchq/protocol/groups.py), the run lives on when it is the
+-- checkpoint's (or the one another group's resume made from it): only this group's
+-- cursor, floor and ledger change, at the checkpoint's epoch, and the others read on. Any
+-- other run is replaced by `new_run` (the groups of a sweep resuming one checkpoint
+-- compute the same id, so the first creates it and the others join it, each registered
+-- again).
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING (kept for the key layout)
-local data_key = KEYS[3]         -- LIST
-local work_key = KEYS[4]         -- LIST   shards handed back
-local failures_key = KEYS[5]     -- HASH
-local ledger_key = KEYS[6]       -- HASH   '<epoch>:<slot>' -> 'd' or batches had
-local wake_key = KEYS[7]         -- LIST
--- KEYS[8..]: (data-parallel) every rank's data list, this rank's first, then the counts
--- hash and the remap hash (slot -> shard), last
+local data_key = KEYS[3]         -- LIST   (dropped with a run)
+local groups_key = KEYS[4]       -- HASH   group name -> slot
+local work_key = KEYS[5]         -- LIST   shards handed back
+local wake_key = KEYS[6]         -- LIST
+local failures_key = KEYS[7]     -- HASH
+local refs_key = KEYS[8]         -- HASH   frame key -> readers left
+local remap_key = KEYS[9]        -- HASH   slot -> shard (an elastic resume's)
+-- KEYS[10..]: the keys of group slots 0..max(groups, 1), as claim.lua's
 local token = ARGV[1]            -- the trainer's claim token
-local new_run = ARGV[2]
-local first = ARGV[3]            -- first shard to mint (e * S; a rank: e * P, its count)
-local fingerprint = ARGV[4]
-local hwm = ARGV[5]              -- '' to let the first producer set the plan's figures
-local shards = ARGV[6]           -- S
-local window = ARGV[7]
-local epoch_batches = ARGV[8]
-local rank = ARGV[9]
-local world = tonumber(ARGV[10])
-local even = ARGV[11]            -- 'pad' | 'drop'
-local step = ARGV[12]            -- the batches yielded at the checkpoint; -1 after Redis
+local new_run = ARGV[2]          -- the run a replaced run becomes
+local takeover_run = ARGV[3]     -- the checkpoint's run: it lives on if the queue runs it
+local first = ARGV[4]            -- first shard to mint (e * S; a rank: e * P, its count)
+local fingerprint = ARGV[5]
+local hwm = ARGV[6]              -- '' to let the first producer set the plan's figures
+local shards = ARGV[7]           -- S
+local window = ARGV[8]
+local epoch_batches = ARGV[9]
+local group = ARGV[10]           -- the group's name ('' the default group)
+local rank = ARGV[11]
+local world = tonumber(ARGV[12])
+local even = ARGV[13]            -- 'pad' | 'drop'
+local step = ARGV[14]            -- the batches yielded at the checkpoint; -1 after Redis
                                  -- lost the queue's state (each rank recovers its own)
-local held = ARGV[13]            -- '1' if this rank held the new run already (the job
+local held = ARGV[15]            -- '1' if this rank held the resumed run already (the job
                                  -- resumes again): with the run's step its counters
                                  -- start again at `first`, with another step the run
                                  -- starts again from this checkpoint
-local remap_epoch = ARGV[14]     -- the epoch whose slots are remapped ('' for none: a job
+local groups = tonumber(ARGV[16])  -- the group slots the run had when the caller looked
+local key_world = tonumber(ARGV[17])  -- the ranks the KEYS tail has keys for, per slot
+local slot_arg = tonumber(ARGV[18])  -- the slot the caller's claim was made for
+local acquired = ARGV[19]        -- the run the caller's claim was made in
+local claim_ttl_ms = tonumber(ARGV[20])
+local wake_cap = tonumber(ARGV[21])  -- the wake list's length cap
+local remap_epoch = ARGV[22]     -- the epoch whose slots are remapped ('' for none: a job
                                  -- resumed with another number of ranks,
                                  -- consumer/rank_state.py)
-local remapped = tonumber(ARGV[15] or '0')  -- the number m of remapped slots
-local wake_cap = tonumber(ARGV[16])  -- the wake list's length cap
--- ARGV[17..]: m slot, shard pairs (into the remap hash), then the ledger pairs
+local remapped = tonumber(ARGV[23])  -- the number r of remapped slots
+-- ARGV[24..]: r slot, shard pairs (into the remap hash), then the ledger pairs
 -- '<epoch>:<slot>', 'd' or batches already had
-local first_rank_data, first_pair = 8, 17
+local first_tail, first_pair = 10, 24 + 2 * remapped
 
-local sfx = ''
-if world > 1 then sfx = ':' .. rank end
-local m = redis.call('HMGET', meta_key, 'claim' .. sfx, 'run', 'resume_step')
-if m[1] ~= token then return {'CLAIM_LOST'} end
--- A run read by several groups is gresume.lua's (batchq/protocol/groups.py).
-if redis.call('HGET', meta_key, 'groups') then return {'GROUPS'} end
+local per, tail_slots, slot_key = slot_tail(KEYS, first_tail, key_world, groups)
+if not per then return redis.error_reply('resume.lua: KEYS do not cover the group slots') end
 
-local function add_pairs()
-  for i = first_pair + 2 * remapped, #ARGV, 2 do
-    redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1])
-  end
-  if remap_epoch ~= '' and remapped > 0 then
-    for i = first_pair, first_pair - 1 + 2 * remapped, 2 do
-      redis.call('HSET', KEYS[#KEYS], ARGV[i], ARGV[i + 1])
-    end
-    redis.call('HSET', meta_key, 'remap_epoch', remap_epoch)
-  end
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
+local n = tonumber(m[4] or '0')
+if n ~= groups or key_world < math.max(world, tonumber(m[3] or '1')) then
+  return {'GROUPS', n}
+end
+local function wake()
+  redis.call('LPUSH', wake_key, '1')
+  redis.call('LTRIM', wake_key, 0, wake_cap - 1)
 end
 
-local again = held == '1' and m[3] ~= step  -- the job resumes another checkpoint
--- Step -1: not a checkpoint but Redis' lost state: each rank is where it is, so each
--- sets only its own counters (a rank's neighbours may be in another epoch).
-local recovering = step == '-1'
-if m[2] == new_run and not again then
-  -- A retried resume whose first reply was lost, or another rank of the job resumed
-  -- first: producers may have pushed frames of the new run already; keep them.
-  if world > 1 and m[3] and m[3] ~= step then return {'STEP', m[3]} end
-  if held == '1' then
-    redis.call('HSET', meta_key, 'next' .. sfx, first, 'floor' .. sfx, first)
-    if world > 1 then redis.call('DEL', KEYS[first_rank_data]) end
-  elseif recovering then
-    redis.call('HSET', meta_key, 'next' .. sfx, first, 'floor' .. sfx, first)
+if n == 0 and group == '' then
+  -- The fast path: the default group of a run not read by several groups.
+  local sfx = reader_sfx(0, rank, world)
+  local ledger_key = slot_key(0, 0)
+  m = redis.call('HMGET', meta_key, 'claim' .. sfx, 'run', 'resume_step')
+  if m[1] ~= token then return {'CLAIM_LOST'} end
+  local function add_pairs()
+    for i = first_pair, #ARGV, 2 do redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1]) end
+    if remap_epoch ~= '' and remapped > 0 then
+      for i = 24, first_pair - 1, 2 do redis.call('HSET', remap_key, ARGV[i], ARGV[i + 1]) end
+      redis.call('HSET', meta_key, 'remap_epoch', remap_epoch)
+    end
+  end
+  local again = held == '1' and m[3] ~= step  -- the job resumes another checkpoint
+  -- Step -1: not a checkpoint but Redis' lost state: each rank is where it is, so each
+  -- sets only its own counters (a rank's neighbours may be in another epoch).
+  local recovering = step == '-1'
+  if m[2] == new_run and not again then
+    -- A retried resume whose first reply was lost, or another rank of the job resumed
+    -- first: producers may have pushed frames of the new run already; keep them.
+    if world > 1 and m[3] and m[3] ~= step then return {'STEP', m[3]} end
+    if held == '1' or recovering then
+      redis.call('HSET', meta_key, 'next' .. sfx, first, 'floor' .. sfx, first)
+      if held == '1' and world > 1 then redis.call('DEL', slot_key(0, 2 + tonumber(rank))) end
+    end
+    add_pairs()
+    return {'OK', new_run, 0, 0}
+  end
+  redis.call('DEL', data_key, work_key, failures_key, ledger_key)
+  if world > 1 then
+    for j = 1, 1 + key_world do redis.call('DEL', slot_key(0, j)) end  -- counts, lists
+    redis.call('DEL', remap_key)
+  end
+  redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
+    'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'shm_host', 'shm_lookahead')
+  redis.call('HSET', meta_key, 'run', new_run, 'next', first, 'floor', first,
+    'fingerprint', fingerprint)
+  if world > 1 then
+    redis.call('HSET', meta_key, 'world', world, 'even', even, 'resume_step', step)
+    for r = 0, world - 1 do
+      if not recovering or tostring(r) == rank then
+        redis.call('HSET', meta_key, 'next:' .. r, first, 'floor:' .. r, first)
+      end
+      -- Ranks join the new run by resuming into it: none has held it yet, but this one.
+      -- Each publishes its host again once resumed (the previous job's may be elsewhere).
+      redis.call('HDEL', meta_key, 'done:' .. r, 'shm_host:' .. r, 'shm_lookahead:' .. r)
+      if tostring(r) ~= rank then redis.call('HDEL', meta_key, 'claimed:' .. r) end
+    end
+  end
+  if hwm ~= '' then
+    redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
+      'epoch_batches', epoch_batches)
   end
   add_pairs()
-  return {'OK', new_run}
+  wake()
+  return {'OK', new_run, 0, 0}
 end
-redis.call('DEL', data_key, work_key, failures_key, ledger_key)
-for i = first_rank_data, #KEYS do redis.call('DEL', KEYS[i]) end
-redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
-  'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'shm_host', 'shm_lookahead')
-redis.call('HSET', meta_key, 'run', new_run, 'next', first, 'floor', first,
-  'fingerprint', fingerprint)
-if world > 1 then
-  redis.call('HSET', meta_key, 'world', world, 'even', even, 'resume_step', step)
-  for r = 0, world - 1 do
-    if not recovering or tostring(r) == rank then
-      redis.call('HSET', meta_key, 'next:' .. r, first, 'floor:' .. r, first)
+
+-- A named group, or a run read by several groups.
+local function field(name, i, r) return name .. reader_sfx(i, r or rank, world) end
+-- The caller holds its claim in the run it acquired; a run another group's resume made
+-- of the same checkpoint (new_run) it joins.
+if m[1] == acquired then
+  if redis.call('HGET', meta_key, field('claim', slot_arg)) ~= token then return {'CLAIM_LOST'} end
+elseif m[1] ~= new_run then
+  return {'CLAIM_LOST'}
+end
+local deadline = server_now_ms() + claim_ttl_ms
+
+local slot
+local lives = m[1] and m[2] ~= '1' and (m[1] == new_run or m[1] == takeover_run)
+if not lives then
+  -- Replace the run: its contents and every group's place go; this group takes slot 0.
+  redis.call('DEL', work_key, failures_key, refs_key, groups_key, remap_key)
+  for i = 0, tail_slots - 1 do
+    for j = 0, per - 1 do
+      if not (i == 0 and j >= 2 + key_world) then redis.call('DEL', slot_key(i, j)) end
     end
-    -- Ranks join the new run by resuming into it: none has held it yet, but this one.
-    -- Each publishes its host again once resumed (the previous job's may be elsewhere).
-    redis.call('HDEL', meta_key, 'done:' .. r, 'shm_host:' .. r, 'shm_lookahead:' .. r)
-    if tostring(r) ~= rank then redis.call('HDEL', meta_key, 'claimed:' .. r) end
+    for r = 0, key_world - 1 do
+      local sfx = reader_sfx(i, r, key_world)
+      redis.call('HDEL', meta_key, 'claim' .. sfx, 'claim_deadline' .. sfx, 'claimed' .. sfx,
+        'done' .. sfx, 'next' .. sfx, 'floor' .. sfx, 'shm_host' .. sfx, 'shm_lookahead' .. sfx)
+    end
+    redis.call('HDEL', meta_key, 'max_lag' .. reader_sfx(i, 0, 1),
+      'resume_step' .. reader_sfx(i, 0, 1))
+  end
+  redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
+    'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups')
+  redis.call('HSET', meta_key, 'run', new_run, 'fingerprint', fingerprint)
+  if world > 1 then redis.call('HSET', meta_key, 'world', world, 'even', even) end
+  if hwm ~= '' then
+    redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
+      'epoch_batches', epoch_batches)
+  end
+  n = 0
+  slot = 0
+  if group ~= '' then
+    redis.call('HSET', groups_key, group, 0)
+    redis.call('HSET', meta_key, 'groups', 1)
+    n = 1
+  end
+  for r = 0, world - 1 do
+    redis.call('HSET', meta_key, field('next', 0, r), first, field('floor', 0, r), first)
+  end
+  redis.call('HSET', meta_key, field('claim', 0), token, field('claim_deadline', 0), deadline,
+    field('claimed', 0), 1)
+else
+  local s = redis.call('HGET', groups_key, group)
+  if s then
+    slot = tonumber(s)
+  else
+    -- This group's place went with a run another group's resume replaced: a new one.
+    slot = n
+    for j = 0, per - 1 do redis.call('DEL', slot_key(slot, j)) end
+    for r = 0, world - 1 do
+      redis.call('HSET', meta_key, field('next', slot, r), first, field('floor', slot, r), first)
+    end
+    n = n + 1
+    redis.call('HSET', groups_key, group, slot)
+    redis.call('HSET', meta_key, 'groups', n)
+  end
+  local claim = redis.call('HMGET', meta_key, field('claim', slot), field('claim_deadline', slot))
+  if claim[1] ~= token then
+    if claim[1] and tonumber(claim[2] or '0') > server_now_ms() then return {'CLAIM_LOST'} end
+    redis.call('HSET', meta_key, field('claim', slot), token, field('claim_deadline', slot),
+      deadline, field('claimed', slot), 1)
+  end
+  if world > 1 and step ~= '-1' then
+    local rs = redis.call('HGET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1))
+    if rs and rs ~= step and held ~= '1' then return {'STEP', rs} end
   end
 end
-if hwm ~= '' then
-  redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
-    'epoch_batches', epoch_batches)
+if world > 1 and step ~= '-1' then
+  redis.call('HSET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1), step)
 end
-add_pairs()
-redis.call('LPUSH', wake_key, '1')
-redis.call('LTRIM', wake_key, 0, wake_cap - 1)
-return {'OK', new_run}
+
+-- This rank's place: the checkpoint's epoch, and what it has of it.
+redis.call('HSET', meta_key, field('next', slot), first, field('floor', slot), first)
+redis.call('HDEL', meta_key, field('done', slot))
+local ledger_key = slot_key(slot, 0)
+if world == 1 then
+  redis.call('DEL', ledger_key)
+else
+  local pairs_had = redis.call('HGETALL', ledger_key)
+  for i = 1, #pairs_had, 2 do
+    local s = tonumber(string.match(pairs_had[i], ':(%d+)$') or '-1')
+    if s % world == tonumber(rank) then redis.call('HDEL', ledger_key, pairs_had[i]) end
+  end
+end
+for i = first_pair, #ARGV, 2 do
+  redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1])
+end
+wake()
+local run_now = new_run
+if lives then run_now = m[1] end
+return {'OK', run_now, slot, n}

@@ -15,7 +15,7 @@ from batchq.client.cluster import describe, key_slot, masters
 from batchq.client.connection import make_client
 from batchq.client.redirects import NodeClient
 from batchq.monitoring.rows import list_queues, status_rows
-from batchq.protocol import scripts
+from batchq.protocol import recovery_scripts
 from batchq.protocol.calls import round_trip
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import connected_ids
@@ -85,9 +85,9 @@ def test_a_slot_moved_mid_run_is_followed_by_scripts_and_plain_commands(
     assert late and late[0][1] == 2
     # After: MOVED, the route follows; batchq's scripts were never loaded on the new node
     # (NOSCRIPT: loaded there, sent again).
-    assert scripts.reap(client, keys, incarnation="i", why="dead", producers=["p"]).status == (
-        "STATE_LOST"
-    )
+    assert recovery_scripts.reap(
+        client, keys, incarnation="i", why="dead", producers=["p"]
+    ).status == ("STATE_LOST")
     assert call()[1] == 3
     assert describe(client) == f"127.0.0.1:{redis_cluster.ports[target]}"
     assert client.get(f"{keys.base}:k7") == b"7" and int(client.get(counter) or 0) == 3

@@ -10,7 +10,7 @@ from batchq.client import held
 from batchq.client.connection import make_client
 from batchq.client.redis_internals import read_bulk_into
 from batchq.errors import ConnectionLost
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
 from batchq.protocol.calls import execute_pipeline, round_trip
 from batchq.protocol.keys import QueueKeys
 
@@ -27,7 +27,7 @@ def test_replies_come_raw_and_in_order(fake_redis: fakeredis.FakeRedis) -> None:
 def test_a_script_unknown_to_the_server_is_loaded_and_sent_again() -> None:
     # A private server has never seen batchq's scripts: EVALSHA answers NOSCRIPT.
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer(version=(6, 2)))
-    reply = scripts.lease_call(
+    reply = producer_scripts.lease_call(
         QueueKeys("rt"), incarnation="i", run="r", producer="p", token="t",
         heartbeat_ttl_ms=1000, prefetch=False, world=1,
     ).run(client)  # fmt: skip

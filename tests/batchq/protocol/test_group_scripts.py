@@ -1,7 +1,7 @@
-"""The scripts of a run read by several groups, on the real redis-server: registering
-groups (gclaim), one lease for every group at a cursor (glease), one push into every
-group's list with the frame stored once (gpush, release), the pace, a group left behind,
-and the single trainer's scripts refusing such a run."""
+"""The scripts in a run read by several groups, on the real redis-server: registering
+groups (claim), one lease for every group at a cursor (lease), one push into every
+group's list with the frame stored once (push, release), the pace, a group left behind,
+and a caller with the view of one group told the run's groups."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import redis
 
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts, recovery_scripts, trainer_scripts
 from batchq.protocol.calls import round_trip
-from batchq.protocol.group_scripts import GClaimReply, GLeaseReply, GPushReply
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import lease_entry
+from batchq.protocol.producer_scripts import LeaseReply, PushReply
+from batchq.protocol.trainer_scripts import ClaimReply
 from batchq.protocol.words import Status
 from batchq.wire import refs
 
@@ -35,9 +36,9 @@ class Run:
     def groups(self) -> int:
         return int(self.c.hget(self.k.meta, "groups") or 0)
 
-    def claim(self, group: str, op: str = "acquire", max_lag: int | None = None) -> GClaimReply:
+    def claim(self, group: str, op: str = "acquire", max_lag: int | None = None) -> ClaimReply:
         token = self.tokens.setdefault(group, f"tok-{group}")
-        reply = scripts.gclaim(
+        reply = trainer_scripts.claim(
             self.c, self.k, op=op, token=token, claim_ttl_ms=TTL_MS, run_id="run1",  # type: ignore[arg-type]
             new_incarnation="inc1", takeover_run="", version="1", group=group, rank=0,
             world=1, even="pad", resumed="", incarnation="" if op == "acquire" else self.inc,
@@ -49,27 +50,28 @@ class Run:
         return reply
 
     def join(self, producer: str) -> None:
-        reply = scripts.join(
+        reply = producer_scripts.join(
             self.c, self.k, producer=producer, fingerprint="fp", hwm=HWM, shards=SHARDS,
             window=WINDOW, new_run="runX", new_incarnation="incX", heartbeat_ttl_ms=TTL_MS,
             version="1", epoch_batches=SHARDS, grace_ms=60_000, no_create=False,
         )  # fmt: skip
         assert reply.status == Status.OK and reply.groups == self.groups()
 
-    def lease(self, producer: str, token: str) -> GLeaseReply:
-        return scripts.glease_call(
+    def lease(self, producer: str, token: str) -> LeaseReply:
+        return producer_scripts.lease_call(
             self.k, incarnation=self.inc, run=self.run, producer=producer, token=token,
             heartbeat_ttl_ms=TTL_MS, prefetch=0, groups=self.groups(), world=1,
         ).run(self.c)  # fmt: skip
 
     def push(
-        self, producer: str, lease: GLeaseReply, token: str, element: bytes, frame: str | None
-    ) -> GPushReply:
+        self, producer: str, lease: LeaseReply, token: str, element: bytes, frame: str | None
+    ) -> PushReply:
         entry = lease_entry(lease.g, self.run, token, lease.mask)
-        return scripts.gpush_call(
-            self.k, targets=lease.mask, rank=0, world=1, frame_key=frame, incarnation=self.inc,
-            run=self.run, producer=producer, entry=entry, element=element, last=True,
-            heartbeat_ttl_ms=TTL_MS, frame_bytes=len(element), blocked_ms=0, produce_ms=0,
+        return producer_scripts.push_call(
+            self.k, targets=lease.mask, rank=0, world=1, groups=self.groups(), frame_key=frame,
+            incarnation=self.inc, run=self.run, producer=producer, entry=entry, element=element,
+            last=True, heartbeat_ttl_ms=TTL_MS, frame_bytes=len(element), blocked_ms=0,
+            produce_ms=0,
         ).run(self.c)  # fmt: skip
 
     def list_of(self, group: str) -> str:
@@ -113,7 +115,7 @@ def test_a_frame_stored_once_goes_with_its_last_readers_release(run: Run) -> Non
     assert run.c.hget(run.k.refs, frame) == b"3" and run.c.ttl(frame) == -1
     for reader in range(3):
         got = round_trip(
-            run.c, [("GET", frame), scripts.release_call(run.k, [frame]).command()], "test"
+            run.c, [("GET", frame), trainer_scripts.release_call(run.k, [frame]).command()], "test"
         )
         assert got[0] == b"bytes of a large frame"  # read before the count drops
         assert run.c.exists(frame) == (reader < 2)
@@ -176,22 +178,23 @@ def test_a_finished_group_takes_no_frame_and_the_last_finish_ends_the_run(run: R
     assert not any(run.c.exists(run.list_of(g)) for g in "abc")
 
 
-def test_the_single_trainer_scripts_refuse_a_run_of_groups(run: Run) -> None:
-    lease = scripts.lease_call(
+def test_a_view_of_one_group_is_told_the_runs_groups(run: Run) -> None:
+    lease = producer_scripts.lease_call(
         run.k, incarnation=run.inc, run=run.run, producer="p", token="t", heartbeat_ttl_ms=1,
-        prefetch=0, world=1,
+        prefetch=0, groups=0, world=1,
     ).run(run.c)  # fmt: skip
     assert lease.status == Status.GROUPS
-    claim = scripts.claim(
+    claim = trainer_scripts.claim(
         run.c, run.k, op="acquire", token="x", claim_ttl_ms=1, run_id="r", new_incarnation="i",
-        takeover_run="", version="1", rank=0, world=1, even="pad", resumed="",
+        takeover_run="", version="1", group="", rank=0, world=1, even="pad", resumed="",
+        incarnation="", groups=0, key_world=1, max_lag=None, slot=0,
     )  # fmt: skip
     assert claim.status == Status.GROUPS
 
 
 def test_a_lease_handed_back_goes_back_for_the_same_groups(run: Run) -> None:
     lease = run.lease("p", "t1")
-    reply = scripts.reap(run.c, run.k, incarnation=run.inc, why="leave", producers=["p"])
+    reply = recovery_scripts.reap(run.c, run.k, incarnation=run.inc, why="leave", producers=["p"])
     assert reply.second == 1
     assert run.c.lrange(run.k.work, 0, -1) == [f"{lease.g}/7".encode()]
     run.join("p")
@@ -200,7 +203,7 @@ def test_a_lease_handed_back_goes_back_for_the_same_groups(run: Run) -> None:
 
 
 def test_a_stale_view_of_the_groups_is_told_to_read_them_again(run: Run) -> None:
-    call: Any = scripts.glease_call(
+    call: Any = producer_scripts.lease_call(
         run.k, incarnation=run.inc, run=run.run, producer="p", token="t", heartbeat_ttl_ms=1,
         prefetch=0, groups=2, world=1,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """Every Lua script names its KEYS and ARGV at its top, and every typed wrapper of
-batchq.protocol.scripts names exactly what its script's header declares."""
+batchq.protocol's wrappers name exactly what its script's header declares."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from batchq.errors import ProtocolError
-from batchq.protocol import scripts
+from batchq.protocol import params_scripts, producer_scripts, recovery_scripts, trainer_scripts
 from batchq.protocol.calls import SCRIPTS, Call, build_call, parse_header
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.trainer_scripts import ResumeArgs
 
 K = QueueKeys("hdr")
 LITERAL_INDEX = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
@@ -51,75 +52,60 @@ def _sent(run: Any) -> tuple[str, list[Any], list[Any]]:
 
 
 WRAPPERS: dict[str, Any] = {
-    "join": lambda c: scripts.join(
+    "join": lambda c: producer_scripts.join(
         c, K, producer="p", fingerprint="fp", hwm=3, shards=4, window=2, new_run="r",
         new_incarnation="i", heartbeat_ttl_ms=1, version="1", epoch_batches=None,
         grace_ms=1, no_create=False,
     ),
-    "lease": lambda c: scripts.lease_call(
-        K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
-        prefetch=True, world=2,
-    ).run(c),
-    "push": lambda c: scripts.push_call(
-        K, data=K.data, frame_key=K.frame("p", 1), incarnation="i", run="r", producer="p",
-        entry="3:t", element=b"x", last=True, heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0,
-        produce_ms=0,
-    ).run(c),
-    "fail": lambda c: scripts.fail(
-        c, K, incarnation="i", run="r", producer="p", entry="3:t", max_attempts=3
-    ),
-    "handback": lambda c: scripts.handback(
-        c, K, incarnation="i", run="r", producer="p", entry="3:t"
-    ),
-    "quarantine": lambda c: scripts.quarantine(
-        c, K, incarnation="i", run="r", index=7, record="{}"
-    ),
-    "reap": lambda c: scripts.reap(c, K, incarnation="i", why="dead", producers=["a", "b"]),
-    "gone": lambda c: scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
-    "requeue": lambda c: scripts.requeue(
-        c, K, incarnation="i", run="r", data=K.data, shards=[1, 2], alive=["a"],
-        rank=("next:0", [0, 1]),
-    ),
-    "claim": lambda c: scripts.claim(
-        c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
-        takeover_run="", version="1", rank=0, world=2, even="pad", resumed="", incarnation="",
-        rank_lists=K.rank_data(2),
-    ),
-    "pop": lambda c: scripts.pop(
-        c, K, data=K.data, trainer=K.trainer, history=K.history, incarnation="i", run="r",
-        token="t", room=1, floor=0, claim_ttl_ms=1, extra_popped=0, nbytes=0,
-        figures=(0, 0, 0, "", "", ""), suffix="",
-    ),
-    "params": lambda c: scripts.params(
-        c, K, op="rebuild", incarnation="i", run="r", token="t", suffix=":1", index=2,
-        rebuild=[scripts.Rebuild("0:3", 1, 3)],
-    ),
-    "resume": lambda c: scripts.resume(
-        c, K, rank_lists=K.rank_data(2), token="t", new_run="r", first=0, fingerprint="fp",
-        hwm="", shards=4, window=1, epoch_batches=-1, rank=0, world=2, even="pad", step=0,
-        held=False, remap=(0, {1: 0}), ledger=[("0:1", "d")],
-    ),
-    "glease": lambda c: scripts.glease_call(
+    "lease": lambda c: producer_scripts.lease_call(
         K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
         prefetch=1, groups=3, world=2, after="4/6:s",
     ).run(c),
-    "gpush": lambda c: scripts.gpush_call(
-        K, targets=0b101, rank=1, world=2, frame_key=K.frame("p", 1), incarnation="i",
-        run="r", producer="p", entry="3/5:t", element=b"x", last=True, heartbeat_ttl_ms=1,
-        frame_bytes=1, blocked_ms=0, produce_ms=0,
+    "push": lambda c: producer_scripts.push_call(
+        K, targets=0b101, rank=1, world=2, groups=3, frame_key=K.frame("p", 1),
+        incarnation="i", run="r", producer="p", entry="3/5:t", element=b"x", last=True,
+        heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0, produce_ms=0,
     ).run(c),
-    "gclaim": lambda c: scripts.gclaim(
+    "fail": lambda c: producer_scripts.fail(
+        c, K, incarnation="i", run="r", producer="p", entry="3:t", max_attempts=3
+    ),
+    "handback": lambda c: producer_scripts.handback(
+        c, K, incarnation="i", run="r", producer="p", entry="3:t"
+    ),
+    "quarantine": lambda c: producer_scripts.quarantine(
+        c, K, incarnation="i", run="r", index=7, record="{}"
+    ),
+    "reap": lambda c: recovery_scripts.reap(
+        c, K, incarnation="i", why="dead", producers=["a", "b"]
+    ),
+    "gone": lambda c: recovery_scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
+    "requeue": lambda c: recovery_scripts.requeue(
+        c, K, incarnation="i", run="r", data=K.data, shards=[1, 2], alive=["a"],
+        rank=("next:0", [0, 1]),
+    ),
+    "claim": lambda c: trainer_scripts.claim(
         c, K, op="acquire", token="t", claim_ttl_ms=1, run_id="r", new_incarnation="i",
         takeover_run="", version="1", group="g", rank=0, world=2, even="pad", resumed="",
         incarnation="", groups=2, key_world=2, max_lag=4, slot=0,
     ),
-    "gresume": lambda c: scripts.gresume(
-        c, K, token="t", new_run="r", takeover_run="", first=0, fingerprint="fp", hwm="",
-        shards=4, window=1, epoch_batches=-1, group="g", rank=0, world=2, even="pad",
-        step=0, held=False, groups=2, key_world=2, slot=1, acquired="r0", claim_ttl_ms=1,
-        ledger=[("0:1", "d")],
+    "pop": lambda c: trainer_scripts.pop(
+        c, K, data=K.data, trainer=K.trainer, history=K.history, incarnation="i", run="r",
+        token="t", room=1, floor=0, claim_ttl_ms=1, extra_popped=0, nbytes=0,
+        figures=(0, 0, 0, "", "", ""), suffix="",
     ),
-    "release": lambda c: scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
+    "params": lambda c: params_scripts.params(
+        c, K, op="rebuild", incarnation="i", run="r", token="t", suffix=":1", index=2,
+        rebuild=[params_scripts.Rebuild("0:3", 1, 3)],
+    ),
+    "resume": lambda c: trainer_scripts.resume(
+        c, K, ResumeArgs(
+            token="t", new_run="r", takeover_run="", first=0, fingerprint="fp", hwm="",
+            shards=4, window=1, epoch_batches=-1, group="g", rank=0, world=2, even="pad",
+            step=0, held=False, slot=1, acquired="r0", claim_ttl_ms=1,
+        ),
+        groups=2, key_world=2, remap=(0, {1: 0}), ledger=[("0:1", "d")],
+    ),
+    "release": lambda c: trainer_scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
 }  # fmt: skip
 
 
@@ -161,15 +147,16 @@ def test_the_wrapper_sends_what_the_header_declares(name: str) -> None:
 def test_named_positions_follow_the_header() -> None:
     _, keys, args = _sent(WRAPPERS["push"])
     header = SCRIPTS["push"].header
-    assert dict(zip(header.keys, keys, strict=True))["lease"] == K.lease("p")
-    assert dict(zip(header.args, args, strict=True))["entry"] == "3:t"
+    named_keys, named_args = keys[: len(header.keys)], args[: len(header.args)]
+    assert dict(zip(header.keys, named_keys, strict=True))["lease"] == K.lease("p")
+    assert dict(zip(header.args, named_args, strict=True))["entry"] == "3/5:t"
 
 
 def test_a_call_naming_what_the_header_lacks_is_refused() -> None:
     with pytest.raises(ProtocolError, match="misses"):
         build_call("handback", list, {"meta": K.meta}, {})
     with pytest.raises(ProtocolError, match="no KEYS/ARGV tail"):
-        build_call("push", list, {}, {}, more_keys=["x"])
+        build_call("handback", list, {}, {}, more_keys=["x"])
 
 
 def test_a_header_out_of_order_is_refused() -> None:
@@ -188,11 +175,11 @@ def test_a_call_can_be_queued_in_a_pipeline() -> None:
         def execute_command(self, *argv: Any) -> None:
             sent.append(argv)
 
-    call: Call[Any] = scripts.lease_call(
+    call: Call[Any] = producer_scripts.lease_call(
         K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,
-        prefetch=False, world=1,
+        prefetch=0, groups=0, world=1,
     )  # fmt: skip
     call.queue(Pipe())
-    assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 6)
-    assert call.parse([b"OK", b"7", 0, b"r:2"]).g == 7
-    assert call.parse([b"OK", b"7", 0, b"r:2"]).params == "r:2"  # the params log's stamp
+    assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 7)
+    assert call.parse([b"OK", b"7", 0, 0, 1, 1, b"r:2"]).g == 7
+    assert call.parse([b"OK", b"7", 0, 0, 1, 1, b"r:2"]).params == "r:2"  # the params stamp

@@ -21,7 +21,8 @@ def test_a_script_reaches_the_functions_it_calls_and_those_they_call() -> None:
     push = reachable("push")
     assert "local function count_push(" in push
     assert "local function heartbeat(" in push
-    assert "local function reader_sfx(" not in push  # groups.lua's, not sent with push
+    assert "local function reader_sfx(" in push  # the group slots push.lua names
+    assert "local function slot_tail(" not in push  # claim.lua and resume.lua call it
     # join.lua calls hand_back_leases, which calls entry_spec.
     assert "local function entry_spec(" in reachable("join")
     pop = reachable("pop")

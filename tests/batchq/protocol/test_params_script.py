@@ -12,11 +12,11 @@ import pytest
 import redis
 
 from batchq.client.connection import make_client
-from batchq.protocol import scripts
+from batchq.protocol import params_scripts, producer_scripts, trainer_scripts
 from batchq.protocol.calls import build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog
-from batchq.protocol.replies import JoinReply
+from batchq.protocol.producer_scripts import JoinReply
 from batchq.protocol.words import PROTOCOL_VERSION, Status
 
 TOKEN = "tok"
@@ -29,7 +29,7 @@ class Run:
         self.c, self.k = client, QueueKeys(queue)
         joined = self.join("p1", shard_batches=3)
         self.inc, self.run = joined.incarnation, joined.run
-        claimed = scripts.claim(
+        claimed = trainer_scripts.claim(
             client, self.k, op="acquire", token=TOKEN, claim_ttl_ms=10_000, run_id="unused",
             new_incarnation="unused", takeover_run="", version=PROTOCOL_VERSION, rank=0,
             world=1, even="pad", resumed="",
@@ -37,22 +37,22 @@ class Run:
         assert claimed.status == Status.OK and claimed.run == self.run
 
     def join(self, producer: str, shard_batches: int | None) -> JoinReply:
-        return scripts.join(
+        return producer_scripts.join(
             self.c, self.k, producer=producer, fingerprint="fp", hwm=3, shards=4, window=2,
             new_run="run1", new_incarnation="inc1", heartbeat_ttl_ms=10_000,
             version=PROTOCOL_VERSION, epoch_batches=12, grace_ms=1,
             no_create=False, shard_batches=shard_batches,
         )  # fmt: skip
 
-    def params(self, op: Any, **kw: Any) -> scripts.ParamsReply:
+    def params(self, op: Any, **kw: Any) -> params_scripts.ParamsReply:
         kw.setdefault("run", self.run)
         kw.setdefault("token", TOKEN)
-        return scripts.params(
+        return params_scripts.params(
             self.c, self.k, op=op, incarnation=kw.pop("incarnation", self.inc), suffix="", **kw
         )
 
     def lease(self, token: str) -> Any:
-        return scripts.lease_call(
+        return producer_scripts.lease_call(
             self.k, incarnation=self.inc, run=self.run, producer="p1", token=token,
             heartbeat_ttl_ms=10_000, prefetch=0, world=1,
         ).run(self.c)  # fmt: skip
@@ -113,7 +113,9 @@ def test_load_writes_a_checkpoints_log_for_a_run_not_yet_created(run: Run) -> No
 def test_rebuild_hands_shards_back_oldest_first_with_the_batches_kept(run: Run) -> None:
     run.c.rpush(run.k.work, "7")
     reply = run.params(
-        "rebuild", index=5, rebuild=[scripts.Rebuild("0:2", 1, 2), scripts.Rebuild("1:3", 0, 7)]
+        "rebuild",
+        index=5,
+        rebuild=[params_scripts.Rebuild("0:2", 1, 2), params_scripts.Rebuild("1:3", 0, 7)],
     )
     assert reply.status == Status.OK
     assert run.c.lrange(run.k.work, 0, -1) == [b"2", b"7"]  # no duplicate of 7

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from batchq.client.connection import make_client
-from batchq.protocol import scripts
+from batchq.protocol import recovery_scripts
 from batchq.protocol.calls import build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import HISTORY_CAP, WAKE_CAP
@@ -62,9 +62,10 @@ class Q:
             "lease",
             self.c,
             {"meta": k.meta, "incarnation": k.incarnation, "work": k.work, "lease": k.lease(p),
-             "producers": k.producers, "ledger": k.ledger},
+             "producers": k.producers},
             {"incarnation": self.inc, "run": self.run, "producer": p, "token": token,
-             "heartbeat_ttl_ms": TTL_MS, "prefetch": prefetch, "after": after},
+             "heartbeat_ttl_ms": TTL_MS, "prefetch": prefetch, "after": after, "groups": 0},
+            more_keys=k.lease_tails[0, 1],
         )  # fmt: skip
 
     def push(
@@ -74,12 +75,14 @@ class Q:
         return raw(
             "push",
             self.c,
-            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "stats": k.stats,
-             "producers": k.producers, "lease": k.lease(p), "pstats": k.pstats, "frame": None},
+            {"meta": k.meta, "incarnation": k.incarnation, "stats": k.stats,
+             "producers": k.producers, "lease": k.lease(p), "pstats": k.pstats, "refs": k.refs,
+             "work": k.work},
             {"incarnation": self.inc, "run": self.run, "producer": p, "entry": entry,
              "element": element, "last": int(last), "heartbeat_ttl_ms": TTL_MS,
              "frame_bytes": len(element), "blocked_ms": 0, "produce_ms": 3, "shm_host": shm_host,
-             "host_field": "shm_host"},
+             "rank": 0, "world": 1, "targets": 1, "groups": 0, "by_ref": "0"},
+            more_keys=k.push_tails[1, 0, 1],
         )  # fmt: skip
 
     def claim(self, token: str, op: str = "acquire", takeover: str = "") -> list:
@@ -87,11 +90,14 @@ class Q:
         return raw(
             "claim",
             self.c,
-            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "work": k.work,
-             "wake": k.wake, "failures": k.failures, "ledger": k.ledger},
+            {"meta": k.meta, "incarnation": k.incarnation, "data": k.data, "groups": k.groups,
+             "work": k.work, "wake": k.wake, "failures": k.failures, "refs": k.refs,
+             "remap": k.remap},
             {"token": token, "claim_ttl_ms": TTL_MS, "op": op, "run_id": "run2",
-             "new_incarnation": "inc2", "takeover_run": takeover, "version": "1",
-             "rank": 0, "world": 1, "even": "pad", "resumed": "", "incarnation": ""},
+             "new_incarnation": "inc2", "takeover_run": takeover, "version": "1", "group": "",
+             "rank": 0, "world": 1, "even": "pad", "resumed": "", "incarnation": "",
+             "groups": 0, "key_world": 1, "max_lag": "", "slot_arg": 0, "max_groups": 32},
+            more_keys=k.slot_tails[0, 1],
         )  # fmt: skip
 
     def pop(self, token: str, n: int = 10, floor: int = 0, extra_popped: int = 0) -> Any:
@@ -128,8 +134,9 @@ def test_join_creates_the_queue_and_refuses_another_pipeline(q: Q) -> None:
 
 def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:
     q.join("p1")
-    assert q.lease("p1", "t1") == ["OK", "0", 0, ""]  # '': no params log
-    assert q.lease("p1", "t1") == ["OK", "0", 0, ""]  # a retried request: the same shard
+    # slots 0: a world-1 run of one group (the plan's S); world 1, mask 1; '': no params log
+    assert q.lease("p1", "t1") == ["OK", "0", 0, 0, 1, 1, ""]
+    assert q.lease("p1", "t1") == ["OK", "0", 0, 0, 1, 1, ""]  # a retry: the same shard
     got = [q.lease("p1", f"t{i}")[1] for i in range(2, 7)]
     assert got == ["1", "2", "3", "4", "5"]
     assert q.lease("p1", "t7") == ["WAIT"]  # window 6 past floor 0
@@ -238,7 +245,7 @@ def test_lease_lost_after_reap_and_returned_shards_go_first(q: Q) -> None:
     assert q.lease("p1", "a")[1] == "0"
     assert q.lease("p1", "b")[1] == "1"
     k = q.k
-    reply = scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
+    reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 2)
     assert q.c.hget(k.stats, "redone_shards") == b"2"
     assert q.lease("p2", "c")[1] == "0"  # the returned shards, in order, before fresh ones
@@ -251,7 +258,7 @@ def test_dead_reap_spares_live_producers(q: Q) -> None:
     q.join("p1")
     q.lease("p1", "a")
     k = q.k
-    reply = scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
+    reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 0, 0)
     assert q.c.llen(k.lease("p1")) == 1
 
@@ -265,7 +272,7 @@ def test_a_reap_in_a_new_run_drops_the_old_runs_leases(q: Q) -> None:
     assert q.claim("t1", op="release") == ["OK"]
     assert q.claim("t2")[:4] == ["OK", "inc1", "run2", 1]  # a trainer without state
     q.join("p2")  # the producer that lived follows the new run
-    reply = scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
+    reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
     assert q.c.llen(k.work) == 0 and q.c.exists(k.lease("p1")) == 0
     assert q.c.hget(k.stats, "stale_leases") == b"2" and q.c.hget(k.stats, "redone_shards") is None
@@ -280,7 +287,7 @@ def test_gone_in_a_new_run_drops_the_old_runs_leases(q: Q) -> None:
     q.claim("t1")
     q.claim("t1", op="release")
     assert q.claim("t2")[2] == "run2"
-    reply = scripts.gone(q.c, k, incarnation=q.inc, closed={"p1": "11,12"})
+    reply = recovery_scripts.gone(q.c, k, incarnation=q.inc, closed={"p1": "11,12"})
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
     assert q.c.llen(k.work) == 0 and q.c.hget(k.stats, "stale_leases") == b"1"
 
@@ -289,15 +296,16 @@ def test_a_reap_after_the_run_finished_leaves_no_work_behind(q: Q) -> None:
     q.join("p1")
     assert q.lease("p1", "a")[1] == "0"
     q.claim("t1")
-    assert q.claim("t1", op="finish") == ["OK"]
-    reply = scripts.reap(q.c, q.k, incarnation=q.inc, why="leave", producers=["p1"])
+    assert q.claim("t1", op="finish") == ["OK", 1, 1]  # the group done, the run ended
+    reply = recovery_scripts.reap(q.c, q.k, incarnation=q.inc, why="leave", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 1, 0)
     assert q.c.exists(q.k.work, q.k.lease("p1")) == 0
 
 
 def test_claim_conflict_takeover_and_new_run(q: Q) -> None:
     q.join("p1")
-    assert q.claim("t1") == ["OK", "inc1", "run1", 0, 1]  # adopts the producers' run
+    # Adopts the producers' run (not held before; slot 0 of a run of one group).
+    assert q.claim("t1") == ["OK", "inc1", "run1", 0, 1, 0, 0, 0]
     assert q.claim("t2")[0] == "CONFLICT"
     assert q.claim("t2", takeover="run1")[:4] == ["OK", "inc1", "run1", 0]
     assert q.pop("t1")[0] == b"CLAIM_LOST"  # the fenced-out trainer cannot pop
@@ -310,7 +318,7 @@ def test_claim_conflict_takeover_and_new_run(q: Q) -> None:
 def test_finish_tells_producers(q: Q) -> None:
     q.join("p1")
     q.claim("t1")
-    assert q.claim("t1", op="finish") == ["OK"]
+    assert q.claim("t1", op="finish") == ["OK", 1, 1]  # the group done, the run ended
     assert q.lease("p1", "a") == ["FINISHED"]
     assert q.push("p1", "0:a", b"x") == ["FINISHED"]
     assert q.join("p2") == ["FINISHED"]  # a late replica of the same job

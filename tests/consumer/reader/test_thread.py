@@ -12,7 +12,7 @@ import pytest
 import redis
 from pipelines import examples_of, numbered
 
-from batchq.protocol import scripts
+from batchq.protocol import trainer_scripts
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from consumer.reader import thread as reader
@@ -78,13 +78,13 @@ def test_a_trainer_that_keeps_up_takes_frames_by_brpop_between_pop_scripts(
     monkeypatch.setenv("TEST_SLOW_MS", "10")
     monkeypatch.setattr(reader, "QUICK_S", 3600.0)
     pops: list[int] = []
-    original = scripts.pop
+    original = trainer_scripts.pop
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         pops.append(kwargs["extra_popped"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(scripts, "pop", counting)
+    monkeypatch.setattr(trainer_scripts, "pop", counting)
     producer_thread(numbered(200, 10), hwm=4, window=1000)
     with ServerDataStream(
         ("features", "targets"), url=redis_url, queue=queue_name, hwm=3, timeout_s=20

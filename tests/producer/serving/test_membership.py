@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from batchq.errors import PipelineMismatch, RunFinished
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.replies import JoinReply
+from batchq.protocol.producer_scripts import JoinReply
 from batchq.protocol.words import Status
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
@@ -43,7 +43,7 @@ def _replies(monkeypatch: pytest.MonkeyPatch, *replies: JoinReply) -> list[dict[
         calls.append(kw)
         return next(it)
 
-    monkeypatch.setattr(scripts, "join", join)
+    monkeypatch.setattr(producer_scripts, "join", join)
     monkeypatch.setattr(membership, "record_client", lambda *a: True)
     return calls
 

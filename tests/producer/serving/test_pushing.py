@@ -14,9 +14,9 @@ import redis
 from shm_pair import shm_pair
 
 from batchq.errors import ConnectionLost
-from batchq.protocol import scripts
+from batchq.protocol import producer_scripts
+from batchq.protocol.calls import CountReply
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.replies import CountReply
 from batchq.protocol.words import Status
 from batchq.wire import codec, shm
 from producer.datasets import IndexableDataset
@@ -59,7 +59,7 @@ def _pusher(
     def no_lease(prefetch: int, after: str) -> Any:
         if not leasing:
             pytest.fail("asked for a lease")
-        call = scripts.lease_call(
+        call = producer_scripts.lease_call(
             keys, incarnation="inc", run="run", producer="p", token="t9",
             heartbeat_ttl_ms=10_000, prefetch=prefetch, world=1, after=after,
         )  # fmt: skip
@@ -126,7 +126,7 @@ def test_a_status_that_is_not_the_pushers_goes_to_the_producer(
 ) -> None:
     p = _pusher(fail_at=0)
     reply = CountReply(Status.FINISHED)
-    monkeypatch.setattr(scripts, "fail", lambda *a, **k: reply)
+    monkeypatch.setattr(producer_scripts, "fail", lambda *a, **k: reply)
     p._push = lambda *a, **k: pytest.fail("pushed for a finished run")  # type: ignore[method-assign]
     # Returned to the caller (the Producer acts once the pusher is done), not acted on.
     assert p._retry_elsewhere(0, 0, "0:t") == Handover(Status.FINISHED)
@@ -148,13 +148,13 @@ def test_a_descriptor_refused_with_reroute_goes_through_redis_and_frees_its_segm
     frame = p._encode_batch(0, 0, 0, (np.arange(10),), True)
     assert isinstance(frame, ShmFrame)
     pushed: list[tuple[bytes, str]] = []
-    real_push_call = scripts.push_call
+    real_push_call = frame_push.push_call
 
     def push_call(keys: QueueKeys, **kw: Any) -> Any:
         pushed.append((bytes(kw["element"]), kw["shm_host"]))
         return real_push_call(keys, **kw)
 
-    monkeypatch.setattr(scripts, "push_call", push_call)
+    monkeypatch.setattr(frame_push, "push_call", push_call)
     replies = iter([[b"REROUTE"], [b"OK", 1]])
     p._send = lambda *args: [next(replies)]  # type: ignore[method-assign]
     assert p._push_batch(frame, "0:t", True, 0) is True
@@ -256,7 +256,10 @@ def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
     p.ahead.depth = 1
     oom = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
     replies = iter(
-        [[oom, [b"BUSY"], [b"BUSY"]], [[b"OK", 1], [b"OK", 1, 0, b""], [b"OK", 2, 0, b""]]]
+        [
+            [oom, [b"BUSY"], [b"BUSY"]],
+            [[b"OK", 1], [b"OK", b"1", 0, 0, 1, 1, b""], [b"OK", b"2", 0, 0, 1, 1, b""]],
+        ]
     )
     sends: list[int] = []
 
