@@ -162,6 +162,7 @@ def decode_entry(
 
 
 def _build(node: Any, arrays: tuple[Any, ...], leaves: LeafCodec, depth: int) -> Any:
+    """A tree node: a value, a tuple, a list or a dict of nodes, or an array leaf."""
     if depth > 33 or not isinstance(node, list) or not node:
         raise ValueError(f"node {node!r:.80}")
     tag = node[0]
@@ -172,6 +173,13 @@ def _build(node: Any, arrays: tuple[Any, ...], leaves: LeafCodec, depth: int) ->
         return tuple(out) if tag == "t" else out
     if tag == "d" and len(node) == 2:
         return {str(k): _build(n, arrays, leaves, depth + 1) for k, n in node[1]}
+    return _leaf(node, arrays, leaves)
+
+
+def _leaf(node: list[Any], arrays: tuple[Any, ...], leaves: LeafCodec) -> Any:
+    """An array leaf ``[tag, source, permutation]``: the source's array, put back in its
+    order, as the type its tag names (the fixed table of ``leaves``)."""
+    tag = node[0]
     if len(node) != 3 or not isinstance(node[1], int) or isinstance(node[1], bool):
         raise ValueError(f"node {node!r:.80}")
     arr = arrays[node[1]]
