@@ -113,6 +113,11 @@ _COUNTERS = (
     ("shards_done", "Shards whose last frame was pushed", "shards_done"),
     ("redone_shards", "Shards handed back to be built again", "redone_shards"),
     (
+        "quarantined_examples",
+        "Examples the dataset could not read, replaced by substitutes (quarantine)",
+        "quarantined",
+    ),
+    (
         "rebuilt_params_frames",
         "Frames built with params a later set_params made stale, built again",
         "rebuilt_params",

@@ -38,6 +38,7 @@ from batchq.monitoring.reader_snapshots import (
     RankSnapshot,
     file_group_read,
     file_rank_read,
+    history_range,
     queue_group_reads,
     queue_rank_reads,
     samples,
@@ -290,7 +291,7 @@ def _queue_reads(pipe: Any, k: QueueKeys, history: int) -> None:
     pipe.llen(k.dead)
     pipe.hgetall(k.pstats)
     pipe.hgetall(k.trainer)
-    pipe.lrange(k.history, 0, history - 1 if history >= 0 else -1)
+    pipe.lrange(k.history, *history_range(history))
     pipe.lindex(k.data, -1)
     pipe.zrange(k.scalers, 0, -1, withscores=True)
     pipe.lindex(k.scalelog, 0)
