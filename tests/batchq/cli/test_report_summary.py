@@ -4,6 +4,7 @@ producers' cache figures once they stopped (issue 41: `report`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ torch = pytest.importorskip("torch")
 from batchq.cli import main  # noqa: E402
 from batchq.client.connection import make_client  # noqa: E402
 from batchq.monitoring.exporter import BatchqCollector  # noqa: E402
-from batchq.monitoring.rows import queue_status  # noqa: E402
+from batchq.monitoring.rows import queue_status, row_from_snapshot  # noqa: E402
+from batchq.monitoring.snapshot import read_snapshots  # noqa: E402
 from batchq.protocol.fields import ProducerStat, parse_producer_stat_field  # noqa: E402
 from batchq.protocol.keys import QueueKeys  # noqa: E402
 from batchq.protocol.quarantine_records import read_quarantine  # noqa: E402
@@ -27,12 +29,21 @@ from consumer import ServerDataStream  # noqa: E402
 BAD = (5, 17)
 
 
-def _read(url: str, queue: str, sources: tuple[str, ...], epochs: int) -> dict[str, Any]:
-    """Read ``epochs`` epochs, finish the run; the stream's last stats."""
+def _read(
+    url: str,
+    queue: str,
+    sources: tuple[str, ...],
+    epochs: int,
+    before_finish: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Read ``epochs`` epochs, call ``before_finish``, finish the run; the stream's
+    last stats."""
     with ServerDataStream(sources, False, url=url, queue=queue, timeout_s=60) as stream:
         for _ in range(epochs):
             assert sum(1 for _ in stream.get_epoch_iterator()) > 0
         stats = dict(stream.stats)
+        if before_finish is not None:
+            before_finish()
         stream.close(finished=True)
     return stats
 
@@ -119,7 +130,25 @@ def test_report_shows_the_cache_figures_of_producers_that_stopped(
         "--hwm", "4", "--heartbeat-ttl-s", "1", factory="cache_pipelines:cached_stream"
     )
     proc = spawn_proc(argv, env=env)
-    _read(redis_url, queue_name, ("image", "label"), epochs=2)
+
+    def live_row() -> None:
+        """While the producer lives, the status row's saved time per batch is its
+        figures' (one read: the row and the pstats counters of the same moment)."""
+
+        def beaten() -> tuple[Any, dict[str, Any]] | None:
+            """A snapshot and its row once the heartbeat wrote both epochs' figures."""
+            (snap,) = read_snapshots(redis_client, [queue_name])
+            row = row_from_snapshot(snap)
+            hits = row["cache_hits"]
+            return (snap, row) if hits is not None and hits + row["cache_misses"] >= 2 * n else None
+
+        snap, row = wait_until(beaten, what="the producer's cache figures")
+        (p,) = row["producers"]
+        counters = snap.pstats[p["id"]]
+        saved = counters[ProducerStat.CACHE_SAVED_MS] / counters[ProducerStat.BATCHES]
+        assert row["cache_saved_ms_per_batch"] == pytest.approx(saved)
+
+    _read(redis_url, queue_name, ("image", "label"), epochs=2, before_finish=live_row)
     assert proc.wait(timeout=30) == 0  # its last cache figures written at its stop
     wait_until(
         lambda: queue_status(redis_client, queue_name)["producers_alive"] == 0,

@@ -206,6 +206,16 @@ def _poll(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> 
     return value
 
 
+def test_a_snapshot_of_no_history_reads_none(redis_client: redis.Redis, queue_name: str) -> None:
+    keys = QueueKeys(queue_name)
+    redis_client.hset(keys.meta, mapping={"run": "r", "hwm": 4})
+    redis_client.lpush(keys.history, *[json.dumps({"t": 1000.0 + i, "depth": i}) for i in range(5)])
+    wanted = {0: [], 2: [1004.0, 1003.0], -1: [1004.0 - i for i in range(5)]}
+    for history, times in wanted.items():
+        (snap,) = read_snapshots(redis_client, [queue_name], history=history)
+        assert [s["t"] for s in snap.history] == times, history
+
+
 def test_bytes_held_is_exact_for_a_full_queue_without_a_trainer(
     redis_client: redis.Redis, queue_name: str, producer: Callable[..., Producer]
 ) -> None:
