@@ -29,14 +29,13 @@ from typing import Any
 
 from batchq.client.connection import call, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
-from batchq.monitoring.counters import cache_since_created
+from batchq.monitoring.counters import cache_since_created, quarantined_in_run
 from batchq.monitoring.sizing import delivered_rate, demand_rate, sample_rate
 from batchq.monitoring.snapshot import read_snapshots
 from batchq.monitoring.text import cache_lines, quarantine_line
 from batchq.protocol.fields import HistoryField as H
 from batchq.protocol.fields import MetaField, StatsField
 from batchq.protocol.keys import QueueKeys, check_name
-from batchq.protocol.quarantine_records import read_quarantine
 from batchq.protocol.words import as_text
 
 __all__ = [
@@ -306,14 +305,13 @@ def plot_report(
 def summary_lines(client: Any, queue: str) -> list[str]:
     """The report's lines beside the picture: the quarantined examples (the run's and
     the queue's counter) and the cache figures of every producer the pstats hash holds;
-    none of either when there is nothing to say (one pipelined read, one HMGET)."""
+    none of either when there is nothing to say (one pipelined read)."""
     (snap,) = read_snapshots(client, [queue], history=0, leases=False)
     lines = cache_lines(cache_since_created(snap))
     quarantined = snap.stats.get(StatsField.QUARANTINED, 0)
     if quarantined:
         run = snap.meta.get(MetaField.RUN, "")
-        found = read_quarantine(client, QueueKeys(queue), records=False)
-        lines.append(quarantine_line(quarantined, found.count_of(run), run))
+        lines.append(quarantine_line(quarantined, quarantined_in_run(snap), run))
     return lines
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "live_totals",
     "params_fields",
     "producer_rows",
+    "quarantined_in_run",
     "saved_ms_per_batch",
 ]
 
@@ -100,6 +101,13 @@ def figure_fields(snap: QueueSnapshot) -> dict[str, Any]:
         "epoch_progress": None if progress is None else int(progress),
         "epoch_fraction": ratio(progress, epoch_batches) if progress is not None else None,
     }
+
+
+def quarantined_in_run(snap: QueueSnapshot) -> int:
+    """The examples the queue's current run quarantined: its quarantine hash's count
+    (0 when the hash is another run's, or there is none)."""
+    run, count = snap.quarantine
+    return count if run and run == snap.meta.get(MetaField.RUN) else 0
 
 
 def params_fields(snap: QueueSnapshot) -> dict[str, Any]:

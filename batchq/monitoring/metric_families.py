@@ -96,6 +96,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[Row], float | None]], ...] = (
         lambda r: r["lookahead_batches"],
     ),
     (
+        "run_quarantined_examples",
+        "Examples the queue's current run quarantined (its quarantine hash's count)",
+        lambda r: r["quarantined_run"],
+    ),
+    (
         "trainer_first_batch_seconds",
         "The trainer's time from its stream's first iteration to its first batch",
         lambda r: r["first_batch_s"],

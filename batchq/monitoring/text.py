@@ -153,24 +153,27 @@ def cache_lines(figures: dict[str, Any]) -> list[str]:
     ]
 
 
-def quarantine_line(quarantined: int, run_count: int | None = None, run: str = "") -> str:
-    """The quarantined examples' line (``status``; ``report`` adds the run's count).
+def quarantine_line(quarantined: int, run_count: int, run: str) -> str:
+    """The quarantined examples' line (``status``, ``report``).
 
     Args:
         quarantined: the examples counted since the queue's keys were created.
-        run_count: those of the run ``run`` (None: not read).
+        run_count: those of the run ``run``.
         run: the run's id.
     """
-    counted = f"{quarantined}"
-    if run_count is not None:
-        counted = f"{run_count} in run {run or '-'}, {quarantined} since the keys were created"
-    return f"  quarantined examples: {counted} (replaced by substitutes; `batchq dead` lists them)"
+    return (
+        f"  quarantined examples: {run_count} in run {run or '-'}, {quarantined} since the "
+        "keys were created (replaced by substitutes; `batchq dead` lists them)"
+    )
 
 
 def _dead_lines(r: dict[str, Any]) -> list[str]:
     quarantined = r.get("quarantined", 0)
     if quarantined:
-        return [quarantine_line(quarantined), *_dead_lines({**r, "quarantined": 0})]
+        return [
+            quarantine_line(quarantined, r["quarantined_run"], r["run"]),
+            *_dead_lines({**r, "quarantined": 0}),
+        ]
     if not r["dead_by_reason"]:
         return []
     return ["  dead frames: " + ", ".join(f"{k} {v}" for k, v in r["dead_by_reason"].items())]

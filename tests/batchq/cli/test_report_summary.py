@@ -92,16 +92,25 @@ def test_quarantined_examples_are_counted_by_status_the_exporter_and_report(
     assert stats["quarantined"] == len(BAD)  # each once per run, whatever the epochs
     assert proc.wait(timeout=30) == 0
     row = queue_status(redis_client, queue_name)
-    assert row["quarantined"] == len(BAD)
-    assert _exported(redis_url, queue_name)["batchq_quarantined_examples_total"] == len(BAD)
+    assert row["quarantined"] == row["quarantined_run"] == len(BAD)
     found = read_quarantine(redis_client, QueueKeys(queue_name))
     assert found.run == row["run"] and sorted(r["index"] for r in found.records) == list(BAD)
-    lines = _report(redis_url, queue_name, tmp_path / "r.png", capsys)
-    assert lines == [
+    exported = _exported(redis_url, queue_name)
+    assert exported["batchq_quarantined_examples_total"] == len(BAD)
+    assert exported["batchq_run_quarantined_examples"] == len(BAD)
+    line = (
         f"  quarantined examples: {len(BAD)} in run {row['run']}, {len(BAD)} since the keys "
         "were created (replaced by substitutes; `batchq dead` lists them)"
-    ]
-    assert not any("cache" in line for line in lines)  # nothing cached: no cache line
+    )
+    assert main(["status", "--url", redis_url, "--queue", queue_name]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    lines = _report(redis_url, queue_name, tmp_path / "r.png", capsys)
+    assert lines == [line]  # nothing cached: no cache line
+    # A new run of the queue: the run's count starts again, the counter goes on.
+    redis_client.hset(QueueKeys(queue_name).meta, "run", "the-next-run")
+    row = queue_status(redis_client, queue_name)
+    assert (row["quarantined"], row["quarantined_run"]) == (len(BAD), 0)
+    assert _exported(redis_url, queue_name)["batchq_run_quarantined_examples"] == 0
 
 
 def _pstats_cache(client: redis.Redis, queue: str) -> dict[str, int]:
