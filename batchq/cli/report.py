@@ -10,6 +10,14 @@ one, between consecutive samples) and what was delivered (frames pushed per seco
 and the producers alive, with joins (+n) and leaves (-n) marked, and faint vertical
 lines at them on every plot. Needs matplotlib (``pip install 'batchq[report]'``); only
 its object-oriented API is used (no pyplot, no display needed).
+
+Under the picture's path it prints what the history samples do not carry (they are the
+trainer's and pop.lua's, with no cache or quarantine figure, so these are not plotted
+over time): the examples quarantined (the run's, from its quarantine hash, and the
+queue's counter) and the producers' cache figures (hit rate, bytes held, build time
+saved in all and per batch), summed over every producer in the pstats hash, those gone
+too (:func:`batchq.monitoring.counters.cache_since_created`): a report is drawn after
+the run, when its producers have stopped.
 """
 
 from __future__ import annotations
@@ -21,13 +29,23 @@ from typing import Any
 
 from batchq.client.connection import call, describe_url, make_client, resolve_url
 from batchq.errors import ConfigError
+from batchq.monitoring.counters import cache_since_created, quarantined_in_run
 from batchq.monitoring.sizing import delivered_rate, demand_rate, sample_rate
+from batchq.monitoring.snapshot import read_snapshots
+from batchq.monitoring.text import cache_lines, quarantine_line
 from batchq.protocol.fields import HistoryField as H
-from batchq.protocol.fields import MetaField
+from batchq.protocol.fields import MetaField, StatsField
 from batchq.protocol.keys import QueueKeys, check_name
 from batchq.protocol.words import as_text
 
-__all__ = ["MISSING", "load_history", "plot_report", "run_report", "sizing_series"]
+__all__ = [
+    "MISSING",
+    "load_history",
+    "plot_report",
+    "run_report",
+    "sizing_series",
+    "summary_lines",
+]
 
 MISSING = "batchq report needs matplotlib: pip install 'batchq[report]'"
 
@@ -284,6 +302,19 @@ def plot_report(
     return path
 
 
+def summary_lines(client: Any, queue: str) -> list[str]:
+    """The report's lines beside the picture: the quarantined examples (the run's and
+    the queue's counter) and the cache figures of every producer the pstats hash holds;
+    none of either when there is nothing to say (one pipelined read)."""
+    (snap,) = read_snapshots(client, [queue], history=0, leases=False)
+    lines = cache_lines(cache_since_created(snap))
+    quarantined = snap.stats.get(StatsField.QUARANTINED, 0)
+    if quarantined:
+        run = snap.meta.get(MetaField.RUN, "")
+        lines.append(quarantine_line(quarantined, quarantined_in_run(snap), run))
+    return lines
+
+
 def run_report(args: argparse.Namespace) -> int:
     """Read the queue's history and write the picture."""
     _require_matplotlib()
@@ -312,6 +343,7 @@ def run_report(args: argparse.Namespace) -> int:
                 f"reading queue {queue} at {where}",
             )
         samples = ranks[0]
+        summary = call(lambda: summary_lines(client, queue), f"reading queue {queue} at {where}")
     finally:
         client.close()
     hwm = int(hwm_raw) if hwm_raw else 0
@@ -324,4 +356,6 @@ def run_report(args: argparse.Namespace) -> int:
         groups=groups or None,
     )
     print(f"wrote {path} ({len(samples)} samples of queue {queue!r})")
+    for line in summary:
+        print(line)
     return 0

@@ -34,11 +34,14 @@ __all__ = [
     "PRODUCER_FIELDS",
     "bytes_held",
     "cache_fields",
+    "cache_since_created",
     "counter_fields",
     "figure_fields",
     "live_totals",
     "params_fields",
     "producer_rows",
+    "quarantined_in_run",
+    "saved_ms_per_batch",
 ]
 
 
@@ -98,6 +101,13 @@ def figure_fields(snap: QueueSnapshot) -> dict[str, Any]:
         "epoch_progress": None if progress is None else int(progress),
         "epoch_fraction": ratio(progress, epoch_batches) if progress is not None else None,
     }
+
+
+def quarantined_in_run(snap: QueueSnapshot) -> int:
+    """The examples the queue's current run quarantined: its quarantine hash's count
+    (0 when the hash is another run's, or there is none)."""
+    run, count = snap.quarantine
+    return count if run and run == snap.meta.get(MetaField.RUN) else 0
 
 
 def params_fields(snap: QueueSnapshot) -> dict[str, Any]:
@@ -190,6 +200,27 @@ def cache_fields(producers: list[dict[str, Any]]) -> dict[str, Any]:
         "cache_bytes": sum(per_host.values()),
         "cache_saved_s": sum(p["cache_saved_s"] for p in caching),
     }
+
+
+def saved_ms_per_batch(producers: list[dict[str, Any]]) -> float | None:
+    """The build time the caches saved per batch pushed, in ms: the caching producers'
+    ``cache_saved_s`` over their ``batches`` (None when none caches or none pushed)."""
+    caching = [p for p in producers if p["cache_hits"] is not None]
+    return ratio(
+        1000 * sum(p["cache_saved_s"] for p in caching), sum(p["batches"] for p in caching)
+    )
+
+
+def cache_since_created(snap: QueueSnapshot) -> dict[str, Any]:
+    """The cache fields (:func:`cache_fields`) and ``cache_saved_ms_per_batch`` over every
+    producer in the pstats hash, gone ones included: a run's figures once its producers
+    stopped (``report``; the status row's are the live producers'). Each producer's as
+    of its last heartbeat; since the queue's keys were created, as the other counters."""
+    producers = [
+        {"host": id_host(p), "batches": c.get(ProducerStat.BATCHES, 0), **_cache(c)}
+        for p, c in sorted(snap.pstats.items())
+    ]
+    return {**cache_fields(producers), "cache_saved_ms_per_batch": saved_ms_per_batch(producers)}
 
 
 def producer_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:

@@ -36,6 +36,13 @@ reasons, and ``action`` on autoscale decisions: add, retire):
 ``batchq_epochs_completed_total``           counter   epochs the trainer finished
 ``batchq_shards_done_total``                counter   shards fully pushed
 ``batchq_redone_shards_total``              counter   shards handed back to be rebuilt
+``batchq_quarantined_examples_total``       counter   examples the dataset could not read,
+                                                      replaced by substitutes
+                                                      (on_sample_error='quarantine'; each
+                                                      once per run; `batchq dead` lists
+                                                      the run's)
+``batchq_run_quarantined_examples``         gauge     those of the queue's current run
+                                                      (0 for a run without any)
 ``batchq_rebuilt_params_frames_total``      counter   frames built with params a later
                                                       set_params made stale, built again
 ``batchq_lookahead_batches``                gauge     the run's look-ahead D (set_params'
@@ -89,6 +96,14 @@ reasons, and ``action`` on autoscale decisions: add, retire):
 ``batchq_group_solo_builds_total``          counter   per group: frames built for it alone
 ==========================================  ========  =====================================
 
+The build time the caches saved per batch over a range is
+``sum(rate(batchq_producer_cache_saved_seconds_total[r])) /
+sum(rate(batchq_producer_frames_pushed_total[r]) and on(queue, producer)
+batchq_producer_cache_hits_total)`` (the frames of the producers that cache; ``status``
+and ``report`` show it as ``cache_saved_ms_per_batch``), and the quarantined examples
+of an earlier run are ``increase(batchq_quarantined_examples_total[r])`` over its range
+(the current run's: ``batchq_run_quarantined_examples``).
+
 The stall over any range is ``rate(batchq_trainer_wait_seconds_sum[r]) /
 (rate(batchq_trainer_wait_seconds_sum[r]) + rate(batchq_trainer_busy_seconds_total[r]))``.
 """
@@ -139,6 +154,8 @@ METRIC_NAMES = (
     "batchq_epochs_completed",
     "batchq_shards_done",
     "batchq_redone_shards",
+    "batchq_quarantined_examples",
+    "batchq_run_quarantined_examples",
     "batchq_rebuilt_params_frames",
     "batchq_lookahead_batches",
     "batchq_trainer_first_batch_seconds",

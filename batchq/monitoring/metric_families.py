@@ -96,6 +96,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[Row], float | None]], ...] = (
         lambda r: r["lookahead_batches"],
     ),
     (
+        "run_quarantined_examples",
+        "Examples the queue's current run quarantined (its quarantine hash's count)",
+        lambda r: r["quarantined_run"],
+    ),
+    (
         "trainer_first_batch_seconds",
         "The trainer's time from its stream's first iteration to its first batch",
         lambda r: r["first_batch_s"],
@@ -112,6 +117,11 @@ _COUNTERS = (
     ("epochs_completed", "Epochs the trainer finished", "epochs_completed"),
     ("shards_done", "Shards whose last frame was pushed", "shards_done"),
     ("redone_shards", "Shards handed back to be built again", "redone_shards"),
+    (
+        "quarantined_examples",
+        "Examples the dataset could not read, replaced by substitutes (quarantine)",
+        "quarantined",
+    ),
     (
         "rebuilt_params_frames",
         "Frames built with params a later set_params made stale, built again",

@@ -29,11 +29,20 @@ __all__ = [
     "RankSnapshot",
     "file_group_read",
     "file_rank_read",
+    "history_range",
     "queue_group_reads",
     "queue_rank_reads",
     "samples",
     "texts",
 ]
+
+
+def history_range(history: int) -> tuple[int, int]:
+    """The LRANGE bounds of the ``history`` newest samples (-1: all; 0: an empty range,
+    so the pipeline keeps its shape without sending a sample)."""
+    if history == 0:
+        return 1, 0
+    return 0, history - 1 if history > 0 else -1
 
 
 @dataclass
@@ -71,7 +80,7 @@ def queue_rank_reads(pipe: Any, k: QueueKeys, world: int, history: int) -> list[
     for r in range(world if world > 1 else 0):
         pipe.llen(k.data_of(r, world))
         pipe.hgetall(k.trainer_of(r, world))
-        pipe.lrange(k.history_of(r, world), 0, history - 1 if history >= 0 else -1)
+        pipe.lrange(k.history_of(r, world), *history_range(history))
         what += ["rank_depth", "rank_trainer", "rank_history"]
     return what
 
@@ -191,7 +200,7 @@ def queue_group_reads(
             pipe.llen(view.data_of(r, world))
         pipe.hgetall(view.stats)
         pipe.hgetall(view.trainer_of(0, world))
-        pipe.lrange(view.history_of(0, world), 0, history - 1 if history >= 0 else -1)
+        pipe.lrange(view.history_of(0, world), *history_range(history))
     return groups
 
 

@@ -129,6 +129,14 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     first_batch_s         float|null   the trainer's time from its stream's first
                                        iteration to its first batch (consumer.stats);
                                        schema 6, after cache_saved_s
+    cache_saved_ms_per_batch float|null the build time the caches saved per batch
+                                       pushed, in ms: the caching producers'
+                                       cache_saved_s over their batches; schema 6, after
+                                       first_batch_s
+    quarantined_run       int          the examples the current run quarantined (its
+                                       quarantine hash's count, exact while its records
+                                       fit; 0 when the hash is an earlier run's);
+                                       schema 6, after cache_saved_ms_per_batch
 
 For a run read by several groups the queue-level figures are the group in slot 0's (the
 first to claim the run, whose keys keep the plain names); ``groups`` has every group's.
@@ -195,6 +203,8 @@ from batchq.monitoring.counters import (
     live_totals,
     params_fields,
     producer_rows,
+    quarantined_in_run,
+    saved_ms_per_batch,
 )
 from batchq.monitoring.reader_rows import group_rows, rank_rows, slowest_group, slowest_rank
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
@@ -237,6 +247,7 @@ STATUS_FIELDS = (
     "wait_buckets", "lookahead_batches", "params_version", "rebuilt_params", "groups",
     "slowest_group", "node", "stripes", "quarantined", "cache_hits", "cache_misses",
     "cache_hit_rate", "cache_bytes", "cache_saved_s", "first_batch_s",
+    "cache_saved_ms_per_batch", "quarantined_run",
 )  # fmt: skip
 
 
@@ -337,6 +348,8 @@ def row_from_snapshot(snap: QueueSnapshot, shm_dir: str = DEFAULT_SHM_DIR) -> di
         **figures,
         **params_fields(snap),
         **cache_fields(producers),
+        "cache_saved_ms_per_batch": saved_ms_per_batch(producers),
+        "quarantined_run": quarantined_in_run(snap),
     }
     row.update(_sizing(snap, row, totals, fresh))
     return {name: row[name] for name in STATUS_FIELDS}  # the documented order

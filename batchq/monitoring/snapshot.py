@@ -4,7 +4,8 @@
 per queue, meta, LLEN of the data list, the producers' heartbeats, the stats, pstats and
 trainer hashes, the dead list's length, the newest history samples, the oldest
 element of the data list, the autoscalers' registry and their last decision, the
-registry of groups), plus a second one only when it needs what the first returned: the
+registry of groups, the quarantine hash's run and count), plus a second one only when
+it needs what the first returned: the
 lease lists of live producers (``leases=True``), the first 64 KiB of a frame stored by
 reference when that is the oldest element, the ranks of a data-parallel trainer and the
 groups of a run read by several (:mod:`batchq.monitoring.reader_snapshots`). Nothing here
@@ -38,6 +39,7 @@ from batchq.monitoring.reader_snapshots import (
     RankSnapshot,
     file_group_read,
     file_rank_read,
+    history_range,
     queue_group_reads,
     queue_rank_reads,
     samples,
@@ -91,6 +93,8 @@ class QueueSnapshot:
             (:class:`StripeSnapshot`), else empty.
         groups: each group of a run read by several groups (by slot), else empty.
         registry: the run's groups, name -> slot (empty for a run of one group).
+        quarantine: the quarantine hash's ``run`` and ``count``: the examples that run
+            replaced by substitutes ("" and 0 when none did).
     """
 
     queue: str
@@ -112,6 +116,7 @@ class QueueSnapshot:
     stripes: list[StripeSnapshot] = field(default_factory=list)  # a striped queue's
     groups: list[GroupSnapshot] = field(default_factory=list)
     registry: dict[str, str] = field(default_factory=dict)
+    quarantine: tuple[str, int] = ("", 0)
 
     @property
     def world(self) -> int:
@@ -278,7 +283,7 @@ def _read_on(
     return [snap for snap, _ in firsts]
 
 
-_PER_QUEUE = 12  # the reads _queue_reads queues for each queue, in order
+_PER_QUEUE = 13  # the reads _queue_reads queues for each queue, in order
 
 
 def _queue_reads(pipe: Any, k: QueueKeys, history: int) -> None:
@@ -290,11 +295,12 @@ def _queue_reads(pipe: Any, k: QueueKeys, history: int) -> None:
     pipe.llen(k.dead)
     pipe.hgetall(k.pstats)
     pipe.hgetall(k.trainer)
-    pipe.lrange(k.history, 0, history - 1 if history >= 0 else -1)
+    pipe.lrange(k.history, *history_range(history))
     pipe.lindex(k.data, -1)
     pipe.zrange(k.scalers, 0, -1, withscores=True)
     pipe.lindex(k.scalelog, 0)
     pipe.hgetall(k.groups)
+    pipe.hmget(k.quarantine, ["run", "count"])
 
 
 def _from_replies(
@@ -305,6 +311,7 @@ def _from_replies(
         :11
     ]
     groups = replies[11]  # the registry of a run read by several groups
+    quarantine_run, quarantined = replies[12]
     alive = {as_text(p): float(s) for p, s in producers if float(s) >= now_ms}
     snap = QueueSnapshot(
         queue=k.queue,
@@ -320,6 +327,7 @@ def _from_replies(
         autoscalers=sum(1 for _, score in scalers if float(score) >= now_ms),
         last_decision=next(iter(samples([decision] if decision else [])), None),
         registry=texts(groups),
+        quarantine=(as_text(quarantine_run) if quarantine_run else "", as_int(quarantined)),
     )
     return snap, last
 

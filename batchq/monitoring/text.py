@@ -9,7 +9,16 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["columns", "fmt_age", "fmt_bytes", "fmt_epoch", "fmt_pct", "render_table"]
+__all__ = [
+    "cache_lines",
+    "columns",
+    "fmt_age",
+    "fmt_bytes",
+    "fmt_epoch",
+    "fmt_pct",
+    "quarantine_line",
+    "render_table",
+]
 
 
 def columns(table: Sequence[Sequence[str]]) -> list[str]:
@@ -124,22 +133,45 @@ def _producer_lines(r: dict[str, Any], max_producers: int) -> list[str]:
     return lines
 
 
-def _cache_lines(r: dict[str, Any]) -> list[str]:
-    if r["cache_hits"] is None:
+def cache_lines(figures: dict[str, Any]) -> list[str]:
+    """The cache's line (``status``, ``report``): hit rate, bytes held, build time saved
+    in all and per batch pushed; none when no producer caches.
+
+    Args:
+        figures: the cache fields of a status row, or
+            :func:`batchq.monitoring.counters.cache_since_created`'s.
+    """
+    if figures["cache_hits"] is None:
         return []
+    per = figures["cache_saved_ms_per_batch"]
+    per_batch = "" if per is None else f" ({per:.1f} ms per batch)"
     return [
-        f"  cache: hits {fmt_pct(r['cache_hit_rate'])} ({r['cache_hits']} of "
-        f"{r['cache_hits'] + r['cache_misses']} examples), {fmt_bytes(r['cache_bytes'])} held, "
-        f"build time saved {fmt_age(r['cache_saved_s'])}"
+        f"  cache: hits {fmt_pct(figures['cache_hit_rate'])} ({figures['cache_hits']} of "
+        f"{figures['cache_hits'] + figures['cache_misses']} examples), "
+        f"{fmt_bytes(figures['cache_bytes'])} held, "
+        f"build time saved {fmt_age(figures['cache_saved_s'])}{per_batch}"
     ]
+
+
+def quarantine_line(quarantined: int, run_count: int, run: str) -> str:
+    """The quarantined examples' line (``status``, ``report``).
+
+    Args:
+        quarantined: the examples counted since the queue's keys were created.
+        run_count: those of the run ``run``.
+        run: the run's id.
+    """
+    return (
+        f"  quarantined examples: {run_count} in run {run or '-'}, {quarantined} since the "
+        "keys were created (replaced by substitutes; `batchq dead` lists them)"
+    )
 
 
 def _dead_lines(r: dict[str, Any]) -> list[str]:
     quarantined = r.get("quarantined", 0)
     if quarantined:
         return [
-            "  quarantined examples: "
-            f"{quarantined} (replaced by substitutes; `batchq dead` lists them)",
+            quarantine_line(quarantined, r["quarantined_run"], r["run"]),
             *_dead_lines({**r, "quarantined": 0}),
         ]
     if not r["dead_by_reason"]:
@@ -228,7 +260,7 @@ def _details(r: dict[str, Any], max_producers: int = 8) -> list[str]:
         *_sizing_lines(r),
         *_autoscale_lines(r),
         *_producer_lines(r, max_producers),
-        *_cache_lines(r),
+        *cache_lines(r),
         *_dead_lines(r),
         *_rank_lines(r),
         *_group_lines(r),

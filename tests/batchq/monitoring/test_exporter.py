@@ -248,7 +248,7 @@ def test_the_command_refuses_a_port_it_cannot_use(capsys: pytest.CaptureFixture[
 
 
 def test_wait_buckets_have_one_definition() -> None:
-    from consumer import stats
+    from consumer.reader import stats
 
     assert stats.WAIT_BUCKETS_S is WAIT_BUCKETS_S
     assert list(WAIT_BUCKETS_S) == sorted(WAIT_BUCKETS_S)

@@ -23,6 +23,7 @@ from batchq.monitoring import rows as monitor
 from batchq.monitoring.rows import PRODUCER_FIELDS, STATUS_FIELDS, row_from_snapshot, status_rows
 from batchq.monitoring.snapshot import read_snapshots
 from batchq.monitoring.verdict import STALL_INPUT_BOUND, judge, near_cap
+from batchq.protocol.fields import StatsField
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import FrameHeader, encode_frame, peek_header
 from batchq.wire.codec import FrameKind as K
@@ -205,6 +206,16 @@ def _poll(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> 
     return value
 
 
+def test_a_snapshot_of_no_history_reads_none(redis_client: redis.Redis, queue_name: str) -> None:
+    keys = QueueKeys(queue_name)
+    redis_client.hset(keys.meta, mapping={"run": "r", "hwm": 4})
+    redis_client.lpush(keys.history, *[json.dumps({"t": 1000.0 + i, "depth": i}) for i in range(5)])
+    wanted = {0: [], 2: [1004.0, 1003.0], -1: [1004.0 - i for i in range(5)]}
+    for history, times in wanted.items():
+        (snap,) = read_snapshots(redis_client, [queue_name], history=history)
+        assert [s["t"] for s in snap.history] == times, history
+
+
 def test_bytes_held_is_exact_for_a_full_queue_without_a_trainer(
     redis_client: redis.Redis, queue_name: str, producer: Callable[..., Producer]
 ) -> None:
@@ -232,6 +243,9 @@ class Run:
     got: list[float] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     error: list[BaseException] = field(default_factory=list)
+    #: With a full list: the wall time (the history's clock) from which every pop the
+    #: reader made came after a take from a full list.
+    full_since: float | None = None
 
     def expected(self, batches: int) -> tuple[float, float]:
         """(stall fraction, batches/s) over the last 100 of the first ``batches``."""
@@ -242,11 +256,34 @@ class Run:
         return sum(waits) / spent, len(waits) / spent
 
 
-def _train(url: str, queue: str, train_s: float, run: Run) -> None:
+def _wait_full(client: redis.Redis, keys: QueueKeys, hwm: int, popped: int, run: Run) -> int:
+    """Wait until the reader popped since the last take (the queue's ``popped`` counter
+    passed ``popped``) and the producer filled the list to ``hwm`` again; the counter."""
+    deadline = time.monotonic() + 20.0
+    while not run.stop.is_set():
+        now = int(client.hget(keys.stats, StatsField.POPPED) or 0)
+        if now > popped and client.llen(keys.data) >= hwm:
+            return now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the list did not fill to {hwm} again")
+        time.sleep(0.001)
+    return popped
+
+
+def _train(url: str, queue: str, train_s: float, run: Run, full: int | None = None) -> None:
+    """The trainer's loop; with ``full`` (the hwm) each batch is taken from a full list
+    only, after the reader's pop for the last one: producers wait for it by construction,
+    however late the CPU lets them refill (a trainer-bound run)."""
+    client = redis.Redis.from_url(url)
+    keys, popped = QueueKeys(queue), -1
     try:
         with ServerDataStream(("features", "targets"), url=url, queue=queue) as stream:
             it = stream.get_epoch_iterator()
             while not run.stop.is_set():
+                if full is not None:
+                    popped = _wait_full(client, keys, full, popped, run)
+                    if len(run.got) == 2:  # the pop for the 2nd take came after it
+                        run.full_since = time.time()
                 run.asked.append(time.monotonic())
                 if next(it, None) is None:
                     break
@@ -254,6 +291,18 @@ def _train(url: str, queue: str, train_s: float, run: Run) -> None:
                 time.sleep(train_s)  # the trainer's known work per batch
     except BaseException as e:  # reported by the test
         run.error.append(e)
+    finally:
+        client.close()
+
+
+def _steady(history: list[bytes], since: float | None) -> bool:
+    """Whether most of the trainer's history samples (two at least) were written after
+    ``since``: their depths, and so the verdict's median, are those of the steady state
+    (a sample carries the depth the previous pop saw: the first ones, the list filling)."""
+    if since is None:
+        return False
+    after = sum(json.loads(h)["t"] > since for h in history)
+    return after >= 2 and 2 * after > len(history)
 
 
 @pytest.mark.parametrize(
@@ -271,16 +320,27 @@ def test_live_figures_and_verdict_match_the_runs_own_clock(
     from pipelines import Slow, numbered
 
     keys = QueueKeys(queue_name)
-    producer(Slow(numbered(3000, 10, shuffled=False), slowdown=load_ms / 1000), hwm=4)
+    hwm = 4
+    producer(Slow(numbered(3000, 10, shuffled=False), slowdown=load_ms / 1000), hwm=hwm)
     run = Run()
-    trainer = threading.Thread(target=_train, args=(redis_url, queue_name, train_ms / 1000, run))
+    # Trainer-bound: each batch taken from a full list (a 2 ms pipeline refills it well
+    # within the 20 ms, but not on a loaded machine, where the depth then dips).
+    full = hwm if verdict == "trainer-bound" else None
+    trainer = threading.Thread(
+        target=_train, args=(redis_url, queue_name, train_ms / 1000, run, full)
+    )
     trainer.start()
+
+    def ready() -> bool:
+        """Two flushes of the trainer's figures and 40 batches; trainer-bound, most of
+        the samples in the steady state (the first ones, up to a few forced by the
+        reader's floor at the start, carry the depth of the list filling)."""
+        history = redis_client.lrange(keys.history, 0, -1)
+        enough = len(history) >= 2 and len(run.got) >= 40
+        return enough and (full is None or _steady(history, run.full_since))
+
     try:
-        # Two flushes of the trainer's figures (about a second apart) and 40 batches.
-        _poll(
-            lambda: (redis_client.llen(keys.history) >= 2 and len(run.got) >= 40) or run.error,
-            what="the trainer's figures",
-        )
+        _poll(lambda: ready() or run.error, what="the trainer's figures")
         snap = read_snapshots(redis_client, [queue_name])[0]
         row = row_from_snapshot(snap)
         cli = None
