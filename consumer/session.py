@@ -188,9 +188,9 @@ class Session:
         for an acquire or a finish (while another group registers meanwhile), as last
         read for a refresh or a release."""
         for _ in range(_GROUPS_TRIES):
-            if op in ("acquire", "finish"):
-                self._read_shape(client)
             with self._typed_errors(client):
+                if op in ("acquire", "finish"):
+                    self._read_shape(client)
                 reply = claim(
                     client, self.base_keys, op=op, token=self.token,
                     claim_ttl_ms=self.claim_ttl_ms, run_id=run or uuid.uuid4().hex[:16],
