@@ -229,18 +229,20 @@ class Reader(threading.Thread):
     def flush(self) -> None:
         """Send the accounting not yet sent (at close), popping nothing."""
         try:
-            self._pop_round(room=0)
+            self._pop_round(room=0, last=True)
         except (BatchQueueError, redis.RedisError) as e:
             log.debug("queue %s: last figures not sent: %s", self.keys.queue, e)
 
     # -- one round: a pop script (or a BRPOP alone), then fetch and file ----------------
 
-    def _pop_round(self, room: int | None = None) -> None:
+    def _pop_round(self, room: int | None = None, *, last: bool = False) -> None:
+        """One pop script (or a BRPOP alone, keeping up); ``room`` 0 pops nothing (a stale
+        floor published, the figures sent); ``last``: the figures now, at close."""
         if room is None and self._quick and self._quick_ok():
             self._take(self._brpop())
             return
         room, floor = self._room(room)
-        reply = self._pop_script(room, floor)
+        reply = self._pop_script(room, floor, force=last)
         if reply is None or room == 0:
             return
         if reply.alive:
@@ -265,11 +267,14 @@ class Reader(threading.Thread):
                 self._popped_once = True
         return room, floor
 
-    def _pop_script(self, room: int, floor: int) -> PopReply | None:
+    def _pop_script(self, room: int, floor: int, force: bool = False) -> PopReply | None:
         """The pop script: pops up to ``room`` frames, refreshes the claim, publishes the
         floor, sends the accounting. None: a key of the wrong type (waited on)."""
         s = self.session
-        figures, extra, nbytes = self._accounting.for_pop(force=room == 0)
+        # The figures about once a second, whatever the pop: a stale floor's pops come as
+        # often as the trainer takes a frame from a full buffer, and forcing them there
+        # wrote a history sample per batch (and judged a run on its first samples).
+        figures, extra, nbytes = self._accounting.for_pop(force=force)
         reply = trainer_scripts.pop(
             self.client, self.keys, data=s.data_key,
             trainer=self.keys.trainer_of(s.rank, s.world),

@@ -48,9 +48,9 @@ def test_close_sends_the_last_figures_from_the_reader_thread_only(
     poppers: set[str] = set()
     original = Reader._pop_round
 
-    def spy(self: Reader, room: int | None = None) -> None:
+    def spy(self: Reader, room: int | None = None, *, last: bool = False) -> None:
         poppers.add(threading.current_thread().name)
-        original(self, room)
+        original(self, room, last=last)
 
     monkeypatch.setattr(Reader, "_pop_round", spy)
     with ServerDataStream(
