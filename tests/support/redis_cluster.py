@@ -148,6 +148,9 @@ class LocalCluster:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms),
+                # A replica's full resync at once: Redis 7 syncs diskless and first waits
+                # 5 s (repl-diskless-sync-delay) for more replicas to share the transfer.
+                "--repl-diskless-sync-delay", "0",
                 *self.extra_args,
             ],
         )  # fmt: skip
