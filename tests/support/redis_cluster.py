@@ -148,6 +148,13 @@ class LocalCluster:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms),
+                # A replica's full resync at once: Redis 7 syncs diskless and first waits
+                # 5 s (repl-diskless-sync-delay) for more replicas to share the transfer.
+                "--repl-diskless-sync-delay", "0",
+                # CLUSTER SLOTS lists a replica only once its replication offset is known
+                # to be non-zero; on an empty master that takes the master's first ping
+                # of its replicas (repl-ping-replica-period, 10 s by default).
+                "--repl-ping-replica-period", "1",
                 *self.extra_args,
             ],
         )  # fmt: skip
