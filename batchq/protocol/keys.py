@@ -279,6 +279,9 @@ class QueueKeys:
         self.ledger = f"{self.base}:ledger"
         self.incarnation = f"{self.base}:incarnation"
         self.stats = f"{self.base}:stats"
+        # The queue's own counters, in a group slot's view too (not a SLOT_KEYS name):
+        # what the recovery scripts count (redone_shards...), whichever group calls them.
+        self.queue_stats = self.stats
         self.dead = f"{self.base}:dead"
         self.failures = f"{self.base}:failures"
         self.pstats = f"{self.base}:pstats"
@@ -335,8 +338,9 @@ class QueueKeys:
 
     def slot_view(self, slot: int) -> QueueKeys:
         """The keys as group slot ``slot`` reads the run: its data list(s), counters
-        (``stats``), figures, history, ledger and counts; every other key is the
-        queue's. Slot 0 is this object's own names (a run of one group, as before)."""
+        (``stats``; ``queue_stats`` stays the queue's), figures, history, ledger and
+        counts; every other key is the queue's. Slot 0 is this object's own names (a
+        run of one group, as before)."""
         if slot == 0:
             return self
         view = QueueKeys(self.queue)

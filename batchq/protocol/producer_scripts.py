@@ -157,7 +157,7 @@ def join(
         JoinReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "producers": keys.producers,
          "lease": keys.leases[producer], "work": keys.work, "data": keys.data,
-         "failures": keys.failures, "ledger": keys.ledger},
+         "failures": keys.failures, "ledger": keys.ledger, "stats": keys.queue_stats},
         {"producer": producer, "fingerprint": fingerprint, "hwm": hwm, "shards": shards,
          "window": window, "new_run": new_run, "new_incarnation": new_incarnation,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,

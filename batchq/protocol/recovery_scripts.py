@@ -2,6 +2,12 @@
 :mod:`batchq.protocol.calls`; used by :mod:`batchq.protocol.reaper`): dead or leaving
 producers' leases back to work (reap.lua), those of producers whose connections closed
 (gone.lua), and shards with a gap nobody can still deliver (requeue.lua).
+
+What they count (``redone_shards``, ``reaped_closed``, ``stale_leases``) goes into the
+queue's stats hash (``QueueKeys.queue_stats``) whichever group's view of the keys the
+caller holds: the reader of group slot i > 0 reaps with its slot's keys, and a shard it
+hands back is built again for the pool, so counted in ``stats@<i>`` it was missing from
+the queue's figures (``status``, the exporter) and from what a test adds to its builds.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def reap(
         "reap",
         CountReply.parse,
         {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
-         "stats": keys.stats, "meta": keys.meta, "clients": keys.clients},
+         "stats": keys.queue_stats, "meta": keys.meta, "clients": keys.clients},
         {"incarnation": incarnation, "why": why},
         more_keys=[keys.leases[p] for p in producers],
         more_args=list(producers),
@@ -64,7 +70,7 @@ def gone(
         "gone",
         CountReply.parse,
         {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
-         "stats": keys.stats, "clients": keys.clients, "meta": keys.meta},
+         "stats": keys.queue_stats, "clients": keys.clients, "meta": keys.meta},
         {"incarnation": incarnation},
         more_keys=[keys.leases[p] for p in closed],
         more_args=pairs,
@@ -100,7 +106,7 @@ def requeue(
         "requeue",
         RequeueReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work, "data": data,
-         "producers": keys.producers, "stats": keys.stats},
+         "producers": keys.producers, "stats": keys.queue_stats},
         {"incarnation": incarnation, "run": run, "n": len(shards), "mask": mask},
         more_keys=[keys.leases[p] for p in alive],
         more_args=tail,

@@ -11,6 +11,7 @@ local work_key = KEYS[5]         -- LIST   shards handed back
 local data_key = KEYS[6]         -- LIST
 local failures_key = KEYS[7]     -- HASH
 local ledger_key = KEYS[8]       -- HASH
+local stats_key = KEYS[9]        -- HASH   queue counters (the leases it hands back)
 local producer = ARGV[1]
 local fingerprint = ARGV[2]      -- the pipeline's
 local hwm = ARGV[3]
@@ -85,9 +86,12 @@ elseif run_stripes ~= stripes then
 end
 
 -- Leases this producer id still holds from an earlier life go back to the front of the
--- work list when they belong to this run (each entry names its run); leases of an older
--- run are simply dropped.
-hand_back_leases(lease_key, work_key, run)
+-- work list when they belong to this run (each entry names its run), to be built again:
+-- counted as redone_shards, as a reap counts them; leases of an older run are dropped,
+-- counted as stale_leases.
+local back, stale = hand_back_leases(lease_key, work_key, run)
+if back > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', back) end
+if stale > 0 then redis.call('HINCRBY', stats_key, 'stale_leases', stale) end
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world', 'groups')
 -- A run read by several groups (batchq/protocol/groups.py): its leases and pushes are the

@@ -202,6 +202,18 @@ def test_a_lease_handed_back_goes_back_for_the_same_groups(run: Run) -> None:
     assert (again.g, again.mask) == (lease.g, 0b111)
 
 
+def test_a_groups_reap_counts_the_shards_it_hands_back_in_the_queues_stats(
+    run: Run,
+) -> None:
+    run.lease("p", "t1")  # p is then killed: the reader of group c (slot 2) reaps it
+    view = run.k.slot_view(run.slots["c"])
+    reply = recovery_scripts.reap(run.c, view, incarnation=run.inc, why="leave", producers=["p"])
+    assert reply.second == 1
+    # Built again for the pool: the queue's counter (status, the exporter), not c's.
+    assert run.c.hget(run.k.stats, "redone_shards") == b"1"
+    assert run.c.hget(view.stats, "redone_shards") is None
+
+
 def test_a_stale_view_of_the_groups_is_told_to_read_them_again(run: Run) -> None:
     call: Any = producer_scripts.lease_call(
         run.k, incarnation=run.inc, run=run.run, producer="p", token="t", heartbeat_ttl_ms=1,

@@ -46,7 +46,7 @@ class Q:
             self.c,
             {"meta": k.meta, "incarnation": k.incarnation, "producers": k.producers,
              "lease": k.lease(p), "work": k.work, "data": k.data, "failures": k.failures,
-             "ledger": k.ledger},
+             "ledger": k.ledger, "stats": k.stats},
             {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
              "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
              "version": "1", "epoch_batches": shards, "grace_ms": grace,
@@ -252,6 +252,14 @@ def test_lease_lost_after_reap_and_returned_shards_go_first(q: Q) -> None:
     assert q.lease("p2", "d")[1] == "1"
     assert q.lease("p2", "e")[1] == "2"
     assert q.push("p1", "0:a", b"late") == ["REAPED"]
+
+
+def test_a_join_hands_its_own_leases_back_counted(q: Q) -> None:
+    q.join("p1")
+    assert [q.lease("p1", t)[1] for t in ("a", "b")] == ["0", "1"]  # then p1 restarts
+    assert q.join("p1")[0] == "OK"  # the same id, joining again (a reconnect)
+    assert q.c.lrange(q.k.work, 0, -1) == [b"0", b"1"]  # built again: counted
+    assert q.c.hget(q.k.stats, "redone_shards") == b"2"
 
 
 def test_dead_reap_spares_live_producers(q: Q) -> None:
