@@ -15,7 +15,6 @@ names, so the first group of a run reads it as a single trainer would.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from batchq.protocol.groups import check_group, reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import MAX_GROUPS
 from batchq.protocol.ranks import RankLayout
+from batchq.protocol.run_ids import lost_run_id, new_run_id
 from batchq.protocol.trainer_scripts import (
     ClaimOp,
     ClaimReply,
@@ -193,7 +193,7 @@ class Session:
                     self._read_shape(client)
                 reply = claim(
                     client, self.base_keys, op=op, token=self.token,
-                    claim_ttl_ms=self.claim_ttl_ms, run_id=run or uuid.uuid4().hex[:16],
+                    claim_ttl_ms=self.claim_ttl_ms, run_id=run or new_run_id(),
                     new_incarnation=uuid.uuid4().hex, takeover_run=takeover,
                     version=PROTOCOL_VERSION, group=self.group, rank=self.rank,
                     world=self.world, even=self.even, resumed=self.resume_run,
@@ -245,7 +245,7 @@ class Session:
             TrainerConflict: another trainer's claim is live.
         """
         self.checkpoint_run = takeover
-        run = uuid.uuid4().hex[:16]  # the same on a retry: claim.lua knows its own try
+        run = new_run_id()  # the same on a retry: claim.lua knows its own try
         client = client or self.client
         reply: ClaimReply = self._retry(
             lambda: self._claim(client, "acquire", takeover, run), "claiming", client
@@ -313,7 +313,7 @@ class Session:
         self.resume_run = ""
         self.acquire(client=client, resuming=True)
         if self.world > 1 or self.grouped:
-            self.resume_run = hashlib.sha1(f"lost:{self.incarnation}".encode()).hexdigest()[:16]
+            self.resume_run = lost_run_id(self.incarnation)
 
     def use_plan(self, meta: dict[bytes, bytes]) -> Plan | None:
         """Take the run's plan from the queue's meta as read (None where no producer has
@@ -443,7 +443,7 @@ class Session:
                 "it with the world_size it was saved with"
             )
         ranked = self.world > 1 or self.grouped  # the ranks (groups) resume into one run
-        run = self.resume_run if ranked and self.resume_run else uuid.uuid4().hex[:16]
+        run = self.resume_run if ranked and self.resume_run else new_run_id()
         shape = asked.shape
 
         def call() -> ResumeReply:

@@ -30,6 +30,7 @@ from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.producer_scripts import JoinReply
 from batchq.protocol.reaper import record_client
+from batchq.protocol.run_ids import new_run_id
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from producer.serving.position import RunPosition
 from producer.serving.sharding import ShardPlan
@@ -140,7 +141,7 @@ class Membership:
             hwm=self.hwm,
             shards=self.plan.shards,
             window=self.window,
-            new_run=uuid.uuid4().hex[:16],
+            new_run=new_run_id(),
             new_incarnation=uuid.uuid4().hex,
             heartbeat_ttl_ms=self.heartbeat_ttl_ms,
             version=PROTOCOL_VERSION,
