@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 from batchq.client.connection import retrying
 from batchq.errors import ConfigError
-from batchq.protocol import run_ids
+from batchq.protocol import layout
 from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.ranks import RankLayout
@@ -287,7 +287,7 @@ def resume_run_id(state: dict[str, Any], world: int, group: str | None) -> str:
     group (the session mints one)."""
     if world == 1 and group is None:
         return ""
-    return run_ids.resume_run_id(str(state.get(RUN_KEY)), world)
+    return layout.resume_run_id(str(state.get(RUN_KEY)), world)
 
 
 class Resumed(NamedTuple):

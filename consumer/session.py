@@ -40,9 +40,8 @@ from batchq.errors import (
 from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import check_group, reader_field
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import MAX_GROUPS
+from batchq.protocol.layout import MAX_GROUPS, lost_run_id, new_run_id
 from batchq.protocol.ranks import RankLayout
-from batchq.protocol.run_ids import lost_run_id, new_run_id
 from batchq.protocol.trainer_scripts import (
     ClaimOp,
     ClaimReply,

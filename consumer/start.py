@@ -40,7 +40,7 @@ from batchq.errors import ConfigError, ConnectionLost, TrainerConflict
 from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.run_ids import stripe_run_id
+from batchq.protocol.layout import stripe_run_id
 from batchq.protocol.stripes import Stripes
 from consumer.balance import even_counts
 from consumer.checkpoint import RUN_KEY, Resumed, resume_position, resume_run_id

@@ -49,6 +49,7 @@ claim.lua).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -67,6 +68,7 @@ __all__ = [
     "QUARANTINE_CAP",
     "QUARANTINE_FIELDS",
     "QUARANTINE_TEXT_MAX",
+    "RUN_ID_CHARS",
     "SCALELOG_CAP",
     "WAIT_BUCKETS_S",
     "WAKE_CAP",
@@ -80,6 +82,8 @@ __all__ = [
     "id_pid",
     "lease_entry",
     "ledger_field",
+    "lost_run_id",
+    "new_run_id",
     "params_stamp",
     "parse_count_value",
     "parse_ledger_field",
@@ -87,6 +91,8 @@ __all__ = [
     "parse_quarantine_record",
     "parse_work_entry",
     "quarantine_record",
+    "resume_run_id",
+    "stripe_run_id",
     "time_ms",
     "work_entry",
 ]
@@ -208,6 +214,42 @@ def parse_count_value(value: bytes) -> tuple[int, bool]:
 def time_ms(reply: Sequence[int | str | bytes]) -> int:
     """Milliseconds of a ``TIME`` reply (seconds, microseconds)."""
     return int(reply[0]) * 1000 + int(reply[1]) // 1000
+
+
+# A run's id, minted only here: 16 hex digits, fresh or derived. A fresh run (a producer
+# or a trainer starting one) gets a random id; the processes that must meet in one run
+# without talking to each other derive it alike from what they share: the ranks (and
+# groups) of a job resuming one checkpoint, a striped queue's stripes, a run re-created
+# after Redis lost it.
+RUN_ID_CHARS = 16
+
+
+def _derived(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:RUN_ID_CHARS]
+
+
+def new_run_id() -> str:
+    """A fresh run's id (random)."""
+    return uuid.uuid4().hex[:RUN_ID_CHARS]
+
+
+def resume_run_id(run: str, world: int) -> str:
+    """The run every rank (and group) resuming checkpoint run ``run`` with ``world`` ranks
+    resumes into: the first creates it, the others join it. Not the step: a rank resuming
+    from another step must find the run and be refused."""
+    return _derived(f"resume:{run}:{world}")
+
+
+def stripe_run_id(run: str, stripe: int) -> str:
+    """Stripe ``stripe``'s new run when stripe 0 starts ``run`` (the ranks of a job name
+    it alike)."""
+    return _derived(f"{run}:stripe:{stripe}")
+
+
+def lost_run_id(incarnation: str) -> str:
+    """The run re-created after Redis lost the queue of ``incarnation`` (the ranks that
+    notice it name it alike)."""
+    return _derived(f"lost:{incarnation}")
 
 
 def default_id() -> str:

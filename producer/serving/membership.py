@@ -28,9 +28,9 @@ from batchq.errors import BatchQueueError, PipelineMismatch, RunFinished
 from batchq.protocol import producer_scripts, recovery_scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import new_run_id
 from batchq.protocol.producer_scripts import JoinReply
 from batchq.protocol.reaper import record_client
-from batchq.protocol.run_ids import new_run_id
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from producer.serving.position import RunPosition
 from producer.serving.sharding import ShardPlan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchq.errors import ConfigError
-from batchq.protocol import run_ids
+from batchq.protocol.layout import resume_run_id
 from consumer import ServerDataStream, checkpoint
 from consumer.checkpoint import check_state
 from consumer.rank_state import elastic_state
@@ -75,7 +75,7 @@ def test_the_run_a_checkpoint_resumes_into_is_computed_alike_by_ranks_and_groups
         checkpoint.resume_run_id(state, 2, "g1") == checkpoint.resume_run_id(state, 2, "") == ranks
     )
     assert checkpoint.resume_run_id(state, 1, "g1") not in ("", ranks)
-    assert ranks == run_ids.resume_run_id("r1", 2)
+    assert ranks == resume_run_id("r1", 2)
 
 
 def test_a_loaded_state_must_be_this_group_s_and_this_rank_s() -> None:

@@ -1,11 +1,11 @@
-"""batchq.protocol.run_ids: a run's id, fresh or derived alike by every process."""
+"""batchq.protocol.layout: a run's id, fresh or derived alike by every process."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 
-from batchq.protocol.run_ids import (
+from batchq.protocol.layout import (
     RUN_ID_CHARS,
     lost_run_id,
     new_run_id,
