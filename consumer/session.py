@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from batchq.client.connection import is_wrong_type, retrying, wrong_type_error
+from batchq.client.connection import client_name, is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
     ConfigError,
     GroupWorldMismatch,
@@ -42,6 +42,7 @@ from batchq.protocol.groups import check_group, reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import MAX_GROUPS, lost_run_id, new_run_id
 from batchq.protocol.ranks import RankLayout
+from batchq.protocol.reaper import connected_names
 from batchq.protocol.trainer_scripts import (
     ClaimOp,
     ClaimReply,
@@ -181,7 +182,7 @@ class Session:
             return self.run, self.plan
 
     def _claim(
-        self, client: redis.Redis, op: ClaimOp, takeover: str = "", run: str = ""
+        self, client: redis.Redis, op: ClaimOp, takeover: str = "", run: str = "", dead: str = ""
     ) -> ClaimReply:
         """One claim.lua call, with the keys of every group slot the run has: read again
         for an acquire or a finish (while another group registers meanwhile), as last
@@ -199,6 +200,7 @@ class Session:
                     incarnation="" if op == "acquire" else self.incarnation,
                     groups=self.groups, key_world=self._key_world,
                     max_lag=self.max_lag_batches, slot=self.slot,
+                    name=client_name(client), dead=dead,
                 )  # fmt: skip
             if reply.status != Status.GROUPS:
                 return reply
@@ -249,6 +251,14 @@ class Session:
         reply: ClaimReply = self._retry(
             lambda: self._claim(client, "acquire", takeover, run), "claiming", client
         )
+        if reply.status == Status.CONFLICT and self._holder_died(client, reply.holder):
+            # Its process died (a crash, a kill): no need to wait for its claim to lapse.
+            holder = reply.holder
+            reply = self._retry(
+                lambda: self._claim(client, "acquire", takeover, run, dead=holder),
+                "claiming",
+                client,
+            )
         self._check_acquired(reply)
         with self._lock:
             self.incarnation, self.run, self.held = reply.incarnation, reply.run, reply.held
@@ -257,6 +267,18 @@ class Session:
         if not resuming:
             self._published(client)
         return reply.new_run
+
+    def _holder_died(self, client: redis.Redis, holder: str) -> bool:
+        """Whether the claim's holder has no connection open: its process died. A holder
+        that named none (an older trainer, a server refusing CLIENT SETNAME) or a server
+        refusing CLIENT LIST leaves it to the claim's lapse."""
+        if not holder:
+            return False
+        names = self._retry(lambda: connected_names(client), "listing clients", client)
+        if names is None or holder in names:
+            return False
+        log.info("%s: its holder has no connection open (it died): claim taken", self.what)
+        return True
 
     def _check_acquired(self, reply: ClaimReply) -> None:
         """Raise what a refused acquire means."""

@@ -11,9 +11,10 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from batchq.client.connection import make_client, resolve_url, tune_malloc
+from batchq.client.connection import make_client, name_client, resolve_url, retrying, tune_malloc
 from batchq.errors import ConfigError, StreamStopped
 from batchq.protocol.keys import QueueKeys
+from batchq.protocol.layout import trainer_client_name
 from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
 from consumer.checkpoint import (
@@ -152,6 +153,9 @@ class ServerDataStream(FuelStreamMixin):
         self._data_iter: Iterator[Any] | None = None  # get_data's epoch
         self.epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._client: Any = None
+        # Every connection of this trainer carries one name: a restart finds the claim of
+        # a trainer whose process died by the name's absence, not by its lapse.
+        self._client_name = trainer_client_name()
         # The claim (kept from the moment it is made), then, once reading starts (the
         # first epoch), the parts that read the run (consumer.start.Started).
         self._session: Session | None = None
@@ -461,7 +465,15 @@ class ServerDataStream(FuelStreamMixin):
     def _connect(self) -> None:
         if self._client is None:
             tune_malloc()
-            self._client = make_client(self.url, key=self.keys.meta)
+            self._client = self._named_client(self.keys)
+
+    def _named_client(self, keys: QueueKeys) -> Any:
+        """A client for ``keys``' queue, its connections named this trainer's."""
+        client = make_client(self.url, key=keys.meta)
+        retrying(
+            lambda: name_client(client, self._client_name), "naming the client", self.timeout_s
+        )
+        return client
 
     def _start(self) -> EpochFeed:
         """Start reading, once: claim the queue, find where the run starts, start the
@@ -486,7 +498,7 @@ class ServerDataStream(FuelStreamMixin):
             stats=self._stats,
             seen=self.producers_seen,
             params=self._params,
-            connect=lambda keys: make_client(self.url, key=keys.meta),
+            connect=self._named_client,
         )
         return self._started.feed
 

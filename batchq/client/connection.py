@@ -56,10 +56,12 @@ __all__ = [
     "Backoff",
     "Pieces",
     "call",
+    "client_name",
     "convert_error",
     "describe_url",
     "is_wrong_type",
     "make_client",
+    "name_client",
     "reconnect",
     "redis_errors",
     "resolve_url",
@@ -161,6 +163,37 @@ def make_client(
     # from_pool: the client owns its pool, so close() really closes its connections
     # (a client given connection_pool= leaves them open).
     return redis.Redis.from_pool(pool)
+
+
+def name_client(client: redis.Redis, name: str) -> bool:
+    """Name ``client``'s connections ``name`` (CLIENT SETNAME, sent again by every
+    reconnect): CLIENT LIST then tells whether the process holding them is alive (a
+    killed process's connections close at once).
+
+    Returns:
+        False where the server refuses CLIENT SETNAME (ACL): the client stays unnamed.
+
+    Raises:
+        ConnectionLost, AuthFailed, RedisConfigError: as :func:`call`.
+    """
+
+    def setname() -> bool:
+        try:
+            client.execute_command("CLIENT", "SETNAME", name)  # type: ignore[no-untyped-call]
+        except redis.ResponseError as e:  # NOPERM (ACL); refused credentials are not one
+            log.debug("CLIENT SETNAME refused (%s): connections stay unnamed", e)
+            return False
+        return True
+
+    if not call(setname, "naming the client", client):
+        return False
+    client.connection_pool.connection_kwargs["client_name"] = name
+    return True
+
+
+def client_name(client: redis.Redis) -> str:
+    """The name :func:`name_client` gave ``client``'s connections ('' for none)."""
+    return str(client.connection_pool.connection_kwargs.get("client_name") or "")
 
 
 def is_wrong_type(error: BaseException) -> bool:

@@ -69,6 +69,7 @@ class MetaField:
     CLAIM: Final = "claim"  # the trainer's claim token
     CLAIM_DEADLINE: Final = "claim_deadline"  # until when it holds (server ms)
     CLAIMED: Final = "claimed"  # a rank that claimed once (data-parallel runs)
+    CLAIM_CLIENT: Final = "claim_client"  # the claim holder's connection name (SETNAME)
     DONE: Final = "done"  # '1': a rank finished its share
     FENCE: Final = "fence"  # incremented by every claim
     WORLD: Final = "world"  # ranks of a data-parallel trainer

@@ -48,7 +48,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:data:<r>     LIST    rank r's data list, when a data-parallel trainer of
                                 world > 1 reads the run (batchq/protocol/ranks.py); meta then
                                 holds world, even and per-rank fields '<name>:<r>'
-                                (claim, claim_deadline, claimed, done, next, floor)
+                                (claim, claim_deadline, claimed, claim_client, done,
+                                next, floor)
     bq:{Q}:counts       HASH    '<epoch>:<r>' -> rank r's batches in hand ('<n>') or final
                                 count ('=<n>') of an epoch, where shards hold several
                                 batches (consumer/balance.py)

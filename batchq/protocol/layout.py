@@ -94,6 +94,7 @@ __all__ = [
     "resume_run_id",
     "stripe_run_id",
     "time_ms",
+    "trainer_client_name",
     "work_entry",
 ]
 
@@ -258,6 +259,13 @@ def default_id() -> str:
     :func:`batchq.protocol.keys.check_name`)."""
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
     return f"{host[:40] or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def trainer_client_name() -> str:
+    """A new name for one trainer's connections (CLIENT SETNAME): ``'bq-trainer-'`` and
+    a :func:`default_id`. claim.lua records it with the claim; no open connection of
+    that name means the holder's process died (:mod:`consumer.session`)."""
+    return f"bq-trainer-{default_id()}"
 
 
 def id_host(process_id: str) -> str:

@@ -19,7 +19,15 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
 from batchq.protocol.words import Status
 
-__all__ = ["connected_ids", "reap_dead", "reap_gone", "record_client", "requeue_gaps", "server_ms"]
+__all__ = [
+    "connected_ids",
+    "connected_names",
+    "reap_dead",
+    "reap_gone",
+    "record_client",
+    "requeue_gaps",
+    "server_ms",
+]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +114,7 @@ def requeue_gaps(
 
 
 _ID_RE = re.compile(rb"(?:^|\n)id=(\d+) ")
+_NAME_RE = re.compile(rb" name=(\S*)")
 
 
 def record_client(client: redis.Redis, keys: QueueKeys, field: str) -> bool:
@@ -128,6 +137,18 @@ def record_client(client: redis.Redis, keys: QueueKeys, field: str) -> bool:
 
 def connected_ids(client: redis.Redis) -> set[int] | None:
     """The ids of every connection the server has open, or None if CLIENT LIST is refused."""
+    raw = _client_list(client)
+    return None if raw is None else {int(m) for m in _ID_RE.findall(raw)}
+
+
+def connected_names(client: redis.Redis) -> set[str] | None:
+    """The names (CLIENT SETNAME) of the connections the server has open, or None if
+    CLIENT LIST is refused."""
+    raw = _client_list(client)
+    return None if raw is None else {m.decode() for m in _NAME_RE.findall(raw) if m}
+
+
+def _client_list(client: redis.Redis) -> bytes | None:
     try:
         raw = client.execute_command(  # type: ignore[no-untyped-call]
             "CLIENT", "LIST", NEVER_DECODE=True
@@ -136,9 +157,7 @@ def connected_ids(client: redis.Redis) -> set[int] | None:
         return None
     except redis_errors as e:
         raise ConnectionLost(f"Redis connection lost while listing clients: {e}") from e
-    if isinstance(raw, str):
-        raw = raw.encode()
-    return {int(m) for m in _ID_RE.findall(raw)}
+    return raw.encode() if isinstance(raw, str) else bytes(raw)
 
 
 def _all_closed(

@@ -45,6 +45,7 @@ class ClaimReply(NamedTuple):
             slots (0: the run is not read by several groups).
         value: CONFLICT's ms until the other claim lapses, WORLD's world size, FULL's
             and GROUPS' group slots.
+        holder: CONFLICT's holder: the name its connections carry ('' for none).
         group_done, run_done: finish: every rank of the trainer's group finished; the
             run ended (every rank of every group finished).
     """
@@ -60,13 +61,15 @@ class ClaimReply(NamedTuple):
     value: int = -1
     group_done: bool = False
     run_done: bool = False
+    holder: str = ""
 
     @classmethod
     def parse(cls, raw: Any) -> ClaimReply:
         """From claim.lua's raw reply."""
         r = decode_reply(raw)
         if r[0] != Status.OK:
-            return cls(r[0], value=reply_int(r, 1, -1))
+            holder = str(r[2]) if r[0] == Status.CONFLICT and len(r) > 2 else ""
+            return cls(r[0], value=reply_int(r, 1, -1), holder=holder)
         if len(r) == 3:  # finish
             return cls(r[0], group_done=bool(int(r[1])), run_done=bool(int(r[2])))
         if len(r) == 1:
@@ -161,6 +164,8 @@ def claim(
     key_world: int | None = None,
     max_lag: int | None = None,
     slot: int = 0,
+    name: str = "",
+    dead: str = "",
 ) -> ClaimReply:
     """Acquire, refresh, release or finish a trainer's claim as one rank of ``group``
     ('' the default group) (claim.lua).
@@ -178,6 +183,10 @@ def claim(
             the caller's; None: the caller's).
         max_lag: acquire: the group's max_lag_batches (None: the others wait for it).
         slot: refresh, release, finish: the caller's slot.
+        name: acquire: the name the caller's connections carry (CLIENT SETNAME; ''
+            for none), recorded with the claim.
+        dead: acquire: a holder's name none of whose connections is open (its process
+            died): its claim is taken even before it lapses.
     """
     key_world = key_world or world
     return build_call(
@@ -189,7 +198,7 @@ def claim(
          "version": version, "group": group, "rank": rank, "world": world, "even": even,
          "resumed": resumed, "incarnation": incarnation, "groups": groups,
          "key_world": key_world, "max_lag": "" if max_lag is None else max_lag,
-         "slot_arg": slot, "max_groups": MAX_GROUPS},
+         "slot_arg": slot, "max_groups": MAX_GROUPS, "name": name, "dead": dead},
         more_keys=keys.slot_tails[groups, key_world],
     ).run(client)  # fmt: skip
 

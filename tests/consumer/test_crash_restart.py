@@ -26,6 +26,7 @@ from train import argv as train_argv
 from train import lines
 from waiting import wait_until
 
+from batchq.errors import TrainerConflict
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 
@@ -51,6 +52,43 @@ def claim_lapsed(client: redis.Redis, queue: str) -> bool:
     sec, usec = client.time()
     deadline = int(client.hget(QueueKeys(queue).meta, "claim_deadline") or 0)
     return deadline < sec * 1000 + usec // 1000
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_restarted_at_once_takes_the_claim_of_the_one_that_died(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+) -> None:
+    """Issue 39: a restart right after a crash met the dead trainer's claim until it
+    lapsed (TrainerConflict). Its connections were named; none is open, so the claim is
+    taken at once, long before its 60 s lapse, and a live trainer still conflicts."""
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=2)
+    spawn_proc(serve_argv("--hwm", "4"), env=env)
+    out_a, out_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ttl = ["--claim-ttl-s", "60"]
+    first = spawn_proc(train_argv(redis_url, queue_name, out_a, 50, *ttl), env=env)
+    wait_until(lambda: len(lines(out_a)) >= 5, timeout_s=30, what="the first trainer")
+    meta = QueueKeys(queue_name).meta
+    holder = redis_client.hget(meta, "claim_client")
+    assert holder and holder.decode().startswith("bq-trainer-")
+    other = ServerDataStream(("features",), url=redis_url, queue=queue_name, timeout_s=10)
+    with other, pytest.raises(TrainerConflict, match="held by another trainer"):
+        other.get_epoch_iterator()  # the first trainer lives: its claim holds
+    old_run = redis_client.hget(meta, "run")
+    old_deadline = int(redis_client.hget(meta, "claim_deadline") or 0)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    second = spawn_proc(train_argv(redis_url, queue_name, out_b, 2, *ttl, "--finish"), env=env)
+    wait_until(lambda: redis_client.hget(meta, "run") != old_run, timeout_s=30, what="a new run")
+    sec, usec = redis_client.time()
+    assert sec * 1000 + usec // 1000 < old_deadline  # taken while the dead claim held
+    assert second.wait(timeout=40) == 0
+    assert lines(out_b) == reference(2)  # a new run (no state), exact
 
 
 @pytest.mark.timeout(180)

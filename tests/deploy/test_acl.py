@@ -25,7 +25,7 @@ from pipelines import examples_of, numbered
 from waiting import wait_until
 
 from batchq.cli import main as batchq_main
-from batchq.client.connection import make_client
+from batchq.client.connection import client_name, make_client, name_client
 from batchq.host.embedded import EmbeddedRedis
 from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys
@@ -355,3 +355,24 @@ def test_the_monitor_reads_every_queue_and_writes_nothing(
     finally:
         client.close()
     assert admin.llen(other.data) == 1
+
+
+def test_the_trainer_role_names_its_connections_and_a_role_that_cannot_stays_unnamed(
+    acl_server: EmbeddedRedis, admin: redis.Redis
+) -> None:
+    """The trainer's claim records its connections' name (a restart takes a dead
+    trainer's claim at once, issue 39); a server refusing CLIENT SETNAME leaves the
+    client unnamed and working, the claim left to its lapse."""
+    trainer = make_client(url_of(acl_server, "bq-trainer"), key=QueueKeys(QUEUE).meta)
+    monitor = make_client(url_of(acl_server, "bq-monitor"))
+    try:
+        assert name_client(trainer, "bq-trainer-test-1-abc")
+        assert client_name(trainer) == "bq-trainer-test-1-abc"
+        assert trainer.ping()
+        listed = admin.execute_command("CLIENT", "LIST")
+        assert "name=bq-trainer-test-1-abc " in str(listed)
+        assert not name_client(monitor, "bq-trainer-test-2-abc")  # no +client|setname
+        assert client_name(monitor) == "" and monitor.ping()
+    finally:
+        trainer.close()
+        monitor.close()

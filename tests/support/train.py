@@ -56,6 +56,7 @@ def main() -> int:
     parser.add_argument("--group", help="read as this group (a run read by several groups)")
     parser.add_argument("--max-lag", type=int, help="the group's max_lag_batches")
     parser.add_argument("--stats-out", help="write the stream's figures there at the end")
+    parser.add_argument("--claim-ttl-s", type=float, default=2.0)
     args = parser.parse_args()
     stream = ServerDataStream(
         ("features", "targets"),
@@ -64,7 +65,7 @@ def main() -> int:
         ordered=not args.unordered,
         timeout_s=60,
         stall_s=1.0,
-        claim_ttl_s=2.0,
+        claim_ttl_s=args.claim_ttl_s,
         rank=args.rank,
         world_size=args.world,
         even_batches=args.even,

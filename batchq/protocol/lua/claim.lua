@@ -4,7 +4,8 @@
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
 --              claimed the resumed run `resumed` before), slot, groups (0: the run is not
 --              read by several groups)}
---              or {'CONFLICT', ms until the other claim lapses}, {'WORLD', the run's world}
+--              or {'CONFLICT', ms until the other claim lapses, its holder's name}, {'WORLD',
+--                 the run's world}
 --                 (a live rank of the run has another), {'FULL', groups} (no slot left),
 --                 {'GROUPS', groups} (not the groups the caller's KEYS are for: read them
 --                 again)
@@ -52,6 +53,9 @@ local key_world = tonumber(ARGV[15])  -- the ranks the KEYS tail has keys for, p
 local max_lag = ARGV[16]         -- acquire: the group's max_lag_batches ('' for none)
 local slot_arg = tonumber(ARGV[17])  -- refresh/release/finish: the caller's slot
 local max_groups = tonumber(ARGV[18])  -- the most group slots a run has
+local name = ARGV[19]            -- acquire: the CLIENT SETNAME of the caller's connections
+local dead = ARGV[20]            -- acquire: a holder's name the caller found no connection
+                                 -- of (its process died): its claim is taken, live or not
 local first_tail = 10
 
 local now = server_now_ms()
@@ -224,7 +228,8 @@ else
 end
 if run_world ~= world and (n > 0 or group ~= '') then return {'WORLD', run_world} end
 
-local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'))
+local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'),
+  f('claim_client'))
 if c[1] == token and new_run == 0 then
   -- A retried acquire whose first reply was lost: this trainer holds the claim already.
   redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
@@ -234,8 +239,9 @@ if c[1] == token and new_run == 0 then
   local fence = tonumber(redis.call('HGET', meta_key, 'fence') or 0)
   return {'OK', inc, m[1], again, fence, 0, slot, n}
 end
-if c[1] and c[1] ~= token and tonumber(c[2] or 0) > now and not takeover then
-  return {'CONFLICT', tonumber(c[2]) - now}
+if c[1] and c[1] ~= token and tonumber(c[2] or 0) > now and not takeover and
+    not (dead ~= '' and c[4] == dead) then
+  return {'CONFLICT', tonumber(c[2]) - now, c[4] or ''}
 end
 local held = 0
 if c[3] == '1' and resumed ~= '' and m[1] == resumed and not single then held = 1 end
@@ -258,7 +264,7 @@ if new_run == 0 and c[3] == '1' and not takeover then
   held = 0
 end
 redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
-  f('claimed'), 1)
+  f('claimed'), 1, f('claim_client'), name)
 -- The previous trainer's host goes: until this one publishes its own (right after), no
 -- shared-memory descriptor is pushed for this rank (push.lua), so none of another host's
 -- can reach it.

@@ -96,7 +96,8 @@ class Q:
             {"token": token, "claim_ttl_ms": TTL_MS, "op": op, "run_id": "run2",
              "new_incarnation": "inc2", "takeover_run": takeover, "version": "1", "group": "",
              "rank": 0, "world": 1, "even": "pad", "resumed": "", "incarnation": "",
-             "groups": 0, "key_world": 1, "max_lag": "", "slot_arg": 0, "max_groups": 32},
+             "groups": 0, "key_world": 1, "max_lag": "", "slot_arg": 0, "max_groups": 32,
+             "name": "", "dead": ""},
             more_keys=k.slot_tails[0, 1],
         )  # fmt: skip
 
