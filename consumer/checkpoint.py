@@ -50,7 +50,7 @@ from batchq.protocol import layout
 from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.ranks import RankLayout
-from batchq.protocol.stripes import Stripes
+from batchq.protocol.stripes import RemapShare, Stripes
 from consumer.plan import Plan
 from consumer.reader.ledger import Ledger, global_pairs
 from consumer.reader.settings import BLOCK_S
@@ -302,6 +302,9 @@ class Resumed(NamedTuple):
     plan_shards: int
     first: int = 0
     stripe_pairs: dict[int, list[tuple[str, str]]] | None = None
+    # A checkpoint of another number of ranks: every stripe's ledger pairs (of the new
+    # slots, in its numbers, global) and remap, which it resumes from instead.
+    stripe_remaps: dict[int, RemapShare] | None = None
 
 
 def resume_position(
@@ -335,16 +338,13 @@ def resume_position(
     local = _preload(ledger, resume)
     split = stripes.split(local, shards)
     pairs = global_pairs(split[0], layout, session.rank)
-    remap = None
+    remap, remaps = None, None
     if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
-        if stripes.striped:
-            raise ConfigError(
-                f"queue {keys.queue}: resuming with another number of ranks is not "
-                f"supported for a striped queue ({stripes.count} stripes); expected the "
-                "checkpoint's world size"
-            )
         pairs, slots = remap_pairs(resume, layout)
         remap = (epoch, slots)
+        if stripes.striped:  # each stripe its share of the new slots, in its numbers
+            remaps = stripes.split_remap(pairs, remap, layout)
+            pairs, remap = remaps[0]
     first = epoch * shards
     session.resume(
         client,
@@ -357,7 +357,7 @@ def resume_position(
     )
     if session.plan is None:
         session.wait_for_plan(timeout_s, BLOCK_S)
-    return Resumed(layout, ledger, plan_shards, first, split if stripes.striped else None)
+    return Resumed(layout, ledger, plan_shards, first, split if stripes.striped else None, remaps)
 
 
 def _preload(ledger: Ledger, resume: dict[str, Any]) -> list[tuple[str, str]]:

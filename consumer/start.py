@@ -334,12 +334,17 @@ def _start_stripe(
     if not (again or run is None):
         return
     delete_old_frames(client, keys, timeout_s)
+    remap = None
     if start.stripe_pairs is not None:  # a checkpoint: the stripe's share of it
         pairs = global_pairs(start.stripe_pairs[k], start.layout, first.rank)
         origin = Stripes(plan.stripes).floor_of(start.first, k)
+        if start.stripe_remaps is not None:  # re-split for another number of ranks
+            pairs, remap = start.stripe_remaps[k]
     else:
         pairs, origin = [], 0
-    session.resume(client, origin, plan.fingerprint, pairs, step=step, shards=plan.shards)
+    session.resume(
+        client, origin, plan.fingerprint, pairs, step=step, shards=plan.shards, remap=remap
+    )
 
 
 def release(

@@ -24,6 +24,11 @@ nothing of it: each stripe is a queue of its own to them).
   many of the stripe's shards lie below the trainer's floor), the shards it requeues and
   the ledger pairs it resumes from (:meth:`Stripes.split`). Each stripe mints up to W of
   its own shards past its floor, so the trainer's look-ahead window is N x W.
+- A job resumed with another number of ranks (consumer/rank_state.py) re-splits the
+  rest of an epoch: each stripe gets its share of the new slots' ledger pairs and of the
+  remap (slot -> the plan's shard that slot builds), in its numbers
+  (:meth:`Stripes.split_remap`); the shard lease.lua names from the remap is the plan's
+  already, built as named.
 
 A queue of one stripe is exactly the queue of before.
 """
@@ -37,9 +42,13 @@ from batchq.errors import ConfigError
 from batchq.protocol.layout import ledger_field, parse_ledger_field
 from batchq.protocol.ranks import RankLayout
 
-__all__ = ["MAX_STRIPES", "Stripes", "check_stripes"]
+__all__ = ["MAX_STRIPES", "RemapShare", "Stripes", "check_stripes"]
 
 MAX_STRIPES = 64  # a trainer runs a reader thread and holds two connections per stripe
+
+#: A stripe's share of an elastic resume: its ledger pairs and its remap (epoch, slot ->
+#: the plan's shard), in its numbers (:meth:`Stripes.split_remap`).
+RemapShare = tuple[list[tuple[str, str]], tuple[int, dict[int, int]]]
 
 
 def check_stripes(value: object) -> int:
@@ -96,6 +105,34 @@ class Stripes:
         epoch, slot = divmod(g, layout.slots)
         rank, j = slot % layout.world, slot // layout.world
         return layout.to_global(self.local(stripe, epoch * layout.per_rank + j), rank)
+
+    def stripe_g(self, g: int, layout: RankLayout) -> tuple[int, int]:
+        """(stripe, the stripe's slot number) of the plan's global slot number ``g``: the
+        inverse of :meth:`plan_g`."""
+        epoch, slot = divmod(g, layout.slots)
+        stripe, m = self.of(epoch * layout.per_rank + slot // layout.world)
+        return stripe, layout.to_global(m, slot % layout.world)
+
+    def split_remap(
+        self, pairs: Iterable[tuple[str, str]], remap: tuple[int, dict[int, int]],
+        layout: RankLayout,
+    ) -> dict[int, RemapShare]:  # fmt: skip
+        """An elastic resume's ledger pairs (``'<epoch>:<slot>'`` of the plan's slots) and
+        remap (epoch E, slot -> shard) as each stripe's, in its numbers. The trainer's
+        epoch E lies whole in each stripe's epoch E // N (its shards n, E * P <= n <
+        (E + 1) * P, are the stripe's m = n // N, and m // P = E // N); the N epochs that
+        stripe epoch holds use disjoint slots of it, so lease.lua's remap (meta
+        ``remap_epoch`` = E // N, the hash holding only E's slots) names E's shards alone."""
+        epoch, slots = remap
+        out: dict[int, RemapShare] = {k: ([], (epoch // self.count, {})) for k in range(self.count)}
+        for field, value in pairs:
+            e, slot = parse_ledger_field(field)
+            stripe, g = self.stripe_g(e * layout.slots + slot, layout)
+            out[stripe][0].append((ledger_field(*divmod(g, layout.slots)), value))
+        for slot, shard in slots.items():
+            stripe, g = self.stripe_g(epoch * layout.slots + slot, layout)
+            out[stripe][1][1][g % layout.slots] = shard
+        return out
 
     def split(
         self, pairs: Iterable[tuple[str, str]], per_epoch: int

@@ -9,7 +9,7 @@ import pytest
 from batchq.client.cluster import SLOTS, key_slot
 from batchq.errors import ConfigError
 from batchq.protocol.keys import QueueKeys, is_stripe, queue_from_meta_key, stripe_name
-from batchq.protocol.layout import ledger_field
+from batchq.protocol.layout import ledger_field, parse_ledger_field
 from batchq.protocol.ranks import RankLayout
 from batchq.protocol.stripes import Stripes, check_stripes
 
@@ -61,6 +61,37 @@ def test_ledger_pairs_and_requeues_go_to_their_stripe_in_its_numbers() -> None:
     )
     assert split[1] == [(ledger_field(0, m), "d") for m in (3, 4, 5, 6)]  # n = 10, 13, 16, 19
     assert stripes.shards_of([10, 11, 12, 13], 1) == [3, 4]  # n 10, 13: stripe 1's m 3, 4
+
+
+@pytest.mark.parametrize(("shards", "world", "count"), [(22, 3, 2), (22, 2, 3), (9, 4, 2)])
+def test_an_elastic_remap_goes_to_each_stripe_in_its_numbers(
+    shards: int, world: int, count: int
+) -> None:
+    layout, stripes = RankLayout(shards, world), Stripes(count)
+    plain = RankLayout(layout.slots, world)  # what a lease's slots make (Lease.address)
+    for g in range(4 * layout.slots):  # stripe_g is plan_g's inverse
+        k, g_stripe = stripes.stripe_g(g, layout)
+        assert stripes.plan_g(g_stripe, k, plain) == g
+    for epoch in range(5):
+        slots = {s: (s * 7) % shards for s in range(layout.slots - 2)}  # slot -> shard
+        pairs = [
+            (ledger_field(epoch, s), "d" if s not in slots else "2") for s in range(layout.slots)
+        ]
+        split = stripes.split_remap(pairs, (epoch, slots), layout)
+        assert sum(len(p) for p, _ in split.values()) == len(pairs)
+        for k, (got_pairs, (stripe_epoch, stripe_slots)) in split.items():
+            assert stripe_epoch == epoch // count  # the whole epoch lies in this one
+            for s, shard in stripe_slots.items():  # lease.lua's view: the plan's shard
+                g = stripes.plan_g(stripe_epoch * layout.slots + s, k, plain)
+                assert g // layout.slots == epoch
+                assert slots[g % layout.slots] == shard
+            assert len(stripe_slots) == sum(
+                1 for s in slots if stripes.stripe_g(epoch * layout.slots + s, layout)[0] == k
+            )
+            for field, value in got_pairs:
+                e, s = parse_ledger_field(field)
+                g = stripes.plan_g(e * layout.slots + s, k, plain)
+                assert (ledger_field(*divmod(g, layout.slots)), value) in pairs
 
 
 def test_a_bad_stripe_count_is_refused() -> None:
