@@ -205,7 +205,7 @@ def open_reading(
     for k, stripe in enumerate(stripes):
         view = buffer if count == 1 else StripeView(buffer, k, Stripes(count))
         reader = Reader(
-            connect(stripe.keys), stripe.keys, stripe.session, view, settings,
+            connect(stripe.keys), stripe.session.keys, stripe.session, view, settings,
             stats=stats if k == 0 else TrainerStats(), shm=_for_run(stripe, prep),
             prepare=prep, screen=params if k == 0 else None,
         )  # fmt: skip
@@ -247,21 +247,9 @@ def claim_to_finish(
 
 def _striped_plan(session: Session) -> Plan | None:
     """The claimed run's plan where it deals its shards to several stripes; None for a
-    plain queue (a stripe set of one).
-
-    Raises:
-        ConfigError: a striped run read by several groups (not supported).
-    """
+    plain queue (a stripe set of one)."""
     plan = session.plan
-    if plan is None or plan.stripes <= 1:
-        return None
-    if getattr(session, "grouped", False):
-        raise ConfigError(
-            f"{session.what}: groups (a run read by several groups) on a queue striped "
-            f"{plan.stripes} ways are not supported; expected one trainer (or one job's "
-            "ranks) per striped queue"
-        )
-    return plan
+    return None if plan is None or plan.stripes <= 1 else plan
 
 
 def _for_run(stripe: Stripe, prep: FramePrep) -> TrainerShm:
