@@ -22,7 +22,8 @@ they hold, and they follow stripe 0's start:
 Each stripe has its own session (claim, run id, incarnation), client, shared-memory host
 and reader thread; the readers file into the one buffer (a striped queue's through a
 :class:`consumer.reader.stripes.StripeView` each). Only stripe 0's reader sends the
-trainer's figures and checks frames against the params log.
+trainer's figures; every stripe's checks frames against the params log (each stripe has
+its own, a copy of stripe 0's: :mod:`consumer.params`).
 """
 
 from __future__ import annotations
@@ -192,12 +193,14 @@ def open_reading(
         keys = session.keys.stripe(k, count)
         client, sibling = connect(keys), shm.sibling(keys)
         # The ranks of a job name a stripe's new run alike: after stripe 0's run.
-        member = new_session(client, keys, options, sibling, stripe_run_id(session.run, k))
+        member = new_session(
+            client, keys, options, sibling, stripe_run_id(session.run, k), params
+        )  # its resumes write the params log too
         stripes.append(Stripe(keys, member, sibling, client))
         _start_stripe(session, member, striped, start, k, new_run, step, timeout_s)
     if count > 1 and start.ledger.window is not None:
         start.ledger.window *= count  # each stripe mints W of its own shards past its floor
-    params.bind(session, start.layout)
+    params.bind(session, start.layout, [stripe.session for stripe in stripes[1:]])
     params.refresh(session.client)  # another rank's changes, if any
     settings = ReaderSettings(options, writable=prep.writable, layout=start.layout)
     buffer = Buffer(start.ledger)
@@ -207,7 +210,7 @@ def open_reading(
         reader = Reader(
             connect(stripe.keys), stripe.session.keys, stripe.session, view, settings,
             stats=stats if k == 0 else TrainerStats(), shm=_for_run(stripe, prep),
-            prepare=prep, screen=params if k == 0 else None,
+            prepare=prep, screen=params,
         )  # fmt: skip
         members.append(reader)
     readers = Readers(members)

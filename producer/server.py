@@ -277,7 +277,8 @@ class Producer:
         epoch, slot, shard = lease.address(self.plan.shards)
         self._pusher.aim(slot % lease.world, lease.world, lease.mask)
         self._pusher.params.follow(self.client, lease.params)  # read again if it changed
-        status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
+        g = epoch * lease.slots + slot  # the plan's: a stripe's lease names the stripe's
+        status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot, g=g)
         watch = self._pusher.watch
         if watch is not None and watch.hung is not None:
             # Counted as a failed attempt already; the build still runs: stop serving.
