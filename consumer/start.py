@@ -320,11 +320,25 @@ def _start_stripe(
 
     run, world = retrying(current, f"reading queue {keys.queue}", timeout_s, client=client)
     again = new_run or start.stripe_pairs is not None or int(world or 1) != first.world
-    session.acquire(takeover=(run or b"").decode(), resuming=again or run is None)
+    # A group that comes back without a checkpoint starts again at 0 in every stripe, as
+    # claim.lua starts it in stripe 0: its old claim is not taken over but waited out.
+    takeover = "" if first.grouped and not again else (run or b"").decode()
+    deadline = time.monotonic() + session.claim_ttl_ms / 1000 + 1.0
+    while True:
+        try:
+            session.acquire(takeover=takeover, resuming=again or run is None)
+            break
+        except TrainerConflict:
+            if takeover or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
+    if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run:
+        session.checkpoint_run = ""  # stripe 0's run was replaced: so is this stripe's
     session.plan = plan  # the run's plan is stripe 0's: one pipeline serves every stripe
     if not (again or run is None):
         return
-    delete_old_frames(client, keys, timeout_s)
+    if new_run or not first.grouped:  # a group resumed in a live run: the others' stay
+        delete_old_frames(client, keys, timeout_s)
     if start.stripe_pairs is not None:  # a checkpoint: the stripe's share of it
         pairs = global_pairs(start.stripe_pairs[k], start.layout, first.rank)
         origin = Stripes(plan.stripes).floor_of(start.first, k)

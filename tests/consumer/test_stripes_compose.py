@@ -26,7 +26,7 @@ from waiting import wait_until
 
 from batchq.monitoring.rows import queue_status
 from batchq.protocol.admin import delete_queue
-from batchq.protocol.keys import QueueKeys
+from batchq.protocol.keys import QueueKeys, slot_suffix
 from batchq.protocol.params_log import thaw
 from consumer import ServerDataStream
 
@@ -35,6 +35,7 @@ EXAMPLES, BATCH = 400, 10  # 40 batches (one shard each) per epoch, 20 per strip
 PER_EPOCH = EXAMPLES // BATCH
 EPOCHS = 3
 HWM = 4
+PAD_BYTES = 300_000  # frames stored by reference
 
 
 def reference(epochs: int = EPOCHS) -> list[list[Any]]:
@@ -56,6 +57,15 @@ def striped(redis_client: redis.Redis, queue_name: str) -> Iterator[list[QueueKe
     for queue in (queue_name, f"{queue_name}a", f"{queue_name}b"):
         for keys in stripes_of(queue):
             delete_queue(redis_client, keys.queue)
+
+
+def claim_lapsed(client: redis.Redis, keys: QueueKeys, group: str) -> bool:
+    """Whether a group's claim on one stripe has passed its deadline (the server's
+    clock)."""
+    slot = int(client.hget(keys.groups, group) or 0)
+    sec, usec = client.time()
+    deadline = int(client.hget(keys.meta, "claim_deadline" + slot_suffix(slot)) or 0)
+    return deadline < sec * 1000 + usec // 1000
 
 
 def registered(client: redis.Redis, stripes: list[QueueKeys], n: int) -> bool:
@@ -248,3 +258,56 @@ def test_a_striped_run_steered_and_resumed_from_a_checkpoint_is_byte_identical(
     assert [json.loads(a[i][3]) for i in (8, 9, 56, 57)] == [
         {}, {"level": 1}, {"level": 1}, {"level": 2, "aug": 0.5},
     ]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("restart", ["checkpoint", "no_state"])
+def test_a_group_killed_and_restarted_on_a_striped_queue_reads_exact_epochs(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    striped: list[QueueKeys],
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+    restart: str,
+) -> None:
+    # Frames above 256 KiB, through Redis: stored by reference, once for both groups
+    # (a group resumed in a live run must leave the other's alone).
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=2, pad_bytes=PAD_BYTES)
+    env["BATCHQ_TRANSPORT"] = "redis"
+    outs = {g: tmp_path / f"{g}.jsonl" for g in ("a", "c1", "c2")}
+    state = tmp_path / "c.state.json"
+
+    def trainer(group: str, out: Path, *extra: str) -> Any:
+        argv = train_argv(redis_url, queue_name, out, EPOCHS, "--group", group, "--finish")
+        return spawn_proc([*argv, *extra], env=env)
+
+    other = trainer("a", outs["a"])
+    first = trainer("c", outs["c1"], "--state-out", str(state))
+    wait_until(lambda: registered(redis_client, striped[:1], 2), timeout_s=60, what="2 groups")
+    serve = serve_argv("--hwm", str(HWM), "--stripes", str(STRIPES), "--heartbeat-ttl-s", "10")
+    producers = [spawn_proc(serve, env=env) for _ in range(2)]
+    wait_until(lambda: len(lines(outs["c1"])) >= PER_EPOCH + 5, timeout_s=60, what="c in epoch 1")
+    os.killpg(first.pid, signal.SIGKILL)  # its claims lapse; a waits for it (no max_lag)
+    first.wait(timeout=10)
+    saved = json.loads(state.read_text())
+    at = saved["epoch"] * PER_EPOCH + sum(saved["consumed"].values())
+    if restart == "checkpoint":  # exactly where it was, in every stripe
+        second = trainer("c", outs["c2"], "--state-in", str(state))
+    else:  # from epoch 0 again in every stripe, as a group that joins late
+        wait_until(lambda: all(claim_lapsed(redis_client, k, "c") for k in striped), what="lapse")
+        second = trainer("c", outs["c2"])
+    wait_until(lambda: len(lines(outs["c2"])) >= 10, timeout_s=60, what="c read again")
+    os.killpg(producers[0].pid, signal.SIGKILL)  # mid-epoch, holding leases
+    producers[0].wait(timeout=10)
+    assert other.wait(timeout=90) == 0 and second.wait(timeout=90) == 0
+    assert producers[1].wait(timeout=30) == 0  # the run ended in every stripe
+    expected = reference()
+    assert [list(x) for x in lines(outs["a"])] == expected
+    again = [list(x) for x in lines(outs["c2"])]
+    if restart == "checkpoint":
+        assert [list(x) for x in lines(outs["c1"])][:at] + again == expected
+    else:
+        assert again == expected
