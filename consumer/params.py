@@ -22,14 +22,12 @@ work list with the batches the trainer keeps of it (params.lua's rebuild, which
 lease.lua's skip reads), once per shard and log version; the frames dropped are counted
 (``rebuilt_params``).
 
-A striped queue (:mod:`batchq.protocol.stripes`) keeps one log per stripe, each stripe's
-producers following their own: stripe 0's is the authority (params.lua's add gives the
-versions there), and each change is copied to every other stripe at once (params.lua's
-load of the whole log, under the stripe's run). The index is the plan's, which a
-stripe's producers use too (they build the plan's shards), so the same entry applies at
-the same batch in every stripe; D counts the N x W shards the stripes mint ahead. Every
-stripe's reader screens its frames, and a shard goes back to be built again in its own
-stripe's numbers.
+A striped queue (:mod:`batchq.protocol.stripes`) has a log per stripe, which its
+producers follow: stripe 0's gives the versions (params.lua's add), and each change is
+copied into every other stripe's (params.lua's load). The index is the plan's, as a
+stripe's producers count it, so an entry applies at the same batch in every stripe; D
+counts the N x W shards the stripes mint ahead. Every stripe's reader screens its
+frames; a shard goes back to be built again in its stripe's numbers.
 """
 
 from __future__ import annotations
