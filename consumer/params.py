@@ -21,6 +21,13 @@ same lock as a reader round's filing). Each such shard goes back to the front of
 work list with the batches the trainer keeps of it (params.lua's rebuild, which
 lease.lua's skip reads), once per shard and log version; the frames dropped are counted
 (``rebuilt_params``).
+
+A striped queue (:mod:`batchq.protocol.stripes`) has a log per stripe, which its
+producers follow: stripe 0's gives the versions (params.lua's add), and each change is
+copied into every other stripe's (params.lua's load). The index is the plan's, as a
+stripe's producers count it, so an entry applies at the same batch in every stripe; D
+counts the N x W shards the stripes mint ahead. Every stripe's reader screens its
+frames; a shard goes back to be built again in its stripe's numbers.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from batchq.protocol.params_log import (
     merged,
 )
 from batchq.protocol.ranks import BatchNumbering, RankLayout, frame_index
+from batchq.protocol.stripes import Stripes
 from batchq.protocol.words import Status, status_error
 from batchq.wire.codec import Frame
 from consumer.reader.buffer import Buffer
@@ -75,6 +83,7 @@ class StreamParams:
         # a frame is either filed before the purge (and purged) or screened after it.
         self.filing = threading.Lock()
         self._session: Session | None = None
+        self._stripes: list[Session] = []  # a striped queue's sessions, stripe 0's first
         self._layout: RankLayout | None = None
         self._numbering: BatchNumbering | None = None
         self._last: Frame | None = None  # the frame yielded last
@@ -85,9 +94,13 @@ class StreamParams:
 
     # -- the run ------------------------------------------------------------------------
 
-    def bind(self, session: Session, layout: RankLayout) -> None:
-        """Reading started: the session (run, claim, plan) and this rank's split."""
+    def bind(
+        self, session: Session, layout: RankLayout, others: list[Session] | None = None
+    ) -> None:
+        """Reading started: the session (run, claim, plan), this rank's split, and a
+        striped queue's other stripes' sessions (stripe 1's first)."""
         self._session, self._layout = session, layout
+        self._stripes = [session, *(others or [])]
 
     def _take(self, log: ParamsLog) -> None:
         """Merge a log read from Redis (the run's, a prefix or an extension of ours)."""
@@ -98,8 +111,6 @@ class StreamParams:
         """Write this log as ``run``'s (before resume.lua creates it: the session's hook;
         a longer log of it there is kept) and take what is stored."""
         log_ = self.log
-        if len(log_):
-            _refuse_striped(session)
         reply = params_scripts.params(
             client, session.keys, op="load", incarnation=session.incarnation, run=run,
             token=session.token, suffix=session.suffix, index=len(log_),
@@ -116,6 +127,8 @@ class StreamParams:
         session = self._session
         if session is None:
             return
+        if len(self._stripes) > 1:  # stripe 0's log has every version first
+            client = session.client
         raw = client.getrange(session.keys.params, 0, PARAMS_LOG_MAX_BYTES + 64)
         try:
             self._take(ParamsLog.from_stored(raw, session.run))
@@ -138,7 +151,7 @@ class StreamParams:
         plan = session.plan
         stride = plan.shard_batches if plan is not None else -1
         while stride < 0:
-            raw = client.hget(session.keys.meta, MetaField.SHARD_BATCHES)
+            raw = session.client.hget(session.keys.meta, MetaField.SHARD_BATCHES)
             stride = int(raw) if raw is not None and raw.isdigit() else -1
             if stride < 0 and time.monotonic() > deadline:
                 raise ProtocolError(
@@ -146,7 +159,7 @@ class StreamParams:
                 )
             if stride < 0:
                 time.sleep(_WAIT_S)
-        window = plan.window if plan is not None else 1
+        window = plan.window * plan.stripes if plan is not None else 1  # N x W minted ahead
         self._numbering = BatchNumbering(layout, stride, window)
         return self._numbering
 
@@ -174,14 +187,12 @@ class StreamParams:
             step: batches the caller has had since the job began (names the call).
 
         Raises:
-            ConfigError: a bad argument, an index before the trainer's position, or a
-                striped queue (its stripes' producers do not follow one log).
+            ConfigError: a bad argument, or an index before the trainer's position.
         """
         plain = check_params(update)
         session = self._session
         if session is None:
             raise ProtocolError("set_params before reading started")
-        _refuse_striped(session)
         client = session.client
         numbering = self.numbering(client)
         rank = session.rank
@@ -191,6 +202,8 @@ class StreamParams:
             f"{step}:{at_batch}:{at_epoch}:{dump_params(plain)}".encode()
         ).hexdigest()[:20]
         stored = self._add(session, index, dump_params(plain), call_id)
+        for stripe in self._stripes[1:]:  # every stripe's producers follow the change
+            self._copy(stripe, stored)
         with self.filing:
             self._take(stored)
             rows = self._drop_stale(client, buffer)
@@ -233,6 +246,21 @@ class StreamParams:
                 time.sleep(_WAIT_S)
             if session.run == run:
                 raise StateLost(f"{session.what}: Redis lost the queue while set_params ran")
+
+    def _copy(self, stripe: Session, stored: ParamsLog) -> None:
+        """Write stripe 0's log (``stored``) as another stripe's, for its run (params.lua's
+        load; a stripe whose Redis lost its run gets it with the run its reader
+        re-creates, the session's hook)."""
+        call = functools.partial(
+            params_scripts.params, stripe.client, stripe.keys, op="load",
+            incarnation=stripe.incarnation, run=stripe.run, token=stripe.token,
+            suffix=stripe.suffix, index=len(stored), body=stored.entries_json(),
+        )  # fmt: skip
+        reply = retrying(call, f"recording params ({stripe.what})", stripe.retry_s)
+        if reply.status == Status.CLAIM_LOST:
+            raise TrainerConflict(f"{stripe.what}: the claim was lost")
+        if reply.status not in (Status.OK, Status.STATE_LOST):
+            raise status_error(reply.status, stripe.what)
 
     # -- frames -------------------------------------------------------------------------
 
@@ -278,7 +306,8 @@ class StreamParams:
         """Hand the shards noted by :meth:`screen` back (reader thread)."""
         if not self._pending or self._session is None:
             return
-        pending, self._pending = self._pending, {}
+        with self.filing:  # the stripes' readers screen into it
+            pending, self._pending = self._pending, {}
         rows = [(e, s, buffer.prefix(e, s), n) for (e, s), n in pending.items()]
         self._rebuild(client, self._session, rows)
 
@@ -290,12 +319,14 @@ class StreamParams:
     def _rebuild(
         self, client: redis.Redis, session: Session, rows: list[tuple[int, int, int, int]]
     ) -> None:
-        """params.lua's rebuild for (epoch, local shard, kept, frames dropped) rows."""
+        """params.lua's rebuild for (epoch, local shard, kept, frames dropped) rows (a
+        striped queue's in each row's stripe, in its numbers)."""
         layout = self._layout
         if layout is None:
             return
         version = self.log.version
-        shards = []
+        stripes = Stripes(len(self._stripes) or 1)
+        shards: dict[int, list[params_scripts.Rebuild]] = {}
         with self._lock:  # both threads rebuild: the training thread's change, the reader
             if any(v != version for _, v in self._asked):  # older versions never come again
                 self._asked = {key for key in self._asked if key[1] == version}
@@ -306,21 +337,27 @@ class StreamParams:
                 if (g, version) in self._asked:
                     continue
                 self._asked.add((g, version))
-                slot = layout.slot(shard, session.rank)
-                shards.append(params_scripts.Rebuild(ledger_field(epoch, slot), kept, g))
+                k, m = stripes.of(epoch * layout.per_rank + shard)
+                m_epoch, j = divmod(m, layout.per_rank)
+                field = ledger_field(m_epoch, layout.slot(j, session.rank))
+                g = layout.to_global(m, session.rank)  # the stripe's (g itself unstriped)
+                shards.setdefault(k, []).append(params_scripts.Rebuild(field, kept, g))
             dropped_now, self._unsent = self._unsent, 0
-        reply = params_scripts.params(
-            client, session.keys, op="rebuild", incarnation=session.incarnation,
-            run=session.run, token=session.token, suffix=session.suffix, index=dropped_now,
-            rebuild=shards,
-        )  # fmt: skip
-        if reply.status != Status.OK:
-            raise status_error(reply.status, session.what)
+        for k in sorted(shards) or [0]:
+            stripe = self._stripes[k] if stripes.striped else session
+            reply = params_scripts.params(
+                stripe.client if stripes.striped else client, stripe.keys, op="rebuild",
+                incarnation=stripe.incarnation, run=stripe.run, token=stripe.token,
+                suffix=stripe.suffix, index=dropped_now, rebuild=shards.get(k, []),
+            )  # fmt: skip
+            dropped_now = 0  # counted once, in the first stripe's stats
+            if reply.status != Status.OK:
+                raise status_error(reply.status, stripe.what)
         if shards:
             log.info(
                 "%s: %d shard(s) built with params since changed go back to be built again",
                 session.what,
-                len(shards),
+                sum(len(v) for v in shards.values()),
             )
 
     # -- what was yielded ---------------------------------------------------------------
@@ -361,21 +398,6 @@ def refuse_grouped(session: Session | None) -> None:
             f"{session.what}: set_params changes what the producers build for every group "
             "of the run (each batch is built once for all): not supported in a run read by "
             "several groups"
-        )
-
-
-def _refuse_striped(session: Session) -> None:
-    """Params changes reach one queue's producers: a striped queue's other stripes would
-    not follow them (batchq/protocol/stripes.py).
-
-    Raises:
-        ConfigError: the run is striped.
-    """
-    plan = session.plan
-    if plan is not None and plan.stripes > 1:
-        raise ConfigError(
-            f"{session.what}: set_params (or a checkpoint's params log) on a queue "
-            f"striped {plan.stripes} ways is not supported; expected a queue of one stripe"
         )
 
 

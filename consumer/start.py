@@ -22,7 +22,8 @@ they hold, and they follow stripe 0's start:
 Each stripe has its own session (claim, run id, incarnation), client, shared-memory host
 and reader thread; the readers file into the one buffer (a striped queue's through a
 :class:`consumer.reader.stripes.StripeView` each). Only stripe 0's reader sends the
-trainer's figures and checks frames against the params log.
+trainer's figures; every stripe's checks frames against the params log (each stripe has
+its own, a copy of stripe 0's: :mod:`consumer.params`).
 """
 
 from __future__ import annotations
@@ -192,12 +193,14 @@ def open_reading(
         keys = session.keys.stripe(k, count)
         client, sibling = connect(keys), shm.sibling(keys)
         # The ranks of a job name a stripe's new run alike: after stripe 0's run.
-        member = new_session(client, keys, options, sibling, stripe_run_id(session.run, k))
+        member = new_session(
+            client, keys, options, sibling, stripe_run_id(session.run, k), params
+        )  # its resumes write the params log too
         stripes.append(Stripe(keys, member, sibling, client))
         _start_stripe(session, member, striped, start, k, new_run, step, timeout_s)
     if count > 1 and start.ledger.window is not None:
         start.ledger.window *= count  # each stripe mints W of its own shards past its floor
-    params.bind(session, start.layout)
+    params.bind(session, start.layout, [stripe.session for stripe in stripes[1:]])
     params.refresh(session.client)  # another rank's changes, if any
     settings = ReaderSettings(options, writable=prep.writable, layout=start.layout)
     buffer = Buffer(start.ledger)
@@ -205,9 +208,9 @@ def open_reading(
     for k, stripe in enumerate(stripes):
         view = buffer if count == 1 else StripeView(buffer, k, Stripes(count))
         reader = Reader(
-            connect(stripe.keys), stripe.keys, stripe.session, view, settings,
+            connect(stripe.keys), stripe.session.keys, stripe.session, view, settings,
             stats=stats if k == 0 else TrainerStats(), shm=_for_run(stripe, prep),
-            prepare=prep, screen=params if k == 0 else None,
+            prepare=prep, screen=params,
         )  # fmt: skip
         members.append(reader)
     readers = Readers(members)
@@ -247,21 +250,9 @@ def claim_to_finish(
 
 def _striped_plan(session: Session) -> Plan | None:
     """The claimed run's plan where it deals its shards to several stripes; None for a
-    plain queue (a stripe set of one).
-
-    Raises:
-        ConfigError: a striped run read by several groups (not supported).
-    """
+    plain queue (a stripe set of one)."""
     plan = session.plan
-    if plan is None or plan.stripes <= 1:
-        return None
-    if getattr(session, "grouped", False):
-        raise ConfigError(
-            f"{session.what}: groups (a run read by several groups) on a queue striped "
-            f"{plan.stripes} ways are not supported; expected one trainer (or one job's "
-            "ranks) per striped queue"
-        )
-    return plan
+    return None if plan is None or plan.stripes <= 1 else plan
 
 
 def _for_run(stripe: Stripe, prep: FramePrep) -> TrainerShm:
@@ -329,11 +320,25 @@ def _start_stripe(
 
     run, world = retrying(current, f"reading queue {keys.queue}", timeout_s, client=client)
     again = new_run or start.stripe_pairs is not None or int(world or 1) != first.world
-    session.acquire(takeover=(run or b"").decode(), resuming=again or run is None)
+    # A group that comes back without a checkpoint starts again at 0 in every stripe, as
+    # claim.lua starts it in stripe 0: its old claim is not taken over but waited out.
+    takeover = "" if first.grouped and not again else (run or b"").decode()
+    deadline = time.monotonic() + session.claim_ttl_ms / 1000 + 1.0
+    while True:
+        try:
+            session.acquire(takeover=takeover, resuming=again or run is None)
+            break
+        except TrainerConflict:
+            if takeover or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
+    if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run:
+        session.checkpoint_run = ""  # stripe 0's run was replaced: so is this stripe's
     session.plan = plan  # the run's plan is stripe 0's: one pipeline serves every stripe
     if not (again or run is None):
         return
-    delete_old_frames(client, keys, timeout_s)
+    if new_run or not first.grouped:  # a group resumed in a live run: the others' stay
+        delete_old_frames(client, keys, timeout_s)
     remap = None
     if start.stripe_pairs is not None:  # a checkpoint: the stripe's share of it
         pairs = global_pairs(start.stripe_pairs[k], start.layout, first.rank)

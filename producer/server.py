@@ -224,7 +224,12 @@ class Producer:
         self._stop.set()
         self._leave()
 
-    def step(self, wait: bool = True) -> bool:
+    @property
+    def groups(self) -> int:
+        """The run's group slots as this producer last read them (0: one group)."""
+        return self._pos.groups
+
+    def step(self, wait: bool = True, groups: int = 0) -> bool:
         """Lease the next shard and serve it; a connection lost or a queue key of a
         foreign type is waited out here. Returns whether a shard was served.
 
@@ -232,11 +237,20 @@ class Producer:
             wait: when the run has nothing to lease (the window or the list is full),
                 wait for a trainer's wake (bounded) before returning; False returns at
                 once (a striped producer tries its next stripe).
+            groups: lease only once the run has this many group slots (read again
+                while it has fewer: a striped queue's stripe k waits for the groups of
+                stripe 0, so that a shard is built once for all of them).
 
         Raises:
             RunFinished: the trainer finished the run.
         """
         try:
+            if groups > self._pos.groups:
+                known = self._membership.groups()
+                if known > self._pos.groups:
+                    self._regroup(known)
+                if known < groups:
+                    return False
             lease = self._lease(wait)
             if lease is not None:
                 self._serve(lease)
@@ -263,7 +277,8 @@ class Producer:
         epoch, slot, shard = lease.address(self.plan.shards)
         self._pusher.aim(slot % lease.world, lease.world, lease.mask)
         self._pusher.params.follow(self.client, lease.params)  # read again if it changed
-        status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
+        g = epoch * lease.slots + slot  # the plan's: a stripe's lease names the stripe's
+        status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot, g=g)
         watch = self._pusher.watch
         if watch is not None and watch.hung is not None:
             # Counted as a failed attempt already; the build still runs: stop serving.
@@ -317,10 +332,9 @@ class Producer:
         self._beat.follow(position)
         self._transport.joined(self.client, position.run, position.world, position.groups)
 
-    def _regroup(self, reply: LeaseReply) -> None:
+    def _regroup(self, groups: int) -> None:
         """The run is read by (more) groups than this producer knew: lease and push with
         the keys of every group from now on (the same run: leases held stay ours)."""
-        groups = reply.groups or self._membership.groups()
         position = dataclasses.replace(self._pos, groups=groups)
         log.info("producer %s: the run is read by %d group(s)", self.id, groups)
         self._pos = position
@@ -387,7 +401,7 @@ class Producer:
             return None
         if status == Status.GROUPS:
             self._lease_seq -= 1  # nothing was leased with it
-            self._regroup(reply)
+            self._regroup(reply.groups or self._membership.groups())
             return None
         self._handle_status(status)
         return None

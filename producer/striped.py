@@ -10,6 +10,14 @@ waiting (bounded, on one lane's wake list, a different one each time) only when 
 had any. So one producer process spreads its batches over every stripe, and a producer
 killed mid-shard leaves work in every stripe that the others redo, as with one queue.
 
+In a run read by several groups (:mod:`batchq.protocol.groups`) each stripe registers
+the groups as it does alone; every group claims stripe 0 first and the others once it
+has read the plan (consumer/start.py), so a lane k >= 1 leases only once its stripe has
+as many group slots as lane 0 knows (``Producer.step(groups=)``): else its first shards
+would be built for the first group to claim it alone, and again for each later one.
+That wait is bounded (:data:`GROUPS_WAIT_S`, for a group that died between its claims):
+past it the lane serves the groups its stripe has, as a queue with a late group.
+
 A lane whose Redis is unreachable holds the thread in its reconnect loop (bounded by
 ``reconnect_timeout_s``): the other stripes wait meanwhile.
 """
@@ -17,6 +25,7 @@ A lane whose Redis is unreachable holds the thread in its reconnect loop (bounde
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from batchq.client.connection import tune_malloc
@@ -26,9 +35,12 @@ from batchq.protocol.stripes import check_stripes
 from producer.server import Producer
 from producer.serving.sharding import ShardPlan
 
-__all__ = ["StripedProducer"]
+__all__ = ["GROUPS_WAIT_S", "StripedProducer"]
 
 log = logging.getLogger(__name__)
+
+# How long a lane k >= 1 waits for the groups of stripe 0 to claim its stripe.
+GROUPS_WAIT_S = 10.0
 
 
 class StripedProducer:
@@ -62,6 +74,9 @@ class StripedProducer:
         ]
         self.id = self.lanes[0].id
         self._turn = 0  # the lane served first in the next round
+        # Lane k >= 1 waiting for stripe 0's groups: since when, and the counts waived.
+        self._held_since: dict[int, float] = {}
+        self._waived: dict[int, int] = {}
 
     @property
     def stopped(self) -> bool:
@@ -109,7 +124,28 @@ class StripedProducer:
         for i in range(count):
             if self.stopped:
                 return
-            served = self.lanes[(self._turn + i) % count].step(wait=False) or served
+            k = (self._turn + i) % count
+            groups = self._groups_for(k)
+            served = self.lanes[k].step(wait=False, groups=groups) or served
+            if groups and self.lanes[k].groups >= groups:
+                self._held_since.pop(k, None)
         self._turn = (self._turn + 1) % count
         if not served and not self.stopped:
             self.lanes[self._turn].wait_for_room()
+
+    def _groups_for(self, k: int) -> int:
+        """The group slots lane ``k`` waits for before it leases (0: none): stripe 0's,
+        until :data:`GROUPS_WAIT_S` has passed for that count."""
+        want = self.lanes[0].groups
+        if k == 0 or want <= self.lanes[k].groups or self._waived.get(k) == want:
+            return 0
+        since = self._held_since.setdefault(k, time.monotonic())
+        if time.monotonic() - since < GROUPS_WAIT_S:
+            return want
+        log.warning(
+            "producer %s: stripe %d has fewer groups than stripe 0's %d after %g s; "
+            "serving those it has", self.id, k, want, GROUPS_WAIT_S,
+        )  # fmt: skip
+        self._waived[k] = want
+        self._held_since.pop(k, None)
+        return 0

@@ -118,11 +118,11 @@ def params_fields(snap: QueueSnapshot) -> dict[str, Any]:
     run, version = parse_params_stamp(meta.get(MetaField.PARAMS, ""))
     stride = meta.get(MetaField.SHARD_BATCHES)
     known = stride is not None and MetaField.WINDOW in meta
+    # A striped queue's stripes each mint W of their shards ahead: N x W of the run's.
+    window = as_int(meta.get(MetaField.WINDOW)) * max(1, as_int(meta.get(MetaField.STRIPES)))
     return {
         "lookahead_batches": (
-            lookahead_batches(as_int(meta.get(MetaField.WINDOW)), as_int(stride), snap.world)
-            if known
-            else None
+            lookahead_batches(window, as_int(stride), snap.world) if known else None
         ),
         "params_version": version if run and run == meta.get(MetaField.RUN) else 0,
         "rebuilt_params": snap.stats.get(StatsField.REBUILT_PARAMS, 0),

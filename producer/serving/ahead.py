@@ -179,7 +179,7 @@ class Ahead:
             return
         epoch, slot, shard = lease.address(plan.shards)
         started = time.perf_counter()
-        shard_params = params.shard(lease.g)
+        shard_params = params.shard(epoch * lease.slots + slot)  # the plan's g
         batches = iter(plan.iter_shard_marked(epoch, shard, shard_params.around))
         step: tuple[Any, bool] | None = None
         frame: Any = None

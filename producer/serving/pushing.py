@@ -59,14 +59,17 @@ class ShardPusher(FramePusher):
     """
 
     def serve_shard(
-        self, epoch: int, shard: int, entry: str, skip: int = 0, slot: int | None = None
-    ) -> str | None:
+        self, epoch: int, shard: int, entry: str, skip: int = 0, slot: int | None = None,
+        g: int | None = None,
+    ) -> str | None:  # fmt: skip
         """Build a shard and push its batches from batch ``skip`` on (the trainer has the
         ones before: a resumed checkpoint).
 
         Args:
             slot: the slot the shard fills (data-parallel runs: frames name it, and a
                 pad slot rebuilds an earlier shard); None: the shard itself.
+            g: the plan's global slot number (its batches' params indices); None: the
+                lease entry's (a stripe's entry names the stripe's number).
 
         Returns:
             the status of a reply that is the producer's business (the run finished or
@@ -76,7 +79,7 @@ class ShardPusher(FramePusher):
         ready = self.ahead.take_ready(entry)
         # The params of each batch (a shard spanning a change gets each batch's own).
         built = ready.params if ready is not None else None
-        self._shard_params = built or self.params.shard(entry_slot(entry))
+        self._shard_params = built or self.params.shard(entry_slot(entry) if g is None else g)
         batches = (
             ready.batches
             if ready

@@ -3,17 +3,18 @@ another master mid-epoch, and a run's stripes fixed when it is created."""
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
 import pytest
-from pipelines import examples_of, numbered
+from pipelines import examples_of, numbered, steered
 from waiting import wait_until
 
 from batchq.cli import main
 from batchq.client.cluster import key_slot
 from batchq.client.connection import make_client
-from batchq.errors import ConfigError, PipelineMismatch
+from batchq.errors import PipelineMismatch
 from batchq.monitoring.rows import status_rows
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
@@ -116,27 +117,59 @@ def test_status_shows_each_stripes_node_and_reset_deletes_every_stripe(
     assert redis_cluster.keys_per_node(f"bq:{{{queue_name}*}}:*") == [0, 0, 0]
 
 
-@pytest.mark.parametrize("queue_url", ["cluster"], indirect=True)
-def test_set_params_and_groups_on_a_striped_queue_are_refused_naming_it(
-    queue_url: str, queue_name: str
+@pytest.mark.parametrize("queue_url", ["stripes"], indirect=True)
+def test_set_params_on_a_queue_striped_over_the_masters_applies_exactly(
+    queue_url: str, queue_name: str, producer_thread: Any
 ) -> None:
-    producer = StripedProducer(numbered(EXAMPLES, BATCH), queue_url, queue_name, 4, stripes=2)
-    serving = threading.Thread(target=producer.serve, daemon=True)
-    serving.start()
+    producer_thread(steered(EXAMPLES, BATCH))  # 3 stripes, one per master
+    calls: list[tuple[int, dict[str, Any]]] = []
+    with ServerDataStream(
+        ("features", "targets", "params"),
+        url=queue_url,
+        queue=queue_name,
+        stall_s=1.0,
+        timeout_s=30,
+    ) as stream:
+        step, got = 0, []
+        for _ in range(2):
+            for features, _, params in stream.get_epoch_iterator():
+                want: dict[str, Any] = {}
+                for _, _, update in sorted(
+                    (i, n, u) for n, (i, u) in enumerate(calls) if i <= step
+                ):  # fmt: skip
+                    want.update(update)
+                assert json.loads(params) == want, f"batch {step}"
+                got.append(examples_of(features))
+                step += 1
+                if step == 3:
+                    calls.append((stream.set_params({"level": 1}), {"level": 1}))
+                elif step == 6:
+                    assert stream.set_params({"level": 2}, at_batch=8) == 8
+                    calls.append((8, {"level": 2}))
+        assert [got[:30], got[30:]] == reference(2)
+        assert calls[0][0] == 3 + 2 * 3 * 2 * 4  # D: 3 stripes x W = 8 shards, twice
+        stream.close(finished=True)
+
+
+@pytest.mark.parametrize("queue_url", ["stripes"], indirect=True)
+def test_two_groups_read_a_queue_striped_over_the_masters_exactly(
+    queue_url: str, queue_name: str, producer_thread: Any
+) -> None:
+    streams = [
+        ServerDataStream(
+            ("features", "targets"), url=queue_url, queue=queue_name, group=g, timeout_s=30
+        )
+        for g in ("g0", "g1")
+    ]
+    producer_thread(numbered(EXAMPLES, BATCH))
     try:
-        with ServerDataStream(("features", "targets"), url=queue_url, queue=queue_name) as stream:
-            got = [examples_of(f) for f, _ in stream.get_epoch_iterator()]
-            assert got == reference(1)[0]
-            with pytest.raises(ConfigError, match="striped 2 ways is not supported"):
-                stream.set_params({"scale": 2})
-            # A second job reading the run as a group of it: refused as well.
-            grouped = ServerDataStream(
-                ("features",), url=queue_url, queue=queue_name, group="g1", timeout_s=30
-            )
-            with pytest.raises(ConfigError, match=r"groups .* striped 2 ways are not"):
-                next(grouped.get_epoch_iterator())
-            grouped.close()
-            stream.close(finished=True)
+        for epoch in reference(2):
+            its = [s.get_epoch_iterator() for s in streams]
+            pairs = list(zip(*its, strict=True))  # the groups read in step
+            for k in range(2):
+                assert [examples_of(pair[k][0]) for pair in pairs] == epoch
+        for s in streams:
+            s.close(finished=True)
     finally:
-        producer.stop()
-        serving.join(timeout=10)
+        for s in streams:
+            s.close()

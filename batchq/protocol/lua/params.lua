@@ -5,10 +5,10 @@
 --               log's entries + 1, meta 'params' = '<run>:<version>'); a call whose id is
 --               in the log already adds nothing (ranks of a job making the same call).
 --               Returns {'OK', the log's version, the log's JSON} or {'TOO_BIG', bytes}
--- op 'load':    a checkpoint's log (`body`, `index` entries) for the run `run`, written
---               before resume.lua creates that run, so that no producer serves the run
---               without its log; a log of that run already there with as many entries
---               or more is kept (another rank of the job did it, or a retry).
+-- op 'load':    a whole log (`body`, `index` entries) for the run `run`: a checkpoint's,
+--               before resume.lua creates that run (no producer serves it without its
+--               log), or stripe 0's, copied to another stripe; a log of that run there
+--               with as many entries or more is kept (another rank did it, or a retry).
 --               Returns {'OK', the log's version, the log's JSON} or {'TOO_BIG', bytes}
 -- op 'rebuild': shards built with params since changed go back to the front of the work
 --               list (oldest first), the ledger saying how many leading batches of each
