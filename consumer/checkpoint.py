@@ -22,6 +22,11 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
                   checkpoint that keeps rank 0's state only resumes the whole job
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
+                  (a shard's first slot is its unit, a later slot of it a pad); the
+                  ranks' states keep it while their position is in that epoch
+    resplit       (just re-split, not read from yet) every new slot's ledger pairs go
+                  with the resume; without it (a checkpoint taken inside the re-split
+                  epoch) a rank sends its own pairs and the remap
   a group of a run read by several groups (``group=``) adds:
     group         its name (a state of another group is refused)
   and once ``set_params`` was called:
@@ -70,6 +75,7 @@ __all__ = [
     "QUEUE_KEY",
     "RANK_KEY",
     "REMAP_KEY",
+    "RESPLIT_KEY",
     "RUN_KEY",
     "SHARDS_KEY",
     "STATE_VERSION",
@@ -107,6 +113,7 @@ PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
 EVERY_RANK_KEY = "every_rank"
 REMAP_KEY = "remap"
+RESPLIT_KEY = "resplit"
 GROUP_KEY = "group"
 PARAMS_KEY = "params"
 
@@ -168,15 +175,18 @@ def stream_state(
     step: int,
     plan_shards: int,
     params: list[dict[str, Any]] | None,
+    resumed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state of a stream of ``options`` at ``position`` in ``run`` (the buffer's
     ``consumed``: the epoch, shard -> batches yielded of it, its shards done): a rank
-    adds its fields, a group its name, a changed params log the log.
+    adds its fields, a group its name, a changed params log the log, a rank still in the
+    epoch its checkpoint re-split (``resumed``'s remap) the remap.
 
     Args:
         step: batches the rank yielded since the job began.
         plan_shards: S of the run's plan.
         params: the params log as JSON (None: never changed).
+        resumed: the state the stream resumed from (None: none).
     """
     epoch, counts, done = position
     fingerprint = plan.fingerprint if plan else ""
@@ -188,6 +198,9 @@ def stream_state(
         state |= rank_fields(
             options.rank, options.world_size, options.even_batches, plan_shards, step, alike
         )
+    if resumed is not None and REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == epoch:
+        # The epoch's slots build the remapped shards: a resume from here needs the map.
+        state[REMAP_KEY] = resumed[REMAP_KEY]
     if options.group is not None:
         state[GROUP_KEY] = options.group
     return state if params is None else state | {PARAMS_KEY: params}
@@ -212,6 +225,7 @@ def check_state(state: Any, queue: str) -> dict[str, Any]:
                 f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
             )
     _check_position(state.get(CONSUMED_KEY), state.get(DONE_KEY))
+    _check_remap(state.get(REMAP_KEY, []))
     ParamsLog.from_json(state.get(PARAMS_KEY), "state['params']")  # ConfigError if bad
     return dict(state)
 
@@ -226,6 +240,19 @@ def _check_position(consumed: Any, done: Any) -> None:
         )
     if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
         raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")
+
+
+def _check_remap(remap: Any) -> None:
+    """Refuse a remap that is not a list of [shard, batches had]."""
+    if not isinstance(remap, list) or not all(
+        isinstance(unit, list)
+        and len(unit) == 2
+        and all(isinstance(n, int) and n >= 0 for n in unit)
+        for unit in remap
+    ):
+        raise ConfigError(
+            f"state['remap'] = {remap!r} is not valid: expected a list of [shard, batches had]"
+        )
 
 
 def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
@@ -339,8 +366,10 @@ def resume_position(
     split = stripes.split(local, shards)
     pairs = global_pairs(split[0], layout, session.rank)
     remap, remaps = None, None
-    if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
-        pairs, slots = remap_pairs(resume, layout)
+    if REMAP_KEY in resume:  # the epoch's rest re-split (for this number of ranks)
+        all_pairs, slots = remap_pairs(resume, layout)
+        if resume.get(RESPLIT_KEY):  # just re-split: every new slot's pairs, alike
+            pairs = all_pairs
         remap = (epoch, slots)
         if stripes.striped:  # each stripe its share of the new slots, in its numbers
             remaps = stripes.split_remap(pairs, remap, layout)
