@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pipelines import examples_of
 from train import lines
 from waiting import wait_until
 
+from batchq.host.embedded import EmbeddedRedis
+from consumer import ServerDataStream
 from tests.consumer.test_data_parallel import (
     BATCH,
     EXAMPLES,
@@ -131,3 +135,59 @@ def test_another_world_resumes_inside_the_resplit_epoch(
     pads = [b for s in resplit(rest, newer) for b in s][len(rest) :]
     assert Counter(tuple(b) for b in yielded) == Counter(tuple(b) for b in plan[0] + pads)
     check_epoch(plan[1], shares_c[1], newer)
+
+
+def test_redis_lost_inside_the_resplit_epoch_rebuilds_the_remapped_slots(
+    tmp_path: Path, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
+    server.start()
+    try:
+        argv = serve_argv("--hwm", "4", "--heartbeat-ttl-s", "2")
+        argv[argv.index("--url") + 1] = server.url
+        env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=2)
+        for _ in range(2):
+            spawn_proc(argv, env=env)
+        # The first job: 4 ranks, 1 batch each; 18 units left, 9 for each of 2 ranks.
+        outs, saved = checkpoint_ranks(spawn_proc, server.url, queue_name, tmp_path, 2, OLD, 1)
+        new, before_loss = 2, 2
+        got: list[list[tuple[int, list[int]]]] = [[] for _ in range(new)]
+        reached = [threading.Event() for _ in range(new)]
+        lost, errors = threading.Event(), []
+
+        def rank(r: int) -> None:
+            try:
+                with ServerDataStream(
+                    ("features", "targets"), url=server.url, queue=queue_name, rank=r,
+                    world_size=new, stall_s=1.0, timeout_s=60,
+                ) as stream:  # fmt: skip
+                    stream.load_state_dict(saved)
+                    for _ in range(EPOCHS):
+                        for f, _ in stream.get_epoch_iterator():
+                            got[r].append((stream.epoch, examples_of(f)))
+                            if len(got[r]) == before_loss:
+                                reached[r].set()  # the rest of its share not all here yet
+                                assert lost.wait(timeout=60)
+                    stream.close(finished=True)
+            except BaseException as e:
+                errors.append(e)
+                reached[r].set()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(new)]
+        for t in threads:
+            t.start()
+        for event in reached:
+            assert event.wait(timeout=60)
+        server.kill()
+        server.restart(wipe=True)  # the remap hash and the ledger go with the queue
+        lost.set()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        plan = plans(EPOCHS)
+        after = [[[b for ep, b in g if ep == e] for g in got] for e in range(EPOCHS)]
+        assert [b for o in outs for _, b in lines(o)] == plan[0][:OLD]
+        assert after[0] == resplit(plan[0][OLD:], new)  # 18 units: no pads
+        check_epoch(plan[1], after[1], new)
+    finally:
+        server.stop()
