@@ -367,9 +367,10 @@ def resume_position(
     pairs = global_pairs(split[0], layout, session.rank)
     remap, remaps = None, None
     if REMAP_KEY in resume:  # the epoch's rest re-split (for this number of ranks)
-        all_pairs, slots = remap_pairs(resume, layout)
-        if resume.get(RESPLIT_KEY):  # just re-split: every new slot's pairs, alike
-            pairs = all_pairs
+        every, slots = remap_pairs(resume, layout)
+        # Just re-split: every new slot's pairs, alike; else the rank's own (each rank
+        # has moved on since), of every stripe, split below as the remap is.
+        pairs = every if resume.get(RESPLIT_KEY) else global_pairs(local, layout, session.rank)
         remap = (epoch, slots)
         if stripes.striped:  # each stripe its share of the new slots, in its numbers
             remaps = stripes.split_remap(pairs, remap, layout)

@@ -35,8 +35,8 @@ OLD, STOP, EPOCHS = 4, 3, 2  # the first job: 4 ranks, 3 batches each of epoch 0
 def producers(spawn_proc: Any, serve_argv: Any, serve_env: Any) -> Any:
     """``n`` producer processes, 20 ms a batch (a kill lands inside an epoch)."""
 
-    def start(n: int) -> list[Any]:
-        argv = serve_argv("--hwm", "4", "--heartbeat-ttl-s", "2")
+    def start(n: int, *extra: str) -> list[Any]:
+        argv = serve_argv("--hwm", "4", "--heartbeat-ttl-s", "2", *extra)
         env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=20)
         return [spawn_proc(argv, env=env) for _ in range(n)]
 
@@ -77,10 +77,16 @@ def first_job(spawn_proc: Any, url: str, queue: str, tmp: Path) -> tuple[list[Pa
     return outs, states
 
 
+@pytest.mark.parametrize("stripes", [1, 2])
 def test_same_ranks_resume_inside_the_resplit_epoch(
-    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
+    redis_url: str,
+    queue_name: str,
+    producers: Any,
+    spawn_proc: Any,
+    tmp_path: Path,
+    stripes: int,
 ) -> None:
-    procs = producers(2)
+    procs = producers(2, "--stripes", str(stripes))
     new, stop = 2, 2
     outs_a, states = first_job(spawn_proc, redis_url, queue_name, tmp_path)
     outs_b, again = resume_then_stop(spawn_proc, redis_url, queue_name, tmp_path, states, new, stop)
