@@ -22,11 +22,8 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
                   checkpoint that keeps rank 0's state only resumes the whole job
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
-                  (a shard's first slot is its unit, a later slot of it a pad); the
-                  ranks' states keep it while their position is in that epoch
-    resplit       (just re-split, not read from yet) every new slot's ledger pairs go
-                  with the resume; without it (a checkpoint taken inside the re-split
-                  epoch) a rank sends its own pairs and the remap
+                  (a shard's later slots are pads), kept while in that epoch
+    resplit       (until read from) a resume sends every slot's pairs, not the rank's
   a group of a run read by several groups (``group=``) adds:
     group         its name (a state of another group is refused)
   and once ``set_params`` was called:
@@ -244,15 +241,11 @@ def _check_position(consumed: Any, done: Any) -> None:
 
 def _check_remap(remap: Any) -> None:
     """Refuse a remap that is not a list of [shard, batches had]."""
-    if not isinstance(remap, list) or not all(
-        isinstance(unit, list)
-        and len(unit) == 2
-        and all(isinstance(n, int) and n >= 0 for n in unit)
-        for unit in remap
-    ):
-        raise ConfigError(
-            f"state['remap'] = {remap!r} is not valid: expected a list of [shard, batches had]"
-        )
+    units = remap if isinstance(remap, list) else [None]
+    if not all(isinstance(u, list) and list(map(type, u)) == [int, int] for u in units):
+        raise ConfigError(f"state['remap'] = {remap!r} is not valid: expected [shard, batches]s")
+    if any(min(u) < 0 for u in units):
+        raise ConfigError(f"state['remap'] = {remap!r} is not valid: expected numbers >= 0")
 
 
 def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
@@ -367,9 +360,7 @@ def resume_position(
     pairs = global_pairs(split[0], layout, session.rank)
     remap, remaps = None, None
     if REMAP_KEY in resume:  # the epoch's rest re-split (for this number of ranks)
-        every, slots = remap_pairs(resume, layout)
-        # Just re-split: every new slot's pairs, alike; else the rank's own (each rank
-        # has moved on since), of every stripe, split below as the remap is.
+        every, slots = remap_pairs(resume, layout)  # (since read from: the rank's own)
         pairs = every if resume.get(RESPLIT_KEY) else global_pairs(local, layout, session.rank)
         remap = (epoch, slots)
         if stripes.striped:  # each stripe its share of the new slots, in its numbers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from batchq.errors import ConfigError
@@ -110,7 +112,8 @@ def test_a_rank_keeps_its_remap_while_in_the_re_split_epoch() -> None:
     assert "remap" not in past
 
 
-def test_a_malformed_remap_is_refused_naming_it() -> None:
+@pytest.mark.parametrize("remap", [[[1]], [[True, 0]], [[1, -1]], "x"])
+def test_a_malformed_remap_is_refused_naming_it(remap: object) -> None:
     state = checkpoint.position_state("q", "r1", "fp", 4, 2, {}, [])
-    with pytest.raises(ConfigError, match=r"state\['remap'\] = \[\[1\]\] is not valid"):
-        check_state(state | {"remap": [[1]]}, "q")
+    with pytest.raises(ConfigError, match=rf"state\['remap'\] = {re.escape(repr(remap))} is not"):
+        check_state(state | {"remap": remap}, "q")
