@@ -241,7 +241,7 @@ def _check_position(consumed: Any, done: Any) -> None:
 
 def _check_remap(remap: Any) -> None:
     """Refuse a remap that is not a list of [shard, batches had]."""
-    units = remap if isinstance(remap, list) else [None]
+    units: list[Any] = remap if isinstance(remap, list) else [None]
     if not all(isinstance(u, list) and list(map(type, u)) == [int, int] for u in units):
         raise ConfigError(f"state['remap'] = {remap!r} is not valid: expected [shard, batches]s")
     if any(min(u) < 0 for u in units):
