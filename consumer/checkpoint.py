@@ -360,8 +360,10 @@ def resume_position(
     pairs = global_pairs(split[0], layout, session.rank)
     remap, remaps = None, None
     if REMAP_KEY in resume:  # the epoch's rest re-split (for this number of ranks)
-        every, slots = remap_pairs(resume, layout)  # (since read from: the rank's own)
-        pairs = every if resume.get(RESPLIT_KEY) else global_pairs(local, layout, session.rank)
+        pairs, slots = remap_pairs(resume, layout)
+        if not resume.get(RESPLIT_KEY):  # read from since: the rank's own pairs, and the
+            # slots past the remap (done for every rank: never built, whoever is first)
+            pairs = [p for p in pairs if p[1] == DONE] + global_pairs(local, layout, session.rank)
         remap = (epoch, slots)
         if stripes.striped:  # each stripe its share of the new slots, in its numbers
             remaps = stripes.split_remap(pairs, remap, layout)

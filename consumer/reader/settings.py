@@ -70,7 +70,7 @@ class RunView(Protocol):
         slot: the group slot the claim reads (0: the run's first group).
         grouped: the run is read by several groups (frames stored once for all).
         remap: (epoch, slot -> shard) the run was resumed with (an elastic resume's),
-            or None.
+            or None; remap_done: that epoch's slots past it, done (ledger pairs).
     """
 
     keys: QueueKeys
@@ -86,6 +86,7 @@ class RunView(Protocol):
     slot: int
     grouped: bool
     remap: tuple[int, dict[int, int]] | None
+    remap_done: list[tuple[str, str]]
 
     @property
     def what(self) -> str:

@@ -10,6 +10,7 @@ import pytest
 from batchq.errors import ConfigError, StepMismatch
 from batchq.protocol.ranks import RankLayout
 from consumer.checkpoint import check_rank_state, remap_pairs, resume_run_id
+from consumer.plan import past_remap
 from consumer.rank_state import elastic_state, pick_rank_state
 
 
@@ -129,3 +130,12 @@ def test_states_of_one_checkpoint_must_agree_on_the_remap() -> None:
     states = [state(0, 2, {}, [], remap=[[3, 0], [4, 0]]), state(1, 2, {}, [])]
     with pytest.raises(ConfigError, match="disagree on 'remap'"):
         elastic_state(states, 0, 3)
+
+
+def test_the_slots_past_a_remap_are_kept_for_a_lost_queue() -> None:
+    states = [state(r, 4, {"0": 1, "1": 1, "2": 1}, [0, 1, 2]) for r in range(4)]
+    resplit = elastic_state(states, 0, 2)
+    pairs, slots = remap_pairs(resplit, RankLayout(22, 2, "pad"))
+    later = [("0:0", "d"), ("0:3", "2"), ("1:12", "d")]  # own slots, another epoch's
+    assert past_remap([*pairs, *later], (0, slots)) == [(f"0:{s}", "d") for s in range(10, 22)]
+    assert past_remap(pairs, None) == []
