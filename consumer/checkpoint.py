@@ -22,6 +22,8 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
                   checkpoint that keeps rank 0's state only resumes the whole job
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
+                  (a shard's later slots are pads), kept while in that epoch
+    resplit       (until read from) a resume sends every slot's pairs, not the rank's
   a group of a run read by several groups (``group=``) adds:
     group         its name (a state of another group is refused)
   and once ``set_params`` was called:
@@ -70,6 +72,7 @@ __all__ = [
     "QUEUE_KEY",
     "RANK_KEY",
     "REMAP_KEY",
+    "RESPLIT_KEY",
     "RUN_KEY",
     "SHARDS_KEY",
     "STATE_VERSION",
@@ -107,6 +110,7 @@ PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
 EVERY_RANK_KEY = "every_rank"
 REMAP_KEY = "remap"
+RESPLIT_KEY = "resplit"
 GROUP_KEY = "group"
 PARAMS_KEY = "params"
 
@@ -168,15 +172,18 @@ def stream_state(
     step: int,
     plan_shards: int,
     params: list[dict[str, Any]] | None,
+    resumed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state of a stream of ``options`` at ``position`` in ``run`` (the buffer's
     ``consumed``: the epoch, shard -> batches yielded of it, its shards done): a rank
-    adds its fields, a group its name, a changed params log the log.
+    adds its fields, a group its name, a changed params log the log, a rank still in the
+    epoch its checkpoint re-split (``resumed``'s remap) the remap.
 
     Args:
         step: batches the rank yielded since the job began.
         plan_shards: S of the run's plan.
         params: the params log as JSON (None: never changed).
+        resumed: the state the stream resumed from (None: none).
     """
     epoch, counts, done = position
     fingerprint = plan.fingerprint if plan else ""
@@ -188,6 +195,9 @@ def stream_state(
         state |= rank_fields(
             options.rank, options.world_size, options.even_batches, plan_shards, step, alike
         )
+    if resumed is not None and REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == epoch:
+        # The epoch's slots build the remapped shards: a resume from here needs the map.
+        state[REMAP_KEY] = resumed[REMAP_KEY]
     if options.group is not None:
         state[GROUP_KEY] = options.group
     return state if params is None else state | {PARAMS_KEY: params}
@@ -212,6 +222,7 @@ def check_state(state: Any, queue: str) -> dict[str, Any]:
                 f"state[{name!r}] = {state.get(name)!r} is not valid: expected {kind.__name__}"
             )
     _check_position(state.get(CONSUMED_KEY), state.get(DONE_KEY))
+    _check_remap(state.get(REMAP_KEY, []))
     ParamsLog.from_json(state.get(PARAMS_KEY), "state['params']")  # ConfigError if bad
     return dict(state)
 
@@ -226,6 +237,15 @@ def _check_position(consumed: Any, done: Any) -> None:
         )
     if not isinstance(done, list) or not all(isinstance(s, int) for s in done):
         raise ConfigError(f"state['done'] = {done!r} is not valid: expected a list of shards")
+
+
+def _check_remap(remap: Any) -> None:
+    """Refuse a remap that is not a list of [shard, batches had]."""
+    units: list[Any] = remap if isinstance(remap, list) else [None]
+    if not all(isinstance(u, list) and list(map(type, u)) == [int, int] for u in units):
+        raise ConfigError(f"state['remap'] = {remap!r} is not valid: expected [shard, batches]s")
+    if any(min(u) < 0 for u in units):
+        raise ConfigError(f"state['remap'] = {remap!r} is not valid: expected numbers >= 0")
 
 
 def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
@@ -339,8 +359,11 @@ def resume_position(
     split = stripes.split(local, shards)
     pairs = global_pairs(split[0], layout, session.rank)
     remap, remaps = None, None
-    if REMAP_KEY in resume:  # another number of ranks: the epoch's rest re-split
+    if REMAP_KEY in resume:  # the epoch's rest re-split (for this number of ranks)
         pairs, slots = remap_pairs(resume, layout)
+        if not resume.get(RESPLIT_KEY):  # read from since: the rank's own pairs, and the
+            # slots past the remap (done for every rank: never built, whoever is first)
+            pairs = [p for p in pairs if p[1] == DONE] + global_pairs(local, layout, session.rank)
         remap = (epoch, slots)
         if stripes.striped:  # each stripe its share of the new slots, in its numbers
             remaps = stripes.split_remap(pairs, remap, layout)

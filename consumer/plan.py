@@ -4,11 +4,13 @@ resume sends of it (:class:`Shape`, within the :class:`Restart` it was asked for
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from batchq.protocol.fields import MetaField
+from batchq.protocol.layout import DONE, parse_ledger_field
 
-__all__ = ["Plan", "Restart", "Shape", "resumed_shape"]
+__all__ = ["Plan", "Restart", "Shape", "past_remap", "resumed_shape"]
 
 
 class Plan:
@@ -61,3 +63,16 @@ def resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> Sh
         return Shape("", shards or 0, 1, -1)
     same = plan.fingerprint == fingerprint and plan.hwm != ""
     return Shape(plan.hwm if same else "", plan.shards, plan.window, plan.epoch_batches)
+
+
+def past_remap(
+    ledger: Iterable[tuple[str, str]], remap: tuple[int, dict[int, int]] | None
+) -> list[tuple[str, str]]:
+    """Of a resume's ledger pairs, the remapped epoch's slots past the remap (done for
+    every rank): a run re-created after Redis lost the queue sends them again with the
+    remap, so that none is built before the rank it belongs to has recovered."""
+    if remap is None:
+        return []
+    epoch, slots = remap
+    fields = [(parse_ledger_field(f), f, v) for f, v in ledger if v == DONE]
+    return [(f, v) for (e, slot), f, v in fields if e == epoch and slot not in slots]

@@ -27,6 +27,7 @@ from consumer.checkpoint import (
     QUEUE_KEY,
     RANK_KEY,
     REMAP_KEY,
+    RESPLIT_KEY,
     RUN_KEY,
     SHARDS_KEY,
     STATE_VERSION,
@@ -109,7 +110,10 @@ def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[s
     padding and go), in plan order, is re-split among the new ranks as slots are
     (:mod:`batchq.protocol.ranks`): unit u goes to rank u % world, pads repeat the first units.
     Every new rank computes the same ``remap`` (new slot -> [shard, batches had]); the
-    epoch's slots past it are empty (done).
+    epoch's slots past it are empty (done). States taken inside an epoch re-split before
+    (they carry its remap) give their units through that remap: each shard's first slot
+    (a later one is a pad, and goes) not yielded completely, with the batches its rank
+    had of it.
 
     Raises:
         ConfigError: states of different runs or epochs, or a new world of 1.
@@ -142,6 +146,7 @@ def elastic_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[s
         EVEN_BATCHES_KEY: old.even,
         STEP_KEY: int(first.get(STEP_KEY, 0)),
         REMAP_KEY: remap,
+        RESPLIT_KEY: True,
         **_params_of(states),
     }
 
@@ -156,8 +161,9 @@ def _params_of(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _check_one_job(states: list[dict[str, Any]]) -> None:
-    """Refuse states of different runs, epochs, plans or even modes."""
-    for key in (RUN_KEY, EPOCH_KEY, PLAN_SHARDS_KEY, FINGERPRINT_KEY, EVEN_BATCHES_KEY):
+    """Refuse states of different runs, epochs, plans, even modes or remaps."""
+    keys = (RUN_KEY, EPOCH_KEY, PLAN_SHARDS_KEY, FINGERPRINT_KEY, EVEN_BATCHES_KEY, REMAP_KEY)
+    for key in keys:
         values = {repr(s.get(key)) for s in states}
         if len(values) != 1:
             raise ConfigError(
@@ -169,10 +175,31 @@ def _units_left(states: list[dict[str, Any]], old: RankLayout) -> list[tuple[int
     """(shard, batches had) of every shard of the plan that no old rank had yielded
     completely, in plan order (the old pads are padding and go)."""
     by_rank = {int(s.get(RANK_KEY, 0)): s for s in states}
+    if REMAP_KEY in states[0]:  # inside an epoch re-split before: its slots build these
+        return _remapped_units_left(by_rank, states[0][REMAP_KEY], old.world)
     units = []
     for shard in range(old.shards):
         owner = by_rank[shard % old.world]
         local = shard // old.world
+        if local not in owner[DONE_KEY]:
+            units.append((shard, int(owner[CONSUMED_KEY].get(str(local), 0))))
+    return units
+
+
+def _remapped_units_left(
+    by_rank: dict[int, dict[str, Any]], remap: list[list[int]], world: int
+) -> list[tuple[int, int]]:
+    """(shard, batches had) of every unit of a re-split epoch's ``remap`` that its rank
+    had not yielded completely, in the remap's (the plan's) order. Slot u is rank
+    u % world's local slot u // world; a shard's first slot is its unit, a later one a pad
+    (pads repeat the first units) and goes. The batches had are the rank's count (the
+    remap's base, preloaded, plus what it yielded since)."""
+    units, seen = [], set()
+    for u, (shard, _) in enumerate(remap):
+        if shard in seen:
+            continue
+        seen.add(shard)
+        owner, local = by_rank[u % world], u // world
         if local not in owner[DONE_KEY]:
             units.append((shard, int(owner[CONSUMED_KEY].get(str(local), 0))))
     return units

@@ -52,7 +52,7 @@ from batchq.protocol.trainer_scripts import (
     resume,
 )
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
-from consumer.plan import Plan, Restart, resumed_shape
+from consumer.plan import Plan, Restart, past_remap, resumed_shape
 
 __all__ = ["Plan", "Session", "rank_hint"]
 
@@ -144,6 +144,10 @@ class Session:
         self.max_lag_batches = max_lag_batches
         self.checkpoint_run = ""  # the run a resume takes over (acquire's takeover)
         self.held = False  # this rank had claimed the run before (a second resume)
+        # The remap the run was resumed with (an elastic resume's epoch) and the done
+        # slots past it: sent again when Redis loses the queue (the reader's recovery).
+        self.remap: tuple[int, dict[int, int]] | None = None
+        self.remap_done: list[tuple[str, str]] = []
         self.resume_run = resume_run  # the run id the job's ranks resume into (see resume)
         self._publish = publish
         self._before_resume = before_resume
@@ -447,6 +451,7 @@ class Session:
         )  # fmt: skip
         with self._typed_errors(client):
             self._restart(client, asked)
+        self.remap, self.remap_done = remap, past_remap(asked.ledger, remap)
         self._published(client)
         log.info("%s: resumed at shard %d in run %s", self.what, first_shard, self.run)
 

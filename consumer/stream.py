@@ -378,7 +378,7 @@ class ServerDataStream(FuelStreamMixin):
         return stream_state(
             self.options, run, plan, self._buffer.shards, self._buffer.consumed(held_back),
             step=step, plan_shards=self._started.plan_shards if self._started else 0,
-            params=self._params.state(),
+            params=self._params.state(), resumed=self._resume,
         )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:

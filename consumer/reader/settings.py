@@ -69,6 +69,8 @@ class RunView(Protocol):
         plan: what the producers published of the run (None before).
         slot: the group slot the claim reads (0: the run's first group).
         grouped: the run is read by several groups (frames stored once for all).
+        remap: (epoch, slot -> shard) the run was resumed with (an elastic resume's),
+            or None; remap_done: that epoch's slots past it, done (ledger pairs).
     """
 
     keys: QueueKeys
@@ -83,6 +85,8 @@ class RunView(Protocol):
     plan: Plan | None
     slot: int
     grouped: bool
+    remap: tuple[int, dict[int, int]] | None
+    remap_done: list[tuple[str, str]]
 
     @property
     def what(self) -> str:

@@ -220,8 +220,12 @@ class Reader(threading.Thread):
         first, pairs = self.buffer.received()
         pairs = global_pairs(pairs, self.settings.layout, s.rank)
         plan = s.plan
-        # Not a checkpoint: the ranks are where they are (no step to agree on).
-        s.resume(self.client, first, plan.fingerprint if plan else "", pairs, step=-1)
+        # Not a checkpoint: the ranks are where they are (no step to agree on). A remap
+        # names only its epoch's slots: sent again, it is inert once that epoch is past;
+        # the slots past it are done for every rank (none is built before its rank is back).
+        fingerprint = plan.fingerprint if plan else ""
+        pairs = [*s.remap_done, *pairs]
+        s.resume(self.client, first, fingerprint, pairs, step=-1, remap=s.remap)
         self.shm.new_run(s.run)
         if s.keys is not self.keys:  # a group registered again, in another slot
             self.keys = self._fetcher.keys = self._dead.keys = self._repair.keys = s.keys

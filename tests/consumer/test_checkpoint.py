@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from batchq.errors import ConfigError
 from batchq.protocol.layout import resume_run_id
 from consumer import ServerDataStream, checkpoint
-from consumer.checkpoint import check_state
+from consumer.checkpoint import check_state, stream_state
 from consumer.rank_state import elastic_state
 
 # Checkpoints saved by earlier versions must keep loading: these names never change.
@@ -18,7 +20,7 @@ SAVED_NAMES = {
     "WORLD_SIZE_KEY": "world_size", "EVEN_BATCHES_KEY": "even_batches",
     "PLAN_SHARDS_KEY": "plan_shards", "STEP_KEY": "step", "REMAP_KEY": "remap",
     "GROUP_KEY": "group",
-    "PARAMS_KEY": "params", "EVERY_RANK_KEY": "every_rank",
+    "PARAMS_KEY": "params", "EVERY_RANK_KEY": "every_rank", "RESPLIT_KEY": "resplit",
 }  # fmt: skip
 KNOWN = set(SAVED_NAMES.values())
 
@@ -88,3 +90,30 @@ def test_a_loaded_state_must_be_this_group_s_and_this_rank_s() -> None:
     rank1 = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q", rank=1, world_size=2)
     with pytest.raises(ConfigError, match="state of rank 0 of world_size 1 given to rank 1"):
         checkpoint.load_state(base, rank1.options)
+
+
+def test_a_rank_keeps_its_remap_while_in_the_re_split_epoch() -> None:
+    old = [
+        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
+         "plan_shards": 6, "epoch": 2, "consumed": {}, "done": [0], "rank": r,
+         "world_size": 2, "even_batches": "pad", "step": 6}
+        for r in range(2)
+    ]  # fmt: skip
+    resumed = elastic_state(old, 1, 3)
+    url = "redis://127.0.0.1:1/0"
+    options = ServerDataStream(("x",), url=url, queue="q", rank=1, world_size=3).options
+    args = (options, "r2", None, 2)
+    inside = stream_state(*args, (2, {0: 1}, []), step=7, plan_shards=6, params=None,
+                          resumed=resumed)  # fmt: skip
+    assert inside["remap"] == resumed["remap"] == [[2, 0], [3, 0], [4, 0], [5, 0], [2, 0], [3, 0]]
+    assert "resplit" not in inside  # the ranks moved on: each sends its own pairs
+    assert check_state(inside, "q") == inside
+    past = stream_state(*args, (3, {}, []), step=9, plan_shards=6, params=None, resumed=resumed)
+    assert "remap" not in past
+
+
+@pytest.mark.parametrize("remap", [[[1]], [[True, 0]], [[1, -1]], "x"])
+def test_a_malformed_remap_is_refused_naming_it(remap: object) -> None:
+    state = checkpoint.position_state("q", "r1", "fp", 4, 2, {}, [])
+    with pytest.raises(ConfigError, match=rf"state\['remap'\] = {re.escape(repr(remap))} is not"):
+        check_state(state | {"remap": remap}, "q")

@@ -10,6 +10,7 @@ import pytest
 from batchq.errors import ConfigError, StepMismatch
 from batchq.protocol.ranks import RankLayout
 from consumer.checkpoint import check_rank_state, remap_pairs, resume_run_id
+from consumer.plan import past_remap
 from consumer.rank_state import elastic_state, pick_rank_state
 
 
@@ -97,3 +98,44 @@ def test_a_state_of_one_rank_alone_says_when_it_stands_for_all() -> None:
         check_rank_state(pick_rank_state(state(0, 2, {}, []), 1, 2), 1, 2)
     with pytest.raises(ConfigError, match="world_size"):
         pick_rank_state(state(0, 1, {}, [], every_rank=True), 0, 2)
+
+
+def test_elastic_again_from_states_inside_a_re_split_epoch() -> None:
+    # 6 shards of 4 batches, 2 ranks: shard 0 done, shard 1 one batch in.
+    first = [state(0, 2, {"0": 4}, [0], shards=3, plan_shards=6, step=5),
+             state(1, 2, {"0": 1}, [], shards=3, plan_shards=6, step=5)]  # fmt: skip
+    resplit = [elastic_state(first, r, 3) for r in range(3)]
+    remap = [[1, 1], [2, 0], [3, 0], [4, 0], [5, 0], [1, 1]]  # slot 5: a pad (shard 1 again)
+    assert resplit[0]["remap"] == remap and resplit[0]["resplit"] is True
+    # Four batches later each of the 3 ranks (slot u: rank u % 3, local u // 3): rank 0
+    # finished shard 1 (from its base, 1) and is 1 batch into shard 4; rank 1 finished
+    # shard 2; rank 2 finished shard 3 and is 1 batch into the pad (shard 1, base 1).
+    inside = [
+        state(0, 3, {"0": 4, "1": 1}, [0], shards=2, plan_shards=6, step=9, remap=remap),
+        state(1, 3, {"0": 4}, [0], shards=2, plan_shards=6, step=9, remap=remap),
+        state(2, 3, {"0": 4, "1": 2}, [0], shards=2, plan_shards=6, step=9, remap=remap),
+    ]  # fmt: skip
+    assert pick_rank_state(inside, 2, 3) is inside[2]  # the same world: its own, remap kept
+    again = [pick_rank_state(inside, r, 2) for r in range(2)]
+    # The units: shard 4 from its rank's count (base 0 + 1), shard 5 untouched; the pad goes.
+    assert again[0]["remap"] == again[1]["remap"] == [[4, 1], [5, 0]]
+    assert again[0]["consumed"] == {"0": 1} and again[1]["consumed"] == {}
+    assert again[0]["done"] == [1, 2] and again[0]["step"] == 9
+    pairs, slots = remap_pairs(again[0], RankLayout(6, 2, "pad"))
+    assert slots == {0: 4, 1: 5}
+    assert pairs == [("0:0", "1"), *((f"0:{s}", "d") for s in range(2, 6))]
+
+
+def test_states_of_one_checkpoint_must_agree_on_the_remap() -> None:
+    states = [state(0, 2, {}, [], remap=[[3, 0], [4, 0]]), state(1, 2, {}, [])]
+    with pytest.raises(ConfigError, match="disagree on 'remap'"):
+        elastic_state(states, 0, 3)
+
+
+def test_the_slots_past_a_remap_are_kept_for_a_lost_queue() -> None:
+    states = [state(r, 4, {"0": 1, "1": 1, "2": 1}, [0, 1, 2]) for r in range(4)]
+    resplit = elastic_state(states, 0, 2)
+    pairs, slots = remap_pairs(resplit, RankLayout(22, 2, "pad"))
+    later = [("0:0", "d"), ("0:3", "2"), ("1:12", "d")]  # own slots, another epoch's
+    assert past_remap([*pairs, *later], (0, slots)) == [(f"0:{s}", "d") for s in range(10, 22)]
+    assert past_remap(pairs, None) == []
