@@ -206,10 +206,13 @@ class Session:
 
     def _read_shape(self, client: redis.Redis) -> None:
         """Read the run's group slots and the ranks to send each slot's keys for (this
-        world's, and the run's if larger: a new run drops every rank's lists)."""
-        groups, world = client.hmget(self.base_keys.meta, [MetaField.GROUPS, MetaField.WORLD])
+        world's, and the largest of the run's group slots' if larger: each group reads
+        with its own, and a new run drops every rank's lists)."""
+        fields = [reader_field(MetaField.WORLD, i) for i in range(MAX_GROUPS)]
+        groups, *worlds = client.hmget(self.base_keys.meta, [MetaField.GROUPS, *fields])
         with self._lock:
-            self.groups, self._key_world = as_int(groups), max(self.world, as_int(world) or 1)
+            self.groups = as_int(groups)
+            self._key_world = max(self.world, *(as_int(w) or 1 for w in worlds))
             self.grouped = self.grouped or self.groups > 0
 
     @contextlib.contextmanager

@@ -55,19 +55,19 @@ local max_groups = tonumber(ARGV[18])  -- the most group slots a run has
 local first_tail = 10
 
 local now = server_now_ms()
-local per, tail_slots, slot_key = slot_tail(KEYS, first_tail, key_world, groups)
+local per, tail_slots, slot_key, lists = slot_tail(KEYS, first_tail, key_world, groups)
 if not per then return redis.error_reply('claim.lua: KEYS do not cover the group slots') end
 -- Delete a slot's keys (its figures too, but for slot 0, whose are the queue's own).
 local function drop_slot(i, keep_figures)
   for j = 0, per - 1 do
-    local figure = j >= 2 + key_world and j < per - 1
+    local figure = j >= 2 + lists and j < per - 1
     if not (keep_figures and figure) then redis.call('DEL', slot_key(i, j)) end
   end
 end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
 local run_world = tonumber(m[3] or '1')
 local n = tonumber(m[4] or '0')
-if op == 'acquire' and (n ~= groups or key_world < math.max(world, run_world)) then
+if op == 'acquire' and (n ~= groups or key_world < math.max(world, max_world(meta_key, n))) then
   return {'GROUPS', n}
 end
 local slot = slot_arg
@@ -79,8 +79,9 @@ end
 -- whose fields name no slot or rank ('claim', 'claimed'...).
 local single = n == 0 and world == 1 and group == ''
 local function group_done(i)
-  for r = 0, world - 1 do
-    if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1' then
+  local w = slot_world(meta_key, i)
+  for r = 0, w - 1 do
+    if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, w)) ~= '1' then
       return false
     end
   end
@@ -112,7 +113,7 @@ if op ~= 'acquire' then
   -- Every group finished: producers see 'finished' and exit; the frames left are useless.
   redis.call('DEL', data_key, work_key, wake_key, failures_key, refs_key, remap_key)
   for i = 0, tail_slots - 1 do
-    for j = 1, 1 + key_world do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
+    for j = 1, 1 + lists do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
     -- Its wake list: no producer waits for a group of a finished run (issue 42: they
     -- were left behind).
     redis.call('DEL', slot_key(i, per - 1))
@@ -142,13 +143,14 @@ local function start_run()
   end
   m[1], new_run, n, run_world = run_id, 1, 0, world
 end
--- Name `name` the group of slot i; a fresh slot's keys (an earlier run's) go and its
--- cursors start at 0 (slot 0 of a live run keeps its own: its reader, or the producers'
+-- Name `name` the group of slot i; a fresh slot's keys (an earlier run's) go, its world
+-- is this trainer's (each group reads with its own) and its cursors start at 0 (slot 0 of a live run keeps its own: its reader, or the producers'
 -- work done before any trainer came).
 local function register(name, i, fresh)
   redis.call('HSET', groups_key, name, i)
   if fresh then
     drop_slot(i, false)
+    redis.call('HSET', meta_key, 'world@' .. i, world, 'even@' .. i, even)
     for r = 0, world - 1 do
       local sfx = reader_sfx(i, r, world)
       redis.call('HSET', meta_key, 'next' .. sfx, 0, 'floor' .. sfx, 0)
@@ -199,14 +201,9 @@ elseif n == 0 then
   redis.call('DEL', groups_key)  -- names left by an earlier run
   if claimed_by_anyone(0) then
     -- A trainer without group reads the run: it keeps slot 0, this group joins late.
-    if run_world ~= world then
-      if live(0) then return {'WORLD', run_world} end
-      slot = alone()
-    else
-      register('', 0, false)
-      register(group, 1, true)
-      slot = 1
-    end
+    register('', 0, false)
+    register(group, 1, true)
+    slot = 1
   else
     -- Nobody claimed the run yet: this group takes what producers built already.
     if run_world ~= world then slot = alone() else register(group, 0, false); slot = 0 end
@@ -216,13 +213,14 @@ else
   if s then
     slot = tonumber(s)
   else
-    if run_world ~= world then return {'WORLD', run_world} end
     if n >= max_groups then return {'FULL', n} end
     slot = n
     register(group, slot, true)
   end
 end
-if run_world ~= world and (n > 0 or group ~= '') then return {'WORLD', run_world} end
+-- A group's slot keeps its world (its keys and cursors are its ranks').
+local own_world = slot_world(meta_key, slot)
+if own_world ~= world and (n > 0 or group ~= '') then return {'WORLD', own_world} end
 
 local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'))
 if c[1] == token and new_run == 0 then
