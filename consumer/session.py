@@ -26,7 +26,6 @@ import redis
 
 from batchq.client.connection import is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
-    ConfigError,
     GroupWorldMismatch,
     ProducersLost,
     ProtocolError,
@@ -101,6 +100,8 @@ class Session:
         group: the group's name; None: the default group.
         max_lag_batches: how many batches this group may fall behind the leading group
             before the others stop waiting for it (None: they always wait).
+        drain: empties a data list of a group slot this group left (its keys, the
+            list; consumer/group_drain.py).
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class Session:
         before_resume: Callable[[redis.Redis, Session, str], None] | None = None,
         group: str | None = None,
         max_lag_batches: int | None = None,
+        drain: Callable[[QueueKeys, str], object] | None = None,
     ) -> None:
         self.client = client
         self.retry_s = retry_s
@@ -146,6 +148,7 @@ class Session:
         self.resume_run = resume_run  # the run id the job's ranks resume into (see resume)
         self._publish = publish
         self._before_resume = before_resume
+        self._drain = drain
         # run, incarnation, held and plan change on the reader's thread too (recovery
         # after Redis lost the queue's state): written under this lock, read by position.
         self._lock = threading.Lock()
@@ -253,6 +256,8 @@ class Session:
             lambda: self._claim(client, "acquire", takeover, run), "claiming", client
         )
         self._check_acquired(reply)
+        if reply.retired >= 0:
+            self._drain_slot(client, reply.retired)
         with self._lock:
             self.incarnation, self.run, self.held = reply.incarnation, reply.run, reply.held
             self._use_slot(reply.slot, reply.groups)
@@ -260,6 +265,17 @@ class Session:
         if not resuming:
             self._published(client)
         return reply.new_run
+
+    def _drain_slot(self, client: redis.Redis, slot: int) -> None:
+        """Let go of what the lists of group slot ``slot`` hold: this group read it with
+        another number of ranks and came back with this one (claim.lua retired it)."""
+        if self._drain is None:
+            return
+        field = reader_field(MetaField.WORLD, slot)
+        world = as_int(client.hget(self.base_keys.meta, field)) or 1
+        view = self.base_keys.slot_view(slot)
+        for r in range(world):
+            self._drain(view, view.data_of(r, world))
 
     def _check_acquired(self, reply: ClaimReply) -> None:
         """Raise what a refused acquire means."""
@@ -436,14 +452,7 @@ class Session:
 
         Raises:
             StepMismatch: another rank of the job (the group) resumed from another step.
-            ConfigError: a checkpoint of another number of ranks, in a run of groups.
         """
-        if self.grouped and asked.remap is not None:
-            raise ConfigError(
-                f"{self.what}: a checkpoint of another number of ranks cannot resume a "
-                "group (its epoch's slots would be split unlike the other groups'); resume "
-                "it with the world_size it was saved with"
-            )
         ranked = self.world > 1 or self.grouped  # the ranks (groups) resume into one run
         run = self.resume_run if ranked and self.resume_run else new_run_id()
         shape = asked.shape

@@ -149,7 +149,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
 
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
 #: :meth:`QueueKeys.slot_view`.
-SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts", "wake")
+SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts", "remap", "wake")
 
 
 def slot_suffix(slot: int) -> str:
@@ -306,8 +306,8 @@ class QueueKeys:
         self.slots: Mapping[int, QueueKeys] = _Derived(self.slot_view)
         #: (group slots, worlds) -> lease.lua's KEYS tail: every slot's ledger, then every
         #: slot's data lists (slot 0's ranks first; worlds: each slot's ranks, or one
-        #: number for every slot), then the remap hash (slot 0 of world > 1); 0 group
-        #: slots: a run of one group, slot 0's.
+        #: number for every slot), then every slot's remap hash (a run of one group:
+        #: where its world > 1); 0 group slots: a run of one group, slot 0's.
         self.lease_tails: Mapping[tuple[int, int | tuple[int, ...]], list[str]] = _Derived(
             self._lease_tail
         )
@@ -355,13 +355,14 @@ class QueueKeys:
 
     def slot_keys(self, slot: int, world: int) -> list[str]:
         """Every key of group slot ``slot`` whose ranks are at most ``world``, in the
-        order the scripts read them (4 + 3 x L keys, L = world, plus one where world > 1:
+        order the scripts read them (5 + 3 x L keys, L = world, plus one where world > 1:
         claim.lua and resume.lua find a slot's keys in their KEYS tail by that count):
         ledger, counts, each rank's data list, stats, each rank's figures, each rank's
-        history, the wake list (last: a run that ends deletes it with the lists, a slot's
-        figures stay). Where world > 1 each rank's names are followed by the world-1
-        name (``data@<i>``...): each group slot reads with its own world, so a slot of
-        one rank is covered in a tail sent for more."""
+        history, the remap (an elastic resume of the group), the wake list (last: a run
+        that ends deletes it with the lists, a slot's figures stay). Where world > 1 each
+        rank's names are followed by the world-1 name (``data@<i>``...): each group slot
+        reads with its own world, so a slot of one rank is covered in a tail sent for
+        more."""
         view = self.slot_view(slot)
         ranks = [(r, world) for r in range(world)] + ([(0, 1)] if world > 1 else [])
         return [
@@ -371,6 +372,7 @@ class QueueKeys:
             view.stats,
             *(view.trainer_of(r, w) for r, w in ranks),
             *(view.history_of(r, w) for r, w in ranks),
+            view.remap,
             view.wake,
         ]
 
@@ -388,7 +390,7 @@ class QueueKeys:
         return [
             *(v.ledger for v in views),
             *(v.data_of(r, w) for v, w in zip(views, worlds, strict=True) for r in range(w)),
-            *([self.remap] if worlds[0] > 1 else []),
+            *(v.remap for v in views if groups or worlds[0] > 1),
         ]
 
     def _push_tail(self, aim: tuple[int, int, int]) -> list[str]:

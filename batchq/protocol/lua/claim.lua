@@ -3,7 +3,8 @@
 -- group slot and rank (batchq/protocol/groups.py reader_field; slot 0 of world 1: '<name>').
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
 --              claimed the resumed run `resumed` before), slot, groups (0: the run is not
---              read by several groups)}
+--              read by several groups)[, retired: the group's slot of another world that
+--              this acquire retired]}
 --              or {'CONFLICT', ms until the other claim lapses}, {'WORLD', the run's world}
 --                 (a live rank of the run has another), {'FULL', groups} (no slot left),
 --                 {'GROUPS', groups} (not the groups the caller's KEYS are for: read them
@@ -60,7 +61,7 @@ if not per then return redis.error_reply('claim.lua: KEYS do not cover the group
 -- Delete a slot's keys (its figures too, but for slot 0, whose are the queue's own).
 local function drop_slot(i, keep_figures)
   for j = 0, per - 1 do
-    local figure = j >= 2 + lists and j < per - 1
+    local figure = j >= 2 + lists and j < per - 2
     if not (keep_figures and figure) then redis.call('DEL', slot_key(i, j)) end
   end
 end
@@ -115,8 +116,8 @@ if op ~= 'acquire' then
   for i = 0, tail_slots - 1 do
     for j = 1, 1 + lists do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
     -- Its wake list: no producer waits for a group of a finished run (issue 42: they
-    -- were left behind).
-    redis.call('DEL', slot_key(i, per - 1))
+    -- were left behind); its remap.
+    redis.call('DEL', slot_key(i, per - 1), slot_key(i, per - 2))
   end
   redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
   return {'OK', 1, 1}
@@ -130,7 +131,7 @@ if not inc then
 end
 local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
   (resumed ~= '' and resumed == m[1]))
-local new_run = 0
+local new_run, retired = 0, -1
 
 local function start_run()
   redis.call('DEL', meta_key, data_key, work_key, wake_key, failures_key, refs_key, groups_key,
@@ -170,9 +171,10 @@ end
 -- Whether a rank of slot i (other than rank `except`, in a run of several ranks) holds
 -- a live claim.
 local function live(i, except)
-  for r = 0, run_world - 1 do
-    if run_world == 1 or tostring(r) ~= except then
-      local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, run_world))
+  local w = slot_world(meta_key, i)
+  for r = 0, w - 1 do
+    if w == 1 or tostring(r) ~= except then
+      local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, w))
       if tonumber(d or '0') > now then return true end
     end
   end
@@ -212,6 +214,22 @@ else
   local s = redis.call('HGET', groups_key, group)
   if s then
     slot = tonumber(s)
+    local w = slot_world(meta_key, slot)
+    if w ~= world then
+      -- The group comes back with another number of ranks (an elastic resume) while the
+      -- others read on: it reads a new slot of its world, and its old slot retires (every
+      -- rank done: no push targets it, a lease in flight for it leaves it out; the caller
+      -- drains its lists). Refused while a rank of it is live, but by a takeover.
+      if live(slot) and not takeover then return {'WORLD', w} end
+      if n >= max_groups then return {'FULL', n} end
+      for r = 0, w - 1 do
+        local sfx = reader_sfx(slot, r, w)
+        redis.call('HSET', meta_key, 'done' .. sfx, 1)
+        redis.call('HDEL', meta_key, 'claim' .. sfx, 'claim_deadline' .. sfx)
+      end
+      retired, slot = slot, n
+      register(group, slot, true)
+    end
   else
     if n >= max_groups then return {'FULL', n} end
     slot = n
@@ -251,7 +269,8 @@ if new_run == 0 and c[3] == '1' and not takeover then
       redis.call('HDEL', meta_key, 'done' .. sfx, 'claim' .. sfx, 'claim_deadline' .. sfx,
         'claimed' .. sfx)
     end
-    redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1))  -- its ledger and counts
+    redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1), slot_key(slot, per - 2))
+    redis.call('HDEL', meta_key, 'remap_epoch' .. reader_sfx(slot, 0, 1))  -- and remap
   end
   held = 0
 end
@@ -270,4 +289,5 @@ if n > 0 then
   end
 end
 local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
-return {'OK', inc, m[1], new_run, fence, held, slot, n}
+if retired < 0 then return {'OK', inc, m[1], new_run, fence, held, slot, n} end
+return {'OK', inc, m[1], new_run, fence, held, slot, n, retired}

@@ -69,18 +69,19 @@ local function slots_for(w, even)
 end
 -- Each group slot reads with its own ranks (meta 'world' and 'even' for slot 0,
 -- 'world@<i>', 'even@<i>'), fixed while the run has that slot: its data lists follow its
--- ledger's in KEYS, and its global slot numbers are its world's (ws, Ss).
+-- ledger's in KEYS, and its global slot numbers are its world's (ws, Ss); an elastic
+-- resume remaps an epoch of its own (rs: its remap hash, epoch remap_epoch[@<i>]).
 local S = slots_for(world, m[6])
 local ws, Ss, data_at, at = {[0] = world}, {[0] = S}, {[0] = first_ledger + math.max(n, 1)}, nil
+local rs, re = {}, {[0] = tonumber(m[11] or '')}
 at = data_at[0] + world
 for i = 1, n - 1 do
-  local f = redis.call('HMGET', meta_key, 'world@' .. i, 'even@' .. i)
-  ws[i], data_at[i] = tonumber(f[1] or '1'), at
+  local f = redis.call('HMGET', meta_key, 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i)
+  ws[i], data_at[i], re[i] = tonumber(f[1] or '1'), at, tonumber(f[3] or '')
   Ss[i], at = slots_for(ws[i], f[2]), at + ws[i]
 end
-local remap_key = nil
-if world > 1 then remap_key = KEYS[at] end
-if #KEYS ~= at - 1 + (world > 1 and 1 or 0) then
+for i = 0, (n == 0 and world > 1) and 0 or n - 1 do rs[i] = KEYS[at + i] end
+if #KEYS ~= at - 1 + (n > 0 and n or (world > 1 and 1 or 0)) then
   if n == 0 then return {'RUN_CHANGED'} end  -- a stale view of the run's world
   return {'GROUPS', n}
 end
@@ -134,8 +135,8 @@ local function granted(g, mask, skip)
   local out = {'OK', tostring(g), skip, Ss[i], ws[i], mask, stamp}
   if n == 0 and world == 1 then out[4] = 0 end
   -- A slot of a remapped epoch names the shard it builds (a resume with other ranks).
-  if remap_key and m[11] and Ss[i] == S and math.floor(g / S) == tonumber(m[11]) then
-    local shard = redis.call('HGET', remap_key, tostring(g % S))
+  if rs[i] and re[i] and math.floor(g / Ss[i]) == re[i] then
+    local shard = redis.call('HGET', rs[i], tostring(g % Ss[i]))
     if shard then out[8] = shard end
   end
   return out
@@ -243,7 +244,7 @@ local function readers(fam, r)
       'max_lag' .. reader_sfx(i, 0, 1))
     if f[3] ~= '1' then
       local c = {slot = i, next = tonumber(f[1] or '0'), floor = tonumber(f[2] or '0'),
-        max_lag = tonumber(f[4] or ''), room = has_room(i, r)}
+        max_lag = tonumber(f[4] or ''), room = has_room(i, r), remap = re[i]}
       if c.floor > c.next then
         -- The group has every shard below its floor (frames listed before its trainer
         -- restarted at an earlier cursor): never mint those again.
@@ -281,15 +282,20 @@ local function choose()
         if low == nil or c.floor < low then low, holding = c.floor, c.slot end
       end
     end
+    -- A group in the epoch its elastic resume remapped shares none of it.
+    local function own(c, v)
+      if c.remap == math.floor(v * fam.w / fam.S) then return c.slot end
+      return -1
+    end
     local seen = {}
     for _, first in ipairs(st) do
-      local v = first.next
-      if not seen[v] and (v < front or paced) then
-        seen[v] = true
+      local v, o = first.next, own(first, first.next)
+      if not seen[v .. '/' .. o] and (v < front or paced) then
+        seen[v .. '/' .. o] = true
         local targets, score, room = {}, nil, false
         for _, c in ipairs(st) do
           local pacing = v == front and not c.detachable and c.max_lag == nil
-          if c.next == v and v < c.floor + W and (c.room or pacing) then
+          if c.next == v and own(c, v) == o and v < c.floor + W and (c.room or pacing) then
             targets[#targets + 1] = c
             room = room or c.room
             if score == nil or c.next - c.floor < score then score = c.next - c.floor end

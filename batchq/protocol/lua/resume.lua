@@ -68,6 +68,13 @@ local function wake()
   redis.call('LPUSH', wake_key, '1')
   redis.call('LTRIM', wake_key, 0, wake_cap - 1)
 end
+-- An elastic resume's remapped slots into slot i's remap (slot 0's: the run's remap),
+-- for the epoch meta remap_epoch[@<i>] names.
+local function add_remap(i)
+  if remap_epoch == '' or remapped == 0 then return end
+  for a = 24, first_pair - 1, 2 do redis.call('HSET', slot_key(i, per - 2), ARGV[a], ARGV[a + 1]) end
+  redis.call('HSET', meta_key, 'remap_epoch' .. reader_sfx(i, 0, 1), remap_epoch)
+end
 
 if n == 0 and group == '' then
   -- The fast path: the default group of a run not read by several groups.
@@ -77,10 +84,7 @@ if n == 0 and group == '' then
   if m[1] ~= token then return {'CLAIM_LOST'} end
   local function add_pairs()
     for i = first_pair, #ARGV, 2 do redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1]) end
-    if remap_epoch ~= '' and remapped > 0 then
-      for i = 24, first_pair - 1, 2 do redis.call('HSET', remap_key, ARGV[i], ARGV[i + 1]) end
-      redis.call('HSET', meta_key, 'remap_epoch', remap_epoch)
-    end
+    add_remap(0)
   end
   local again = held == '1' and m[3] ~= step  -- the job resumes another checkpoint
   -- Step -1: not a checkpoint but Redis' lost state: each rank is where it is, so each
@@ -153,7 +157,7 @@ if not lives then
         'done' .. sfx, 'next' .. sfx, 'floor' .. sfx, 'shm_host' .. sfx, 'shm_lookahead' .. sfx)
     end
     redis.call('HDEL', meta_key, 'max_lag' .. reader_sfx(i, 0, 1),
-      'resume_step' .. reader_sfx(i, 0, 1), 'world@' .. i, 'even@' .. i)
+      'resume_step' .. reader_sfx(i, 0, 1), 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i)
   end
   redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
     'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups')
@@ -222,6 +226,7 @@ end
 for i = first_pair, #ARGV, 2 do
   redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1])
 end
+add_remap(slot)
 wake()
 local run_now = new_run
 if lives then run_now = m[1] end

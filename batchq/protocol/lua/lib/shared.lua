@@ -170,15 +170,15 @@ end
 
 -- The KEYS tail of claim.lua and resume.lua, from index first_tail: the keys of group
 -- slots 0..max(groups, 1), each slot's in a row (batchq.protocol.keys.QueueKeys.slot_keys
--- for key_world ranks: ledger, counts, data lists, stats, figures, histories, wake list;
+-- for key_world ranks: ledger, counts, data lists, stats, figures, histories, remap, wake;
 -- where key_world > 1 each rank's then the world-1 name: lists = key_world + 1 of each).
 -- Returns the keys a slot has, the slots the tail covers, slot_key(i, j) (slot i's j-th
--- key, from 0: its wake list is j = per - 1) and lists; nil when the tail does not cover
--- the group slots the caller named (groups).
+-- key, from 0: its wake list is j = per - 1, its remap per - 2) and lists; nil when the
+-- tail does not cover the group slots the caller named (groups).
 local function slot_tail(keys, first_tail, key_world, groups)
   local lists = key_world
   if key_world > 1 then lists = key_world + 1 end
-  local per = 4 + 3 * lists
+  local per = 5 + 3 * lists
   local tail_slots = (#keys - first_tail + 1) / per
   if tail_slots ~= math.max(groups, 1) + 1 then return nil end
   return per, tail_slots, function(i, j) return keys[first_tail + i * per + j] end, lists
