@@ -229,6 +229,11 @@ else
       end
       retired, slot = slot, n
       register(group, slot, true)
+      -- Resuming: nothing is minted for its ranks before their resume (resume.lua clears
+      -- each one's done) put their cursors and remap in place.
+      for r = 0, world - 1 do
+        if takeover then redis.call('HSET', meta_key, 'done' .. reader_sfx(slot, r, world), 1) end
+      end
     end
   else
     if n >= max_groups then return {'FULL', n} end
