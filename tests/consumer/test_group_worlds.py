@@ -19,9 +19,11 @@ from train import argv as train_argv
 from train import lines
 from waiting import wait_until
 
+from batchq.errors import GroupWorldMismatch
 from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
+from consumer import ServerDataStream
 from tests.consumer.test_data_parallel import BATCH, EXAMPLES, check_epoch, plans, shares
 
 EPOCHS = 3
@@ -52,8 +54,10 @@ def test_groups_of_one_and_two_ranks_read_exact_epochs_through_a_producer_kill(
     producers = [spawn_proc(serve, env=env) for _ in range(2)]
     per_epoch = len(plans(1)[0])
     wait_until(
-        lambda: min(len(lines(o)) for (g, _), o in outs.items() if g == "one") >= per_epoch + 5
-        and min(len(lines(o)) for (g, _), o in outs.items() if g == "two") >= per_epoch // 2 + 3,
+        lambda: (
+            min(len(lines(o)) for (g, _), o in outs.items() if g == "one") >= per_epoch + 5
+            and min(len(lines(o)) for (g, _), o in outs.items() if g == "two") >= per_epoch // 2 + 3
+        ),
         timeout_s=60,
         what="both groups in epoch 1",
     )
@@ -72,3 +76,22 @@ def test_groups_of_one_and_two_ranks_read_exact_epochs_through_a_producer_kill(
         got = shares([outs[g, r] for r in range(w)], EPOCHS)
         for plan, per_rank in zip(plans(EPOCHS), got, strict=True):
             check_epoch(plan, per_rank, w)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_rank_of_another_world_is_refused_while_its_ranks_read(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH)
+    spawn_proc(serve_argv("--hwm", "4"), env=env)
+    first = ServerDataStream(
+        ("features",), url=redis_url, queue=queue_name, group="a", rank=0, world_size=2
+    )
+    other = ServerDataStream(("features",), url=redis_url, queue=queue_name, group="a")
+    try:
+        next(first.get_epoch_iterator())  # group a reads with world_size 2
+        with pytest.raises(GroupWorldMismatch, match=r"group a has world_size 1.*world_size 2"):
+            next(other.get_epoch_iterator())
+    finally:
+        other.close()
+        first.close()
