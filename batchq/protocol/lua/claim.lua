@@ -145,8 +145,9 @@ local function start_run()
   m[1], new_run, n, run_world = run_id, 1, 0, world
 end
 -- Name `name` the group of slot i; a fresh slot's keys (an earlier run's) go, its world
--- is this trainer's (each group reads with its own) and its cursors start at 0 (slot 0 of a live run keeps its own: its reader, or the producers'
--- work done before any trainer came).
+-- is this trainer's (each group reads with its own) and its cursors start at 0 (slot 0
+-- of a live run keeps its own: its reader, or the producers' work done before any
+-- trainer came).
 local function register(name, i, fresh)
   redis.call('HSET', groups_key, name, i)
   if fresh then
@@ -231,8 +232,8 @@ else
       register(group, slot, true)
       -- Resuming: nothing is minted for its ranks before their resume (resume.lua clears
       -- each one's done) put their cursors and remap in place.
-      for r = 0, world - 1 do
-        if takeover then redis.call('HSET', meta_key, 'done' .. reader_sfx(slot, r, world), 1) end
+      for r = 0, takeover and world - 1 or -1 do
+        redis.call('HSET', meta_key, 'done' .. reader_sfx(slot, r, world), 1)
       end
     end
   else

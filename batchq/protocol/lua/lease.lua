@@ -18,11 +18,12 @@
 -- list only for a rank whose list has room, so a dead rank's full list never holds the
 -- producers.
 -- In a run of several groups a shard is minted once for every group of one world (a
--- family) whose cursor ('next' of the group slot and rank) is at it: the groups at the largest cursor share it, a
--- group behind them gets its own (detached, or joined late) until its cursor reaches
--- theirs. The largest cursor (the shared stream) is minted only below floor + W of every
--- group that paces it: every group still reading, except one with max_lag set that is
--- more than that many batches behind the leading group. A handed-back shard (work list)
+-- family) whose cursor ('next' of the group slot and rank) is at it: the groups at the
+-- largest cursor share it, a group behind them gets its own (detached, or joined late)
+-- until its cursor reaches theirs. The largest cursor (the shared stream) is minted only
+-- below floor + W of every group of its family that paces it: every group still reading,
+-- except one with max_lag set that is more than that many batches behind the leading
+-- group. A handed-back shard (work list)
 -- goes to the groups it names, once one of their lists has room.
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
@@ -30,8 +31,9 @@ local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<ma
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
 -- KEYS[6..]: every group slot's ledger (slot 0 first; one for a run of one group), then
--- every slot's data lists (slot 0's ranks first; slot i has its own world's), then
--- (data-parallel) the remap hash (slot -> shard of the epoch meta remap_epoch)
+-- every slot's data lists (slot 0's ranks first; slot i has its own world's), then each
+-- slot's remap hash (slot -> shard of the epoch meta remap_epoch[@<i>]; a run of one
+-- group: only where data-parallel)
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local producer = ARGV[3]
@@ -228,11 +230,9 @@ end
 local fams, by_key = {}, {}
 for i = 0, n - 1 do
   local key = ws[i] .. ':' .. Ss[i]
-  if not by_key[key] then
-    by_key[key] = {w = ws[i], S = Ss[i], slots = {}}
-    fams[#fams + 1] = by_key[key]
-  end
-  table.insert(by_key[key].slots, i)
+  local fam = by_key[key] or {w = ws[i], S = Ss[i], slots = {}}
+  if not by_key[key] then by_key[key], fams[#fams + 1] = fam, fam end
+  table.insert(fam.slots, i)
 end
 -- Each rank's readers in a family: every group still reading it, its cursor, floor and
 -- list room, and whether it may be left behind (max_lag set and exceeded).

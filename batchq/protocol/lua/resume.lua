@@ -72,7 +72,8 @@ end
 -- for the epoch meta remap_epoch[@<i>] names.
 local function add_remap(i)
   if remap_epoch == '' or remapped == 0 then return end
-  for a = 24, first_pair - 1, 2 do redis.call('HSET', slot_key(i, per - 2), ARGV[a], ARGV[a + 1]) end
+  local key = slot_key(i, per - 2)
+  for a = 24, first_pair - 1, 2 do redis.call('HSET', key, ARGV[a], ARGV[a + 1]) end
   redis.call('HSET', meta_key, 'remap_epoch' .. reader_sfx(i, 0, 1), remap_epoch)
 end
 
@@ -193,7 +194,8 @@ else
     n = n + 1
     redis.call('HSET', groups_key, group, slot)
     redis.call('HSET', meta_key, 'groups', n)
-    if slot > 0 then redis.call('HSET', meta_key, 'world@' .. slot, world, 'even@' .. slot, even) end
+    local sfx = reader_sfx(slot, 0, 1)
+    redis.call('HSET', meta_key, 'world' .. sfx, world, 'even' .. sfx, even)
   end
   local claim = redis.call('HMGET', meta_key, field('claim', slot), field('claim_deadline', slot))
   if claim[1] ~= token then
