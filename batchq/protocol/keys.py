@@ -76,7 +76,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:data@<i>     LIST    group slot i's data list (``data@<i>:<r>`` its rank r's);
                                 slot 0 keeps the plain names. So do ``stats@<i>`` (HASH,
                                 the group's counters), ``trainer@<i>``, ``history@<i>``,
-                                ``ledger@<i>``, ``counts@<i>``, ``wake@<i>`` (its pops'
+                                ``ledger@<i>``, ``counts@<i>``, ``remap@<i>`` (its
+                                elastic resume's), ``wake@<i>`` (its pops'
                                 wake-ups: a producer blocked at its full list waits
                                 there), and the meta fields ``<name>@<i>`` /
                                 ``<name>@<i>:<r>`` (claim, next, floor...)
