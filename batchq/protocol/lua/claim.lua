@@ -242,9 +242,6 @@ else
     register(group, slot, true)
   end
 end
--- A group's slot keeps its world (its keys and cursors are its ranks').
-local own_world = slot_world(meta_key, slot)
-if own_world ~= world and (n > 0 or group ~= '') then return {'WORLD', own_world} end
 
 local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'))
 if c[1] == token and new_run == 0 then
