@@ -153,6 +153,9 @@ local function register(name, i, fresh)
   if fresh then
     drop_slot(i, false)
     redis.call('HSET', meta_key, 'world@' .. i, world, 'even@' .. i, even)
+    if world ~= run_world or (world > 1 and even ~= redis.call('HGET', meta_key, 'even')) then
+      redis.call('HSET', meta_key, 'mixed_worlds', 1)  -- lease.lua reads each slot's then
+    end
     for r = 0, world - 1 do
       local sfx = reader_sfx(i, r, world)
       redis.call('HSET', meta_key, 'next' .. sfx, 0, 'floor' .. sfx, 0)

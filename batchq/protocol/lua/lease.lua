@@ -53,7 +53,7 @@ local first_ledger = 6
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
-  'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch', 'next', 'floor')
+  'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch', 'next', 'floor', 'mixed_worlds')
 local refused = run_refused(m, run)
 if refused then return refused end
 local n = tonumber(m[8] or '0')
@@ -78,7 +78,8 @@ local ws, Ss, data_at, at = {[0] = world}, {[0] = S}, {[0] = first_ledger + math
 local rs, re = {}, {[0] = tonumber(m[11] or '')}
 at = data_at[0] + world
 for i = 1, n - 1 do
-  local f = redis.call('HMGET', meta_key, 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i)
+  local f = {m[5], m[6]}  -- slot 0's, unless some slot differs (meta mixed_worlds)
+  if m[14] then f = redis.call('HMGET', meta_key, 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i) end
   ws[i], data_at[i], re[i] = tonumber(f[1] or '1'), at, tonumber(f[3] or '')
   Ss[i], at = slots_for(ws[i], f[2]), at + ws[i]
 end

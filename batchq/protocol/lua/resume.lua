@@ -75,6 +75,7 @@ local function add_remap(i)
   local key = slot_key(i, per - 2)
   for a = 24, first_pair - 1, 2 do redis.call('HSET', key, ARGV[a], ARGV[a + 1]) end
   redis.call('HSET', meta_key, 'remap_epoch' .. reader_sfx(i, 0, 1), remap_epoch)
+  if i > 0 then redis.call('HSET', meta_key, 'mixed_worlds', 1) end  -- lease.lua reads it
 end
 
 if n == 0 and group == '' then
@@ -161,7 +162,7 @@ if not lives then
       'resume_step' .. reader_sfx(i, 0, 1), 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i)
   end
   redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
-    'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups')
+    'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups', 'mixed_worlds')
   redis.call('HSET', meta_key, 'run', new_run, 'fingerprint', fingerprint)
   if world > 1 then redis.call('HSET', meta_key, 'world', world, 'even', even) end
   if hwm ~= '' then
@@ -195,7 +196,7 @@ else
     redis.call('HSET', groups_key, group, slot)
     redis.call('HSET', meta_key, 'groups', n)
     local sfx = reader_sfx(slot, 0, 1)
-    redis.call('HSET', meta_key, 'world' .. sfx, world, 'even' .. sfx, even)
+    redis.call('HSET', meta_key, 'world' .. sfx, world, 'even' .. sfx, even, 'mixed_worlds', 1)
   end
   local claim = redis.call('HMGET', meta_key, field('claim', slot), field('claim_deadline', slot))
   if claim[1] ~= token then
