@@ -235,6 +235,11 @@ for i = 0, n - 1 do
   if not by_key[key] then by_key[key], fams[#fams + 1] = fam, fam end
   table.insert(fam.slots, i)
 end
+-- A group in the epoch its elastic resume remapped shares none of it: its slot, else -1.
+local function own(c, v, fam)
+  if c.remap and c.remap == math.floor(v * fam.w / fam.S) then return c.slot end
+  return -1
+end
 -- Each rank's readers in a family: every group still reading it, its cursor, floor and
 -- list room, and whether it may be left behind (max_lag set and exceeded).
 local function readers(fam, r)
@@ -283,20 +288,16 @@ local function choose()
         if low == nil or c.floor < low then low, holding = c.floor, c.slot end
       end
     end
-    -- A group in the epoch its elastic resume remapped shares none of it.
-    local function own(c, v)
-      if c.remap == math.floor(v * fam.w / fam.S) then return c.slot end
-      return -1
-    end
     local seen = {}
     for _, first in ipairs(st) do
-      local v, o = first.next, own(first, first.next)
-      if not seen[v .. '/' .. o] and (v < front or paced) then
-        seen[v .. '/' .. o] = true
+      local v, o = first.next, own(first, first.next, fam)
+      local key = o < 0 and v or v .. '/' .. o
+      if not seen[key] and (v < front or paced) then
+        seen[key] = true
         local targets, score, room = {}, nil, false
         for _, c in ipairs(st) do
           local pacing = v == front and not c.detachable and c.max_lag == nil
-          if c.next == v and own(c, v) == o and v < c.floor + W and (c.room or pacing) then
+          if c.next == v and own(c, v, fam) == o and v < c.floor + W and (c.room or pacing) then
             targets[#targets + 1] = c
             room = room or c.room
             if score == nil or c.next - c.floor < score then score = c.next - c.floor end
