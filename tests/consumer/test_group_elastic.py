@@ -34,6 +34,7 @@ from tests.consumer.test_data_parallel import (
     shares,
     spawn_ranks,
 )
+from tests.consumer.test_groups import left_behind
 
 EPOCHS = 3
 
@@ -103,3 +104,4 @@ def test_a_group_resumes_with_other_ranks_while_the_other_reads_on(
     assert got == Counter(tuple(b) for b in plan[0] + units[: per * new - len(units)])
     for e in range(1, EPOCHS):
         check_epoch(plan[e], after[e], new)
+    assert left_behind(redis_client, queue_name) == []  # every slot's lists went

@@ -25,6 +25,7 @@ from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from tests.consumer.test_data_parallel import BATCH, EXAMPLES, check_epoch, plans, shares
+from tests.consumer.test_groups import left_behind
 
 EPOCHS = 3
 
@@ -76,6 +77,7 @@ def test_groups_of_one_and_two_ranks_read_exact_epochs_through_a_producer_kill(
         got = shares([outs[g, r] for r in range(w)], EPOCHS)
         for plan, per_rank in zip(plans(EPOCHS), got, strict=True):
             check_epoch(plan, per_rank, w)
+    assert left_behind(redis_client, queue_name) == []  # every slot's lists went
 
 
 @pytest.mark.timeout(60)
