@@ -69,10 +69,9 @@ local function slots_for(w, even)
   if even == 'drop' then return w * math.floor(shards / w) end
   return w * math.ceil(shards / w)
 end
--- Each group slot reads with its own ranks (meta 'world' and 'even' for slot 0,
--- 'world@<i>', 'even@<i>'), fixed while the run has that slot: its data lists follow its
--- ledger's in KEYS, and its global slot numbers are its world's (ws, Ss); an elastic
--- resume remaps an epoch of its own (rs: its remap hash, epoch remap_epoch[@<i>]).
+-- Each group slot reads with its own ranks (meta 'world', 'even'; slot i's '<name>@<i>'),
+-- fixed while the run has the slot: its lists in KEYS and its global slot numbers are its
+-- world's (ws, Ss); its elastic resume's remap is its own (rs, re: remap_epoch[@<i>]).
 local S = slots_for(world, m[6])
 local ws, Ss, data_at, at = {[0] = world}, {[0] = S}, {[0] = first_ledger + math.max(n, 1)}, nil
 local rs, re = {}, {[0] = tonumber(m[11] or '')}
@@ -104,8 +103,7 @@ end
 local function reading(i, r)
   return redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, ws[i])) ~= '1'
 end
--- The lowest group slot of a mask: its world and S are every one of its slots'.
-local function first_of(mask)
+local function first_of(mask)  -- the lowest slot of a mask (its world and S: all slots')
   local i = 0
   while i < 31 and not mask_has(mask, i) do i = i + 1 end
   return i
@@ -128,10 +126,7 @@ local function needed(g, mask, r)
   return out, skip or 0
 end
 -- The rank of g in the world of mask's groups.
-local function rank_of(g, mask)
-  local i = first_of(mask)
-  return (g % Ss[i]) % ws[i]
-end
+local function rank_of(g, mask) local i = first_of(mask); return (g % Ss[i]) % ws[i] end
 local function granted(g, mask, skip)
   g = tonumber(g)
   local i = first_of(mask)
