@@ -138,21 +138,23 @@ class WorldSizeMismatch(ConfigError):
 
 
 class GroupWorldMismatch(WorldSizeMismatch):
-    """A group's world_size differs from the one the other groups of its run use: every
-    group of a run reads with the same number of ranks (one shard serves the same rank
-    of every group).
+    """A group's world_size differs from the one its ranks still reading use. Each group
+    of a run reads with its own world size, and a group comes back with another one (an
+    elastic resume; it reads a new group slot) once no rank of its old world is live,
+    or from a checkpoint of the run.
 
     Attributes:
-        expected: the run's world size.
-        got: this group's.
+        expected: the world size of the group's live ranks.
+        got: this trainer's.
     """
 
     def __init__(self, queue: str, group: str, expected: int, got: int) -> None:
         ConfigError.__init__(
             self,
-            f"queue {queue}: group {group or '(default)'} has world_size {got}, but the "
-            f"run's groups read with world_size {expected}; expected every group of a run "
-            "to use the same world_size",
+            f"queue {queue}: group {group or '(default)'} has world_size {got}, but its "
+            f"ranks still reading use world_size {expected}; expected every rank of a group "
+            "to pass the same world_size (another one resumes the group once its old ranks "
+            "stopped, or from a checkpoint with load_state_dict)",
         )
         self.expected = expected
         self.got = got

@@ -26,7 +26,6 @@ import redis
 
 from batchq.client.connection import client_name, is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
-    ConfigError,
     GroupWorldMismatch,
     ProducersLost,
     ProtocolError,
@@ -102,6 +101,8 @@ class Session:
         group: the group's name; None: the default group.
         max_lag_batches: how many batches this group may fall behind the leading group
             before the others stop waiting for it (None: they always wait).
+        drain: empties a data list of a group slot this group left (its keys, the
+            list; consumer/group_drain.py).
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class Session:
         before_resume: Callable[[redis.Redis, Session, str], None] | None = None,
         group: str | None = None,
         max_lag_batches: int | None = None,
+        drain: Callable[[QueueKeys, str], object] | None = None,
     ) -> None:
         self.client = client
         self.retry_s = retry_s
@@ -151,6 +153,7 @@ class Session:
         self.resume_run = resume_run  # the run id the job's ranks resume into (see resume)
         self._publish = publish
         self._before_resume = before_resume
+        self._drain = drain
         # run, incarnation, held and plan change on the reader's thread too (recovery
         # after Redis lost the queue's state): written under this lock, read by position.
         self._lock = threading.Lock()
@@ -212,10 +215,13 @@ class Session:
 
     def _read_shape(self, client: redis.Redis) -> None:
         """Read the run's group slots and the ranks to send each slot's keys for (this
-        world's, and the run's if larger: a new run drops every rank's lists)."""
-        groups, world = client.hmget(self.base_keys.meta, [MetaField.GROUPS, MetaField.WORLD])
+        world's, and the largest of the run's group slots' if larger: each group reads
+        with its own, and a new run drops every rank's lists)."""
+        fields = [reader_field(MetaField.WORLD, i) for i in range(MAX_GROUPS)]
+        groups, *worlds = client.hmget(self.base_keys.meta, [MetaField.GROUPS, *fields])
         with self._lock:
-            self.groups, self._key_world = as_int(groups), max(self.world, as_int(world) or 1)
+            self.groups = as_int(groups)
+            self._key_world = max(self.world, *(as_int(w) or 1 for w in worlds))
             self.grouped = self.grouped or self.groups > 0
 
     @contextlib.contextmanager
@@ -264,6 +270,8 @@ class Session:
                 client,
             )
         self._check_acquired(reply)
+        if reply.retired >= 0:
+            self._drain_slot(client, reply.retired)
         with self._lock:
             self.incarnation, self.run, self.held = reply.incarnation, reply.run, reply.held
             self._use_slot(reply.slot, reply.groups)
@@ -283,6 +291,17 @@ class Session:
             return False
         log.info("%s: its holder has no connection open (it died): claim taken", self.what)
         return True
+
+    def _drain_slot(self, client: redis.Redis, slot: int) -> None:
+        """Let go of what the lists of group slot ``slot`` hold: this group read it with
+        another number of ranks and came back with this one (claim.lua retired it)."""
+        if self._drain is None:
+            return
+        field = reader_field(MetaField.WORLD, slot)
+        world = as_int(client.hget(self.base_keys.meta, field)) or 1
+        view = self.base_keys.slot_view(slot)
+        for r in range(world):
+            self._drain(view, view.data_of(r, world))
 
     def _check_acquired(self, reply: ClaimReply) -> None:
         """Raise what a refused acquire means."""
@@ -460,14 +479,7 @@ class Session:
 
         Raises:
             StepMismatch: another rank of the job (the group) resumed from another step.
-            ConfigError: a checkpoint of another number of ranks, in a run of groups.
         """
-        if self.grouped and asked.remap is not None:
-            raise ConfigError(
-                f"{self.what}: a checkpoint of another number of ranks cannot resume a "
-                "group (its epoch's slots would be split unlike the other groups'); resume "
-                "it with the world_size it was saved with"
-            )
         ranked = self.world > 1 or self.grouped  # the ranks (groups) resume into one run
         run = self.resume_run if ranked and self.resume_run else new_run_id()
         shape = asked.shape

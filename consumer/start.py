@@ -124,6 +124,7 @@ def new_session(
         resume_run=resume_run,
         publish=lambda acting, slot: shm.publish(acting, options.hwm, slot),
         before_resume=params.load if params is not None else None,
+        drain=lambda view, data_key: drain_group(client, view, data_key, shm, options.timeout_s),
     )
 
 

@@ -247,9 +247,9 @@ class Producer:
         try:
             if groups > self._pos.groups:
                 known = self._membership.groups()
-                if known > self._pos.groups:
+                if known[0] > self._pos.groups:
                     self._regroup(known)
-                if known < groups:
+                if known[0] < groups:
                     return False
             lease = self._lease(wait)
             if lease is not None:
@@ -330,17 +330,25 @@ class Producer:
         self._lease_seq = 0
         self._pusher.joined(position)  # leases of the run we left are gone, what was built too
         self._beat.follow(position)
-        self._transport.joined(self.client, position.run, position.world, position.groups)
+        self._transport.joined(
+            self.client, position.run, position.world, position.groups, position.worlds
+        )
 
-    def _regroup(self, groups: int) -> None:
+    def _regroup(self, known: tuple[int, tuple[int, ...]] | None = None) -> None:
         """The run is read by (more) groups than this producer knew: lease and push with
-        the keys of every group from now on (the same run: leases held stay ours)."""
-        position = dataclasses.replace(self._pos, groups=groups)
+        the keys of every group from now on (the same run: leases held stay ours).
+
+        Args:
+            known: the group slots and each slot's world as just read (None: read them).
+        """
+        # Read together: n and each slot's world.
+        groups, worlds = known if known is not None else self._membership.groups()
+        position = dataclasses.replace(self._pos, groups=groups, worlds=worlds)
         log.info("producer %s: the run is read by %d group(s)", self.id, groups)
         self._pos = position
         self._pusher.follow(position)
         self._beat.follow(position)
-        self._transport.regrouped(self.client, groups)
+        self._transport.regrouped(self.client, groups, worlds)
 
     def _leave(self) -> None:
         self._membership.leave(self._pos.incarnation, self._pusher.pending_ref)
@@ -363,7 +371,7 @@ class Producer:
         request = lease_call(
             self.keys, incarnation=pos.incarnation, run=pos.run, producer=self.id,
             token=token, heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, prefetch=prefetch,
-            groups=pos.groups, world=pos.world, after=after,
+            groups=pos.groups, world=pos.slot_worlds(), after=after,
         )  # fmt: skip
         return request, token
 
@@ -401,7 +409,7 @@ class Producer:
             return None
         if status == Status.GROUPS:
             self._lease_seq -= 1  # nothing was leased with it
-            self._regroup(reply.groups or self._membership.groups())
+            self._regroup()
             return None
         self._handle_status(status)
         return None

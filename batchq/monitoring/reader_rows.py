@@ -80,6 +80,7 @@ GROUP_FIELDS = (
     "figures_age_s",  # float|null
     "verdict",  # as the queue's verdict (batchq.monitoring.verdict), for this group alone
     "verdict_reason",  # str
+    "world_size",  # int: its ranks (each group of a run reads with its own; at the end)
 )
 
 
@@ -173,23 +174,28 @@ def _slowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def group_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per group (:data:`GROUP_FIELDS`); empty for a run of one group."""
     reading = [g for g in snap.groups if not g.done]
-    lead = max((g.floor for g in reading), default=0)
-    front = max((g.next for g in reading), default=0)
+    # In shards of the plan: a rank's local shards are 1/world of them.
+    lead = max((g.floor * g.world for g in reading), default=0)
+    front = max((g.next * g.world for g in reading), default=0)
     return [_group_row(snap, g, lead, front) for g in snap.groups]
 
 
 def _group_row(snap: QueueSnapshot, g: GroupSnapshot, lead: int, front: int) -> dict[str, Any]:
     """One group's object, in the documented order: ``lead`` is the leading group's
-    floor, ``front`` the furthest cursor among the groups reading."""
+    floor, ``front`` the furthest cursor among the groups reading (in the plan's
+    shards: a local shard times the group's world)."""
     shards = as_int(snap.meta.get(MetaField.SHARDS))
     epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES) or -1)
     fields = reader_fields(snap, g)
     row = {
         "group": g.name,
         "slot": g.slot,
+        "world_size": g.world,
         "trainer": fields["trainer"],
-        "sharing": "alone" if not g.done and g.next < front else "shared",
-        "lag_batches": 0.0 if g.done else lag_batches(lead, g.floor, epoch_batches, shards),
+        "sharing": "alone" if not g.done and g.next * g.world < front else "shared",
+        "lag_batches": 0.0
+        if g.done
+        else lag_batches(lead, g.floor * g.world, epoch_batches, shards),
         "max_lag_batches": g.max_lag_batches,
         "solo_builds": g.stats.get(StatsField.SOLO_PUSHED, 0),
         "detached_drops": g.stats.get(StatsField.DETACHED_DROPS, 0),

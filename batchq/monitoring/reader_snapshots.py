@@ -142,6 +142,7 @@ class GroupSnapshot:
         next: its (rank 0's) cursor: the next local shard minted for it.
         floor: its (rank 0's) floor: its oldest incomplete local shard.
         max_lag_batches: its max_lag_batches (None: the others wait for it).
+        world: its ranks (each group of a run reads with its own).
     """
 
     name: str
@@ -155,6 +156,7 @@ class GroupSnapshot:
     next: int = 0
     floor: int = 0
     max_lag_batches: int | None = None
+    world: int = 1
 
     def figure(self, name: str) -> float | None:
         """One of the group's figures as a float, None if absent or malformed."""
@@ -179,6 +181,7 @@ def _from_meta(name: str, slot: int, meta: dict[str, str], world: int) -> GroupS
         next=as_int(field_of(MetaField.NEXT)),
         floor=as_int(field_of(MetaField.FLOOR)),
         max_lag_batches=None if lag is None else as_int(lag),
+        world=world,
     )
 
 
@@ -189,13 +192,17 @@ def queue_group_reads(
     (by slot: one LLEN per rank, then its stats, figures and samples: what
     :func:`file_group_read` files as ``group_depth``, ``group_stats``, ``group_trainer``,
     ``group_history``); the groups, their fields from meta filled."""
-    world = max(1, as_int(meta.get(MetaField.WORLD) or 1))
+
+    def world_of(slot: int) -> int:  # each group reads with its own ranks
+        return max(1, as_int(meta.get(reader_field(MetaField.WORLD, slot)) or 1))
+
     groups = sorted(
-        (_from_meta(name, as_int(slot), meta, world) for name, slot in registry.items()),
+        (_from_meta(name, as_int(s), meta, world_of(as_int(s))) for name, s in registry.items()),
         key=lambda g: g.slot,
     )
     for group in groups:
         view = keys.slot_view(group.slot)
+        world = world_of(group.slot)
         for r in range(world):
             pipe.llen(view.data_of(r, world))
         pipe.hgetall(view.stats)

@@ -104,7 +104,8 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     groups                list         per group of a run read by several groups (a
                                        sweep's trials): objects with the fields of
                                        batchq.monitoring.reader_rows.GROUP_FIELDS (empty
-                                       for a run of one group); schema 5
+                                       for a run of one group); schema 5 (each group's
+                                       world_size at the end of its fields: schema 6)
     slowest_group         str|null     the reading group furthest behind, the one that
                                        sets the pace (batchq.monitoring.reader_rows)
     node                  str          where the queue is: the server's host:port (a

@@ -76,6 +76,9 @@ class MetaField:
     EVEN: Final = "even"  # 'pad' or 'drop'
     RESUME_STEP: Final = "resume_step"  # the checkpoint step a data-parallel resume used
     REMAP_EPOCH: Final = "remap_epoch"  # the epoch the remap hash re-splits
+    # '1' once some group slot of the run differs from slot 0 in world, even or remap:
+    # lease.lua then reads each slot's (else they are slot 0's: no read per slot)
+    MIXED_WORLDS: Final = "mixed_worlds"
     AXIS_LABELS: Final = "axis_labels"  # JSON source -> axis names (producers)
     SHM_HOST: Final = "shm_host"  # the trainer's shared-memory host identity
     SHM_LOOKAHEAD: Final = "shm_lookahead"  # the trainer's look-ahead, in frames
@@ -90,7 +93,7 @@ class MetaField:
     #: Fields a run of several groups keeps once per group slot i >= 1 (``'<name>@<i>'``,
     #: and per rank ``'<name>@<i>:<r>'`` for the PER_RANK ones; slot 0: the plain names,
     #: :func:`batchq.protocol.groups.reader_field`).
-    PER_GROUP: Final = (*PER_RANK, MAX_LAG, RESUME_STEP)
+    PER_GROUP: Final = (*PER_RANK, MAX_LAG, RESUME_STEP, WORLD, EVEN, REMAP_EPOCH)
 
 
 class StatsField:

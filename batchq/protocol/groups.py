@@ -18,8 +18,11 @@ hyperparameter sweep. The default group (no ``group``) is the single trainer of 
 - **Pace.** The shared stream mints only below ``floor + W`` of every group that paces
   it: every group that has not finished, except one whose ``max_lag_batches`` is set and
   which is more than that many batches behind the leading group (:func:`lag_batches`).
-- **World.** Every group of a run has the same number of ranks (the slots of an epoch
-  are split alike, so one shard serves the same rank of every group).
+- **World.** Each group reads with its own number of ranks (meta ``world@<i>``,
+  ``even@<i>``; slot 0's ``world``, ``even``), fixed while the run has the slot. Only
+  groups of one world and S (a *family*) share a shard: a global slot number means
+  another slice of the plan in another world. A group that comes back with another
+  number of ranks (an elastic resume) reads a new slot, and its old one retires.
 
 The scripts of every run (claim.lua, lease.lua, push.lua, resume.lua, and release.lua)
 spell the same rules; a run of one group takes their fast path. Their wrappers are

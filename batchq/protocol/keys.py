@@ -77,7 +77,8 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:data@<i>     LIST    group slot i's data list (``data@<i>:<r>`` its rank r's);
                                 slot 0 keeps the plain names. So do ``stats@<i>`` (HASH,
                                 the group's counters), ``trainer@<i>``, ``history@<i>``,
-                                ``ledger@<i>``, ``counts@<i>``, ``wake@<i>`` (its pops'
+                                ``ledger@<i>``, ``counts@<i>``, ``remap@<i>`` (its
+                                elastic resume's), ``wake@<i>`` (its pops'
                                 wake-ups: a producer blocked at its full list waits
                                 there), and the meta fields ``<name>@<i>`` /
                                 ``<name>@<i>:<r>`` (claim, next, floor...)
@@ -150,7 +151,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
 
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
 #: :meth:`QueueKeys.slot_view`.
-SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts", "wake")
+SLOT_KEYS: Final = ("data", "stats", "trainer", "history", "ledger", "counts", "remap", "wake")
 
 
 def slot_suffix(slot: int) -> str:
@@ -305,10 +306,13 @@ class QueueKeys:
         # (batchq.protocol.groups), read as mappings too:
         #: group slot -> the keys as that slot reads the run (:meth:`slot_view`).
         self.slots: Mapping[int, QueueKeys] = _Derived(self.slot_view)
-        #: (group slots, world) -> lease.lua's KEYS tail: every slot's ledger, then every
-        #: slot's data lists (slot 0's ranks first), then the remap hash (world > 1);
-        #: 0 group slots: a run of one group, slot 0's.
-        self.lease_tails: Mapping[tuple[int, int], list[str]] = _Derived(self._lease_tail)
+        #: (group slots, worlds) -> lease.lua's KEYS tail: every slot's ledger, then every
+        #: slot's data lists (slot 0's ranks first; worlds: each slot's ranks, or one
+        #: number for every slot), then every slot's remap hash (a run of one group:
+        #: where its world > 1); 0 group slots: a run of one group, slot 0's.
+        self.lease_tails: Mapping[tuple[int, int | tuple[int, ...]], list[str]] = _Derived(
+            self._lease_tail
+        )
         #: (target mask, rank, world) -> push.lua's KEYS tail: each target slot's data
         #: list (of that rank) and stats hash, ascending.
         self.push_tails: Mapping[tuple[int, int, int], list[str]] = _Derived(self._push_tail)
@@ -352,19 +356,25 @@ class QueueKeys:
         return view
 
     def slot_keys(self, slot: int, world: int) -> list[str]:
-        """Every key of group slot ``slot`` in a run of ``world`` ranks, in the order the
-        scripts read them (4 + 3 x world keys: claim.lua and resume.lua find a
-        slot's keys in their KEYS tail by that count): ledger, counts, each rank's data
-        list, stats, each rank's figures, each rank's history, the wake list (last: a run
-        that ends deletes it with the lists, a slot's figures stay)."""
+        """Every key of group slot ``slot`` whose ranks are at most ``world``, in the
+        order the scripts read them (5 + 3 x L keys, L = world, plus one where world > 1:
+        claim.lua and resume.lua find a slot's keys in their KEYS tail by that count):
+        ledger, counts, each rank's data list, stats, each rank's figures, each rank's
+        history, the remap (an elastic resume of the group), the wake list (last: a run
+        that ends deletes it with the lists, a slot's figures stay). Where world > 1 each
+        rank's names are followed by the world-1 name (``data@<i>``...): each group slot
+        reads with its own world, so a slot of one rank is covered in a tail sent for
+        more."""
         view = self.slot_view(slot)
+        ranks = [(r, world) for r in range(world)] + ([(0, 1)] if world > 1 else [])
         return [
             view.ledger,
             view.counts,
-            *(view.data_of(r, world) for r in range(world)),
+            *(view.data_of(r, w) for r, w in ranks),
             view.stats,
-            *(view.trainer_of(r, world) for r in range(world)),
-            *(view.history_of(r, world) for r in range(world)),
+            *(view.trainer_of(r, w) for r, w in ranks),
+            *(view.history_of(r, w) for r, w in ranks),
+            view.remap,
             view.wake,
         ]
 
@@ -375,13 +385,14 @@ class QueueKeys:
     def _lease(self, producer: str) -> str:
         return f"{self.base}:lease:{producer}"
 
-    def _lease_tail(self, shape: tuple[int, int]) -> list[str]:
+    def _lease_tail(self, shape: tuple[int, int | tuple[int, ...]]) -> list[str]:
         groups, world = shape
         views = [self.slot_view(i) for i in range(max(groups, 1))]
+        worlds = (world,) * len(views) if isinstance(world, int) else world
         return [
             *(v.ledger for v in views),
-            *(v.data_of(r, world) for v in views for r in range(world)),
-            *([self.remap] if world > 1 else []),
+            *(v.data_of(r, w) for v, w in zip(views, worlds, strict=True) for r in range(w)),
+            *(v.remap for v in views if groups or worlds[0] > 1),
         ]
 
     def _push_tail(self, aim: tuple[int, int, int]) -> list[str]:

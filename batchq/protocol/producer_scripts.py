@@ -176,15 +176,15 @@ def lease_call(
     token: str,
     heartbeat_ttl_ms: int,
     prefetch: int,
-    world: int,
+    world: int | tuple[int, ...],
     groups: int = 0,
     after: str = "",
 ) -> Call[LeaseReply]:
     """A producer's next lease (lease.lua) in a run of ``groups`` group slots (0: one
-    group) and ``world`` ranks. ``prefetch`` k > 0: it rides behind the last push of the
-    shard whose lease entry is ``after``, and is granted only if that push went through
-    and the producer then holds fewer than k leases; ``token`` is unique per request (a
-    retried request with the same token gets the same shard)."""
+    group) and ``world`` ranks (a tuple: each slot's). ``prefetch`` k > 0: it rides
+    behind the last push of the shard whose lease entry is ``after``, and is granted only
+    if that push went through and the producer then holds fewer than k leases; ``token``
+    is unique per request (a retried request with the same token gets the same shard)."""
     return build_call(
         "lease",
         LeaseReply.parse,

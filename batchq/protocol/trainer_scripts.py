@@ -36,13 +36,16 @@ ClaimOp = Literal["acquire", "refresh", "release", "finish"]
 
 class ClaimReply(NamedTuple):
     """claim.lua. acquire: ``{'OK', incarnation, run, new_run, fence, held, slot,
-    groups}``, ``{'CONFLICT', ms}``, ``{'WORLD', world}``, ``{'FULL', groups}``,
+    groups, retired}``, ``{'CONFLICT', ms}``, ``{'WORLD', world}``, ``{'FULL', groups}``,
     ``{'GROUPS', groups}``; refresh, release: ``{'OK'}`` or a status; finish: ``{'OK',
     group done, run ended}`` or a status.
 
     Attributes:
         slot, groups: acquire: the group slot the trainer reads and the run's group
             slots (0: the run is not read by several groups).
+        retired: acquire: the group's slot of another world that it left for ``slot``
+            (it came back with another number of ranks), whose lists the trainer
+            drains; -1 for none.
         value: CONFLICT's ms until the other claim lapses, WORLD's world size, FULL's
             and GROUPS' group slots.
         holder: CONFLICT's holder: the name its connections carry ('' for none).
@@ -61,6 +64,7 @@ class ClaimReply(NamedTuple):
     value: int = -1
     group_done: bool = False
     run_done: bool = False
+    retired: int = -1
     holder: str = ""
 
     @classmethod
@@ -75,7 +79,7 @@ class ClaimReply(NamedTuple):
         if len(r) == 1:
             return cls(r[0])
         return cls(r[0], r[1], r[2], bool(int(r[3])), int(r[4]), bool(int(r[5])), int(r[6]),
-                   int(r[7]))  # fmt: skip
+                   int(r[7]), retired=reply_int(r, 8, -1))  # fmt: skip
 
 
 class ResumeReply(NamedTuple):

@@ -86,7 +86,8 @@ def hand_back(
     end of the work list) when :func:`hand_back_reason` finds a reason, and say why;
     returns handback.lua's status, or None: keep waiting."""
     rank, mask = aim
-    why = hand_back_reason(client, keys, rank, position.world, mask)
+    # The world of the shard's groups (a shard is only shared by groups of one world).
+    why = hand_back_reason(client, keys, rank, position.world_of(slots_of(mask)[0]), mask)
     if why is None:
         return None
     reply = producer_scripts.handback(

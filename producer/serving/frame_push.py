@@ -388,7 +388,7 @@ class FramePusher:
         list is full); a data-parallel rank's full list, once per HANDBACK_S,
         may make us hand the shard back (:func:`producer.serving.blocking.hand_back`)."""
         blocked = wait.start()
-        if blocked and self._run.world > 1 and wait.hand_back_due():
+        if blocked and self._world > 1 and wait.hand_back_due():
             status = hand_back(
                 self.client,
                 self.settings.keys,

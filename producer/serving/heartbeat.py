@@ -155,10 +155,9 @@ class Heartbeat:
         if self.orphan_exit_s is None:
             return
         position = self.position()
-        world = position.world
         fields = [
             reader_field(MetaField.CLAIM_DEADLINE, slot, r, world)
-            for slot in range(max(position.groups, 1))
+            for slot, world in enumerate(position.slot_worlds())
             for r in range(world)
         ]  # every rank of every group reading the run
         deadlines = client.hmget(self.keys.meta, fields)

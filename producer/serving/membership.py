@@ -27,8 +27,9 @@ from batchq.client.connection import call
 from batchq.errors import BatchQueueError, PipelineMismatch, RunFinished
 from batchq.protocol import producer_scripts, recovery_scripts
 from batchq.protocol.fields import MetaField
+from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import new_run_id
+from batchq.protocol.layout import MAX_GROUPS, new_run_id
 from batchq.protocol.producer_scripts import JoinReply
 from batchq.protocol.reaper import record_client
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
@@ -113,13 +114,17 @@ class Membership:
             self.plan.shards,
             reply.hwm,
         )
-        return RunPosition(reply.run, reply.incarnation, reply.world, reply.groups)
+        worlds = self.groups()[1] if reply.groups else ()
+        return RunPosition(reply.run, reply.incarnation, reply.world, reply.groups, worlds)
 
-    def groups(self) -> int:
-        """The group slots of the run (0: read by one group): its leases and pushes then
-        name every slot's keys (batchq.protocol.groups)."""
-        value = call(lambda: self.client.hget(self.keys.meta, MetaField.GROUPS), "reading meta")
-        return as_int(value)
+    def groups(self) -> tuple[int, tuple[int, ...]]:
+        """The group slots of the run (0: read by one group) and each slot's ranks, read
+        together: its leases and pushes then name every slot's keys
+        (batchq.protocol.groups; a slot keeps its world while the run has it)."""
+        fields = [MetaField.GROUPS, *(reader_field(MetaField.WORLD, i) for i in range(MAX_GROUPS))]
+        values = call(lambda: self.client.hmget(self.keys.meta, fields), "reading meta")
+        groups = as_int(values[0])
+        return groups, tuple(as_int(w) or 1 for w in values[1 : max(groups, 1) + 1])
 
     def _reply(self, served: RunPosition) -> JoinReply | None:
         """join.lua's first reply that is not WAIT (a producer that had joined before

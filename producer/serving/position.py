@@ -23,3 +23,13 @@ class RunPosition:
     incarnation: str = ""
     world: int = 1  # ranks of the run's trainer (batchq/protocol/ranks.py)
     groups: int = 0  # group slots of a run read by several groups (batchq/protocol/groups.py)
+    # Each group slot's ranks (slot 0's is ``world``): each group reads with its own.
+    worlds: tuple[int, ...] = ()
+
+    def world_of(self, slot: int) -> int:
+        """The ranks group slot ``slot`` reads with."""
+        return self.worlds[slot] if 0 < slot < len(self.worlds) else self.world
+
+    def slot_worlds(self) -> tuple[int, ...]:
+        """Each group slot's ranks, slot 0 first (one slot in a run of one group)."""
+        return tuple(self.world_of(i) for i in range(max(self.groups, 1)))

@@ -172,6 +172,7 @@ class Transport:
         self._hwm = hwm
         self._world = 1
         self._groups = 0  # the run's group slots (0: read by one group)
+        self._worlds: tuple[int, ...] = ()  # each group slot's ranks (slot 0's: _world)
         size = max_segments or pool_size(hwm, DEFAULT_LOOKAHEAD, 1)
         self.pool = SegmentPool(self.shm_dir, keys.queue, producer, size, max_bytes)
         # The readers (group slot, rank) whose trainer is on this host.
@@ -191,12 +192,15 @@ class Transport:
         # (which drop the host) and its publish, a few ms later.
         self._eager_until = 0.0
 
-    def joined(self, client: redis.Redis, run: str, world: int = 1, groups: int = 0) -> None:
+    def joined(
+        self, client: redis.Redis, run: str, world: int = 1, groups: int = 0,
+        worlds: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
         """After a join: a new run drops the old segments, a rejoin of the same run
         retires them; look at the trainer's host. ``world``: the run's ranks; ``groups``:
-        its group slots."""
+        its group slots; ``worlds``: each slot's ranks."""
         self._world = max(1, world)
-        self._groups = groups
+        self._groups, self._worlds = groups, worlds
         if self.identity is None:
             return
         if run == self.pool.run:
@@ -217,9 +221,9 @@ class Transport:
         self._eager_until = time.monotonic() + REFRESH_S
         self.refresh(client, force=True)
 
-    def regrouped(self, client: redis.Redis, groups: int) -> None:
+    def regrouped(self, client: redis.Redis, groups: int, worlds: tuple[int, ...] = ()) -> None:
         """More groups read the run now: look at their trainers' hosts at once."""
-        self._groups = groups
+        self._groups, self._worlds = groups, worlds
         self.refresh(client, force=True)
 
     def uncertain(self, frame: ShmFrame, data_key: str) -> None:
@@ -287,15 +291,19 @@ class Transport:
 
     def _readers(self) -> list[tuple[int, int]]:
         """Every (group slot, rank) reading the run."""
-        return [(slot, r) for slot in range(max(self._groups, 1)) for r in range(self._world)]
+        return [(s, r) for s in range(max(self._groups, 1)) for r in range(self._world_of(s))]
+
+    def _world_of(self, slot: int) -> int:
+        """The ranks group slot ``slot`` reads with."""
+        return self._worlds[slot] if 0 < slot < len(self._worlds) else self._world
 
     def _read_readers(
         self, client: redis.Redis, readers: list[tuple[int, int]]
     ) -> tuple[list[Any], list[Any]]:
         """Each reader's published host and look-ahead (one HMGET of meta)."""
-        world = self._world
-        fields = [reader_field(MetaField.SHM_HOST, s, r, world) for s, r in readers]
-        fields += [reader_field(MetaField.SHM_LOOKAHEAD, s, r, world) for s, r in readers]
+        w = self._world_of
+        fields = [reader_field(MetaField.SHM_HOST, s, r, w(s)) for s, r in readers]
+        fields += [reader_field(MetaField.SHM_LOOKAHEAD, s, r, w(s)) for s, r in readers]
         values = call(lambda: client.hmget(self.keys.meta, fields), "reading meta")
         return values[: len(readers)], values[len(readers) :]
 

@@ -14,7 +14,7 @@ from pipelines import builds, examples_of
 from train import argv as train_argv
 from waiting import wait_until
 
-from batchq.errors import ConfigError, GroupWorldMismatch
+from batchq.errors import ConfigError
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
 from tests.consumer.test_data_parallel import check_epoch, plans, shares
@@ -59,19 +59,25 @@ def test_two_groups_of_two_ranks_each_read_their_shares_built_once(
 
 
 @pytest.mark.timeout(120)
-def test_a_group_of_another_world_size_is_refused_naming_both(
+def test_a_group_of_another_world_size_reads_its_own_split(
     redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
 ) -> None:
+    # Each group reads with its own world size (issue 38; GroupWorldMismatch before):
+    # group a's rank 0 of 2 gets its share of the epoch, group b alone every batch.
     env = serve_env(examples=EXAMPLES, batch_size=BATCH)
     spawn_proc(serve_argv("--hwm", "4"), env=env)
     first = ServerDataStream(
         ("features",), url=redis_url, queue=queue_name, group="a", rank=0, world_size=2
     )
     other = ServerDataStream(("features",), url=redis_url, queue=queue_name, group="b")
+    plan = plans(1)[0]
     try:
-        next(first.get_epoch_iterator())  # group a claims the run with world_size 2
-        with pytest.raises(GroupWorldMismatch, match=r"group b has world_size 1.*world_size 2"):
-            next(other.get_epoch_iterator())
+        share = first.get_epoch_iterator()
+        got_a = [examples_of(next(share)[0])]  # group a claims the run with world_size 2
+        got_b = [examples_of(f) for (f,) in other.get_epoch_iterator()]
+        got_a += [examples_of(f) for (f,) in share]
+        assert got_b == plan
+        assert got_a == plan[0::2]  # slots 0, 2, 4...: rank 0's share of 2
     finally:
         other.close()
         first.close()

@@ -3,7 +3,8 @@
 -- group slot and rank (batchq/protocol/groups.py reader_field; slot 0 of world 1: '<name>').
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
 --              claimed the resumed run `resumed` before), slot, groups (0: the run is not
---              read by several groups)}
+--              read by several groups)[, retired: the group's slot of another world that
+--              this acquire retired]}
 --              or {'CONFLICT', ms until the other claim lapses, its holder's name}, {'WORLD',
 --                 the run's world}
 --                 (a live rank of the run has another), {'FULL', groups} (no slot left),
@@ -59,19 +60,19 @@ local dead = ARGV[20]            -- acquire: a holder's name the caller found no
 local first_tail = 10
 
 local now = server_now_ms()
-local per, tail_slots, slot_key = slot_tail(KEYS, first_tail, key_world, groups)
+local per, tail_slots, slot_key, lists = slot_tail(KEYS, first_tail, key_world, groups)
 if not per then return redis.error_reply('claim.lua: KEYS do not cover the group slots') end
 -- Delete a slot's keys (its figures too, but for slot 0, whose are the queue's own).
 local function drop_slot(i, keep_figures)
   for j = 0, per - 1 do
-    local figure = j >= 2 + key_world and j < per - 1
+    local figure = j >= 2 + lists and j < per - 2
     if not (keep_figures and figure) then redis.call('DEL', slot_key(i, j)) end
   end
 end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
 local run_world = tonumber(m[3] or '1')
 local n = tonumber(m[4] or '0')
-if op == 'acquire' and (n ~= groups or key_world < math.max(world, run_world)) then
+if op == 'acquire' and (n ~= groups or key_world < math.max(world, max_world(meta_key, n))) then
   return {'GROUPS', n}
 end
 local slot = slot_arg
@@ -83,8 +84,9 @@ end
 -- whose fields name no slot or rank ('claim', 'claimed'...).
 local single = n == 0 and world == 1 and group == ''
 local function group_done(i)
-  for r = 0, world - 1 do
-    if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1' then
+  local w = slot_world(meta_key, i)
+  for r = 0, w - 1 do
+    if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, w)) ~= '1' then
       return false
     end
   end
@@ -116,10 +118,10 @@ if op ~= 'acquire' then
   -- Every group finished: producers see 'finished' and exit; the frames left are useless.
   redis.call('DEL', data_key, work_key, wake_key, failures_key, refs_key, remap_key)
   for i = 0, tail_slots - 1 do
-    for j = 1, 1 + key_world do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
+    for j = 1, 1 + lists do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
     -- Its wake list: no producer waits for a group of a finished run (issue 42: they
-    -- were left behind).
-    redis.call('DEL', slot_key(i, per - 1))
+    -- were left behind); its remap.
+    redis.call('DEL', slot_key(i, per - 1), slot_key(i, per - 2))
   end
   redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
   return {'OK', 1, 1}
@@ -133,7 +135,7 @@ if not inc then
 end
 local takeover = m[1] and ((takeover_run ~= '' and takeover_run == m[1]) or
   (resumed ~= '' and resumed == m[1]))
-local new_run = 0
+local new_run, retired = 0, -1
 
 local function start_run()
   redis.call('DEL', meta_key, data_key, work_key, wake_key, failures_key, refs_key, groups_key,
@@ -146,13 +148,18 @@ local function start_run()
   end
   m[1], new_run, n, run_world = run_id, 1, 0, world
 end
--- Name `name` the group of slot i; a fresh slot's keys (an earlier run's) go and its
--- cursors start at 0 (slot 0 of a live run keeps its own: its reader, or the producers'
--- work done before any trainer came).
+-- Name `name` the group of slot i; a fresh slot's keys (an earlier run's) go, its world
+-- is this trainer's (each group reads with its own) and its cursors start at 0 (slot 0
+-- of a live run keeps its own: its reader, or the producers' work done before any
+-- trainer came).
 local function register(name, i, fresh)
   redis.call('HSET', groups_key, name, i)
   if fresh then
     drop_slot(i, false)
+    redis.call('HSET', meta_key, 'world@' .. i, world, 'even@' .. i, even)
+    if world ~= run_world or (world > 1 and even ~= redis.call('HGET', meta_key, 'even')) then
+      redis.call('HSET', meta_key, 'mixed_worlds', 1)  -- lease.lua reads each slot's then
+    end
     for r = 0, world - 1 do
       local sfx = reader_sfx(i, r, world)
       redis.call('HSET', meta_key, 'next' .. sfx, 0, 'floor' .. sfx, 0)
@@ -172,9 +179,10 @@ end
 -- Whether a rank of slot i (other than rank `except`, in a run of several ranks) holds
 -- a live claim.
 local function live(i, except)
-  for r = 0, run_world - 1 do
-    if run_world == 1 or tostring(r) ~= except then
-      local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, run_world))
+  local w = slot_world(meta_key, i)
+  for r = 0, w - 1 do
+    if w == 1 or tostring(r) ~= except then
+      local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, w))
       if tonumber(d or '0') > now then return true end
     end
   end
@@ -203,14 +211,9 @@ elseif n == 0 then
   redis.call('DEL', groups_key)  -- names left by an earlier run
   if claimed_by_anyone(0) then
     -- A trainer without group reads the run: it keeps slot 0, this group joins late.
-    if run_world ~= world then
-      if live(0) then return {'WORLD', run_world} end
-      slot = alone()
-    else
-      register('', 0, false)
-      register(group, 1, true)
-      slot = 1
-    end
+    register('', 0, false)
+    register(group, 1, true)
+    slot = 1
   else
     -- Nobody claimed the run yet: this group takes what producers built already.
     if run_world ~= world then slot = alone() else register(group, 0, false); slot = 0 end
@@ -219,14 +222,33 @@ else
   local s = redis.call('HGET', groups_key, group)
   if s then
     slot = tonumber(s)
+    local w = slot_world(meta_key, slot)
+    if w ~= world then
+      -- The group comes back with another number of ranks (an elastic resume) while the
+      -- others read on: it reads a new slot of its world, and its old slot retires (every
+      -- rank done: no push targets it, a lease in flight for it leaves it out; the caller
+      -- drains its lists). Refused while a rank of it is live, but by a takeover.
+      if live(slot) and not takeover then return {'WORLD', w} end
+      if n >= max_groups then return {'FULL', n} end
+      for r = 0, w - 1 do
+        local sfx = reader_sfx(slot, r, w)
+        redis.call('HSET', meta_key, 'done' .. sfx, 1)
+        redis.call('HDEL', meta_key, 'claim' .. sfx, 'claim_deadline' .. sfx)
+      end
+      retired, slot = slot, n
+      register(group, slot, true)
+      -- Resuming: nothing is minted for its ranks before their resume (resume.lua clears
+      -- each one's done) put their cursors and remap in place.
+      for r = 0, takeover and world - 1 or -1 do
+        redis.call('HSET', meta_key, 'done' .. reader_sfx(slot, r, world), 1)
+      end
+    end
   else
-    if run_world ~= world then return {'WORLD', run_world} end
     if n >= max_groups then return {'FULL', n} end
     slot = n
     register(group, slot, true)
   end
 end
-if run_world ~= world and (n > 0 or group ~= '') then return {'WORLD', run_world} end
 
 local c = redis.call('HMGET', meta_key, f('claim'), f('claim_deadline'), f('claimed'),
   f('claim_client'))
@@ -259,7 +281,8 @@ if new_run == 0 and c[3] == '1' and not takeover then
       redis.call('HDEL', meta_key, 'done' .. sfx, 'claim' .. sfx, 'claim_deadline' .. sfx,
         'claimed' .. sfx)
     end
-    redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1))  -- its ledger and counts
+    redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1), slot_key(slot, per - 2))
+    redis.call('HDEL', meta_key, 'remap_epoch' .. reader_sfx(slot, 0, 1))  -- and remap
   end
   held = 0
 end
@@ -278,4 +301,5 @@ if n > 0 then
   end
 end
 local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
-return {'OK', inc, m[1], new_run, fence, held, slot, n}
+if retired < 0 then return {'OK', inc, m[1], new_run, fence, held, slot, n} end
+return {'OK', inc, m[1], new_run, fence, held, slot, n, retired}

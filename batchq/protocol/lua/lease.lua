@@ -17,12 +17,13 @@
 -- room in their window and in their data list; a shard handed back is taken from the work
 -- list only for a rank whose list has room, so a dead rank's full list never holds the
 -- producers.
--- In a run of several groups a shard is minted once for every group whose cursor ('next'
--- of the group slot and rank) is at it: the groups at the largest cursor share it, a
--- group behind them gets its own (detached, or joined late) until its cursor reaches
--- theirs. The largest cursor (the shared stream) is minted only below floor + W of every
--- group that paces it: every group still reading, except one with max_lag set that is
--- more than that many batches behind the leading group. A handed-back shard (work list)
+-- In a run of several groups a shard is minted once for every group of one world (a
+-- family) whose cursor ('next' of the group slot and rank) is at it: the groups at the
+-- largest cursor share it, a group behind them gets its own (detached, or joined late)
+-- until its cursor reaches theirs. The largest cursor (the shared stream) is minted only
+-- below floor + W of every group of its family that paces it: every group still reading,
+-- except one with max_lag set that is more than that many batches behind the leading
+-- group. A handed-back shard (work list)
 -- goes to the groups it names, once one of their lists has room.
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
@@ -30,8 +31,9 @@ local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<ma
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
 -- KEYS[6..]: every group slot's ledger (slot 0 first; one for a run of one group), then
--- every slot's data lists (slot 0's ranks first), then (data-parallel) the remap hash
--- (slot -> shard of the epoch meta remap_epoch)
+-- every slot's data lists (slot 0's ranks first; slot i has its own world's), then each
+-- slot's remap hash (slot -> shard of the epoch meta remap_epoch[@<i>]; a run of one
+-- group: only where data-parallel)
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local producer = ARGV[3]
@@ -51,7 +53,7 @@ local first_ledger = 6
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
-  'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch', 'next', 'floor')
+  'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch', 'next', 'floor', 'mixed_worlds')
 local refused = run_refused(m, run)
 if refused then return refused end
 local n = tonumber(m[8] or '0')
@@ -60,34 +62,51 @@ refused = heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
 if refused then return refused end
 
 local world = tonumber(m[5] or '1')
-local slots_n = math.max(n, 1)
-local remap_key = nil
-if world > 1 then remap_key = KEYS[first_ledger + slots_n * (1 + world)] end
-if #KEYS ~= first_ledger - 1 + slots_n * (1 + world) + (world > 1 and 1 or 0) then
+local shards = tonumber(m[4])
+-- The slots of an epoch for w ranks (batchq/protocol/ranks.py slots_for).
+local function slots_for(w, even)
+  if w == 1 then return shards end
+  if even == 'drop' then return w * math.floor(shards / w) end
+  return w * math.ceil(shards / w)
+end
+-- Each group slot reads with its own ranks (meta 'world', 'even'; slot i's '<name>@<i>'),
+-- fixed while the run has the slot: its lists in KEYS and its global slot numbers are its
+-- world's (ws, Ss); its elastic resume's remap is its own (rs, re: remap_epoch[@<i>]).
+local S = slots_for(world, m[6])
+local ws, Ss, data_at, at = {[0] = world}, {[0] = S}, {[0] = first_ledger + math.max(n, 1)}, nil
+local rs, re = {}, {[0] = tonumber(m[11] or '')}
+at = data_at[0] + world
+for i = 1, n - 1 do
+  local f = {m[5], m[6]}  -- slot 0's, unless some slot differs (meta mixed_worlds)
+  if m[14] then f = redis.call('HMGET', meta_key, 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i) end
+  ws[i], data_at[i], re[i] = tonumber(f[1] or '1'), at, tonumber(f[3] or '')
+  Ss[i], at = slots_for(ws[i], f[2]), at + ws[i]
+end
+for i = 0, (n == 0 and world > 1) and 0 or n - 1 do rs[i] = KEYS[at + i] end
+if #KEYS ~= at - 1 + (n > 0 and n or (world > 1 and 1 or 0)) then
   if n == 0 then return {'RUN_CHANGED'} end  -- a stale view of the run's world
   return {'GROUPS', n}
-end
-local shards = tonumber(m[4])
-local S = shards
-if world > 1 then
-  if m[6] == 'drop' then S = world * math.floor(shards / world)
-  else S = world * math.ceil(shards / world) end
 end
 local P = S / world
 local stamp = m[10] or ''  -- the params log's version rides with every lease
 local W, hwm = tonumber(m[3]), tonumber(m[7])
 local suffix = ':' .. run .. ':' .. token  -- the lease entry's tail (layout.py)
 
-local function data_of(i, r) return KEYS[first_ledger + slots_n + i * world + r] end
+local function data_of(i, r) return KEYS[data_at[i] + r] end
 local function has_room(i, r) return redis.call('LLEN', data_of(i, r)) < hwm end
 -- The ledger of slot i names slots as '<epoch>:<slot>': 'd' when done, else batches had.
 local function had(i, g)
-  local v = redis.call('HGET', KEYS[first_ledger + i], math.floor(g / S) .. ':' .. (g % S))
+  local v = redis.call('HGET', KEYS[first_ledger + i], math.floor(g / Ss[i]) .. ':' .. (g % Ss[i]))
   if v == 'd' then return -1 end
   return tonumber(v or '0')
 end
 local function reading(i, r)
-  return redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, world)) ~= '1'
+  return redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, ws[i])) ~= '1'
+end
+local function first_of(mask)  -- the lowest slot of a mask (its world and S: all slots')
+  local i = 0
+  while i < 31 and not mask_has(mask, i) do i = i + 1 end
+  return i
 end
 -- The groups of `mask` still reading rank r that need g: (their mask, the batches the
 -- one that has fewest already has); mask 0 when none does. A run of one group: slot 0
@@ -106,13 +125,16 @@ local function needed(g, mask, r)
   end
   return out, skip or 0
 end
+-- The rank of g in the world of mask's groups.
+local function rank_of(g, mask) local i = first_of(mask); return (g % Ss[i]) % ws[i] end
 local function granted(g, mask, skip)
   g = tonumber(g)
-  local out = {'OK', tostring(g), skip, S, world, mask, stamp}
+  local i = first_of(mask)
+  local out = {'OK', tostring(g), skip, Ss[i], ws[i], mask, stamp}
   if n == 0 and world == 1 then out[4] = 0 end
   -- A slot of a remapped epoch names the shard it builds (a resume with other ranks).
-  if remap_key and m[11] and math.floor(g / S) == tonumber(m[11]) then
-    local shard = redis.call('HGET', remap_key, tostring(g % S))
+  if rs[i] and re[i] and math.floor(g / Ss[i]) == re[i] then
+    local shard = redis.call('HGET', rs[i], tostring(g % Ss[i]))
     if shard then out[8] = shard end
   end
   return out
@@ -127,7 +149,7 @@ end
 local again = retried_lease(lease_key, run, token)
 if again then
   local g, mask = parse_spec(again)
-  local _, skip = needed(g, mask, (g % S) % world)
+  local _, skip = needed(g, mask, rank_of(g, mask))
   return granted(g, mask, skip)
 end
 if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
@@ -185,7 +207,7 @@ if eb > 0 and shards > 0 then per_shard = eb / shards end
 for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
   local g, mask = parse_spec(e)
   if g then
-    local r = (g % S) % world
+    local r = rank_of(g, mask)
     local want, skip = needed(g, mask, r)
     if want == 0 then
       redis.call('LREM', work_key, 1, e)  -- every group it was for has it, or finished
@@ -199,17 +221,31 @@ for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
     end
   end
 end
--- Each rank's readers: every group still reading it, its cursor, floor and list room, and
--- whether it may be left behind (max_lag set and exceeded).
-local function readers(r)
+-- The families: the group slots of one numbering (world and S). Only they share a shard
+-- (slot g of one world is another slice of the plan in another), and pace each other.
+local fams, by_key = {}, {}
+for i = 0, n - 1 do
+  local key = ws[i] .. ':' .. Ss[i]
+  local fam = by_key[key] or {w = ws[i], S = Ss[i], slots = {}}
+  if not by_key[key] then by_key[key], fams[#fams + 1] = fam, fam end
+  table.insert(fam.slots, i)
+end
+-- A group in the epoch its elastic resume remapped shares none of it: its slot, else -1.
+local function own(c, v, fam)
+  if c.remap and c.remap == math.floor(v * fam.w / fam.S) then return c.slot end
+  return -1
+end
+-- Each rank's readers in a family: every group still reading it, its cursor, floor and
+-- list room, and whether it may be left behind (max_lag set and exceeded).
+local function readers(fam, r)
   local out, lead = {}, nil
-  for i = 0, n - 1 do
-    local sfx = reader_sfx(i, r, world)
+  for _, i in ipairs(fam.slots) do
+    local sfx = reader_sfx(i, r, fam.w)
     local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx, 'done' .. sfx,
       'max_lag' .. reader_sfx(i, 0, 1))
     if f[3] ~= '1' then
       local c = {slot = i, next = tonumber(f[1] or '0'), floor = tonumber(f[2] or '0'),
-        max_lag = tonumber(f[4] or ''), room = has_room(i, r)}
+        max_lag = tonumber(f[4] or ''), room = has_room(i, r), remap = re[i]}
       if c.floor > c.next then
         -- The group has every shard below its floor (frames listed before its trainer
         -- restarted at an earlier cursor): never mint those again.
@@ -226,7 +262,7 @@ local function readers(r)
   return out
 end
 
--- The stream to mint from: for each rank, each cursor value held by some group. The
+-- The stream to mint from: for each family's rank, each cursor value held by a group. The
 -- largest (the shared stream) only within the window of every group that paces it; a
 -- group joins a stream only within its own window, and (unless it paces the shared
 -- stream without max_lag, when the others wait for it) only with room in its list. Chosen: the stream whose neediest group has the
@@ -234,8 +270,8 @@ end
 local holding = -1  -- the group whose window holds the shared stream (the slowest pacer)
 local function choose()
   local best = nil
-  for r = 0, world - 1 do
-    local st = readers(r)
+  for _, fam in ipairs(fams) do for r = 0, fam.w - 1 do
+    local st = readers(fam, r)
     local front = nil
     for _, c in ipairs(st) do
       if front == nil or c.next > front then front = c.next end
@@ -249,13 +285,14 @@ local function choose()
     end
     local seen = {}
     for _, first in ipairs(st) do
-      local v = first.next
-      if not seen[v] and (v < front or paced) then
-        seen[v] = true
+      local v, o = first.next, own(first, first.next, fam)
+      local key = o < 0 and v or v .. '/' .. o
+      if not seen[key] and (v < front or paced) then
+        seen[key] = true
         local targets, score, room = {}, nil, false
         for _, c in ipairs(st) do
           local pacing = v == front and not c.detachable and c.max_lag == nil
-          if c.next == v and v < c.floor + W and (c.room or pacing) then
+          if c.next == v and own(c, v, fam) == o and v < c.floor + W and (c.room or pacing) then
             targets[#targets + 1] = c
             room = room or c.room
             if score == nil or c.next - c.floor < score then score = c.next - c.floor end
@@ -264,11 +301,11 @@ local function choose()
         if room and (best == nil or score < best.score or
             (score == best.score and #targets > #best.targets) or
             (score == best.score and #targets == #best.targets and v > best.value)) then
-          best = {rank = r, value = v, targets = targets, score = score}
+          best = {fam = fam, rank = r, value = v, targets = targets, score = score}
         end
       end
     end
-  end
+  end end
   return best
 end
 
@@ -276,12 +313,14 @@ end
 -- moves their cursors past it and is never built.
 for _ = 1, 1000 do
   local best = choose()
-  if best == nil then return {'WAIT', holding} end
-  local r, v = best.rank, best.value
-  local g = math.floor(v / P) * S + (v % P) * world + r
+  -- Another family's pops may make room as well: wait for any group's.
+  if best == nil then return {'WAIT', #fams > 1 and -1 or holding} end
+  local r, v, fam = best.rank, best.value, best.fam
+  local per = fam.S / fam.w
+  local g = math.floor(v / per) * fam.S + (v % per) * fam.w + r
   local mask = 0
   for _, c in ipairs(best.targets) do
-    redis.call('HSET', meta_key, 'next' .. reader_sfx(c.slot, r, world), v + 1)
+    redis.call('HSET', meta_key, 'next' .. reader_sfx(c.slot, r, fam.w), v + 1)
     mask = mask + 2 ^ c.slot
   end
   local want, skip = needed(g, mask, r)

@@ -56,17 +56,26 @@ local remapped = tonumber(ARGV[23])  -- the number r of remapped slots
 -- '<epoch>:<slot>', 'd' or batches already had
 local first_tail, first_pair = 10, 24 + 2 * remapped
 
-local per, tail_slots, slot_key = slot_tail(KEYS, first_tail, key_world, groups)
+local per, tail_slots, slot_key, lists = slot_tail(KEYS, first_tail, key_world, groups)
 if not per then return redis.error_reply('resume.lua: KEYS do not cover the group slots') end
 
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
 local n = tonumber(m[4] or '0')
-if n ~= groups or key_world < math.max(world, tonumber(m[3] or '1')) then
+if n ~= groups or key_world < math.max(world, max_world(meta_key, n)) then
   return {'GROUPS', n}
 end
 local function wake()
   redis.call('LPUSH', wake_key, '1')
   redis.call('LTRIM', wake_key, 0, wake_cap - 1)
+end
+-- An elastic resume's remapped slots into slot i's remap (slot 0's: the run's remap),
+-- for the epoch meta remap_epoch[@<i>] names.
+local function add_remap(i)
+  if remap_epoch == '' or remapped == 0 then return end
+  local key = slot_key(i, per - 2)
+  for a = 24, first_pair - 1, 2 do redis.call('HSET', key, ARGV[a], ARGV[a + 1]) end
+  redis.call('HSET', meta_key, 'remap_epoch' .. reader_sfx(i, 0, 1), remap_epoch)
+  if i > 0 then redis.call('HSET', meta_key, 'mixed_worlds', 1) end  -- lease.lua reads it
 end
 
 if n == 0 and group == '' then
@@ -77,10 +86,7 @@ if n == 0 and group == '' then
   if m[1] ~= token then return {'CLAIM_LOST'} end
   local function add_pairs()
     for i = first_pair, #ARGV, 2 do redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1]) end
-    if remap_epoch ~= '' and remapped > 0 then
-      for i = 24, first_pair - 1, 2 do redis.call('HSET', remap_key, ARGV[i], ARGV[i + 1]) end
-      redis.call('HSET', meta_key, 'remap_epoch', remap_epoch)
-    end
+    add_remap(0)
   end
   local again = held == '1' and m[3] ~= step  -- the job resumes another checkpoint
   -- Step -1: not a checkpoint but Redis' lost state: each rank is where it is, so each
@@ -99,7 +105,7 @@ if n == 0 and group == '' then
   end
   redis.call('DEL', data_key, work_key, failures_key, ledger_key)
   if world > 1 then
-    for j = 1, 1 + key_world do redis.call('DEL', slot_key(0, j)) end  -- counts, lists
+    for j = 1, 1 + lists do redis.call('DEL', slot_key(0, j)) end  -- counts, lists
     redis.call('DEL', remap_key)
   end
   redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
@@ -145,18 +151,18 @@ if not lives then
   redis.call('DEL', work_key, failures_key, refs_key, groups_key, remap_key)
   for i = 0, tail_slots - 1 do
     for j = 0, per - 1 do
-      if not (i == 0 and j >= 2 + key_world) then redis.call('DEL', slot_key(i, j)) end
+      if not (i == 0 and j >= 2 + lists) then redis.call('DEL', slot_key(i, j)) end
     end
-    for r = 0, key_world - 1 do
-      local sfx = reader_sfx(i, r, key_world)
+    for r = 0, lists - 1 do
+      local sfx = reader_sfx(i, r, r < key_world and key_world or 1)
       redis.call('HDEL', meta_key, 'claim' .. sfx, 'claim_deadline' .. sfx, 'claimed' .. sfx,
         'done' .. sfx, 'next' .. sfx, 'floor' .. sfx, 'shm_host' .. sfx, 'shm_lookahead' .. sfx)
     end
     redis.call('HDEL', meta_key, 'max_lag' .. reader_sfx(i, 0, 1),
-      'resume_step' .. reader_sfx(i, 0, 1))
+      'resume_step' .. reader_sfx(i, 0, 1), 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i)
   end
   redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
-    'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups')
+    'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups', 'mixed_worlds')
   redis.call('HSET', meta_key, 'run', new_run, 'fingerprint', fingerprint)
   if world > 1 then redis.call('HSET', meta_key, 'world', world, 'even', even) end
   if hwm ~= '' then
@@ -189,6 +195,8 @@ else
     n = n + 1
     redis.call('HSET', groups_key, group, slot)
     redis.call('HSET', meta_key, 'groups', n)
+    local sfx = reader_sfx(slot, 0, 1)
+    redis.call('HSET', meta_key, 'world' .. sfx, world, 'even' .. sfx, even, 'mixed_worlds', 1)
   end
   local claim = redis.call('HMGET', meta_key, field('claim', slot), field('claim_deadline', slot))
   if claim[1] ~= token then
@@ -221,6 +229,7 @@ end
 for i = first_pair, #ARGV, 2 do
   redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1])
 end
+add_remap(slot)
 wake()
 local run_now = new_run
 if lives then run_now = m[1] end

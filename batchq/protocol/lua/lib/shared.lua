@@ -137,6 +137,17 @@ local function reader_sfx(slot, rank, world)
   return sfx
 end
 
+-- The ranks group slot i reads with (meta 'world' for slot 0, 'world@<i>'), and the most
+-- of slots 0..n-1: each group of a run reads with its own world.
+local function slot_world(meta_key, i)
+  return tonumber(redis.call('HGET', meta_key, 'world' .. reader_sfx(i, 0, 1)) or '1')
+end
+local function max_world(meta_key, n)
+  local w = 1
+  for i = 0, math.max(n, 1) - 1 do w = math.max(w, slot_world(meta_key, i)) end
+  return w
+end
+
 -- Whether group slot i is in a mask (bit i), with doubles: masks have at most 32 bits.
 local function mask_has(mask, i)
   return math.floor(mask / 2 ^ i) % 2 == 1
@@ -159,13 +170,16 @@ end
 
 -- The KEYS tail of claim.lua and resume.lua, from index first_tail: the keys of group
 -- slots 0..max(groups, 1), each slot's in a row (batchq.protocol.keys.QueueKeys.slot_keys
--- for key_world ranks: ledger, counts, data lists, stats, figures, histories, wake list).
--- Returns the keys a slot has, the slots the tail covers and slot_key(i, j) (slot i's j-th
--- key, from 0: its wake list is j = per - 1); nil when the tail does not cover the group
--- slots the caller named (groups).
+-- for key_world ranks: ledger, counts, data lists, stats, figures, histories, remap, wake;
+-- where key_world > 1 each rank's then the world-1 name: lists = key_world + 1 of each).
+-- Returns the keys a slot has, the slots the tail covers, slot_key(i, j) (slot i's j-th
+-- key, from 0: its wake list is j = per - 1, its remap per - 2) and lists; nil when the
+-- tail does not cover the group slots the caller named (groups).
 local function slot_tail(keys, first_tail, key_world, groups)
-  local per = 4 + 3 * key_world
+  local lists = key_world
+  if key_world > 1 then lists = key_world + 1 end
+  local per = 5 + 3 * lists
   local tail_slots = (#keys - first_tail + 1) / per
   if tail_slots ~= math.max(groups, 1) + 1 then return nil end
-  return per, tail_slots, function(i, j) return keys[first_tail + i * per + j] end
+  return per, tail_slots, function(i, j) return keys[first_tail + i * per + j] end, lists
 end
