@@ -324,15 +324,7 @@ def _start_stripe(
     # A group that comes back without a checkpoint starts again at 0 in every stripe, as
     # claim.lua starts it in stripe 0: its old claim is not taken over but waited out.
     takeover = "" if first.grouped and not again else (run or b"").decode()
-    deadline = time.monotonic() + session.claim_ttl_ms / 1000 + 1.0
-    while True:
-        try:
-            session.acquire(takeover=takeover, resuming=again or run is None)
-            break
-        except TrainerConflict:
-            if takeover or time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
+    _acquire_stripe(session, takeover, resuming=again or run is None)
     if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run:
         session.checkpoint_run = ""  # stripe 0's run was replaced: so is this stripe's
     session.plan = plan  # the run's plan is stripe 0's: one pipeline serves every stripe
@@ -340,6 +332,28 @@ def _start_stripe(
         return
     if new_run or not first.grouped:  # a group resumed in a live run: the others' stay
         delete_old_frames(client, keys, timeout_s)
+    _resume_stripe(first, session, plan, start, k, step)
+
+
+def _acquire_stripe(session: Session, takeover: str, *, resuming: bool) -> None:
+    """Claim a stripe k > 0; without ``takeover`` a live claim (a group's earlier
+    trainer) is waited out, up to its lapse."""
+    deadline = time.monotonic() + session.claim_ttl_ms / 1000 + 1.0
+    while True:
+        try:
+            session.acquire(takeover=takeover, resuming=resuming)
+            return
+        except TrainerConflict:
+            if takeover or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
+
+
+def _resume_stripe(
+    first: Session, session: Session, plan: Plan, start: Resumed, k: int, step: int
+) -> None:
+    """Start stripe k > 0's run at the start's position: its share of a checkpoint (and
+    of an elastic re-split), or at 0."""
     remap = None
     if start.stripe_pairs is not None:  # a checkpoint: the stripe's share of it
         pairs = global_pairs(start.stripe_pairs[k], start.layout, first.rank)
@@ -349,8 +363,9 @@ def _start_stripe(
     else:
         pairs, origin = [], 0
     session.resume(
-        client, origin, plan.fingerprint, pairs, step=step, shards=plan.shards, remap=remap
-    )
+        session.client, origin, plan.fingerprint, pairs, step=step, shards=plan.shards,
+        remap=remap,
+    )  # fmt: skip
 
 
 def release(
