@@ -29,6 +29,7 @@ from batchq.protocol.layout import default_id
 from batchq.protocol.producer_scripts import LeaseReply, lease_call
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
+from producer.isolation import isolation_of
 from producer.producer_options import check_options, require
 from producer.quarantine import bind_records
 from producer.serving.ahead import Lease
@@ -168,6 +169,10 @@ class Producer:
         )
         if build_timeout_s is not None:
             self._pusher.watch = BuildWatch(build_timeout_s, reading_of(stream))
+        # A shard that failed before is built isolated (producer.isolation), where the
+        # stream's root can: each example read in a forked child first.
+        self._isolate = isolation_of(stream)
+        self._build_timeout_s = build_timeout_s
 
     @property
     def orphaned(self) -> bool:
@@ -263,6 +268,9 @@ class Producer:
         epoch, slot, shard = lease.address(self.plan.shards)
         self._pusher.aim(slot % lease.world, lease.world, lease.mask)
         self._pusher.params.follow(self.client, lease.params)  # read again if it changed
+        if self._isolate is not None:
+            self._isolate(lease.attempts > 0, self._build_timeout_s)
+            self._pusher.isolated = lease.attempts > 0  # each read bounded: no watch
         status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
         watch = self._pusher.watch
         if watch is not None and watch.hung is not None:
