@@ -165,6 +165,8 @@ class RunRecords:
         self.position = position
         self.local = LocalRecords()  # what could not reach Redis still counts here
         self._client: redis.Redis | None = None
+        self._learnt = ("", 0)  # the run and count learn() last read
+        self.errors: SampleErrors | None = None  # whom learn() tells
 
     def record(self, index: int, record: str) -> int:
         local = self.local.record(index, record)
@@ -179,6 +181,24 @@ class RunRecords:
             return local
         # Another run now (the shard is dropped anyway): this process's count.
         return reply.first if reply.status == Status.OK else local
+
+    def learn(self, client: redis.Redis) -> None:
+        """Tell the stream's :class:`SampleErrors` (bound by :func:`bind_records`) the
+        examples the run quarantined since the last call, read on ``client`` (the
+        heartbeat's: two fields, the records only when the count changed). So this
+        producer meets none of them again: an example that kills its process killed
+        another producer once, and is skipped here without a read (the same choice)."""
+        _, run = self.position()
+        errors = self.errors
+        if errors is None:
+            return
+        head = read_quarantine(client, self.keys, records=False)
+        if head.run != run or (head.run, head.count) == self._learnt:
+            return
+        self._learnt = head.run, head.count
+        for record in read_quarantine(client, self.keys).records:
+            text = record["error_type"], record["message"], record["traceback"]
+            errors.learn(record["index"], text)
 
     def listing(self, limit: int) -> list[dict[str, Any]]:
         try:
@@ -233,6 +253,15 @@ class SampleErrors:
     def quarantine(self) -> bool:
         """Whether an example that raises is replaced (else the build raises)."""
         return self.mode == "quarantine"
+
+    def learn(self, index: int, error: ErrorText) -> None:
+        """Example ``index`` is bad (another producer met it, :meth:`RunRecords.learn`):
+        skipped without a read from now on, recorded as ``error`` where met in another
+        run (another thread may call this while a batch is built: one set add, one
+        dict setdefault)."""
+        if 0 <= index < self.examples:  # what a record says is only trusted this far
+            self.errors.setdefault(index, error)
+            self.known_bad.add(index)
 
     def bind(self, records: QuarantineRecords, producer: str) -> None:
         """Record in ``records`` from now on (a producer binds the run's)."""
@@ -349,4 +378,5 @@ def bind_records(
         return None
     records = RunRecords(url, keys, position)
     errors.bind(records, producer)
+    records.errors = errors
     return records
