@@ -88,7 +88,8 @@ class Producer:
         build_timeout_s: the longest a batch's build may take (None: no limit); past it
             the attempt counts as failed (the trainer gets ProducerFailed naming the
             example after max_attempts) and :meth:`serve` raises BuildTimeout (see
-            :mod:`producer.serving.build_watch`).
+            :mod:`producer.serving.build_watch`); it also bounds each example's read in
+            a shard built isolated (:mod:`producer.isolation`).
         started_at: when this producer started (wall clock, s), the zero of its
             ``first_push_s`` in ``batchq status``; None: its process's start.
     """
@@ -151,15 +152,9 @@ class Producer:
             axis_labels=axis_labels_json(stream), stop=self._stop, stripes=stripes,
         )  # fmt: skip
         self.first_push = FirstPush(started_at)
-        # Examples replaced by substitutes (on_sample_error='quarantine') go to the run;
-        # the heartbeat learns those other producers met (one may kill its process).
-        self._records = bind_records(
-            stream, url, self.keys, self.id, lambda: (self._pos.incarnation, self._pos.run)
-        )
         self._beat = Heartbeat(
             url, self.keys, self.id, self.settings.heartbeat_ttl_ms, self._pos, self._stop,
             orphan_exit_s, self.first_push,
-            on_beat=self._records.learn if self._records is not None else None,
         )  # fmt: skip
         self._finished = False
         self._transport = Transport(
@@ -169,6 +164,12 @@ class Producer:
             self.settings, self.client, self.plan, self._transport, self._pos, self._stop,
             self._lease_request, self.first_push,
         )  # fmt: skip
+        # Examples replaced by substitutes (on_sample_error='quarantine') go to the run.
+        self._records = bind_records(
+            stream, url, self.keys, self.id, lambda: (self._pos.incarnation, self._pos.run)
+        )
+        if self._records is not None:  # and those other producers met are learnt
+            self._beat.on_beat = self._records.learn
         if build_timeout_s is not None:
             self._pusher.watch = BuildWatch(build_timeout_s, reading_of(stream))
         # A shard that failed before is built isolated (producer.isolation), where the

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from batchq.errors import ConfigError
-from producer.isolation import try_in_child
+from producer.isolation import ChildReader
 from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
 from producer.randomness import derive_seed
 from producer.streams import AbstractDataStream
@@ -152,6 +152,7 @@ class DatasetStream(AbstractDataStream):
         # child first, for at most _isolate_timeout_s (producer.isolation).
         self._isolated = False
         self._isolate_timeout_s: float | None = None
+        self._child: ChildReader | None = None  # the child of the isolated reads
         self.sample_errors: SampleErrors | None = None
         self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
         self.set_sample_errors(on_sample_error, max_quarantined)
@@ -264,6 +265,9 @@ class DatasetStream(AbstractDataStream):
         read kills the child or takes more than ``timeout_s`` raises ExampleKilled where
         its read would have raised (quarantined like an error, or the build fails)."""
         self._isolated, self._isolate_timeout_s = on, timeout_s
+        if not on and self._child is not None:
+            self._child.close()  # forked again for the next isolated shard
+            self._child = None
 
     def reseed(self, seed: int) -> None:
         """Called by the producer before each shard: the shard's seed.
@@ -335,7 +339,9 @@ class DatasetStream(AbstractDataStream):
         first (ExampleKilled where that child died or hung)."""
         self._reading = ("example", i)
         if self._isolated:
-            try_in_child(lambda: self.dataset[i], f"example {i}", self._isolate_timeout_s)
+            if self._child is None:
+                self._child = ChildReader(self.dataset.__getitem__)
+            self._child.try_read(i, f"example {i}", self._isolate_timeout_s)
         return self.dataset[i]
 
     def _read_quarantined(self, request: Any, errors: SampleErrors) -> Any:

@@ -6,8 +6,8 @@ returns, read by two rank processes for three epochs, both SIGKILLed in epoch 1 
 resumed from their checkpoints: every epoch is exact against its plan with the
 substitutes (by bytes, against this process's build where the 5 examples raise), every
 batch full, both ranks' counts equal, and the 5 examples listed with their errors.
-Without quarantine: the trainer gets ProducerFailed naming the example that kills or
-hangs, after max_attempts (3), instead of an endless redo.
+Without quarantine: the trainer gets ProducerFailed naming the example that kills, after
+max_attempts (3), instead of an endless redo (one that hangs: test_build_timeout.py).
 """
 
 from __future__ import annotations
@@ -168,16 +168,7 @@ def test_crashes_and_hangs_are_quarantined_exactly_across_a_trainer_kill(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("kind", "named"),
-    [
-        ("abort", f"ExampleKilled: the producer died (SIGABRT) building example {ABORT}"),
-        ("hang", f"ExampleKilled: example {HANG} never returned"),
-    ],
-)
-def test_without_quarantine_the_example_is_producer_failed_after_max_attempts(
-    kind: str,
-    named: str,
+def test_without_quarantine_an_aborting_example_is_producer_failed_after_max_attempts(
     redis_url: str,
     queue_name: str,
     spawn_proc: Any,
@@ -207,4 +198,5 @@ def test_without_quarantine_the_example_is_producer_failed_after_max_attempts(
     trainer.join(timeout=50)
     assert not trainer.is_alive()
     (error,) = errors
-    assert isinstance(error, ProducerFailed) and named in str(error)
+    assert isinstance(error, ProducerFailed)
+    assert f"ExampleKilled: the producer died (SIGABRT) building example {ABORT}" in str(error)
