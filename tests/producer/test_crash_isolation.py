@@ -114,7 +114,7 @@ def test_crashes_and_hangs_are_quarantined_exactly_across_a_trainer_kill(
         "--on-sample-error", "quarantine", "--max-quarantined", "0.01",
         factory="torch_pipelines:broken_stream",
     )  # fmt: skip
-    pool = spawn_proc(argv, env=env, stderr=subprocess.DEVNULL)
+    spawn_proc(argv, env=env, stderr=subprocess.DEVNULL)
     first = [tmp_path / f"a{r}.jsonl" for r in range(WORLD)]
     states = tmp_path / "s{r}.json"
     procs = ranks(
@@ -132,7 +132,6 @@ def test_crashes_and_hangs_are_quarantined_exactly_across_a_trainer_kill(
     second = [tmp_path / f"b{r}.jsonl" for r in range(WORLD)]
     for proc in ranks(spawn_proc, redis_url, queue_name, second, "--state-in", str(states)):
         assert proc.wait(timeout=60) == 0
-    assert pool.poll() is None or pool.returncode == 0  # its killed workers were replaced
 
     want = planned(monkeypatch)
     local = quarantine_stream(EXAMPLES, BATCH)
@@ -175,9 +174,8 @@ def test_without_quarantine_an_aborting_example_is_producer_failed_after_max_att
     serve_argv: Any,
     serve_env: Any,
 ) -> None:
-    env = serve_env(
-        examples=EXAMPLES, batch_size=BATCH, **{kind: ABORT if kind == "abort" else HANG}
-    )
+    # (A hang without quarantine: tests/producer/test_build_timeout.py.)
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, abort=ABORT)
     argv = serve_argv(
         "--hwm", "4", "--workers", "2", "--heartbeat-ttl-s", "2", "--build-timeout-s", "1",
         factory="torch_pipelines:broken_stream",
