@@ -125,10 +125,11 @@ class ChildReader:
         self.pid, self._to_child, self._from_child = pid, down_w, up_r
 
 
-def isolation_of(stream: Any) -> Callable[[bool, float | None], None] | None:
-    """``(on, timeout_s) -> None``: turns isolation on or off for the shard built next,
-    where the root of ``stream`` reads example by example (its ``isolate``, as
-    :class:`producer.torch.dataset.DatasetStream`'s); None where it does not."""
+def isolation_of(stream: Any) -> Callable[[bool, float | None], bool] | None:
+    """``(on, timeout_s) -> isolated``: turns isolation on or off for the shard built
+    next, where the root of ``stream`` reads example by example (its ``isolate``, as
+    :class:`producer.torch.dataset.DatasetStream`'s; it returns whether the shard is
+    built isolated); None where the root has none."""
     isolate = getattr(find_root(stream), "isolate", None)
     return isolate if callable(isolate) else None
 

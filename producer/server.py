@@ -271,9 +271,8 @@ class Producer:
         epoch, slot, shard = lease.address(self.plan.shards)
         self._pusher.aim(slot % lease.world, lease.world, lease.mask)
         self._pusher.params.follow(self.client, lease.params)  # read again if it changed
-        if self._isolate is not None:
-            self._isolate(lease.attempts > 0, self._build_timeout_s)
-            self._pusher.isolated = lease.attempts > 0  # each read bounded: no watch
+        if self._isolate is not None:  # isolated: each read bounded there, no watch
+            self._pusher.isolated = self._isolate(lease.attempts > 0, self._build_timeout_s)
         status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot)
         watch = self._pusher.watch
         if watch is not None and watch.hung is not None:

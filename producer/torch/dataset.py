@@ -259,15 +259,17 @@ class DatasetStream(AbstractDataStream):
         """Called by the producer before each shard (before reseed): its address."""
         self._epoch = epoch
 
-    def isolate(self, on: bool, timeout_s: float | None = None) -> None:
+    def isolate(self, on: bool, timeout_s: float | None = None) -> bool:
         """Read each example in a forked child first (``on``; the producer sets it for a
         shard whose earlier attempt failed, :mod:`producer.isolation`): an example whose
         read kills the child or takes more than ``timeout_s`` raises ExampleKilled where
-        its read would have raised (quarantined like an error, or the build fails)."""
+        its read would have raised (quarantined like an error, or the build fails).
+        Returns whether the shard is built isolated."""
         self._isolated, self._isolate_timeout_s = on, timeout_s
         if not on and self._child is not None:
             self._child.close()  # forked again for the next isolated shard
             self._child = None
+        return on
 
     def reseed(self, seed: int) -> None:
         """Called by the producer before each shard: the shard's seed.

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_pipelines import BrokenExamples  # noqa: E402
+from torch_pipelines import BrokenExamples, iterable_stream  # noqa: E402
 
 from producer.errors import ExampleKilled  # noqa: E402
 from producer.isolation import ChildReader, isolation_of  # noqa: E402
@@ -108,8 +108,7 @@ def built(s: DatasetStream, epoch: int) -> list[tuple[bytes, ...]]:
 def test_an_isolated_build_quarantines_a_crash_as_the_same_bytes_as_an_error() -> None:
     served = stream({ABORT}, {HANG}, {RAISE}, quarantine=True)
     isolate = isolation_of(served)
-    assert isolate is not None
-    isolate(True, 0.5)
+    assert isolate is not None and isolate(True, 0.5) is True
     records = LocalRecords()
     assert served.sample_errors is not None
     served.sample_errors.bind(records, "p")
@@ -160,3 +159,9 @@ def test_examples_learnt_from_the_run_are_skipped_unread() -> None:
     reference = stream(set(), set(), {ABORT}, quarantine=True)
     assert built(served, 0) == built(reference, 0)
     assert errors.known_bad == {ABORT}
+
+
+def test_an_iterable_dataset_is_never_isolated() -> None:
+    # No example to read alone (its root is the shards' scheme): its shard stays under
+    # build_timeout_s's watch.
+    assert isolation_of(iterable_stream()) is None
