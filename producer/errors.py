@@ -14,6 +14,7 @@ __all__ = [
     "BatchSizeError",
     "BuildTimeout",
     "ConfigError",
+    "ExampleKilled",
     "ImageDimensionsError",
     "IncompleteBatchError",
     "InvalidRequestError",
@@ -109,3 +110,11 @@ class BuildTimeout(BatchQueueError, TimeoutError):
     """A batch's build took longer than ``build_timeout_s``: the message names the shard
     and, where the stream tells it, the example being read
     (:mod:`producer.serving.build_watch`)."""
+
+
+class ExampleKilled(BatchQueueError):
+    """An example's read killed its process (a native crash: SIGSEGV, SIGABRT) or never
+    returned, found by reading it first in a forked child (:mod:`producer.isolation`,
+    for a shard whose earlier attempt failed); the message names the example and how.
+    Raised where the read would have raised: quarantined like an error with
+    ``on_sample_error='quarantine'``, else the shard's pipeline error."""

@@ -72,6 +72,8 @@ DEFAULT_MAX_QUARANTINED = 0.01
 MAX_DRAWS = 64  # substitutes tried for one example before the build gives up
 _NAMED = 20  # examples a QuarantineExceeded names
 
+ErrorText = tuple[str, str, str]  # an error's type, message and traceback, as text
+
 
 def check_sample_errors(on_sample_error: Any, max_quarantined: Any) -> None:
     """Refuse an ``on_sample_error`` or ``max_quarantined`` that cannot work.
@@ -163,6 +165,8 @@ class RunRecords:
         self.position = position
         self.local = LocalRecords()  # what could not reach Redis still counts here
         self._client: redis.Redis | None = None
+        self._learnt = ("", 0)  # the run and count learn() last read
+        self.errors: SampleErrors | None = None  # whom learn() tells
 
     def record(self, index: int, record: str) -> int:
         local = self.local.record(index, record)
@@ -177,6 +181,24 @@ class RunRecords:
             return local
         # Another run now (the shard is dropped anyway): this process's count.
         return reply.first if reply.status == Status.OK else local
+
+    def learn(self, client: redis.Redis) -> None:
+        """Tell the stream's :class:`SampleErrors` (bound by :func:`bind_records`) the
+        examples the run quarantined since the last call, read on ``client`` (the
+        heartbeat's: two fields, the records only when the count changed). So this
+        producer meets none of them again: an example that kills its process killed
+        another producer once, and is skipped here without a read (the same choice)."""
+        _, run = self.position()
+        errors = self.errors
+        if errors is None:
+            return
+        head = read_quarantine(client, self.keys, records=False)
+        if head.run != run or (head.run, head.count) == self._learnt:
+            return
+        self._learnt = head.run, head.count
+        for record in read_quarantine(client, self.keys).records:
+            text = record["error_type"], record["message"], record["traceback"]
+            errors.learn(record["index"], text)
 
     def listing(self, limit: int) -> list[dict[str, Any]]:
         try:
@@ -220,6 +242,9 @@ class SampleErrors:
         self.examples = examples
         self.limit = math.floor(max_quarantined * epoch_examples)
         self.known_bad: set[int] = set()  # at most the dataset's indices
+        # What each example met as bad raised (the first time), as text: recorded again
+        # when it is met in another run.
+        self.errors: dict[int, ErrorText] = {}
         self.records: QuarantineRecords = LocalRecords()
         self.producer = ""
         self.count = 0  # examples the run quarantined, as its records last said
@@ -228,6 +253,15 @@ class SampleErrors:
     def quarantine(self) -> bool:
         """Whether an example that raises is replaced (else the build raises)."""
         return self.mode == "quarantine"
+
+    def learn(self, index: int, error: ErrorText) -> None:
+        """Example ``index`` is bad (another producer met it, :meth:`RunRecords.learn`):
+        skipped without a read from now on, recorded as ``error`` where met in another
+        run (another thread may call this while a batch is built: one set add, one
+        dict setdefault)."""
+        if 0 <= index < self.examples:  # what a record says is only trusted this far
+            self.errors.setdefault(index, error)
+            self.known_bad.add(index)
 
     def bind(self, records: QuarantineRecords, producer: str) -> None:
         """Record in ``records`` from now on (a producer binds the run's)."""
@@ -247,14 +281,15 @@ class SampleErrors:
             Exception: what ``read_one`` raised, in 'raise' mode.
         """
         if index in self.known_bad and self.quarantine:
-            self._check_count()  # a rebuild meets it again: still over the cap
-            return self._substitute(read_one, index, epoch, reseed, None)
+            # Met as bad before: not read again (the same choice), recorded again (the
+            # run may be another since: a resume's; quarantine.lua records it once).
+            return self._substitute(read_one, index, epoch, reseed, self.errors.get(index))
         try:
             return read_one(index)
         except Exception as e:
             if not self.quarantine:
                 raise
-            return self._substitute(read_one, index, epoch, reseed, e)
+            return self._substitute(read_one, index, epoch, reseed, _texts(e))
 
     def _substitute(
         self,
@@ -262,7 +297,7 @@ class SampleErrors:
         index: int,
         epoch: int,
         reseed: Callable[[int], None],
-        error: BaseException | None,
+        error: ErrorText | None,
     ) -> Any:
         self.known_bad.add(index)
         for t in range(MAX_DRAWS):
@@ -275,28 +310,29 @@ class SampleErrors:
                 value = read_one(j)
             except Exception as e:
                 self.known_bad.add(j)
-                self._met(j, epoch, -1, e)
+                self._met(j, epoch, -1, _texts(e))
                 continue
             if error is not None:
                 self._met(index, epoch, j, error)
+            else:
+                self._check_count()  # a rebuild meets it again: still over the cap
             return value
         raise QuarantineExceeded(
             f"example {index} of epoch {epoch} raised and no substitute among "
             f"{MAX_DRAWS} drawn read without raising"
         )
 
-    def _met(self, index: int, epoch: int, substitute: int, error: BaseException) -> None:
+    def _met(self, index: int, epoch: int, substitute: int, error: ErrorText) -> None:
         """Record example ``index`` (``substitute`` -1: met as a candidate substitute)
         and enforce max_quarantined."""
-        text = "".join(traceback.format_exception(error))
-        record = quarantine_record(
-            index, epoch, substitute, type(error).__qualname__, _message(error), text,
-            self.producer,
-        )  # fmt: skip
+        first = index not in self.errors
+        self.errors.setdefault(index, error)
+        record = quarantine_record(index, epoch, substitute, *error, self.producer)
         self.count = self.records.record(index, record)
-        log.warning(
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
             "example %d of epoch %d raised %s: replaced by example %d",
-            index, epoch, type(error).__qualname__, substitute,
+            index, epoch, error[0], substitute,
         )  # fmt: skip
         self._check_count()
 
@@ -312,6 +348,12 @@ class SampleErrors:
             f"{self.count} examples quarantined, more than max_quarantined="
             f"{self.max_quarantined} of an epoch's examples allows ({self.limit}): {named}"
         )
+
+
+def _texts(error: BaseException) -> ErrorText:
+    """What a record says of ``error``: its type, message and traceback."""
+    text = "".join(traceback.format_exception(error))
+    return type(error).__qualname__, _message(error), text
 
 
 def _message(error: BaseException) -> str:
@@ -336,4 +378,5 @@ def bind_records(
         return None
     records = RunRecords(url, keys, position)
     errors.bind(records, producer)
+    records.errors = errors
     return records

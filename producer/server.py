@@ -29,6 +29,7 @@ from batchq.protocol.layout import default_id
 from batchq.protocol.producer_scripts import LeaseReply, lease_call
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
+from producer.isolation import isolation_of
 from producer.producer_options import check_options, require
 from producer.quarantine import bind_records
 from producer.serving.ahead import Lease
@@ -87,7 +88,8 @@ class Producer:
         build_timeout_s: the longest a batch's build may take (None: no limit); past it
             the attempt counts as failed (the trainer gets ProducerFailed naming the
             example after max_attempts) and :meth:`serve` raises BuildTimeout (see
-            :mod:`producer.serving.build_watch`).
+            :mod:`producer.serving.build_watch`); it also bounds each example's read in
+            a shard built isolated (:mod:`producer.isolation`).
         started_at: when this producer started (wall clock, s), the zero of its
             ``first_push_s`` in ``batchq status``; None: its process's start.
     """
@@ -166,8 +168,14 @@ class Producer:
         self._records = bind_records(
             stream, url, self.keys, self.id, lambda: (self._pos.incarnation, self._pos.run)
         )
+        if self._records is not None:  # and those other producers met are learnt
+            self._beat.on_beat = self._records.learn
         if build_timeout_s is not None:
             self._pusher.watch = BuildWatch(build_timeout_s, reading_of(stream))
+        # A shard that failed before is built isolated (producer.isolation), where the
+        # stream's root can: each example read in a forked child first.
+        self._isolate = isolation_of(stream)
+        self._build_timeout_s = build_timeout_s
 
     @property
     def orphaned(self) -> bool:
@@ -278,6 +286,8 @@ class Producer:
         self._pusher.aim(slot % lease.world, lease.world, lease.mask)
         self._pusher.params.follow(self.client, lease.params)  # read again if it changed
         g = epoch * lease.slots + slot  # the plan's: a stripe's lease names the stripe's
+        if self._isolate is not None:  # isolated: each read bounded there, no watch
+            self._pusher.isolated = self._isolate(lease.attempts > 0, self._build_timeout_s)
         status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot, g=g)
         watch = self._pusher.watch
         if watch is not None and watch.hung is not None:

@@ -29,7 +29,7 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 lost the queue's state
     bq:{Q}:stats        HASH    counters for monitoring, updated inside the scripts
     bq:{Q}:dead         LIST    frames that failed validation, with their reason (capped)
-    bq:{Q}:failures     HASH    global shard -> attempts whose pipeline raised (poison)
+    bq:{Q}:failures     HASH    global shard -> failed attempts (raised, timed out, died)
     bq:{Q}:pstats       HASH    per producer: '<p>:batches', ':bytes', ':produce_ms',
                                 ':blocked_ms' (updated by the push script)
     bq:{Q}:trainer      HASH    the trainer's recent figures (stall fractions, rates,

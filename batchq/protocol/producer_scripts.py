@@ -68,12 +68,13 @@ class JoinReply(NamedTuple):
 
 
 class LeaseReply(NamedTuple):
-    """lease.lua: ``{'OK', g, skip, slots, world, mask, params stamp[, shard]}``,
+    """lease.lua: ``{'OK', g, skip, slots, world, mask, params stamp, attempts[, shard]}``,
     ``{'WAIT', slot}``, ``{'GROUPS', n}`` or a status.
 
     ``slots`` is 0 in a world-1 run of one group (the plan's S is the caller's); ``mask``:
     the group slots the shard is built for (1: slot 0 alone); ``params``: meta's params
-    stamp ('<run>:<version>' of the params log, '' for none); ``shard``: the shard a
+    stamp ('<run>:<version>' of the params log, '' for none); ``attempts``: the shard's
+    failed attempts so far (raised, timed out, or its producer died); ``shard``: the shard a
     remapped slot builds; with GROUPS, ``groups`` is the run's group slots; with WAIT,
     ``slot`` is the group whose floor holds the shared stream, -1 for none.
     """
@@ -88,6 +89,7 @@ class LeaseReply(NamedTuple):
     mask: int = 1
     groups: int = 0
     slot: int = -1
+    attempts: int = 0
 
     @classmethod
     def parse(cls, raw: Any) -> LeaseReply:
@@ -99,8 +101,11 @@ class LeaseReply(NamedTuple):
             return cls(r[0], slot=reply_int(r, 1, -1))
         if r[0] != Status.OK:
             return cls(r[0])
-        shard = int(r[7]) if len(r) > 7 else None
-        return cls(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), shard, str(r[6]), int(r[5]))
+        shard = int(r[8]) if len(r) > 8 else None
+        return cls(
+            r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), shard, str(r[6]), int(r[5]),
+            attempts=reply_int(r, 7),
+        )  # fmt: skip
 
 
 class PushReply(NamedTuple):
@@ -189,7 +194,8 @@ def lease_call(
         "lease",
         LeaseReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-         "lease": keys.leases[producer], "producers": keys.producers},
+         "lease": keys.leases[producer], "producers": keys.producers,
+         "failures": keys.failures},
         {"incarnation": incarnation, "run": run, "producer": producer, "token": token,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "prefetch": int(prefetch), "after": after,
          "groups": groups},

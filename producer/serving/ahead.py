@@ -67,6 +67,7 @@ class Lease(NamedTuple):
     stripe: int = 0
     stripes: int = 1
     run: str = ""
+    attempts: int = 0  # failed attempts on the shard before this lease (lease.lua)
 
     @classmethod
     def from_reply(
@@ -83,7 +84,7 @@ class Lease(NamedTuple):
         slots = reply.slots or shards
         return cls(
             reply.g, reply.skip, token, slots, reply.world, reply.shard, reply.params, reply.mask,
-            stripe, stripes, run,
+            stripe, stripes, run, reply.attempts,
         )  # fmt: skip
 
     def address(self, shards: int) -> tuple[int, int, int]:
@@ -175,7 +176,9 @@ class Ahead:
         Redis here), under the params ``params`` holds. What the pipeline raises is kept
         for the serving loop, which reports it as if raised there."""
         lease = self.leases[0]
-        if lease.skip or self.ready is not None:  # a resume's shard; built already
+        # A resume's shard, or one that failed before (it is isolated first: never
+        # built outside that); built already.
+        if lease.skip or lease.attempts or self.ready is not None:
             return
         epoch, slot, shard = lease.address(plan.shards)
         started = time.perf_counter()

@@ -140,6 +140,9 @@ class FramePusher:
         self._world = 1
         self.targets = 1  # the group slots the current shard goes to (a mask)
         self.watch: BuildWatch | None = None  # build_timeout_s: builds on a watched thread
+        # The shard is built isolated (producer.isolation): every read is bounded there,
+        # so its builds run on the serving thread, unwatched.
+        self.isolated = False
         self._wrong_logged: tuple[str, str] | None = None
 
     def aim(self, rank: int, world: int, mask: int = 1) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import redis
 
@@ -50,6 +51,9 @@ class Heartbeat:
             run for this long; None: never.
         first_push: the producer's start and first push; the beat after that push
             writes the figure (:mod:`producer.serving.started`); None: not reported.
+        on_beat: called with the heartbeat's client at every beat (a producer that
+            quarantines learns the run's bad examples, :meth:`RunRecords.learn
+            <producer.quarantine.RunRecords.learn>`); None: nothing.
     """
 
     def __init__(
@@ -62,8 +66,10 @@ class Heartbeat:
         stop: threading.Event,
         orphan_exit_s: float | None,
         first_push: FirstPush | None = None,
+        on_beat: Callable[[redis.Redis], None] | None = None,
     ) -> None:
         self.url = url
+        self.on_beat = on_beat
         self.first_push = first_push
         self.keys = keys
         self.id = producer
@@ -119,6 +125,8 @@ class Heartbeat:
                 reap_dead(client, self.keys, self.position().incarnation, now_ms)
                 self.check_orphaned(client, now_ms)
                 self.record_cache(client)
+                if self.on_beat is not None:
+                    self.on_beat(client)
             except (redis.RedisError, OSError, BatchQueueError) as e:
                 # At maxmemory the heartbeat is refused too; pushes report that once.
                 level = logging.DEBUG if is_oom(e) else logging.WARNING

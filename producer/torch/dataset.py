@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from batchq.errors import ConfigError
+from producer.isolation import ChildReader
 from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
 from producer.randomness import derive_seed
 from producer.streams import AbstractDataStream
@@ -147,6 +148,11 @@ class DatasetStream(AbstractDataStream):
         # build_timeout_s names it (:attr:`reading`), not for every example.
         self._reading: tuple[str, Any] | None = None
         self._batch_seed: int | None = None
+        # Set for a shard whose earlier attempt failed: each example is read in a forked
+        # child first, for at most _isolate_timeout_s (producer.isolation).
+        self._isolated = False
+        self._isolate_timeout_s: float | None = None
+        self._child: ChildReader | None = None  # the child of the isolated reads
         self.sample_errors: SampleErrors | None = None
         self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
         self.set_sample_errors(on_sample_error, max_quarantined)
@@ -253,6 +259,18 @@ class DatasetStream(AbstractDataStream):
         """Called by the producer before each shard (before reseed): its address."""
         self._epoch = epoch
 
+    def isolate(self, on: bool, timeout_s: float | None = None) -> bool:
+        """Read each example in a forked child first (``on``; the producer sets it for a
+        shard whose earlier attempt failed, :mod:`producer.isolation`): an example whose
+        read kills the child or takes more than ``timeout_s`` raises ExampleKilled where
+        its read would have raised (quarantined like an error, or the build fails).
+        Returns whether the shard is built isolated."""
+        self._isolated, self._isolate_timeout_s = on, timeout_s
+        if not on and self._child is not None:
+            self._child.close()  # forked again for the next isolated shard
+            self._child = None
+        return on
+
     def reseed(self, seed: int) -> None:
         """Called by the producer before each shard: the shard's seed.
 
@@ -299,8 +317,8 @@ class DatasetStream(AbstractDataStream):
         if not self.auto_collation:
             return self.collate_fn(self._get(request))
         getitems = getattr(self.dataset, "__getitems__", None)
-        # As torch's _MapDatasetFetcher reads a batch.
-        if getitems:
+        # As torch's _MapDatasetFetcher reads a batch (isolated: example by example).
+        if getitems and not self._isolated:
             self._reading = ("examples", request)
             data = getitems(request)
         else:
@@ -319,8 +337,13 @@ class DatasetStream(AbstractDataStream):
         return f"{kind} {list(which) if kind == 'examples' else which}"
 
     def _get(self, i: Any) -> Any:
-        """``dataset[i]``, saying so (:attr:`reading`)."""
+        """``dataset[i]``, saying so (:attr:`reading`); isolated, read in a forked child
+        first (ExampleKilled where that child died or hung)."""
         self._reading = ("example", i)
+        if self._isolated:
+            if self._child is None:
+                self._child = ChildReader(self.dataset.__getitem__)
+            self._child.try_read(i, f"example {i}", self._isolate_timeout_s)
         return self.dataset[i]
 
     def _read_quarantined(self, request: Any, errors: SampleErrors) -> Any:
@@ -333,7 +356,8 @@ class DatasetStream(AbstractDataStream):
         if not self.auto_collation:
             return read(request)
         getitems = getattr(self.dataset, "__getitems__", None)
-        if getitems and not errors.known_bad.intersection(request):
+        clean = not errors.known_bad.intersection(request)
+        if getitems and clean and not self._isolated:
             try:
                 self._reading = ("examples", request)
                 return getitems(request)

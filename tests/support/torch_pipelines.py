@@ -125,21 +125,34 @@ def hf_stream(fmt: str = "transform") -> DatasetStream:
     return DatasetStream(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
 
 
-def bad_examples() -> set[int]:
-    """The examples that raise (TEST_BAD: comma-separated indices)."""
-    return {int(i) for i in os.environ.get("TEST_BAD", "").split(",") if i}
+def bad_examples(variable: str = "TEST_BAD") -> set[int]:
+    """The examples that raise (TEST_BAD: comma-separated indices), or those another
+    variable names."""
+    return {int(i) for i in os.environ.get(variable, "").split(",") if i}
 
 
 class BrokenExamples(RngDataset):
-    """RngDataset whose examples in ``bad`` raise, as a truncated file would."""
+    """RngDataset whose examples in ``bad`` raise, as a truncated file would; those in
+    ``abort`` kill the process (a native crash), those in ``hang`` never return."""
 
-    def __init__(self, n: int, bad: set[int], slow_ms: float = 0.0) -> None:
+    def __init__(
+        self,
+        n: int,
+        bad: set[int],
+        slow_ms: float = 0.0,
+        abort: frozenset[int] = frozenset(),
+        hang: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__(n, slow_ms)
-        self.bad = bad
+        self.bad, self.abort, self.hang = bad, abort, hang
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
         if i in self.bad:
             raise ValueError(f"example {i}: truncated record")
+        if i in self.abort:
+            os.abort()  # as a decoder's failed assert does
+        if i in self.hang:
+            threading.Event().wait()  # forever
         return super().__getitem__(i)
 
 
@@ -152,11 +165,13 @@ def quarantine_stream(examples: int | None = None, batch_size: int | None = None
 
 
 def broken_stream(examples: int | None = None, batch_size: int | None = None) -> DatasetStream:
-    """rng_stream over BrokenExamples (TEST_BAD), reads that raise as they are (what
-    ``batchq serve --on-sample-error`` changes)."""
+    """rng_stream over BrokenExamples (TEST_BAD; TEST_ABORT, TEST_HANG: comma-separated
+    indices too), reads that raise as they are (what ``batchq serve --on-sample-error``
+    changes)."""
     n = examples or _env("examples", 120)
+    abort, hang = (frozenset(bad_examples(f"TEST_{kind}")) for kind in ("ABORT", "HANG"))
     return DatasetStream(
-        BrokenExamples(n, bad_examples(), slow_ms=_env("slow_ms", 0)),
+        BrokenExamples(n, bad_examples(), slow_ms=_env("slow_ms", 0), abort=abort, hang=hang),
         batch_size=batch_size or _env("batch_size", 8),
         shuffle=True,
         generator=torch.Generator().manual_seed(3),

@@ -11,10 +11,11 @@ local work_key = KEYS[3]         -- LIST   shards handed back
 local stats_key = KEYS[4]        -- HASH   queue counters
 local clients_key = KEYS[5]      -- HASH   '<producer>', '<producer>:hb' -> CLIENT ID
 local meta_key = KEYS[6]         -- HASH   the run's meta (which run the leases must be of)
--- KEYS[7..]: the lease lists, one per producer of the ARGV pairs
+local failures_key = KEYS[7]     -- HASH   g -> failed attempts (a death counts one)
+-- KEYS[8..]: the lease lists, one per producer of the ARGV pairs
 local incarnation = ARGV[1]
 -- ARGV[2..]: pairs of producer id, the ids the caller found closed ('<main>,<heartbeat>')
-local first_lease, first_pair = 7, 2
+local first_lease, first_pair = 8, 2
 
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local run = live_run(meta_key)
@@ -25,7 +26,7 @@ for i = first_pair, #ARGV - 1, 2 do
   local ids = (redis.call('HGET', clients_key, p) or '') .. ',' ..
     (redis.call('HGET', clients_key, p .. ':hb') or '')
   if ids == expected and redis.call('ZSCORE', producers_key, p) then
-    local back, dropped = hand_back_leases(lease, work_key, run)
+    local back, dropped = hand_back_leases(lease, work_key, run, failures_key)
     returned, stale = returned + back, stale + dropped
     redis.call('ZREM', producers_key, p)
     redis.call('HDEL', clients_key, p, p .. ':hb')

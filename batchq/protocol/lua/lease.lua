@@ -1,11 +1,13 @@
 -- lease.lua: a producer leases its next shard, idempotently, in a run read by one group
 -- or several (batchq/protocol/groups.py).
--- Returns {'OK', g, skip, slots, world, mask, stamp[, shard]} (g: global slot number,
+-- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]} (g: global slot number,
 --         epoch * slots + slot, batchq/protocol/ranks.py; slots 0 in a world-1 run of one
 --         group: the plan's S; mask: the group slots it is built for, bit i for slot i;
 --         skip: batches of it every one of them already has: build it, push only from
 --         batch `skip` on; stamp: meta 'params', the params log's '<run>:<version>', ''
---         for none: the producer reads the log again when it changed; shard: the shard a
+--         for none: the producer reads the log again when it changed; attempts: the
+--         shard's failed attempts so far, raised, timed out or died with its producer
+--         (failures; > 0: the producer isolates its examples first); shard: the shard a
 --         slot of a remapped epoch builds, a resume with other ranks)
 --      or {'WAIT', slot} (nothing to mint; slot: the group whose floor holds the shared
 --         stream, -1 for none: its pops wake its own list), {'BUSY'} (prefetch declined),
@@ -30,7 +32,8 @@ local incarnation_key = KEYS[2]  -- STRING
 local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
--- KEYS[6..]: every group slot's ledger (slot 0 first; one for a run of one group), then
+local failures_key = KEYS[6]     -- HASH   g -> failed attempts (fail.lua, reaps)
+-- KEYS[7..]: every group slot's ledger (slot 0 first; one for a run of one group), then
 -- every slot's data lists (slot 0's ranks first; slot i has its own world's), then each
 -- slot's remap hash (slot -> shard of the epoch meta remap_epoch[@<i>]; a run of one
 -- group: only where data-parallel)
@@ -48,7 +51,7 @@ local prefetch = tonumber(ARGV[6])  -- k > 0 when sent right behind a shard's la
                                  -- is never granted a further shard another could build
 local after = ARGV[7]            -- the lease entry of the push this rides behind
 local groups = tonumber(ARGV[8])  -- the group slots the caller's KEYS are for (0: one group)
-local first_ledger = 6
+local first_ledger = 7
 
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
@@ -130,12 +133,13 @@ local function rank_of(g, mask) local i = first_of(mask); return (g % Ss[i]) % w
 local function granted(g, mask, skip)
   g = tonumber(g)
   local i = first_of(mask)
-  local out = {'OK', tostring(g), skip, Ss[i], ws[i], mask, stamp}
+  local out = {'OK', tostring(g), skip, Ss[i], ws[i], mask, stamp,
+    tonumber(redis.call('HGET', failures_key, tostring(g)) or '0')}
   if n == 0 and world == 1 then out[4] = 0 end
   -- A slot of a remapped epoch names the shard it builds (a resume with other ranks).
   if rs[i] and re[i] and math.floor(g / Ss[i]) == re[i] then
     local shard = redis.call('HGET', rs[i], tostring(g % Ss[i]))
-    if shard then out[8] = shard end
+    if shard then out[9] = shard end
   end
   return out
 end

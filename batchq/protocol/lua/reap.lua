@@ -10,12 +10,13 @@ local work_key = KEYS[3]         -- LIST   shards handed back
 local stats_key = KEYS[4]        -- HASH   queue counters
 local meta_key = KEYS[5]         -- HASH   the run's meta (which run the leases must be of)
 local clients_key = KEYS[6]      -- HASH   '<producer>', '<producer>:hb' -> CLIENT ID
--- KEYS[7..]: the lease lists, one per producer of ARGV[3..]
+local failures_key = KEYS[7]     -- HASH   g -> failed attempts (a death counts one)
+-- KEYS[8..]: the lease lists, one per producer of ARGV[3..]
 local incarnation = ARGV[1]
 local why = ARGV[2]              -- 'dead' (only if the heartbeat deadline has passed) or
                                  -- 'leave' (unconditionally: the producer is stopping)
 -- ARGV[3..]: producer ids
-local first_lease, first_producer = 7, 3
+local first_lease, first_producer = 8, 3
 
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
@@ -26,7 +27,9 @@ for i = first_producer, #ARGV do
   local lease = KEYS[first_lease + i - first_producer]
   local deadline = redis.call('ZSCORE', producers_key, p)
   if why == 'leave' or (deadline and tonumber(deadline) < now) then
-    local back, dropped = hand_back_leases(lease, work_key, run)
+    -- A dead producer's shards count a failed attempt each; a leaving one's do not.
+    local back, dropped = hand_back_leases(lease, work_key, run,
+      why == 'dead' and failures_key or nil)
     returned, stale = returned + back, stale + dropped
     redis.call('ZREM', producers_key, p)
     redis.call('HDEL', clients_key, p, p .. ':hb')

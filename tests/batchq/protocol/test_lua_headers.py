@@ -180,6 +180,7 @@ def test_a_call_can_be_queued_in_a_pipeline() -> None:
         prefetch=0, groups=0, world=1,
     )  # fmt: skip
     call.queue(Pipe())
-    assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 7)
+    assert sent[0][:3] == ("EVALSHA", SCRIPTS["lease"].sha, 8)
+    assert call.parse([b"OK", b"7", 0, 0, 1, 1, b"r:2", 2]).attempts == 2  # failed before
     assert call.parse([b"OK", b"7", 0, 0, 1, 1, b"r:2"]).g == 7
     assert call.parse([b"OK", b"7", 0, 0, 1, 1, b"r:2"]).params == "r:2"  # the params stamp

@@ -62,7 +62,7 @@ class Q:
             "lease",
             self.c,
             {"meta": k.meta, "incarnation": k.incarnation, "work": k.work, "lease": k.lease(p),
-             "producers": k.producers},
+             "producers": k.producers, "failures": k.failures},
             {"incarnation": self.inc, "run": self.run, "producer": p, "token": token,
              "heartbeat_ttl_ms": TTL_MS, "prefetch": prefetch, "after": after, "groups": 0},
             more_keys=k.lease_tails[0, 1],
@@ -136,8 +136,8 @@ def test_join_creates_the_queue_and_refuses_another_pipeline(q: Q) -> None:
 def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:
     q.join("p1")
     # slots 0: a world-1 run of one group (the plan's S); world 1, mask 1; '': no params log
-    assert q.lease("p1", "t1") == ["OK", "0", 0, 0, 1, 1, ""]
-    assert q.lease("p1", "t1") == ["OK", "0", 0, 0, 1, 1, ""]  # a retry: the same shard
+    assert q.lease("p1", "t1") == ["OK", "0", 0, 0, 1, 1, "", 0]
+    assert q.lease("p1", "t1") == ["OK", "0", 0, 0, 1, 1, "", 0]  # a retry: the same shard
     got = [q.lease("p1", f"t{i}")[1] for i in range(2, 7)]
     assert got == ["1", "2", "3", "4", "5"]
     assert q.lease("p1", "t7") == ["WAIT"]  # window 6 past floor 0
@@ -270,6 +270,26 @@ def test_dead_reap_spares_live_producers(q: Q) -> None:
     reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p1"])
     assert (reply.status, reply.first, reply.second) == ("OK", 0, 0)
     assert q.c.llen(k.lease("p1")) == 1
+
+
+def test_a_dead_producers_shards_count_a_failed_attempt_and_leases_say_so(q: Q) -> None:
+    # A producer killed mid-shard (gone: its sockets closed; or its heartbeat lapsed)
+    # counts a failed attempt on each shard it held: the next builder isolates them
+    # (producer/isolation.py). One that leaves (SIGTERM) counts none.
+    for p in ("p1", "p2", "p3", "p4"):
+        q.join(p)
+    k = q.k
+    assert q.lease("p1", "a")[1:2] == ["0"] and q.lease("p1", "a")[7] == 0
+    q.c.hset(k.clients, mapping={"p1": "11", "p1:hb": "12"})  # as the producer records them
+    assert recovery_scripts.gone(q.c, k, incarnation=q.inc, closed={"p1": "11,12"}).first == 1
+    assert q.lease("p2", "b")[1:2] == ["0"] and q.lease("p2", "b")[7] == 1
+    q.c.zadd(k.producers, {"p2": 1}, xx=True)  # its heartbeat deadline long past
+    reply = recovery_scripts.reap(q.c, k, incarnation=q.inc, why="dead", producers=["p2"])
+    assert reply.first == 1 and q.c.hget(k.failures, "0") == b"2"
+    assert q.lease("p3", "c")[7] == 2
+    recovery_scripts.reap(q.c, k, incarnation=q.inc, why="leave", producers=["p3"])
+    assert q.lease("p4", "d")[1:2] == ["0"] and q.lease("p4", "d")[7] == 2  # not counted
+    assert q.lease("p4", "e")[1:3] == ["1", 0] and q.lease("p4", "e")[7] == 0
 
 
 def test_a_reap_in_a_new_run_drops_the_old_runs_leases(q: Q) -> None:

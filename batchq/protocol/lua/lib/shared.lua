@@ -31,14 +31,18 @@ end
 -- is redone first, and delete the list. An entry of another run (a killed producer's
 -- list outlives its run) is dropped: its shard is not this run's, and handed over it
 -- was built past the new trainer's window (issue 42). run nil (the run finished, or
--- none): every entry is dropped. Returns how many went back, how many were dropped.
-local function hand_back_leases(lease_key, work_key, run)
+-- none): every entry is dropped. With `failures_key` (a dead producer's leases) each
+-- shard handed back counts a failed attempt, as fail.lua's: a shard that kills every
+-- producer building it is isolated, then given up (producer/serving/isolation.py).
+-- Returns how many went back, how many were dropped.
+local function hand_back_leases(lease_key, work_key, run, failures_key)
   local held = redis.call('LRANGE', lease_key, 0, -1)
   local returned, dropped = 0, 0
   for j = #held, 1, -1 do
     local g = entry_spec(held[j])
     if g and run and entry_run(held[j]) == run then
       redis.call('LPUSH', work_key, g)
+      if failures_key then redis.call('HINCRBY', failures_key, entry_slot(held[j]), 1) end
       returned = returned + 1
     else
       dropped = dropped + 1
