@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,14 +24,14 @@ from batchq.client.connection import describe_url, make_client
 from batchq.errors import ConfigError, ProducersLost
 from batchq.host.embedded import url_or_embedded
 from batchq.host.procs import spawn, stop_group
-from batchq.monitoring.rows import queue_status
-from batchq.monitoring.verdict import judge
 from batchq.protocol.keys import QueueKeys
-from consumer import ServerDataStream
 from producer.datasets import IndexableDataset
 from producer.schemes import ShuffledScheme
 from producer.streams import DataStream
 from producer.transformers import Transformer
+
+if TYPE_CHECKING:
+    from consumer import ServerDataStream
 
 __all__ = ["Bottleneck", "run_demo", "tutorial_stream"]
 
@@ -143,6 +143,11 @@ def _wait_exit(proc: Any, timeout_s: float) -> int | None:
 
 def _describer(client: Any, queue: str, stream: ServerDataStream) -> Callable[[], str]:
     """The served epoch lines' ending: queue depth, the trainer's rate, the verdict."""
+    # The trainer side is imported where the trainer runs: every producer serving
+    # tutorial_stream (the demo's, the tests') imports this module, and the monitoring
+    # and consumer modules were a third of its import.
+    from batchq.monitoring.rows import queue_status
+    from batchq.monitoring.verdict import judge
 
     def describe() -> str:
         row = queue_status(client, queue)
@@ -162,6 +167,8 @@ def _describer(client: Any, queue: str, stream: ServerDataStream) -> Callable[[]
 
 def _wait_for_producers(url: str, queue: str, count: int, timeout_s: float = 60.0) -> None:
     """Wait (bounded) until `count` producers have joined the queue."""
+    from batchq.monitoring.rows import queue_status  # the trainer side's (_describer)
+
     client = make_client(url, key=QueueKeys(queue).meta)
     deadline = time.monotonic() + timeout_s
     try:
@@ -175,6 +182,8 @@ def _wait_for_producers(url: str, queue: str, count: int, timeout_s: float = 60.
 
 def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) -> dict[str, Any]:
     """Run the trainer against `producers` producer processes on a queue of its own."""
+    from consumer import ServerDataStream  # the trainer side's (_describer)
+
     queue = f"{QUEUE}-{producers}"
     env = dict(os.environ)
     env.update(

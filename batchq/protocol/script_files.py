@@ -51,6 +51,9 @@ _SHARED = (_LUA_DIR / "lib" / "shared.lua").read_text()
 _FUNCTION = re.compile(r"^local function (\w+)\(.*?^end$", re.M | re.S)
 _NAMED = re.compile(r"^local (\w+) = (?:tonumber\()?(KEYS|ARGV)\[(\d+)\]")
 _TAIL = re.compile(r"^-- (KEYS|ARGV)\[(\d+)\.\.\]:")
+_CALL = re.compile(r"\b(\w+)\(")
+#: The library's functions by name, in its order.
+_LIBRARY = {m.group(1): m.group(0) for m in _FUNCTION.finditer(_SHARED)}
 KEY_SUFFIX = "_key"
 
 
@@ -79,16 +82,16 @@ def _code(text: str) -> str:
 def library_for(text: str) -> str:
     """The library functions script ``text`` calls, directly or through another one, in
     the library's order (a function is defined before those that call it)."""
-    functions = {m.group(1): m.group(0) for m in _FUNCTION.finditer(_SHARED)}
     called: set[str] = set()
     todo = [text]
     while todo:
-        code = _code(todo.pop())
-        for name, body in functions.items():
-            if name not in called and re.search(rf"\b{name}\(", code):
+        # One scan for every call (a search per library function per text was most of
+        # this module's import, which every producer and trainer process pays).
+        for name in _CALL.findall(_code(todo.pop())):
+            if name in _LIBRARY and name not in called:
                 called.add(name)
-                todo.append(body)
-    return "".join(f"{body}\n" for name, body in functions.items() if name in called)
+                todo.append(_LIBRARY[name])
+    return "".join(f"{body}\n" for name, body in _LIBRARY.items() if name in called)
 
 
 def parse_header(name: str, source: str) -> Header:
