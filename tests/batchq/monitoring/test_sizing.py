@@ -93,6 +93,9 @@ def test_causes_are_named_only_when_the_figures_show_them() -> None:
 # --------------------------------------------------------------------------- live
 
 
+PRODUCERS = 4  # 40 batches/s: the trainer's 130 batches in about 3 s
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("need", [2, 4, 8])
 def test_recommendation_is_within_one_of_the_true_need(
@@ -105,9 +108,10 @@ def test_recommendation_is_within_one_of_the_true_need(
     serve_env: Callable[..., dict[str, str]],
 ) -> None:
     # Producers sleep 100 ms a batch (10/s each); the trainer sleeps 100/need ms (its
-    # demand is 10 x need /s). Two producers, whatever the need: the figures must say.
+    # demand is 10 x need /s). Four producers, whatever the need (over- or under-supplied):
+    # the figures must say.
     env = serve_env(examples=4000, batch_size=10, slow_ms=100)
-    spawn_proc(serve_argv("--workers", "2", "--hwm", "8"), env=env)
+    spawn_proc(serve_argv("--workers", str(PRODUCERS), "--hwm", "8"), env=env)
     with SleepyTrainer(redis_url, queue_name, busy_s=0.1 / need) as trainer:
         # The trainer's figures cover its last 100 batches: wait until they hold no start-up.
         wait_until(lambda: trainer.batches >= 130 or trainer.error, 120, "130 batches")
@@ -115,7 +119,7 @@ def test_recommendation_is_within_one_of_the_true_need(
         row = wait_until(
             lambda: (
                 (r := queue_status(redis_client, queue_name))["recommended_producers"]
-                and r["producers_alive"] == 2
+                and r["producers_alive"] == PRODUCERS
                 and r
             ),
             30,
@@ -123,14 +127,14 @@ def test_recommendation_is_within_one_of_the_true_need(
         )
     # The pop script adds the queue side to the trainer's history samples.
     newest = json.loads(redis_client.lindex(QueueKeys(queue_name).history, 0))
-    assert newest["producers"] == 2 and newest["built"] > 0 and newest["build_ms"] > 0
+    assert newest["producers"] == PRODUCERS and newest["built"] > 0 and newest["build_ms"] > 0
     assert newest["pushed"] >= newest["batches"]
     assert abs(row["recommended_producers"] - need) <= 1, row
     assert row["demand_batches_per_s"] == pytest.approx(10 * need, rel=0.3)
     assert row["producer_batches_per_s"] == pytest.approx(10, rel=0.3)
-    assert row["producers_deficit"] == row["recommended_producers"] - 2
+    assert row["producers_deficit"] == row["recommended_producers"] - PRODUCERS
     text = render_table([row])
-    assert f"recommend {row['recommended_producers']} producers (now 2)" in text
+    assert f"recommend {row['recommended_producers']} producers (now {PRODUCERS})" in text
 
 
 @pytest.mark.timeout(180)
