@@ -8,17 +8,16 @@ batches: :class:`~batchq.errors.LengthUnknown`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from batchq.client.connection import retrying
-from batchq.errors import LengthUnknown, ProducersLost
-from batchq.protocol.fields import MetaField
+from batchq.errors import LengthUnknown
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout
+from consumer.plan import wait_for_plan
 from consumer.reader.settings import BLOCK_S
 
 __all__ = ["epoch_length"]
@@ -44,37 +43,23 @@ def epoch_length(
     def retry(fn: Callable[[], Any], what: str) -> Any:
         return retrying(fn, f"{what} (queue {keys.queue})", timeout_s, client=client)
 
-    total = _plan_batches(client, keys, retry, timeout_s, epoch)
+    plan = wait_for_plan(
+        lambda: retry(lambda: client.hgetall(keys.meta), "reading the plan"),
+        lambda: retry(lambda: client.blpop([keys.wake], timeout=BLOCK_S), "waiting for the plan"),
+        timeout_s,
+        epoch,
+    )
+    total = plan.epoch_batches
+    if total < 0:
+        raise LengthUnknown(
+            f"queue {keys.queue}: this pipeline cannot tell its batches per "
+            "epoch in advance (it filters or regroups examples)"
+        )
     if world == 1:
         return total
-    shards = retry(lambda: client.hget(keys.meta, MetaField.SHARDS), "reading")
-    if shards is None or int(shards) != total:
+    if plan.shards != total:
         raise LengthUnknown(
             f"queue {keys.queue}: with shards of more than one batch a rank's share "
             "is only known at the epoch's end"
         )
     return RankLayout(total, world, even).per_rank
-
-
-def _plan_batches(
-    client: redis.Redis,
-    keys: QueueKeys,
-    retry: Callable[[Callable[[], Any], str], Any],
-    timeout_s: float,
-    epoch: int,
-) -> int:
-    """The plan's batches per epoch, once a producer has published it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = retry(lambda: client.hget(keys.meta, MetaField.EPOCH_BATCHES), "reading the plan")
-        if value is not None and int(value) >= 0:
-            return int(value)
-        if value is not None:
-            raise LengthUnknown(
-                f"queue {keys.queue}: this pipeline cannot tell its batches per "
-                "epoch in advance (it filters or regroups examples)"
-            )
-        if time.monotonic() > deadline:
-            raise ProducersLost(max(epoch, 0), [], timeout_s)
-        # No producer has joined yet: wait for one (bounded, a few checks a second).
-        retry(lambda: client.blpop([keys.wake], timeout=BLOCK_S), "waiting for the plan")

@@ -1,16 +1,19 @@
-"""A run's plan: what the producers published of it (:class:`Plan`), and what a trainer's
-resume sends of it (:class:`Shape`, within the :class:`Restart` it was asked for).
+"""A run's plan: what the producers published of it (:class:`Plan`), the one wait for it
+(:func:`wait_for_plan`), and what a trainer's resume sends of it (:class:`Shape`, within
+the :class:`Restart` it was asked for).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from batchq.errors import ProducersLost
 from batchq.protocol.fields import MetaField
 from batchq.protocol.layout import DONE, parse_ledger_field
 
-__all__ = ["Plan", "Restart", "Shape", "past_remap", "resumed_shape"]
+__all__ = ["Plan", "Restart", "Shape", "past_remap", "resumed_shape", "wait_for_plan"]
 
 
 class Plan:
@@ -33,6 +36,33 @@ class Plan:
         stride = get(f.SHARD_BATCHES, "-1")
         self.shard_batches = int(stride) if stride.lstrip("-").isdigit() else -1
         self.stripes = int(get(f.STRIPES, "1"))  # batchq/protocol/stripes.py
+
+
+def wait_for_plan(
+    read: Callable[[], dict[bytes, bytes]],
+    idle: Callable[[], None],
+    timeout_s: float,
+    epoch: int = 0,
+) -> Plan:
+    """The run's plan, once a producer has published it: ``read()`` the queue's meta
+    until it holds the plan, ``idle()`` between reads (a bounded wait on the wake list,
+    which a producer's join pushes to).
+
+    The one wait for the plan: the session's (claimed: its ``read`` checks the run and
+    its ``idle`` keeps the claim) and ``len()``'s (before any claim).
+
+    Raises:
+        ProducersLost: no producer published the plan within ``timeout_s`` (naming
+            ``epoch``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        meta = read()
+        if MetaField.SHARDS.encode() in meta:
+            return Plan(meta)
+        if time.monotonic() > deadline:
+            raise ProducersLost(max(epoch, 0), [], timeout_s)
+        idle()
 
 
 class Shape(NamedTuple):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -27,7 +26,6 @@ import redis
 from batchq.client.connection import client_name, is_wrong_type, retrying, wrong_type_error
 from batchq.errors import (
     GroupWorldMismatch,
-    ProducersLost,
     ProtocolError,
     RunChanged,
     StateLost,
@@ -51,7 +49,7 @@ from batchq.protocol.trainer_scripts import (
     resume,
 )
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
-from consumer.plan import Plan, Restart, past_remap, resumed_shape
+from consumer.plan import Plan, Restart, past_remap, resumed_shape, wait_for_plan
 
 __all__ = ["Plan", "Session", "rank_hint"]
 
@@ -396,13 +394,15 @@ class Session:
         return finished and reply.run_done
 
     def wait_for_plan(self, timeout_s: float, block_s: float) -> Plan:
-        """Wait (bounded) until a producer has published the run's plan (S and hwm).
+        """Wait (bounded) until a producer has published the run's plan (S and hwm),
+        keeping the claim meanwhile (:func:`consumer.plan.wait_for_plan`).
 
         Raises:
             ProducersLost: no producer joined within timeout_s.
+            RunChanged: another run replaced the claimed one meanwhile.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def read() -> dict[bytes, bytes]:
             meta: dict[bytes, bytes] = self._retry(
                 lambda: self.client.hgetall(self.keys.meta), "reading the plan"
             )
@@ -415,23 +415,25 @@ class Session:
                     "queue %s: the queue's state is gone; claiming it again", self.keys.queue
                 )
                 self.acquire()
-                continue
+                return {}
             if run != self.run:
                 raise RunChanged(f"queue {self.keys.queue}: the run changed while starting")
-            if MetaField.SHARDS.encode() in meta:
-                with self._lock:
-                    self.plan = Plan(meta)
-                return self.plan
-            if time.monotonic() > deadline:
-                raise ProducersLost(0, [], timeout_s)
+            return meta
+
+        def idle() -> None:
             try:
                 self._retry(lambda: self.refresh(self.client), "refreshing the claim")
             except StateLost:
-                continue  # emptied during the refresh: the case above, on the next look
+                return  # emptied during the refresh: read() claims again
             self._retry(
                 lambda: self.client.blpop([self.keys.wake], timeout=block_s),
                 "waiting for the plan",
             )
+
+        plan = wait_for_plan(read, idle, timeout_s)
+        with self._lock:
+            self.plan = plan
+        return plan
 
     def resume(
         self,
