@@ -25,7 +25,10 @@ class Plan:
 
         f = MetaField
         self.fingerprint = get(f.FINGERPRINT)
-        self.hwm = get(f.HWM)
+        # The run's cap on each data list (meta `hwm`, Fuel's name), an integer: 0 where
+        # no producer published the plan (a resume's placeholder).
+        hwm = get(f.HWM)
+        self.list_cap = int(hwm) if hwm.isdigit() else 0
         self.shards = int(get(f.SHARDS, "0"))
         self.window = int(get(f.WINDOW, "1"))
         self.has_window = f.WINDOW.encode() in meta  # published by the run's first producer
@@ -66,9 +69,10 @@ def wait_for_plan(
 
 
 class Shape(NamedTuple):
-    """The plan's figures a resume sends (resume.lua writes them into meta)."""
+    """The plan's figures a resume sends (resume.lua writes them into meta; ``list_cap``
+    0: the first producer sets them)."""
 
-    hwm: str
+    list_cap: int
     shards: int
     window: int
     epoch_batches: int
@@ -90,9 +94,9 @@ def resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> Sh
     """What a resume tells of the plan: the published plan's (its hwm only for the same
     pipeline), or where no producer published one, S from the checkpoint."""
     if plan is None:
-        return Shape("", shards or 0, 1, -1)
-    same = plan.fingerprint == fingerprint and plan.hwm != ""
-    return Shape(plan.hwm if same else "", plan.shards, plan.window, plan.epoch_batches)
+        return Shape(0, shards or 0, 1, -1)
+    same = plan.fingerprint == fingerprint and plan.list_cap > 0
+    return Shape(plan.list_cap if same else 0, plan.shards, plan.window, plan.epoch_batches)
 
 
 def past_remap(

@@ -496,7 +496,7 @@ class Session:
                     client, self.base_keys, ResumeArgs(
                         token=self.token, new_run=run, takeover_run=self.checkpoint_run,
                         first=asked.first_shard, fingerprint=asked.fingerprint,
-                        hwm=shape.hwm, shards=shape.shards, window=shape.window,
+                        hwm=shape.list_cap or "", shards=shape.shards, window=shape.window,
                         epoch_batches=shape.epoch_batches, group=self.group, rank=self.rank,
                         world=self.world, even=self.even, step=asked.step, held=self.held,
                         slot=self.slot, acquired=self.run, claim_ttl_ms=self.claim_ttl_ms,

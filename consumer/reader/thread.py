@@ -345,7 +345,7 @@ class Reader(threading.Thread):
         # one frame, below a cap of 2 or more): a producer refused at the hwm waits for
         # the wake that only the pop script sends (it counts the frames popped here).
         plan = self.session.plan
-        cap = int(plan.hwm) if plan and plan.hwm.isdigit() else 1
+        cap = plan.list_cap if plan and plan.list_cap > 0 else 1
         self._quick = depth == 0 and cap > 1
         return popped[1]
 

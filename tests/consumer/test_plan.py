@@ -25,7 +25,8 @@ def test_the_wait_reads_until_the_plan_is_published_idling_between_reads() -> No
         return reads.pop(0)
 
     plan = wait_for_plan(read, lambda: idled.append(1), timeout_s=60)
-    assert isinstance(plan, Plan) and (plan.shards, plan.epoch_batches, plan.hwm) == (10, 10, "4")
+    assert isinstance(plan, Plan)
+    assert (plan.shards, plan.epoch_batches, plan.list_cap) == (10, 10, 4)  # integers
     assert len(idled) == 2 and not reads  # idle between reads, none after the plan
 
 
