@@ -207,7 +207,10 @@ local per_shard = 1
 local eb = tonumber(m[9] or '-1')
 if eb > 0 and shards > 0 then per_shard = eb / shards end
 
--- A shard handed back, for the groups it names, once one of their lists has room.
+-- A shard handed back, for the groups it names, once one of their lists has room and
+-- none that paces (no max_lag) is full: its push would wait at that list, and a
+-- data-parallel producer hands it back within HANDBACK_S, to be granted again at once
+-- while another rank starves (tests/consumer/test_group_elastic.py, 1 run in 8).
 for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
   local g, mask = parse_spec(e)
   if g then
@@ -216,11 +219,18 @@ for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
     if want == 0 then
       redis.call('LREM', work_key, 1, e)  -- every group it was for has it, or finished
     else
+      local room, held = false, false
       for i = 0, n - 1 do
-        if mask_has(want, i) and has_room(i, r) then
-          redis.call('LREM', work_key, 1, e)
-          return grant(g, want, skip)
+        if mask_has(want, i) then
+          if has_room(i, r) then room = true
+          elseif not redis.call('HGET', meta_key, 'max_lag' .. reader_sfx(i, 0, 1)) then
+            held = true
+          end
         end
+      end
+      if room and not held then
+        redis.call('LREM', work_key, 1, e)
+        return grant(g, want, skip)
       end
     end
   end
