@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -23,7 +24,7 @@ from batchq.client.connection import (
 )
 from batchq.errors import ConnectionLost, ProtocolError, RunFinished
 from batchq.protocol.admin import check_eviction_policy, is_oom
-from batchq.protocol.calls import Call
+from batchq.protocol.calls import Call, execute_pipeline
 from batchq.protocol.keys import QueueKeys, check_name
 from batchq.protocol.layout import default_id
 from batchq.protocol.producer_scripts import LeaseReply, lease_call
@@ -279,6 +280,28 @@ class Producer:
         """Wait (bounded) for a trainer's wake: its pop made room in the list or the
         window."""
         self._pusher.wait_for_room()
+
+    def watch_others(self, starved: Callable[[], bool]) -> None:
+        """A striped producer's lane: a push of this lane blocked at a full list hands
+        its shard back (once per HANDBACK_S) when ``starved()`` says another stripe's
+        list is empty, so that the one serving thread goes on to that stripe."""
+        self._pusher.starved = starved
+
+    def list_empty(self) -> bool:
+        """Whether one of this stripe's data lists (of the run it serves) is empty: a
+        trainer may be waiting there. A lost connection says no (one pipeline)."""
+        world = max(self._pos.world, 1)
+        names = [self.keys.data_of(r, world) for r in range(world)]
+
+        def build(pipe: Any) -> None:
+            for name in names:
+                pipe.llen(name)
+
+        try:
+            lengths = call(lambda: execute_pipeline(self.client, build), "reading the lists")
+        except ConnectionLost:
+            return False
+        return any(int(n) == 0 for n in lengths)
 
     def _serve(self, lease: Lease) -> None:
         """Build and push the shard of ``lease``, then act on a reply that was ours."""

@@ -24,6 +24,7 @@ A lane whose Redis is unreachable holds the thread in its reconnect loop (bounde
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -73,6 +74,11 @@ class StripedProducer:
             for k in range(count)
         ]
         self.id = self.lanes[0].id
+        for k, lane in enumerate(self.lanes):
+            # One thread serves every lane: a push waiting at one stripe's full list
+            # must not hold it while another stripe's trainer waits (a run the ranks
+            # restarted waits for its plan, which only this thread's next lane publishes).
+            lane.watch_others(functools.partial(self._others_starved, k))
         self._turn = 0  # the lane served first in the next round
         # Lane k >= 1 waiting for stripe 0's groups: since when, and the counts waived.
         self._held_since: dict[int, float] = {}
@@ -132,6 +138,10 @@ class StripedProducer:
         self._turn = (self._turn + 1) % count
         if not served and not self.stopped:
             self.lanes[self._turn].wait_for_room()
+
+    def _others_starved(self, k: int) -> bool:
+        """Whether a lane other than ``k`` has an empty list (its trainer may wait)."""
+        return any(lane.list_empty() for j, lane in enumerate(self.lanes) if j != k)
 
     def _groups_for(self, k: int) -> int:
         """The group slots lane ``k`` waits for before it leases (0: none): stripe 0's,

@@ -18,7 +18,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
 from producer.serving.position import RunPosition
 
-__all__ = ["hand_back", "hand_back_reason"]
+__all__ = ["give_back", "hand_back", "hand_back_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,18 @@ def hand_back(
     why = hand_back_reason(client, keys, rank, position.world_of(slots_of(mask)[0]), mask)
     if why is None:
         return None
+    return give_back(client, keys, position, producer, entry, f"rank {rank}'s list is full, {why}")
+
+
+def give_back(
+    client: redis.Redis, keys: QueueKeys, position: RunPosition, producer: str, entry: str,
+    why: str,
+) -> str:  # fmt: skip
+    """Hand the shard of lease ``entry`` back (handback.lua, to the end of the work list),
+    saying ``why``; returns handback.lua's status."""
     reply = producer_scripts.handback(
         client, keys, incarnation=position.incarnation, run=position.run, producer=producer,
         entry=entry,
     )  # fmt: skip
-    log.info("producer %s: rank %d's list is full, %s: %s handed back", producer, rank, why, entry)
+    log.info("producer %s: %s: %s handed back", producer, why, entry)
     return reply.status

@@ -34,7 +34,7 @@ from batchq.protocol.producer_scripts import LeaseReply, PushReply, push_call
 from batchq.protocol.words import Status
 from batchq.wire import refs
 from producer.serving.ahead import Ahead
-from producer.serving.blocking import hand_back
+from producer.serving.blocking import give_back, hand_back
 from producer.serving.build_watch import BuildWatch
 from producer.serving.frames import PushSettings
 from producer.serving.params_follow import ProducerParams
@@ -143,6 +143,9 @@ class FramePusher:
         # The shard is built isolated (producer.isolation): every read is bounded there,
         # so its builds run on the serving thread, unwatched.
         self.isolated = False
+        # A striped producer's lane: whether another stripe's list is empty (its trainer
+        # may wait there while this push waits for room here); None for one queue.
+        self.starved: Callable[[], bool] | None = None
         self._wrong_logged: tuple[str, str] | None = None
 
     def aim(self, rank: int, world: int, mask: int = 1) -> None:
@@ -391,15 +394,17 @@ class FramePusher:
         list is full); a data-parallel rank's full list, once per HANDBACK_S,
         may make us hand the shard back (:func:`producer.serving.blocking.hand_back`)."""
         blocked = wait.start()
-        if blocked and self._world > 1 and wait.hand_back_due():
-            status = hand_back(
-                self.client,
-                self.settings.keys,
-                self._run,
-                self.settings.producer,
-                (self._rank, self.targets),
-                entry,
-            )
+        if blocked and (self._world > 1 or self.starved is not None) and wait.hand_back_due():
+            keys, producer = self.settings.keys, self.settings.producer
+            status = None
+            if self._world > 1:
+                aim = (self._rank, self.targets)
+                status = hand_back(self.client, keys, self._run, producer, aim, entry)
+            if status is None and self.starved is not None and self.starved():
+                # A striped producer's one thread: held here, it would never serve the
+                # stripe whose trainer waits (a run the ranks restarted waits for its plan).
+                why = "this stripe's list is full, another stripe's is empty"
+                status = give_back(self.client, keys, self._run, producer, entry, why)
             if status is not None:
                 self._drop_ref(ref)
                 return False if status in (Status.OK, Status.LEASE_LOST) else Handover(status)
