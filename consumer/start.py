@@ -233,20 +233,16 @@ def claim_to_finish(
     made beside the one it trains from) is left to its trainer, whose run it is to
     finish."""
     session = new_session(client, keys, options, shm)
-    deadline = time.monotonic() + options.claim_ttl_s + 1.0
-    while True:
-        try:
-            session.acquire(takeover=takeover)
-            return session
-        except TrainerConflict:
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "close(finished=True) of a stream that never read: queue %s is held "
-                    "by a live trainer, whose run is left to it",
-                    keys.queue,
-                )
-                return None
-            time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
+    try:
+        _acquire_waiting(session, takeover)
+    except TrainerConflict:
+        log.warning(
+            "close(finished=True) of a stream that never read: queue %s is held by a live "
+            "trainer, whose run is left to it",
+            keys.queue,
+        )
+        return None
+    return session
 
 
 def _striped_plan(session: Session) -> Plan | None:
@@ -324,7 +320,8 @@ def _start_stripe(
     # A group that comes back without a checkpoint starts again at 0 in every stripe, as
     # claim.lua starts it in stripe 0: its old claim is not taken over but waited out.
     takeover = "" if first.grouped and not again else (run or b"").decode()
-    _acquire_stripe(session, takeover, resuming=again or run is None)
+    # A claim taken over (a run this job's stripe 0 started) is not waited for.
+    _acquire_waiting(session, takeover, resuming=again or run is None, wait=not takeover)
     if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run:
         session.checkpoint_run = ""  # stripe 0's run was replaced: so is this stripe's
     session.plan = plan  # the run's plan is stripe 0's: one pipeline serves every stripe
@@ -335,16 +332,22 @@ def _start_stripe(
     _resume_stripe(first, session, plan, start, k, step)
 
 
-def _acquire_stripe(session: Session, takeover: str, *, resuming: bool) -> None:
-    """Claim a stripe k > 0; without ``takeover`` a live claim (a group's earlier
-    trainer) is waited out, up to its lapse."""
+def _acquire_waiting(
+    session: Session, takeover: str, *, resuming: bool = False, wait: bool = True
+) -> None:
+    """Claim, waiting out (with ``wait``) a claim that lapses within claim_ttl_s: a
+    trainer that just died without closing its connections, or a group's earlier trainer.
+
+    Raises:
+        TrainerConflict: the claim is still held (at once without ``wait``).
+    """
     deadline = time.monotonic() + session.claim_ttl_ms / 1000 + 1.0
     while True:
         try:
             session.acquire(takeover=takeover, resuming=resuming)
             return
         except TrainerConflict:
-            if takeover or time.monotonic() >= deadline:
+            if not wait or time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)  # the claim lapses claim_ttl_s after its last heartbeat
 
