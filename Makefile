@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 LINTED := batchq producer consumer tests examples $(wildcard bench)
+# pytest-xdist workers of `make test`: most tests wait on processes they start, so two
+# workers keep a 2-core machine busy (the suite takes about 5 minutes there, 8 serially).
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test lint typecheck check bench clean
 
@@ -20,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy batchq producer consumer
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)

@@ -228,26 +228,36 @@ class LocalSentinel:
 
     def _wait_pair_synced(self, timeout_s: float = 60.0) -> None:
         """Until the node the sentinels name the master has the other as an up-to-date
-        replica. Which node that is is read each time: on a loaded machine the sentinels
-        may fail over once more by themselves (a master silent past down_after_ms), and
-        the pair then settles the other way round."""
+        replica. Which node that is is read at every look: on a loaded machine the
+        sentinels may fail over once more by themselves (a master silent past
+        down_after_ms), even while the replica catches up, and the pair then settles the
+        other way round; the target offset is read again for each new pair."""
+        target: dict[tuple[int, int], int] = {}  # (master, replica) -> offset to reach
 
-        def paired() -> tuple[int, int] | None:
+        def synced() -> bool:
             master = self.master_index()
             node = self.node(1 - master)
             try:
                 info = node.info("replication")
             finally:
                 node.close()
-            up = (
+            if not (
                 info["role"] == "slave"
                 and int(info["master_port"]) == self.nodes[master].port
                 and info["master_link_status"] == "up"
-            )
-            return (master, 1 - master) if up else None
+            ):
+                return False
+            pair = (master, 1 - master)
+            if pair not in target:  # what the master had written when the pair linked
+                target.clear()
+                head = self.node(master)
+                try:
+                    target[pair] = int(head.info("replication")["master_repl_offset"])
+                finally:
+                    head.close()
+            return int(info["slave_repl_offset"]) >= target[pair]
 
-        master, replica = _wait(paired, timeout_s, "a master with its replica linked")
-        self._wait_synced(replica, self.nodes[master].port, timeout_s)
+        _wait(synced, timeout_s, "the master's replica linked and in sync with it")
 
     def _clients_left(self, i: int) -> int:
         """Clients of data node ``i`` that sent a command within the last second, but
