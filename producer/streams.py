@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from producer.datasets.sample_errors import IndexedReads
-from producer.errors import StreamError
+from producer.errors import ConfigError, StreamError
 from producer.iterator import DataIterator
 from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
 
@@ -173,7 +173,9 @@ class DataStream(AbstractDataStream):
         self.data_state = self.dataset.open()
         self._fresh_state = True
         self._epoch = 0  # the epoch of the shard built (begin_shard); in-process: 0
-        self._reads: IndexedReads | None = None  # with on_sample_error='quarantine'
+        # Reads example by example where needed (quarantine, isolation): made where the
+        # root reads examples by index, on the first call that needs it.
+        self._reads: IndexedReads | None = None
         self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
         self.set_sample_errors(on_sample_error, max_quarantined)
 
@@ -189,16 +191,35 @@ class DataStream(AbstractDataStream):
         mode = on_sample_error or self._sample_settings[0]
         fraction = self._sample_settings[1] if max_quarantined is None else max_quarantined
         check_sample_errors(mode, fraction)
-        reads = None
         if mode == "quarantine":
-            reads = IndexedReads(self.dataset, self.iteration_scheme, mode, fraction)
+            reads = self._reads or IndexedReads(self.dataset, self.iteration_scheme)
+            reads.quarantine(mode, fraction)
+            self._reads = reads
+        elif self._reads is not None:
+            self._reads.errors = None  # the read raises, as it always did
         self._sample_settings = (mode, fraction)
-        self._reads = reads
 
     @property
     def sample_errors(self) -> SampleErrors | None:
         """What this stream does with an example whose read raises (None: it raises)."""
         return None if self._reads is None else self._reads.errors
+
+    def isolate(self, on: bool, timeout_s: float | None = None) -> bool:
+        """Read each example in a forked child first (``on``; the producer sets it for a
+        shard whose earlier attempt failed, :mod:`producer.isolation`): an example whose
+        read kills the child or takes more than ``timeout_s`` raises ExampleKilled where
+        its read would have raised (quarantined like an error, or the build fails).
+        Returns whether the shard is built isolated: only where this stream reads its
+        dataset by example index (else it is built as before)."""
+        if self._reads is None:
+            if not on:
+                return False
+            try:
+                self._reads = IndexedReads(self.dataset, self.iteration_scheme)
+            except ConfigError:
+                return False  # no example read alone: nothing to isolate
+        self._reads.isolate(on, timeout_s)
+        return on
 
     @property
     def plan_fingerprint(self) -> dict[str, Any] | None:
@@ -207,7 +228,7 @@ class DataStream(AbstractDataStream):
         quarantines (its batches hold substitutes: producers must agree); None where
         there is nothing to add."""
         extra = getattr(self, "_plan_extra", None)
-        if self._reads is None:
+        if self.sample_errors is None:
             return extra
         return {**(extra or {}), "on_sample_error": "quarantine"}
 
@@ -246,8 +267,9 @@ class DataStream(AbstractDataStream):
     def get_data(self, request: Any = None) -> Any:
         """Return ``dataset.get_data(state, request)`` (with quarantine, an example whose
         read raises replaced by its substitute)."""
-        if self._reads is not None:
-            return self._reads.read(self._read, request, self._epoch)
+        reads = self._reads
+        if reads is not None and reads.active:
+            return reads.read(self._read, request, self._epoch)
         return self.dataset.get_data(self.data_state, request)
 
     def _read(self, request: Any) -> Any:

@@ -33,12 +33,14 @@ build as before (``ProducerFailed`` after ``max_attempts``).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from batchq.errors import ConfigError
 from producer.datasets.base import IterableDataset
+from producer.isolation import ChildReader
 from producer.quarantine import SampleErrors
 from producer.schemes import BatchScheme, IndexScheme
 
@@ -101,41 +103,72 @@ def _batch(request: Any) -> list[int] | None:
 
 
 class IndexedReads:
-    """How a DataStream with ``on_sample_error='quarantine'`` reads its requests.
+    """How a DataStream reads its requests example by example where needed: with
+    ``on_sample_error='quarantine'`` (:attr:`errors`), or isolated (a shard whose earlier
+    attempt failed: each example read first in a forked child, :mod:`producer.isolation`).
 
     Args:
         dataset: the root's dataset (indexable, see :func:`check_indexable`).
         scheme: the root's iteration scheme (requests of example indices).
-        mode: 'quarantine' (the only mode that reads through here).
-        max_quarantined: the most examples quarantined, a fraction of an epoch's.
 
     Raises:
-        ConfigError: the dataset or scheme reads no example by itself, or a value is
-            invalid.
+        ConfigError: the dataset or scheme reads no example by itself.
     """
 
-    def __init__(self, dataset: Any, scheme: Any, mode: str, max_quarantined: float) -> None:
-        examples, pool = check_indexable(dataset, scheme)
-        seed = getattr(scheme, "seed", None)
+    def __init__(self, dataset: Any, scheme: Any) -> None:
+        self.examples, self.pool = check_indexable(dataset, scheme)
+        self.seed = int(getattr(scheme, "seed", None) or 0)
+        # How one example is asked for alone: as the scheme asks (a batch scheme's
+        # dataset may take lists only).
+        self.batched = isinstance(scheme, BatchScheme)
+        self.errors: SampleErrors | None = None
+        self.isolated = False
+        self._timeout_s: float | None = None
+        self._child: ChildReader | None = None
+
+    def quarantine(self, mode: str, max_quarantined: float) -> SampleErrors:
+        """Replace an example whose read raises from now on (see the module)."""
         self.errors = SampleErrors(
-            mode, max_quarantined, int(seed or 0), examples, len(pool), pool=pool
+            mode, max_quarantined, self.seed, self.examples, len(self.pool), pool=self.pool
         )
+        return self.errors
+
+    def isolate(self, on: bool, timeout_s: float | None) -> None:
+        """Read each example in a forked child first (``on``), for at most
+        ``timeout_s`` (:meth:`producer.torch.dataset.DatasetStream.isolate`'s meaning)."""
+        self.isolated, self._timeout_s = on, timeout_s
+        if not on and self._child is not None:
+            self._child.close()  # forked again for the next isolated shard
+            self._child = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the stream reads through here (else straight from its dataset)."""
+        return self.errors is not None or self.isolated
 
     def read(self, read: Read, request: Any, epoch: int) -> Any:
-        """``read(request)``, an example whose read raises replaced by its substitute.
+        """``read(request)``, an example whose read raises replaced by its substitute
+        (with quarantine), each example tried in the child first (isolated).
 
         Raises:
+            ExampleKilled: isolated, without quarantine: an example killed its child or
+                hung there.
             QuarantineExceeded: more examples than max_quarantined raised.
-            Exception: a batch whose examples all read alone but not together (its
-                read's error: not one example's).
+            Exception: what the read raised, without quarantine; with it, that of a
+                batch whose examples all read alone but not together (not one
+                example's).
         """
-        errors = self.errors
         index = _example(request)
-        if index is not None:
-            return errors.read(read, index, epoch, _no_reseed)
-        indices = _batch(request)
+        indices = [index] if index is not None else _batch(request)
         if indices is None:
             return read(request)
+        if self.isolated:
+            read = self._guarded(read)
+        errors = self.errors
+        if errors is None:
+            return read(request)
+        if index is not None:
+            return errors.read(read, index, epoch, _no_reseed)
 
         def probe(i: int) -> int:
             read([i])  # raises where example i does
@@ -145,10 +178,27 @@ class IndexedReads:
         if bad:
             # Replaced before any read: a known bad example is not read again.
             request = [errors.read(probe, i, epoch, _no_reseed) if i in bad else i for i in indices]
-        try:
-            return read(request)
-        except Exception:
-            # Example by example (from the request as planned: the same substitutes
-            # whatever this producer knew), then the batch with its substitutes.
-            resolved = [errors.read(probe, i, epoch, _no_reseed) for i in indices]
+        if not self.isolated:  # (isolated: each example is tried alone first anyway)
+            with contextlib.suppress(Exception):  # then example by example, below
+                return read(request)
+        # From the request as planned: the same substitutes whatever this producer
+        # knew; then the batch with its substitutes in place.
+        resolved = [errors.read(probe, i, epoch, _no_reseed) for i in indices]
         return read(resolved)
+
+    def _guarded(self, read: Read) -> Read:
+        """``read``, each example of the request tried in the child first."""
+
+        def guarded(request: Any) -> Any:
+            index = _example(request)
+            for i in [index] if index is not None else _batch(request) or []:
+                self._try(read, i)
+            return read(request)
+
+        return guarded
+
+    def _try(self, read: Read, index: int) -> None:
+        if self._child is None:
+            batched = self.batched
+            self._child = ChildReader(lambda i: read([i] if batched else i))
+        self._child.try_read(index, f"example {index}", self._timeout_s)

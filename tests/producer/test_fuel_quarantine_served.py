@@ -223,3 +223,56 @@ def test_quarantine_of_a_stream_without_example_reads_is_refused(
     )  # fmt: skip
     assert done.returncode == 2
     assert "over IterableDataset without an iteration scheme: expected" in done.stderr
+
+
+ABORT = 33  # its read kills the producer (os.abort)
+
+
+@pytest.mark.timeout(60)
+def test_an_example_that_kills_its_producer_is_found_and_quarantined(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, bad=",".join(map(str, BAD)), abort=ABORT)
+    argv = serve_argv(
+        "--hwm", "4", "--workers", "2", "--heartbeat-ttl-s", "2", "--on-sample-error",
+        "quarantine", "--max-quarantined", "0.02", factory="fuel_quarantine:broken_stream",
+    )  # fmt: skip
+    spawn_proc(argv, env=env, stderr=subprocess.DEVNULL)
+    with ServerDataStream(SOURCES, False, url=redis_url, queue=queue_name, timeout_s=60) as s:
+        got = [as_bytes(b) for b in s.get_epoch_iterator()]
+        assert s.stats["quarantined"] == len(BAD) + 1
+        s.close(finished=True)
+    # What every producer builds where the aborting example raises: the same substitute.
+    monkeypatch.setenv("TEST_BAD", ",".join(map(str, (*BAD, ABORT))))
+    assert got == built(quarantine_stream(EXAMPLES, BATCH), 1)[0]
+    fields = redis_client.hgetall(QueueKeys(queue_name).quarantine)
+    killed = parse_quarantine_record(fields[f"i:{ABORT}".encode()])
+    assert killed["error_type"] == "ExampleKilled"
+    assert killed["message"] == f"the producer died (SIGABRT) building example {ABORT}"
+
+
+@pytest.mark.timeout(60)
+def test_without_quarantine_an_aborting_example_is_producer_failed_naming_it(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, abort=ABORT)
+    argv = serve_argv(
+        "--hwm", "4", "--workers", "2", "--heartbeat-ttl-s", "2",
+        factory="fuel_quarantine:broken_stream",
+    )  # fmt: skip
+    spawn_proc(argv, env=env, stderr=subprocess.DEVNULL)
+    with (
+        ServerDataStream(SOURCES, False, url=redis_url, queue=queue_name, timeout_s=60) as s,
+        pytest.raises(ProducerFailed) as caught,
+    ):
+        for _ in s.get_epoch_iterator():
+            pass
+    assert f"ExampleKilled: the producer died (SIGABRT) building example {ABORT}" in str(
+        caught.value
+    )

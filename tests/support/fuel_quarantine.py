@@ -27,24 +27,30 @@ def _env(name: str, default: int) -> int:
     return int(os.environ.get(f"TEST_{name.upper()}", default))
 
 
-def bad_examples() -> set[int]:
-    """The examples that raise (TEST_BAD: comma-separated indices)."""
-    return {int(i) for i in os.environ.get("TEST_BAD", "").split(",") if i}
+def bad_examples(variable: str = "TEST_BAD") -> set[int]:
+    """The examples that raise (TEST_BAD: comma-separated indices), or those another
+    variable names."""
+    return {int(i) for i in os.environ.get(variable, "").split(",") if i}
 
 
 class BrokenIndexable(IndexableDataset):
     """An IndexableDataset whose read raises where the request holds an example of ``bad``
-    (naming the first); ``reads`` counts each example's reads in this process."""
+    (naming the first), and kills the process where it holds one of ``abort`` (a native
+    crash); ``reads`` counts each example's reads in this process."""
 
-    def __init__(self, indexables: Any, bad: set[int], **kwargs: Any) -> None:
+    def __init__(
+        self, indexables: Any, bad: set[int], abort: frozenset[int] = frozenset(), **kwargs: Any
+    ) -> None:
         super().__init__(indexables, **kwargs)
-        self.bad = frozenset(bad)
+        self.bad, self.abort = frozenset(bad), abort
         self.reads: dict[int, int] = {}
 
     def get_data(self, state: Any = None, request: Any = None) -> tuple[Any, ...]:
         asked = [int(i) for i in np.atleast_1d(np.asarray(request))]
         for i in asked:
             self.reads[i] = self.reads.get(i, 0) + 1
+        if self.abort.intersection(asked):
+            os.abort()  # as a decoder's failed assert does
         hit = [i for i in asked if i in self.bad]
         if hit:
             raise ValueError(f"example {hit[0]}: corrupt record")
@@ -64,8 +70,10 @@ class Noise(RandomStateMixin, Transformer):
 
 
 def dataset(examples: int, bad: set[int]) -> BrokenIndexable:
+    """``examples`` examples, those of ``bad`` raising, those of TEST_ABORT aborting."""
     features = np.arange(examples * FEATURES, dtype=np.int64).reshape(examples, FEATURES)
-    return BrokenIndexable({"features": features, "targets": np.arange(examples)}, bad)
+    abort = frozenset(bad_examples("TEST_ABORT"))
+    return BrokenIndexable({"features": features, "targets": np.arange(examples)}, bad, abort)
 
 
 def broken_stream(examples: int | None = None, batch_size: int | None = None) -> Any:
