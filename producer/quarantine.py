@@ -233,9 +233,8 @@ class SampleErrors:
         seed: the stream's seed (the substitutes' draws).
         examples: the dataset's size (substitutes are drawn among its indices).
         epoch_examples: the examples an epoch reads.
-        pool: the indices substitutes are drawn among, where not all of the dataset's
-            (a Fuel scheme over a subset: its examples); the t-th candidate is then
-            ``pool[substitute_draw(seed, e, i, t, len(pool))]``.
+        pool: the indices substitutes are drawn among where not all (a Fuel scheme's):
+            candidate t is then ``pool[substitute_draw(seed, e, i, t, len(pool))]``.
     """
 
     def __init__(

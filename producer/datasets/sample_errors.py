@@ -68,7 +68,7 @@ def check_indexable(dataset: Any, scheme: Any) -> tuple[int, Sequence[int]]:
         )
     examples = getattr(dataset, "num_examples", None)
     valid = isinstance(examples, numbers.Integral) and not isinstance(examples, bool)
-    if isinstance(dataset, IterableDataset) or not valid:
+    if isinstance(dataset, IterableDataset) or not valid or examples is None:
         raise ConfigError(
             f"{what}: expected an indexable dataset (an integer num_examples, get_data by "
             f"example index: IndexableDataset, NpyDataset, H5PYDataset), got num_examples "
