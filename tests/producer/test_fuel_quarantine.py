@@ -15,7 +15,7 @@ from fuel_quarantine import FEATURES, BrokenIndexable, dataset, example_stream, 
 
 from batchq.errors import ConfigError
 from producer.datasets import IndexableDataset
-from producer.errors import QuarantineExceeded
+from producer.errors import ExampleKilled, QuarantineExceeded
 from producer.quarantine import MAX_DRAWS, LocalRecords, set_sample_errors, substitute_draw
 from producer.schemes import ConstantScheme, SequentialScheme, ShuffledScheme
 from producer.serving.sharding import ShardPlan
@@ -185,3 +185,23 @@ def test_quarantine_is_refused_where_no_example_is_read_alone() -> None:
     with pytest.raises(ConfigError, match="max_quarantined 2 is not valid"):
         stream(fraction=2)
     set_sample_errors(iterable_stream(), "raise", None)  # the default is taken anywhere
+
+
+def test_isolated_an_example_that_kills_its_reader_is_named_or_quarantined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TEST_ABORT", "33")  # read in a forked child only: it aborts there
+    plain = stream(mode="raise", bad=set())
+    assert plain.isolate(True, 5.0)
+    with pytest.raises(ExampleKilled, match="the producer died \\(SIGABRT\\) building example 33"):
+        list(plain.get_epoch_iterator())
+    plain.isolate(False)
+    s = stream(bad=BAD)
+    assert s.isolate(True, 5.0)
+    got = [i for b in s.get_epoch_iterator() for i in (b[0][:, 0] // FEATURES).tolist()]
+    s.isolate(False)
+    assert len(got) == N and not {33, *BAD} & set(got)
+    assert s.sample_errors is not None
+    killed = [r for r in s.sample_errors.records.listing(10) if r["index"] == 33]
+    assert [r["error_type"] for r in killed] == ["ExampleKilled"]
+    assert not iterable_stream().data_stream.isolate(True, 5.0)  # no example read alone
