@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import redis
@@ -101,7 +101,9 @@ def set_sample_errors(
 
     Raises:
         ConfigError: a value is invalid, or the root reads no dataset example by example
-            (only a map-style :class:`producer.torch.dataset.DatasetStream` does).
+            (a map-style :class:`producer.torch.dataset.DatasetStream` does, and a Fuel
+            :class:`producer.streams.DataStream` whose scheme requests example indices of
+            an indexable dataset: :mod:`producer.datasets.sample_errors`).
     """
     root = find_root(stream)
     setter = getattr(root, "set_sample_errors", None)
@@ -109,7 +111,8 @@ def set_sample_errors(
         raise ConfigError(
             f"on_sample_error={on_sample_error!r}, max_quarantined={max_quarantined!r} "
             f"given for {type(root).__name__}: expected a stream over a map-style torch or "
-            "Hugging Face dataset (producer.torch.DatasetStream)"
+            "Hugging Face dataset (producer.torch.DatasetStream), or a Fuel DataStream "
+            "whose iteration scheme requests example indices of an indexable dataset"
         )
     setter(on_sample_error, max_quarantined)
 
@@ -230,16 +233,25 @@ class SampleErrors:
         seed: the stream's seed (the substitutes' draws).
         examples: the dataset's size (substitutes are drawn among its indices).
         epoch_examples: the examples an epoch reads.
+        pool: the indices substitutes are drawn among where not all (a Fuel scheme's):
+            candidate t is then ``pool[substitute_draw(seed, e, i, t, len(pool))]``.
     """
 
     def __init__(
-        self, mode: str, max_quarantined: float, seed: int, examples: int, epoch_examples: int
+        self,
+        mode: str,
+        max_quarantined: float,
+        seed: int,
+        examples: int,
+        epoch_examples: int,
+        pool: Sequence[int] | None = None,
     ) -> None:
         check_sample_errors(mode, max_quarantined)
         self.mode = mode
         self.max_quarantined = max_quarantined
         self.seed = seed
         self.examples = examples
+        self.pool = None if pool is None or len(pool) == 0 else pool
         self.limit = math.floor(max_quarantined * epoch_examples)
         self.known_bad: set[int] = set()  # at most the dataset's indices
         # What each example met as bad raised (the first time), as text: recorded again
@@ -262,6 +274,12 @@ class SampleErrors:
         if 0 <= index < self.examples:  # what a record says is only trusted this far
             self.errors.setdefault(index, error)
             self.known_bad.add(index)
+
+    def candidate(self, epoch: int, index: int, t: int) -> int:
+        """The t-th candidate substitute of example ``index`` in ``epoch``."""
+        if self.pool is None:
+            return substitute_draw(self.seed, epoch, index, t, self.examples)
+        return int(self.pool[substitute_draw(self.seed, epoch, index, t, len(self.pool))])
 
     def bind(self, records: QuarantineRecords, producer: str) -> None:
         """Record in ``records`` from now on (a producer binds the run's)."""
@@ -301,7 +319,7 @@ class SampleErrors:
     ) -> Any:
         self.known_bad.add(index)
         for t in range(MAX_DRAWS):
-            j = substitute_draw(self.seed, epoch, index, t, self.examples)
+            j = self.candidate(epoch, index, t)
             if j in self.known_bad:
                 continue  # met as bad before: trying it again would raise again
             # Seeded per try: the same draws whichever candidates this process skipped.

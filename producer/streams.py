@@ -6,6 +6,11 @@ argument, right away. A sharding plan may therefore swap the root stream's schem
 an object whose ``get_request_iterator()`` returns a fixed list of requests, for the
 duration of that call only. Such an object need not have ``requests_examples``: the
 stream then keeps the kind (examples or batches) it had when it was built.
+
+A :class:`DataStream` whose scheme requests example indices of an indexable dataset
+takes ``on_sample_error='quarantine'``: an example whose read raises is recorded and
+replaced by a substitute (:mod:`producer.datasets.sample_errors`, on
+:mod:`producer.quarantine`'s rule, records and cap, as a torch dataset's).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from producer.errors import StreamError
+from producer.datasets.sample_errors import IndexedReads
+from producer.errors import ConfigError, StreamError
 from producer.iterator import DataIterator
+from producer.quarantine import DEFAULT_MAX_QUARANTINED, SampleErrors, check_sample_errors
 
 __all__ = ["AbstractDataStream", "DataIterator", "DataStream"]
 
@@ -128,10 +135,29 @@ class DataStream(AbstractDataStream):
         iteration_scheme: the scheme whose requests are passed to
             ``dataset.get_data``; None for datasets that take no request (e.g.
             :class:`~producer.datasets.IterableDataset`), which then give examples.
+        on_sample_error: 'raise' (default: a read that raises fails the batch's build,
+            as in Fuel) or 'quarantine' (a scheme requesting example indices of an
+            indexable dataset: the example that raised is recorded and replaced by a
+            substitute, see :mod:`producer.datasets.sample_errors`).
+        max_quarantined: with 'quarantine', the most examples that may be quarantined,
+            a fraction of an epoch's examples (default 0.01): more is QuarantineExceeded
+            (ProducerFailed to the trainer) naming them.
         **kwargs: ``axis_labels`` (defaults to a copy of the dataset's).
+
+    Raises:
+        ConfigError: quarantine asked of a stream whose failing read is not one
+            example's (see :meth:`set_sample_errors`).
     """
 
-    def __init__(self, dataset: Any, iteration_scheme: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        iteration_scheme: Any = None,
+        *,
+        on_sample_error: str = "raise",
+        max_quarantined: float = DEFAULT_MAX_QUARANTINED,
+        **kwargs: Any,
+    ) -> None:
         if getattr(dataset, "axis_labels", None):
             kwargs.setdefault("axis_labels", dict(dataset.axis_labels))
         super().__init__(iteration_scheme=iteration_scheme, **kwargs)
@@ -146,6 +172,73 @@ class DataStream(AbstractDataStream):
         self.dataset = dataset
         self.data_state = self.dataset.open()
         self._fresh_state = True
+        self._epoch = 0  # the epoch of the shard built (begin_shard); in-process: 0
+        # Reads example by example where needed (quarantine, isolation): made where the
+        # root reads examples by index, on the first call that needs it.
+        self._reads: IndexedReads | None = None
+        self._sample_settings = ("raise", DEFAULT_MAX_QUARANTINED)
+        self.set_sample_errors(on_sample_error, max_quarantined)
+
+    def set_sample_errors(self, on_sample_error: str | None, max_quarantined: float | None) -> None:
+        """What a read that raises does (see the class's arguments; None keeps the
+        current value). Set before the stream is served: the plan's fingerprint names it.
+
+        Raises:
+            ConfigError: an invalid value, or quarantine asked of a stream whose scheme
+                requests no example indices or whose dataset is not indexable (the read
+                that fails is not one example's: there is no example to replace).
+        """
+        mode = on_sample_error or self._sample_settings[0]
+        fraction = self._sample_settings[1] if max_quarantined is None else max_quarantined
+        check_sample_errors(mode, fraction)
+        if mode == "quarantine":
+            reads = self._reads or IndexedReads(self.dataset, self.iteration_scheme)
+            reads.quarantine(mode, fraction)
+            self._reads = reads
+        elif self._reads is not None:
+            self._reads.errors = None  # the read raises, as it always did
+        self._sample_settings = (mode, fraction)
+
+    @property
+    def sample_errors(self) -> SampleErrors | None:
+        """What this stream does with an example whose read raises (None: it raises)."""
+        return None if self._reads is None else self._reads.errors
+
+    def isolate(self, on: bool, timeout_s: float | None = None) -> bool:
+        """Read each example in a forked child first (``on``; the producer sets it for a
+        shard whose earlier attempt failed, :mod:`producer.isolation`): an example whose
+        read kills the child or takes more than ``timeout_s`` raises ExampleKilled where
+        its read would have raised (quarantined like an error, or the build fails).
+        Returns whether the shard is built isolated: only where this stream reads its
+        dataset by example index (else it is built as before)."""
+        if self._reads is None:
+            if not on:
+                return False
+            try:
+                self._reads = IndexedReads(self.dataset, self.iteration_scheme)
+            except ConfigError:
+                return False  # no example read alone: nothing to isolate
+        self._reads.isolate(on, timeout_s)
+        return on
+
+    @property
+    def plan_fingerprint(self) -> dict[str, Any] | None:
+        """What the plan's fingerprint adds for this stream: what a subclass set (a
+        :class:`producer.mixture.Mixture`'s draws), and ``on_sample_error`` where it
+        quarantines (its batches hold substitutes: producers must agree); None where
+        there is nothing to add."""
+        extra = getattr(self, "_plan_extra", None)
+        if self.sample_errors is None:
+            return extra
+        return {**(extra or {}), "on_sample_error": "quarantine"}
+
+    @plan_fingerprint.setter
+    def plan_fingerprint(self, value: dict[str, Any] | None) -> None:
+        self._plan_extra = value
+
+    def begin_shard(self, epoch: int, shard: int) -> None:
+        """Called by the shard plan before each shard: its epoch (the substitutes')."""
+        self._epoch = epoch
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -172,7 +265,14 @@ class DataStream(AbstractDataStream):
         self.data_state = self.dataset.next_epoch(self.data_state)
 
     def get_data(self, request: Any = None) -> Any:
-        """Return ``dataset.get_data(state, request)``."""
+        """Return ``dataset.get_data(state, request)`` (with quarantine, an example whose
+        read raises replaced by its substitute)."""
+        reads = self._reads
+        if reads is not None and reads.active:
+            return reads.read(self._read, request, self._epoch)
+        return self.dataset.get_data(self.data_state, request)
+
+    def _read(self, request: Any) -> Any:
         return self.dataset.get_data(self.data_state, request)
 
     def get_epoch_iterator(self, as_dict: bool = False) -> Iterator[Any]:

@@ -104,6 +104,12 @@ class Transformer(AbstractDataStream):
     def sources(self, value: Sequence[str]) -> None:
         self._sources = tuple(value)
 
+    @property
+    def plan_fingerprint(self) -> Any:
+        """The wrapped stream's ``plan_fingerprint`` (what the plan's fingerprint adds:
+        read on the top of the chain, said by its root, e.g. that it quarantines)."""
+        return getattr(self.data_stream, "plan_fingerprint", None)
+
     def close(self) -> None:
         """Close the wrapped stream."""
         self.data_stream.close()

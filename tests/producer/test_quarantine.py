@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipelines import numbered  # noqa: E402
+from fuel_quarantine import iterable_stream  # noqa: E402
 from torch_pipelines import BrokenExamples, SplitRange  # noqa: E402
 
 from batchq.errors import ConfigError  # noqa: E402
@@ -104,9 +104,10 @@ def test_bad_arguments_are_named(mode: str, fraction: float, named: str) -> None
         set_sample_errors(stream(), mode, fraction)
 
 
-def test_start_servers_arguments_need_a_dataset_stream() -> None:
-    with pytest.raises(ConfigError, match="expected a stream over a map-style torch"):
-        set_sample_errors(numbered(20, 5), "quarantine", None)
+def test_start_servers_arguments_need_a_stream_that_reads_examples() -> None:
+    # (A Fuel pipeline reading examples by index takes them: test_fuel_quarantine.py.)
+    with pytest.raises(ConfigError, match="expected an iteration scheme whose requests are"):
+        set_sample_errors(iterable_stream(), "quarantine", None)
     s = stream(mode="raise")
     set_sample_errors(s, "quarantine", 0.2)
     assert s.sample_errors is not None and s.sample_errors.quarantine
