@@ -177,7 +177,8 @@ def build_parser() -> Parser:
         default=None,
         help="an example whose read raises: raise (the shard fails, retried; the default) "
         "or quarantine (recorded, replaced by a substitute drawn alike in every producer; "
-        "map-style torch and Hugging Face datasets; `batchq dead` lists them)",
+        "map-style torch and Hugging Face datasets, and Fuel pipelines reading examples by "
+        "index; `batchq dead` lists them)",
     )
     serve.add_argument(
         "--max-quarantined",
