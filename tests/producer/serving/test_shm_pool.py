@@ -145,8 +145,8 @@ def test_transport_follows_the_trainers_published_host(
     assert not transport.active and "through Redis" in caplog.text
 
 
-def test_pool_size_covers_every_list_look_ahead_and_hand_of_the_run() -> None:
-    assert pool_size(3, 10, 1) == 3 + 10 + 2 + 2  # list, look-ahead, in hand; pushed, ahead
+def test_pool_size_covers_every_list_reader_prefetch_and_hand_of_the_run() -> None:
+    assert pool_size(3, 10, 1) == 3 + 10 + 2 + 2  # list, reader prefetch, in hand; pushed, ahead
     assert pool_size(3, 10, 4) == 4 * (3 + 10 + 2) + 2  # every rank's may be all ours
 
 
@@ -160,7 +160,7 @@ def test_pool_size_covers_every_list_look_ahead_and_hand_of_the_run() -> None:
         (b"99999999999", pool_size(5, MAX_READER_PREFETCH, 2)),  # memory stays bounded
     ],
 )
-def test_the_pool_follows_the_trainers_published_look_ahead(
+def test_the_pool_follows_the_trainers_published_reader_prefetch(
     tmp_path: Path, fake_redis: fakeredis.FakeRedis, published: bytes | None, expected: int
 ) -> None:
     keys = QueueKeys("q")
