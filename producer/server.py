@@ -1,4 +1,4 @@
-"""The producer: lease shards, build their batches, push them under the hwm.
+"""The producer: lease shards, build their batches, push them under the run's cap.
 
 :class:`Producer` serves one queue (or one stripe of a striped queue); ``start_server``
 (:mod:`producer.start`) runs one, or a :class:`producer.striped.StripedProducer`.
@@ -33,8 +33,9 @@ from batchq.protocol.words import Status
 from producer.isolation import isolation_of
 from producer.producer_options import check_options, require
 from producer.quarantine import bind_records
-from producer.serving.ahead import Lease
+from producer.serving.ahead import Ahead, Lease
 from producer.serving.build_watch import BuildWatch, reading_of
+from producer.serving.frame_push import FramePusher
 from producer.serving.frames import INLINE_MAX_BYTES, PushSettings
 from producer.serving.heartbeat import Heartbeat
 from producer.serving.membership import Membership, axis_labels_json
@@ -58,8 +59,8 @@ class Producer:
         queue: the queue's name.
         hwm: the most elements the queue's data list may hold.
         producer_id: this producer's id (default: host-pid-random).
-        window: look-ahead in shards past the trainer's oldest incomplete shard
-            (default 2 x hwm).
+        window: the lease window: how many shards past the trainer's oldest incomplete
+            shard the run mints (default 2 x hwm).
         requests_per_shard: how many consecutive requests make a shard (default: the
             smallest exact cut of the pipeline, see :mod:`producer.serving.sharding`).
         heartbeat_ttl_s: a producer silent for this long is declared dead.
@@ -78,11 +79,12 @@ class Producer:
         shm_dir: the shared-memory folder (default /dev/shm).
         shm_segments: the most shared-memory segments this producer holds at once
             (one frame each; default: what the run can hold of its frames, ranks x
-            (hwm + the trainer's look-ahead + 2) + 1, see :mod:`producer.serving.transport`).
+            (hwm + the trainer's reader prefetch + 2) + 2, see
+            :mod:`producer.serving.transport`).
         shm_max_bytes: the most bytes of segments it holds at once (default: only
             the folder's own size limits it).
         stripe: (k, N): serve stripe k of the queue striped N ways (one lane of a
-            :class:`producer.serving.striped.StripedProducer`, which
+            :class:`producer.striped.StripedProducer`, which
             :func:`start_server` makes for ``stripes=N``); (0, 1): the queue itself.
         shard_plan: the plan, where the caller made it already (a striped producer's
             lanes share one; a forked worker's pool made it before the fork).
@@ -132,8 +134,6 @@ class Producer:
         self.stream = stream
         self.url = url
         self.keys = QueueKeys(queue).stripe(k, stripes)
-        self.hwm = hwm
-        self.window = window or 2 * hwm
         self.id = check_name(producer_id or default_id(), "producer id")
         self.reconnect_timeout_s = reconnect_timeout_s
         self.orphan_exit_s = orphan_exit_s
@@ -145,10 +145,12 @@ class Producer:
         )  # fmt: skip
         self.client = make_client(url, key=self.keys.meta)
         self._stop = threading.Event()
-        self._pos = RunPosition()  # the run served: replaced by each _join
+        # The run served, replaced by each _join; it carries the run's cap (hwm), which
+        # each join asks for, from the first on.
+        self._pos = RunPosition(list_cap=hwm)
         self._lease_seq = 0
         self._membership = Membership(
-            self.client, self.keys, self.id, self.plan, hwm=hwm, window=self.window,
+            self.client, self.keys, self.id, self.plan, lease_window=window or 2 * hwm,
             heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, orphan_wait_s=orphan_wait_s,
             axis_labels=axis_labels_json(stream), stop=self._stop, stripes=stripes,
         )  # fmt: skip
@@ -159,12 +161,16 @@ class Producer:
         )  # fmt: skip
         self._finished = False
         self._transport = Transport(
-            transport, shm_dir, self.keys, self.id, shm_segments, shm_max_bytes, hwm=hwm
+            transport, shm_dir, self.keys, self.id, shm_segments, shm_max_bytes
         )
-        self._pusher = ShardPusher(
-            self.settings, self.client, self.plan, self._transport, self._pos, self._stop,
-            self._lease_request, self.first_push,
+        # Leased with the last pushes, and the next shard built ahead.
+        self._ahead = Ahead(k, stripes)
+        # Each frame's capped push, and each leased shard's batches built and pushed.
+        self._pusher = FramePusher(
+            self.settings, self.client, self._transport, self._pos, self._stop,
+            self._lease_request, self._ahead, self.plan.shards, self.first_push,
         )  # fmt: skip
+        self._shards = ShardPusher(self._pusher, self.plan, self._transport, self._ahead)
         # Examples replaced by substitutes (on_sample_error='quarantine') go to the run.
         self._records = bind_records(
             stream, url, self.keys, self.id, lambda: (self._pos.incarnation, self._pos.run)
@@ -172,7 +178,7 @@ class Producer:
         if self._records is not None:  # and those other producers met are learnt
             self._beat.on_beat = self._records.learn
         if build_timeout_s is not None:
-            self._pusher.watch = BuildWatch(build_timeout_s, reading_of(stream))
+            self._shards.watch = BuildWatch(build_timeout_s, reading_of(stream))
         # A shard that failed before is built isolated (producer.isolation), where the
         # stream's root can: each example read in a forked child first.
         self._isolate = isolation_of(stream)
@@ -243,7 +249,7 @@ class Producer:
         foreign type is waited out here. Returns whether a shard was served.
 
         Args:
-            wait: when the run has nothing to lease (the window or the list is full),
+            wait: when the run has nothing to lease (the lease window or the list is full),
                 wait for a trainer's wake (bounded) before returning; False returns at
                 once (a striped producer tries its next stripe).
             groups: lease only once the run has this many group slots (read again
@@ -278,7 +284,7 @@ class Producer:
 
     def wait_for_room(self) -> None:
         """Wait (bounded) for a trainer's wake: its pop made room in the list or the
-        window."""
+        lease window."""
         self._pusher.wait_for_room()
 
     def watch_others(self, starved: Callable[[], bool]) -> None:
@@ -307,12 +313,12 @@ class Producer:
         """Build and push the shard of ``lease``, then act on a reply that was ours."""
         epoch, slot, shard = lease.address(self.plan.shards)
         self._pusher.aim(slot % lease.world, lease.world, lease.mask)
-        self._pusher.params.follow(self.client, lease.params)  # read again if it changed
+        self._shards.params.follow(self.client, lease.params)  # read again if it changed
         g = epoch * lease.slots + slot  # the plan's: a stripe's lease names the stripe's
         if self._isolate is not None:  # isolated: each read bounded there, no watch
-            self._pusher.isolated = self._isolate(lease.attempts > 0, self._build_timeout_s)
-        status = self._pusher.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot, g=g)
-        watch = self._pusher.watch
+            self._shards.isolated = self._isolate(lease.attempts > 0, self._build_timeout_s)
+        status = self._shards.serve_shard(epoch, shard, lease.entry, lease.skip, slot=slot, g=g)
+        watch = self._shards.watch
         if watch is not None and watch.hung is not None:
             # Counted as a failed attempt already; the build still runs: stop serving.
             log.error("producer %s: %s; stopping", self.id, watch.hung)
@@ -361,11 +367,9 @@ class Producer:
             return
         self._pos = position
         self._lease_seq = 0
-        self._pusher.joined(position)  # leases of the run we left are gone, what was built too
+        self._shards.joined(position)  # leases of the run we left are gone, what was built too
         self._beat.follow(position)
-        self._transport.joined(
-            self.client, position.run, position.world, position.groups, position.worlds
-        )
+        self._transport.joined(self.client, position)
 
     def _regroup(self, known: tuple[int, tuple[int, ...]] | None = None) -> None:
         """The run is read by (more) groups than this producer knew: lease and push with
@@ -381,11 +385,11 @@ class Producer:
         self._pos = position
         self._pusher.follow(position)
         self._beat.follow(position)
-        self._transport.regrouped(self.client, groups, worlds)
+        self._transport.regrouped(self.client, position)
 
     def _leave(self) -> None:
         self._membership.leave(self._pos.incarnation, self._pusher.pending_ref)
-        self._pusher.ahead.drop()  # a frame built ahead: its segment is free again
+        self._ahead.drop()  # a frame built ahead: its segment is free again
         self._transport.close(self._finished)
         self._beat.join(timeout_s=5)
         if self._records is not None:
@@ -395,15 +399,18 @@ class Producer:
 
     # -- leasing -----------------------------------------------------------------------
 
-    def _lease_request(self, prefetch: int = 0, after: str = "") -> tuple[Call[LeaseReply], str]:
-        """The next lease request, and its token (``prefetch``, ``after``: see
-        :func:`batchq.protocol.producer_scripts.lease_call`)."""
+    def _lease_request(
+        self, leases_ahead: int = 0, after: str = ""
+    ) -> tuple[Call[LeaseReply], str]:
+        """The next lease request, and its token: a plain one, or riding behind the last
+        push of lease ``after``, asking to hold ``leases_ahead`` leases (lease.lua's
+        ``prefetch``; see :func:`batchq.protocol.producer_scripts.lease_call`)."""
         self._lease_seq += 1
         token = f"{self.id}.{self._lease_seq}"
         pos = self._pos
         request = lease_call(
             self.keys, incarnation=pos.incarnation, run=pos.run, producer=self.id,
-            token=token, heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, prefetch=prefetch,
+            token=token, heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, prefetch=leases_ahead,
             groups=pos.groups, world=pos.slot_worlds(), after=after,
         )  # fmt: skip
         return request, token
@@ -411,9 +418,9 @@ class Producer:
     def _lease(self, wait: bool = True) -> Lease | None:
         """Lease the next shard, or None (``wait``: after waiting for room when the run
         had none)."""
-        if self._pusher.ahead.leases:
+        if self._ahead.leases:
             # Leased in the same round trip as an earlier shard's last push.
-            return self._pusher.ahead.leases.popleft()
+            return self._ahead.leases.popleft()
         request, token = self._lease_request()
         try:
             reply = request.run(self.client)

@@ -5,7 +5,7 @@ own (on a cluster, on a master of its own). :class:`StripedProducer` holds one
 :class:`producer.server.Producer` per stripe (a *lane*: its own client bound to the
 stripe's node, membership, heartbeat, leases, pusher and shared-memory segments), all
 sharing the stream and its plan, and serves them from one thread: a shard from each
-lane in turn, skipping a lane with nothing to lease (its window or list is full) and
+lane in turn, skipping a lane with nothing to lease (its lease window or list is full) and
 waiting (bounded, on one lane's wake list, a different one each time) only when none
 had any. So one producer process spreads its batches over every stripe, and a producer
 killed mid-shard leaves work in every stripe that the others redo, as with one queue.

@@ -9,16 +9,24 @@ process below 60 % of a core. So a producer whose shards build quickly keeps one
 *ahead*: the lease for shard s+1 is in hand when shard s's last push is sent, and s+1's
 first batch is built and encoded while that push and its reply travel
 (:func:`batchq.protocol.calls.round_trip`'s ``between``). The lease after it rides on the
-same push, as the one-ahead prefetch always did.
+same push, as the one lease held ahead always did.
+
+Two quantities are "ahead" here, each with its name: the *leases ahead* a producer holds
+past the shard it serves (lease.lua's ``prefetch`` k, 1 or :data:`MAX_LEASES_AHEAD`:
+:attr:`Ahead.leases`, :meth:`Ahead.wanted`), and the *shard built ahead*, the first
+batch of the next leased shard (:class:`Ready`, :meth:`Ahead.build_next`). Neither is
+the trainer's reader prefetch (:mod:`producer.serving.transport`) nor the run's lease
+window (the shards minted past the trainer's oldest incomplete one, join.lua's
+``window``).
 
 Holding a second lease serialises two shards on one producer, which costs a slow
 pipeline the parallelism of other producers; so the second lease is asked for only
 while the shard just built took under :data:`AHEAD_MAX_BUILD_S` (then serialising
 costs at most that) and the trainer is waiting (the producer's last push found the
 list empty: a trainer-bound run gains nothing, and a frame built ahead there would
-take a segment the pool keeps for the list), and lease.lua grants a prefetch only if
+take a segment the pool keeps for the list), and lease.lua grants leases ahead only if
 the push it rides behind went through (its entry left the lease list) and the producer
-then holds fewer than k leases: a producer blocked at the hwm is never granted another
+then holds fewer than k leases: a producer blocked at the cap is never granted another
 shard (it keeps the one it held ahead, already built: at most two in all).
 """
 
@@ -42,11 +50,11 @@ from producer.serving.params_follow import ProducerParams, ShardParams
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame
 
-__all__ = ["AHEAD_MAX_BUILD_S", "MAX_AHEAD", "Ahead", "Encode", "Lease", "Ready"]
+__all__ = ["AHEAD_MAX_BUILD_S", "MAX_LEASES_AHEAD", "Ahead", "Encode", "Lease", "Ready"]
 
 # A shard built faster than this makes its producer keep one more shard leased ahead.
 AHEAD_MAX_BUILD_S = 0.002
-MAX_AHEAD = 2  # leases a producer asks to hold behind a last push: the next two shards
+MAX_LEASES_AHEAD = 2  # leases a producer asks to hold behind a last push: the next two
 
 
 class Lease(NamedTuple):
@@ -103,7 +111,7 @@ class Lease(NamedTuple):
 
 
 # (epoch, slot, k, batch, last, rank, params version, group mask) -> the batch's frame
-# (ShardPusher._encode_batch)
+# (the shard pusher's encoding, producer.serving.pushing)
 Encode = Callable[[int, int, int, Any, bool, int, int, int], Any]
 
 
@@ -146,10 +154,10 @@ class Ahead:
         self.depth = -1  # the list's length after this producer's last push (-1: none yet)
 
     def wanted(self, build_s: float) -> int:
-        """How many leases to hold behind a last push after a shard built in
+        """The leases ahead to hold behind a last push after a shard built in
         ``build_s``: two when it built quickly and the trainer is waiting."""
         quick = build_s < AHEAD_MAX_BUILD_S and self.depth == 1
-        return MAX_AHEAD if quick else 1
+        return MAX_LEASES_AHEAD if quick else 1
 
     def keep_granted(
         self,

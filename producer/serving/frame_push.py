@@ -1,4 +1,6 @@
-"""The capped push of one frame: what the list gets, the round trip, and each reply.
+"""The capped push of one frame: what the list gets, the round trip, each reply, and the
+waits at a full list or at Redis' maxmemory (:class:`FramePusher`, which the shard
+pusher, :mod:`producer.serving.pushing`, holds and hands each frame to).
 
 A frame reaches the data list as one of three elements, each with its own function:
 a frame in shared memory as its small descriptor (:meth:`FramePusher._push_descriptor`;
@@ -34,15 +36,11 @@ from batchq.protocol.producer_scripts import LeaseReply, PushReply, push_call
 from batchq.protocol.words import Status
 from batchq.wire import refs
 from producer.serving.ahead import Ahead
-from producer.serving.blocking import give_back, hand_back
-from producer.serving.build_watch import BuildWatch
+from producer.serving.blocking import Waiting, give_back, hand_back
 from producer.serving.frames import PushSettings
-from producer.serving.params_follow import ProducerParams
 from producer.serving.position import RunPosition
-from producer.serving.sharding import ShardPlan
 from producer.serving.started import FirstPush
 from producer.serving.transport import ShmFrame, Transport
-from producer.serving.waiting import Waiting
 
 __all__ = [
     "PENDING_FRAME_TTL_MS",
@@ -56,11 +54,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# A producer at the hwm waits on the wake list this long between tries: 2 commands per
-# try keeps a waiting producer under 20 commands/s with its heartbeat.
+# A producer at the cap (a full list) waits on the wake list this long between tries:
+# 2 commands per try keeps a waiting producer under 20 commands/s with its heartbeat.
 WAIT_S = 0.15
 # A frame stored by reference but not yet in the list expires after this long, so a
-# producer killed at the hwm leaves nothing behind; in the list it never expires.
+# producer killed at the cap leaves nothing behind; in the list it never expires.
 PENDING_FRAME_TTL_MS = 10 * 60 * 1000
 
 LeaseRequest = Callable[[int, str], tuple[Call[LeaseReply], str]]
@@ -93,17 +91,22 @@ Pushed = bool | Handover
 
 
 class FramePusher:
-    """Pushes one frame at a time for the lease being served (see the module docstring).
+    """Pushes one frame at a time under the cap for the shard being served (see the
+    module docstring): the element, the round trip, each reply, the waits at a full list
+    or at maxmemory. Serving a shard (its batches, their frames) is
+    :class:`producer.serving.pushing.ShardPusher`'s, which holds this pusher.
 
     Args:
         settings: the producer's fixed settings.
         client: the producer's client (the serving thread's).
-        plan: the shard plan of the producer's pipeline (leases name slots of it).
         transport: shared memory or Redis, per frame.
-        position: the run served (replaced by :meth:`joined`).
+        position: the run served (replaced by :meth:`follow`).
         stop: set when the producer stops.
-        lease_request: ``(prefetch, after) -> (call, token)``: the next lease request
-            (see :func:`batchq.protocol.producer_scripts.lease_call`).
+        lease_request: ``(leases_ahead, after) -> (call, token)``: the next lease
+            request (see :func:`batchq.protocol.producer_scripts.lease_call`, whose
+            ``prefetch`` is ``leases_ahead``).
+        ahead: the leases held ahead, which a shard's last push asks for and fills.
+        shards: the plan's shards (S; the leases riding on a push name slots of it).
         first_push: told of the first push (:mod:`producer.serving.started`), if given.
     """
 
@@ -111,38 +114,31 @@ class FramePusher:
         self,
         settings: PushSettings,
         client: redis.Redis,
-        plan: ShardPlan,
         transport: Transport,
         position: RunPosition,
         stop: threading.Event,
         lease_request: LeaseRequest,
+        ahead: Ahead,
+        shards: int,
         first_push: FirstPush | None = None,
     ) -> None:
         self.settings = settings
         self.first_push = first_push
         self.client = client
-        self.plan = plan
+        self.shards = shards
         self._transport = transport
-        self._run = position
+        self.position = position
         self._stop = stop
         self._lease_request = lease_request
+        self.ahead = ahead
         self.oom_waits = 0  # pushes and leases refused by Redis at maxmemory
         self._oom_logged = False
         self._frame_seq = 0
         self.pending_ref: str | None = None  # a frame stored by reference, not yet listed
-        # Leased with the last pushes; the next shard built ahead.
-        self.ahead = Ahead(settings.stripe, settings.stripes)
-        # The run's params log as last read, and the params of the shard being built.
-        self.params = ProducerParams(settings.keys, plan.shard_batches)
-        self._shard_params = self.params.shard(0)
-        self._data_key = settings.keys.data  # the data list of the current shard's rank
-        self._rank = 0
-        self._world = 1
+        self.data_key = settings.keys.data  # the data list of the current shard's rank
+        self.rank = 0
+        self.world = 1
         self.targets = 1  # the group slots the current shard goes to (a mask)
-        self.watch: BuildWatch | None = None  # build_timeout_s: builds on a watched thread
-        # The shard is built isolated (producer.isolation): every read is bounded there,
-        # so its builds run on the serving thread, unwatched.
-        self.isolated = False
         # A striped producer's lane: whether another stripe's list is empty (its trainer
         # may wait there while this push waits for room here); None for one queue.
         self.starved: Callable[[], bool] | None = None
@@ -151,20 +147,26 @@ class FramePusher:
     def aim(self, rank: int, world: int, mask: int = 1) -> None:
         """The next shard is for ``rank`` of ``world`` of the group slots of ``mask``:
         push into those lists (the first of them: where an uncertain push is looked for)."""
-        self._rank, self._world, self.targets = rank, world, mask
+        self.rank, self.world, self.targets = rank, world, mask
         first = (mask & -mask).bit_length() - 1
-        self._data_key = self.settings.keys.slot_view(first).data_of(rank, world)
+        self.data_key = self.settings.keys.slot_view(first).data_of(rank, world)
 
     def follow(self, position: RunPosition) -> None:
-        """The run served is read by more groups now (the same run): push for it."""
-        self._run = position
+        """Push for ``position``'s run: the one a join gave, or the same run read by
+        more groups now."""
+        self.position = position
 
-    def joined(self, position: RunPosition) -> None:
-        """The producer joined (again): push for ``position``'s run; the leases held
-        ahead were the run's we left, and what was built ahead goes with them."""
-        self._run = position
-        self.ahead.drop()
-        self.params.joined(position.run)
+    def push(
+        self, frame: Pieces | memoryview | ShmFrame, push: OnePush,
+        between: Callable[[], None] | None = None,
+    ) -> Pushed:  # fmt: skip
+        """Push one frame under the cap (its descriptor for a frame in shared memory,
+        else its bytes: inline or by reference), waiting at the cap; ``between`` (a
+        shard's last push: the next shard built ahead) runs while the first round trip
+        travels."""
+        if isinstance(frame, ShmFrame):
+            return self._push_descriptor(frame, push, between)
+        return self._push_bytes(frame, push, between)
 
     def note_oom(self, error: redis.ResponseError) -> None:
         """Log Redis' OOM once, then count quietly (``oom_waits``)."""
@@ -197,7 +199,7 @@ class FramePusher:
         for that group's (and the queue's), anything else for any group's."""
         # A trainer that just arrived published its host before popping: look next time.
         self._transport.recheck()
-        keys, groups = self.settings.keys, self._run.groups
+        keys, groups = self.settings.keys, self.position.groups
         if groups and slot >= 0:
             wakes = list(dict.fromkeys((keys.slots[slot].wake, keys.wake)))
         else:
@@ -249,7 +251,7 @@ class FramePusher:
         between: Callable[[], None] | None,
     ) -> Pushed:
         """Push ``element`` (the frame, a reference to it under ``ref``, or a descriptor
-        of ``shm_host``), trying again at the hwm, at maxmemory and after GONE.
+        of ``shm_host``), trying again at the cap, at maxmemory and after GONE.
 
         A last push also asks for the next leases (:meth:`_lease_riders`), and runs
         ``between`` (the next shard built ahead) while its first round trip travels."""
@@ -286,13 +288,13 @@ class FramePusher:
         wait: Waiting,
     ) -> Call[PushReply]:
         """One try's push.lua call (it reports the wait since the last try)."""
-        s, run = self.settings, self._run
+        s, run = self.settings, self.position
         return push_call(
             s.keys, incarnation=run.incarnation, run=run.run, producer=s.producer,
             entry=push.entry, element=element, last=push.last,
             heartbeat_ttl_ms=s.heartbeat_ttl_ms, frame_bytes=nbytes,
             blocked_ms=wait.since_last_try_ms(), produce_ms=push.produce_ms, frame_key=ref,
-            rank=self._rank, world=self._world, targets=self.targets, groups=run.groups,
+            rank=self.rank, world=self.world, targets=self.targets, groups=run.groups,
             shm_host=shm_host,
         )  # fmt: skip
 
@@ -313,12 +315,12 @@ class FramePusher:
         if not leases:
             return leases
         raw = replies[len(replies) - len(leases) :]
-        granted = self.ahead.keep_granted(leases, raw, self.plan.shards, self._run.run)
+        granted = self.ahead.keep_granted(leases, raw, self.shards, self.position.run)
         del replies[len(replies) - len(leases) :]
         return [r for r, ok in zip(leases, granted, strict=True) if not ok]
 
     def _refused_for_oom(self, replies: list[Any], wait: Waiting) -> bool:
-        """Redis is full (noeviction) and refused the push: backpressure, like the hwm;
+        """Redis is full (noeviction) and refused the push: backpressure, like the cap;
         nothing is lost. Waits for room, then True: send it again."""
         oom = next((r for r in replies if isinstance(r, redis.ResponseError)), None)
         if oom is None:
@@ -394,17 +396,17 @@ class FramePusher:
         list is full); a data-parallel rank's full list, once per HANDBACK_S,
         may make us hand the shard back (:func:`producer.serving.blocking.hand_back`)."""
         blocked = wait.start()
-        if blocked and (self._world > 1 or self.starved is not None) and wait.hand_back_due():
+        if blocked and (self.world > 1 or self.starved is not None) and wait.hand_back_due():
             keys, producer = self.settings.keys, self.settings.producer
             status = None
-            if self._world > 1:
-                aim = (self._rank, self.targets)
-                status = hand_back(self.client, keys, self._run, producer, aim, entry)
+            if self.world > 1:
+                aim = (self.rank, self.targets)
+                status = hand_back(self.client, keys, self.position, producer, aim, entry)
             if status is None and self.starved is not None and self.starved():
                 # A striped producer's one thread: held here, it would never serve the
                 # stripe whose trainer waits (a run the ranks restarted waits for its plan).
                 why = "this stripe's list is full, another stripe's is empty"
-                status = give_back(self.client, keys, self._run, producer, entry, why)
+                status = give_back(self.client, keys, self.position, producer, entry, why)
             if status is not None:
                 self._drop_ref(ref)
                 return False if status in (Status.OK, Status.LEASE_LOST) else Handover(status)

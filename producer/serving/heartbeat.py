@@ -1,7 +1,7 @@
 """A producer's heartbeat: a thread that keeps it alive in the run, reaps the dead, and
 notices when no trainer has claimed the run for too long.
 
-It has its own client (a push blocked at the hwm never delays a beat), and beats every
+It has its own client (a push blocked at the cap never delays a beat), and beats every
 third of the heartbeat TTL: ZADD XX of the producer's deadline (a producer already
 declared dead must join again, not revive), the reaping of producers past theirs
 (:func:`batchq.protocol.reaper.reap_dead`), and the orphan check. It stops with the producer's

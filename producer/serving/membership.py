@@ -1,10 +1,10 @@
 """A producer's membership of its queue's run: joining and leaving.
 
 :meth:`Membership.join` runs join.lua (which creates the queue and run where there is
-none, checks the pipeline's fingerprint and hwm, hands this producer's stale leases back
+none, checks the pipeline's fingerprint and cap, hands this producer's stale leases back
 and beats once) and turns its reply into the :class:`RunPosition` served, or into the
 error that ends serving: the run finished moments ago (a late replica of a finished
-job: ``RunFinished``), another pipeline or hwm (``PipelineMismatch``). After Redis lost
+job: ``RunFinished``), another pipeline or cap (``PipelineMismatch``). After Redis lost
 the queue's state, a producer that had joined before waits (bounded, ``orphan_wait_s``)
 for the trainer to re-create the run from its ledger instead of creating a fresh run
 that would re-plan from scratch. :meth:`Membership.leave` hands the producer's leases
@@ -54,8 +54,8 @@ class Membership:
         keys: the queue's keys.
         producer: the producer's id.
         plan: the producer's shard plan (fingerprint, S, batches per epoch).
-        hwm: the run's cap the producer asks for.
-        window: look-ahead in shards.
+        lease_window: how far past the trainer's oldest incomplete shard the run
+            mints shards (join.lua's ``window``).
         heartbeat_ttl_ms: the producer's heartbeat TTL.
         orphan_wait_s: after Redis lost the queue's state, how long to wait for the
             trainer to re-create the run.
@@ -71,8 +71,7 @@ class Membership:
         producer: str,
         plan: ShardPlan,
         *,
-        hwm: int,
-        window: int,
+        lease_window: int,
         heartbeat_ttl_ms: int,
         orphan_wait_s: float,
         axis_labels: str | None,
@@ -83,8 +82,7 @@ class Membership:
         self.keys = keys
         self.id = producer
         self.plan = plan
-        self.hwm = hwm
-        self.window = window
+        self.lease_window = lease_window
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
         self.orphan_wait_s = orphan_wait_s
         self.axis_labels = axis_labels
@@ -93,18 +91,19 @@ class Membership:
         self._record_id = True  # False once the server refused CLIENT ID (ACL)
 
     def join(self, served: RunPosition) -> RunPosition | None:
-        """Join (again) after serving ``served`` ('' the first time): the position to
-        serve, or None if the producer was stopped while waiting.
+        """Join (again) after serving ``served`` ('' the first time), asking for its
+        ``list_cap``: the position to serve (with the same cap), or None if the producer
+        was stopped while waiting.
 
         Raises:
             RunFinished: the run finished moments ago.
-            PipelineMismatch: the run was created by another pipeline or hwm.
+            PipelineMismatch: the run was created by another pipeline or cap.
             BatchQueueError: another refusal (:func:`batchq.protocol.words.status_error`).
         """
         reply = self._reply(served)
         if reply is None:
             return None
-        self._check(reply)
+        self._check(reply, served.list_cap)
         self._publish()
         log.info(
             "producer %s joined queue %s (run %s, S=%d, hwm=%s)",
@@ -115,7 +114,9 @@ class Membership:
             reply.hwm,
         )
         worlds = self.groups()[1] if reply.groups else ()
-        return RunPosition(reply.run, reply.incarnation, reply.world, reply.groups, worlds)
+        return RunPosition(
+            reply.run, reply.incarnation, reply.world, reply.groups, worlds, served.list_cap
+        )
 
     def groups(self) -> tuple[int, tuple[int, ...]]:
         """The group slots of the run (0: read by one group) and each slot's ranks, read
@@ -131,21 +132,21 @@ class Membership:
         waits up to orphan_wait_s for a lost run's trainer); None once stopped."""
         deadline = time.monotonic() + (self.orphan_wait_s if served.incarnation else 0.0)
         while True:
-            reply = self._join_once(no_create=time.monotonic() < deadline)
+            reply = self._join_once(served.list_cap, no_create=time.monotonic() < deadline)
             if reply.status != Status.WAIT:
                 return reply
             if self._stop.wait(JOIN_POLL_S):
                 return None
 
-    def _join_once(self, *, no_create: bool) -> JoinReply:
+    def _join_once(self, list_cap: int, *, no_create: bool) -> JoinReply:
         return producer_scripts.join(
             self.client,
             self.keys,
             producer=self.id,
             fingerprint=self.plan.fingerprint,
-            hwm=self.hwm,
+            hwm=list_cap,
             shards=self.plan.shards,
-            window=self.window,
+            window=self.lease_window,
             new_run=new_run_id(),
             new_incarnation=uuid.uuid4().hex,
             heartbeat_ttl_ms=self.heartbeat_ttl_ms,
@@ -157,13 +158,13 @@ class Membership:
             stripes=self.stripes,
         )
 
-    def _check(self, reply: JoinReply) -> None:
-        """Raise what a refused join means."""
+    def _check(self, reply: JoinReply, list_cap: int) -> None:
+        """Raise what a refused join means (``list_cap``: the cap asked for)."""
         if reply.status == Status.FINISHED:
             raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
         if reply.status == Status.MISMATCH:
             got = {"fingerprint": self.plan.fingerprint, "stripes": str(self.stripes)}.get(
-                reply.what, str(self.hwm)
+                reply.what, str(list_cap)
             )
             raise PipelineMismatch(reply.what, reply.expected, got)
         if reply.status != Status.OK:

@@ -1,21 +1,25 @@
-"""Building a leased shard and pushing its frames under the hwm (the producer's hot path).
+"""Serving a leased shard: building its batches and pushing their frames under the cap
+(the producer's hot path).
 
 :class:`ShardPusher` turns one leased shard into frames: it builds the batches, encodes
-them (:mod:`producer.serving.frames`, :mod:`producer.serving.transport`), pushes each
-(:mod:`producer.serving.frame_push`: the element, the round trip, each reply), folds the
-END into the last batch, and for shards that build quickly builds the next shard's
-first batch while the last push travels (:mod:`producer.serving.ahead`). A pipeline
-that raises has its shard retried elsewhere, or reported in an ERROR frame.
+them (:mod:`producer.serving.frames`, :mod:`producer.serving.transport`), hands each to
+the :class:`producer.serving.frame_push.FramePusher` it holds (the element, the round
+trip, each reply, the waits), folds the END into the last batch, and for shards that
+build quickly builds the next shard's first batch while the last push travels
+(:mod:`producer.serving.ahead`). A pipeline that raises has its shard retried elsewhere,
+or reported in an ERROR frame.
 
-:class:`producer.server.Producer` owns one and hands it everything it uses explicitly:
-fixed :class:`producer.serving.settings.PushSettings`, the client, the plan, the
-transport, the run it serves (:class:`producer.serving.position.RunPosition`, a value
-the producer's join replaces: :meth:`FramePusher.joined`), its stop event, and
-``lease_request(prefetch, after)`` (the next lease's call and token). What is the
-producer's business (the run finished or changed) :meth:`ShardPusher.serve_shard`
-returns as a status, for the Producer to act on. Only the pipeline's ``next()`` and the
-encoding of what it made count as "the pipeline raised"; Redis' errors propagate as
-Redis errors.
+:class:`producer.server.Producer` makes both and hands each everything it uses
+explicitly: the frame pusher gets the fixed
+:class:`producer.serving.frames.PushSettings`, the client, the transport, the run it
+serves (:class:`producer.serving.position.RunPosition`, a value the producer's join
+replaces: :meth:`ShardPusher.joined`), its stop event, the leases held ahead and
+``lease_request(leases_ahead, after)`` (the next lease's call and token); the shard
+pusher gets the frame pusher, the plan, the transport and the leases held ahead. What
+is the producer's business (the run finished or changed)
+:meth:`ShardPusher.serve_shard` returns as a status, for the Producer to act on. Only
+the pipeline's ``next()`` and the encoding of what it made count as "the pipeline
+raised"; Redis' errors propagate as Redis errors.
 """
 
 from __future__ import annotations
@@ -30,10 +34,14 @@ from batchq.protocol import producer_scripts
 from batchq.protocol.layout import entry_slot
 from batchq.protocol.words import Status
 from batchq.wire import codec
-from producer.serving.ahead import Ready
+from producer.serving.ahead import Ahead, Ready
+from producer.serving.build_watch import BuildWatch
 from producer.serving.frame_push import FramePusher, Handover, OnePush, Pushed
 from producer.serving.frames import batch_header, end_frame
-from producer.serving.transport import ShmFrame
+from producer.serving.params_follow import ProducerParams
+from producer.serving.position import RunPosition
+from producer.serving.sharding import ShardPlan
+from producer.serving.transport import ShmFrame, Transport
 
 __all__ = ["ShardPusher"]
 
@@ -43,20 +51,41 @@ Frame = Pieces | memoryview | ShmFrame
 Step = tuple[Any, bool]  # a batch, and whether it is the shard's last
 
 
-class ShardPusher(FramePusher):
-    """Serving one leased shard at a time for one producer.
+class ShardPusher:
+    """Serving one leased shard at a time for one producer: its batches built, their
+    frames encoded and handed to the frame pusher it holds.
 
     Args:
-        settings: the producer's fixed settings.
-        client: the producer's client (the serving thread's).
+        frames: the producer's frame pusher (each frame's capped push; it holds the
+            run served, the settings and the client this uses too).
         plan: the shard plan of the producer's pipeline.
         transport: shared memory or Redis, per frame.
-        position: the run served (the producer's join hands the next one to
-            :meth:`joined`).
-        stop: set when the producer stops.
-        lease_request: ``(prefetch, after) -> (call, token)``: the next lease request
-            (see :func:`batchq.protocol.producer_scripts.lease_call`).
+        ahead: the leases held ahead, and the next shard's first batch built ahead.
     """
+
+    def __init__(
+        self, frames: FramePusher, plan: ShardPlan, transport: Transport, ahead: Ahead
+    ) -> None:
+        self.frames = frames
+        self.settings = frames.settings
+        self.client = frames.client
+        self.plan = plan
+        self._transport = transport
+        self.ahead = ahead
+        # The run's params log as last read, and the params of the shard being built.
+        self.params = ProducerParams(self.settings.keys, plan.shard_batches)
+        self._shard_params = self.params.shard(0)
+        self.watch: BuildWatch | None = None  # build_timeout_s: builds on a watched thread
+        # The shard is built isolated (producer.isolation): every read is bounded there,
+        # so its builds run on the serving thread, unwatched.
+        self.isolated = False
+
+    def joined(self, position: RunPosition) -> None:
+        """The producer joined (again): push for ``position``'s run; the leases held
+        ahead were the run's we left, and what was built ahead goes with them."""
+        self.frames.follow(position)
+        self.ahead.drop()
+        self.params.joined(position.run)
 
     def serve_shard(
         self, epoch: int, shard: int, entry: str, skip: int = 0, slot: int | None = None,
@@ -164,7 +193,7 @@ class ShardPusher(FramePusher):
         ERROR frame carrying the pipeline's traceback."""
         version = self._shard_params.version(count)
         frame = end_frame(
-            self.settings.producer, self._run.run, epoch, shard, count, error, version
+            self.settings.producer, self.frames.position.run, epoch, shard, count, error, version
         )
         return self._push(frame, entry, last=True)
 
@@ -172,9 +201,9 @@ class ShardPusher(FramePusher):
         """Count the failure (fail.lua): True if the shard went back to the work list
         for a retry (or was taken from us), False if it gave up (report it), or a
         :class:`Handover`."""
-        s = self.settings
+        s, position = self.settings, self.frames.position
         reply = producer_scripts.fail(
-            self.client, s.keys, incarnation=self._run.incarnation, run=self._run.run,
+            self.client, s.keys, incarnation=position.incarnation, run=position.run,
             producer=s.producer, entry=entry, max_attempts=s.max_attempts,
         )  # fmt: skip
         if reply.status == Status.RETRY:
@@ -212,15 +241,22 @@ class ShardPusher(FramePusher):
         data = tuple(codec.array_or_value(v) for v in values)
         s = self.settings
         header = batch_header(
-            s, self._run.run, epoch, shard, k, last, self.plan.shard_batches, params_version
+            s,
+            self.frames.position.run,
+            epoch,
+            shard,
+            k,
+            last,
+            self.plan.shard_batches,
+            params_version,
         )
         return self._transport.encode(
             header,
             data,
             checksum=s.checksum,
             max_frame_bytes=s.max_frame_bytes,
-            rank=self._rank if rank is None else rank,
-            mask=self.targets if mask is None else mask,
+            rank=self.frames.rank if rank is None else rank,
+            mask=self.frames.targets if mask is None else mask,
         )
 
     def _push_batch(
@@ -232,7 +268,7 @@ class ShardPusher(FramePusher):
             pushed = self._push(frame, entry, last=last, produce_ms=produce_ms, built_s=built_s)
         except BaseException:
             if isinstance(frame, ShmFrame):  # the reply was lost: maybe listed, maybe not
-                self._transport.uncertain(frame, self._data_key)
+                self._transport.uncertain(frame, self.frames.data_key)
             raise
         if pushed is not True and isinstance(frame, ShmFrame):
             frame.abandon()  # its descriptor never reached the list
@@ -241,7 +277,7 @@ class ShardPusher(FramePusher):
     def _push(
         self, frame: Frame, entry: str, *, last: bool, produce_ms: int = 0, built_s: float = 1.0
     ) -> Pushed:
-        """Push one frame, waiting at the hwm (see :class:`FramePusher`).
+        """Push one frame, waiting at the cap (:meth:`FramePusher.push`).
 
         ``built_s``: how long the shard took to build; under AHEAD_MAX_BUILD_S its last
         push asks to hold two leases ahead, and a last push with the next shard leased
@@ -253,10 +289,7 @@ class ShardPusher(FramePusher):
             if last and ahead.leases and ahead.ready is None and self.watch is None
             else None
         )
-        push = OnePush(entry, last, produce_ms, built_s)
-        if isinstance(frame, ShmFrame):
-            return self._push_descriptor(frame, push, between)
-        return self._push_bytes(frame, push, between)
+        return self.frames.push(frame, OnePush(entry, last, produce_ms, built_s), between)
 
     def _build_ahead(self) -> None:
         """Build the next leased shard's first batch while the last push travels (not

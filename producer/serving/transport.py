@@ -14,11 +14,12 @@ the producer sends the frame itself), so a lagging read never misroutes a frame.
 
 The pool holds at most ``shm_segments`` segments; by default just enough that a
 trainer keeping up never makes a frame fall back to Redis: per rank on this host, the
-rank's data list (hwm), the decoded frames the rank's reader holds ahead of its caller
-(its look-ahead, published beside the host: :data:`batchq.protocol.fields.MetaField.SHM_LOOKAHEAD`)
-and the two batches the caller has in hand (the one it uses, the one it is handed
-next), plus the producer's own two: the one being pushed and the next one, built
-ahead (:mod:`producer.serving.ahead`).
+rank's data list (the run's ``list_cap``, :class:`producer.serving.position.RunPosition`),
+the decoded frames the rank's reader holds ahead of its caller (its *reader prefetch*:
+the trainer's hwm, published beside the host as
+:data:`batchq.protocol.fields.MetaField.SHM_LOOKAHEAD`) and the two batches the caller
+has in hand (the one it uses, the one it is handed next), plus the producer's own two:
+the one being pushed and the next one, built ahead (:mod:`producer.serving.ahead`).
 ``transport='redis'`` never uses shared memory. Either way, frames that do not get a
 segment (the folder is full, ``shm_max_bytes`` is reached, or every segment still holds
 a batch the trainer keeps) go through Redis: one warning for a full folder, never an
@@ -56,11 +57,12 @@ from batchq.wire.shm import (
     remove_segments,
     resolve_transport,
 )
+from producer.serving.position import RunPosition
 from producer.serving.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 
 __all__ = [
-    "DEFAULT_LOOKAHEAD",
-    "MAX_LOOKAHEAD",
+    "DEFAULT_READER_PREFETCH",
+    "MAX_READER_PREFETCH",
     "NO_ROOM_POLL_S",
     "NO_ROOM_WAIT_S",
     "REFRESH_S",
@@ -77,28 +79,28 @@ REFRESH_S = 1.0  # how often a serving producer looks at the trainer's host iden
 # wait about one 12.6 MB frame in ten went through Redis at the turn, at ~10x the cost).
 NO_ROOM_WAIT_S = 0.02
 NO_ROOM_POLL_S = 0.0005
-DEFAULT_LOOKAHEAD = 10  # a trainer that published none: the consumer's default hwm
+DEFAULT_READER_PREFETCH = 10  # a trainer that published none: the consumer's default hwm
 MAX_UNCERTAIN = 64  # pushes whose reply was lost, remembered until the next join
-# Whatever meta says, a pool never grows past this look-ahead (memory stays bounded).
-MAX_LOOKAHEAD = 1024
+# Whatever meta says, a pool never grows past this reader prefetch (memory stays bounded).
+MAX_READER_PREFETCH = 1024
 IN_HAND = 2  # batches a rank's caller holds: the one it uses and the one handed next
 OUTSIDE = 2  # a producer's frames outside the list: the one pushed, one built ahead
 
 
-def pool_size(hwm: int, lookahead: int, world: int) -> int:
+def pool_size(list_cap: int, reader_prefetch: int, world: int) -> int:
     """The default pool: what a run of ``world`` ranks can hold of one producer's
-    frames at once (every list, look-ahead and hand full of them), plus the frame
-    being pushed and the one built ahead."""
-    return world * (hwm + lookahead + IN_HAND) + OUTSIDE
+    frames at once (every list of ``list_cap``, reader prefetch and hand full of them),
+    plus the frame being pushed and the one built ahead."""
+    return world * (list_cap + reader_prefetch + IN_HAND) + OUTSIDE
 
 
-def _lookahead(value: object) -> int:
-    """The published look-ahead, or the default where meta holds none or nonsense."""
+def _reader_prefetch(value: object) -> int:
+    """The published reader prefetch, or the default where meta holds none or nonsense."""
     try:
-        n = int(value) if isinstance(value, bytes | str) else DEFAULT_LOOKAHEAD
+        n = int(value) if isinstance(value, bytes | str) else DEFAULT_READER_PREFETCH
     except ValueError:
-        return DEFAULT_LOOKAHEAD
-    return min(n, MAX_LOOKAHEAD) if n >= 1 else DEFAULT_LOOKAHEAD
+        return DEFAULT_READER_PREFETCH
+    return min(n, MAX_READER_PREFETCH) if n >= 1 else DEFAULT_READER_PREFETCH
 
 
 class ShmFrame:
@@ -140,9 +142,8 @@ class Transport:
         queue: the queue's keys.
         producer: the producer's id.
         max_segments: the most segments the producer holds at once (None: follow the
-            run's shape, :func:`pool_size`).
+            run's shape and cap, :func:`pool_size`, from each join on).
         max_bytes: the most bytes of segments it holds at once (None: no own limit).
-        hwm: the run's hwm (for the default pool size).
     """
 
     def __init__(
@@ -153,8 +154,6 @@ class Transport:
         producer: str,
         max_segments: int | None,
         max_bytes: int | None = None,
-        *,
-        hwm: int = 1,
     ) -> None:
         self.mode = resolve_transport(transport)
         self.shm_dir = shm_dir or DEFAULT_SHM_DIR
@@ -169,11 +168,11 @@ class Transport:
         self.producer = producer
         self.identity = host_identity(self.shm_dir) if self.mode == "auto" else None
         self._fixed = max_segments
-        self._hwm = hwm
-        self._world = 1
-        self._groups = 0  # the run's group slots (0: read by one group)
-        self._worlds: tuple[int, ...] = ()  # each group slot's ranks (slot 0's: _world)
-        size = max_segments or pool_size(hwm, DEFAULT_LOOKAHEAD, 1)
+        # The run served (its ranks, group slots and cap), as the last join gave it.
+        self._position = RunPosition()
+        # Until a join reads the trainers' hosts, none is here: the producer's own two
+        # (each refresh sizes the pool for the readers on this host).
+        size = max_segments or OUTSIDE
         self.pool = SegmentPool(self.shm_dir, keys.queue, producer, size, max_bytes)
         # The readers (group slot, rank) whose trainer is on this host.
         self._local: tuple[tuple[int, int], ...] = ()
@@ -192,15 +191,11 @@ class Transport:
         # (which drop the host) and its publish, a few ms later.
         self._eager_until = 0.0
 
-    def joined(
-        self, client: redis.Redis, run: str, world: int = 1, groups: int = 0,
-        worlds: tuple[int, ...] = (),
-    ) -> None:  # fmt: skip
-        """After a join: a new run drops the old segments, a rejoin of the same run
-        retires them; look at the trainer's host. ``world``: the run's ranks; ``groups``:
-        its group slots; ``worlds``: each slot's ranks."""
-        self._world = max(1, world)
-        self._groups, self._worlds = groups, worlds
+    def joined(self, client: redis.Redis, position: RunPosition) -> None:
+        """After a join to ``position``: a new run drops the old segments, a rejoin of
+        the same run retires them; look at the trainer's host."""
+        self._position = position
+        run = position.run
         if self.identity is None:
             return
         if run == self.pool.run:
@@ -221,9 +216,10 @@ class Transport:
         self._eager_until = time.monotonic() + REFRESH_S
         self.refresh(client, force=True)
 
-    def regrouped(self, client: redis.Redis, groups: int, worlds: tuple[int, ...] = ()) -> None:
-        """More groups read the run now: look at their trainers' hosts at once."""
-        self._groups, self._worlds = groups, worlds
+    def regrouped(self, client: redis.Redis, position: RunPosition) -> None:
+        """More groups read the run now (``position``: the same run, its group slots
+        and their ranks): look at their trainers' hosts at once."""
+        self._position = position
         self.refresh(client, force=True)
 
     def uncertain(self, frame: ShmFrame, data_key: str) -> None:
@@ -274,15 +270,16 @@ class Transport:
             return
         self._checked = now
         readers = self._readers()
-        hosts, lookaheads = self._read_readers(client, readers)
+        hosts, prefetches = self._read_readers(client, readers)
         if all(v is not None for v in hosts):
             self._eager_until = 0.0  # every reader's trainer has said where it is
         local = tuple(who for who, v in zip(readers, hosts, strict=True) if self._is_here(v))
         if self._fixed is None:
             # Room for what each reader on this host can hold (pool_size), and our own
             # two (a segment several groups share counts once per group: an upper bound).
+            cap = self._position.list_cap
             held = sum(
-                pool_size(self._hwm, _lookahead(lookaheads[readers.index(who)]), 1) - OUTSIDE
+                pool_size(cap, _reader_prefetch(prefetches[readers.index(who)]), 1) - OUTSIDE
                 for who in local
             )
             self.pool.max_segments = held + OUTSIDE
@@ -291,16 +288,17 @@ class Transport:
 
     def _readers(self) -> list[tuple[int, int]]:
         """Every (group slot, rank) reading the run."""
-        return [(s, r) for s in range(max(self._groups, 1)) for r in range(self._world_of(s))]
+        slots = max(self._position.groups, 1)
+        return [(s, r) for s in range(slots) for r in range(self._world_of(s))]
 
     def _world_of(self, slot: int) -> int:
-        """The ranks group slot ``slot`` reads with."""
-        return self._worlds[slot] if 0 < slot < len(self._worlds) else self._world
+        """The ranks group slot ``slot`` reads with (at least one)."""
+        return max(1, self._position.world_of(slot))
 
     def _read_readers(
         self, client: redis.Redis, readers: list[tuple[int, int]]
     ) -> tuple[list[Any], list[Any]]:
-        """Each reader's published host and look-ahead (one HMGET of meta)."""
+        """Each reader's published host and reader prefetch (one HMGET of meta)."""
         w = self._world_of
         fields = [reader_field(MetaField.SHM_HOST, s, r, w(s)) for s, r in readers]
         fields += [reader_field(MetaField.SHM_LOOKAHEAD, s, r, w(s)) for s, r in readers]
@@ -314,10 +312,10 @@ class Transport:
     def _switch(self, local: tuple[tuple[int, int], ...]) -> None:
         """Frames for the readers ``local`` use segments from now on (logged)."""
         where = f"shared memory in {self.shm_dir}" if local else "Redis"
-        if self._world > 1 and local:
+        if self._position.world > 1 and local:
             ranks = sorted({r for _, r in local})
             where += f" for ranks {', '.join(map(str, ranks))} (Redis for the others)"
-        if self._groups > 1 and local:
+        if self._position.groups > 1 and local:
             slots = sorted({s for s, _ in local})
             where += f" for group slots {', '.join(map(str, slots))}"
         log.info("producer %s: frames now travel through %s", self.producer, where)

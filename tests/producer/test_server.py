@@ -82,11 +82,11 @@ def test_leaving_hands_the_leases_back_oldest_first(
 def test_a_prefetched_lease_is_served_before_asking_redis(producer: Producer) -> None:
     producer._join()
     held = Lease(g=7, skip=0, token="t", slots=4, world=1)
-    producer._pusher.ahead.leases.append(held)
+    producer._ahead.leases.append(held)
     seq = producer._lease_seq
     assert producer._lease() is held
     assert producer._lease_seq == seq  # no request was made
-    assert not producer._pusher.ahead.leases
+    assert not producer._ahead.leases
 
 
 def test_another_pipeline_on_the_same_run_is_refused(
@@ -138,9 +138,9 @@ def test_a_status_the_pusher_returns_is_acted_on_once_it_returned(
     joins: list[RunPosition] = []
     join = producer._membership.join
     monkeypatch.setattr(producer._membership, "join", lambda s: joins.append(s) or join(s))
-    monkeypatch.setattr(producer._pusher, "serve_shard", lambda *a, **k: Status.RUN_CHANGED)
+    monkeypatch.setattr(producer._shards, "serve_shard", lambda *a, **k: Status.RUN_CHANGED)
     producer._serve(Lease(g=0, skip=0, token="t", slots=4, world=1))
     assert joins == [producer._pos]  # joined again, once the pusher had returned
-    monkeypatch.setattr(producer._pusher, "serve_shard", lambda *a, **k: Status.FINISHED)
+    monkeypatch.setattr(producer._shards, "serve_shard", lambda *a, **k: Status.FINISHED)
     with pytest.raises(RunFinished):
         producer._serve(Lease(g=1, skip=0, token="t", slots=4, world=1))

@@ -8,6 +8,7 @@ import fakeredis
 
 from batchq.protocol.keys import QueueKeys
 from consumer.reader.shm_frames import TrainerShm
+from producer.serving.position import RunPosition
 from producer.serving.transport import Transport
 
 
@@ -20,7 +21,7 @@ def shm_pair(
     trainer = TrainerShm(keys, "auto", str(folder))
     trainer.publish(client, 10)
     producer = Transport("auto", str(folder), keys, "p", segments)
-    producer.joined(client, run)
+    producer.joined(client, RunPosition(run))
     if not producer.active:
         raise RuntimeError("the producer does not see the trainer's host")
     return producer, trainer

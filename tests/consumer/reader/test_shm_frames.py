@@ -20,6 +20,7 @@ from batchq.wire import codec, shm
 from batchq.wire.codec import FrameKind
 from consumer.reader.prepare import make_writable
 from consumer.reader.shm_frames import TrainerShm
+from producer.serving.position import RunPosition
 from producer.serving.transport import ShmFrame, Transport
 
 FIELDS: dict[str, Any] = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "producer": "p"}
@@ -216,7 +217,7 @@ def test_sweep_removes_only_free_segments_of_producers_that_are_gone(
     pools = {}
     for name in ("gone", "alive"):
         transport = Transport("auto", str(tmp_path), keys, name, 4)
-        transport.joined(fake_redis, "ab12")
+        transport.joined(fake_redis, RunPosition("ab12"))
         pools[name] = transport
     free = send(pools["gone"], np.zeros(100))
     busy = send(pools["gone"], np.ones(100))
@@ -239,11 +240,11 @@ def test_a_rejoin_of_the_same_run_never_reuses_an_old_segment(
     trainer = TrainerShm(keys, "auto", str(tmp_path))
     trainer.publish(fake_redis, 10)
     producer = Transport("auto", str(tmp_path), keys, "p", 4)
-    producer.joined(fake_redis, "ab12")
+    producer.joined(fake_redis, RunPosition("ab12"))
     busy = send(producer, np.ones(100))
     free = send(producer, np.zeros(100))
     free.abandon()
-    producer.joined(fake_redis, "ab12")  # e.g. after being reaped, or a reconnect
+    producer.joined(fake_redis, RunPosition("ab12"))  # e.g. after being reaped, or a reconnect
     assert not os.path.exists(free.segment.path)
     assert os.path.exists(busy.segment.path)  # its batch may still be popped
     again = send(producer, np.zeros(100))

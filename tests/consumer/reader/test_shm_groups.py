@@ -16,6 +16,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.wire import codec
 from batchq.wire.codec import FrameKind
 from consumer.reader.shm_frames import SWEEP_S, TrainerShm
+from producer.serving.position import RunPosition
 from producer.serving.transport import ShmFrame, Transport
 
 FIELDS: dict[str, Any] = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "producer": "p"}
@@ -32,7 +33,7 @@ def groups_pair(
         trainers[slot] = TrainerShm(keys, "auto", str(folder))
         trainers[slot].publish(client, 10, slot)
     producer = Transport("auto", str(folder), keys, "p", 2)
-    producer.joined(client, "ab12", groups=max(slots) + 1)
+    producer.joined(client, RunPosition("ab12", groups=max(slots) + 1))
     return producer, trainers
 
 

@@ -10,7 +10,7 @@ from frame_args import encode_with
 from shm_pair import shm_pair
 
 from batchq.wire.codec import FrameKind
-from producer.serving.ahead import AHEAD_MAX_BUILD_S, MAX_AHEAD, Ahead, Lease, Ready
+from producer.serving.ahead import AHEAD_MAX_BUILD_S, MAX_LEASES_AHEAD, Ahead, Lease, Ready
 from producer.serving.transport import ShmFrame
 
 FIELDS = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "producer": "p"}
@@ -20,7 +20,7 @@ def test_two_ahead_only_for_quick_shards_while_the_trainer_waits() -> None:
     ahead = Ahead()
     assert ahead.wanted(0.0) == 1  # no push seen yet: the list's state is unknown
     ahead.depth = 1  # the last push found the list empty: the trainer waits for us
-    assert ahead.wanted(AHEAD_MAX_BUILD_S / 2) == MAX_AHEAD == 2
+    assert ahead.wanted(AHEAD_MAX_BUILD_S / 2) == MAX_LEASES_AHEAD == 2
     assert ahead.wanted(AHEAD_MAX_BUILD_S * 2) == 1  # a slow shard: others build in parallel
     ahead.depth = 5  # the list holds frames: trainer-bound, nothing to gain
     assert ahead.wanted(0.0) == 1

@@ -1,13 +1,16 @@
-"""producer.serving.blocking: the wait clock and the data-parallel hand-back decision."""
+"""producer.serving.blocking: the clock of a blocked push and the data-parallel hand-back
+decision."""
 
 from __future__ import annotations
 
 import fakeredis
+import pytest
 
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import rank_field
-from producer.serving.blocking import hand_back_reason
+from producer.serving import blocking
+from producer.serving.blocking import HANDBACK_S, Waiting, hand_back_reason
 
 K = QueueKeys("blk")
 WORLD = 2
@@ -45,3 +48,22 @@ def test_a_reading_peer_with_an_empty_list_gets_the_shard_handed_back(
 ) -> None:
     _ranks(fake_redis, live=[True, True], depths=[3, 0])
     assert hand_back_reason(fake_redis, K, 0, WORLD) == "another rank's list is empty"
+
+
+def test_the_wait_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(blocking.time, "monotonic", lambda: now[0])
+    wait = Waiting()
+    assert wait.since_last_try_ms() == 0  # never blocked
+    assert wait.start() is False  # the first block starts the clocks
+    now[0] += 0.25
+    assert wait.since_last_try_ms() == 250
+    assert wait.since_last_try_ms() == 0  # each try reports only its own wait
+    assert wait.start() is True
+    assert not wait.hand_back_due()
+    now[0] += HANDBACK_S
+    assert wait.hand_back_due()
+    assert not wait.hand_back_due()  # once per HANDBACK_S
+    wait.restart()
+    now[0] += 0.5
+    assert wait.since_last_try_ms() == 500

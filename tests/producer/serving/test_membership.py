@@ -29,7 +29,7 @@ def _membership(stop: threading.Event | None = None) -> Membership:
     )
     return Membership(
         None,  # type: ignore[arg-type]  # every call is patched: no Redis
-        QueueKeys("m"), "p", ShardPlan(stream), hwm=3, window=6, heartbeat_ttl_ms=1000,
+        QueueKeys("m"), "p", ShardPlan(stream), lease_window=6, heartbeat_ttl_ms=1000,
         orphan_wait_s=30.0, axis_labels=None, stop=stop or threading.Event(),
     )  # fmt: skip
 
@@ -49,8 +49,10 @@ def _replies(monkeypatch: pytest.MonkeyPatch, *replies: JoinReply) -> list[dict[
 
 
 def test_a_join_gives_the_position_of_the_run_it_joined(monkeypatch: pytest.MonkeyPatch) -> None:
-    _replies(monkeypatch, JoinReply(Status.OK, "inc", "run", "3", 4, 6, True, 2))
-    assert _membership().join(RunPosition()) == RunPosition("run", "inc", 2)
+    calls = _replies(monkeypatch, JoinReply(Status.OK, "inc", "run", "3", 4, 6, True, 2))
+    joined = _membership().join(RunPosition(list_cap=3))
+    assert joined == RunPosition("run", "inc", 2, list_cap=3)  # the cap goes on
+    assert calls[0]["hwm"] == 3 and calls[0]["window"] == 6
 
 
 def test_a_refused_join_raises_what_it_means(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,9 +63,9 @@ def test_a_refused_join_raises_what_it_means(monkeypatch: pytest.MonkeyPatch) ->
     )
     m = _membership()
     with pytest.raises(RunFinished):
-        m.join(RunPosition())
+        m.join(RunPosition(list_cap=3))
     with pytest.raises(PipelineMismatch, match="hwm"):
-        m.join(RunPosition())
+        m.join(RunPosition(list_cap=3))
 
 
 def test_after_redis_lost_the_run_a_producer_that_served_it_waits_without_creating(
@@ -73,7 +75,8 @@ def test_after_redis_lost_the_run_a_producer_that_served_it_waits_without_creati
         monkeypatch, JoinReply(Status.WAIT), JoinReply(Status.OK, "inc2", "run", "3", 4, 6, False)
     )
     monkeypatch.setattr(membership, "JOIN_POLL_S", 0.0)
-    assert _membership().join(RunPosition("run", "inc")) == RunPosition("run", "inc2")
+    served = RunPosition("run", "inc", list_cap=3)
+    assert _membership().join(served) == RunPosition("run", "inc2", list_cap=3)
     assert [c["no_create"] for c in calls] == [True, True]  # within orphan_wait_s
 
 
@@ -81,7 +84,7 @@ def test_a_producer_stopped_while_waiting_joins_nothing(monkeypatch: pytest.Monk
     _replies(monkeypatch, JoinReply(Status.WAIT))
     stop = threading.Event()
     stop.set()
-    assert _membership(stop).join(RunPosition("run", "inc")) is None
+    assert _membership(stop).join(RunPosition("run", "inc", list_cap=3)) is None
 
 
 def test_axis_labels_as_the_trainer_reads_them() -> None:

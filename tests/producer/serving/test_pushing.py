@@ -1,5 +1,5 @@
-"""producer.serving.pushing on its own: a ShardPusher built from explicit parts (no Producer),
-and what counts as "the user's pipeline raised"."""
+"""producer.serving.pushing on its own: a ShardPusher and the FramePusher it holds, built
+from explicit parts (no Producer), and what counts as "the user's pipeline raised"."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from batchq.wire import codec, shm
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
 from producer.serving import ahead, frame_push
-from producer.serving.ahead import Lease
-from producer.serving.frame_push import Handover
+from producer.serving.ahead import Ahead, Lease
+from producer.serving.blocking import HANDBACK_S, Waiting
+from producer.serving.frame_push import FramePusher, Handover
 from producer.serving.frames import PushSettings
 from producer.serving.position import RunPosition
 from producer.serving.pushing import ShardPusher
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
-from producer.serving.waiting import HANDBACK_S, Waiting
 from producer.streams import DataStream
 from producer.transformers import Mapping
 
@@ -65,15 +65,20 @@ def _pusher(
         )  # fmt: skip
         return call, "t9"
 
-    return ShardPusher(
+    plan = ShardPlan(stream, None)
+    transport = transport or Transport("redis", None, keys, "p", None)
+    held = Ahead()
+    frames = FramePusher(
         settings,
         redis.Redis.from_url("redis://127.0.0.1:1/0"),  # never reached: pushes are patched
-        ShardPlan(stream, None),
-        transport or Transport("redis", None, keys, "p", None),
+        transport,
         RunPosition("run", "inc"),
         threading.Event(),
         no_lease,
+        held,
+        plan.shards,
     )
+    return ShardPusher(frames, plan, transport, held)
 
 
 def test_a_pipeline_that_raises_is_counted_against_the_shard() -> None:
@@ -135,8 +140,8 @@ def test_a_status_that_is_not_the_pushers_goes_to_the_producer(
 
 def test_aim_points_the_pushes_at_a_ranks_list() -> None:
     p = _pusher()
-    p.aim(2, 4)
-    assert p._data_key == QueueKeys("q").data_of(2, 4)
+    p.frames.aim(2, 4)
+    assert p.frames.data_key == QueueKeys("q").data_of(2, 4)
 
 
 def test_a_descriptor_refused_with_reroute_goes_through_redis_and_frees_its_segment(
@@ -156,7 +161,7 @@ def test_a_descriptor_refused_with_reroute_goes_through_redis_and_frees_its_segm
 
     monkeypatch.setattr(frame_push, "push_call", push_call)
     replies = iter([[b"REROUTE"], [b"OK", 1]])
-    p._send = lambda *args: [next(replies)]  # type: ignore[method-assign]
+    p.frames._send = lambda *args: [next(replies)]  # type: ignore[method-assign]
     assert p._push_batch(frame, "0:t", True, 0) is True
     (descriptor, host), (inline, no_host) = pushed
     assert shm.is_descriptor(descriptor) and host == transport.identity
@@ -176,7 +181,7 @@ def test_a_descriptor_whose_push_lost_its_connection_is_remembered_as_uncertain(
     def send(*args: Any) -> list[Any]:
         raise ConnectionLost("Redis connection lost while pushing a frame")
 
-    p._send = send  # type: ignore[method-assign]
+    p.frames._send = send  # type: ignore[method-assign]
     with pytest.raises(ConnectionLost):
         p._push_batch(frame, "0:t", True, 0)
     assert transport._uncertain == [(frame, QueueKeys("q").data)]
@@ -197,7 +202,7 @@ def test_the_next_leased_shard_is_built_while_the_last_push_travels() -> None:
         order.append("read")
         return [[b"OK", 1], *([[b"BUSY"]] * len(leases or ()))]
 
-    p._send = send  # type: ignore[method-assign]
+    p.frames._send = send  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:run:t0")
     assert order[-3:] == ["sent", "built", "read"]  # the last push built shard 1 meanwhile
     ready = p.ahead.ready
@@ -225,7 +230,7 @@ def test_a_pipeline_error_met_while_building_ahead_is_reported_by_that_shard() -
     p = _pusher(fail_at=10, leasing=True)  # shard 1's first batch raises
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1, run="run"))
     p.ahead.depth = 1
-    p._send = _pushed_and_busy  # type: ignore[method-assign]
+    p.frames._send = _pushed_and_busy  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:run:t0")
     assert p.ahead.ready is not None and isinstance(p.ahead.ready.error, ValueError)
     failed: list[tuple[int, int, str]] = []
@@ -245,9 +250,9 @@ def test_a_lease_refused_for_oom_never_hides_the_push_that_went_through() -> Non
         sends.append(len(leases or ()))
         return [[b"OK", 1], *([oom] * len(leases or ()))]  # the push went through
 
-    p._send = send  # type: ignore[method-assign]
+    p.frames._send = send  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:run:t0")  # would be LEASE_LOST (and drop the listed frame) if resent
-    assert sends == [2] and not p.ahead.leases and p.oom_waits == 0
+    assert sends == [2] and not p.ahead.leases and p.frames.oom_waits == 0
 
 
 @pytest.mark.usefixtures("quick_builds")
@@ -267,10 +272,10 @@ def test_a_push_refused_for_oom_is_sent_again_with_its_leases() -> None:
         sends.append(len(leases or ()))
         return next(replies)
 
-    p._send = send  # type: ignore[method-assign]
-    p.wait_for_room = lambda: None  # type: ignore[method-assign]
+    p.frames._send = send  # type: ignore[method-assign]
+    p.frames.wait_for_room = lambda: None  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:run:t0")
-    assert sends == [2, 2] and p.oom_waits == 1
+    assert sends == [2, 2] and p.frames.oom_waits == 1
     assert [lease.g for lease in p.ahead.leases] == [1, 2]
 
 
@@ -289,8 +294,8 @@ def test_a_push_sent_again_after_oom_does_not_build_the_next_shard_again() -> No
             built.append(p.ahead.ready)
         return next(replies)
 
-    p._send = send  # type: ignore[method-assign]
-    p.wait_for_room = lambda: None  # type: ignore[method-assign]
+    p.frames._send = send  # type: ignore[method-assign]
+    p.frames.wait_for_room = lambda: None  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:run:t0")
     assert len(built) == 1 and p.ahead.ready is built[0]
 
@@ -300,7 +305,7 @@ def test_a_shard_served_from_a_batch_built_ahead_still_follows_the_trainers_host
     p = _pusher(leasing=True)
     p.ahead.leases.append(Lease(1, 0, "t1", 4, 1, run="run"))
     p.ahead.depth = 1
-    p._send = _pushed_and_busy  # type: ignore[method-assign]
+    p.frames._send = _pushed_and_busy  # type: ignore[method-assign]
     p.serve_shard(0, 0, "0:run:t0")
     assert p.ahead.ready is not None
     refreshed: list[Any] = []
@@ -322,7 +327,7 @@ def test_a_reply_that_is_the_producers_business_is_returned_with_nothing_dropped
             between()
         return [[b"RUN_CHANGED"], *([[b"BUSY"]] * len(leases or ()))]
 
-    p._send = send  # type: ignore[method-assign]
+    p.frames._send = send  # type: ignore[method-assign]
     assert p.serve_shard(0, 0, "0:run:t0") == Status.RUN_CHANGED
     # The pusher did not act on it: what it holds ahead is the Producer's to drop when
     # it joins again (before, the reply's callback joined while the pusher's call ran).
@@ -337,13 +342,13 @@ def test_a_hand_back_refused_by_a_changed_run_is_handed_to_the_producer(
 ) -> None:
     p = _pusher()
     p.joined(RunPosition("run", "inc", world=2))
-    p.aim(0, 2)
+    p.frames.aim(0, 2)
     monkeypatch.setattr(frame_push, "hand_back", lambda *a: Status.RUN_CHANGED)
-    p.wait_for_room = lambda: None  # type: ignore[method-assign]
+    p.frames.wait_for_room = lambda: None  # type: ignore[method-assign]
     wait = Waiting()
     wait.start()
     wait.full_since -= HANDBACK_S
-    assert p._full("0:t", None, wait) == Handover(Status.RUN_CHANGED)
+    assert p.frames._full("0:t", None, wait) == Handover(Status.RUN_CHANGED)
     monkeypatch.setattr(frame_push, "hand_back", lambda *a: Status.OK)
     wait.full_since -= HANDBACK_S
-    assert p._full("0:t", None, wait) is False  # handed back: the shard is no longer ours
+    assert p.frames._full("0:t", None, wait) is False  # handed back: the shard is no longer ours

@@ -22,10 +22,11 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import rank_field
 from batchq.wire import shm
 from batchq.wire.codec import FrameKind
+from producer.serving.position import RunPosition
 from producer.serving.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 from producer.serving.transport import (
-    DEFAULT_LOOKAHEAD,
-    MAX_LOOKAHEAD,
+    DEFAULT_READER_PREFETCH,
+    MAX_READER_PREFETCH,
     ShmFrame,
     Transport,
     pool_size,
@@ -125,7 +126,7 @@ def test_transport_follows_the_trainers_published_host(
 ) -> None:
     keys = QueueKeys("q")
     transport = Transport("auto", str(tmp_path), keys, "p", 4)
-    transport.joined(fake_redis, "ab12")
+    transport.joined(fake_redis, RunPosition("ab12"))
     data = (np.arange(1000, dtype=np.float32),)
     fields = {**FIELDS, "sources": ("x",), "data": data}
     assert not transport.active
@@ -144,8 +145,8 @@ def test_transport_follows_the_trainers_published_host(
     assert not transport.active and "through Redis" in caplog.text
 
 
-def test_pool_size_covers_every_list_look_ahead_and_hand_of_the_run() -> None:
-    assert pool_size(3, 10, 1) == 3 + 10 + 2 + 2  # list, look-ahead, in hand; pushed, ahead
+def test_pool_size_covers_every_list_reader_prefetch_and_hand_of_the_run() -> None:
+    assert pool_size(3, 10, 1) == 3 + 10 + 2 + 2  # list, reader prefetch, in hand; pushed, ahead
     assert pool_size(3, 10, 4) == 4 * (3 + 10 + 2) + 2  # every rank's may be all ours
 
 
@@ -153,22 +154,22 @@ def test_pool_size_covers_every_list_look_ahead_and_hand_of_the_run() -> None:
     ("published", "expected"),
     [
         (b"4", pool_size(5, 4, 2)),
-        (None, pool_size(5, DEFAULT_LOOKAHEAD, 2)),  # an older trainer: its default hwm
-        (b"0", pool_size(5, DEFAULT_LOOKAHEAD, 2)),
-        (b"lots", pool_size(5, DEFAULT_LOOKAHEAD, 2)),
-        (b"99999999999", pool_size(5, MAX_LOOKAHEAD, 2)),  # memory stays bounded
+        (None, pool_size(5, DEFAULT_READER_PREFETCH, 2)),  # an older trainer: its default hwm
+        (b"0", pool_size(5, DEFAULT_READER_PREFETCH, 2)),
+        (b"lots", pool_size(5, DEFAULT_READER_PREFETCH, 2)),
+        (b"99999999999", pool_size(5, MAX_READER_PREFETCH, 2)),  # memory stays bounded
     ],
 )
-def test_the_pool_follows_the_trainers_published_look_ahead(
+def test_the_pool_follows_the_trainers_published_reader_prefetch(
     tmp_path: Path, fake_redis: fakeredis.FakeRedis, published: bytes | None, expected: int
 ) -> None:
     keys = QueueKeys("q")
-    transport = Transport("auto", str(tmp_path), keys, "p", None, hwm=5)
+    transport = Transport("auto", str(tmp_path), keys, "p", None)
     for rank in (0, 1):  # both ranks of the job on this host
         fake_redis.hset(keys.meta, rank_field(MetaField.SHM_HOST, rank, 2), transport.identity)
         if published is not None:
             fake_redis.hset(keys.meta, rank_field(MetaField.SHM_LOOKAHEAD, rank, 2), published)
-    transport.joined(fake_redis, "ab12", world=2)
+    transport.joined(fake_redis, RunPosition("ab12", world=2, list_cap=5))
     assert transport.active and transport.pool.max_segments == expected
 
 
@@ -176,7 +177,7 @@ def test_frames_for_a_rank_on_another_host_go_through_redis(
     tmp_path: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     keys = QueueKeys("q")
-    transport = Transport("auto", str(tmp_path), keys, "p", None, hwm=5)
+    transport = Transport("auto", str(tmp_path), keys, "p", None)
     fake_redis.hset(
         keys.meta,
         mapping={
@@ -185,7 +186,7 @@ def test_frames_for_a_rank_on_another_host_go_through_redis(
             "shm_lookahead:1": 4,
         },
     )
-    transport.joined(fake_redis, "ab12", world=2)
+    transport.joined(fake_redis, RunPosition("ab12", world=2, list_cap=5))
     assert not transport.active_for(0) and transport.active_for(1)
     assert transport.pool.max_segments == pool_size(5, 4, 1)  # room for rank 1's alone
     fields = {**FIELDS, "sources": ("x",), "data": (np.zeros(10),)}
@@ -199,12 +200,12 @@ def test_an_explicit_shm_segments_is_kept_whatever_the_trainer_publishes(
     tmp_path: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     keys = QueueKeys("q")
-    transport = Transport("auto", str(tmp_path), keys, "p", 3, hwm=5)
+    transport = Transport("auto", str(tmp_path), keys, "p", 3)
     fake_redis.hset(
         keys.meta,
         mapping={MetaField.SHM_HOST: transport.identity or "", MetaField.SHM_LOOKAHEAD: 50},
     )
-    transport.joined(fake_redis, "ab12")
+    transport.joined(fake_redis, RunPosition("ab12"))
     assert transport.pool.max_segments == 3
     with pytest.raises(ConfigError, match="shm_segments 0"):
         Transport("auto", str(tmp_path), keys, "p", 0)
@@ -223,7 +224,7 @@ def test_transport_redis_never_maps_anything(
     auto = Transport("auto", str(tmp_path), keys, "p", 4)
     fake_redis.hset(keys.meta, MetaField.SHM_HOST, auto.identity or "")
     transport = Transport("redis", str(tmp_path), keys, "p", 4)
-    transport.joined(fake_redis, "ab12")
+    transport.joined(fake_redis, RunPosition("ab12"))
     frame = encode_with(
         transport.encode, FrameKind.BATCH, **FIELDS, sources=("x",), data=(np.zeros(10),)
     )
@@ -236,7 +237,7 @@ def test_a_full_folder_warns_once_and_frames_go_through_redis(
     keys = QueueKeys("q")
     transport = Transport("auto", str(tmp_path), keys, "p", 8, max_bytes=100_000)
     fake_redis.hset(keys.meta, MetaField.SHM_HOST, transport.identity or "")
-    transport.joined(fake_redis, "ab12")
+    transport.joined(fake_redis, RunPosition("ab12"))
     data = (np.zeros(60_000, dtype=np.uint8),)
     with caplog.at_level(logging.WARNING):
         frames = [
@@ -262,7 +263,7 @@ def test_joining_removes_other_runs_segments_of_producers_no_longer_alive(
     for name in names.values():
         (tmp_path / name).write_bytes(b"x")
     fake_redis.zadd(keys.producers, {"alive": 1, "p": 1})
-    Transport("auto", str(tmp_path), keys, "p", 4).joined(fake_redis, "ab12")
+    Transport("auto", str(tmp_path), keys, "p", 4).joined(fake_redis, RunPosition("ab12"))
     left = set(os.listdir(tmp_path))
     assert left == {names["alive, old run"], names["dead, this run"]}
 
@@ -280,6 +281,6 @@ def test_a_push_that_lost_its_reply_frees_its_segment_at_the_rejoin_unless_it_is
     fake_redis.lpush(keys.data, listed.element)  # this one's push went through
     transport.uncertain(lost, keys.data)
     transport.uncertain(listed, keys.data)
-    transport.joined(fake_redis, "ab12")  # the rejoin after the reconnect
+    transport.joined(fake_redis, RunPosition("ab12"))  # the rejoin after the reconnect
     assert not os.path.exists(lost.segment.path)  # never listed: it would have stayed
     assert os.path.exists(listed.segment.path)  # the trainer will pop, release, remove
