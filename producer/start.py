@@ -49,7 +49,8 @@ def start_server(
         stripes: split the queue over this many slots (on a cluster, masters), fixed
             when the run is created (:mod:`batchq.protocol.stripes`).
         on_sample_error: 'raise' or 'quarantine' (:mod:`producer.quarantine`), set on
-            the stream's root (a map-style DatasetStream); None: the stream's own.
+            the stream's root (a map-style DatasetStream, or a Fuel DataStream that reads
+            examples by index); None: the stream's own.
         max_quarantined: the fraction of an epoch's examples that may be quarantined;
             None: the stream's own.
         **options: passed to :class:`Producer` (window, requests_per_shard, ...).
