@@ -122,11 +122,16 @@ class Dataset:
         axis_labels: as given.
         default_transformers: ``(cls, args, kwargs)`` triples that
             :meth:`apply_default_transformers` wraps a stream in, in order.
+        requests_by_index: whether :meth:`get_data` takes the example indices an
+            iteration scheme requests (False for :class:`IterableDataset`).
 
     Raises:
         SourceError: a requested source is not provided.
         ConfigError: ``provides_sources`` is not set, or ``sources`` is empty.
     """
+
+    # What on_sample_error='quarantine' needs to replace one example's read.
+    requests_by_index = True
 
     provides_sources: tuple[str, ...] | None = None
     default_transformers: tuple[tuple[type, list[Any], dict[str, Any]], ...] = ()
@@ -182,7 +187,7 @@ class Dataset:
 
     def get_example_stream(self) -> Any:
         """A DataStream reading this dataset with :attr:`example_iteration_scheme`."""
-        from producer.streams import DataStream  # streams import nothing from here
+        from producer.streams import DataStream  # streams import nothing of datasets/
 
         return DataStream(self, iteration_scheme=self.example_iteration_scheme)
 
@@ -225,6 +230,7 @@ class IterableDataset(Dataset):
     """
 
     example_iteration_scheme = None
+    requests_by_index = False
 
     def __init__(self, iterables: Any, **kwargs: Any) -> None:
         if isinstance(iterables, Mapping):

@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from batchq.errors import ConfigError
-from producer.datasets.base import IterableDataset
 from producer.isolation import ChildReader
 from producer.quarantine import SampleErrors
 from producer.schemes import BatchScheme, IndexScheme
@@ -68,7 +67,8 @@ def check_indexable(dataset: Any, scheme: Any) -> tuple[int, Sequence[int]]:
         )
     examples = getattr(dataset, "num_examples", None)
     valid = isinstance(examples, numbers.Integral) and not isinstance(examples, bool)
-    if isinstance(dataset, IterableDataset) or not valid or examples is None:
+    by_index = getattr(dataset, "requests_by_index", True)  # Dataset declares it
+    if not by_index or not valid or examples is None:
         raise ConfigError(
             f"{what}: expected an indexable dataset (an integer num_examples, get_data by "
             f"example index: IndexableDataset, NpyDataset, H5PYDataset), got num_examples "
