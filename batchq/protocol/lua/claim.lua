@@ -64,8 +64,7 @@ local function f(name, r)
   return name .. reader_sfx(slot, r or rank, world)
 end
 
--- The default group of a run not read by several groups, in world 1: a single trainer,
--- whose fields name no slot or rank ('claim', 'claimed'...).
+-- The default group of a run of one group in world 1: a single trainer, no 'done' field.
 local single = n == 0 and world == 1 and group == ''
 -- Whether test(meta field `name` of a rank) holds for some rank of slot i (but `except`).
 local function some_rank(i, name, test, except)
@@ -108,8 +107,7 @@ if op ~= 'acquire' then
   redis.call('DEL', data_key, work_key, wake_key, failures_key, refs_key, remap_key)
   for i = 0, tail_slots - 1 do
     for j = 1, 1 + lists do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
-    -- Its wake list: no producer waits for a group of a finished run (issue 42: they
-    -- were left behind); its remap.
+    -- Its wake list (no producer waits for a finished run: issue 42) and remap.
     redis.call('DEL', slot_key(i, per - 1), slot_key(i, per - 2))
   end
   redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
