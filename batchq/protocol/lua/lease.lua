@@ -28,8 +28,7 @@ local failures_key = KEYS[6]     -- HASH   g -> failed attempts (fail.lua, reaps
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local producer = ARGV[3]
-local token = ARGV[4]            -- unique per lease request: a retried request with the
-                                 -- same token gets the same shard
+local token = ARGV[4]            -- per lease request: a retry with it gets the same shard
 local heartbeat_ttl_ms = tonumber(ARGV[5])
 local prefetch = tonumber(ARGV[6])  -- k > 0 behind a shard's last push (prefetch_declined)
 local after = ARGV[7]            -- the lease entry of the push this rides behind
