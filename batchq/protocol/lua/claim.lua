@@ -1,25 +1,15 @@
 -- claim.lua: a trainer (one rank of one group) acquires, refreshes, releases or finishes
--- its claim on the run. A rank's claim lives in meta fields '<name>' suffixed with the
--- group slot and rank (batchq/protocol/groups.py reader_field; slot 0 of world 1: '<name>').
+-- its claim on the run, in meta fields '<name>' + reader_sfx(slot, rank, world)
+-- (batchq/protocol/groups.py reader_field). How groups take slots, join late, restart and
+-- retire: docs/design.md "Several groups".
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
---              claimed the resumed run `resumed` before), slot, groups (0: the run is not
---              read by several groups)[, retired: the group's slot of another world that
---              this acquire retired]}
---              or {'CONFLICT', ms until the other claim lapses, its holder's name}, {'WORLD',
---                 the run's world}
---                 (a live rank of the run has another), {'FULL', groups} (no slot left),
---                 {'GROUPS', groups} (not the groups the caller's KEYS are for: read them
---                 again)
+--   claimed the resumed run `resumed` before), slot, groups (0: one group)[, retired: the
+--   group's slot of another world this acquire retired]}, or {'CONFLICT', ms until the
+--   other claim lapses, its holder's name}, {'WORLD', the run's (group's) world: a live rank
+--   has another}, {'FULL', groups} (no slot left), {'GROUPS', groups} (not the groups the
+--   caller's KEYS are for: read them again)
 -- refresh/release return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish returns
---              {'OK', group done (0/1: every rank of the group finished), run ended (0/1)}
--- The default group of a run not read by several groups is its single trainer (one per
--- rank), and stays unregistered. A named group is registered at its first claim: the
--- first group to claim a run takes slot 0 (the plain names: a run a trainer without group
--- already reads keeps them for it), the others the next free slot, and a group that joins
--- late starts with its cursors at 0: its epochs are built for it until it catches up with
--- the others. A rank that had held its group's slot and comes back without a checkpoint
--- starts its group again at 0 (a new run where the group is alone); the run ends when
--- every rank of every group finished.
+--   {'OK', group done (0/1: every rank of the group finished), run ended (0/1)}
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local data_key = KEYS[3]         -- LIST   (dropped with a run)
@@ -29,10 +19,8 @@ local wake_key = KEYS[6]         -- LIST
 local failures_key = KEYS[7]     -- HASH
 local refs_key = KEYS[8]         -- HASH   frame key -> readers left
 local remap_key = KEYS[9]        -- HASH   (an elastic resume's; dropped with a run)
--- KEYS[10..]: the keys of group slots 0..max(groups, 1) (batchq.protocol.keys.QueueKeys
--- .slot_keys for key_world ranks, each slot's in a row: ledger, counts, data lists,
--- stats, figures, histories, wake list): what a new or finished run drops, and a new slot
--- clears
+-- KEYS[10..]: the keys of group slots 0..max(groups, 1), each slot's in a row (lib/shared.lua's
+-- slot_tail): what a new or finished run drops, and a new slot clears
 local token = ARGV[1]            -- the trainer's claim token
 local claim_ttl_ms = tonumber(ARGV[2])
 local op = ARGV[3]               -- 'acquire' | 'refresh' | 'release' | 'finish'
@@ -44,19 +32,15 @@ local group = ARGV[8]            -- the group's name ('' the default group)
 local rank = ARGV[9]
 local world = tonumber(ARGV[10])
 local even = ARGV[11]            -- 'pad' | 'drop'
-local resumed = ARGV[12]         -- a second run id to take over: the run that the job's
-                                 -- first resuming rank created (resume.lua), or ''
-local incarnation = ARGV[13]     -- refresh/release/finish: the queue's incarnation the
-                                 -- claim was made in (another, or none: Redis lost the
-                                 -- queue, STATE_LOST; not a takeover); acquire: ''
+local resumed = ARGV[12]         -- a run to take over too: the job's first resumed one, or ''
+local incarnation = ARGV[13]     -- the claim's ('' to acquire; another: STATE_LOST)
 local groups = tonumber(ARGV[14])  -- the group slots the run had when the caller looked
 local key_world = tonumber(ARGV[15])  -- the ranks the KEYS tail has keys for, per slot
 local max_lag = ARGV[16]         -- acquire: the group's max_lag_batches ('' for none)
 local slot_arg = tonumber(ARGV[17])  -- refresh/release/finish: the caller's slot
 local max_groups = tonumber(ARGV[18])  -- the most group slots a run has
 local name = ARGV[19]            -- acquire: the CLIENT SETNAME of the caller's connections
-local dead = ARGV[20]            -- acquire: a holder's name the caller found no connection
-                                 -- of (its process died): its claim is taken, live or not
+local dead = ARGV[20]            -- acquire: a holder's name with no connection left (died)
 local first_tail = 10
 
 local now = server_now_ms()
@@ -80,17 +64,21 @@ local function f(name, r)
   return name .. reader_sfx(slot, r or rank, world)
 end
 
--- The default group of a run not read by several groups, in world 1: a single trainer,
--- whose fields name no slot or rank ('claim', 'claimed'...).
+-- The default group of a run of one group in world 1: a single trainer, no 'done' field.
 local single = n == 0 and world == 1 and group == ''
-local function group_done(i)
+-- Whether test(meta field `name` of a rank) holds for some rank of slot i (but `except`).
+local function some_rank(i, name, test, except)
   local w = slot_world(meta_key, i)
   for r = 0, w - 1 do
-    if redis.call('HGET', meta_key, 'done' .. reader_sfx(i, r, w)) ~= '1' then
-      return false
+    if (w == 1 or tostring(r) ~= except) and
+        test(redis.call('HGET', meta_key, name .. reader_sfx(i, r, w))) then
+      return true
     end
   end
-  return true
+  return false
+end
+local function group_done(i)
+  return not some_rank(i, 'done', function(v) return v ~= '1' end)
 end
 
 if op ~= 'acquire' then
@@ -119,8 +107,7 @@ if op ~= 'acquire' then
   redis.call('DEL', data_key, work_key, wake_key, failures_key, refs_key, remap_key)
   for i = 0, tail_slots - 1 do
     for j = 1, 1 + lists do redis.call('DEL', slot_key(i, j)) end  -- counts, lists
-    -- Its wake list: no producer waits for a group of a finished run (issue 42: they
-    -- were left behind); its remap.
+    -- Its wake list (no producer waits for a finished run: issue 42) and remap.
     redis.call('DEL', slot_key(i, per - 1), slot_key(i, per - 2))
   end
   redis.call('HSET', meta_key, 'finished', 1, 'finished_at', now)
@@ -168,25 +155,9 @@ local function register(name, i, fresh)
   n = math.max(n, i + 1)
   redis.call('HSET', meta_key, 'groups', n)
 end
-local function claimed_by_anyone(i)
-  for r = 0, run_world - 1 do
-    if redis.call('HGET', meta_key, 'claimed' .. reader_sfx(i, r, run_world)) == '1' then
-      return true
-    end
-  end
-  return false
-end
--- Whether a rank of slot i (other than rank `except`, in a run of several ranks) holds
--- a live claim.
+-- Whether a rank of slot i (but `except`, in a run of several ranks) holds a live claim.
 local function live(i, except)
-  local w = slot_world(meta_key, i)
-  for r = 0, w - 1 do
-    if w == 1 or tostring(r) ~= except then
-      local d = redis.call('HGET', meta_key, 'claim_deadline' .. reader_sfx(i, r, w))
-      if tonumber(d or '0') > now then return true end
-    end
-  end
-  return false
+  return some_rank(i, 'claim_deadline', function(d) return tonumber(d or '0') > now end, except)
 end
 -- A new run for this group alone (a run of the default group alone stays unregistered):
 -- the producers see RUN_CHANGED and join it; frames of the old run are dropped here and,
@@ -209,7 +180,7 @@ elseif n == 0 and group == '' then
   end
 elseif n == 0 then
   redis.call('DEL', groups_key)  -- names left by an earlier run
-  if claimed_by_anyone(0) then
+  if some_rank(0, 'claimed', function(v) return v == '1' end) then
     -- A trainer without group reads the run: it keeps slot 0, this group joins late.
     register('', 0, false)
     register(group, 1, true)

@@ -1,9 +1,8 @@
 -- gone.lua: hand back the leases of producers whose Redis connections are all closed
 -- (a killed process), without waiting for their heartbeat deadline.
 -- A producer is reaped only if it still records exactly those ids (it did not reconnect
--- since the caller listed the connections) and is still registered. Only leases of the
--- queue's current, unfinished run go back (reap.lua's rule: an older run's are dropped,
--- counted as stale_leases).
+-- since the caller listed the connections) and is still registered; reap.lua's rule for
+-- the run its leases go back to (hand_back_leases).
 -- Returns {'OK', producers reaped, shards returned} or {'STATE_LOST'}
 local incarnation_key = KEYS[1]  -- STRING
 local producers_key = KEYS[2]    -- ZSET   producer -> heartbeat deadline (ms)

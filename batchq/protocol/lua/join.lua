@@ -22,16 +22,10 @@ local new_incarnation = ARGV[7]  -- incarnation to use if the queue must be crea
 local heartbeat_ttl_ms = tonumber(ARGV[8])
 local version = ARGV[9]          -- protocol version
 local epoch_batches = ARGV[10]   -- batches per epoch (-1 if the pipeline cannot tell)
-local grace_ms = tonumber(ARGV[11])  -- a run that finished less than this long ago is
-                                 -- over for late producers too (they exit); after it, a
-                                 -- producer starts the next run
-local no_create = ARGV[12]       -- '1': create no queue and no run (after Redis lost the
-                                 -- queue's state the trainer re-creates it from its
-                                 -- ledger; producers wait for that)
-local shard_batches = ARGV[13]   -- batches per full shard, 0 if the plan cannot count
-                                 -- them (the params log's numbering, ranks.py)
-local stripes = ARGV[14]         -- the queues the run is striped over (batchq/protocol/
-                                 -- stripes.py): set with the plan, then checked
+local grace_ms = tonumber(ARGV[11])  -- a run finished less ago is over for late producers
+local no_create = ARGV[12]       -- '1': wait for the trainer to re-create a lost queue
+local shard_batches = ARGV[13]   -- batches per full shard (ranks.py), 0 if not countable
+local stripes = ARGV[14]         -- the queues the run is striped over (stripes.py)
 
 local now = server_now_ms()
 
@@ -85,17 +79,14 @@ elseif run_stripes ~= stripes then
   return {'MISMATCH', 'stripes', run_stripes}
 end
 
--- Leases this producer id still holds from an earlier life go back to the front of the
--- work list when they belong to this run (each entry names its run), to be built again:
--- counted as redone_shards, as a reap counts them; leases of an older run are dropped,
--- counted as stale_leases.
+-- Leases this producer id holds from an earlier life: this run's back to work, an older
+-- run's dropped, counted as a reap counts them.
 local back, stale = hand_back_leases(lease_key, work_key, run)
 if back > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', back) end
 if stale > 0 then redis.call('HINCRBY', stats_key, 'stale_leases', stale) end
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world', 'groups')
--- A run read by several groups (batchq/protocol/groups.py): its leases and pushes are the
--- group scripts'.
+-- World and group slots only where the run has them (batchq/protocol/groups.py).
 if m[5] then
   return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4] or '1'), tonumber(m[5])}
 end

@@ -1,54 +1,36 @@
 -- lease.lua: a producer leases its next shard, idempotently, in a run read by one group
 -- or several (batchq/protocol/groups.py).
--- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]} (g: global slot number,
---         epoch * slots + slot, batchq/protocol/ranks.py; slots 0 in a world-1 run of one
---         group: the plan's S; mask: the group slots it is built for, bit i for slot i;
---         skip: batches of it every one of them already has: build it, push only from
---         batch `skip` on; stamp: meta 'params', the params log's '<run>:<version>', ''
---         for none: the producer reads the log again when it changed; attempts: the
---         shard's failed attempts so far, raised, timed out or died with its producer
---         (failures; > 0: the producer isolates its examples first); shard: the shard a
---         slot of a remapped epoch builds, a resume with other ranks)
+-- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]} (g: global slot
+--         number, epoch * slots + slot, batchq/protocol/ranks.py; slots 0 in a world-1 run
+--         of one group: the plan's S; mask: the group slots it is built for, bit i for slot
+--         i; skip: batches of it every one of them has already: push only from batch
+--         `skip` on; stamp: meta 'params', '<run>:<version>' or '': the producer reads the
+--         params log again when it changed; attempts: the shard's failed attempts so far
+--         (> 0: the producer isolates its examples first); shard: the shard a slot of a
+--         remapped epoch builds, after a resume with other ranks)
 --      or {'WAIT', slot} (nothing to mint; slot: the group whose floor holds the shared
 --         stream, -1 for none: its pops wake its own list), {'BUSY'} (prefetch declined),
 --         {'GROUPS', n} (the run has n group slots, not the caller's: read them again),
---         {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}, {'REAPED'} (this producer was
---         declared dead: join again)
--- A run of one group (meta 'groups' unset) takes the fast path: a data-parallel run mints
--- for the rank furthest behind (fewest minted shards above its floor) among those with
--- room in their window and in their data list; a shard handed back is taken from the work
--- list only for a rank whose list has room, so a dead rank's full list never holds the
--- producers.
--- In a run of several groups a shard is minted once for every group of one world (a
--- family) whose cursor ('next' of the group slot and rank) is at it: the groups at the
--- largest cursor share it, a group behind them gets its own (detached, or joined late)
--- until its cursor reaches theirs. The largest cursor (the shared stream) is minted only
--- below floor + W of every group of its family that paces it: every group still reading,
--- except one with max_lag set that is more than that many batches behind the leading
--- group. A handed-back shard (work list)
--- goes to the groups it names, once one of their lists has room.
+--         {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}, {'REAPED'} (join again)
+-- A run of one group (meta 'groups' unset) takes the fast path: the rank furthest behind
+-- with room mints (docs/design.md "Data-parallel trainers"). In a run of several, a shard
+-- is minted once for the groups of a family at its cursor, paced by their windows and
+-- max_lag (docs/design.md "Several groups": cursors and masks, the pace).
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
 local failures_key = KEYS[6]     -- HASH   g -> failed attempts (fail.lua, reaps)
--- KEYS[7..]: every group slot's ledger (slot 0 first; one for a run of one group), then
--- every slot's data lists (slot 0's ranks first; slot i has its own world's), then each
--- slot's remap hash (slot -> shard of the epoch meta remap_epoch[@<i>]; a run of one
--- group: only where data-parallel)
+-- KEYS[7..]: every group slot's ledger (one in a run of one group), then every slot's
+-- data lists (of its own world), then each slot's remap hash (in a run of one group only
+-- where data-parallel)
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local producer = ARGV[3]
-local token = ARGV[4]            -- unique per lease request: a retried request with the
-                                 -- same token gets the same shard
+local token = ARGV[4]            -- per lease request: a retry with it gets the same shard
 local heartbeat_ttl_ms = tonumber(ARGV[5])
-local prefetch = tonumber(ARGV[6])  -- k > 0 when sent right behind a shard's last push:
-                                 -- lease only if that push went through (its entry `after`
-                                 -- left the lease list) and the producer then holds fewer
-                                 -- than k leases (k = 2: the one it builds next while this
-                                 -- reply travels), so that a producer blocked at the hwm
-                                 -- is never granted a further shard another could build
+local prefetch = tonumber(ARGV[6])  -- k > 0 behind a shard's last push (prefetch_declined)
 local after = ARGV[7]            -- the lease entry of the push this rides behind
 local groups = tonumber(ARGV[8])  -- the group slots the caller's KEYS are for (0: one group)
 local first_ledger = 7
@@ -208,9 +190,7 @@ local eb = tonumber(m[9] or '-1')
 if eb > 0 and shards > 0 then per_shard = eb / shards end
 
 -- A shard handed back, for the groups it names, once one of their lists has room and
--- none that paces (no max_lag) is full: its push would wait at that list, and a
--- data-parallel producer hands it back within HANDBACK_S, to be granted again at once
--- while another rank starves (tests/consumer/test_group_elastic.py, 1 run in 8).
+-- none that paces (no max_lag) is full (design.md "Several groups": why).
 for _, e in ipairs(redis.call('LRANGE', work_key, 0, 99)) do
   local g, mask = parse_spec(e)
   if g then
@@ -276,11 +256,10 @@ local function readers(fam, r)
   return out
 end
 
--- The stream to mint from: for each family's rank, each cursor value held by a group. The
--- largest (the shared stream) only within the window of every group that paces it; a
--- group joins a stream only within its own window, and (unless it paces the shared
--- stream without max_lag, when the others wait for it) only with room in its list. Chosen: the stream whose neediest group has the
--- fewest shards minted above its floor; then the one shared by more groups.
+-- The stream to mint from: for each family's rank, each cursor value held by a group; the
+-- largest (the shared stream) only within the window of every group that paces it. A
+-- group joins a stream within its own window, with room in its list (or pacing it
+-- without max_lag). Chosen: the neediest group's fewest minted, then the most groups.
 local holding = -1  -- the group whose window holds the shared stream (the slowest pacer)
 local function choose()
   local best = nil

@@ -1,19 +1,14 @@
 -- params.lua: the run's change log of producer parameters (batchq/protocol/params_log.py),
 -- written here only, and the shards whose batches were built with params that changed
 -- since, handed back to be built again.
--- op 'add':     append {id, index, params, version} for the caller's run (version = the
---               log's entries + 1, meta 'params' = '<run>:<version>'); a call whose id is
---               in the log already adds nothing (ranks of a job making the same call).
---               Returns {'OK', the log's version, the log's JSON} or {'TOO_BIG', bytes}
--- op 'load':    a whole log (`body`, `index` entries) for the run `run`: a checkpoint's,
---               before resume.lua creates that run (no producer serves it without its
---               log), or stripe 0's, copied to another stripe; a log of that run there
---               with as many entries or more is kept (another rank did it, or a retry).
---               Returns {'OK', the log's version, the log's JSON} or {'TOO_BIG', bytes}
--- op 'rebuild': shards built with params since changed go back to the front of the work
---               list (oldest first), the ledger saying how many leading batches of each
---               the trainer keeps (lease.lua's skip); `index` frames were dropped
---               (stats rebuilt_params). Returns {'OK'}
+-- op 'add':     append {id, index, params, version} for the caller's run (meta 'params' =
+--               '<run>:<version>'); a call whose id is in the log already adds nothing.
+-- op 'load':    a whole log (`body`, `index` entries) for the run `run` (a checkpoint's, or
+--               stripe 0's copied to another stripe); a log there as long or longer is kept.
+--               add and load return {'OK', the log's version, its JSON} or {'TOO_BIG', bytes}
+-- op 'rebuild': shards built with params since changed back to the front of the work list,
+--               the ledger saying the batches kept of each (lease.lua's skip); `index`
+--               frames were dropped (stats rebuilt_params). Returns {'OK'}
 -- Every op: {'STATE_LOST'}, {'CLAIM_LOST'}, {'CORRUPT'} (a stored log that is not
 -- batchq's); add and rebuild: {'RUN_CHANGED'}
 local meta_key = KEYS[1]         -- HASH   the run's meta
@@ -27,10 +22,8 @@ local run = ARGV[2]
 local token = ARGV[3]            -- the caller's claim token
 local sfx = ARGV[4]              -- meta field suffix: '' (world 1) or ':<rank>'
 local op = ARGV[5]               -- 'add' | 'load' | 'rebuild'
-local index = ARGV[6]            -- add: the entry's index; load: the entries' count;
-                                 -- rebuild: the frames dropped
-local body = ARGV[7]             -- add: the params (JSON object); load: the entries (a
-                                 -- JSON array); rebuild: ''
+local index = ARGV[6]            -- add: the entry's index; load: entries; rebuild: frames dropped
+local body = ARGV[7]             -- add: the params (JSON object); load: the entries (array)
 local call_id = ARGV[8]          -- add: names the call (letters and digits)
 local max_bytes = tonumber(ARGV[9])  -- the log's cap (batchq.protocol.layout)
 -- ARGV[10..]: rebuild: triples '<epoch>:<slot>' (the ledger field), batches kept,

@@ -28,22 +28,18 @@ local buckets = ARGV[12]         -- wait-time histogram increments 'c1,c2,...' o
 local figures = ARGV[13]         -- the trainer's figures, JSON object, or ''
 local sample = ARGV[14]          -- a history sample, JSON object, or '': the queue side
                                  -- of the moment is added (batchq.monitoring.sizing)
-local sfx = ARGV[15] or ''       -- meta field suffix: '' (world 1) or ':<rank>'
+local sfx = ARGV[15]              -- meta field suffix: '' (world 1) or ':<rank>'
 local wake_cap = tonumber(ARGV[16])     -- the wake list's length cap
 local history_cap = tonumber(ARGV[17])  -- history samples kept
 
 local now = server_now_ms()
--- The types are batchq.protocol.keys.KEY_TYPES.
-local typed = {{meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}}
-for _, kw in ipairs(typed) do
-  local kind = redis.call('TYPE', kw[1]).ok
-  if kind ~= kw[2] and kind ~= 'none' then
-    if kw[1] == data_key then
-      -- Keep the claim while the trainer waits for the list to be repaired.
-      redis.pcall('HSET', meta_key, 'claim_deadline' .. sfx, now + claim_ttl_ms)
-    end
-    return {'WRONG_TYPE', kw[1], kind}
+local refused = wrong_type({{meta_key, 'hash'}, {incarnation_key, 'string'}, {data_key, 'list'}})
+if refused then
+  -- Keep the claim while the trainer waits for the list to be repaired.
+  if refused[2] == data_key then
+    redis.pcall('HSET', meta_key, 'claim_deadline' .. sfx, now + claim_ttl_ms)
   end
+  return refused
 end
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'claim' .. sfx, 'hwm', 'floor' .. sfx, 'groups')
@@ -99,7 +95,7 @@ if sample ~= '' then
   if ok and type(s) == 'table' then
     local live = redis.call('ZRANGEBYSCORE', producers_key, now, '+inf')
     local built, build_ms = 0, 0
-    if #live > 0 and pstats_key then  -- a caller of the 8-key layout adds no totals
+    if #live > 0 then
       local fields = {}
       for _, p in ipairs(live) do
         fields[#fields + 1] = p .. ':batches'

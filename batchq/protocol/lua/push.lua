@@ -11,12 +11,9 @@
 --         {'REROUTE'} (a shared-memory descriptor for a host a target rank's trainer has
 --         not published: send the frame itself)
 -- A full list of a group with max_lag set never holds a push: it is left out, and the
--- shard goes back to the work list for that group alone (dropped mask; the producer
--- leaves it out of the shard's next frames). Such a group holds the others through its
--- window only, while it is within its lag (lease.lua): a full list of later frames while
--- it does not read could otherwise hold them at its floor for ever.
--- A frame stored by reference and pushed into k > 1 lists gets refs[frame key] = k: each
--- reader releases it after reading it (release.lua), the last one deletes it.
+-- shard goes back to the work list for that group alone (dropped mask; design.md "Several
+-- groups", the pace). A frame stored by reference and pushed into k > 1 lists gets
+-- refs[frame key] = k: each reader releases it (release.lua), the last one deletes it.
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local stats_key = KEYS[3]        -- HASH   queue counters
@@ -46,10 +43,8 @@ local by_ref = ARGV[16]          -- '1': the last key is the frame's, stored by 
 local first_target = 9
 
 local now = server_now_ms()
--- Every key's type first (batchq.protocol.keys.KEY_TYPES): a script's writes are not
--- rolled back, so a foreign type found half-way would leave a frame half pushed. The
--- per-producer counters (field '<producer>:<counter>') are
--- batchq.protocol.fields.ProducerStat.
+-- Every key's type first (wrong_type: a foreign one found half-way would leave a frame
+-- half pushed).
 local frame_key = nil
 if by_ref == '1' then frame_key = KEYS[#KEYS] end
 local typed = {

@@ -13,8 +13,7 @@ local clients_key = KEYS[6]      -- HASH   '<producer>', '<producer>:hb' -> CLIE
 local failures_key = KEYS[7]     -- HASH   g -> failed attempts (a death counts one)
 -- KEYS[8..]: the lease lists, one per producer of ARGV[3..]
 local incarnation = ARGV[1]
-local why = ARGV[2]              -- 'dead' (only if the heartbeat deadline has passed) or
-                                 -- 'leave' (unconditionally: the producer is stopping)
+local why = ARGV[2]              -- 'dead' (past its heartbeat deadline) | 'leave' (stopping)
 -- ARGV[3..]: producer ids
 local first_lease, first_producer = 8, 3
 

@@ -12,9 +12,7 @@ local stats_key = KEYS[6]        -- HASH   queue counters
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local n = tonumber(ARGV[3])      -- the number of candidate shards m
-local mask = tonumber(ARGV[4])   -- the caller's group slot as a mask (1: slot 0): a shard
-                                 -- is held only by an entry for its group, and goes back
-                                 -- for it alone (batchq/protocol/groups.py)
+local mask = tonumber(ARGV[4])   -- the caller's group slot as a mask (1: slot 0; groups.py)
 -- ARGV[5..]: m candidate global shard numbers, oldest first; the producer ids whose
 -- lease lists are KEYS[7..]; a data-parallel rank or a group slot > 0 then adds '', its
 -- cursor field ('next:<rank>', 'next@<slot>[:<rank>]') and its candidates' local shard
@@ -48,7 +46,7 @@ for i = first_candidate + n - 1, first_candidate, -1 do
   local minted = tonumber(g)
   if locals then minted = tonumber(ARGV[locals + i - first_candidate]) end
   if minted < tonumber(m[2] or '0') and not held[g] then
-    redis.call('LPUSH', work_key, work_spec(g, mask))
+    redis.call('LPUSH', work_key, work_spec(g, mask))  -- for the caller's group alone
     redis.call('HINCRBY', stats_key, 'redone_shards', 1)
     table.insert(out, g)
   end

@@ -3,16 +3,10 @@
 -- makes every producer join again and drop what it was building.
 -- Returns {'OK', run, slot, groups} or {'CLAIM_LOST'}, {'STEP', the run's (group's) step},
 --         {'GROUPS', groups} (not the groups the caller's KEYS are for: read them again)
--- The default group of a run not read by several groups takes the fast path: the stale
--- contents of the queue go; the ranks of a job resume into one run: the first one creates
--- it (every rank computes the same run id), the others join it and add their ledgers; a
--- rank whose step differs is refused.
--- In a run of several groups (batchq/protocol/groups.py), the run lives on when it is the
--- checkpoint's (or the one another group's resume made from it): only this group's
--- cursor, floor and ledger change, at the checkpoint's epoch, and the others read on. Any
--- other run is replaced by `new_run` (the groups of a sweep resuming one checkpoint
--- compute the same id, so the first creates it and the others join it, each registered
--- again).
+-- The default group of a run of one group takes the fast path: the ranks of a job resume
+-- into one run, the first creating it (docs/design.md "Resume", "Data-parallel trainers").
+-- A run of several groups lives on when it is the checkpoint's (or another group's resume
+-- of it): only this group's cursors and ledger change ("Several groups").
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING (kept for the key layout)
 local data_key = KEYS[3]         -- LIST   (dropped with a run)
@@ -36,21 +30,15 @@ local group = ARGV[10]           -- the group's name ('' the default group)
 local rank = ARGV[11]
 local world = tonumber(ARGV[12])
 local even = ARGV[13]            -- 'pad' | 'drop'
-local step = ARGV[14]            -- the batches yielded at the checkpoint; -1 after Redis
-                                 -- lost the queue's state (each rank recovers its own)
-local held = ARGV[15]            -- '1' if this rank held the resumed run already (the job
-                                 -- resumes again): with the run's step its counters
-                                 -- start again at `first`, with another step the run
-                                 -- starts again from this checkpoint
+local step = ARGV[14]            -- the checkpoint's batches yielded; -1: Redis lost the state
+local held = ARGV[15]            -- '1': this rank held the resumed run already (resumed again)
 local groups = tonumber(ARGV[16])  -- the group slots the run had when the caller looked
 local key_world = tonumber(ARGV[17])  -- the ranks the KEYS tail has keys for, per slot
 local slot_arg = tonumber(ARGV[18])  -- the slot the caller's claim was made for
 local acquired = ARGV[19]        -- the run the caller's claim was made in
 local claim_ttl_ms = tonumber(ARGV[20])
 local wake_cap = tonumber(ARGV[21])  -- the wake list's length cap
-local remap_epoch = ARGV[22]     -- the epoch whose slots are remapped ('' for none: a job
-                                 -- resumed with another number of ranks,
-                                 -- consumer/rank_state.py)
+local remap_epoch = ARGV[22]     -- the epoch an elastic resume remapped, or ''
 local remapped = tonumber(ARGV[23])  -- the number r of remapped slots
 -- ARGV[24..]: r slot, shard pairs (into the remap hash), then the ledger pairs
 -- '<epoch>:<slot>', 'd' or batches already had
@@ -70,12 +58,21 @@ local function wake()
 end
 -- An elastic resume's remapped slots into slot i's remap (slot 0's: the run's remap),
 -- for the epoch meta remap_epoch[@<i>] names.
-local function add_remap(i)
-  if remap_epoch == '' or remapped == 0 then return end
-  local key = slot_key(i, per - 2)
-  for a = 24, first_pair - 1, 2 do redis.call('HSET', key, ARGV[a], ARGV[a + 1]) end
-  redis.call('HSET', meta_key, 'remap_epoch' .. reader_sfx(i, 0, 1), remap_epoch)
-  if i > 0 then redis.call('HSET', meta_key, 'mixed_worlds', 1) end  -- lease.lua reads it
+-- Then the ledger pairs into slot i's ledger.
+local function add_pairs(i)
+  if remap_epoch ~= '' and remapped > 0 then
+    local key = slot_key(i, per - 2)
+    for a = 24, first_pair - 1, 2 do redis.call('HSET', key, ARGV[a], ARGV[a + 1]) end
+    redis.call('HSET', meta_key, 'remap_epoch' .. reader_sfx(i, 0, 1), remap_epoch)
+    if i > 0 then redis.call('HSET', meta_key, 'mixed_worlds', 1) end  -- lease.lua reads it
+  end
+  for a = first_pair, #ARGV, 2 do redis.call('HSET', slot_key(i, 0), ARGV[a], ARGV[a + 1]) end
+end
+-- The plan's figures, unless the first producer is to set them.
+local function set_plan()
+  if hwm == '' then return end
+  redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
+    'epoch_batches', epoch_batches)
 end
 
 if n == 0 and group == '' then
@@ -84,10 +81,6 @@ if n == 0 and group == '' then
   local ledger_key = slot_key(0, 0)
   m = redis.call('HMGET', meta_key, 'claim' .. sfx, 'run', 'resume_step')
   if m[1] ~= token then return {'CLAIM_LOST'} end
-  local function add_pairs()
-    for i = first_pair, #ARGV, 2 do redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1]) end
-    add_remap(0)
-  end
   local again = held == '1' and m[3] ~= step  -- the job resumes another checkpoint
   -- Step -1: not a checkpoint but Redis' lost state: each rank is where it is, so each
   -- sets only its own counters (a rank's neighbours may be in another epoch).
@@ -100,7 +93,7 @@ if n == 0 and group == '' then
       redis.call('HSET', meta_key, 'next' .. sfx, first, 'floor' .. sfx, first)
       if held == '1' and world > 1 then redis.call('DEL', slot_key(0, 2 + tonumber(rank))) end
     end
-    add_pairs()
+    add_pairs(0)
     return {'OK', new_run, 0, 0}
   end
   redis.call('DEL', data_key, work_key, failures_key, ledger_key)
@@ -124,11 +117,8 @@ if n == 0 and group == '' then
       if tostring(r) ~= rank then redis.call('HDEL', meta_key, 'claimed:' .. r) end
     end
   end
-  if hwm ~= '' then
-    redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
-      'epoch_batches', epoch_batches)
-  end
-  add_pairs()
+  set_plan()
+  add_pairs(0)
   wake()
   return {'OK', new_run, 0, 0}
 end
@@ -165,10 +155,7 @@ if not lives then
     'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups', 'mixed_worlds')
   redis.call('HSET', meta_key, 'run', new_run, 'fingerprint', fingerprint)
   if world > 1 then redis.call('HSET', meta_key, 'world', world, 'even', even) end
-  if hwm ~= '' then
-    redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
-      'epoch_batches', epoch_batches)
-  end
+  set_plan()
   n = 0
   slot = 0
   if group ~= '' then
@@ -204,12 +191,10 @@ else
     redis.call('HSET', meta_key, field('claim', slot), token, field('claim_deadline', slot),
       deadline, field('claimed', slot), 1)
   end
-  if world > 1 and step ~= '-1' then
-    local rs = redis.call('HGET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1))
-    if rs and rs ~= step and held ~= '1' then return {'STEP', rs} end
-  end
 end
-if world > 1 and step ~= '-1' then
+if world > 1 and step ~= '-1' then  -- (a replaced run has no resume_step left)
+  local rs = redis.call('HGET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1))
+  if rs and rs ~= step and held ~= '1' then return {'STEP', rs} end
   redis.call('HSET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1), step)
 end
 
@@ -226,10 +211,7 @@ else
     if s % world == tonumber(rank) then redis.call('HDEL', ledger_key, pairs_had[i]) end
   end
 end
-for i = first_pair, #ARGV, 2 do
-  redis.call('HSET', ledger_key, ARGV[i], ARGV[i + 1])
-end
-add_remap(slot)
+add_pairs(slot)
 wake()
 local run_now = new_run
 if lives then run_now = m[1] end

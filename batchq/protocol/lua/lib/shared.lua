@@ -26,15 +26,11 @@ local function entry_run(entry)
   return string.match(entry, '^%d+/?%d*:([^:]*):')
 end
 
--- Hand the shards of a producer's lease list that were leased in `run` back to the front
--- of the work list, for the same groups, in the order they were held so that the oldest
--- is redone first, and delete the list. An entry of another run (a killed producer's
--- list outlives its run) is dropped: its shard is not this run's, and handed over it
--- was built past the new trainer's window (issue 42). run nil (the run finished, or
--- none): every entry is dropped. With `failures_key` (a dead producer's leases) each
--- shard handed back counts a failed attempt, as fail.lua's: a shard that kills every
--- producer building it is isolated, then given up (producer/serving/isolation.py).
--- Returns how many went back, how many were dropped.
+-- Hand the shards of a producer's lease list leased in `run` back to the front of the
+-- work list, for the same groups, oldest first, and delete the list. Another run's entry
+-- is dropped (built past the new trainer's window: issue 42); run nil: every one. With
+-- `failures_key` (a dead producer's) each counts a failed attempt, as fail.lua's
+-- (producer/serving/isolation.py). Returns how many went back, how many were dropped.
 local function hand_back_leases(lease_key, work_key, run, failures_key)
   local held = redis.call('LRANGE', lease_key, 0, -1)
   local returned, dropped = 0, 0
@@ -172,13 +168,11 @@ local function parse_spec(entry)
   return tonumber(g), tonumber(mask)
 end
 
--- The KEYS tail of claim.lua and resume.lua, from index first_tail: the keys of group
--- slots 0..max(groups, 1), each slot's in a row (batchq.protocol.keys.QueueKeys.slot_keys
--- for key_world ranks: ledger, counts, data lists, stats, figures, histories, remap, wake;
--- where key_world > 1 each rank's then the world-1 name: lists = key_world + 1 of each).
--- Returns the keys a slot has, the slots the tail covers, slot_key(i, j) (slot i's j-th
--- key, from 0: its wake list is j = per - 1, its remap per - 2) and lists; nil when the
--- tail does not cover the group slots the caller named (groups).
+-- The KEYS tail of claim.lua and resume.lua from index first_tail: group slots
+-- 0..max(groups, 1), each slot's keys in a row (QueueKeys.slot_keys for key_world ranks:
+-- ledger, counts, `lists` data lists, stats, figures, histories, remap, wake).
+-- Returns per (keys a slot has), the slots covered, slot_key(i, j) (slot i's j-th key from
+-- 0) and lists; nil when the tail does not cover the caller's `groups`.
 local function slot_tail(keys, first_tail, key_world, groups)
   local lists = key_world
   if key_world > 1 then lists = key_world + 1 end
