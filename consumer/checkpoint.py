@@ -53,9 +53,8 @@ from batchq.protocol.layout import DONE, ledger_field
 from batchq.protocol.params_log import ParamsLog
 from batchq.protocol.ranks import RankLayout
 from batchq.protocol.stripes import RemapShare, Stripes
-from consumer.plan import Plan
+from consumer.plan import BLOCK_S, Plan
 from consumer.reader.ledger import Ledger, global_pairs
-from consumer.reader.settings import BLOCK_S
 from consumer.session import Session
 from consumer.stream_options import StreamOptions
 

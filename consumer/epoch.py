@@ -22,9 +22,9 @@ from typing import Any
 from batchq.errors import ConfigError, ProducerFailed
 from batchq.wire.codec import Frame, FrameKind
 from consumer.balance import Balancer, StaticPads
+from consumer.plan import BLOCK_S
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import FramePrep
-from consumer.reader.settings import BLOCK_S
 from consumer.reader.stats import TrainerStats
 
 __all__ = ["EpochFeed", "EpochProgress", "batch_frames"]

@@ -17,8 +17,7 @@ from batchq.client.connection import retrying
 from batchq.errors import LengthUnknown
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout
-from consumer.plan import wait_for_plan
-from consumer.reader.settings import BLOCK_S
+from consumer.plan import BLOCK_S, wait_for_plan
 
 __all__ = ["epoch_length"]
 

@@ -58,7 +58,7 @@ from batchq.protocol.ranks import BatchNumbering, RankLayout, frame_index
 from batchq.protocol.stripes import Stripes
 from batchq.protocol.words import Status, status_error
 from batchq.wire.codec import Frame
-from consumer.reader.buffer import Buffer
+from consumer.plan import ReaderBuffer
 from consumer.reader.filing import Decoded
 from consumer.session import Session
 
@@ -171,7 +171,7 @@ class StreamParams:
         at_batch: Any,
         at_epoch: Any,
         *,
-        buffer: Buffer,
+        buffer: ReaderBuffer,
         consumed: tuple[int, dict[int, int], list[int]],
         step: int,
     ) -> int:
@@ -274,7 +274,7 @@ class StreamParams:
         index = frame_index(g, frame.k, numbering.stride)
         return self.log.version_at(index) != frame.params_version
 
-    def screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
+    def screen(self, decoded: Decoded, client: redis.Redis, buffer: ReaderBuffer) -> Decoded:
         """A reader round's frames less those built with stale params (the reader
         thread, under :attr:`filing`: the filer holds this log as its screen,
         :class:`consumer.reader.filing.FrameScreen`); their shards are noted, for
@@ -302,7 +302,7 @@ class StreamParams:
                 kept.append((frame, raw))
         return Decoded(kept, decoded.stale)
 
-    def send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
+    def send_rebuilds(self, client: redis.Redis, buffer: ReaderBuffer) -> None:
         """Hand the shards noted by :meth:`screen` back (reader thread)."""
         if not self._pending or self._session is None:
             return
@@ -311,8 +311,10 @@ class StreamParams:
         rows = [(e, s, buffer.prefix(e, s), n) for (e, s), n in pending.items()]
         self._rebuild(client, self._session, rows)
 
-    def _drop_stale(self, client: redis.Redis, buffer: Buffer) -> list[tuple[int, int, int, int]]:
-        """Drop what the buffer holds that the log says is stale (:meth:`Buffer.purge`)."""
+    def _drop_stale(
+        self, client: redis.Redis, buffer: ReaderBuffer
+    ) -> list[tuple[int, int, int, int]]:
+        """Drop what the buffer holds that the log says is stale (its ``purge``)."""
         numbering = self.numbering(client)
         return buffer.purge(lambda epoch, frame: self._stale(numbering, epoch, frame))
 

@@ -1,19 +1,44 @@
 """A run's plan: what the producers published of it (:class:`Plan`), the one wait for it
 (:func:`wait_for_plan`), and what a trainer's resume sends of it (:class:`Shape`, within
-the :class:`Restart` it was asked for).
+the :class:`Restart` it was asked for); and the run as the trainer's reader sees it.
+
+The reader (:mod:`consumer.reader`) is a lower layer than the stream: it knows the run
+through :class:`RunView` (its claim's keys, rank, plan and refresh: the trainer's session
+is one) and the buffer it files into through :class:`ReaderBuffer` (the buffer's reader
+side: :class:`consumer.reader.buffer.Buffer` and a stripe's view of it are ones), never
+their modules. ``BLOCK_S`` bounds each of the trainer's waits.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
+
+import redis
 
 from batchq.errors import ProducersLost
 from batchq.protocol.fields import MetaField
+from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DONE, parse_ledger_field
+from batchq.wire.codec import Frame
 
-__all__ = ["Plan", "Restart", "Shape", "past_remap", "resumed_shape", "wait_for_plan"]
+__all__ = [
+    "BLOCK_S",
+    "Plan",
+    "ReaderBuffer",
+    "Restart",
+    "RunView",
+    "Shape",
+    "past_remap",
+    "resumed_shape",
+    "wait_for_plan",
+]
+
+# When the list is empty the reader blocks on BRPOP this long at most, so that the claim
+# is refreshed and a lost producer is noticed; well below the socket timeout. Every wait
+# of the trainer's (for a frame, for the plan) wakes this often.
+BLOCK_S = 0.2
 
 
 class Plan:
@@ -110,3 +135,117 @@ def past_remap(
     epoch, slots = remap
     fields = [(parse_ledger_field(f), f, v) for f, v in ledger if v == DONE]
     return [(f, v) for (e, slot), f, v in fields if e == epoch and slot not in slots]
+
+
+class RunView(Protocol):
+    """The run a reader reads, as it sees it: the claim's keys and figures, the run's
+    plan, and the calls that keep the claim (the trainer's session is one; its reader
+    thread is the only other thread that calls them).
+
+    Attributes:
+        keys: the keys the claim reads (a group's slot: its own).
+        data_key: the list this rank pops.
+        rank, world: this rank of the job's ranks.
+        run, incarnation, token, suffix, claim_ttl_ms: the claim, as the pop script
+            checks it (``suffix``: a rank's meta fields end in it).
+        plan: what the producers published of the run (None before).
+        slot: the group slot the claim reads (0: the run's first group).
+        grouped: the run is read by several groups (frames stored once for all).
+        remap: (epoch, slot -> shard) the run was resumed with (an elastic resume's),
+            or None; remap_done: that epoch's slots past it, done (ledger pairs).
+    """
+
+    keys: QueueKeys
+    data_key: str
+    rank: int
+    world: int
+    run: str
+    incarnation: str
+    token: str
+    suffix: str
+    claim_ttl_ms: int
+    plan: Plan | None
+    slot: int
+    grouped: bool
+    remap: tuple[int, dict[int, int]] | None
+    remap_done: list[tuple[str, str]]
+
+    @property
+    def what(self) -> str:
+        """The claim, for messages ('queue Q[ group G][ rank r]')."""
+
+    def refresh(self, client: redis.Redis) -> None:
+        """Keep the claim alive (idle; every pop refreshes it too)."""
+
+    def reclaim(self, client: redis.Redis) -> None:
+        """Claim again after Redis lost the queue (a :meth:`resume` follows)."""
+
+    def resume(
+        self,
+        client: redis.Redis,
+        first_shard: int,
+        fingerprint: str,
+        ledger: Iterable[tuple[str, str]],
+        *,
+        step: int = 0,
+        shards: int | None = None,
+        remap: tuple[int, dict[int, int]] | None = None,
+    ) -> None:
+        """Re-create the run at ``first_shard`` from the ledger's pairs."""
+
+    def saw_groups(self, groups: int) -> None:
+        """A pop said the run is read by ``groups`` group slots."""
+
+
+class ReaderBuffer(Protocol):
+    """The buffer as the reader sees it: its reader side (the stream's
+    :class:`consumer.reader.buffer.Buffer`, or a stripe's view of it), what the reader
+    thread, its filer and repair, and the params screen call.
+
+    Attributes:
+        error: what stopped the reader (handed to the iterator), or None.
+        dropped_ahead: frames past the look-ahead window dropped so far.
+    """
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    @property
+    def dropped_ahead(self) -> int: ...
+
+    def put(self, frames: list[tuple[Frame, bytes]], stale: int) -> list[tuple[bytes, str]]:
+        """File decoded frames; returns the bad ones (element, reason)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The reader stopped on ``error``: the iterator raises it."""
+
+    def wake(self) -> None:
+        """Wake whoever waits."""
+
+    def idle(self, hwm: int, published_floor: int, wait_s: float) -> tuple[bool, bool]:
+        """(whether the reader has nothing to pop, whether the floor is stale)."""
+
+    def fill(self) -> tuple[int, int]:
+        """(frames held, the floor a pop publishes)."""
+
+    def floor(self) -> int:
+        """The floor the trainer publishes."""
+
+    def purge(self, stale: Callable[[int, Frame], bool]) -> list[tuple[int, int, int, int]]:
+        """Drop held frames built with params since changed: (epoch, shard, batches
+        kept, frames dropped) per shard."""
+
+    def prefix(self, epoch: int, shard: int) -> int:
+        """The leading batches of a shard the trainer has."""
+
+    def waited_since(self) -> float | None:
+        """Since when the iterator waits for a frame (None: it does not)."""
+
+    def missing(self) -> tuple[int, list[int]]:
+        """(epoch, its shards not complete)."""
+
+    def incomplete(self, window: int) -> list[int]:
+        """The shards of the look-ahead window not complete."""
+
+    def received(self) -> tuple[int, list[tuple[str, str]]]:
+        """(the current epoch's first shard, what arrived from it on as ledger pairs)."""

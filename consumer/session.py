@@ -51,7 +51,7 @@ from batchq.protocol.trainer_scripts import (
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from consumer.plan import Plan, Restart, past_remap, resumed_shape, wait_for_plan
 
-__all__ = ["Plan", "Session", "rank_hint"]
+__all__ = ["Session", "rank_hint"]
 
 # The scripts answer GROUPS when the run's groups changed since the caller read them
 # (another group registered meanwhile): read again, at most this many times in a row.

@@ -21,7 +21,7 @@ they hold, and they follow stripe 0's start:
 
 Each stripe has its own session (claim, run id, incarnation), client, shared-memory host
 and reader thread; the readers file into the one buffer (a striped queue's through a
-:class:`consumer.reader.stripes.StripeView` each). Only stripe 0's reader sends the
+:class:`consumer.reader.buffer.StripeView` each). Only stripe 0's reader sends the
 trainer's figures; every stripe's checks frames against the params log (each stripe has
 its own, a copy of stripe 0's: :mod:`consumer.params`).
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,22 +42,19 @@ from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import stripe_run_id
 from batchq.protocol.stripes import Stripes
-from consumer.balance import even_counts
+from consumer.balance import Balancer, StaticPads, even_counts
 from consumer.checkpoint import RUN_KEY, Resumed, resume_position, resume_run_id
-from consumer.epoch import EpochFeed
 from consumer.group_drain import drain_group
 from consumer.params import StreamParams
-from consumer.plan import Plan
-from consumer.reader.buffer import Buffer
+from consumer.plan import BLOCK_S, Plan
+from consumer.reader.buffer import Buffer, StripeView
 from consumer.reader.ledger import Ledger, global_pairs
 from consumer.reader.prepare import FramePrep
-from consumer.reader.settings import BLOCK_S, ReaderSettings
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.stats import TrainerStats
-from consumer.reader.stripes import StripeView
 from consumer.reader.thread import Reader, Readers
 from consumer.session import Session
-from consumer.stream_options import StreamOptions
+from consumer.stream_options import ReaderSettings, StreamOptions
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +87,13 @@ class Stripe(NamedTuple):
 class Started(NamedTuple):
     """What a stream holds once reading started: its stripes (stripe 0's first; one for a
     plain queue), the buffer (the ledger's one owner), the readers (one per stripe,
-    started), the feed of epochs, and S of the run's plan."""
+    started), how this rank's counts come out equal (the stream's epochs use it:
+    :class:`consumer.epoch.EpochFeed`), and S of the run's plan."""
 
     stripes: list[Stripe]
     buffer: Buffer
     readers: Readers
-    feed: EpochFeed
+    evener: Balancer | StaticPads | None
     plan_shards: int
 
 
@@ -160,7 +157,6 @@ def open_reading(
     shm: TrainerShm,
     prep: FramePrep,
     stats: TrainerStats,
-    seen: Counter[str],
     params: StreamParams,
     connect: Callable[[QueueKeys], redis.Redis],
 ) -> Started:
@@ -177,7 +173,6 @@ def open_reading(
             striped queue's other stripes get a sibling each).
         prep: the stream's frame preparation (the one owner of the array access).
         stats: the trainer's figures (stripe 0's reader sends them).
-        seen: batches handed out, by producer (the stream's ``producers_seen``).
         params: the stream's params log (bound to the session and the rank's split
             here; stripe 0's reader checks each frame's params version against it).
         connect: a new client for a queue's keys (each reader's, each stripe's).
@@ -219,9 +214,8 @@ def open_reading(
         start.layout, plan is not None and plan.epoch_batches == plan.shards, session.client,
         session.keys, session.rank, timeout_s, keep=options.hwm,
     )  # fmt: skip
-    feed = EpochFeed(buffer, readers.is_alive, evener, stats, prep, seen)
     readers.start()
-    return Started(stripes, buffer, readers, feed, start.plan_shards)
+    return Started(stripes, buffer, readers, evener, start.plan_shards)
 
 
 def claim_to_finish(

@@ -157,9 +157,11 @@ class ServerDataStream(FuelStreamMixin):
         # a trainer whose process died by the name's absence, not by its lapse.
         self._client_name = trainer_client_name()
         # The claim (kept from the moment it is made), then, once reading starts (the
-        # first epoch), the parts that read the run (consumer.start.Started).
+        # first epoch), the parts that read the run (consumer.start.Started) and the
+        # feed of its epochs from their buffer.
         self._session: Session | None = None
         self._started: Started | None = None
+        self._feed: EpochFeed | None = None
         self._resume: dict[str, Any] | None = None
         self._closed = False
         # Batches handed out, by the producer that made them (monitoring, tests).
@@ -200,10 +202,6 @@ class ServerDataStream(FuelStreamMixin):
     def _reader(self) -> Reader | None:
         """Stripe 0's reader (the queue's own)."""
         return self._started.readers.first if self._started is not None else None
-
-    @property
-    def _feed(self) -> EpochFeed | None:
-        return self._started.feed if self._started is not None else None
 
     @property
     def writable(self) -> bool:
@@ -479,8 +477,8 @@ class ServerDataStream(FuelStreamMixin):
         """Start reading, once: claim the queue, find where the run starts, start the
         reader threads (:mod:`consumer.start`). The claim is kept from the moment
         it is made: :meth:`close` releases it whatever failed after."""
-        if self._started is not None:
-            return self._started.feed
+        if self._feed is not None:
+            return self._feed
         self._refind_rank()
         self._connect()
         resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
@@ -496,11 +494,15 @@ class ServerDataStream(FuelStreamMixin):
             shm=self._shm,
             prep=self._prep,
             stats=self._stats,
-            seen=self.producers_seen,
             params=self._params,
             connect=self._named_client,
         )
-        return self._started.feed
+        started = self._started
+        self._feed = EpochFeed(
+            started.buffer, started.readers.is_alive, started.evener, self._stats, self._prep,
+            self.producers_seen,
+        )  # fmt: skip
+        return self._feed
 
     def _refind_rank(self) -> None:
         """Before the claim, find the rank again where it was not given: a process group

@@ -1,5 +1,6 @@
 """ServerDataStream's constructor arguments, checked and held once (:class:`StreamOptions`),
-the checks of its arguments, and this process's rank in its job (:func:`find_rank`)."""
+the checks of its arguments, this process's rank in its job (:func:`find_rank`), and the
+reader's settings fixed from them when reading starts (:class:`ReaderSettings`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from batchq.errors import ConfigError
 from batchq.protocol.groups import check_group
 from batchq.protocol.ranks import RankLayout
 
-__all__ = ["StreamOptions", "check_stream_options", "find_rank"]
+__all__ = ["ReaderSettings", "StreamOptions", "check_stream_options", "find_rank"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,35 @@ class StreamOptions:
     def claim_ttl_ms(self) -> int:
         """``claim_ttl_s`` in the scripts' unit."""
         return int(self.claim_ttl_s * 1000)
+
+
+@dataclass(frozen=True)
+class ReaderSettings:
+    """The reader's settings, fixed when reading starts (the stream's, at its first epoch).
+
+    Attributes:
+        options: the stream's options (the reader reads hwm, the trainer's prefetch
+            bound; timeout_s, after which ProducersLost is raised with no producer
+            alive, also the bound of a reconnect and of the wait for a replaced key's
+            repair; max_frame_bytes, above which frames go to the dead list undecoded;
+            on_bad_frame, 'raise' or 'skip'; stall_s, after which without a frame
+            dead producers are reaped and shards with a gap handed back).
+        writable: writable arrays: frames stored by reference are received into buffers
+            of their own (no copy); frames inside the list are copied once (the
+            stream's frame preparation says, as set before the first epoch).
+        layout: a data-parallel job's split: the ledger holds this rank's local shards.
+            None for a single trainer (a layout of world 1 is stored as None).
+    """
+
+    options: StreamOptions
+    writable: bool = False
+    layout: RankLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout.world == 1:
+            # Ranks of a data-parallel job read their own list and renumber their slots
+            # as local shards; a single trainer does neither.
+            object.__setattr__(self, "layout", None)
 
 
 def check_stream_options(options: dict[str, Any]) -> None:

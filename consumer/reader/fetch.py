@@ -38,7 +38,6 @@ from batchq.protocol.calls import execute_pipeline, round_trip
 from batchq.protocol.keys import QueueKeys
 from batchq.wire import refs
 from batchq.wire.shm import is_descriptor
-from consumer.reader.shm_frames import TrainerShm
 
 __all__ = ["Fetched", "Fetcher", "Reply", "get_and_release", "getdel_into", "ref_error", "release"]
 
@@ -53,7 +52,9 @@ class Fetcher:
     Args:
         client: the reader's client.
         keys: the queue's keys.
-        shm: the trainer's shared memory.
+        resolve: a shared-memory descriptor's frame bytes (the trainer's shared memory,
+            :meth:`consumer.reader.shm_frames.TrainerShm.resolve`; None: a duplicate
+            already released).
         max_frame_bytes: referenced frames above this are dropped unfetched.
         dead: records a bad element with its reason (and applies the trainer's policy:
             it may raise).
@@ -63,13 +64,13 @@ class Fetcher:
         self,
         client: redis.Redis,
         keys: QueueKeys,
-        shm: TrainerShm,
+        resolve: Callable[[bytes], Any],
         max_frame_bytes: int | None,
         dead: Callable[[bytes, FrameError], None],
     ) -> None:
         self.client = client
         self.keys = keys
-        self.shm = shm
+        self.resolve = resolve
         self.max_frame_bytes = max_frame_bytes
         self._dead = dead
         # A run read by several groups: frames stored by reference may be stored once
@@ -84,7 +85,7 @@ class Fetcher:
         for i, element in enumerate(elements):
             if is_descriptor(element):
                 try:  # a read-only array over the segment, owning the batch
-                    out.append((self.shm.resolve(element), element, ""))
+                    out.append((self.resolve(element), element, ""))
                 except FrameError as e:
                     self._dead(element, e)
                     out.append((None, element, ""))

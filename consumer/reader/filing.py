@@ -2,7 +2,7 @@
 other runs dropped, a rank's slots renumbered as its local shards, prepared for the
 trainer (:class:`consumer.reader.prepare.FramePrep`), screened (a :class:`FrameScreen`
 the filer holds: the stream's params log drops frames built with params since changed),
-then filed (:meth:`Buffer.put`).
+then filed (:meth:`ReaderBuffer.put`).
 
 What fails on the way is a bad frame (:class:`consumer.reader.dead.DeadList`): a frame
 that does not decode, a slot that is not this rank's, a frame the ledger finds
@@ -21,11 +21,11 @@ import redis
 from batchq.errors import FrameError
 from batchq.protocol.ranks import RankLayout
 from batchq.wire import codec
-from consumer.reader.buffer import Buffer
+from consumer.plan import ReaderBuffer, RunView
 from consumer.reader.dead import DeadList
 from consumer.reader.fetch import Fetched
-from consumer.reader.settings import ReaderSettings, RunView
 from consumer.reader.stats import Accounting
+from consumer.stream_options import ReaderSettings
 
 __all__ = ["Decoded", "Filer", "FrameScreen"]
 
@@ -48,10 +48,10 @@ class FrameScreen(Protocol):
         """Held across a round's screening and filing (a change of the screen's own
         waits for it: a frame is filed before the change or screened after it)."""
 
-    def screen(self, decoded: Decoded, client: redis.Redis, buffer: Buffer) -> Decoded:
+    def screen(self, decoded: Decoded, client: redis.Redis, buffer: ReaderBuffer) -> Decoded:
         """``decoded`` less the frames that must not be filed."""
 
-    def send_rebuilds(self, client: redis.Redis, buffer: Buffer) -> None:
+    def send_rebuilds(self, client: redis.Redis, buffer: ReaderBuffer) -> None:
         """Hand back the shards of the frames the last screens dropped."""
 
 
@@ -71,7 +71,7 @@ class Filer:
     def __init__(
         self,
         session: RunView,
-        buffer: Buffer,
+        buffer: ReaderBuffer,
         settings: ReaderSettings,
         prepare: Callable[[codec.Frame], codec.Frame] | None,
         dead: DeadList,

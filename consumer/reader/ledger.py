@@ -21,7 +21,7 @@ from batchq.protocol.ranks import RankLayout
 from batchq.wire.codec import Frame, FrameKind
 from consumer.reader.shard_state import ShardState, why_impossible
 
-__all__ = ["Ledger", "ShardState", "global_pairs"]
+__all__ = ["Ledger", "global_pairs"]
 
 
 class Ledger:

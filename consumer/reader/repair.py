@@ -27,8 +27,8 @@ import redis
 from batchq.errors import ProducersLost
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, reap_gone, requeue_gaps
-from consumer.reader.buffer import Buffer
-from consumer.reader.settings import ReaderSettings, RunView
+from consumer.plan import ReaderBuffer, RunView
+from consumer.stream_options import ReaderSettings
 
 __all__ = ["REAP_CLOSED_S", "REAP_IDLE_S", "StallRepair"]
 
@@ -60,7 +60,7 @@ class StallRepair:
     client: redis.Redis
     keys: QueueKeys
     session: RunView
-    buffer: Buffer
+    buffer: ReaderBuffer
     settings: ReaderSettings
     last_frame: float = field(init=False)
     last_alive: float = field(init=False)

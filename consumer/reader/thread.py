@@ -7,11 +7,12 @@ decodes and files them (:mod:`consumer.reader.filing`). It also keeps the traine
 claim alive, publishes the trainer's floor (the look-ahead window's base) and notices
 when no producer is left (:mod:`consumer.reader.repair`).
 
-The thread talks to the iterator through one channel, the :class:`Buffer`: frames go in
-with :meth:`Buffer.put`, the error that stops the thread is handed over as a value
-(:meth:`Buffer.fail`), and everything the thread reads of the ledger it reads through
-the buffer's methods. It knows the run through a
-:class:`consumer.reader.settings.RunView` (the trainer's session, shared with the
+The thread talks to the iterator through one channel, the buffer
+(:class:`consumer.reader.buffer.Buffer`, seen through its reader side,
+:class:`consumer.plan.ReaderBuffer`): frames go in with ``put``, the error that stops
+the thread is handed over as a value (``fail``), and everything the thread reads of the
+ledger it reads through the buffer's methods. It knows the run through a
+:class:`consumer.plan.RunView` (the trainer's session, shared with the
 stream) and changes it only through its methods (refresh, and after Redis lost the
 queue: reclaim and resume).
 """
@@ -37,16 +38,16 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.trainer_scripts import PopReply
 from batchq.protocol.words import Status, as_int, status_error
 from batchq.wire import codec
-from consumer.reader.buffer import Buffer
+from consumer.plan import BLOCK_S, ReaderBuffer, RunView
 from consumer.reader.dead import DeadList
 from consumer.reader.fetch import Fetched, Fetcher
 from consumer.reader.filing import Filer, FrameScreen
 from consumer.reader.guards import KeyGuard
 from consumer.reader.ledger import global_pairs
 from consumer.reader.repair import StallRepair
-from consumer.reader.settings import BLOCK_S, ReaderSettings, RunView
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.stats import Accounting, TrainerStats
+from consumer.stream_options import ReaderSettings
 
 __all__ = ["QUICK_S", "Reader", "Readers"]
 
@@ -61,7 +62,7 @@ QUICK_S = 0.05
 
 
 class Reader(threading.Thread):
-    """Pops frames for one trainer into its :class:`Buffer`.
+    """Pops frames for one trainer into its buffer.
 
     Args:
         client: a client from :func:`batchq.client.connection.make_client` (owned by the reader).
@@ -83,7 +84,7 @@ class Reader(threading.Thread):
         client: redis.Redis,
         keys: QueueKeys,
         session: RunView,
-        buffer: Buffer,
+        buffer: ReaderBuffer,
         settings: ReaderSettings,
         *,
         stats: TrainerStats | None = None,
@@ -104,7 +105,7 @@ class Reader(threading.Thread):
         self._accounting = Accounting(stats or TrainerStats())
         self._dead = DeadList(client, keys, settings.options.on_bad_frame)
         self._fetcher = Fetcher(
-            client, keys, self.shm, settings.options.max_frame_bytes, self._dead.record
+            client, keys, self.shm.resolve, settings.options.max_frame_bytes, self._dead.record
         )
         self._fetcher.shared = session.grouped
         self._filer = Filer(

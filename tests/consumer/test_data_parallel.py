@@ -6,11 +6,22 @@ import json
 import os
 import signal
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from data_parallel import (
+    BATCH,
+    EXAMPLES,
+    check_elastic_resume,
+    check_epoch,
+    checkpoint_ranks,
+    elastic_restart,
+    plans,
+    rank_argv,
+    shares,
+    spawn_ranks,
+)
 from pipelines import examples_of, numbered
 from train import argv as train_argv
 from train import lines
@@ -18,52 +29,6 @@ from waiting import wait_until
 
 from batchq.errors import ConfigError, StepMismatch, TrainerConflict, WorldSizeMismatch
 from consumer import ServerDataStream
-
-EXAMPLES, BATCH = 220, 10  # 22 batches (one per shard) per epoch: 4 ranks need 2 pads
-
-
-def plans(epochs: int) -> list[list[list[int]]]:
-    """The in-process batches of each epoch, in plan order."""
-    stream = numbered(EXAMPLES, BATCH)
-    return [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(epochs)]
-
-
-def rank_argv(
-    url: str, queue: str, out: Path, epochs: int, rank: int, world: int, *extra: str
-) -> list[str]:
-    return train_argv(url, queue, out, epochs, "--rank", str(rank), "--world", str(world), *extra)
-
-
-def spawn_ranks(
-    spawn_proc: Any,
-    url: str,
-    queue: str,
-    outs: list[Path],
-    epochs: int,
-    *extra: str,
-    per_rank: Callable[[int], list[str]] = lambda r: [],
-) -> list[Any]:
-    """One trainer process per rank (as many as ``outs``), each writing to its own file."""
-    world = len(outs)
-    return [
-        spawn_proc(rank_argv(url, queue, outs[r], epochs, r, world, *extra, *per_rank(r)))
-        for r in range(world)
-    ]  # fmt: skip
-
-
-def checkpoint_ranks(
-    spawn_proc: Any, url: str, queue: str, tmp: Path, epochs: int, world: int, stop: int
-) -> tuple[list[Path], list[dict[str, Any]]]:
-    """Ranks that read ``stop`` batches each, saving their states, then stop."""
-    outs = [tmp / f"a{r}.jsonl" for r in range(world)]
-    states = [tmp / f"s{r}.json" for r in range(world)]
-    procs = spawn_ranks(
-        spawn_proc, url, queue, outs, epochs, "--stop-after", str(stop),
-        per_rank=lambda r: ["--state-out", str(states[r])],
-    )  # fmt: skip
-    for proc in procs:
-        assert proc.wait(timeout=60) == 3
-    return outs, [json.loads(s.read_text()) for s in states]
 
 
 @pytest.fixture
@@ -74,23 +39,6 @@ def producers(spawn_proc: Any, serve_argv: Any, serve_env: Any) -> Any:
         return [spawn_proc(argv, env=env) for _ in range(n)]
 
     return start
-
-
-def shares(outs: list[Path], epochs: int) -> list[list[list[list[int]]]]:
-    """shares[epoch][rank] = the batches that rank yielded in that epoch, in order."""
-    got = [lines(o) for o in outs]
-    return [[[b for ep, b in g if ep == e] for g in got] for e in range(epochs)]
-
-
-def check_epoch(plan: list[list[int]], per_rank: list[list[list[int]]], world: int) -> None:
-    """Equal counts, the plan split slot by slot, pads being the epoch's first batches."""
-    per = -(-len(plan) // world)
-    assert [len(s) for s in per_rank] == [per] * world
-    slots = plan + plan[: per * world - len(plan)]
-    for r, share in enumerate(per_rank):
-        assert share == slots[r::world]  # disjoint, in plan order
-    together = Counter(tuple(b) for s in per_rank for b in s)
-    assert set(together) == {tuple(b) for b in plan}  # every batch of the epoch
 
 
 @pytest.mark.parametrize("queue_url", ["redis", "cluster", "stripes"], indirect=True)
@@ -259,31 +207,12 @@ def test_elastic_resume_keeps_every_epoch_exact(
 ) -> None:
     producers(2)
     epochs = 3
-    outs, saved = checkpoint_ranks(spawn_proc, redis_url, queue_name, tmp_path, epochs, old, stop)
-    (tmp_path / "all.json").write_text(json.dumps(saved))
-    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(new)]
-    second = spawn_ranks(
-        spawn_proc, redis_url, queue_name, outs_b, epochs, "--finish",
-        "--state-in", str(tmp_path / "all.json"),
-    )  # fmt: skip
+    outs, outs_b, second = elastic_restart(
+        spawn_proc, redis_url, queue_name, tmp_path, epochs, old, new, stop
+    )
     for proc in second:
         assert proc.wait(timeout=90) == 0
-    plan = plans(epochs)
-    before = [b for o in outs for _, b in lines(o)]
-    assert len(before) == old * stop  # all of epoch 0, one slot per rank at a time
-    after = shares(outs_b, epochs)
-    rest = after[0]
-    # The rest of epoch 0, re-split: equal counts, the least padding.
-    units = plan[0][old * stop :]
-    per = -(-len(units) // new)
-    assert [len(s) for s in rest] == [per] * new
-    padded = units + units[: per * new - len(units)]
-    assert rest == [padded[r::new] for r in range(new)]
-    got = Counter(tuple(b) for b in before + [b for s in rest for b in s])
-    want = Counter(tuple(b) for b in plan[0] + units[: per * new - len(units)])
-    assert got == want  # exactly the epoch, plus the documented pads
-    for e in range(1, epochs):
-        check_epoch(plan[e], after[e], new)
+    check_elastic_resume(outs, outs_b, epochs, old, new, stop)
 
 
 def test_status_exporter_and_report_show_each_rank(

@@ -12,13 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipelines import examples_of
-from train import lines
-from waiting import wait_until
-
-from batchq.host.embedded import EmbeddedRedis
-from consumer import ServerDataStream
-from tests.consumer.test_data_parallel import (
+from data_parallel import (
     BATCH,
     EXAMPLES,
     check_epoch,
@@ -27,6 +21,12 @@ from tests.consumer.test_data_parallel import (
     shares,
     spawn_ranks,
 )
+from pipelines import examples_of
+from train import lines
+from waiting import wait_until
+
+from batchq.host.embedded import EmbeddedRedis
+from consumer import ServerDataStream
 
 OLD, STOP, EPOCHS = 4, 3, 2  # the first job: 4 ranks, 3 batches each of epoch 0
 

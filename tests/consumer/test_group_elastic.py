@@ -20,13 +20,7 @@ from typing import Any
 
 import pytest
 import redis
-from train import lines
-from waiting import wait_until
-
-from batchq.protocol.fields import MetaField
-from batchq.protocol.groups import reader_field
-from batchq.protocol.keys import QueueKeys
-from tests.consumer.test_data_parallel import (
+from data_parallel import (
     BATCH,
     EXAMPLES,
     check_epoch,
@@ -34,6 +28,12 @@ from tests.consumer.test_data_parallel import (
     shares,
     spawn_ranks,
 )
+from train import lines
+from waiting import wait_until
+
+from batchq.protocol.fields import MetaField
+from batchq.protocol.groups import reader_field
+from batchq.protocol.keys import QueueKeys
 from tests.consumer.test_groups import left_behind
 
 EPOCHS = 3

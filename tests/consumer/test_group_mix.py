@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+from data_parallel import check_epoch, plans, shares
 from pipelines import builds, examples_of
 from train import argv as train_argv
 from waiting import wait_until
@@ -17,7 +18,6 @@ from waiting import wait_until
 from batchq.errors import ConfigError
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
-from tests.consumer.test_data_parallel import check_epoch, plans, shares
 
 EXAMPLES, BATCH = 220, 10  # 22 batches (one shard each) per epoch
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from data_parallel import BATCH, EXAMPLES, check_epoch, plans, shares
 from train import argv as train_argv
 from train import lines
 from waiting import wait_until
@@ -24,7 +25,6 @@ from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
-from tests.consumer.test_data_parallel import BATCH, EXAMPLES, check_epoch, plans, shares
 from tests.consumer.test_groups import left_behind
 
 EPOCHS = 3

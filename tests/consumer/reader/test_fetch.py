@@ -27,7 +27,7 @@ def fetcher(
     dead: list[tuple[bytes, str]] = []
     shm = TrainerShm(KEYS, "redis", None)  # this trainer maps nothing
     return Fetcher(
-        client, KEYS, shm, max_frame_bytes, lambda e, err: dead.append((e, err.reason))
+        client, KEYS, shm.resolve, max_frame_bytes, lambda e, err: dead.append((e, err.reason))
     ), dead
 
 
@@ -84,7 +84,7 @@ def test_a_policy_that_raises_stops_the_round(fake_redis: fakeredis.FakeRedis) -
     def raising(_element: bytes, error: FrameError) -> None:
         raise error
 
-    f = Fetcher(fake_redis, KEYS, TrainerShm(KEYS, "redis", None), None, raising)
+    f = Fetcher(fake_redis, KEYS, TrainerShm(KEYS, "redis", None).resolve, None, raising)
     with pytest.raises(FrameError, match="gone"):
         f.fetch([refs.encode_ref(f"{KEYS.frame_prefix}gone")])
 

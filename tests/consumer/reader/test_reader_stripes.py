@@ -1,13 +1,12 @@
-"""consumer.reader.stripes: one stripe's reader reads the one buffer in its numbers."""
+"""consumer.reader.buffer's StripeView: one stripe's reader reads the one buffer in its numbers."""
 
 from __future__ import annotations
 
 from batchq.protocol.layout import ledger_field
 from batchq.protocol.stripes import Stripes
 from batchq.wire.codec import Frame, FrameKind
-from consumer.reader.buffer import Buffer
+from consumer.reader.buffer import Buffer, StripeView
 from consumer.reader.ledger import Ledger
-from consumer.reader.stripes import StripeView
 
 SHARDS = 10  # per epoch; shard n of the trainer belongs to stripe n % 3
 
