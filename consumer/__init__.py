@@ -6,7 +6,6 @@ it is imported on first use, so that batchq imports without torch.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from typing import Any
 
@@ -20,9 +19,7 @@ if importlib.util.find_spec("torch") is not None:
 def __getattr__(name: str) -> Any:
     if name in ("DataLoaderDispatchError", "DataLoaderWorkersError", "TorchStream"):
         try:
-            # By name, on first use: torch is optional, and the package stands below
-            # its adapter (consumer.torch builds on ServerDataStream, not the reverse).
-            adapter = importlib.import_module("consumer.torch")
+            from consumer import torch as adapter
         except ImportError as e:
             raise ImportError(
                 f"consumer.{name} needs PyTorch: pip install 'batchq[torch]' ({e})"
