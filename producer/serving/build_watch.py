@@ -47,13 +47,17 @@ class BuildWatch:
         )
         self._thread: threading.Thread | None = None
 
-    def call(self, build: Callable[[], T], what: str) -> T:
+    def call(self, build: Callable[[], T], what: str, timeout_s: float | None = None) -> T:
         """``build()`` on the worker thread: its result, or what it raised.
 
+        Args:
+            timeout_s: this build's bound; None: :attr:`timeout_s`.
+
         Raises:
-            BuildTimeout: it took more than timeout_s (``what``: the batch, named in the
+            BuildTimeout: it took more than the bound (``what``: the batch, named in the
                 message); the watch is then :attr:`hung` and runs nothing more.
         """
+        bound_s = self.timeout_s if timeout_s is None else timeout_s
         if self.hung is not None:
             raise self.hung
         if self._thread is None:
@@ -62,11 +66,12 @@ class BuildWatch:
         done: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._jobs.put((build, done))
         try:
-            ok, value = done.get(timeout=self.timeout_s)
+            ok, value = done.get(timeout=bound_s)
         except queue.Empty:
             reading = self.reading()
             self.hung = BuildTimeout(
                 f"{what}: no batch after build_timeout_s={self.timeout_s}"
+                + (f" x {bound_s / self.timeout_s:g}" if bound_s != self.timeout_s else "")
                 + (f" (reading {reading})" if reading else "")
             )
             raise self.hung from None

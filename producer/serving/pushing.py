@@ -76,8 +76,8 @@ class ShardPusher:
         self.params = ProducerParams(self.settings.keys, plan.shard_batches)
         self._shard_params = self.params.shard(0)
         self.watch: BuildWatch | None = None  # build_timeout_s: builds on a watched thread
-        # The shard is built isolated (producer.isolation): every read is bounded there,
-        # so its builds run on the serving thread, unwatched.
+        # The shard is built isolated (producer.isolation): every read of the root is
+        # bounded there; the stages above the root (transformers) are not.
         self.isolated = False
 
     def joined(self, position: RunPosition) -> None:
@@ -159,11 +159,15 @@ class ShardPusher:
             if ready.error is not None:
                 raise ready.error
             return ready.step, ready.frame, ready.took_s
-        if self.watch is None or self.isolated:
-            step = next(batches, None)
+        root_only = self.plan.root is self.plan.stream
+        if self.watch is None or (self.isolated and root_only):
+            step = next(batches, None)  # no watch, or every read bounded in the child
         else:  # at most build_timeout_s, else BuildTimeout: the pipeline failed
             what = f"epoch {epoch} shard {label} batch {k}"
-            step = self.watch.call(lambda: next(batches, None), what)
+            # Isolated under transformers: twice the bound, so that a read that hangs is
+            # named by the child's own verdict (build_timeout_s per read) first.
+            bound_s = self.watch.timeout_s * (2 if self.isolated else 1)
+            step = self.watch.call(lambda: next(batches, None), what, bound_s)
         frame = None
         if step is not None and k >= skip:
             version = self._shard_params.version(k)

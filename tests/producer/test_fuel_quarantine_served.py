@@ -276,3 +276,31 @@ def test_without_quarantine_an_aborting_example_is_producer_failed_naming_it(
     assert f"ExampleKilled: the producer died (SIGABRT) building example {ABORT}" in str(
         caught.value
     )
+
+
+HANG = 120  # the batch holding it never leaves the transformer above the root
+
+
+@pytest.mark.timeout(90)
+def test_a_transformer_that_hangs_on_a_retried_shard_is_still_bounded(
+    redis_url: str, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    # A retried shard is built isolated: the root's reads are bounded in the forked
+    # child, but the transformer above it runs in the producer, still under the build's
+    # watch; so every attempt ends in BuildTimeout and the trainer gets ProducerFailed
+    # after max_attempts, never a producer stuck for good.
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, hang=HANG)
+    argv = serve_argv(
+        "--hwm", "4", "--workers", "2", "--heartbeat-ttl-s", "2", "--build-timeout-s", "1",
+        factory="fuel_quarantine:hanging_stream",
+    )  # fmt: skip
+    spawn_proc(argv, env=env, stderr=subprocess.DEVNULL)
+    with (
+        ServerDataStream(("features", "targets"), False, url=redis_url, queue=queue_name,
+                         timeout_s=80) as s,
+        pytest.raises(ProducerFailed) as caught,
+    ):  # fmt: skip
+        for _ in s.get_epoch_iterator():
+            pass
+    assert "BuildTimeout" in str(caught.value)
+    assert "no batch after build_timeout_s=1" in str(caught.value)

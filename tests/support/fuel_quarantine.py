@@ -10,6 +10,7 @@ drawn per batch (from its generator, reseeded per shard by the plan).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,21 @@ class Noise(RandomStateMixin, Transformer):
         return (*batch, self.uniform(0.0, 1.0, len(batch[0])))
 
 
+class HangOn(Transformer):
+    """Never returns the batch that holds example ``hang`` (a stuck decoder above the
+    dataset's read: the isolated read of the root does not bound it)."""
+
+    def __init__(self, data_stream: Any, hang: int) -> None:
+        super().__init__(data_stream)
+        self.hang = hang
+        self.sources = data_stream.sources
+
+    def transform_batch(self, batch: Any) -> Any:
+        if self.hang in (np.asarray(batch[0])[:, 0] // FEATURES).tolist():
+            threading.Event().wait()  # forever: only the build's watch ends it
+        return batch
+
+
 def dataset(examples: int, bad: set[int]) -> BrokenIndexable:
     """``examples`` examples, those of ``bad`` raising, those of TEST_ABORT aborting."""
     features = np.arange(examples * FEATURES, dtype=np.int64).reshape(examples, FEATURES)
@@ -95,6 +111,14 @@ def quarantine_stream(examples: int | None = None, batch_size: int | None = None
         max_quarantined=_env("max_quarantined", 20) / 1000,
     )  # fmt: skip
     return Noise(root, rng=5)
+
+
+def hanging_stream(examples: int | None = None, batch_size: int | None = None) -> Any:
+    """broken_stream whose batch holding example TEST_HANG never comes out of HangOn."""
+    n = examples or _env("examples", 200)
+    scheme = ShuffledScheme(n, batch_size or _env("batch_size", 10), rng=_env("seed", 7))
+    root = DataStream(dataset(n, bad_examples()), iteration_scheme=scheme)
+    return HangOn(root, _env("hang", 0))
 
 
 def example_stream(examples: int | None = None, batch_size: int | None = None) -> Any:
