@@ -80,6 +80,24 @@ def find_root(stream: Any) -> Any:
     return node
 
 
+def _check_quarantine_at_root(stream: Any, root: Any) -> None:
+    """Quarantine lives on the chain's root: that is where the run's records, the plan's
+    fingerprint and isolation find it (a stream under a Merge is no root).
+
+    Raises:
+        ConfigError: a stream other than the root quarantines, naming it.
+    """
+    for node in iter_chain(stream):
+        errors = getattr(node, "sample_errors", None)
+        if node is not root and getattr(errors, "mode", None) == "quarantine":
+            raise ConfigError(
+                f"on_sample_error='quarantine' is set on a {type(node).__name__} below "
+                f"{type(root).__name__}: expected it on the root of a single chain (a "
+                "DataStream under transformers, not a branch of a Merge); quarantine a "
+                "Merge's branches by serving each as a pipeline of its own"
+            )
+
+
 class _FixedRequests:
     """An iteration scheme that yields a fixed list of requests, once."""
 
@@ -133,6 +151,7 @@ class ShardPlan:
             )
         self.stream = stream
         self.root = find_root(stream)
+        _check_quarantine_at_root(stream, self.root)
         self.scheme = getattr(self.root, "iteration_scheme", None)
         self._plans: dict[int, list[Any]] = {}
         self.map_only = False

@@ -107,8 +107,15 @@ class Transformer(AbstractDataStream):
     @property
     def plan_fingerprint(self) -> Any:
         """The wrapped stream's ``plan_fingerprint`` (what the plan's fingerprint adds:
-        read on the top of the chain, said by its root, e.g. that it quarantines)."""
+        read on the top of the chain, said by its root, e.g. that it quarantines), unless
+        set on this transformer."""
+        if hasattr(self, "_plan_fingerprint"):
+            return self._plan_fingerprint
         return getattr(self.data_stream, "plan_fingerprint", None)
+
+    @plan_fingerprint.setter
+    def plan_fingerprint(self, value: Any) -> None:
+        self._plan_fingerprint = value
 
     def close(self) -> None:
         """Close the wrapped stream."""

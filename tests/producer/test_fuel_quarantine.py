@@ -177,6 +177,11 @@ def test_quarantine_is_refused_where_no_example_is_read_alone() -> None:
     merged = Merge([stream(mode="raise"), stream(mode="raise")], ("a", "b", "c", "d"))
     with pytest.raises(ConfigError, match="given for Merge: expected"):
         set_sample_errors(merged, "quarantine", None)
+    # Set on a branch's own DataStream: no root of the chain, so refused by the plan
+    # (the run's records, the fingerprint and isolation look at the root alone).
+    branch = Merge([stream(), stream(mode="raise")], ("a", "b", "c", "d"))
+    with pytest.raises(ConfigError, match="set on a DataStream below Merge: expected"):
+        ShardPlan(branch)
     outside = DataStream(IndexableDataset(features), iteration_scheme=SequentialScheme(30, 5))
     with pytest.raises(ConfigError, match="indices 0 to 29, outside the dataset's 20"):
         outside.set_sample_errors("quarantine", None)

@@ -17,6 +17,8 @@ from batchq.protocol.params_log import ParamsLog
 from producer import control
 from producer.datasets import IndexableDataset
 from producer.mixture import CHECKPOINT, Mixture
+from producer.serving.sharding import ShardPlan
+from producer.transformers import Mapping
 
 
 def sources(n_a: int = 30, n_b: int = 20) -> dict[str, Any]:
@@ -127,3 +129,17 @@ def test_weights_set_by_the_trainer_are_checked_when_a_batch_reads_them() -> Non
     mixture = Mixture(sources(), {"a": 1}, batch_size=2, batches_per_epoch=2, seed=0)
     with pytest.raises(ConfigError, match=r"params\['weights'\] at batch 0.*'web'"):
         batch(mixture, 0, ParamsLog().add(0, {"weights": {"web": 1}}))
+
+
+def test_a_transformer_above_says_the_mixtures_seed_in_the_plans_fingerprint() -> None:
+    def top(seed: int) -> Mapping:
+        mix = Mixture(sources(), {"a": 0.5, "b": 0.5}, batch_size=5, batches_per_epoch=4, seed=seed)
+        return Mapping(mix, lambda d: d)
+
+    # Two seeds are two pipelines even under a transformer (they once shared a run).
+    assert ShardPlan(top(3)).fingerprint != ShardPlan(top(99)).fingerprint
+    assert ShardPlan(top(3)).fingerprint == ShardPlan(top(3)).fingerprint
+    said = top(3)
+    said.plan_fingerprint = {"mine": 1}  # set on the transformer: it says its own
+    assert said.plan_fingerprint == {"mine": 1}
+    assert ShardPlan(said).fingerprint != ShardPlan(top(3)).fingerprint
