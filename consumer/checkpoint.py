@@ -16,7 +16,8 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
     rank, world_size, even_batches ('pad' | 'drop'), plan_shards (the plan's S),
     step (batches the rank yielded: every rank of one checkpoint has the same),
     every_rank    (where true) this state is every rank's at this step, its rank aside:
-                  every shard is one batch and epochs are yielded in plan order, so
+                  every slot holds as many batches (every shard one batch, or every
+                  shard full: B batches) and epochs are yielded in plan order, so
                   after the same number of batches every rank's local position is the
                   same; any rank (or a new world, re-split) resumes from it, so a
                   checkpoint that keeps rank 0's state only resumes the whole job
@@ -161,6 +162,19 @@ def rank_fields(
     return fields | {EVERY_RANK_KEY: True} if every_rank else fields
 
 
+def _slots_alike(plan: Plan | None, remapped: bool) -> bool:
+    """Whether every slot of the epoch holds as many batches (every_rank, the module's
+    docstring): every shard one batch, or every shard full (B batches, the epoch's last
+    one too, so a pad, a copy of a first shard, is full as well), outside an epoch whose
+    slots build a re-split's remapped pieces."""
+    if plan is None:
+        return False
+    if plan.epoch_batches == plan.shards:
+        return True
+    full = plan.shard_batches > 0 and plan.epoch_batches == plan.shards * plan.shard_batches
+    return full and not remapped
+
+
 def stream_state(
     options: StreamOptions,
     run: str,
@@ -187,14 +201,13 @@ def stream_state(
     epoch, counts, done = position
     fingerprint = plan.fingerprint if plan else ""
     state = position_state(options.queue, run, fingerprint, shards, epoch, counts, done)
+    remapped = resumed is not None and REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == epoch
     if options.world_size > 1:
-        # Every shard one batch, yielded in plan order: after `step` batches every
-        # rank's local position is this one (every_rank, the module's docstring).
-        alike = options.ordered and plan is not None and plan.epoch_batches == plan.shards
         state |= rank_fields(
-            options.rank, options.world_size, options.even_batches, plan_shards, step, alike
-        )
-    if resumed is not None and REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == epoch:
+            options.rank, options.world_size, options.even_batches, plan_shards, step,
+            options.ordered and _slots_alike(plan, remapped),
+        )  # fmt: skip
+    if remapped and resumed is not None:
         # The epoch's slots build the remapped shards: a resume from here needs the map.
         state[REMAP_KEY] = resumed[REMAP_KEY]
     if options.group is not None:
@@ -259,7 +272,8 @@ def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
             f"state of rank {saved_rank!r} of world_size {saved_world!r} given to rank "
             f"{rank} of world_size {world}: expected this rank's own state, or the list of "
             "every rank's (one rank's state stands for every rank only where every shard "
-            "is one batch and ordered=True: see 'every_rank' in the README's Frameworks)"
+            "holds as many batches, one or B, and ordered=True: see 'every_rank' in the "
+            "README's Frameworks)"
         )
     step = state.get(STEP_KEY, 0)
     if not isinstance(step, int) or step < 0:

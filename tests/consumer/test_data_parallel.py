@@ -386,6 +386,61 @@ def test_ranks_found_and_rank_zeros_state_alone_resumes_the_job(
     check_epoch(plan[1], after[1], new)
 
 
+def slot_shares(plan: list[list[int]], per_shard: int, world: int) -> list[list[list[int]]]:
+    """Each rank's share of an epoch whose shards hold ``per_shard`` batches each (pad:
+    a slot past S rebuilds shard (s - S) % S), in plan order."""
+    cut = [plan[i : i + per_shard] for i in range(0, len(plan), per_shard)]
+    slots = -(-len(cut) // world) * world
+    return [
+        [
+            b
+            for s in range(r, slots, world)
+            for b in cut[s if s < len(cut) else (s - len(cut)) % len(cut)]
+        ]
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 2), (2, 3)])
+def test_rank_zeros_state_alone_resumes_the_job_where_every_shard_is_full(
+    redis_url: str,
+    queue_name: str,
+    producers: Any,
+    spawn_proc: Any,
+    tmp_path: Path,
+    old: int,
+    new: int,
+) -> None:
+    # 22 batches in 11 shards of 2, every one full: after the same number of batches
+    # every rank's position is the same, mid-shard too (issue 39: Lightning's and
+    # Accelerate's rank-0 checkpoint where shards hold several batches).
+    producers(2, "--requests-per-shard", "2")
+    epochs, stop = 2, 3  # stopped inside each rank's second shard
+    outs = [tmp_path / f"a{r}.jsonl" for r in range(old)]
+    for proc in found_ranks(spawn_proc, redis_url, queue_name, outs, epochs, "--stop-after", "3"):
+        assert proc.wait(timeout=60) == 3
+    saved = json.loads(Path(f"{outs[0]}.state").read_text())
+    assert (saved["step"], saved["consumed"]["1"], saved["every_rank"]) == (stop, 1, True)
+    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(new)]
+    rank_zero = str(Path(f"{outs[0]}.state"))
+    for proc in found_ranks(
+        spawn_proc, redis_url, queue_name, outs_b, epochs, "--finish", "--state-in", rank_zero
+    ):
+        assert proc.wait(timeout=90) == 0
+    plan = plans(epochs)
+    before = shares(outs, epochs)[0]
+    assert [len(b) for b in before] == [stop] * old
+    after = shares(outs_b, epochs)
+    if new == old:  # every rank goes on in its own share, exactly where it was
+        own = slot_shares(plan[0], 2, old)
+        assert [b + a for b, a in zip(before, after[0], strict=True)] == own
+    else:  # the rest of epoch 0 re-split: every batch of it yielded, equal counts
+        assert len({len(a) for a in after[0]}) == 1
+        read = Counter(tuple(b) for s in before + after[0] for b in s)
+        assert set(read) == {tuple(b) for b in plan[0]}
+    assert after[1] == slot_shares(plan[1], 2, new)  # the next epoch in the new world
+
+
 def test_a_rank_whose_list_fills_while_another_reads_is_unread(
     redis_url: str, queue_name: str, producer_thread: Any, redis_client: Any
 ) -> None:

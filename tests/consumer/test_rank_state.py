@@ -94,7 +94,7 @@ def test_a_state_for_every_rank_re_splits_for_another_world() -> None:
 
 
 def test_a_state_of_one_rank_alone_says_when_it_stands_for_all() -> None:
-    with pytest.raises(ConfigError, match="one batch and ordered=True"):
+    with pytest.raises(ConfigError, match="as many batches, one or B, and ordered=True"):
         check_rank_state(pick_rank_state(state(0, 2, {}, []), 1, 2), 1, 2)
     with pytest.raises(ConfigError, match="world_size"):
         pick_rank_state(state(0, 1, {}, [], every_rank=True), 0, 2)
