@@ -81,6 +81,10 @@ NO_ROOM_WAIT_S = 0.02
 NO_ROOM_POLL_S = 0.0005
 DEFAULT_READER_PREFETCH = 10  # a trainer that published none: the consumer's default hwm
 MAX_UNCERTAIN = 64  # pushes whose reply was lost, remembered until the next join
+# How long after a rejoin a segment whose descriptor was in no list is kept: the trainer
+# may have popped the descriptor just before the look and not mapped it yet (it maps a
+# frame in the step that popped it, milliseconds later).
+UNLISTED_GRACE_S = 2.0
 # Whatever meta says, a pool never grows past this reader prefetch (memory stays bounded).
 MAX_READER_PREFETCH = 1024
 IN_HAND = 2  # batches a rank's caller holds: the one it uses and the one handed next
@@ -185,6 +189,10 @@ class Transport:
         # Descriptors whose push lost its reply, with their data list: looked at when the
         # producer joins again (see joined).
         self._uncertain: list[tuple[ShmFrame, str]] = []
+        # Their segments found in no list at a rejoin, removed at _unlisted_at unless the
+        # trainer let them go by then (see _drop_unlisted).
+        self._unlisted: list[Segment] = []
+        self._unlisted_at = 0.0
         self._patient = True  # the last wait for a segment did not time out
         # Until then (monotonic s; set by a join), a rank with no published host is
         # looked at before every batch: its trainer may be between its claim or resume
@@ -202,6 +210,7 @@ class Transport:
             self._drop_unlisted(client)
             self.pool.retire()  # a rejoin: never reuse a segment from before it
         else:
+            self._remove_unlisted()  # of the old run: nothing will pop them now
             self.pool.reset(run)
             # Segments of other runs whose producers are gone (killed): nothing will
             # pop them. Live producers' are theirs to drop (they may be in a newer run).
@@ -228,9 +237,11 @@ class Transport:
 
     def _drop_unlisted(self, client: redis.Redis) -> None:
         """At a rejoin: a segment whose push lost its reply and whose descriptor is not in
-        its list never reached it, or the trainer popped it already (then mapped it:
-        the reconnect took longer than a pop's resolve), so it goes now; left to the
-        retirement, it would stay until the run ends."""
+        its list never reached it, or the trainer popped it already; left to the
+        retirement, one that never reached it would stay until the run ends, so it is
+        removed after UNLISTED_GRACE_S unless the trainer let it go by then (a trainer
+        that mapped it keeps its mapping; removed at once, one popped just before the
+        look but not mapped yet was missing to the trainer: shm_missing)."""
         uncertain, self._uncertain = self._uncertain, []
         for frame, data_key in uncertain:
             seg = frame.segment
@@ -240,8 +251,15 @@ class Transport:
                 functools.partial(client.lpos, data_key, frame.element),  # type: ignore[arg-type]
                 "reading the list",
             )
-            if listed is None:
-                self.pool.segments.remove(seg)
+            if listed is None and seg not in self._unlisted:
+                self._unlisted.append(seg)
+                self._unlisted_at = time.monotonic() + UNLISTED_GRACE_S
+
+    def _remove_unlisted(self) -> None:
+        """Remove the segments found in no list whose trainer has not let them go."""
+        unlisted, self._unlisted = self._unlisted, []
+        for seg in unlisted:
+            if not seg.mm.closed and not seg.is_free():
                 seg.unlink()
 
     @property
@@ -266,6 +284,8 @@ class Transport:
         if self.identity is None:
             return
         now = time.monotonic()
+        if self._unlisted and now >= self._unlisted_at:
+            self._remove_unlisted()
         if not force and now - self._checked < REFRESH_S and now >= self._eager_until:
             return
         self._checked = now

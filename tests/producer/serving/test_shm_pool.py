@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import fakeredis
@@ -22,6 +23,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import rank_field
 from batchq.wire import shm
 from batchq.wire.codec import FrameKind
+from producer.serving import transport as transport_module
 from producer.serving.position import RunPosition
 from producer.serving.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 from producer.serving.transport import (
@@ -268,8 +270,8 @@ def test_joining_removes_other_runs_segments_of_producers_no_longer_alive(
     assert left == {names["alive, old run"], names["dead, this run"]}
 
 
-def test_a_push_that_lost_its_reply_frees_its_segment_at_the_rejoin_unless_it_is_listed(
-    tmp_path: Path, fake_redis: fakeredis.FakeRedis
+def test_a_push_that_lost_its_reply_frees_its_segment_after_the_rejoin_unless_it_is_listed(
+    tmp_path: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys = QueueKeys("q")
     transport, _trainer = shm_pair(tmp_path, fake_redis, 4)
@@ -282,5 +284,11 @@ def test_a_push_that_lost_its_reply_frees_its_segment_at_the_rejoin_unless_it_is
     transport.uncertain(lost, keys.data)
     transport.uncertain(listed, keys.data)
     transport.joined(fake_redis, RunPosition("ab12"))  # the rejoin after the reconnect
-    assert not os.path.exists(lost.segment.path)  # never listed: it would have stayed
+    # Not listed: never pushed, or popped just before the look and not mapped yet, so
+    # it stays for UNLISTED_GRACE_S (removed at once, the trainer found it missing).
+    assert os.path.exists(lost.segment.path)
+    later = transport_module.time.monotonic() + transport_module.UNLISTED_GRACE_S + 1
+    monkeypatch.setattr(transport_module, "time", SimpleNamespace(monotonic=lambda: later))
+    transport.refresh(fake_redis)
+    assert not os.path.exists(lost.segment.path)  # never released: it would have stayed
     assert os.path.exists(listed.segment.path)  # the trainer will pop, release, remove
