@@ -77,8 +77,10 @@ class ShardPusher:
         self._shard_params = self.params.shard(0)
         self.watch: BuildWatch | None = None  # build_timeout_s: builds on a watched thread
         # The shard is built isolated (producer.isolation): every read of the root is
-        # bounded there; the stages above the root (transformers) are not.
+        # bounded there; the stages above the root (transformers) are not, so only a
+        # pipeline that is its root alone is built unwatched then.
         self.isolated = False
+        self._root_only = plan.root is plan.stream
 
     def joined(self, position: RunPosition) -> None:
         """The producer joined (again): push for ``position``'s run; the leases held
@@ -159,8 +161,7 @@ class ShardPusher:
             if ready.error is not None:
                 raise ready.error
             return ready.step, ready.frame, ready.took_s
-        root_only = self.plan.root is self.plan.stream
-        if self.watch is None or (self.isolated and root_only):
+        if self.watch is None or (self.isolated and self._root_only):
             step = next(batches, None)  # no watch, or every read bounded in the child
         else:  # at most build_timeout_s, else BuildTimeout: the pipeline failed
             what = f"epoch {epoch} shard {label} batch {k}"

@@ -348,6 +348,27 @@ def found_ranks(
     ]
 
 
+def rank_zero_restart(
+    spawn_proc: Any, url: str, queue: str, tmp: Path, epochs: int, old: int, new: int, stop: int
+) -> tuple[list[Path], dict[str, Any], list[Path]]:
+    """``old`` found ranks read ``stop`` batches each and stop; ``new`` found ranks then
+    resume from rank 0's state alone (what Lightning and Accelerate keep) to the end.
+
+    Returns:
+        (the first job's outputs, rank 0's state, the second job's outputs).
+    """
+    outs = [tmp / f"a{r}.jsonl" for r in range(old)]
+    for proc in found_ranks(spawn_proc, url, queue, outs, epochs, "--stop-after", str(stop)):
+        assert proc.wait(timeout=60) == 3
+    rank_zero = Path(f"{outs[0]}.state")
+    outs_b = [tmp / f"b{r}.jsonl" for r in range(new)]
+    for proc in found_ranks(
+        spawn_proc, url, queue, outs_b, epochs, "--finish", "--state-in", str(rank_zero)
+    ):
+        assert proc.wait(timeout=90) == 0
+    return outs, json.loads(rank_zero.read_text()), outs_b
+
+
 @pytest.mark.parametrize(("old", "new"), [(2, 2), (2, 3)])
 def test_ranks_found_and_rank_zeros_state_alone_resumes_the_job(
     redis_url: str,
@@ -361,18 +382,11 @@ def test_ranks_found_and_rank_zeros_state_alone_resumes_the_job(
     # What Lightning and Accelerate do: only rank 0's state is saved, every rank loads it.
     producers(2)
     epochs, stop = 2, 4
-    outs = [tmp_path / f"a{r}.jsonl" for r in range(old)]
-    for proc in found_ranks(spawn_proc, redis_url, queue_name, outs, epochs, "--stop-after", "4"):
-        assert proc.wait(timeout=60) == 3
-    saved = json.loads(Path(f"{outs[0]}.state").read_text())
+    outs, saved, outs_b = rank_zero_restart(
+        spawn_proc, redis_url, queue_name, tmp_path, epochs, old, new, stop
+    )
     assert (saved["rank"], saved["world_size"], saved["step"]) == (0, old, stop)
     assert saved["every_rank"] is True  # one batch per shard, plan order
-    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(new)]
-    rank_zero = str(Path(f"{outs[0]}.state"))
-    for proc in found_ranks(
-        spawn_proc, redis_url, queue_name, outs_b, epochs, "--finish", "--state-in", rank_zero
-    ):
-        assert proc.wait(timeout=90) == 0
     plan = plans(epochs)
     before = [b for o in outs for _, b in lines(o)]
     assert len(before) == old * stop
@@ -416,17 +430,10 @@ def test_rank_zeros_state_alone_resumes_the_job_where_every_shard_is_full(
     # Accelerate's rank-0 checkpoint where shards hold several batches).
     producers(2, "--requests-per-shard", "2")
     epochs, stop = 2, 3  # stopped inside each rank's second shard
-    outs = [tmp_path / f"a{r}.jsonl" for r in range(old)]
-    for proc in found_ranks(spawn_proc, redis_url, queue_name, outs, epochs, "--stop-after", "3"):
-        assert proc.wait(timeout=60) == 3
-    saved = json.loads(Path(f"{outs[0]}.state").read_text())
+    outs, saved, outs_b = rank_zero_restart(
+        spawn_proc, redis_url, queue_name, tmp_path, epochs, old, new, stop
+    )
     assert (saved["step"], saved["consumed"]["1"], saved["every_rank"]) == (stop, 1, True)
-    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(new)]
-    rank_zero = str(Path(f"{outs[0]}.state"))
-    for proc in found_ranks(
-        spawn_proc, redis_url, queue_name, outs_b, epochs, "--finish", "--state-in", rank_zero
-    ):
-        assert proc.wait(timeout=90) == 0
     plan = plans(epochs)
     before = shares(outs, epochs)[0]
     assert [len(b) for b in before] == [stop] * old

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from built_bytes import Batch, as_bytes, built
 from fuel_quarantine import FEATURES, iterable_stream, quarantine_stream
 
 from batchq.errors import ConfigError, ProducerFailed
@@ -29,27 +30,11 @@ from batchq.protocol.layout import parse_quarantine_record
 from consumer import ServerDataStream
 from producer import start_server
 from producer.quarantine import MAX_DRAWS, substitute_draw
-from producer.serving.sharding import ShardPlan
 
 EXAMPLES, BATCH = 200, 10  # 20 batches an epoch: 10 per rank
 BAD = (5, 77, 150)
 EPOCHS = 2
 SOURCES = ("features", "targets", "noise")
-
-Batch = tuple[bytes, ...]
-
-
-def as_bytes(batch: Any) -> Batch:
-    return tuple(np.asarray(v).tobytes() for v in batch)
-
-
-def built(stream: Any, epochs: int) -> list[list[Batch]]:
-    """Every batch of every epoch as this process builds it, shard by shard (bytes)."""
-    plan = ShardPlan(stream)
-    return [
-        [as_bytes(b) for s in range(plan.shards) for b in plan.iter_shard(e, s)]
-        for e in range(epochs)
-    ]
 
 
 def planned_indices(stream: Any, epochs: int) -> list[list[list[int]]]:

@@ -21,6 +21,7 @@ import redis
 
 torch = pytest.importorskip("torch")
 
+from built_bytes import Batch, as_bytes, built  # noqa: E402
 from torch_pipelines import quarantine_stream  # noqa: E402
 
 from batchq.errors import ProducerFailed  # noqa: E402
@@ -29,26 +30,10 @@ from batchq.protocol.keys import QueueKeys  # noqa: E402
 from batchq.protocol.layout import parse_quarantine_record  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
 from producer.quarantine import MAX_DRAWS, substitute_draw  # noqa: E402
-from producer.serving.sharding import ShardPlan  # noqa: E402
 
 EXAMPLES, BATCH = 300, 10  # 30 batches an epoch: 15 per rank
 BAD = (5, 77, 200)
 EPOCHS = 3
-
-Batch = tuple[bytes, ...]
-
-
-def as_bytes(batch: Any) -> Batch:
-    return tuple(np.asarray(v).tobytes() for v in batch)
-
-
-def built(stream: Any, epochs: int) -> list[list[Batch]]:
-    """Every batch of every epoch as this process builds it, shard by shard (bytes)."""
-    plan = ShardPlan(stream)
-    return [
-        [as_bytes(b) for s in range(plan.shards) for b in plan.iter_shard(e, s)]
-        for e in range(epochs)
-    ]
 
 
 def planned_indices(stream: Any, epochs: int) -> list[list[list[int]]]:

@@ -21,6 +21,7 @@ from waiting import wait_until
 
 torch = pytest.importorskip("torch")
 
+from built_bytes import Batch, as_bytes, built  # noqa: E402
 from torch_pipelines import RngDataset, iterable_stream, make_loader, rng_stream  # noqa: E402
 
 from batchq.protocol.admin import delete_queue  # noqa: E402
@@ -28,12 +29,9 @@ from batchq.protocol.fields import StatsField  # noqa: E402
 from batchq.protocol.keys import QueueKeys  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
 from consumer.torch import TorchStream  # noqa: E402
-from producer.serving.sharding import ShardPlan  # noqa: E402
 
 EXAMPLES, BATCH, SEED = 120, 8, 3  # 15 batches an epoch
 EPOCHS = 3
-
-Batch = tuple[bytes, ...]
 
 
 def loader_indices(epochs: int) -> list[list[list[int]]]:
@@ -45,19 +43,6 @@ def loader_indices(epochs: int) -> list[list[list[int]]]:
         generator=torch.Generator().manual_seed(SEED),
     )
     return [[b[0].tolist() for b in loader] for _ in range(epochs)]
-
-
-def built(stream: Any, epochs: int) -> list[list[Batch]]:
-    """Every batch of every epoch as this process builds it, shard by shard (bytes)."""
-    plan = ShardPlan(stream)
-    return [
-        [as_bytes(b) for s in range(plan.shards) for b in plan.iter_shard(e, s)]
-        for e in range(epochs)
-    ]
-
-
-def as_bytes(batch: Any) -> Batch:
-    return tuple(np.asarray(v).tobytes() for v in batch)
 
 
 def trainer(url: str, queue: str, sources: tuple[str, ...], **kw: Any) -> ServerDataStream:
