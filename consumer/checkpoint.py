@@ -44,6 +44,8 @@ another number of ranks, are :mod:`consumer.rank_state`'s.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -84,6 +86,7 @@ __all__ = [
     "check_rank_state",
     "check_state",
     "load_state",
+    "position_digest",
     "position_state",
     "rank_fields",
     "remap_pairs",
@@ -310,6 +313,14 @@ def check_group_state(state: dict[str, Any], group: str | None) -> dict[str, Any
     return state
 
 
+def position_digest(state: Mapping[str, Any]) -> str:
+    """A digest of a state (its canonical JSON): a single trainer that detaches marks its
+    run with the digest of its state then (:mod:`consumer.detach`), and a resume from a
+    state with the same digest takes that run over as it is (resume.lua)."""
+    text = json.dumps(state, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+
 # -- loading: a claimed run resumed at the state's position ------------------------------
 
 
@@ -390,6 +401,7 @@ def resume_position(
         step=step,
         shards=plan_shards,
         remap=remap,
+        keep="" if stripes.striped else position_digest(resume),
     )
     if session.plan is None:
         session.wait_for_plan(timeout_s, BLOCK_S)

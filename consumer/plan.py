@@ -105,7 +105,8 @@ class Shape(NamedTuple):
 
 class Restart(NamedTuple):
     """A :meth:`Session.resume` as asked: the first shard, the pipeline, the ledger's
-    pairs, the checkpoint's step, the plan's figures and the remap (if any)."""
+    pairs, the checkpoint's step, the plan's figures, the remap (if any), and the
+    state's digest where a detached run may be taken over as it is (or '')."""
 
     first_shard: int
     fingerprint: str
@@ -113,6 +114,7 @@ class Restart(NamedTuple):
     step: int
     shape: Shape
     remap: tuple[int, dict[int, int]] | None
+    keep: str = ""  # the state's digest: its detached run may be taken over (resume.lua)
 
 
 def resumed_shape(plan: Plan | None, fingerprint: str, shards: int | None) -> Shape:

@@ -144,6 +144,10 @@ class Session:
         self.max_lag_batches = max_lag_batches
         self.checkpoint_run = ""  # the run a resume takes over (acquire's takeover)
         self.held = False  # this rank had claimed the run before (a second resume)
+        # This trainer can read every frame the checkpoint's run lists (consumer.start's
+        # claim: none is a descriptor of another host's shared memory), so a resume may
+        # keep that run where it lives on unchanged (resume.lua).
+        self.can_keep = False
         # The remap the run was resumed with (an elastic resume's epoch) and the done
         # slots past it: sent again when Redis loses the queue (the reader's recovery).
         self.remap: tuple[int, dict[int, int]] | None = None
@@ -445,13 +449,16 @@ class Session:
         step: int = 0,
         shards: int | None = None,
         remap: tuple[int, dict[int, int]] | None = None,
+        keep: str = "",
     ) -> None:
         """Restart the plan at ``first_shard`` under a new run id.
 
         The data, work and failure lists are dropped; the producers join the new run
         and build only what the ledger does not mark as had. The ranks of a job resume
         into one run, :attr:`resume_run` (set before :meth:`acquire`): the first
-        creates it, the others join it.
+        creates it, the others join it. A single trainer (:attr:`can_keep`) whose
+        checkpoint is where its run's trainer detached (``keep``, the state's digest)
+        takes that run over as it is instead: its list holds every batch not yielded.
 
         Args:
             client: the client to use.
@@ -462,13 +469,15 @@ class Session:
             shards: S, when no producer published it (from the checkpoint).
             remap: (epoch, slot -> shard): that epoch's slots build these shards (a job
                 resumed with another number of ranks).
+            keep: the state's :func:`~consumer.checkpoint.position_digest` ('' where the
+                queue is striped: its stripes resume each from its own pairs).
 
         Raises:
             StepMismatch: another rank of the job resumed from another step.
         """
         asked = Restart(
             first_shard, fingerprint, list(ledger), step,
-            resumed_shape(self.plan, fingerprint, shards), remap,
+            resumed_shape(self.plan, fingerprint, shards), remap, keep if self.can_keep else "",
         )  # fmt: skip
         with self._typed_errors(client):
             self._restart(client, asked)
@@ -500,6 +509,7 @@ class Session:
                         epoch_batches=shape.epoch_batches, group=self.group, rank=self.rank,
                         world=self.world, even=self.even, step=asked.step, held=self.held,
                         slot=self.slot, acquired=self.run, claim_ttl_ms=self.claim_ttl_ms,
+                        keep=asked.keep,
                     ),
                     groups=self.groups, key_world=self._key_world, remap=asked.remap,
                     ledger=asked.ledger,

@@ -26,6 +26,7 @@ from consumer.checkpoint import (
     stream_state,
     unstarted_state,
 )
+from consumer.detach import detach
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
 from consumer.length import epoch_length
@@ -328,6 +329,10 @@ class ServerDataStream(FuelStreamMixin):
     def close(self, finished: bool = False) -> None:
         """Stop reading and release the queue.
 
+        Without ``finished`` a single trainer gives back the frames it popped and did
+        not yield, so that one resumed from the :meth:`state_dict` taken right before
+        reads on at once (:mod:`consumer.detach`).
+
         Args:
             finished: end the run: the producers finish and exit 0.
         """
@@ -338,6 +343,12 @@ class ServerDataStream(FuelStreamMixin):
             # The readers send the last epoch's figures themselves, as their last act:
             # only their threads ever pop, even when stopping takes longer than the join.
             self._started.readers.stop(flush=True)
+            if not finished and self._session and self._buffer and self._feed:
+                single = len(self._started.stripes) == 1
+                detach(
+                    self._session, self._client, self._buffer,
+                    state=self.state_dict(), exact=single and not self._prep.hooks,
+                )  # fmt: skip
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.

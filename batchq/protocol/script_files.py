@@ -155,6 +155,7 @@ SCRIPTS: dict[str, Script] = {
     name: Script(name)
     for name in (
         "claim",
+        "detach",
         "fail",
         "gone",
         "handback",

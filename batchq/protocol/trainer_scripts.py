@@ -1,9 +1,9 @@
 """The trainer's scripts, one typed function each (see :mod:`batchq.protocol.calls`):
 its claim (claim.lua) and a restart from a checkpoint's ledger (resume.lua), as one group
 of a run read by one group or several (:mod:`batchq.protocol.groups`), the pop and its
-accounting (pop.lua), and the release of frames stored once for several groups
+accounting (pop.lua), the release of frames stored once for several groups
 (release.lua, a :class:`~batchq.protocol.calls.Call` that rides behind the reader's
-GETs).
+GETs), and a single trainer's detach (detach.lua).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 
 import redis
 
-from batchq.protocol.calls import Arg, Call, build_call, decode_reply, reply_int
+from batchq.protocol.calls import Arg, Call, CountReply, build_call, decode_reply, reply_int
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import FLAGS, HISTORY_CAP, MAX_GROUPS, WAKE_CAP
 from batchq.protocol.words import Status
@@ -26,6 +26,7 @@ __all__ = [
     "ResumeArgs",
     "ResumeReply",
     "claim",
+    "detach",
     "pop",
     "release_call",
     "resume",
@@ -253,7 +254,9 @@ class ResumeArgs(NamedTuple):
     checkpoint's run (``takeover_run``: it lives on in a run read by several groups, if
     the queue still runs it), the first shard, the plan's figures, the trainer's group
     and place, the checkpoint's step, whether the rank held the run before, the slot and
-    run its claim was made for."""
+    run its claim was made for; ``keep``: a single trainer of the default group takes the
+    checkpoint's run over as it is where it detached at this position (the state's
+    digest, :func:`consumer.checkpoint.position_digest`; '' for never)."""
 
     token: str
     new_run: str
@@ -273,6 +276,7 @@ class ResumeArgs(NamedTuple):
     slot: int
     acquired: str
     claim_ttl_ms: int
+    keep: str = ""
 
 
 def resume(
@@ -322,3 +326,26 @@ def release_call(keys: QueueKeys, frames: Sequence[str]) -> Call[ReleaseReply]:
         {"frames": len(frames)},
         more_keys=list(frames),
     )
+
+
+def detach(
+    client: redis.Redis,
+    keys: QueueKeys,
+    *,
+    incarnation: str,
+    run: str,
+    token: str,
+    position: str,
+    frames: Sequence[Arg],
+) -> CountReply:
+    """A single trainer stops without finishing (detach.lua): ``frames`` (encoded, the
+    last to hand out first) go back to the data list's popping end and meta says the run
+    was detached at ``position`` (its state's digest). ``first``: the frames given back."""
+    return build_call(
+        "detach",
+        CountReply.parse,
+        {"meta": keys.meta, "incarnation": keys.incarnation, "data": keys.data,
+         "stats": keys.stats},
+        {"incarnation": incarnation, "run": run, "token": token, "position": position},
+        more_args=list(frames),
+    ).run(client)  # fmt: skip

@@ -130,6 +130,11 @@ class Buffer:
         with self.cond:
             return self.ledger.prefix(epoch, shard)
 
+    def held_frames(self) -> list[Frame] | None:
+        """The frames held and not handed out (:meth:`Ledger.held_frames`)."""
+        with self.cond:
+            return self.ledger.held_frames()
+
     def waited_since(self) -> float | None:
         """Since when the iterator waits for a frame (None: it does not)."""
         with self.cond:

@@ -392,6 +392,22 @@ class Ledger:
                 out.append((epoch, shard, state.prefix, len(dropped)))
         return out
 
+    def held_frames(self) -> list[Frame] | None:
+        """The frames held and not handed out, in plan order (each shard's END frame
+        after its batches), for a trainer that detaches to give back; None where a held
+        ERROR frame is not handed out yet (its shard is built again instead)."""
+        out: list[Frame] = []
+        for _, states in sorted(self._epochs.items()):
+            for _, state in sorted(states.items()):
+                if state.handed_out and state.count is not None:
+                    continue
+                if state.error is not None:
+                    return None
+                out += [state.frames[k] for k in sorted(state.frames)]
+                if state.end is not None:
+                    out.append(state.end)
+        return out
+
     def prefix(self, epoch: int, shard: int) -> int:
         """The leading batches of a shard the trainer has (handed out or held)."""
         state = self._epochs.get(epoch, {}).get(shard)

@@ -28,7 +28,9 @@ KNOWN = set(SAVED_NAMES.values())
 def test_the_key_names_are_those_checkpoints_were_saved_with() -> None:
     assert {n: getattr(checkpoint, n) for n in SAVED_NAMES} == SAVED_NAMES
     assert checkpoint.STATE_VERSION == 1
-    builders = ["position_state", "rank_fields", "stream_state", "unstarted_state"]
+    builders = [
+        "position_digest", "position_state", "rank_fields", "stream_state", "unstarted_state",
+    ]  # fmt: skip
     checks = ["check_group_state", "check_rank_state", "check_state", "load_state"]
     loading = ["Resumed", "remap_pairs", "resume_position", "resume_run_id"]
     assert sorted(checkpoint.__all__) == sorted(

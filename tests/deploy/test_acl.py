@@ -56,6 +56,7 @@ ROLE_SCRIPTS = {
     },
     "bq-trainer": {
         "claim",
+        "detach",
         "gone",
         "params",
         "pop",

@@ -40,15 +40,23 @@ local claim_ttl_ms = tonumber(ARGV[20])
 local wake_cap = tonumber(ARGV[21])  -- the wake list's length cap
 local remap_epoch = ARGV[22]     -- the epoch an elastic resume remapped, or ''
 local remapped = tonumber(ARGV[23])  -- the number r of remapped slots
--- ARGV[24..]: r slot, shard pairs (into the remap hash), then the ledger pairs
+local keep = ARGV[24]            -- a single trainer's state's position (checkpoint.py), or ''
+-- ARGV[25..]: r slot, shard pairs (into the remap hash), then the ledger pairs
 -- '<epoch>:<slot>', 'd' or batches already had
-local first_tail, first_pair = 10, 24 + 2 * remapped
+local first_remap = 25
+local first_tail, first_pair = 10, first_remap + 2 * remapped
 
 local per, tail_slots, slot_key, lists = slot_tail(KEYS, first_tail, key_world, groups)
 if not per then return redis.error_reply('resume.lua: KEYS do not cover the group slots') end
 
-local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups')
+local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups', 'params',
+  'detached')
 local n = tonumber(m[4] or '0')
+-- The checkpoint is where its single trainer detached (detach.lua), and the run is as it
+-- left it (unfinished, no params log: the state's would be written as another run's):
+-- its list holds every frame not yielded, so nothing is rebuilt (design.md "Resume").
+local reattach = keep ~= '' and world == 1 and m[1] and m[1] == takeover_run and not m[2] and
+  tonumber(m[3] or '1') == 1 and not m[5] and m[6] == takeover_run .. ':' .. keep
 if n ~= groups or key_world < math.max(world, max_world(meta_key, n)) then
   return {'GROUPS', n}
 end
@@ -62,7 +70,7 @@ end
 local function add_pairs(i)
   if remap_epoch ~= '' and remapped > 0 then
     local key = slot_key(i, per - 2)
-    for a = 24, first_pair - 1, 2 do redis.call('HSET', key, ARGV[a], ARGV[a + 1]) end
+    for a = first_remap, first_pair - 1, 2 do redis.call('HSET', key, ARGV[a], ARGV[a + 1]) end
     redis.call('HSET', meta_key, 'remap_epoch' .. reader_sfx(i, 0, 1), remap_epoch)
     if i > 0 then redis.call('HSET', meta_key, 'mixed_worlds', 1) end  -- lease.lua reads it
   end
@@ -85,6 +93,11 @@ if n == 0 and group == '' then
   -- Step -1: not a checkpoint but Redis' lost state: each rank is where it is, so each
   -- sets only its own counters (a rank's neighbours may be in another epoch).
   local recovering = step == '-1'
+  if reattach then
+    -- Its list, leases, cursor and floor stand: the trainer reads on where it left.
+    redis.call('HDEL', meta_key, 'detached')
+    return {'OK', takeover_run, 0, 0}
+  end
   if m[2] == new_run and not again then
     -- A retried resume whose first reply was lost, or another rank of the job resumed
     -- first: producers may have pushed frames of the new run already; keep them.

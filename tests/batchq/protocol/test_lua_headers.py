@@ -106,6 +106,9 @@ WRAPPERS: dict[str, Any] = {
         groups=2, key_world=2, remap=(0, {1: 0}), ledger=[("0:1", "d")],
     ),
     "release": lambda c: trainer_scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
+    "detach": lambda c: trainer_scripts.detach(
+        c, K, incarnation="i", run="r", token="t", position="p", frames=[b"f2", b"f1"],
+    ),
 }  # fmt: skip
 
 

@@ -9,10 +9,11 @@ import pytest
 import redis
 
 from batchq.client.connection import make_client
-from batchq.protocol import recovery_scripts
+from batchq.protocol import recovery_scripts, trainer_scripts
 from batchq.protocol.calls import build_call, decode_reply
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import HISTORY_CAP, WAKE_CAP
+from batchq.protocol.trainer_scripts import ResumeArgs
 
 TTL_MS = 10_000
 
@@ -363,3 +364,61 @@ def test_every_script_notices_a_lost_incarnation(q: Q) -> None:
     assert q.lease("p1", "b") == ["STATE_LOST"]
     assert q.push("p1", "0:a", b"x") == ["STATE_LOST"]
     assert q.pop("t1")[0] == b"STATE_LOST"
+
+
+def _resume_keeping(q: Q, token: str, keep: str) -> Any:
+    """resume.lua for a single trainer of the checkpoint's run ``run1`` at epoch 0."""
+    return trainer_scripts.resume(
+        q.c, q.k, ResumeArgs(
+            token=token, new_run="run9", takeover_run="run1", first=0, fingerprint="fp",
+            hwm=3, shards=4, window=6, epoch_batches=4, group="", rank=0, world=1,
+            even="pad", step=0, held=False, slot=0, acquired="run1", claim_ttl_ms=TTL_MS,
+            keep=keep,
+        ),
+        groups=0, key_world=1, remap=None, ledger=[("0:0", "d")],
+    )  # fmt: skip
+
+
+def test_a_detach_gives_frames_back_in_order_and_a_resume_at_its_mark_keeps_the_run(
+    q: Q,
+) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    q.push("p1", "0:run1:t1", b"f1")
+    assert q.claim("tok", takeover="run1")[0] == "OK"
+    args = {"incarnation": q.inc, "run": q.run, "position": "pos"}
+    refused = trainer_scripts.detach(q.c, q.k, token="other", frames=[b"g"], **args)
+    assert refused.status == "CLAIM_LOST" and q.c.llen(q.k.data) == 1
+    # The last to hand out first: the next one ends at the popping end.
+    given = trainer_scripts.detach(q.c, q.k, token="tok", frames=[b"g3", b"g2"], **args)
+    assert (given.status, given.first) == ("OK", 2)
+    assert q.c.hget(q.k.meta, "detached") == b"run1:pos"
+    assert q.c.lrange(q.k.data, 0, -1) == [b"f1", b"g3", b"g2"]
+    next_before = q.c.hget(q.k.meta, "next")
+    assert q.claim("tok2", takeover="run1")[0] == "OK"  # the resumed trainer's
+    reply = _resume_keeping(q, "tok2", "pos")
+    assert (reply.status, reply.run) == ("OK", "run1")
+    assert q.c.lrange(q.k.data, 0, -1) == [b"f1", b"g3", b"g2"]  # nothing dropped
+    assert q.c.hget(q.k.meta, "next") == next_before  # nor the cursor moved
+    assert q.c.hget(q.k.meta, "detached") is None
+    assert q.c.lrange(q.k.lease("p1"), 0, -1) == [b"0:run1:t1"]  # the lease stands
+
+
+@pytest.mark.parametrize("change", ["another_state", "params", "finished"])
+def test_a_resume_off_the_mark_or_of_a_changed_run_starts_a_new_run(q: Q, change: str) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    q.push("p1", "0:run1:t1", b"f1")
+    assert q.claim("tok", takeover="run1")[0] == "OK"
+    trainer_scripts.detach(
+        q.c, q.k, incarnation=q.inc, run=q.run, token="tok", position="pos", frames=[b"g"]
+    )
+    keep = "other" if change == "another_state" else "pos"
+    if change == "params":
+        q.c.hset(q.k.meta, "params", "run1:1")
+    if change == "finished":
+        q.c.hset(q.k.meta, "finished", 1)
+    assert q.claim("tok2", takeover="run1")[0] == "OK"
+    reply = _resume_keeping(q, "tok2", keep)
+    assert (reply.status, reply.run) == ("OK", "run9")
+    assert q.c.llen(q.k.data) == 0  # the old run's frames went with it

@@ -131,3 +131,29 @@ def test_arrival_order_hands_a_shards_batches_out_as_a_prefix() -> None:
     assert ledger.duplicates == 2
     assert drain(ledger) == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
     assert ledger.epoch_done()
+
+
+def test_the_frames_held_are_listed_in_plan_order_for_a_detach() -> None:
+    ledger = Ledger(3)
+    for f in [frame(0, 1, 1, count=2), frame(0, 0, 0), frame(1, 0, 0), frame(0, 1, 0)]:
+        ledger.add(f)
+    ledger.add(frame(0, 0, 1, kind=FrameKind.END, count=1))  # shard 0: one batch
+    assert ledger.next_frame() is not None  # (0, 0, 0) handed out
+    held = ledger.held_frames()
+    assert held is not None
+    # Shard 0 is handed out entirely; its END frame is not given back.
+    assert [(f.epoch, f.shard, f.k) for f in held] == [(0, 1, 0), (0, 1, 1), (1, 0, 0)]
+    ledger.add(frame(0, 2, 0, kind=FrameKind.ERROR))
+    assert ledger.held_frames() is None  # a failed shard is built again instead
+
+
+def test_an_end_frame_of_a_shard_not_handed_out_is_given_back_after_its_batches() -> None:
+    ledger = Ledger(2)
+    ledger.add(frame(0, 1, 1, kind=FrameKind.END, count=1))
+    ledger.add(frame(0, 1, 0))
+    held = ledger.held_frames()
+    assert held is not None
+    assert [(f.shard, f.k, f.kind) for f in held] == [
+        (1, 0, FrameKind.BATCH),
+        (1, 1, FrameKind.END),
+    ]

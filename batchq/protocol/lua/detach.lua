@@ -1,0 +1,32 @@
+-- detach.lua: a single trainer that stops without finishing gives back the frames it
+-- popped and did not hand out (the next to hand out is popped first: pop.lua and BRPOP
+-- take from the right), and marks the run as detached at its position (a digest of its
+-- state_dict(): consumer/checkpoint.py), so that a trainer resumed from that state takes
+-- the run over as it is (resume.lua), its list, leases and cursor standing (docs/design.md
+-- "Resume").
+-- Returns {'OK', frames given back} or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'}
+local meta_key = KEYS[1]         -- HASH   the run's meta
+local incarnation_key = KEYS[2]  -- STRING
+local data_key = KEYS[3]         -- LIST   the data list
+local stats_key = KEYS[4]        -- HASH   queue counters
+local incarnation = ARGV[1]
+local run = ARGV[2]
+local token = ARGV[3]            -- the trainer's claim token
+local position = ARGV[4]         -- the digest of its state_dict() now
+-- ARGV[5..]: the frames, the last to hand out first
+local first_frame = 5
+
+if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
+local m = redis.call('HMGET', meta_key, 'run', 'claim')
+if m[1] ~= run then return {'RUN_CHANGED'} end
+if m[2] ~= token then return {'CLAIM_LOST'} end
+local given = #ARGV - first_frame + 1
+if given > 0 then
+  redis.call('RPUSH', data_key, unpack(ARGV, first_frame))
+  -- Listed again, they count as popped when they are popped again: pushed = popped +
+  -- listed still holds.
+  redis.call('HINCRBY', stats_key, 'popped', -given)
+end
+local marker = run .. ':' .. position
+redis.call('HSET', meta_key, 'detached', marker)
+return {'OK', given}

@@ -1,0 +1,94 @@
+"""A single trainer that stops without finishing (``close()``) gives back what it popped
+and did not hand out, so that a trainer resumed from the state saved there reads on at
+once (docs/design.md "Resume": a detached run is taken over as it is).
+
+The frames the reader holds (decoded, possibly from shared memory or from keys of frames
+stored by reference) are encoded again, as frames inside the list, and pushed back to
+the list's popping end, the next to hand out last (so it is popped first), by
+detach.lua, which also marks the run as detached at the stream's position (a digest of
+its ``state_dict()``). A resume from that state (taken right before ``close()``) finds every batch
+it has not had in the list, with the producers' leases and the cursor standing, and
+changes nothing; a resume from any other state starts a new run as before.
+
+Nothing is given back (and the run is not marked) where a frame could not be given back
+exactly: the reader's frames were changed by a hook (pinned copies, a user's), a
+wrapper holds frames of its own (a device prefetch), a held shard failed (an ERROR
+frame), or the trainer reads as a rank or a group, or a striped queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+
+from batchq.client.connection import call
+from batchq.errors import BatchQueueError
+from batchq.protocol import trainer_scripts
+from batchq.protocol.words import Status
+from batchq.wire.codec import Frame, FrameHeader, encode_frame
+from consumer.checkpoint import position_digest
+from consumer.reader.buffer import Buffer
+from consumer.session import Session
+
+__all__ = ["detach"]
+
+log = logging.getLogger(__name__)
+
+
+def detach(
+    session: Session, client: redis.Redis, buffer: Buffer, *, state: Mapping[str, Any], exact: bool
+) -> int:
+    """Give back the frames ``buffer`` holds and mark the run detached at ``state``.
+
+    Args:
+        session: the trainer's session (claimed; a single trainer of the default group).
+        client: the stream's client.
+        buffer: the stream's buffer, its reader stopped.
+        state: the stream's ``state_dict()`` now.
+        exact: the held frames are the frames as popped (no hook changed them) and no
+            wrapper holds any.
+
+    Returns:
+        The frames given back (0 where nothing was, and the run was not marked).
+    """
+    if not (exact and session.claimed and session.world == 1 and not session.grouped):
+        return 0
+    held = buffer.held_frames()
+    if held is None:
+        return 0
+    try:
+        encoded = [encode_frame(_header(f), f.data) for f in reversed(held)]
+    except BatchQueueError as e:  # a value the codec takes but cannot give back as it is
+        log.info("%s: the frames held are not given back: %s", session.what, e)
+        return 0
+    run, _ = session.position()
+    try:
+        # One try: a retry after a lost reply would give the frames back twice.
+        reply = call(
+            lambda: trainer_scripts.detach(
+                client, session.keys, incarnation=session.incarnation, run=run,
+                token=session.token, position=position_digest(state), frames=encoded,
+            ),
+            f"giving back the frames held ({session.what})",
+            client,
+        )  # fmt: skip
+    except BatchQueueError as e:
+        log.warning("%s: the frames held were not given back: %s", session.what, e)
+        return 0
+    if reply.status != Status.OK:
+        return 0
+    log.info("%s: detached, %d frames given back", session.what, reply.first)
+    return reply.first
+
+
+def _header(frame: Frame) -> FrameHeader:
+    """The header a frame was decoded from (its checksum, if any, is not kept)."""
+    return FrameHeader(
+        kind=frame.kind, run=frame.run, epoch=frame.epoch, shard=frame.shard, k=frame.k,
+        producer=frame.producer, sources=frame.sources, g=frame.g, last=frame.last,
+        count=frame.count, error=frame.error, error_name=frame.error_name,
+        produced_at=frame.produced_at, params_version=frame.params_version,
+    )  # fmt: skip
