@@ -375,7 +375,13 @@ class DatasetStream(AbstractDataStream):
                 f"dataset {self.dataset!r} gives no batch in epoch 0 (len {self._examples()}"
                 f", batch_size {self.batch_size}, drop_last {self.drop_last}): nothing to serve"
             )
-        return self._build(requests[0])
+        request = requests[0]
+        if self.auto_collation:
+            # Its first example collated names the sources as the whole batch does, at a
+            # batch_size-th of the cost: `batchq serve` builds the probe before it forks
+            # its workers, on the first batch's path (issue 40).
+            request = request[:1]
+        return self._build(request)
 
     def _examples(self) -> int | None:
         try:

@@ -104,11 +104,11 @@ def test_cached_epochs_are_the_uncached_pipelines_bytes_cold_and_warm(tmp_path: 
     assert want[0] != want[1]  # the augmentation differs from epoch to epoch
     cold = cached_stream(N, str(tmp_path))
     assert built(cold, 3) == want
-    # The probe batch (which names the sources) reads epoch 0's first batch once more.
-    assert cold.dataset.stats["misses"] == N and cold.dataset.stats["hits"] == 2 * N + BATCH
+    # The probe (which names the sources) reads epoch 0's first example once more.
+    assert cold.dataset.stats["misses"] == N and cold.dataset.stats["hits"] == 2 * N + 1
     warm = cached_stream(N, str(tmp_path))  # a new process would find the same entries
     assert built(warm, 3) == want
-    assert warm.dataset.stats["hits"] == 3 * N + BATCH and warm.dataset.stats["misses"] == 0
+    assert warm.dataset.stats["hits"] == 3 * N + 1 and warm.dataset.stats["misses"] == 0
     assert len(entries(tmp_path)) == N
 
 
