@@ -1,6 +1,9 @@
 """A run's plan: what the producers published of it (:class:`Plan`), the one wait for it
-(:func:`wait_for_plan`), and what a trainer's resume sends of it (:class:`Shape`, within
-the :class:`Restart` it was asked for); and the run as the trainer's reader sees it.
+(:func:`wait_for_plan`), ``len(stream)`` read from it (:func:`epoch_length`: this rank's
+share; a pipeline that filters or regroups examples, or a rank where shards hold several
+batches, cannot tell: :class:`~batchq.errors.LengthUnknown`), and what a trainer's resume
+sends of it (:class:`Shape`, within the :class:`Restart` it was asked for); and the run as
+the trainer's reader sees it.
 
 The reader (:mod:`consumer.reader`) is a lower layer than the stream: it knows the run
 through :class:`RunView` (its claim's keys, rank, plan and refresh: the trainer's session
@@ -13,14 +16,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import redis
 
-from batchq.errors import ProducersLost
+from batchq.client.connection import retrying
+from batchq.errors import LengthUnknown, ProducersLost
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DONE, parse_ledger_field
+from batchq.protocol.ranks import RankLayout
 from batchq.wire.codec import Frame
 
 __all__ = [
@@ -30,6 +35,7 @@ __all__ = [
     "Restart",
     "RunView",
     "Shape",
+    "epoch_length",
     "past_remap",
     "resumed_shape",
     "wait_for_plan",
@@ -91,6 +97,48 @@ def wait_for_plan(
         if time.monotonic() > deadline:
             raise ProducersLost(max(epoch, 0), [], timeout_s)
         idle()
+
+
+def epoch_length(
+    client: redis.Redis, keys: QueueKeys, *, world: int, even: str, timeout_s: float, epoch: int
+) -> int:
+    """Batches per epoch of this rank's share (a single trainer: the plan's).
+
+    Args:
+        client: the stream's client.
+        keys: the queue's keys.
+        world, even: the job's ranks and how their counts are evened.
+        timeout_s: how long to wait for a producer (and to survive a lost connection).
+        epoch: the stream's epoch (named by ProducersLost).
+
+    Raises:
+        LengthUnknown: the plan cannot tell.
+        ProducersLost: no producer published the plan within timeout_s.
+    """
+
+    def retry(fn: Callable[[], Any], what: str) -> Any:
+        return retrying(fn, f"{what} (queue {keys.queue})", timeout_s, client=client)
+
+    plan = wait_for_plan(
+        lambda: retry(lambda: client.hgetall(keys.meta), "reading the plan"),
+        lambda: retry(lambda: client.blpop([keys.wake], timeout=BLOCK_S), "waiting for the plan"),
+        timeout_s,
+        epoch,
+    )
+    total = plan.epoch_batches
+    if total < 0:
+        raise LengthUnknown(
+            f"queue {keys.queue}: this pipeline cannot tell its batches per "
+            "epoch in advance (it filters or regroups examples)"
+        )
+    if world == 1:
+        return total
+    if plan.shards != total:
+        raise LengthUnknown(
+            f"queue {keys.queue}: with shards of more than one batch a rank's share "
+            "is only known at the epoch's end"
+        )
+    return RankLayout(total, world, even).per_rank
 
 
 class Shape(NamedTuple):

@@ -29,8 +29,8 @@ from consumer.checkpoint import (
 from consumer.detach import detach
 from consumer.epoch import EpochFeed
 from consumer.fuel_stream import FuelStreamMixin
-from consumer.length import epoch_length
 from consumer.params import StreamParams, refuse_grouped
+from consumer.plan import epoch_length
 from consumer.rank_state import pick_rank_state
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep

@@ -1,5 +1,5 @@
 """The run's plan (consumer/plan.py): the one wait for it, and len() built on it
-(consumer/length.py)."""
+(epoch_length)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from batchq.errors import LengthUnknown, ProducersLost
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout
-from consumer.length import epoch_length
-from consumer.plan import Plan, wait_for_plan
+from consumer.plan import Plan, epoch_length, wait_for_plan
 
 PLAN = {b"shards": b"10", b"epoch_batches": b"10", b"hwm": b"4", b"fingerprint": b"f"}
 

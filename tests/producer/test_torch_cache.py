@@ -14,7 +14,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cache_pipelines import (  # noqa: E402
-    BATCH,
     Stage,
     cached_stream,
     jitter_image,
