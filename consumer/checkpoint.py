@@ -313,11 +313,14 @@ def check_group_state(state: dict[str, Any], group: str | None) -> dict[str, Any
     return state
 
 
-def position_digest(state: Mapping[str, Any]) -> str:
-    """A digest of a state (its canonical JSON): a single trainer that detaches marks its
-    run with the digest of its state then (:mod:`consumer.detach`), and a resume from a
-    state with the same digest takes that run over as it is (resume.lua)."""
-    text = json.dumps(state, sort_keys=True, separators=(",", ":"), default=str)
+def position_digest(state: Mapping[str, Any], host: str | None) -> str:
+    """A digest of a state (its canonical JSON) and of the trainer's shared-memory host
+    identity (None: it takes nothing by shared memory): a single trainer that detaches
+    marks its run with the digest of its state then and its host (:mod:`consumer.detach`),
+    and a resume from a state with the same digest by a trainer of the same host (which
+    can map every descriptor listed for the one before) takes that run over as it is
+    (resume.lua)."""
+    text = json.dumps([state, host], sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:20]
 
 
@@ -401,7 +404,7 @@ def resume_position(
         step=step,
         shards=plan_shards,
         remap=remap,
-        keep="" if stripes.striped else position_digest(resume),
+        keep="" if stripes.striped else position_digest(resume, session.shm_identity),
     )
     if session.plan is None:
         session.wait_for_plan(timeout_s, BLOCK_S)

@@ -39,17 +39,29 @@ log = logging.getLogger(__name__)
 
 
 def detach(
-    session: Session, client: redis.Redis, buffer: Buffer, *, state: Mapping[str, Any], exact: bool
+    session: Session,
+    client: redis.Redis,
+    buffer: Buffer,
+    *,
+    state: Mapping[str, Any],
+    host: str | None,
+    exact: bool,
 ) -> int:
     """Give back the frames ``buffer`` holds and mark the run detached at ``state``.
+
+    Never raises: a detach that cannot be made leaves the run unmarked (a resume then
+    starts a new run, as after a crash), and the stream's close goes on.
 
     Args:
         session: the trainer's session (claimed; a single trainer of the default group).
         client: the stream's client.
-        buffer: the stream's buffer, its reader stopped.
+        buffer: the stream's buffer, its readers stopped.
         state: the stream's ``state_dict()`` now.
-        exact: the held frames are the frames as popped (no hook changed them) and no
-            wrapper holds any.
+        host: this trainer's shared-memory host identity (None: it takes nothing by
+            shared memory): part of the mark, so that only a trainer of the same host,
+            which can map the descriptors listed for this one, takes the run over.
+        exact: the held frames hold the values they were decoded with (the reader's
+            preparation kept them: :meth:`FramePrep.keeps_frames`), on a single stripe.
 
     Returns:
         The frames given back (0 where nothing was, and the run was not marked).
@@ -57,25 +69,25 @@ def detach(
     if not (exact and session.claimed and session.world == 1 and not session.grouped):
         return 0
     held = buffer.held_frames()
-    if held is None:
+    run, _ = session.position()
+    # Frames of another run: received before Redis lost the queue and the run was made
+    # again (the reader's recovery), which the new run's ledger counts as had.
+    if held is None or any(f.run != run for f in held):
         return 0
     try:
         encoded = [encode_frame(_header(f), f.data) for f in reversed(held)]
-    except BatchQueueError as e:  # a value the codec takes but cannot give back as it is
-        log.info("%s: the frames held are not given back: %s", session.what, e)
-        return 0
-    run, _ = session.position()
-    try:
         # One try: a retry after a lost reply would give the frames back twice.
         reply = call(
             lambda: trainer_scripts.detach(
                 client, session.keys, incarnation=session.incarnation, run=run,
-                token=session.token, position=position_digest(state), frames=encoded,
+                token=session.token, position=position_digest(state, host), frames=encoded,
             ),
             f"giving back the frames held ({session.what})",
             client,
         )  # fmt: skip
-    except BatchQueueError as e:
+    except (BatchQueueError, redis.RedisError) as e:
+        # A value the codec cannot give back as it is; Redis refusing (an ACL without
+        # RPUSH, maxmemory), or gone.
         log.warning("%s: the frames held were not given back: %s", session.what, e)
         return 0
     if reply.status != Status.OK:

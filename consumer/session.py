@@ -144,10 +144,11 @@ class Session:
         self.max_lag_batches = max_lag_batches
         self.checkpoint_run = ""  # the run a resume takes over (acquire's takeover)
         self.held = False  # this rank had claimed the run before (a second resume)
-        # This trainer can read every frame the checkpoint's run lists (consumer.start's
-        # claim: none is a descriptor of another host's shared memory), so a resume may
-        # keep that run where it lives on unchanged (resume.lua).
+        # A single trainer resuming a checkpoint (consumer.start's claim): a resume may
+        # take the checkpoint's run over as it is where a trainer detached at that state
+        # from this host (shm_identity: its shared-memory host, None without; resume.lua).
         self.can_keep = False
+        self.shm_identity: str | None = None
         # The remap the run was resumed with (an elastic resume's epoch) and the done
         # slots past it: sent again when Redis loses the queue (the reader's recovery).
         self.remap: tuple[int, dict[int, int]] | None = None

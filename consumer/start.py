@@ -141,9 +141,9 @@ def claim(
     check_eviction_policy(client)
     run = resume_run_id(resume, options.world_size, options.group) if resume else ""
     session = new_session(client, keys, options, shm, run, params)
-    # A single trainer resuming may keep the checkpoint's run and the frames listed for
-    # it (design.md "Resume"): only if it can read them all.
-    session.can_keep = bool(resume) and not run and shm.reads_listed(client)
+    # A single trainer resuming may take the checkpoint's run over as it is, where a
+    # trainer of this host detached at that state (design.md "Resume").
+    session.can_keep, session.shm_identity = bool(resume) and not run, shm.identity
     new_run = session.acquire(
         takeover=resume[RUN_KEY] if resume else "", resuming=resume is not None
     )

@@ -342,12 +342,13 @@ class ServerDataStream(FuelStreamMixin):
         if self._started is not None:
             # The readers send the last epoch's figures themselves, as their last act:
             # only their threads ever pop, even when stopping takes longer than the join.
-            self._started.readers.stop(flush=True)
-            if not finished and self._session and self._buffer and self._feed:
+            readers = self._started.readers
+            readers.stop(flush=True)
+            if not finished and self._session and self._buffer and readers.stopped():
                 single = len(self._started.stripes) == 1
                 detach(
-                    self._session, self._client, self._buffer,
-                    state=self.state_dict(), exact=single and not self._prep.hooks,
+                    self._session, self._client, self._buffer, state=self.state_dict(),
+                    host=self._shm.identity, exact=single and self._prep.keeps_frames(),
                 )  # fmt: skip
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):

@@ -115,6 +115,8 @@ class StatsField:
     # Leases of an earlier (or finished) run a reap dropped instead of handing them to
     # the queue's current run (a killed producer's lease list outlives its run).
     STALE_LEASES: Final = "stale_leases"
+    # Frames a single trainer that detached gave back to the list (popped again later).
+    GIVEN_BACK: Final = "given_back"
     DROPPED_AHEAD: Final = "dropped_ahead"  # frames past the trainer's window (built again)
     REBUILT_PARAMS: Final = "rebuilt_params"  # frames built with params since changed
     EPOCHS_COMPLETED: Final = "epochs_completed"

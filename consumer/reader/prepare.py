@@ -198,6 +198,15 @@ class FramePrep:
             frame = hook(frame)
         return frame
 
+    def keeps_frames(self) -> bool:
+        """Whether every frame comes out with the values it was decoded with: every
+        source served (the order aside: names travel with the values), no cast, no
+        hook (a detaching trainer gives back only frames that are)."""
+        every = self.sources is None or (
+            self.served is not None and set(self.sources) == set(self.served)
+        )
+        return every and not self.dtypes and not self.hooks
+
     def _select(self, frame: Frame) -> tuple[tuple[str, ...], list[Any]]:
         """The trainer's sources and the frame's values of them, in the trainer's order."""
         index = self._index.get(frame.sources)

@@ -193,17 +193,6 @@ class TrainerShm:
             ]
             call(lambda: client.hset(meta, items=items), "publishing the host")
 
-    def reads_listed(self, client: redis.Redis) -> bool:
-        """Whether this trainer can map every descriptor its list may hold now: the
-        host the previous trainer published (descriptors were pushed only for it) is
-        none or this one. Read before a takeover, which drops that field."""
-        meta, field = self.keys.meta, self.host_field
-        raw = call(lambda: client.hget(meta, field), "reading the previous trainer's host")
-        if raw is None:
-            return True
-        host = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-        return self.identity is not None and host == self.identity
-
     def new_run(self, run: str) -> None:
         """A run started: segments of other runs of this queue on this host go (also
         for a trainer that takes nothing by shared memory: a killed run's are left)."""

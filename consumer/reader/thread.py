@@ -389,6 +389,10 @@ class Readers:
         """Whether every reader still runs (one that stopped handed its error over)."""
         return all(reader.is_alive() for reader in self.members)
 
+    def stopped(self) -> bool:
+        """Whether no reader runs any more (a stop's join may give up on one)."""
+        return not any(reader.is_alive() for reader in self.members)
+
     @property
     def bad_frames(self) -> int:
         """Bad elements moved to the dead lists, all stripes."""

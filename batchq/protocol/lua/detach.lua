@@ -21,12 +21,11 @@ local m = redis.call('HMGET', meta_key, 'run', 'claim')
 if m[1] ~= run then return {'RUN_CHANGED'} end
 if m[2] ~= token then return {'CLAIM_LOST'} end
 local given = #ARGV - first_frame + 1
-if given > 0 then
-  redis.call('RPUSH', data_key, unpack(ARGV, first_frame))
-  -- Listed again, they count as popped when they are popped again: pushed = popped +
-  -- listed still holds.
-  redis.call('HINCRBY', stats_key, 'popped', -given)
+for i = first_frame, #ARGV, 1000 do  -- unpack's stack is bounded: pushed 1000 at a time
+  redis.call('RPUSH', data_key, unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
+-- Popped again, they are counted again: pushed + given_back = popped + listed.
+if given > 0 then redis.call('HINCRBY', stats_key, 'given_back', given) end
 local marker = run .. ':' .. position
 redis.call('HSET', meta_key, 'detached', marker)
 return {'OK', given}

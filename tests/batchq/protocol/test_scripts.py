@@ -404,6 +404,18 @@ def test_a_detach_gives_frames_back_in_order_and_a_resume_at_its_mark_keeps_the_
     assert q.c.lrange(q.k.lease("p1"), 0, -1) == [b"0:run1:t1"]  # the lease stands
 
 
+def test_a_detach_gives_back_more_frames_than_one_unpack_takes(q: Q) -> None:
+    q.join("p1")
+    assert q.claim("tok")[0] == "OK"
+    frames = [b"%d" % i for i in range(2500, 0, -1)]  # the last to hand out first
+    reply = trainer_scripts.detach(
+        q.c, q.k, incarnation=q.inc, run=q.run, token="tok", position="p", frames=frames
+    )
+    assert (reply.status, reply.first) == ("OK", 2500)
+    assert q.c.rpop(q.k.data, 3) == [b"1", b"2", b"3"]
+    assert q.c.llen(q.k.data) == 2497 and q.c.hget(q.k.stats, "given_back") == b"2500"
+
+
 @pytest.mark.parametrize("change", ["another_state", "params", "finished"])
 def test_a_resume_off_the_mark_or_of_a_changed_run_starts_a_new_run(q: Q, change: str) -> None:
     q.join("p1")
