@@ -92,7 +92,6 @@ from batchq.wire.values import (
     Spec,
     align,
     layout,
-    pack_header,
     short,
     unpack_header,
 )
@@ -149,13 +148,13 @@ def encode_frame(
         ConfigError: an argument is invalid, a value cannot be encoded, or the frame
             would exceed ``max_frame_bytes``.
     """
-    kind, fields, packed, data_start, total, copies = _prepare(
+    kind, _fields, packed, data_start, total, copies = _prepare(
         header, data, checksum, max_frame_bytes
     )
     # Not bytearray(total): zero-filling MBs that the copies overwrite cost two thirds of
     # the copy itself (measured at 4.8 MB). Only the gaps (padding) are zeroed.
     buf = np.empty(total, dtype=np.uint8)
-    _fill(buf, kind, fields, packed, data_start, copies, checksum)
+    _fill(buf, kind, packed, data_start, copies, checksum)
     return memoryview(buf)  # type: ignore[arg-type]
 
 
@@ -181,7 +180,7 @@ def encode_frame_into(
     Raises:
         ConfigError: as :func:`encode_frame`, or the buffer is smaller than the frame.
     """
-    kind, packed_header, packed, data_start, total, copies = _prepare(
+    kind, _fields, packed, data_start, total, copies = _prepare(
         header, data, checksum, max_frame_bytes
     )
     target = alloc(total)
@@ -190,14 +189,13 @@ def encode_frame_into(
     buf = np.frombuffer(target, dtype=np.uint8)
     if buf.size < total:
         raise ConfigError(f"frame of {total} bytes does not fit in {buf.size} bytes")
-    _fill(buf[:total], kind, packed_header, packed, data_start, copies, checksum)
+    _fill(buf[:total], kind, packed, data_start, copies, checksum)
     return total, target
 
 
 def _fill(
     buf: Any,
     kind: FrameKind,
-    header: dict[str, Any],
     packed: bytes,
     data_start: int,
     copies: list[Copy],
@@ -214,12 +212,13 @@ def _fill(
             np.copyto(dst, arr, casting="no")
             end = desc["off"] + desc["len"]
     buf[end:] = 0
+    header_end = PREFIX.size + len(packed)
+    out[PREFIX.size : header_end] = packed
     if checksum:
         # The crc covers the header too (a flipped address is as bad as a flipped pixel):
-        # computed with its own bytes zero, then filled in (same length).
-        out[PREFIX.size : PREFIX.size + len(packed)] = pack_header(header, 0)
-        packed = pack_header(header, zlib.crc32(out))
-    out[PREFIX.size : PREFIX.size + len(packed)] = packed
+        # computed with its own bytes zero, then filled in: its last 4 bytes.
+        out[header_end - 4 : header_end] = _CRC_ZERO
+        out[header_end - 4 : header_end] = zlib.crc32(out).to_bytes(4, "big")
 
 
 def encode_frame_pieces(
@@ -236,7 +235,7 @@ def encode_frame_pieces(
     producer's hot path sends them straight to the socket (see
     :class:`batchq.wire.frame.Pieces`), so a contiguous batch is never copied in Python.
     """
-    kind, fields, packed, data_start, total, copies = _prepare(
+    kind, _fields, packed, data_start, total, copies = _prepare(
         header, data, checksum, max_frame_bytes
     )
     pieces: list[bytes | memoryview] = []
@@ -250,15 +249,16 @@ def encode_frame_pieces(
         pieces.append(memoryview(flat))  # type: ignore[arg-type]
         cursor = desc["off"] + desc["len"]
     head = bytearray(data_start if copies else PREFIX.size + len(packed))
+    PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
+    header_end = PREFIX.size + len(packed)
+    head[PREFIX.size : header_end] = packed
     if checksum:
-        PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
-        head[PREFIX.size : PREFIX.size + len(packed)] = pack_header(fields, 0)
+        # As _fill: the crc over the frame with its own 4 bytes zero, then put in place.
+        head[header_end - 4 : header_end] = _CRC_ZERO
         crc = zlib.crc32(head)
         for piece in pieces:
             crc = zlib.crc32(piece, crc)
-        packed = pack_header(fields, crc)
-    PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
-    head[PREFIX.size : PREFIX.size + len(packed)] = packed
+        head[header_end - 4 : header_end] = crc.to_bytes(4, "big")
     return Pieces([bytes(head), *pieces], total)
 
 

@@ -73,6 +73,10 @@ Spec = ArraySpec | ValueSpec | ObjectSpec
 # --------------------------------------------------------------------------- header
 
 
+# The placeholder a header's crc is packed with before it is known (its 5-byte form).
+_CRC_PLACEHOLDER = 0xFFFFFFFF
+
+
 def align(n: int) -> int:
     """Round ``n`` up to a multiple of :data:`ALIGN`."""
     return -(-n // ALIGN) * ALIGN
@@ -84,12 +88,14 @@ def pack_header(header: dict[str, Any], crc: int | None) -> bytes:
     Raises:
         ConfigError: a field cannot be packed (a str with lone surrogates).
     """
-    if crc is None:
-        # Every frame packs its header twice or more (layout): the whole map at once is
-        # half the CPU of field by field, and the same bytes.
+    # Every frame packs its header twice or more (layout): the whole map at once is half
+    # the CPU of field by field, and the same bytes. A crc goes last as a uint32, which
+    # msgpack packs in its 5-byte form for 0xFFFFFFFF: packed so, then overwritten.
+    if crc is None or "crc" not in header:
+        whole = header if crc is None else {**header, "crc": _CRC_PLACEHOLDER}
         with contextlib.suppress(TypeError, ValueError, OverflowError):  # named below
-            packed: bytes = msgpack.packb(header, use_bin_type=True)
-            return packed
+            packed: bytes = msgpack.packb(whole, use_bin_type=True)
+            return packed if crc is None else packed[:-4] + crc.to_bytes(4, "big")
     packer = msgpack.Packer(use_bin_type=True)
     parts = [packer.pack_map_header(len(header) + (crc is not None))]
     try:
@@ -119,7 +125,7 @@ def layout(header: dict[str, Any], copies: list[Copy], checksum: bool) -> tuple[
     # Offsets are absolute, so the header's length depends on them and vice versa. Larger
     # offsets never pack shorter, so growing data_start until it holds the header converges
     # (in practice in one or two rounds).
-    crc = 0xFFFFFFFF if checksum else None
+    crc = _CRC_PLACEHOLDER if checksum else None
     data_start = align(PREFIX.size + 1)
     while True:
         cursor = end = data_start

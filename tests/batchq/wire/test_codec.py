@@ -30,6 +30,7 @@ from batchq.wire.codec import (
     encode_frame,
     encode_frame_pieces,
 )
+from batchq.wire.values import pack_header
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -418,6 +419,20 @@ def test_checksum_on_frames_without_arrays() -> None:
     frame = decode_frame(enc(("v", [1, 2]), checksum=True))
     assert frame.data == ([1, 2],)
     assert decode_frame(enc(kind=FrameKind.END, count=0, checksum=True)).count == 0
+
+
+@pytest.mark.parametrize("crc", [0, 1, 0xFFFF, 0x10000, 0xDEADBEEF, 0xFFFFFFFF])
+def test_a_header_with_a_crc_ends_with_it_in_its_five_byte_form(crc: int) -> None:
+    # The header is packed whole with a placeholder crc and the crc written over it: the
+    # same bytes as packing it field by field with the crc's fixed-width form last.
+    header = {"run": "r", "ep": 1, "items": [{"v": [1, "s", None]}], "pid": "p\u00e9"}
+    packer = msgpack.Packer(use_bin_type=True)
+    expected = packer.pack_map_header(len(header) + 1) + b"".join(
+        packer.pack(k) + packer.pack(v) for k, v in header.items()
+    )
+    expected += packer.pack("crc") + b"\xce" + crc.to_bytes(4, "big")
+    assert pack_header(header, crc) == expected
+    assert pack_header(header, None) == msgpack.packb(header, use_bin_type=True)
 
 
 @pytest.mark.parametrize("crc", ["0", -1, 2**32, True, 1.0])
