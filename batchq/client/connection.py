@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -425,7 +424,9 @@ def tune_malloc() -> None:
         return
     _tuned = True
     try:
-        libc: Any = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # The process's own symbols (libc is loaded already), not find_library: that
+        # runs ldconfig in a subprocess, milliseconds on a trainer's first batch.
+        libc: Any = ctypes.CDLL(None)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return

@@ -252,10 +252,13 @@ class Reader(threading.Thread):
             return
         if reply.alive:
             self._repair.producers_alive()
-        self._repair.reap_closed()
         if reply.elements:
+            # Filed first: the reap's CLIENT LIST (due at a reader's first round) waits
+            # behind the batch the trainer may be waiting for.
             self._file(self._fetcher.fetch(reply.elements))
+            self._repair.reap_closed()
             return
+        self._repair.reap_closed()
         self._repair.check()
         self._take(self._brpop())
 
