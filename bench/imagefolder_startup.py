@@ -237,6 +237,12 @@ def _startup_auto(
                     if adds:
                         added = adds[-1]
                         break
+                    # Input-bound, but the host has no idle core for a worker (2 cores:
+                    # the trainer and one worker): the autoscaler rightly holds.
+                    held = [e for e in log if e["action"] == "hold" and "idle cores" in e["reason"]]
+                    if len(held) >= 3:
+                        print(f"  ({how}) --workers 1:2 held: {held[0]['reason']}", flush=True)
+                        return None
             if added is None:
                 return None
 
