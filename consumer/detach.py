@@ -66,13 +66,10 @@ def detach(
     Returns:
         The frames given back (0 where nothing was, and the run was not marked).
     """
-    if not (exact and session.claimed and session.world == 1 and not session.grouped):
-        return 0
-    held = buffer.held_frames()
+    single = exact and session.claimed and session.world == 1 and not session.grouped
+    held = buffer.held_frames() if single else None
     run, _ = session.position()
-    # Frames of another run: received before Redis lost the queue and the run was made
-    # again (the reader's recovery), which the new run's ledger counts as had.
-    if held is None or any(f.run != run for f in held):
+    if held is None or not _of_run(held, run):
         return 0
     try:
         encoded = [encode_frame(_header(f), f.data) for f in reversed(held)]
@@ -94,6 +91,13 @@ def detach(
         return 0
     log.info("%s: detached, %d frames given back", session.what, reply.first)
     return reply.first
+
+
+def _of_run(held: list[Frame], run: str) -> bool:
+    """Whether every held frame is of ``run``: not one received before Redis lost the
+    queue and the run was made again (the reader's recovery), which the new run's ledger
+    counts as had, so that given back it would be dropped and never built again."""
+    return all(f.run == run for f in held)
 
 
 def _header(frame: Frame) -> FrameHeader:

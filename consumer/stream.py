@@ -340,16 +340,7 @@ class ServerDataStream(FuelStreamMixin):
             return
         self._closed = True
         if self._started is not None:
-            # The readers send the last epoch's figures themselves, as their last act:
-            # only their threads ever pop, even when stopping takes longer than the join.
-            readers = self._started.readers
-            readers.stop(flush=True)
-            if not finished and self._session and self._buffer and readers.stopped():
-                single = len(self._started.stripes) == 1
-                detach(
-                    self._session, self._client, self._buffer, state=self.state_dict(),
-                    host=self._shm.identity, exact=single and self._prep.keeps_frames(),
-                )  # fmt: skip
+            self._stop_reading(self._started, finished)
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.
@@ -476,6 +467,19 @@ class ServerDataStream(FuelStreamMixin):
         if self._client is None:
             tune_malloc()
             self._client = self._named_client(self.keys)
+
+    def _stop_reading(self, started: Started, finished: bool) -> None:
+        """Stop the readers; stopping without finishing, a single trainer then gives back
+        the frames it holds unread, once every reader stopped (:mod:`consumer.detach`)."""
+        # The readers send the last epoch's figures themselves, as their last act: only
+        # their threads ever pop, even when stopping takes longer than the join.
+        started.readers.stop(flush=True)
+        if not finished and self._session and self._buffer and started.readers.stopped():
+            exact = len(started.stripes) == 1 and self._prep.keeps_frames()
+            detach(
+                self._session, self._client, self._buffer, state=self.state_dict(),
+                host=self._shm.identity, exact=exact,
+            )  # fmt: skip
 
     def _named_client(self, keys: QueueKeys) -> Any:
         """A client for ``keys``' queue, its connections named this trainer's."""
