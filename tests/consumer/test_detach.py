@@ -100,6 +100,34 @@ def test_a_trainer_resumed_where_one_detached_reads_on_in_its_run(
 
 
 @pytest.mark.timeout(120)
+def test_a_torch_stream_saved_and_closed_is_taken_over_by_the_next(
+    redis_url: str, redis_client: redis.Redis, queue_name: str, producers: Any
+) -> None:
+    """The torch adapter's loop (CPU: no device prefetch): its state, then close()."""
+    pytest.importorskip("torch")
+    from consumer.torch import TorchStream
+
+    producers(2, "auto")
+    got = []
+    first = TorchStream(stream_of(redis_url, queue_name), as_dict=True)
+    for i, batch in enumerate(first):
+        got.append((0, examples_of(batch["features"].numpy())))
+        if i == 10:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    second = TorchStream(stream_of(redis_url, queue_name), as_dict=True)
+    second.load_state_dict(state)
+    epoch = iter(second)
+    got.append((0, examples_of(next(epoch)["features"].numpy())))
+    assert meta(redis_client, queue_name, "run") == state["run"]  # taken over as it is
+    got += [(0, examples_of(b["features"].numpy())) for b in epoch]
+    got += [(1, examples_of(b["features"].numpy())) for b in second]
+    second.close(finished=True)
+    assert got == reference(2)
+
+
+@pytest.mark.timeout(120)
 def test_a_state_before_the_detach_resumes_in_a_new_run(
     redis_url: str, redis_client: redis.Redis, queue_name: str, producers: Any
 ) -> None:
