@@ -153,6 +153,7 @@ def test_a_state_before_the_detach_resumes_in_a_new_run(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:.*is cast to the declared:UserWarning")  # the cast's own
 @pytest.mark.parametrize("change", ["hook", "cast", "subset"])
 def test_nothing_is_given_back_where_the_reader_changed_frames_or_at_the_end(
     redis_url: str, redis_client: redis.Redis, queue_name: str, producers: Any, change: str
