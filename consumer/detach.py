@@ -5,15 +5,18 @@ once (docs/design.md "Resume": a detached run is taken over as it is).
 The frames the reader holds (decoded, possibly from shared memory or from keys of frames
 stored by reference) are encoded again, as frames inside the list, and pushed back to
 the list's popping end, the next to hand out last (so it is popped first), by
-detach.lua, which also marks the run as detached at the stream's position (a digest of
-its ``state_dict()``). A resume from that state (taken right before ``close()``) finds every batch
-it has not had in the list, with the producers' leases and the cursor standing, and
-changes nothing; a resume from any other state starts a new run as before.
+detach.lua, which also marks the run as detached at the stream's position: a digest of
+its ``state_dict()`` and its shared-memory host. A resume from that state (taken right
+before ``close()``) on the same host finds every batch it has not had in the list, with
+the producers' leases and the cursor standing, and changes nothing; a resume from any
+other state starts a new run as before.
 
 Nothing is given back (and the run is not marked) where a frame could not be given back
-exactly: the reader's frames were changed by a hook (pinned copies, a user's), a
-wrapper holds frames of its own (a device prefetch), a held shard failed (an ERROR
-frame), or the trainer reads as a rank or a group, or a striped queue.
+as it was popped: the reader's preparation changed it (a subset of the sources, a cast,
+a hook: pinned copies, a user's), a held shard failed (an ERROR frame), a held frame is
+of an earlier run (Redis lost the queue), or the trainer reads as a rank or a group, or
+a striped queue. Batches a wrapper holds (a device prefetch) are not given back: the
+wrapper's state then differs from the stream's, so no resume matches the mark.
 """
 
 from __future__ import annotations
