@@ -36,9 +36,13 @@ from consumer.checkpoint import position_digest
 from consumer.reader.buffer import Buffer
 from consumer.session import Session
 
-__all__ = ["detach"]
+__all__ = ["CHUNK_FRAMES", "detach"]
 
 log = logging.getLogger(__name__)
+
+#: Frames given back per call: the encoded copies a call holds at once (a look-ahead
+#: can hold many more frames than the hwm while the next one in order is missing).
+CHUNK_FRAMES = 16
 
 
 def detach(
@@ -74,26 +78,48 @@ def detach(
     run, _ = session.position()
     if held is None or not _of_run(held, run):
         return 0
+    position, given = position_digest(state, host), 0
     try:
-        encoded = [encode_frame(_header(f), f.data) for f in reversed(held)]
-        # One try: a retry after a lost reply would give the frames back twice.
-        reply = call(
-            lambda: trainer_scripts.detach(
-                client, session.keys, incarnation=session.incarnation, run=run,
-                token=session.token, position=position_digest(state, host), frames=encoded,
-            ),
-            f"giving back the frames held ({session.what})",
-            client,
-        )  # fmt: skip
+        # The latest frames first, a chunk a call (the trainer's memory and the call stay
+        # bounded whatever the look-ahead held); the call with the next frame to hand
+        # out marks the run. A list given back in part is unmarked: any resume drops it.
+        for end in range(len(held), 0, -CHUNK_FRAMES):
+            chunk = held[max(0, end - CHUNK_FRAMES) : end]
+            got = _give_back(session, client, run, position, chunk, final=end <= CHUNK_FRAMES)
+            if got < 0:
+                return 0
+            given += got
     except (BatchQueueError, redis.RedisError) as e:
         # A value the codec cannot give back as it is; Redis refusing (an ACL without
         # RPUSH, maxmemory), or gone.
         log.warning("%s: the frames held were not given back: %s", session.what, e)
         return 0
-    if reply.status != Status.OK:
-        return 0
-    log.info("%s: detached, %d frames given back", session.what, reply.first)
-    return reply.first
+    log.info("%s: detached, %d frames given back", session.what, given)
+    return given
+
+
+def _give_back(
+    session: Session,
+    client: redis.Redis,
+    run: str,
+    position: str,
+    chunk: list[Frame],
+    *,
+    final: bool,
+) -> int:
+    """One detach.lua call: ``chunk`` (in plan order) encoded again and given back;
+    the frames given back, or -1 where the script refused (the claim or the run lost).
+    One try: a retry after a lost reply would give the frames back twice."""
+    encoded = [encode_frame(_header(f), f.data) for f in reversed(chunk)]
+    reply = call(
+        lambda: trainer_scripts.detach(
+            client, session.keys, incarnation=session.incarnation, run=run,
+            token=session.token, position=position, frames=encoded, final=final,
+        ),
+        f"giving back the frames held ({session.what})",
+        client,
+    )  # fmt: skip
+    return reply.first if reply.status == Status.OK else -1
 
 
 def _of_run(held: list[Frame], run: str) -> bool:

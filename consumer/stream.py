@@ -7,6 +7,7 @@ popped before the first iteration.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -43,6 +44,8 @@ from consumer.start import Started, claim, claim_to_finish, open_reading, releas
 from consumer.stream_options import StreamOptions
 
 __all__ = ["ServerDataStream"]
+
+log = logging.getLogger(__name__)
 
 
 class ServerDataStream(FuelStreamMixin):
@@ -221,6 +224,7 @@ class ServerDataStream(FuelStreamMixin):
         dtypes: Mapping[str, Any] | None = None,
         access: ArrayAccess | None = None,
         hook: FrameHook | None = None,
+        hook_keeps_values: bool = False,
     ) -> None:
         """Change how frames are prepared on the reader thread, before the first epoch.
 
@@ -229,6 +233,9 @@ class ServerDataStream(FuelStreamMixin):
             access: what the arrays may be (:class:`ArrayAccess`); the constructor's
                 ``writable`` chose READ_ONLY or WRITABLE.
             hook: run on every batch frame after the casts (on the reader thread).
+            hook_keeps_values: ``hook`` returns the frame's values unchanged (copied into
+                other memory, say): a stream that detaches may then give its frames back
+                (:meth:`close`).
 
         Raises:
             ConfigError: the stream has started, or an argument is invalid.
@@ -240,7 +247,7 @@ class ServerDataStream(FuelStreamMixin):
         if access is not None:
             self._prep.set_access(access)
         if hook is not None:
-            self._prep.add_hook(hook)
+            self._prep.add_hook(hook, keeps_values=hook_keeps_values)
 
     def open_epoch(self) -> Iterator[Frame]:
         """Begin the next epoch and return its frames, in the order they are yielded.
@@ -476,10 +483,13 @@ class ServerDataStream(FuelStreamMixin):
         started.readers.stop(flush=True)
         if not finished and self._session and self._buffer and started.readers.stopped():
             exact = len(started.stripes) == 1 and self._prep.keeps_frames()
-            detach(
-                self._session, self._client, self._buffer, state=self.state_dict(),
-                host=self._shm.identity, exact=exact,
-            )  # fmt: skip
+            try:
+                detach(
+                    self._session, self._client, self._buffer, state=self.state_dict(),
+                    host=self._shm.identity, exact=exact,
+                )  # fmt: skip
+            except Exception:  # the release below must run whatever a detach meets
+                log.exception("%s: the frames held were not given back", self._session.what)
 
     def _named_client(self, keys: QueueKeys) -> Any:
         """A client for ``keys``' queue, its connections named this trainer's."""

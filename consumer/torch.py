@@ -222,7 +222,7 @@ class TorchStream(IterableDataset[Any]):
         """Have the reader thread copy batches into pinned memory (pin_memory=True)."""
         if torch.accelerator.is_available():
             self.pool = PinnedPool(max_buffers=pool_buffers)
-            self.stream.configure_frames(hook=self._pin)
+            self.stream.configure_frames(hook=self._pin, hook_keeps_values=True)
         else:
             # Warned at the first epoch, as a DataLoader warns when it is iterated.
             self._warn_unpinned = True

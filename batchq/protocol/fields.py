@@ -86,8 +86,9 @@ class MetaField:
     MAX_LAG: Final = "max_lag"  # a group's max_lag_batches ('<name>@<i>' per slot)
     SHARD_BATCHES: Final = "shard_batches"  # B, batches per full shard (0: unknown)
     PARAMS: Final = "params"  # the params log's stamp '<run>:<version>' (params.lua)
-    # '<run>:<step>': a single trainer detached there, its unread frames given back
-    # (detach.lua); a resume from a state of that step takes the run over as it is
+    # '<run>:<digest>': a single trainer detached from the run, its unread frames given
+    # back (detach.lua); a resume from the state of that digest (its state_dict() and
+    # shared-memory host: consumer/checkpoint.py) takes the run over as it is
     DETACHED: Final = "detached"
 
     #: Fields a data-parallel run keeps once per rank (``'<name>:<r>'``): ranks may

@@ -337,15 +337,18 @@ def detach(
     token: str,
     position: str,
     frames: Sequence[Arg],
+    final: bool = True,
 ) -> CountReply:
     """A single trainer stops without finishing (detach.lua): ``frames`` (encoded, the
-    last to hand out first) go back to the data list's popping end and meta says the run
-    was detached at ``position`` (its state's digest). ``first``: the frames given back."""
+    last to hand out first) go back to the data list's popping end and, with ``final``
+    (the call that gives back the next frame to hand out), meta says the run was
+    detached at ``position`` (its state's digest). ``first``: the frames given back."""
     return build_call(
         "detach",
         CountReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "data": keys.data,
          "stats": keys.stats},
-        {"incarnation": incarnation, "run": run, "token": token, "position": position},
+        {"incarnation": incarnation, "run": run, "token": token, "position": position,
+         "final": FLAGS[final]},
         more_args=list(frames),
     ).run(client)  # fmt: skip

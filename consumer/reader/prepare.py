@@ -136,6 +136,10 @@ class FramePrep:
         self.access = ArrayAccess.WRITABLE if writable else ArrayAccess.READ_ONLY
         self.served: tuple[str, ...] | None = None  # the producers' sources, once seen
         self.hooks: list[FrameHook] = []
+        self._changing_hooks = 0  # hooks that may change a frame's values
+        # Some frame came out with other values than it was decoded with (a cast that
+        # changed a dtype, a subset of its sources): written on the reader thread.
+        self._changed = False
         self._index: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -160,9 +164,12 @@ class FramePrep:
         self._check_dtype_names(self.sources, merged)
         self.dtypes = merged
 
-    def add_hook(self, hook: FrameHook) -> None:
-        """Run ``hook`` on the reader thread on every batch frame, after the casts."""
+    def add_hook(self, hook: FrameHook, *, keeps_values: bool = False) -> None:
+        """Run ``hook`` on the reader thread on every batch frame, after the casts;
+        ``keeps_values``: it returns the same values (copied into other memory, as the
+        torch adapter's pinned copies)."""
         self.hooks.append(hook)
+        self._changing_hooks += not keeps_values
 
     def set_access(self, access: ArrayAccess) -> None:
         """What the arrays handed out may be (before reading starts)."""
@@ -186,6 +193,8 @@ class FramePrep:
         if frame.kind is not FrameKind.BATCH:
             return frame
         names, data = self._select(frame)
+        if len(names) != len(frame.sources):
+            self._changed = True  # a subset: the rest is not given back
         for pos, name in enumerate(names):
             wanted = self.dtypes.get(name)
             if wanted is not None:
@@ -199,13 +208,11 @@ class FramePrep:
         return frame
 
     def keeps_frames(self) -> bool:
-        """Whether every frame comes out with the values it was decoded with: every
-        source served (the order aside: names travel with the values), no cast, no
-        hook (a detaching trainer gives back only frames that are)."""
-        every = self.sources is None or (
-            self.served is not None and set(self.sources) == set(self.served)
-        )
-        return every and not self.dtypes and not self.hooks
+        """Whether every frame so far came out with the values it was decoded with:
+        every source served (the order aside: names travel with the values), no cast that
+        changed a dtype, no hook but those that keep values (a detaching trainer gives
+        back only such frames)."""
+        return not self._changed and not self._changing_hooks
 
     def _select(self, frame: Frame) -> tuple[tuple[str, ...], list[Any]]:
         """The trainer's sources and the frame's values of them, in the trainer's order."""
@@ -249,8 +256,10 @@ class FramePrep:
             if value.dtype == wanted:
                 return make_writable(value) if self.writable else value
             self._warn_once(name, value.dtype, wanted)
+            self._changed = True
             return value.astype(wanted)
         if isinstance(value, bool | int | float | complex):
+            self._changed = True
             return np.asarray(value, dtype=wanted)[()]
         raise ConfigError(
             f"queue {self.queue}: source {name!r} holds a {type(value).__name__}, which "

@@ -16,6 +16,7 @@ from pipelines import examples_of, numbered
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import FrameHeader, FrameKind, decode_frame, encode_frame
 from consumer import ServerDataStream
+from consumer import detach as detach_module
 from consumer.checkpoint import position_digest
 from consumer.detach import detach
 from consumer.reader.buffer import Buffer
@@ -218,3 +219,16 @@ def test_the_frames_held_go_back_in_order_and_frames_of_another_run_never(
     assert [(f.shard, f.data[0].tolist()) for f in popped] == [(0, [0, 1, 2]), (1, [1, 2, 3])]
     assert redis_client.hget(keys.meta, "detached") == f"r2:{position_digest({}, 'h')}".encode()
     assert redis_client.hget(keys.stats, "given_back") == b"2"
+
+
+def test_frames_go_back_a_chunk_a_call_the_next_one_last(
+    redis_client: redis.Redis, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = QueueKeys(queue_name)
+    redis_client.set(keys.incarnation, "inc")
+    redis_client.hset(keys.meta, mapping={"run": "r2", "claim": "tok"})
+    monkeypatch.setattr(detach_module, "CHUNK_FRAMES", 1)  # one call per frame
+    session: Any = _Session(queue_name, "r2")
+    assert detach(session, redis_client, _held("r2"), state={}, host=None, exact=True) == 2
+    popped = [decode_frame(redis_client.rpop(keys.data)).shard for _ in range(2)]
+    assert popped == [0, 1] and redis_client.hget(keys.meta, "detached") is not None

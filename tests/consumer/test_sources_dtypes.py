@@ -150,3 +150,22 @@ def test_prep_refuses_to_cast_a_string_value() -> None:
     prep = FramePrep(("name",), {"name": "float32"}, "q")
     with pytest.raises(ConfigError, match="'name'"):
         prep(_frame(name="hello"))
+
+
+def test_prep_says_whether_its_frames_keep_their_values() -> None:
+    """What a detaching stream may give back (consumer/detach.py)."""
+    x, y = np.arange(3, dtype=np.int64), np.zeros(2)
+    same = FramePrep(("y", "x"), {"x": "int64"}, "q")  # reordered, a cast that casts nothing
+    same(_frame(x=x, y=y))
+    assert same.keeps_frames()
+    subset = FramePrep(("x",), None, "q")
+    subset(_frame(x=x, y=y))
+    assert not subset.keeps_frames()
+    cast = FramePrep(None, {"x": "int32"}, "q")
+    cast(_frame(x=x, y=y))
+    assert not cast.keeps_frames() and cast.take_warnings()
+    hooked = FramePrep(None, None, "q")
+    hooked.add_hook(lambda f: f, keeps_values=True)  # a copy into pinned memory, say
+    assert hooked.keeps_frames()
+    hooked.add_hook(lambda f: f)
+    assert not hooked.keeps_frames()

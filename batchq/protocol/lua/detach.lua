@@ -13,8 +13,10 @@ local incarnation = ARGV[1]
 local run = ARGV[2]
 local token = ARGV[3]            -- the trainer's claim token
 local position = ARGV[4]         -- the digest of its state_dict() now
--- ARGV[5..]: the frames, the last to hand out first
-local first_frame = 5
+local final = ARGV[5]            -- '1': the call with the next frame to hand out marks
+-- ARGV[6..]: the frames, the last to hand out first (a call gives back a chunk of them,
+-- the latest first: a list given back in part is unmarked, so any resume drops it)
+local first_frame = 6
 
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'claim')
@@ -26,6 +28,8 @@ for i = first_frame, #ARGV, 1000 do  -- unpack's stack is bounded: pushed 1000 a
 end
 -- Popped again, they are counted again: pushed + given_back = popped + listed.
 if given > 0 then redis.call('HINCRBY', stats_key, 'given_back', given) end
-local marker = run .. ':' .. position
-redis.call('HSET', meta_key, 'detached', marker)
+if final == '1' then
+  local marker = run .. ':' .. position
+  redis.call('HSET', meta_key, 'detached', marker)
+end
 return {'OK', given}

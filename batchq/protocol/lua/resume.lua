@@ -53,10 +53,14 @@ local m = redis.call('HMGET', meta_key, 'run', 'finished', 'world', 'groups', 'p
   'detached')
 local n = tonumber(m[4] or '0')
 -- The checkpoint is where its single trainer detached (detach.lua), and the run is as it
--- left it (unfinished, no params log: the state's would be written as another run's):
--- its list holds every frame not yielded, so nothing is rebuilt (design.md "Resume").
+-- left it (unfinished, one rank, no params log of its own or just loaded for new_run: the
+-- state's would be written as another run's): its list holds every frame not yielded,
+-- so nothing is rebuilt (design.md "Resume").
+local stamp = m[5] or ''
+local logged = string.sub(stamp, 1, #takeover_run + 1) == takeover_run .. ':' or
+  string.sub(stamp, 1, #new_run + 1) == new_run .. ':'
 local reattach = keep ~= '' and world == 1 and m[1] and m[1] == takeover_run and not m[2] and
-  tonumber(m[3] or '1') == 1 and not m[5] and m[6] == takeover_run .. ':' .. keep
+  tonumber(m[3] or '1') == 1 and not logged and m[6] == takeover_run .. ':' .. keep
 if n ~= groups or key_world < math.max(world, max_world(meta_key, n)) then
   return {'GROUPS', n}
 end

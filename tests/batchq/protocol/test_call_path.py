@@ -9,6 +9,7 @@ file, and the files under batchq/, producer/ and consumer/ are counted.
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from types import FrameType
@@ -41,11 +42,16 @@ def _modules_entered(run: Any) -> set[str]:
             if name.startswith(LIBRARY):
                 seen.add(str(Path(name).relative_to(ROOT)))
 
+    # A collection during the call would run the finalizers of objects earlier tests in
+    # this process left (a stream's shared-memory owners, say) below it: not the call's.
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return seen
 
 

@@ -416,6 +416,17 @@ def test_a_detach_gives_back_more_frames_than_one_unpack_takes(q: Q) -> None:
     assert q.c.llen(q.k.data) == 2497 and q.c.hget(q.k.stats, "given_back") == b"2500"
 
 
+def test_a_detach_in_chunks_marks_the_run_with_its_last_only(q: Q) -> None:
+    q.join("p1")
+    assert q.claim("tok")[0] == "OK"
+    args = {"incarnation": q.inc, "run": q.run, "token": "tok", "position": "p"}
+    trainer_scripts.detach(q.c, q.k, frames=[b"4", b"3"], final=False, **args)
+    assert q.c.hget(q.k.meta, "detached") is None  # given back in part: unmarked
+    trainer_scripts.detach(q.c, q.k, frames=[b"2", b"1"], final=True, **args)
+    assert q.c.hget(q.k.meta, "detached") == b"run1:p"
+    assert q.c.rpop(q.k.data, 4) == [b"1", b"2", b"3", b"4"]
+
+
 @pytest.mark.parametrize("change", ["another_state", "params", "finished"])
 def test_a_resume_off_the_mark_or_of_a_changed_run_starts_a_new_run(q: Q, change: str) -> None:
     q.join("p1")
