@@ -445,3 +445,15 @@ def test_a_resume_off_the_mark_or_of_a_changed_run_starts_a_new_run(q: Q, change
     reply = _resume_keeping(q, "tok2", keep)
     assert (reply.status, reply.run) == ("OK", "run9")
     assert q.c.llen(q.k.data) == 0  # the old run's frames went with it
+
+
+def test_a_stale_params_stamp_of_an_older_run_does_not_block_the_takeover(q: Q) -> None:
+    q.join("p1")
+    assert q.claim("tok", takeover="run1")[0] == "OK"
+    q.c.hset(q.k.meta, "params", "run0:2")  # left by a run before this one
+    trainer_scripts.detach(
+        q.c, q.k, incarnation=q.inc, run=q.run, token="tok", position="pos", frames=[b"g"]
+    )
+    assert q.claim("tok2", takeover="run1")[0] == "OK"
+    reply = _resume_keeping(q, "tok2", "pos")
+    assert (reply.status, reply.run) == ("OK", "run1") and q.c.lrange(q.k.data, 0, -1) == [b"g"]
