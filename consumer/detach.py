@@ -71,7 +71,8 @@ def detach(
             preparation kept them: :meth:`FramePrep.keeps_frames`), on a single stripe.
 
     Returns:
-        The frames given back (0 where nothing was, and the run was not marked).
+        The frames given back: the run is marked (also where none was held), but where
+        the detach was refused (0, logged).
     """
     single = exact and session.claimed and session.world == 1 and not session.grouped
     held = buffer.held_frames() if single else None
@@ -83,7 +84,8 @@ def detach(
         # The latest frames first, a chunk a call (the trainer's memory and the call stay
         # bounded whatever the look-ahead held); the call with the next frame to hand
         # out marks the run. A list given back in part is unmarked: any resume drops it.
-        for end in range(len(held), 0, -CHUNK_FRAMES):
+        # Nothing held: one call with no frame still marks the run.
+        for end in range(len(held), 0, -CHUNK_FRAMES) or [0]:
             chunk = held[max(0, end - CHUNK_FRAMES) : end]
             got = _give_back(session, client, run, position, chunk, final=end <= CHUNK_FRAMES)
             if got < 0:

@@ -221,6 +221,19 @@ def test_the_frames_held_go_back_in_order_and_frames_of_another_run_never(
     assert redis_client.hget(keys.stats, "given_back") == b"2"
 
 
+def test_a_trainer_that_holds_no_frame_still_marks_its_run(
+    redis_client: redis.Redis, queue_name: str
+) -> None:
+    keys = QueueKeys(queue_name)
+    redis_client.set(keys.incarnation, "inc")
+    redis_client.hset(keys.meta, mapping={"run": "r2", "claim": "tok"})
+    session: Any = _Session(queue_name, "r2")
+    # Its reader had popped nothing past what the loop had when it closed.
+    assert detach(session, redis_client, Buffer(Ledger(4)), state={}, host=None, exact=True) == 0
+    assert redis_client.hget(keys.meta, "detached") == f"r2:{position_digest({}, None)}".encode()
+    assert redis_client.llen(keys.data) == 0
+
+
 def test_frames_go_back_a_chunk_a_call_the_next_one_last(
     redis_client: redis.Redis, queue_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
