@@ -74,10 +74,9 @@ def detach(
         The frames given back: the run is marked (also where none was held), but where
         the detach was refused (0, logged).
     """
-    single = exact and session.claimed and session.world == 1 and not session.grouped
-    held = buffer.held_frames() if single else None
     run, _ = session.position()
-    if held is None or not _of_run(held, run):
+    held = _held(session, buffer, run) if exact else None
+    if held is None:
         return 0
     position, given = position_digest(state, host), 0
     try:
@@ -124,11 +123,18 @@ def _give_back(
     return reply.first if reply.status == Status.OK else -1
 
 
-def _of_run(held: list[Frame], run: str) -> bool:
-    """Whether every held frame is of ``run``: not one received before Redis lost the
-    queue and the run was made again (the reader's recovery), which the new run's ledger
-    counts as had, so that given back it would be dropped and never built again."""
-    return all(f.run == run for f in held)
+def _held(session: Session, buffer: Buffer, run: str) -> list[Frame] | None:
+    """The frames to give back, in plan order; None where none may be: not a single
+    claimed trainer of the default group, a held ERROR frame, or a frame of another run
+    than ``run`` (received before Redis lost the queue and the run was made again, the
+    reader's recovery: the new run's ledger counts it as had, so given back it would be
+    dropped and never built again)."""
+    if not session.claimed or session.world != 1 or session.grouped:
+        return None
+    held = buffer.held_frames()
+    if held is None or any(f.run != run for f in held):
+        return None
+    return held
 
 
 def _header(frame: Frame) -> FrameHeader:
