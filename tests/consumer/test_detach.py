@@ -193,6 +193,15 @@ class _Session:
         return self.run, None
 
 
+@pytest.fixture
+def claimed(redis_client: redis.Redis, queue_name: str) -> Any:
+    """The session of a trainer holding the claim of run r2 (what detach.lua checks)."""
+    keys = QueueKeys(queue_name)
+    redis_client.set(keys.incarnation, "inc")
+    redis_client.hset(keys.meta, mapping={"run": "r2", "claim": "tok"})
+    return _Session(queue_name, "r2")
+
+
 def _held(run: str) -> Buffer:
     buffer = Buffer(Ledger(4))
     for shard in (1, 0):
@@ -203,12 +212,9 @@ def _held(run: str) -> Buffer:
 
 
 def test_the_frames_held_go_back_in_order_and_frames_of_another_run_never(
-    redis_client: redis.Redis, queue_name: str
+    redis_client: redis.Redis, claimed: Any
 ) -> None:
-    keys = QueueKeys(queue_name)
-    redis_client.set(keys.incarnation, "inc")
-    redis_client.hset(keys.meta, mapping={"run": "r2", "claim": "tok"})
-    session: Any = _Session(queue_name, "r2")
+    session, keys = claimed, claimed.keys
     # Received before Redis lost the queue (run r1), held when the run is r2: the new
     # run's ledger counts them as had, so given back they would be dropped and lost.
     assert detach(session, redis_client, _held("r1"), state={}, host=None, exact=True) == 0
@@ -222,12 +228,9 @@ def test_the_frames_held_go_back_in_order_and_frames_of_another_run_never(
 
 
 def test_a_trainer_that_holds_no_frame_still_marks_its_run(
-    redis_client: redis.Redis, queue_name: str
+    redis_client: redis.Redis, claimed: Any
 ) -> None:
-    keys = QueueKeys(queue_name)
-    redis_client.set(keys.incarnation, "inc")
-    redis_client.hset(keys.meta, mapping={"run": "r2", "claim": "tok"})
-    session: Any = _Session(queue_name, "r2")
+    session, keys = claimed, claimed.keys
     # Its reader had popped nothing past what the loop had when it closed.
     assert detach(session, redis_client, Buffer(Ledger(4)), state={}, host=None, exact=True) == 0
     assert redis_client.hget(keys.meta, "detached") == f"r2:{position_digest({}, None)}".encode()
@@ -235,13 +238,10 @@ def test_a_trainer_that_holds_no_frame_still_marks_its_run(
 
 
 def test_frames_go_back_a_chunk_a_call_the_next_one_last(
-    redis_client: redis.Redis, queue_name: str, monkeypatch: pytest.MonkeyPatch
+    redis_client: redis.Redis, claimed: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    keys = QueueKeys(queue_name)
-    redis_client.set(keys.incarnation, "inc")
-    redis_client.hset(keys.meta, mapping={"run": "r2", "claim": "tok"})
+    session, keys = claimed, claimed.keys
     monkeypatch.setattr(detach_module, "CHUNK_FRAMES", 1)  # one call per frame
-    session: Any = _Session(queue_name, "r2")
     assert detach(session, redis_client, _held("r2"), state={}, host=None, exact=True) == 2
     popped = [decode_frame(redis_client.rpop(keys.data)).shard for _ in range(2)]
     assert popped == [0, 1] and redis_client.hget(keys.meta, "detached") is not None
