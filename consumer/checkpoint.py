@@ -21,6 +21,14 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
                   after the same number of batches every rank's local position is the
                   same; any rank (or a new world, re-split) resumes from it, so a
                   checkpoint that keeps rank 0's state only resumes the whole job
+  where only the epoch's last shard is short (every_rank too: positions differ between
+  ranks at one step, but each follows from the plan and the batches yielded) it adds:
+    yielding      [epoch, batches]: the epoch the rank is yielding and the batches it
+                  yielded of it, run-time pads included: the same on every rank at one
+                  step (every rank yields as many per epoch)
+    shard_batches B, batches per full shard; epoch_batches: E, batches per epoch
+                  (the last shard holds E - (S - 1) x B): each rank's position is
+                  rebuilt from them (consumer/rank_state.py ``rank_position``)
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
                   (a shard's later slots are pads), kept while in that epoch
@@ -64,6 +72,7 @@ from consumer.stream_options import StreamOptions
 __all__ = [
     "CONSUMED_KEY",
     "DONE_KEY",
+    "EPOCH_BATCHES_KEY",
     "EPOCH_KEY",
     "EVEN_BATCHES_KEY",
     "EVERY_RANK_KEY",
@@ -77,10 +86,12 @@ __all__ = [
     "RESPLIT_KEY",
     "RUN_KEY",
     "SHARDS_KEY",
+    "SHARD_BATCHES_KEY",
     "STATE_VERSION",
     "STEP_KEY",
     "VERSION_KEY",
     "WORLD_SIZE_KEY",
+    "YIELDING_KEY",
     "Resumed",
     "check_group_state",
     "check_rank_state",
@@ -92,6 +103,7 @@ __all__ = [
     "remap_pairs",
     "resume_position",
     "resume_run_id",
+    "resumed_batches",
     "stream_state",
     "unstarted_state",
 ]
@@ -112,6 +124,9 @@ EVEN_BATCHES_KEY = "even_batches"
 PLAN_SHARDS_KEY = "plan_shards"
 STEP_KEY = "step"
 EVERY_RANK_KEY = "every_rank"
+YIELDING_KEY = "yielding"
+SHARD_BATCHES_KEY = "shard_batches"
+EPOCH_BATCHES_KEY = "epoch_batches"
 REMAP_KEY = "remap"
 RESPLIT_KEY = "resplit"
 GROUP_KEY = "group"
@@ -178,6 +193,24 @@ def _slots_alike(plan: Plan | None, remapped: bool) -> bool:
     return full and not remapped
 
 
+def _last_short(plan: Plan | None, remapped: bool) -> bool:
+    """Whether only the epoch's last shard is short (B batches each, the last fewer but
+    one at least), outside a re-split's remapped epoch: each rank's position after k
+    batches of an epoch then follows from the plan (every_rank, with ``yielding``)."""
+    if plan is None or plan.shard_batches <= 0 or remapped:
+        return False
+    full = (plan.shards - 1) * plan.shard_batches
+    return full < plan.epoch_batches < full + plan.shard_batches
+
+
+def resumed_batches(resumed: Mapping[str, Any] | None, epoch: int) -> int:
+    """The batches of ``epoch`` a rank had yielded before the checkpoint it resumed from
+    (ordered: its position's count; 0 outside that epoch)."""
+    if not resumed or not resumed.get(RUN_KEY) or int(resumed.get(EPOCH_KEY, -1)) != epoch:
+        return 0
+    return sum(int(n) for n in resumed.get(CONSUMED_KEY, {}).values())
+
+
 def stream_state(
     options: StreamOptions,
     run: str,
@@ -189,6 +222,7 @@ def stream_state(
     plan_shards: int,
     params: list[dict[str, Any]] | None,
     resumed: dict[str, Any] | None = None,
+    yielding: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     """The state of a stream of ``options`` at ``position`` in ``run`` (the buffer's
     ``consumed``: the epoch, shard -> batches yielded of it, its shards done): a rank
@@ -200,16 +234,23 @@ def stream_state(
         plan_shards: S of the run's plan.
         params: the params log as JSON (None: never changed).
         resumed: the state the stream resumed from (None: none).
+        yielding: the epoch the rank is yielding and the batches it yielded of it (run-time
+            pads included), written where only the plan's last shard is short.
     """
     epoch, counts, done = position
     fingerprint = plan.fingerprint if plan else ""
     state = position_state(options.queue, run, fingerprint, shards, epoch, counts, done)
     remapped = resumed is not None and REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == epoch
     if options.world_size > 1:
+        short = options.ordered and _last_short(plan, remapped)
         state |= rank_fields(
             options.rank, options.world_size, options.even_batches, plan_shards, step,
-            options.ordered and _slots_alike(plan, remapped),
+            options.ordered and (short or _slots_alike(plan, remapped)),
         )  # fmt: skip
+        if short and plan is not None:
+            state[YIELDING_KEY] = list(yielding)
+            state[SHARD_BATCHES_KEY] = plan.shard_batches
+            state[EPOCH_BATCHES_KEY] = plan.epoch_batches
     if remapped and resumed is not None:
         # The epoch's slots build the remapped shards: a resume from here needs the map.
         state[REMAP_KEY] = resumed[REMAP_KEY]
@@ -274,9 +315,10 @@ def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
         raise ConfigError(
             f"state of rank {saved_rank!r} of world_size {saved_world!r} given to rank "
             f"{rank} of world_size {world}: expected this rank's own state, or the list of "
-            "every rank's (one rank's state stands for every rank only where every shard "
-            "holds as many batches, one or B, and ordered=True: see 'every_rank' in the "
-            "README's Frameworks)"
+            "every rank's (one rank's state stands for every rank where the plan counts "
+            "every shard's batches, B each with a last one of B or fewer, and "
+            "ordered=True: not with a Filter or ordered=False; see 'every_rank' in the "
+            "README)"
         )
     step = state.get(STEP_KEY, 0)
     if not isinstance(step, int) or step < 0:

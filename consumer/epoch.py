@@ -96,22 +96,40 @@ class EpochFeed:
         self.prep = prep
         self.seen = seen
         self.yielded = 0  # batches handed out
+        # The epoch being handed out and its batches handed out so far, run-time pads and
+        # a resumed checkpoint's share included: the same on every rank at one step
+        # (a state's ``yielding``, consumer/checkpoint.py).
+        self.epoch_yielded = (0, 0)
 
     @property
     def padded(self) -> int:
         """Batches yielded a second time to even the ranks' counts (all epochs)."""
         return self.evener.padded if self.evener is not None else 0
 
+    def yielding(self, held_back: int) -> tuple[int, int]:
+        """(epoch, batches of it yielded), less ``held_back`` frames a wrapper holds."""
+        epoch, n = self.epoch_yielded
+        return epoch, n - held_back
+
     def frames(
-        self, epoch: int, *, skip_errors: bool, queue: str, progress: bool, total: int | None
+        self,
+        epoch: int,
+        *,
+        skip_errors: bool,
+        queue: str,
+        progress: bool,
+        total: int | None,
+        already: int = 0,
     ) -> Iterator[Frame]:
         """Begin ``epoch`` (at the first ``next``) and yield its frames.
 
         Args:
             skip_errors, queue: as :func:`batch_frames`.
             progress: draw a progress bar (of ``total`` batches, if known).
+            already: batches of ``epoch`` yielded before the checkpoint resumed from.
         """
         buffer, stats = self.buffer, self.stats
+        self.epoch_yielded = (epoch, already)
         buffer.start_epoch(epoch)
         stats.start_epoch(epoch)
         bar = EpochProgress(epoch, total) if progress else None
@@ -132,6 +150,7 @@ class EpochFeed:
                 stats.batch(now - asked, busy, frame.nbytes)
                 self.seen[frame.producer] += 1
                 self.yielded += 1
+                self.epoch_yielded = (epoch, self.epoch_yielded[1] + 1)
                 if bar is not None:
                     bar.update(stats.snapshot())
                 for message in self.prep.take_warnings():

@@ -18,6 +18,7 @@ from batchq.protocol.ranks import RankLayout
 from consumer.checkpoint import (
     CONSUMED_KEY,
     DONE_KEY,
+    EPOCH_BATCHES_KEY,
     EPOCH_KEY,
     EVEN_BATCHES_KEY,
     EVERY_RANK_KEY,
@@ -29,14 +30,16 @@ from consumer.checkpoint import (
     REMAP_KEY,
     RESPLIT_KEY,
     RUN_KEY,
+    SHARD_BATCHES_KEY,
     SHARDS_KEY,
     STATE_VERSION,
     STEP_KEY,
     VERSION_KEY,
     WORLD_SIZE_KEY,
+    YIELDING_KEY,
 )
 
-__all__ = ["elastic_state", "pick_rank_state"]
+__all__ = ["elastic_state", "pick_rank_state", "rank_position"]
 
 
 def pick_rank_state(
@@ -45,7 +48,8 @@ def pick_rank_state(
     """This rank's state: ``state`` itself, or its entry in a list of every rank's.
 
     A state marked ``every_rank`` (consumer/checkpoint.py) stands for every rank of its
-    checkpoint: another rank of the same world takes it as its own (its rank set), a
+    checkpoint: another rank of the same world takes it as its own (its rank set; its
+    position rebuilt where the plan's last shard is short: :func:`rank_position`), a
     new world re-splits the rest of the epoch as from every old rank's states.
 
     Raises:
@@ -61,8 +65,8 @@ def pick_rank_state(
                 f"state['world_size'] = {saved_world!r} is not valid: expected an integer >= 2"
             )
         if saved_world == world:
-            return state | {RANK_KEY: rank}
-        state = [state | {RANK_KEY: r} for r in range(saved_world)]
+            return rank_position(state, rank)
+        state = [rank_position(state, r, re_split=True) for r in range(saved_world)]
     states = _state_list(state)
     if _checkpoint_world(states) != world:
         return elastic_state(states, rank, world)
@@ -70,6 +74,69 @@ def pick_rank_state(
     if len(mine) != 1:
         raise ConfigError(f"the states hold {len(mine)} states of rank {rank}: expected one")
     return mine[0]
+
+
+def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s state at the step of ``state``, a state marked ``every_rank``.
+
+    Where every slot holds as many batches, every rank's position is the state's own.
+    Where only the plan's last shard is short (the state carries ``yielding`` = [epoch,
+    k] and the plan's B and E), rank ``rank``'s is rebuilt: in plan order it had its
+    local shards' batches up to k (a shard builds B, the last one E - (S - 1) x B). Once
+    k reaches the epoch's count (the most any rank holds under 'pad', the fewest under
+    'drop') the epoch was handed out: the next one, empty. A rank whose share is done
+    while the others read on (its run-time pads) is, as its own ledger says, at the next
+    epoch; for a ``re_split`` (a new world, :func:`elastic_state`) it is in the epoch with
+    every local shard done, so that every old rank's state is of that one epoch. Outside
+    a re-split the saving rank keeps its own state.
+
+    Raises:
+        ConfigError: the state's figures are not a valid plan.
+    """
+    if YIELDING_KEY not in state or (state.get(RANK_KEY) == rank and not re_split):
+        return state | {RANK_KEY: rank}
+    yielding, layout = state[YIELDING_KEY], _saved_layout(state)
+    batches, epoch_batches = state.get(SHARD_BATCHES_KEY), state.get(EPOCH_BATCHES_KEY)
+    if not (
+        isinstance(yielding, list)
+        and list(map(type, yielding)) == [int, int]
+        and min(yielding) >= 0
+        and isinstance(batches, int)
+        and isinstance(epoch_batches, int)
+        and 0 < epoch_batches - (layout.shards - 1) * batches <= batches
+    ):
+        raise ConfigError(
+            f"state's yielding {yielding!r}, shard_batches {batches!r} and epoch_batches "
+            f"{epoch_batches!r} are not valid: expected [epoch, batches] >= 0 and a plan "
+            f"of {layout.shards} shards of B batches whose last holds 1 to B"
+        )
+    last = epoch_batches - (layout.shards - 1) * batches
+    shares = [
+        [last if layout.shard_of(layout.slot(j, r)) == layout.shards - 1 else batches
+         for j in range(layout.per_rank)]
+        for r in range(layout.world)
+    ]  # fmt: skip
+    count = max(map(sum, shares)) if layout.even == "pad" else min(map(sum, shares))
+    epoch, k = yielding
+    position: dict[str, Any] = {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: []}
+    if k < count and (re_split or k < sum(shares[rank])):
+        position = {EPOCH_KEY: epoch, CONSUMED_KEY: {}, DONE_KEY: []}
+        for j, n in enumerate(shares[rank]):
+            had = min(n, k)
+            if had:
+                position[CONSUMED_KEY][str(j)] = had
+            if had == n:
+                position[DONE_KEY].append(j)
+            k -= had
+    return state | position | {RANK_KEY: rank}
+
+
+def _saved_layout(state: dict[str, Any]) -> RankLayout:
+    """The layout of the job that saved ``state`` (its S, world size and even mode)."""
+    shards = state.get(PLAN_SHARDS_KEY)
+    if not isinstance(shards, int) or shards < 1:
+        raise ConfigError(f"state['plan_shards'] = {shards!r} is not valid: expected >= 1")
+    return RankLayout(shards, int(state[WORLD_SIZE_KEY]), str(state.get(EVEN_BATCHES_KEY)))
 
 
 def _state_list(state: Any) -> list[dict[str, Any]]:

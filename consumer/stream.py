@@ -24,6 +24,7 @@ from consumer.checkpoint import (
     RUN_KEY,
     STEP_KEY,
     load_state,
+    resumed_batches,
     stream_state,
     unstarted_state,
 )
@@ -268,6 +269,7 @@ class ServerDataStream(FuelStreamMixin):
             queue=self.keys.queue,
             progress=self.progress,
             total=total,
+            already=resumed_batches(self._resume, self.epoch),
         )
         return self._params.track(frames)
 
@@ -382,11 +384,13 @@ class ServerDataStream(FuelStreamMixin):
                 return dict(self._resume)
             return unstarted_state(self.keys.queue)
         run, plan = self._session.position()
-        step = self._step + self._feed.yielded - sum((held_back or {}).values())
+        held = sum((held_back or {}).values())
         return stream_state(
             self.options, run, plan, self._buffer.shards, self._buffer.consumed(held_back),
-            step=step, plan_shards=self._started.plan_shards if self._started else 0,
+            step=self._step + self._feed.yielded - held,
+            plan_shards=self._started.plan_shards if self._started else 0,
             params=self._params.state(), resumed=self._resume,
+            yielding=self._feed.yielding(held),
         )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:

@@ -10,6 +10,7 @@ from batchq.errors import ConfigError
 from batchq.protocol.layout import resume_run_id
 from consumer import ServerDataStream, checkpoint
 from consumer.checkpoint import check_state, stream_state
+from consumer.plan import Plan
 from consumer.rank_state import elastic_state
 
 # Checkpoints saved by earlier versions must keep loading: these names never change.
@@ -21,6 +22,8 @@ SAVED_NAMES = {
     "PLAN_SHARDS_KEY": "plan_shards", "STEP_KEY": "step", "REMAP_KEY": "remap",
     "GROUP_KEY": "group",
     "PARAMS_KEY": "params", "EVERY_RANK_KEY": "every_rank", "RESPLIT_KEY": "resplit",
+    "YIELDING_KEY": "yielding", "SHARD_BATCHES_KEY": "shard_batches",
+    "EPOCH_BATCHES_KEY": "epoch_batches",
 }  # fmt: skip
 KNOWN = set(SAVED_NAMES.values())
 
@@ -32,7 +35,7 @@ def test_the_key_names_are_those_checkpoints_were_saved_with() -> None:
         "position_digest", "position_state", "rank_fields", "stream_state", "unstarted_state",
     ]  # fmt: skip
     checks = ["check_group_state", "check_rank_state", "check_state", "load_state"]
-    loading = ["Resumed", "remap_pairs", "resume_position", "resume_run_id"]
+    loading = ["Resumed", "remap_pairs", "resume_position", "resume_run_id", "resumed_batches"]
     assert sorted(checkpoint.__all__) == sorted(
         [*SAVED_NAMES, "STATE_VERSION", *builders, *checks, *loading]
     )
@@ -112,6 +115,32 @@ def test_a_rank_keeps_its_remap_while_in_the_re_split_epoch() -> None:
     assert check_state(inside, "q") == inside
     past = stream_state(*args, (3, {}, []), step=9, plan_shards=6, params=None, resumed=resumed)
     assert "remap" not in past
+
+
+def test_a_rank_s_state_stands_for_every_rank_where_only_the_last_shard_is_short() -> None:
+    # 5 shards of 5 batches, the last of 2 (E = 22): each rank's position follows from
+    # the plan and the batches yielded of the epoch, which the state carries.
+    meta = {b"shards": b"5", b"epoch_batches": b"22", b"shard_batches": b"5", b"hwm": b"4"}
+    url = "redis://127.0.0.1:1/0"
+    options = ServerDataStream(("x",), url=url, queue="q", rank=0, world_size=2).options
+    position = (0, {0: 5, 1: 5, 2: 2}, [0, 1, 2])
+    saved = stream_state(options, "r", Plan(meta), 3, position, step=13, plan_shards=5,
+                         params=None, yielding=(0, 13))  # fmt: skip
+    assert (saved["every_rank"], saved["yielding"]) == (True, [0, 13])
+    assert (saved["shard_batches"], saved["epoch_batches"]) == (5, 22)
+    assert set(saved) <= KNOWN and check_state(saved, "q") == saved
+    unordered = ServerDataStream(
+        ("x",), url=url, queue="q", rank=0, world_size=2, ordered=False
+    ).options
+    plain = stream_state(unordered, "r", Plan(meta), 3, position, step=13, plan_shards=5,
+                         params=None, yielding=(0, 13))  # fmt: skip
+    assert "every_rank" not in plain and "yielding" not in plain
+    uneven = Plan(meta | {b"epoch_batches": b"25", b"shard_batches": b"4"})  # not one short
+    assert "every_rank" not in stream_state(
+        options, "r", uneven, 3, position, step=13, plan_shards=5, params=None
+    )
+    assert checkpoint.resumed_batches(saved, 0) == 12  # its own share: 5 + 5 + 2
+    assert checkpoint.resumed_batches(saved, 1) == checkpoint.resumed_batches(None, 0) == 0
 
 
 @pytest.mark.parametrize("remap", [[[1]], [[True, 0]], [[1, -1]], "x"])

@@ -448,6 +448,47 @@ def test_rank_zeros_state_alone_resumes_the_job_where_every_shard_is_full(
     assert after[1] == slot_shares(plan[1], 2, new)  # the next epoch in the new world
 
 
+@pytest.mark.parametrize(("old", "new"), [(2, 2), (2, 3)])
+def test_rank_zeros_state_alone_resumes_the_job_where_the_last_shard_is_short(
+    redis_url: str,
+    queue_name: str,
+    producers: Any,
+    spawn_proc: Any,
+    tmp_path: Path,
+    old: int,
+    new: int,
+) -> None:
+    # 22 batches in shards of 5, the last of 2: rank 0 builds shards 0, 2, 4 (12
+    # batches), rank 1 shards 1, 3 and a pad of shard 0 (15), so at one step their
+    # positions differ; rank 0's state carries the batches yielded of the epoch, from
+    # which every rank's own is rebuilt (issue 39).
+    producers(2, "--requests-per-shard", "5")
+    epochs, stop = 2, 11  # rank 0 1 batch into the short shard, rank 1 into its pad slot
+    outs, saved, outs_b = rank_zero_restart(
+        spawn_proc, redis_url, queue_name, tmp_path, epochs, old, new, stop
+    )
+    assert (saved["every_rank"], saved["yielding"], saved["consumed"]) == (
+        True, [0, stop], {"0": 5, "1": 5, "2": 1}
+    )  # fmt: skip
+    plan = plans(epochs)
+    before = shares(outs, epochs)[0]
+    assert [len(b) for b in before] == [stop] * old
+    after = shares(outs_b, epochs)
+    if new == old:  # every rank goes on in its own share, exactly where it was
+        own = slot_shares(plan[0], 5, old)
+        assert [len(b) + len(a) for b, a in zip(before, after[0], strict=True)] == [15] * old
+        assert before[0] + after[0][0][:1] == own[0]  # then 3 run-time pads
+        assert before[1] + after[0][1] == own[1]
+    else:  # the rest of epoch 0 re-split: every batch of it yielded, equal counts
+        assert len({len(a) for a in after[0]}) == 1
+        read = Counter(tuple(b) for s in before + after[0] for b in s)
+        assert set(read) == {tuple(b) for b in plan[0]}
+    # The next epoch in the new world: each rank's share in plan order, then its pads.
+    own = slot_shares(plan[1], 5, new)
+    assert [a[: len(o)] for a, o in zip(after[1], own, strict=True)] == own
+    assert {len(a) for a in after[1]} == {max(map(len, own))}
+
+
 def test_a_rank_whose_list_fills_while_another_reads_is_unread(
     redis_url: str, queue_name: str, producer_thread: Any, redis_client: Any
 ) -> None:

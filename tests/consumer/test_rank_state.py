@@ -11,7 +11,7 @@ from batchq.errors import ConfigError, StepMismatch
 from batchq.protocol.ranks import RankLayout
 from consumer.checkpoint import check_rank_state, remap_pairs, resume_run_id
 from consumer.plan import past_remap
-from consumer.rank_state import elastic_state, pick_rank_state
+from consumer.rank_state import elastic_state, pick_rank_state, rank_position
 
 
 def state(
@@ -94,7 +94,7 @@ def test_a_state_for_every_rank_re_splits_for_another_world() -> None:
 
 
 def test_a_state_of_one_rank_alone_says_when_it_stands_for_all() -> None:
-    with pytest.raises(ConfigError, match="as many batches, one or B, and ordered=True"):
+    with pytest.raises(ConfigError, match="B each with a last one of B or fewer, and ordered=True"):
         check_rank_state(pick_rank_state(state(0, 2, {}, []), 1, 2), 1, 2)
     with pytest.raises(ConfigError, match="world_size"):
         pick_rank_state(state(0, 1, {}, [], every_rank=True), 0, 2)
@@ -139,3 +139,66 @@ def test_the_slots_past_a_remap_are_kept_for_a_lost_queue() -> None:
     later = [("0:0", "d"), ("0:3", "2"), ("1:12", "d")]  # own slots, another epoch's
     assert past_remap([*pairs, *later], (0, slots)) == [(f"0:{s}", "d") for s in range(10, 22)]
     assert past_remap(pairs, None) == []
+
+
+def short_last(
+    rank: int, even: str, plan_shards: int, epoch_batches: int, k: int
+) -> dict[str, Any]:
+    """Rank ``rank``'s every_rank state, k batches into epoch 0 of a plan of shards of 5
+    batches whose last is short."""
+    return state(
+        rank, 2, {}, [], every_rank=True, plan_shards=plan_shards, even_batches=even,
+        shards=-(-plan_shards // 2), yielding=[0, k], shard_batches=5,
+        epoch_batches=epoch_batches, step=k,
+    )  # fmt: skip
+
+
+def test_where_the_last_shard_is_short_each_rank_s_position_is_rebuilt() -> None:
+    # 5 shards of 5, the last of 2: rank 0 builds shards 0, 2, 4 (12 batches), rank 1
+    # shards 1, 3 and a pad of shard 0 (15); 'pad' evens both to 15.
+    saved = short_last(0, "pad", 5, 22, 7)
+    saved |= {"consumed": {"0": 5, "1": 2}, "done": [0]}
+    assert pick_rank_state(saved, 0, 2) is not saved and pick_rank_state(saved, 0, 2) == saved
+    one = pick_rank_state(saved, 1, 2)
+    assert (one["rank"], one["epoch"], one["consumed"], one["done"]) == (
+        1, 0, {"0": 5, "1": 2}, [0]
+    )  # fmt: skip
+    check_rank_state(one, 1, 2)
+    # 13 batches in: rank 0 is in its run-time pads (its ledger says epoch 1), rank 1 3
+    # batches into its pad slot.
+    padding = short_last(0, "pad", 5, 22, 13) | {"epoch": 1}
+    one = pick_rank_state(padding, 1, 2)
+    assert (one["epoch"], one["consumed"], one["done"]) == (0, {"0": 5, "1": 5, "2": 3}, [0, 1])
+    whole = pick_rank_state(short_last(0, "pad", 5, 22, 15) | {"epoch": 1}, 1, 2)
+    assert (whole["epoch"], whole["consumed"], whole["done"]) == (1, {}, [])
+    # Rank 1 saved it: rank 0's own share ends at 12, then it pads (the next epoch).
+    zero = pick_rank_state(short_last(1, "pad", 5, 22, 13), 0, 2)
+    assert (zero["epoch"], zero["consumed"], zero["done"]) == (1, {}, [])
+
+
+def test_under_drop_a_rank_past_the_fewest_batches_is_in_the_next_epoch() -> None:
+    # 4 shards of 5, the last of 2: rank 0 holds 10, rank 1 7; 'drop' cuts both at 7.
+    zero = pick_rank_state(short_last(1, "drop", 4, 17, 6), 0, 2)
+    assert (zero["epoch"], zero["consumed"], zero["done"]) == (0, {"0": 5, "1": 1}, [0])
+    cut = pick_rank_state(short_last(1, "drop", 4, 17, 7), 0, 2)
+    assert (cut["epoch"], cut["consumed"], cut["done"]) == (1, {}, [])
+
+
+def test_a_short_last_shard_state_re_splits_from_every_rank_s_rebuilt_position() -> None:
+    saved = short_last(0, "pad", 5, 22, 13) | {"epoch": 1}  # rank 0 in its pads
+    every = [rank_position(saved, r, re_split=True) for r in range(2)]
+    assert [s["epoch"] for s in every] == [0, 0]  # one epoch: the re-split's
+    assert every[0]["done"] == [0, 1, 2] and every[1]["consumed"] == {"0": 5, "1": 5, "2": 3}
+    for rank in range(3):
+        assert pick_rank_state(saved, rank, 3) == elastic_state(every, rank, 3)
+    middle = short_last(0, "pad", 5, 22, 7) | {"consumed": {"0": 5, "1": 2}, "done": [0]}
+    units = pick_rank_state(middle, 0, 3)["remap"]
+    assert units[:3] == [[2, 2], [3, 2], [4, 0]]  # shards 2 and 3 from their 3rd batch
+
+
+@pytest.mark.parametrize(
+    "bad", [{"yielding": [0]}, {"yielding": [0, -1]}, {"shard_batches": "5"}, {"epoch_batches": 30}]
+)
+def test_a_short_last_shard_state_with_bad_figures_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=r"yielding .* are not valid"):
+        pick_rank_state(short_last(0, "pad", 5, 22, 7) | bad, 1, 2)
