@@ -2,14 +2,17 @@
 and did not hand out, so that a trainer resumed from the state saved there reads on at
 once (docs/design.md "Resume": a detached run is taken over as it is).
 
-The frames the reader holds (decoded, possibly from shared memory or from keys of frames
-stored by reference) are encoded again, as frames inside the list, and pushed back to
-the list's popping end, the next to hand out last (so it is popped first), by
-detach.lua, which also marks the run as detached at the stream's position: a digest of
-its ``state_dict()`` and its shared-memory host. A resume from that state (taken right
-before ``close()``) on the same host finds every batch it has not had in the list, with
-the producers' leases and the cursor standing, and changes nothing; a resume from any
-other state starts a new run as before.
+The frames the reader holds are given back as they came where they still are: a batch
+in a producer's shared-memory segment as its descriptor, handed over (the segment is
+released by the trainer that pops it, not by this one:
+:meth:`consumer.reader.shm_frames.TrainerShm.hand_over`); any other (inline, from a
+key of frames stored by reference, a copy) encoded again, as a frame inside the list.
+They are pushed back to the list's popping end, the next to hand out last (so it is
+popped first), by detach.lua, which also marks the run as detached at the stream's
+position: a digest of its ``state_dict()`` and its shared-memory host. A resume from
+that state (taken right before ``close()``) on the same host finds every batch it has
+not had in the list, with the producers' leases and the cursor standing, and changes
+nothing; a resume from any other state starts a new run as before.
 
 Nothing is given back (and the run is not marked) where a frame could not be given back
 as it was popped: the reader's preparation changed it (a subset of the sources, a cast,
@@ -34,6 +37,7 @@ from batchq.protocol.words import Status
 from batchq.wire.codec import Frame, FrameHeader, encode_frame
 from consumer.checkpoint import position_digest
 from consumer.reader.buffer import Buffer
+from consumer.reader.shm_frames import ShmKey, TrainerShm
 from consumer.session import Session
 
 __all__ = ["CHUNK_FRAMES", "detach"]
@@ -53,6 +57,7 @@ def detach(
     state: Mapping[str, Any],
     host: str | None,
     exact: bool,
+    shm: TrainerShm | None = None,
 ) -> int:
     """Give back the frames ``buffer`` holds and mark the run detached at ``state``.
 
@@ -69,6 +74,8 @@ def detach(
             which can map the descriptors listed for this one, takes the run over.
         exact: the held frames hold the values they were decoded with (the reader's
             preparation kept them: :meth:`FramePrep.keeps_frames`), on a single stripe.
+        shm: the trainer's shared memory (None: everything is encoded again), whose
+            batches still in their segments are given back as their descriptors.
 
     Returns:
         The frames given back: the run is marked (also where none was held), but where
@@ -86,7 +93,9 @@ def detach(
         # Nothing held: one call with no frame still marks the run.
         for end in range(len(held), 0, -CHUNK_FRAMES) or [0]:
             chunk = held[max(0, end - CHUNK_FRAMES) : end]
-            got = _give_back(session, client, run, position, chunk, final=end <= CHUNK_FRAMES)
+            got = _give_back(
+                session, client, run, position, chunk, final=end <= CHUNK_FRAMES, shm=shm
+            )
             if got < 0:
                 return 0
             given += got
@@ -107,11 +116,23 @@ def _give_back(
     chunk: list[Frame],
     *,
     final: bool,
+    shm: TrainerShm | None,
 ) -> int:
-    """One detach.lua call: ``chunk`` (in plan order) encoded again and given back;
-    the frames given back, or -1 where the script refused (the claim or the run lost).
-    One try: a retry after a lost reply would give the frames back twice."""
-    encoded = [encode_frame(_header(f), f.data) for f in reversed(chunk)]
+    """One detach.lua call: ``chunk`` (in plan order) given back, each frame as its
+    descriptor where its batch is still in its segment, else encoded again; the frames
+    given back, or -1 where the script refused (the claim or the run lost). One try: a
+    retry after a lost reply would give the frames back twice. The batches given back
+    as descriptors are handed over once the script took them (before: refused, they are
+    released here as any)."""
+    encoded: list[bytes | memoryview] = []
+    handed: list[ShmKey] = []
+    for frame in reversed(chunk):
+        descriptor = shm.descriptor_of(frame) if shm is not None else None
+        if descriptor is None:
+            encoded.append(encode_frame(_header(frame), frame.data))
+        else:
+            encoded.append(descriptor[0])
+            handed.append(descriptor[1])
     reply = call(
         lambda: trainer_scripts.detach(
             client, session.keys, incarnation=session.incarnation, run=run,
@@ -120,7 +141,11 @@ def _give_back(
         f"giving back the frames held ({session.what})",
         client,
     )  # fmt: skip
-    return reply.first if reply.status == Status.OK else -1
+    if reply.status != Status.OK:
+        return -1
+    if shm is not None:
+        shm.hand_over(handed)
+    return reply.first
 
 
 def _held(session: Session, buffer: Buffer, run: str) -> list[Frame] | None:

@@ -490,7 +490,7 @@ class ServerDataStream(FuelStreamMixin):
             try:
                 detach(
                     self._session, self._client, self._buffer, state=self.state_dict(),
-                    host=self._shm.identity, exact=exact,
+                    host=self._shm.identity, exact=exact, shm=self._shm,
                 )  # fmt: skip
             except Exception:  # the release below must run whatever a detach meets
                 log.exception("%s: the frames held were not given back", self._session.what)

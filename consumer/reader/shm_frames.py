@@ -17,7 +17,11 @@ replayed push) gets the same owner, never one of its own, so dropping it release
 nothing; once released, a descriptor of a batch this trainer had (the last SEEN_MAX it
 resolved) is a duplicate and dropped unread, like any duplicate frame, and any other
 of a released generation is stale (the producer may be writing the next one). The
-producer overwrites a segment only when ``released == gen``. A segment is mapped once
+producer overwrites a segment only when ``released == gen``. A batch the trainer gives
+back unread at its close (:mod:`consumer.detach`) is given back as its descriptor
+(:meth:`TrainerShm.descriptor_of`) and handed over (:meth:`TrainerShm.hand_over`): its
+owner, when freed, writes nothing, so the segment holds the batch for the trainer that
+pops the descriptor next (which releases it as any). A segment is mapped once
 and the mapping is shared by its generations; it is unmapped when the last owner over
 it is gone and the cache dropped it.
 
@@ -49,6 +53,7 @@ from batchq.errors import FrameError
 from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
+from batchq.wire.frame import Frame
 from batchq.wire.shm import (
     DEFAULT_SHM_DIR,
     HEADER,
@@ -61,6 +66,7 @@ from batchq.wire.shm import (
     SegmentName,
     all_released,
     decode_descriptor,
+    encode_descriptor,
     host_identity,
     list_segments,
     parse_segment_name,
@@ -70,7 +76,7 @@ from batchq.wire.shm import (
 )
 from consumer.reader.prepare import ArrayAccess
 
-__all__ = ["MAX_MAPPED", "SEEN_MAX", "SWEEP_S", "TrainerShm"]
+__all__ = ["MAX_MAPPED", "SEEN_MAX", "SWEEP_S", "ShmKey", "TrainerShm"]
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +85,25 @@ SWEEP_S = 5.0  # how often the reader looks for segments of producers that are g
 SEEN_MAX = 8192  # batches remembered as had (segment, inode, generation): duplicates
 _U64 = struct.Struct("<Q")
 
+#: A batch in a segment: (segment name, inode, generation).
+ShmKey = tuple[str, int, int]
 
-def _release(mm: mmap.mmap, gen: int, path: str, ino: int, offset: int) -> None:
+
+class _Hold:
+    """Whether a batch's release is still this trainer's to write: one it handed over
+    (its descriptor given back to the list) is the next trainer's."""
+
+    __slots__ = ("__weakref__", "handed_over")
+
+    def __init__(self) -> None:
+        self.handed_over = False
+
+
+def _release(mm: mmap.mmap, gen: int, path: str, ino: int, offset: int, hold: _Hold) -> None:
     """The batch of ``gen`` is no longer referenced: hand the segment back (the word at
-    ``offset``: this trainer's group slot's)."""
+    ``offset``: this trainer's group slot's), unless the batch was handed over."""
+    if hold.handed_over:
+        return
     try:
         _U64.pack_into(mm, offset, gen)
         # Its producer left (retired): nobody reuses it, so it goes once every group
@@ -156,6 +177,8 @@ class TrainerShm:
             weakref.WeakValueDictionary()
         )
         self._seen: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        # The live owners' holds (a hold lives as long as its owner's finalizer).
+        self._holds: weakref.WeakValueDictionary[ShmKey, _Hold] = weakref.WeakValueDictionary()
         self.duplicates = 0  # descriptors of batches already had, dropped unread
         self._run = ""  # the run this trainer reads (set by new_run)
         self._mapped_run = ""  # the run of the segments in the mapping cache
@@ -292,6 +315,29 @@ class TrainerShm:
             return memoryview(bytearray(owner))
         return owner
 
+    def descriptor_of(self, frame: Frame) -> tuple[bytes, ShmKey] | None:
+        """The descriptor ``frame`` was resolved from, and its batch's key, where every
+        array of the frame is a view of its batch in the segment, still unreleased (the
+        batch as popped); None for anything else (an inline frame, a copy, a value the
+        reader made anew)."""
+        if self.identity is None:
+            return None
+        owners = {id(owner): key for key, owner in self._owners.items()}
+        keys = {_owner_key(value, owners) for value in frame.data if isinstance(value, np.ndarray)}
+        key = keys.pop() if len(keys) == 1 else None
+        owner = self._owners.get(key) if key is not None else None
+        if key is None or owner is None:
+            return None
+        return encode_descriptor(key[0], key[2], owner.nbytes, self.identity), key
+
+    def hand_over(self, keys: list[ShmKey]) -> None:
+        """The batches of ``keys`` were given back as their descriptors: their owners,
+        when freed, release nothing (the trainer that pops them does)."""
+        for key in keys:
+            hold = self._holds.get(key)
+            if hold is not None:
+                hold.handed_over = True
+
     def _had(self, segment: str, gen: int) -> bool:
         """Whether this trainer resolved generation ``gen`` of ``segment`` (any inode)."""
         return any(s == segment and g == gen for s, _ino, g in self._seen)
@@ -311,7 +357,7 @@ class TrainerShm:
             return False
         if HEADER.unpack_from(mm)[2] != desc.gen:
             return False
-        _release(mm, desc.gen, path, ino, release_offset(self.slot))
+        _release(mm, desc.gen, path, ino, release_offset(self.slot), _Hold())
         return True
 
     def _host_error(self, desc: Descriptor) -> FrameError:
@@ -338,8 +384,10 @@ class TrainerShm:
             )
         owner = np.frombuffer(mm, dtype=np.uint8, count=length, offset=HEADER_BYTES)
         owner.flags.writeable = self.access is ArrayAccess.VIEWS
-        weakref.finalize(owner, _release, mm, gen, path, ino, release_offset(self.slot))
+        hold = _Hold()
+        weakref.finalize(owner, _release, mm, gen, path, ino, release_offset(self.slot), hold)
         self._owners[key] = owner
+        self._holds[key] = hold
         self._seen[key] = None
         if len(self._seen) > SEEN_MAX:
             self._seen.popitem(last=False)
@@ -375,6 +423,19 @@ class TrainerShm:
         self._mapped[name] = entry
         while len(self._mapped) > MAX_MAPPED:
             self._mapped.popitem(last=False)
+
+
+def _owner_key(value: Any, owners: dict[int, ShmKey]) -> ShmKey | None:
+    """The key of the owner ``value`` is a view of (array -> memoryview -> owner, or a
+    view of a view), or None."""
+    for _ in range(8):  # the codec's views are a few levels deep; a copy has no base
+        key = owners.get(id(value))
+        if key is not None:
+            return key
+        value = value.base if isinstance(value, np.ndarray) else getattr(value, "obj", None)
+        if value is None:
+            return None
+    return None
 
 
 def _map_checked(path: str) -> tuple[int, int, mmap.mmap, int]:

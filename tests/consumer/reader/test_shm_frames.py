@@ -253,3 +253,46 @@ def test_a_rejoin_of_the_same_run_never_reuses_an_old_segment(
     del x
     gc.collect()
     assert not os.path.exists(busy.segment.path)  # retired: removed by its release
+
+
+def test_a_batch_handed_over_is_given_back_as_its_descriptor_and_released_by_the_next(
+    pair: Any,
+) -> None:
+    producer, trainer = pair
+    sent = send(producer, np.arange(100, dtype=np.float32))
+    frame = codec.decode_frame(trainer.resolve(sent.element))
+    given = trainer.descriptor_of(frame)
+    assert given is not None
+    descriptor, key = given
+    assert bytes(descriptor) == bytes(sent.element)  # the descriptor as popped
+    trainer.hand_over([key])
+    del frame
+    gc.collect()
+    assert not sent.segment.is_free()  # the batch is the next trainer's to release
+    after = TrainerShm(QueueKeys("q"), "auto", trainer.shm_dir)  # the resumed trainer
+    (x,) = codec.decode_frame(after.resolve(descriptor)).data
+    np.testing.assert_array_equal(x, np.arange(100, dtype=np.float32))
+    del x
+    gc.collect()
+    assert sent.segment.is_free()
+
+
+def test_only_a_batch_still_in_its_segment_has_a_descriptor(pair: Any) -> None:
+    producer, trainer = pair
+    sent = send(producer, np.arange(100, dtype=np.float32))
+    frame = codec.decode_frame(trainer.resolve(sent.element))
+    copied = codec.decode_frame(bytes(trainer.resolve(sent.element)))  # a copy of its own
+    assert trainer.descriptor_of(copied) is None
+    made = codec.decode_frame(bytes(codec.encode_frame(*_header_and_data(frame))))
+    assert trainer.descriptor_of(made) is None  # encoded anew: not the segment's
+    assert TrainerShm(QueueKeys("q"), "redis", trainer.shm_dir).descriptor_of(frame) is None
+    del frame, copied, made  # not handed over: released as any
+    gc.collect()
+    assert sent.segment.is_free()
+
+
+def _header_and_data(frame: codec.Frame) -> tuple[codec.FrameHeader, tuple[Any, ...]]:
+    header = codec.FrameHeader(
+        frame.kind, frame.run, frame.epoch, frame.shard, frame.k, frame.producer, frame.sources
+    )
+    return header, frame.data
