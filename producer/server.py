@@ -14,7 +14,6 @@ from typing import Any
 
 import redis
 
-from batchq.client import held
 from batchq.client.connection import (
     Backoff,
     call,
@@ -22,6 +21,7 @@ from batchq.client.connection import (
     make_client,
     tune_malloc,
 )
+from batchq.client.redis_internals import hold, release_hold
 from batchq.errors import ConnectionLost, ProtocolError, RunFinished
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call, execute_pipeline
@@ -227,7 +227,7 @@ class Producer:
 
     def begin(self) -> None:
         """Join the queue's run and start the heartbeat (the calling thread serves)."""
-        held.hold(self.client)  # this thread pushes: one connection, no pool per batch
+        hold(self.client)  # this thread pushes: one connection, no pool per batch
         check_eviction_policy(self.client)
         self._join()
         self._beat.start()
@@ -394,7 +394,7 @@ class Producer:
         self._beat.join(timeout_s=5)
         if self._records is not None:
             self._records.close()
-        held.release(self.client)
+        release_hold(self.client)
         self.client.close()
 
     # -- leasing -----------------------------------------------------------------------
