@@ -22,7 +22,7 @@ from batchq.errors import FrameError
 from batchq.protocol import trainer_scripts
 from batchq.protocol.calls import round_trip
 from batchq.protocol.keys import QueueKeys
-from batchq.wire import refs
+from batchq.wire.frame import decode_ref, is_ref
 from batchq.wire.shm import is_descriptor
 from consumer.reader.shm_frames import TrainerShm
 
@@ -53,9 +53,9 @@ def drain_group(
         for element in elements:
             if is_descriptor(element):
                 shm.release_unread(element)
-            elif refs.is_ref(element):
+            elif is_ref(element):
                 try:
-                    names.append(refs.decode_ref(element, keys.frame_prefix))
+                    names.append(decode_ref(element, keys.frame_prefix))
                 except FrameError:
                     continue  # not this queue's: nothing of ours to release
         if names:

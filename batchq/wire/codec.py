@@ -60,7 +60,7 @@ that numpy turns into a regular array of one plain kind travels as that array, a
 Fuel's server sent it; the codec itself encodes a list as the msgpack value it is.
 
 Large frames may live under their own Redis key; the list then holds a *reference*
-element instead (:mod:`batchq.wire.refs`).
+element instead (:func:`batchq.wire.frame.encode_ref`).
 """
 
 from __future__ import annotations

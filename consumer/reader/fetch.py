@@ -36,7 +36,7 @@ from batchq.errors import ConnectionLost, FrameError
 from batchq.protocol import trainer_scripts
 from batchq.protocol.calls import execute_pipeline, round_trip
 from batchq.protocol.keys import QueueKeys
-from batchq.wire import refs
+from batchq.wire.frame import decode_ref, is_ref
 from batchq.wire.shm import is_descriptor
 
 __all__ = ["Fetched", "Fetcher", "Reply", "get_and_release", "getdel_into", "ref_error", "release"]
@@ -89,9 +89,9 @@ class Fetcher:
                 except FrameError as e:
                     self._dead(element, e)
                     out.append((None, element, ""))
-            elif refs.is_ref(element):
+            elif is_ref(element):
                 try:
-                    key = refs.decode_ref(element, self.keys.frame_prefix)
+                    key = decode_ref(element, self.keys.frame_prefix)
                 except FrameError as e:
                     self._dead(element, e)
                     out.append((None, element, ""))

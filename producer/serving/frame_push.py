@@ -34,7 +34,7 @@ from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
 from batchq.protocol.producer_scripts import LeaseReply, PushReply, push_call
 from batchq.protocol.words import Status
-from batchq.wire import refs
+from batchq.wire.frame import encode_ref
 from producer.serving.ahead import Ahead
 from producer.serving.blocking import Waiting, give_back, hand_back
 from producer.serving.frames import PushSettings
@@ -237,7 +237,7 @@ class FramePusher:
             return self._capped_push(frame, frame, None, "", push, between)
         self._frame_seq += 1
         ref = self.settings.keys.frame(self.settings.producer, self._frame_seq)
-        return self._capped_push(frame, refs.encode_ref(ref), ref, "", push, between)
+        return self._capped_push(frame, encode_ref(ref), ref, "", push, between)
 
     # -- the capped push ---------------------------------------------------------------
 
