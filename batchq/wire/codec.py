@@ -84,8 +84,7 @@ from batchq.wire.frame import (
     header_problem,
     is_int,
 )
-from batchq.wire.items import build_item, encode_item, parse_item
-from batchq.wire.regular_arrays import array_or_value
+from batchq.wire.items import array_or_value, build_item, encode_item, parse_item
 from batchq.wire.values import (
     PREFIX,
     Copy,
