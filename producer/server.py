@@ -38,8 +38,7 @@ from producer.serving.build_watch import BuildWatch, reading_of
 from producer.serving.frame_push import FramePusher
 from producer.serving.frames import INLINE_MAX_BYTES, PushSettings
 from producer.serving.heartbeat import Heartbeat
-from producer.serving.membership import Membership, axis_labels_json
-from producer.serving.position import RunPosition
+from producer.serving.membership import Membership, RunPosition, axis_labels_json
 from producer.serving.pushing import ShardPusher
 from producer.serving.sharding import ShardPlan
 from producer.serving.started import FirstPush

@@ -38,7 +38,7 @@ from batchq.wire.frame import encode_ref
 from producer.serving.ahead import Ahead
 from producer.serving.blocking import Waiting, give_back, hand_back
 from producer.serving.frames import PushSettings
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.started import FirstPush
 from producer.serving.transport import ShmFrame, Transport
 

@@ -24,7 +24,7 @@ from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, record_client, server_ms
 from producer.cache_stats import process_totals
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.started import FirstPush
 
 __all__ = ["BEATS_PER_TTL", "Heartbeat"]

@@ -12,7 +12,7 @@ or reported in an ERROR frame.
 :class:`producer.server.Producer` makes both and hands each everything it uses
 explicitly: the frame pusher gets the fixed
 :class:`producer.serving.frames.PushSettings`, the client, the transport, the run it
-serves (:class:`producer.serving.position.RunPosition`, a value the producer's join
+serves (:class:`producer.serving.membership.RunPosition`, a value the producer's join
 replaces: :meth:`ShardPusher.joined`), its stop event, the leases held ahead and
 ``lease_request(leases_ahead, after)`` (the next lease's call and token); the shard
 pusher gets the frame pusher, the plan, the transport and the leases held ahead. What
@@ -38,8 +38,8 @@ from producer.serving.ahead import Ahead, Ready
 from producer.serving.build_watch import BuildWatch
 from producer.serving.frame_push import FramePusher, Handover, OnePush, Pushed
 from producer.serving.frames import batch_header, end_frame
+from producer.serving.membership import RunPosition
 from producer.serving.params_follow import ProducerParams
-from producer.serving.position import RunPosition
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
 

@@ -26,7 +26,7 @@ from producer.serving.ahead import Ahead, Lease
 from producer.serving.blocking import HANDBACK_S, Waiting
 from producer.serving.frame_push import FramePusher, Handover
 from producer.serving.frames import PushSettings
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.pushing import ShardPusher
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
