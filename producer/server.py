@@ -37,11 +37,10 @@ from producer.serving.ahead import Ahead, Lease
 from producer.serving.build_watch import BuildWatch, reading_of
 from producer.serving.frame_push import FramePusher
 from producer.serving.frames import INLINE_MAX_BYTES, PushSettings
-from producer.serving.heartbeat import Heartbeat
+from producer.serving.heartbeat import FirstPush, Heartbeat
 from producer.serving.membership import Membership, RunPosition, axis_labels_json
 from producer.serving.pushing import ShardPusher
 from producer.serving.sharding import ShardPlan
-from producer.serving.started import FirstPush
 from producer.serving.transport import Transport
 
 __all__ = ["Producer"]

@@ -38,8 +38,8 @@ from batchq.wire.frame import encode_ref
 from producer.serving.ahead import Ahead
 from producer.serving.blocking import Waiting, give_back, hand_back
 from producer.serving.frames import PushSettings
+from producer.serving.heartbeat import FirstPush
 from producer.serving.membership import RunPosition
-from producer.serving.started import FirstPush
 from producer.serving.transport import ShmFrame, Transport
 
 __all__ = [
@@ -107,7 +107,8 @@ class FramePusher:
             ``prefetch`` is ``leases_ahead``).
         ahead: the leases held ahead, which a shard's last push asks for and fills.
         shards: the plan's shards (S; the leases riding on a push name slots of it).
-        first_push: told of the first push (:mod:`producer.serving.started`), if given.
+        first_push: told of the first push (:class:`producer.serving.heartbeat.FirstPush`),
+            if given.
     """
 
     def __init__(
