@@ -8,7 +8,7 @@ declared dead must join again, not revive), the reaping of producers past theirs
 stop event.
 
 It also writes the producer's own figures into the queue's pstats hash, so nothing is
-added to a batch's path: its caches' (:func:`producer.cache_stats.process_totals`) and,
+added to a batch's path: its caches' (:func:`producer.cache_stage.process_totals`) and,
 once, its time to its first push (:class:`FirstPush`: from its process's start, an
 interpreter's start, imports and the factory included, or for a worker forked from a
 warm pool from the fork, to its first frame in the list; ``<id>:first_push_ms``,
@@ -34,7 +34,7 @@ from batchq.protocol.fields import MetaField, ProducerFigure, ProducerStat, prod
 from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, record_client, server_ms
-from producer.cache_stats import process_totals
+from producer.cache_stage import process_totals
 from producer.serving.membership import RunPosition
 
 __all__ = ["BEATS_PER_TTL", "FirstPush", "Heartbeat", "process_started_s"]
@@ -148,7 +148,7 @@ class Heartbeat:
         client.close()
 
     def record_cache(self, client: redis.Redis) -> None:
-        """Set this process's cache figures (:mod:`producer.cache_stats`) in the
+        """Set this process's cache figures (:func:`producer.cache_stage.process_totals`) in the
         producer's counters (``ProducerStat.CACHE``); nothing when it caches nothing."""
         totals = process_totals()
         if totals is None:
