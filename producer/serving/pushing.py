@@ -34,12 +34,12 @@ from batchq.protocol import producer_scripts
 from batchq.protocol.layout import entry_slot
 from batchq.protocol.words import Status
 from batchq.wire import codec
+from producer.control import ProducerParams
 from producer.serving.ahead import Ahead, Ready
 from producer.serving.build_watch import BuildWatch
 from producer.serving.frame_push import FramePusher, Handover, OnePush, Pushed
 from producer.serving.frames import batch_header, end_frame
 from producer.serving.membership import RunPosition
-from producer.serving.params_follow import ProducerParams
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
 
