@@ -34,12 +34,11 @@ from producer.isolation import isolation_of
 from producer.producer_options import check_options, require
 from producer.quarantine import bind_records
 from producer.serving.ahead import Ahead, Lease
-from producer.serving.build_watch import BuildWatch, reading_of
 from producer.serving.frame_push import FramePusher
 from producer.serving.frames import INLINE_MAX_BYTES, PushSettings
 from producer.serving.heartbeat import FirstPush, Heartbeat
 from producer.serving.membership import Membership, RunPosition, axis_labels_json
-from producer.serving.pushing import ShardPusher
+from producer.serving.pushing import BuildWatch, ShardPusher, reading_of
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import Transport
 
@@ -89,7 +88,7 @@ class Producer:
         build_timeout_s: the longest a batch's build may take (None: no limit); past it
             the attempt counts as failed (the trainer gets ProducerFailed naming the
             example after max_attempts) and :meth:`serve` raises BuildTimeout (see
-            :mod:`producer.serving.build_watch`); it also bounds each example's read in
+            :class:`producer.serving.pushing.BuildWatch`); it also bounds each example's read in
             a shard built isolated (:mod:`producer.isolation`).
         started_at: when this producer started (wall clock, s), the zero of its
             ``first_push_s`` in ``batchq status``; None: its process's start.
