@@ -39,9 +39,8 @@ from batchq.protocol.trainer_scripts import PopReply
 from batchq.protocol.words import Status, as_int, status_error
 from batchq.wire import codec
 from consumer.plan import BLOCK_S, ReaderBuffer, RunView
-from consumer.reader.dead import DeadList
 from consumer.reader.fetch import Fetched, Fetcher
-from consumer.reader.filing import Filer, FrameScreen
+from consumer.reader.filing import DeadList, Filer, FrameScreen
 from consumer.reader.guards import KeyGuard
 from consumer.reader.ledger import global_pairs
 from consumer.reader.repair import StallRepair
