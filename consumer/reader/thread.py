@@ -41,9 +41,8 @@ from batchq.wire import codec
 from consumer.plan import BLOCK_S, ReaderBuffer, RunView
 from consumer.reader.fetch import Fetched, Fetcher
 from consumer.reader.filing import DeadList, Filer, FrameScreen
-from consumer.reader.guards import KeyGuard
 from consumer.reader.ledger import global_pairs
-from consumer.reader.repair import StallRepair
+from consumer.reader.repair import KeyGuard, StallRepair
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.stats import Accounting, TrainerStats
 from consumer.stream_options import ReaderSettings
