@@ -25,7 +25,7 @@ cache figures and the examples the run quarantined. Producers whose pipeline cac
 stage (``producer.torch.cached``) keep hits, misses, bytes held and build time saved in
 their pstats counters (:class:`batchq.protocol.fields.ProducerStat`'s ``CACHE``, set by
 their heartbeat); the run's quarantined examples are counted in its quarantine hash
-(:func:`batchq.protocol.quarantine_records.read_quarantine`). ``stats`` may be read
+(:func:`batchq.protocol.layout.read_quarantine`). ``stats`` may be read
 every batch, so both are read at most once per :data:`REFRESH_S`: three commands in two
 round trips.
 """
@@ -54,8 +54,8 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import (
     WAIT_BUCKETS_S,  # the histogram buckets (s); last is +Inf
     id_host,
+    read_quarantine,
 )
-from batchq.protocol.quarantine_records import read_quarantine
 
 __all__ = ["REFRESH_S", "WAIT_BUCKETS_S", "Accounting", "RunFigures", "TrainerStats"]
 
