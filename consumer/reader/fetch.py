@@ -280,7 +280,7 @@ def drain_group(
     client: redis.Redis,
     keys: QueueKeys,
     data_key: str,
-    release_unread: Callable[[bytes], None],
+    release_unread: Callable[[bytes], bool],
     timeout_s: float,
 ) -> int:
     """Pop everything left in ``data_key`` (a finished group rank's list) and release
