@@ -29,7 +29,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import lease_entry
 from batchq.protocol.producer_scripts import join, lease_call, push_call
 from batchq.protocol.trainer_scripts import ClaimReply, claim, release_call
-from batchq.wire import refs
+from batchq.wire.frame import decode_ref, encode_ref
 
 SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024)
 TTL_MS = 60_000
@@ -78,7 +78,7 @@ def measure(client: redis.Redis, groups: int, size: int, frames: int, by_ref: bo
             keys, targets=lease.mask, rank=0, world=1, groups=groups, frame_key=frame,
             incarnation=inc, run=run, producer="p",
             entry=lease_entry(lease.g, run, token, lease.mask),
-            element=refs.encode_ref(frame) if frame else payload, last=True,
+            element=encode_ref(frame) if frame else payload, last=True,
             heartbeat_ttl_ms=TTL_MS, frame_bytes=size, blocked_ms=0, produce_ms=0,
         )  # fmt: skip
         commands = [("SET", frame, payload, "PX", TTL_MS)] if frame else []
@@ -88,7 +88,7 @@ def measure(client: redis.Redis, groups: int, size: int, frames: int, by_ref: bo
         for data in lists:
             element = client.rpop(data)
             if frame:
-                name = refs.decode_ref(element, keys.frame_prefix)
+                name = decode_ref(element, keys.frame_prefix)
                 round_trip(client, [("GET", name), release_call(keys, [name]).command()], "get")
     wall = time.perf_counter() - t0
     info = client.info()

@@ -100,7 +100,7 @@ class Session:
         max_lag_batches: how many batches this group may fall behind the leading group
             before the others stop waiting for it (None: they always wait).
         drain: empties a data list of a group slot this group left (its keys, the
-            list; consumer/group_drain.py).
+            list; consumer.reader.fetch.drain_group).
     """
 
     def __init__(

@@ -44,10 +44,10 @@ from batchq.protocol.layout import stripe_run_id
 from batchq.protocol.stripes import Stripes
 from consumer.balance import Balancer, StaticPads, even_counts
 from consumer.checkpoint import RUN_KEY, Resumed, resume_position, resume_run_id
-from consumer.group_drain import drain_group
 from consumer.params import StreamParams
 from consumer.plan import BLOCK_S, Plan
 from consumer.reader.buffer import Buffer, StripeView
+from consumer.reader.fetch import drain_group
 from consumer.reader.ledger import Ledger, global_pairs
 from consumer.reader.prepare import FramePrep
 from consumer.reader.shm_frames import TrainerShm
@@ -121,7 +121,9 @@ def new_session(
         resume_run=resume_run,
         publish=lambda acting, slot: shm.publish(acting, options.hwm, slot),
         before_resume=params.load if params is not None else None,
-        drain=lambda view, data_key: drain_group(client, view, data_key, shm, options.timeout_s),
+        drain=lambda view, data_key: drain_group(
+            client, view, data_key, shm.release_unread, options.timeout_s
+        ),
     )
 
 
@@ -393,7 +395,7 @@ def release(
             delete_old_frames(client, session.keys, timeout_s)
             shm.finish()
         elif finished and session is not None and session.grouped:
-            drain_group(client, session.keys, session.data_key, shm, timeout_s)
+            drain_group(client, session.keys, session.data_key, shm.release_unread, timeout_s)
     except ConnectionLost as e:
         log.warning("queue %s: could not release the claim: %s", session and session.keys.queue, e)
         if finished:

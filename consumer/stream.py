@@ -37,9 +37,8 @@ from consumer.rank_state import pick_rank_state
 from consumer.reader.buffer import Buffer
 from consumer.reader.prepare import ArrayAccess, FrameHook, FramePrep
 from consumer.reader.shm_frames import TrainerShm
-from consumer.reader.stats import TrainerStats
+from consumer.reader.stats import RunFigures, TrainerStats
 from consumer.reader.thread import Reader
-from consumer.run_figures import RunFigures
 from consumer.session import Session
 from consumer.start import Started, claim, claim_to_finish, open_reading, release
 from consumer.stream_options import StreamOptions

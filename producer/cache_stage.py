@@ -1,4 +1,5 @@
-"""A cached stage in one process: read an entry or build it, and decide from measurement.
+"""A cached stage in one process: read an entry or build it, decide from measurement, and
+count what happened.
 
 What :func:`producer.torch.cached` (a torch Dataset) and a Fuel ``Mapping(...,
 cache=...)`` (:mod:`producer.transformers.cached`) share, without torch: a
@@ -17,6 +18,12 @@ milliseconds must not outweigh the others.
 for a Dataset, numpy's global one for a Fuel mapping) before and after, and warn: a
 stage that draws would leave the generators elsewhere on a miss than on a hit.
 
+**Its figures.** Every stage keeps a :class:`CacheStats` of what happened in this
+process and registers itself; the producer's heartbeat writes :func:`process_totals`
+(every stage alive in the process, summed) into its pstats counters
+(:class:`batchq.protocol.fields.ProducerStat`'s ``cache_*``), which ``status``, the
+exporter and ``report`` read, and the trainer's ``stream.stats`` sums.
+
 :func:`describe` names a stage's parts (functions and classes by module, qualname and a
 hash of their source; other values by their repr, refused when it names a memory
 address) for the fingerprints.
@@ -30,17 +37,30 @@ import logging
 import os
 import re
 import statistics
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from batchq.errors import ConfigError, FrameError
 from producer.cache_entry import NUMPY_ONLY, LeafCodec, decode_entry, encode_entry
-from producer.cache_stats import CacheStats, register
 from producer.cache_store import DiskCache
 
-__all__ = ["JUDGE_EVERY", "MIN_SAMPLES", "READ_BACK", "WINDOW", "StageCache", "describe"]
+__all__ = [
+    "JUDGE_EVERY",
+    "MIN_SAMPLES",
+    "READ_BACK",
+    "WINDOW",
+    "CacheStats",
+    "StageCache",
+    "StatsSource",
+    "describe",
+    "process_totals",
+    "register",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +79,86 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 #: The clock builds and reads are timed with (seconds; a module global so that a test
 #: can judge the cache on a clock of its own).
 clock = time.perf_counter
+
+
+@dataclass
+class CacheStats:
+    """What one cached stage did in this process.
+
+    Attributes:
+        hits: examples read from the cache.
+        misses: examples built (absent, rejected, or the cache not used).
+        rejected: entries found torn, corrupted or foreign, built again.
+        writes: entries this process stored.
+        bytes_written: their bytes.
+        bytes_held: the cache directory's bytes (every stage's, every process's), as of
+            this process's last look at the ledger (its first use, a write, a hit).
+        build_s: time spent building the misses.
+        read_s: time spent reading and decoding the hits.
+        saved_s: build time saved: hits x the mean build time, less the reads' time.
+        bypassed: the cache did not pay in this process and is no longer used.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    rejected: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    bytes_held: int = 0
+    build_s: float = 0.0
+    read_s: float = 0.0
+    saved_s: float = 0.0
+    bypassed: bool = False
+
+    @property
+    def hit_rate(self) -> float | None:
+        """hits / (hits + misses), None before any example."""
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as plain values (with ``hit_rate``)."""
+        out: dict[str, Any] = dict(self.__dict__)
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+class StatsSource(Protocol):
+    """Anything with a :class:`CacheStats` (a cached dataset)."""
+
+    @property
+    def cache_stats(self) -> CacheStats: ...
+
+
+_sources: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def register(source: StatsSource) -> None:
+    """Count ``source``'s figures in :func:`process_totals` while it lives."""
+    with _lock:
+        _sources.add(source)
+
+
+def process_totals() -> CacheStats | None:
+    """The figures of every cached stage alive in this process, summed; None if none."""
+    with _lock:
+        stats = [s.cache_stats for s in list(_sources)]
+    if not stats:
+        return None
+    out = CacheStats()
+    for s in stats:
+        out.hits += s.hits
+        out.misses += s.misses
+        out.rejected += s.rejected
+        out.writes += s.writes
+        out.bytes_written += s.bytes_written
+        out.bytes_held = max(out.bytes_held, s.bytes_held)  # one directory, mostly
+        out.build_s += s.build_s
+        out.read_s += s.read_s
+        out.saved_s += s.saved_s
+        out.bypassed = out.bypassed or s.bypassed
+    return out
 
 
 class StageCache:
@@ -116,7 +216,7 @@ class StageCache:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """This process's figures (:class:`producer.cache_stats.CacheStats`, with
+        """This process's figures (:class:`CacheStats`, with
         ``hit_rate``); ``bytes_held`` read from the cache's ledger now (every process's
         entries)."""
         if not self.cache_stats.bypassed:

@@ -109,7 +109,7 @@ class QuarantineExceeded(BatchQueueError):
 class BuildTimeout(BatchQueueError, TimeoutError):
     """A batch's build took longer than ``build_timeout_s``: the message names the shard
     and, where the stream tells it, the example being read
-    (:mod:`producer.serving.build_watch`)."""
+    (:class:`producer.serving.pushing.BuildWatch`)."""
 
 
 class ExampleKilled(BatchQueueError):

@@ -44,8 +44,12 @@ from batchq.client.connection import make_client
 from batchq.errors import BatchQueueError, ConfigError
 from batchq.protocol import producer_scripts
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import QUARANTINE_CAP, parse_quarantine_record, quarantine_record
-from batchq.protocol.quarantine_records import read_quarantine
+from batchq.protocol.layout import (
+    QUARANTINE_CAP,
+    parse_quarantine_record,
+    quarantine_record,
+    read_quarantine,
+)
 from batchq.protocol.words import Status
 from producer.errors import QuarantineExceeded
 from producer.randomness import derive_seed

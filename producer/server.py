@@ -14,7 +14,6 @@ from typing import Any
 
 import redis
 
-from batchq.client import held
 from batchq.client.connection import (
     Backoff,
     call,
@@ -22,6 +21,7 @@ from batchq.client.connection import (
     make_client,
     tune_malloc,
 )
+from batchq.client.redis_internals import hold, release_hold
 from batchq.errors import ConnectionLost, ProtocolError, RunFinished
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call, execute_pipeline
@@ -34,15 +34,12 @@ from producer.isolation import isolation_of
 from producer.producer_options import check_options, require
 from producer.quarantine import bind_records
 from producer.serving.ahead import Ahead, Lease
-from producer.serving.build_watch import BuildWatch, reading_of
 from producer.serving.frame_push import FramePusher
 from producer.serving.frames import INLINE_MAX_BYTES, PushSettings
-from producer.serving.heartbeat import Heartbeat
-from producer.serving.membership import Membership, axis_labels_json
-from producer.serving.position import RunPosition
-from producer.serving.pushing import ShardPusher
+from producer.serving.heartbeat import FirstPush, Heartbeat
+from producer.serving.membership import Membership, RunPosition, axis_labels_json
+from producer.serving.pushing import BuildWatch, ShardPusher, reading_of
 from producer.serving.sharding import ShardPlan
-from producer.serving.started import FirstPush
 from producer.serving.transport import Transport
 
 __all__ = ["Producer"]
@@ -91,7 +88,7 @@ class Producer:
         build_timeout_s: the longest a batch's build may take (None: no limit); past it
             the attempt counts as failed (the trainer gets ProducerFailed naming the
             example after max_attempts) and :meth:`serve` raises BuildTimeout (see
-            :mod:`producer.serving.build_watch`); it also bounds each example's read in
+            :class:`producer.serving.pushing.BuildWatch`); it also bounds each example's read in
             a shard built isolated (:mod:`producer.isolation`).
         started_at: when this producer started (wall clock, s), the zero of its
             ``first_push_s`` in ``batchq status``; None: its process's start.
@@ -227,7 +224,7 @@ class Producer:
 
     def begin(self) -> None:
         """Join the queue's run and start the heartbeat (the calling thread serves)."""
-        held.hold(self.client)  # this thread pushes: one connection, no pool per batch
+        hold(self.client)  # this thread pushes: one connection, no pool per batch
         check_eviction_policy(self.client)
         self._join()
         self._beat.start()
@@ -394,7 +391,7 @@ class Producer:
         self._beat.join(timeout_s=5)
         if self._records is not None:
             self._records.close()
-        held.release(self.client)
+        release_hold(self.client)
         self.client.close()
 
     # -- leasing -----------------------------------------------------------------------

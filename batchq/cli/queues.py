@@ -22,7 +22,7 @@ from batchq.monitoring.rows import list_queues, queue_status, status_rows
 from batchq.monitoring.text import columns, render_table
 from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys, check_name
-from batchq.protocol.quarantine_records import read_quarantine
+from batchq.protocol.layout import read_quarantine
 from batchq.wire.shm import remove_segments
 
 __all__ = ["run_dead", "run_reset", "run_status"]

@@ -21,7 +21,16 @@ Two measured costs are only avoidable below redis-py's public API (docs/design.m
   and events: a PING 130-150 us through the pool, 65-80 us without, on the 2-core
   machine). :class:`HeldPool` lets the one thread that owns a client's hot path take its
   last connection straight from the pool's idle list and put it back, under the pool's
-  own lock (``_lock``, ``_available_connections``, ``_in_use_connections``).
+  own lock (``_lock``, ``_available_connections``, ``_in_use_connections``). A thread
+  that owns a client (the producer's serving thread, the trainer's reader) :func:`hold` s
+  it; :func:`batchq.protocol.calls.round_trip` then :func:`borrow` s that thread's
+  connection and gives it back (:func:`give_back`). The state lives in the client's own
+  pool (every client of :func:`batchq.client.connection.make_client` has a
+  :class:`HeldPool`): there is no registry, and a client whose pool is of another kind
+  goes through its pool as usual. What the pool's checks gave is kept by the one caller,
+  ``round_trip``: a connection that failed or was interrupted half-way is disconnected
+  before anything reads it again (it reconnects, authenticated, at its next use), so no
+  one is handed a connection that is out of step.
 
 Nothing else in batchq touches a private name of redis-py. :data:`TESTED_REDIS_PY` is
 the range pyproject pins; :func:`check_internals` says what is missing on another
@@ -51,8 +60,10 @@ __all__ = [
     "borrow",
     "check_internals",
     "give_back",
+    "hold",
     "pieces_packer",
     "read_bulk_into",
+    "release_hold",
 ]
 
 # The redis-py releases these internals were checked on (pyproject pins the same).
@@ -142,6 +153,20 @@ class HeldPool(redis.ConnectionPool):
                 return
         # The pool forgot it (reset): it is not the pool's to take back.
         conn.disconnect()
+
+
+def hold(client: redis.Redis) -> None:
+    """The calling thread owns ``client``'s round trips from now on."""
+    pool = client.connection_pool
+    if isinstance(pool, HeldPool):
+        pool.hold()
+
+
+def release_hold(client: redis.Redis) -> None:
+    """The owner stops (its close): round trips go through the pool again (idempotent)."""
+    pool = client.connection_pool
+    if isinstance(pool, HeldPool):
+        pool.release_hold()
 
 
 def borrow(client: redis.Redis) -> tuple[Any, bool]:

@@ -164,7 +164,7 @@ def _producer(snap: QueueSnapshot, producer: str, deadline: float) -> dict[str, 
 
 
 def _cache(c: dict[str, int]) -> dict[str, Any]:
-    """A producer's cache figures (:mod:`producer.cache_stats`); None when it caches
+    """A producer's cache figures (:mod:`producer.cache_stage`); None when it caches
     nothing."""
     if ProducerStat.CACHE_HITS not in c:
         return {name: None for name in _CACHE_FIELDS}

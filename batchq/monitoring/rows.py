@@ -167,7 +167,7 @@ A producer object (its counters cover its whole life; ids are unique per process
     cache_saved_s         float|null   build time its hits saved, less their reads' time
     first_push_s          float|null   from its start (its process's, or its fork from
                                        a warm pool) to its first push; null until its
-                                       heartbeat wrote it (producer/serving/started.py);
+                                       heartbeat wrote it (producer/serving/heartbeat.py);
                                        after cache_saved_s
 
 ``bytes_held``: Redis cannot give the size of a list element without sending it

@@ -50,7 +50,8 @@ from batchq.protocol.fields import MetaField, StatsField, parse_producer_stat_fi
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
 from batchq.protocol.words import as_int, as_text
-from batchq.wire import codec, refs
+from batchq.wire import codec
+from batchq.wire.frame import decode_ref, is_ref
 
 __all__ = [
     "HEADER_PEEK_BYTES",
@@ -362,11 +363,11 @@ def _group_reads(pipe: Any, k: QueueKeys, snap: QueueSnapshot, history: int) -> 
 def _oldest_read(pipe: Any, k: QueueKeys, snap: QueueSnapshot, last: bytes | None) -> list[str]:
     """The oldest element's time: read from its header now, or, where it is a reference,
     the start of the frame it names queued (``["ref"]``; nothing for a bad reference)."""
-    if last is None or not refs.is_ref(last):
+    if last is None or not is_ref(last):
         snap.oldest_t = _header_time(last)
         return []
     try:
-        ref = refs.decode_ref(last, k.frame_prefix)
+        ref = decode_ref(last, k.frame_prefix)
     except FrameError:
         return []
     pipe.getrange(ref, 0, HEADER_PEEK_BYTES - 1)

@@ -254,9 +254,9 @@ def round_trip(
     again once: as for :func:`execute_pipeline`, what batchq sends this way is idempotent.
     On a Redis Cluster, the commands a node refused with MOVED, ASK or TRYAGAIN (it ran
     none of them) go again where they belong (:func:`batchq.client.redirects.follow_redirects`).
-    Where the calling thread holds the client (:func:`batchq.client.held.hold`: the producer's
-    serving thread, the trainer's reader) its connection is taken from the pool without
-    the pool's checks, else the pool lends one.
+    Where the calling thread holds the client (:func:`batchq.client.redis_internals.hold`:
+    the producer's serving thread, the trainer's reader) its connection is taken from the
+    pool without the pool's checks, else the pool lends one.
 
     Args:
         client: the client whose connection carries the commands.

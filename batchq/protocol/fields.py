@@ -193,7 +193,7 @@ class ProducerStat:
 
 class ProducerFigure:
     """What a producer writes itself into the pstats hash (beside push.lua's counters,
-    under :func:`producer_stat_field` names; producer/serving/started.py)."""
+    under :func:`producer_stat_field` names; producer/serving/heartbeat.py)."""
 
     FIRST_PUSH_MS: Final = "first_push_ms"  # from its start to its first push, written once
 

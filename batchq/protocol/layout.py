@@ -36,6 +36,10 @@ Entries and fields:
   "error_type", "message", "traceback", "producer"}`` (:func:`quarantine_record`,
   :func:`parse_quarantine_record`), the message and traceback cut to
   :data:`QUARANTINE_TEXT_MAX` characters, at most :data:`QUARANTINE_CAP` records a run;
+  the hash's ``run`` and ``count`` fields say which run quarantined how many. The whole
+  hash is read back by :func:`read_quarantine` (a :class:`Quarantine`): ``batchq dead``
+  lists the records, ``status`` rows and ``stream.stats`` count them, a producer names
+  them when ``max_quarantined`` is passed;
 * a default process id (a producer's, an autoscaler's): ``'<host>-<pid>-<6 hex>'``
   (:func:`default_id`; :func:`id_host` and :func:`id_pid` read it back: ``status``
   shows the host, an autoscaler tells its own workers by the pid).
@@ -55,7 +59,13 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import redis
+
+from batchq.protocol.keys import QueueKeys
+from batchq.protocol.words import as_int, as_text
 
 __all__ = [
     "DEAD_CAP",
@@ -72,6 +82,7 @@ __all__ = [
     "SCALELOG_CAP",
     "WAIT_BUCKETS_S",
     "WAKE_CAP",
+    "Quarantine",
     "count_value",
     "counts_field",
     "default_id",
@@ -91,6 +102,7 @@ __all__ = [
     "parse_quarantine_record",
     "parse_work_entry",
     "quarantine_record",
+    "read_quarantine",
     "resume_run_id",
     "stripe_run_id",
     "time_ms",
@@ -332,3 +344,36 @@ def parse_quarantine_record(raw: str | bytes) -> dict[str, Any]:
     if not all(type(value[f]) is k for f, k in zip(QUARANTINE_FIELDS, kinds, strict=True)):
         raise ValueError(f"quarantine record {value!r:.200}: expected 3 integers, 4 strings")
     return value
+
+
+@dataclass
+class Quarantine:
+    """The quarantine hash of a queue: the run it is for, how many examples that run
+    quarantined (exact while the records fit), and the records (by index)."""
+
+    run: str = ""
+    count: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def count_of(self, run: str) -> int:
+        """The count for ``run`` (0 where the hash is another run's)."""
+        return self.count if run and run == self.run else 0
+
+
+def read_quarantine(client: redis.Redis, keys: QueueKeys, *, records: bool = True) -> Quarantine:
+    """The queue's quarantine hash (one HGETALL, bounded by QUARANTINE_CAP records; with
+    ``records=False`` two fields only). Records that do not parse are left out."""
+    if not records:
+        run, count = client.hmget(keys.quarantine, ["run", "count"])
+        return Quarantine(as_text(run) if run else "", as_int(count))
+    raw_fields: dict[Any, Any] = client.hgetall(keys.quarantine)
+    fields = {as_text(k): v for k, v in raw_fields.items()}
+    out = Quarantine(as_text(fields.get("run", "")), as_int(fields.get("count")))
+    for name, raw in fields.items():
+        if name.startswith("i:"):
+            try:
+                out.records.append(parse_quarantine_record(raw))
+            except ValueError:
+                continue  # not a record this version writes
+    out.records.sort(key=lambda r: (r["epoch"], r["index"]))
+    return out

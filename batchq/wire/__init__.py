@@ -1,8 +1,8 @@
 """The frame format: what one list element is, byte for byte.
 
 The codec (``codec``) and the values it packs (``values``; one item encoded and
-decoded: ``items``; lists sent as arrays: ``regular_arrays``),
-the frame's kinds, header rules and its pieces for the wire (``frame``), the reference
-element of a frame stored under its own key (``refs``) and the shared-memory segment
-and descriptor formats (``shm``). Imports nothing of batchq but ``batchq.errors``.
+decoded, lists sent as arrays among them: ``items``),
+the frame's kinds, header rules, its pieces for the wire and the reference element of a
+frame stored under its own key (``frame``), and the shared-memory segment and
+descriptor formats (``shm``). Imports nothing of batchq but ``batchq.errors``.
 """

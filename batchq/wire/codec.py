@@ -60,7 +60,7 @@ that numpy turns into a regular array of one plain kind travels as that array, a
 Fuel's server sent it; the codec itself encodes a list as the msgpack value it is.
 
 Large frames may live under their own Redis key; the list then holds a *reference*
-element instead (:mod:`batchq.wire.refs`).
+element instead (:func:`batchq.wire.frame.encode_ref`).
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ from batchq.wire.frame import (
     header_problem,
     is_int,
 )
-from batchq.wire.items import build_item, encode_item, parse_item
-from batchq.wire.regular_arrays import array_or_value
+from batchq.wire.items import array_or_value, build_item, encode_item, parse_item
 from batchq.wire.values import (
     PREFIX,
     Copy,

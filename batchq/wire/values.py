@@ -4,9 +4,8 @@ fixed prefix, header packing and the buffer region's layout.
 An *item* is one source's value inside a frame. The header describes each item with one
 msgpack map (see :mod:`batchq.wire.codec` for the key names); the raw array bytes live in
 the frame's buffer region. A value becomes its map in :mod:`batchq.wire.items`
-(recording which arrays must be copied where), a batch of lists the array numpy makes of
-it in :mod:`batchq.wire.regular_arrays`, and a validated map a value again in
-:mod:`batchq.wire.items`.
+(recording which arrays must be copied where; a batch of lists first the array numpy
+makes of it), and a validated map a value again there.
 """
 
 from __future__ import annotations

@@ -21,25 +21,46 @@ commands in order, so the bytes are read before the count drops; a key without a
 this round trip leaves the frames' counts up: they go when the run ends (every frame of
 the queue is deleted then).
 
+**A group that finished before the others** lets go of what its list still holds: a
+frame stored by reference is deleted by its last reader's release, and a shared-memory
+segment is reused once every group it went to released it. A rank of a group that
+finished (``close(finished=True)``) is no longer a target of any push (push.lua), but
+its list may still hold frames pushed before (the window it read ahead):
+:func:`drain_group` pops them and releases each, so that the other groups' frames and
+segments are not held until the run ends. A trainer killed before it drains leaves that
+to the run's end (every frame and segment of the queue goes then).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from batchq.client.connection import call, is_wrong_type, redis_errors
+from batchq.client.connection import call, is_wrong_type, redis_errors, retrying
 from batchq.client.redis_internals import BulkReply, read_bulk_into
 from batchq.errors import ConnectionLost, FrameError
 from batchq.protocol import trainer_scripts
 from batchq.protocol.calls import execute_pipeline, round_trip
 from batchq.protocol.keys import QueueKeys
-from batchq.wire import refs
+from batchq.wire.frame import decode_ref, is_ref
 from batchq.wire.shm import is_descriptor
 
-__all__ = ["Fetched", "Fetcher", "Reply", "get_and_release", "getdel_into", "ref_error", "release"]
+__all__ = [
+    "DRAIN_CHUNK",
+    "Fetched",
+    "Fetcher",
+    "Reply",
+    "drain_group",
+    "get_and_release",
+    "getdel_into",
+    "ref_error",
+    "release",
+]
+
+log = logging.getLogger(__name__)
 
 # One popped element resolved: (its frame's bytes or None when it is a bad frame, the
 # list element itself, the key of a frame stored by reference or '').
@@ -89,9 +110,9 @@ class Fetcher:
                 except FrameError as e:
                     self._dead(element, e)
                     out.append((None, element, ""))
-            elif refs.is_ref(element):
+            elif is_ref(element):
                 try:
-                    key = refs.decode_ref(element, self.keys.frame_prefix)
+                    key = decode_ref(element, self.keys.frame_prefix)
                 except FrameError as e:
                     self._dead(element, e)
                     out.append((None, element, ""))
@@ -250,3 +271,49 @@ def release(client: redis.Redis, keys: QueueKeys, names: list[str]) -> None:
     """Release frames this reader will not read (refused unfetched: too large)."""
     if names:
         trainer_scripts.release_call(keys, names).run(client)
+
+
+DRAIN_CHUNK = 256  # elements popped per round trip
+
+
+def drain_group(
+    client: redis.Redis,
+    keys: QueueKeys,
+    data_key: str,
+    release_unread: Callable[[bytes], bool],
+    timeout_s: float,
+) -> int:
+    """Pop everything left in ``data_key`` (a finished group rank's list) and release
+    it: references through release.lua, shared-memory descriptors through their
+    segments' release words (``release_unread``: the trainer's shared memory's,
+    :meth:`consumer.reader.shm_frames.TrainerShm.release_unread`); returns how many
+    elements went."""
+    drained = 0
+    while True:
+
+        def pop() -> Any:
+            return client.rpop(data_key, DRAIN_CHUNK)
+
+        elements = retrying(pop, f"draining {data_key}", timeout_s, client=client) or []
+        if not elements:
+            break
+        drained += len(elements)
+        names: list[str] = []
+        for element in elements:
+            if is_descriptor(element):
+                release_unread(element)
+            elif is_ref(element):
+                try:
+                    names.append(decode_ref(element, keys.frame_prefix))
+                except FrameError:
+                    continue  # not this queue's: nothing of ours to release
+        if names:
+            call = trainer_scripts.release_call(keys, names)
+
+            def release(call: Any = call) -> Any:
+                return round_trip(client, [call.command()], "releasing frames")
+
+            retrying(release, f"releasing frames ({keys.queue})", timeout_s, client=client)
+    if drained:
+        log.info("queue %s: %d element(s) left in %s released", keys.queue, drained, data_key)
+    return drained

@@ -27,8 +27,8 @@ from typing import Any
 
 import redis
 
-from batchq.client import held
 from batchq.client.connection import is_wrong_type, reconnect
+from batchq.client.redis_internals import hold, release_hold
 from batchq.errors import BatchQueueError, ConnectionLost, StateLost
 from batchq.protocol import trainer_scripts
 from batchq.protocol.admin import is_oom
@@ -39,12 +39,10 @@ from batchq.protocol.trainer_scripts import PopReply
 from batchq.protocol.words import Status, as_int, status_error
 from batchq.wire import codec
 from consumer.plan import BLOCK_S, ReaderBuffer, RunView
-from consumer.reader.dead import DeadList
 from consumer.reader.fetch import Fetched, Fetcher
-from consumer.reader.filing import Filer, FrameScreen
-from consumer.reader.guards import KeyGuard
+from consumer.reader.filing import DeadList, Filer, FrameScreen
 from consumer.reader.ledger import global_pairs
-from consumer.reader.repair import StallRepair
+from consumer.reader.repair import KeyGuard, StallRepair
 from consumer.reader.shm_frames import TrainerShm
 from consumer.reader.stats import Accounting, TrainerStats
 from consumer.stream_options import ReaderSettings
@@ -142,7 +140,7 @@ class Reader(threading.Thread):
     # -- the thread --------------------------------------------------------------------
 
     def run(self) -> None:
-        held.hold(self.client)  # this thread pops: one connection, no pool per batch
+        hold(self.client)  # this thread pops: one connection, no pool per batch
         try:
             while not self._halt.is_set():
                 claim_s = self.session.claim_ttl_ms / 3000
@@ -165,7 +163,7 @@ class Reader(threading.Thread):
         finally:
             if self._flush_on_stop and self.buffer.error is None:
                 self.flush()
-            held.release(self.client)
+            release_hold(self.client)
             self.client.close()
 
     def _step(self, idle: bool, stale: bool, claim_s: float) -> None:

@@ -46,7 +46,7 @@ from batchq.protocol.producer_scripts import LeaseReply
 from batchq.protocol.ranks import RankLayout, shard_of_slot
 from batchq.protocol.stripes import Stripes
 from batchq.protocol.words import Status
-from producer.serving.params_follow import ProducerParams, ShardParams
+from producer.control import ProducerParams, ShardParams
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame
 

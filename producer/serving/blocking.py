@@ -18,7 +18,7 @@ from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import reader_field, slots_of
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import time_ms
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 
 __all__ = ["HANDBACK_S", "Waiting", "give_back", "hand_back", "hand_back_reason"]
 

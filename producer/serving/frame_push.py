@@ -34,12 +34,12 @@ from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
 from batchq.protocol.producer_scripts import LeaseReply, PushReply, push_call
 from batchq.protocol.words import Status
-from batchq.wire import refs
+from batchq.wire.frame import encode_ref
 from producer.serving.ahead import Ahead
 from producer.serving.blocking import Waiting, give_back, hand_back
 from producer.serving.frames import PushSettings
-from producer.serving.position import RunPosition
-from producer.serving.started import FirstPush
+from producer.serving.heartbeat import FirstPush
+from producer.serving.membership import RunPosition
 from producer.serving.transport import ShmFrame, Transport
 
 __all__ = [
@@ -107,7 +107,8 @@ class FramePusher:
             ``prefetch`` is ``leases_ahead``).
         ahead: the leases held ahead, which a shard's last push asks for and fills.
         shards: the plan's shards (S; the leases riding on a push name slots of it).
-        first_push: told of the first push (:mod:`producer.serving.started`), if given.
+        first_push: told of the first push (:class:`producer.serving.heartbeat.FirstPush`),
+            if given.
     """
 
     def __init__(
@@ -237,7 +238,7 @@ class FramePusher:
             return self._capped_push(frame, frame, None, "", push, between)
         self._frame_seq += 1
         ref = self.settings.keys.frame(self.settings.producer, self._frame_seq)
-        return self._capped_push(frame, refs.encode_ref(ref), ref, "", push, between)
+        return self._capped_push(frame, encode_ref(ref), ref, "", push, between)
 
     # -- the capped push ---------------------------------------------------------------
 

@@ -6,12 +6,23 @@ third of the heartbeat TTL: ZADD XX of the producer's deadline (a producer alrea
 declared dead must join again, not revive), the reaping of producers past theirs
 (:func:`batchq.protocol.reaper.reap_dead`), and the orphan check. It stops with the producer's
 stop event.
+
+It also writes the producer's own figures into the queue's pstats hash, so nothing is
+added to a batch's path: its caches' (:func:`producer.cache_stage.process_totals`) and,
+once, its time to its first push (:class:`FirstPush`: from its process's start, an
+interpreter's start, imports and the factory included, or for a worker forked from a
+warm pool from the fork, to its first frame in the list; ``<id>:first_push_ms``,
+:attr:`batchq.protocol.fields.ProducerFigure.FIRST_PUSH_MS`), which ``batchq status``
+shows per producer (``first_push_s``) and the exporter as
+``batchq_producer_first_push_seconds``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -19,15 +30,14 @@ import redis
 from batchq.client.connection import make_client
 from batchq.errors import BatchQueueError
 from batchq.protocol.admin import is_oom
-from batchq.protocol.fields import MetaField, ProducerStat, producer_stat_field
+from batchq.protocol.fields import MetaField, ProducerFigure, ProducerStat, producer_stat_field
 from batchq.protocol.groups import reader_field
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.reaper import reap_dead, record_client, server_ms
-from producer.cache_stats import process_totals
-from producer.serving.position import RunPosition
-from producer.serving.started import FirstPush
+from producer.cache_stage import process_totals
+from producer.serving.membership import RunPosition
 
-__all__ = ["BEATS_PER_TTL", "Heartbeat"]
+__all__ = ["BEATS_PER_TTL", "FirstPush", "Heartbeat", "process_started_s"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +60,7 @@ class Heartbeat:
         orphan_exit_s: stop the producer once no trainer has held a live claim on the
             run for this long; None: never.
         first_push: the producer's start and first push; the beat after that push
-            writes the figure (:mod:`producer.serving.started`); None: not reported.
+            writes the figure (:class:`FirstPush`); None: not reported.
         on_beat: called with the heartbeat's client at every beat (a producer that
             quarantines learns the run's bad examples, :meth:`RunRecords.learn
             <producer.quarantine.RunRecords.learn>`); None: nothing.
@@ -138,7 +148,7 @@ class Heartbeat:
         client.close()
 
     def record_cache(self, client: redis.Redis) -> None:
-        """Set this process's cache figures (:mod:`producer.cache_stats`) in the
+        """Set this process's cache figures (:func:`producer.cache_stage.process_totals`) in the
         producer's counters (``ProducerStat.CACHE``); nothing when it caches nothing."""
         totals = process_totals()
         if totals is None:
@@ -185,3 +195,50 @@ class Heartbeat:
             )
             self.orphaned = True
             self._stop.set()
+
+
+def process_started_s() -> float:
+    """When this process started (wall clock, s; 10 ms steps), from /proc; now where
+    there is no /proc."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        with open("/proc/uptime", "rb") as fh:
+            uptime_s = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    ticks = int(stat[stat.rfind(b")") + 2 :].split()[19])  # field 22, starttime
+    return time.time() - (uptime_s - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class FirstPush:
+    """When a producer started and first pushed.
+
+    Args:
+        started_s: the start (wall clock, s); None: the process's.
+    """
+
+    def __init__(self, started_s: float | None = None) -> None:
+        self.started_s = started_s if started_s is not None else process_started_s()
+        self.pushed_s: float | None = None
+        self.written = False
+
+    def pushed(self) -> None:
+        """A frame of this producer is in the list (the first call counts)."""
+        if self.pushed_s is None:
+            self.pushed_s = time.time()
+
+    @property
+    def ms(self) -> int | None:
+        """Milliseconds from the start to the first push, None before it."""
+        if self.pushed_s is None:
+            return None
+        return max(0, round(1000 * (self.pushed_s - self.started_s)))
+
+    def write(self, client: redis.Redis, keys: QueueKeys, producer: str) -> None:
+        """Write the figure into the pstats hash, once it is known (once)."""
+        ms = self.ms
+        if ms is None or self.written:
+            return
+        client.hset(keys.pstats, producer_stat_field(producer, ProducerFigure.FIRST_PUSH_MS), ms)
+        self.written = True

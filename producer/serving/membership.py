@@ -1,4 +1,4 @@
-"""A producer's membership of its queue's run: joining and leaving.
+"""A producer's membership of its queue's run: joining, the run it serves, and leaving.
 
 :meth:`Membership.join` runs join.lua (which creates the queue and run where there is
 none, checks the pipeline's fingerprint and cap, hands this producer's stale leases back
@@ -10,6 +10,19 @@ for the trainer to re-create the run from its ledger instead of creating a fresh
 that would re-plan from scratch. :meth:`Membership.leave` hands the producer's leases
 back. What the Producer does around both (its pusher, heartbeat and transport follow
 the new position) is the Producer's (:mod:`producer.server`).
+
+**The run served** is one value, replaced whole at each join: the producer's join (on
+its serving thread) makes a new :class:`RunPosition` and hands it to its pushers
+(:meth:`producer.serving.pushing.ShardPusher.joined`), its transport
+(:meth:`producer.serving.transport.Transport.joined`) and its heartbeat thread
+(:meth:`producer.serving.heartbeat.Heartbeat.follow`, under the heartbeat's lock).
+Nobody changes a position in place, so whoever reads one sees the run, incarnation and
+world of one join; a run that more groups joined since gives a new position with the
+same run and more ``groups`` (``Producer._regroup``). The position also carries the
+run's cap on each data list, ``list_cap`` (Fuel's ``hwm`` argument): the producer's
+first position holds the cap it was given, each join asks join.lua for it (which
+refuses a run with another) and passes it on to the next position, and the transport
+sizes its pool by it. It is held nowhere else.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -33,10 +47,9 @@ from batchq.protocol.layout import MAX_GROUPS, new_run_id
 from batchq.protocol.producer_scripts import JoinReply
 from batchq.protocol.reaper import record_client
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
-from producer.serving.position import RunPosition
 from producer.serving.sharding import ShardPlan
 
-__all__ = ["FINISHED_GRACE_S", "JOIN_POLL_S", "Membership", "axis_labels_json"]
+__all__ = ["FINISHED_GRACE_S", "JOIN_POLL_S", "Membership", "RunPosition", "axis_labels_json"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +57,28 @@ log = logging.getLogger(__name__)
 # the same job); after it, a producer starts the queue's next run.
 FINISHED_GRACE_S = 60.0
 JOIN_POLL_S = 0.25  # how often a producer waiting for a lost run's trainer asks again
+
+
+@dataclass(frozen=True)
+class RunPosition:
+    """The run a producer serves ('' before its first join)."""
+
+    run: str = ""
+    incarnation: str = ""
+    world: int = 1  # ranks of the run's trainer (batchq/protocol/ranks.py)
+    groups: int = 0  # group slots of a run read by several groups (batchq/protocol/groups.py)
+    # Each group slot's ranks (slot 0's is ``world``): each group reads with its own.
+    worlds: tuple[int, ...] = ()
+    # The most elements each data list holds (the hwm); 1 where none was given.
+    list_cap: int = 1
+
+    def world_of(self, slot: int) -> int:
+        """The ranks group slot ``slot`` reads with."""
+        return self.worlds[slot] if 0 < slot < len(self.worlds) else self.world
+
+    def slot_worlds(self) -> tuple[int, ...]:
+        """Each group slot's ranks, slot 0 first (one slot in a run of one group)."""
+        return tuple(self.world_of(i) for i in range(max(self.groups, 1)))
 
 
 class Membership:

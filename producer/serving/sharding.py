@@ -281,7 +281,7 @@ class ShardPlan:
         Args:
             around: ``around(k)`` is the context in which batch k is pulled from the
                 pipeline (the params in effect at its index,
-                :class:`producer.serving.params_follow.ShardParams`): a chain read one
+                :class:`producer.control.ShardParams`): a chain read one
                 batch ahead still builds each batch under its own.
         """
         pull = _Puller(self.iter_shard(epoch, shard), around)

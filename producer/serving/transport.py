@@ -14,7 +14,7 @@ the producer sends the frame itself), so a lagging read never misroutes a frame.
 
 The pool holds at most ``shm_segments`` segments; by default just enough that a
 trainer keeping up never makes a frame fall back to Redis: per rank on this host, the
-rank's data list (the run's ``list_cap``, :class:`producer.serving.position.RunPosition`),
+rank's data list (the run's ``list_cap``, :class:`producer.serving.membership.RunPosition`),
 the decoded frames the rank's reader holds ahead of its caller (its *reader prefetch*:
 the trainer's hwm, published beside the host as
 :data:`batchq.protocol.fields.MetaField.SHM_LOOKAHEAD`) and the two batches the caller
@@ -57,7 +57,7 @@ from batchq.wire.shm import (
     remove_segments,
     resolve_transport,
 )
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 
 __all__ = [

@@ -23,7 +23,7 @@ global generators (:mod:`~producer.torch.randomness`); the collated batch as the
 frame's named sources (:mod:`~producer.torch.sources`). The cache: the cached Dataset
 (:mod:`~producer.torch.cache`), an entry's bytes (:mod:`~producer.cache_entry`),
 the directory (:mod:`~producer.cache_store`); its figures are summed for the
-heartbeat by :mod:`producer.cache_stats`, outside this package so that a producer
+heartbeat by :mod:`producer.cache_stage`, outside this package so that a producer
 without torch imports it.
 """
 

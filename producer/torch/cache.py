@@ -41,8 +41,7 @@ from torch.utils.data import Dataset
 
 from batchq.errors import ConfigError
 from producer.cache_entry import LeafCodec
-from producer.cache_stage import StageCache, describe
-from producer.cache_stats import CacheStats
+from producer.cache_stage import CacheStats, StageCache, describe
 from producer.cache_store import DiskCache
 from producer.torch.vision import import_torchvision
 
@@ -118,7 +117,7 @@ class CachedDataset(Dataset[Any]):
 
     @property
     def cache_stats(self) -> CacheStats:
-        """This process's figures (:class:`producer.cache_stats.CacheStats`)."""
+        """This process's figures (:class:`producer.cache_stage.CacheStats`)."""
         return self.stage.cache_stats
 
     # -- the Dataset protocol -----------------------------------------------------------
@@ -143,7 +142,7 @@ class CachedDataset(Dataset[Any]):
 
     @property
     def stats(self) -> dict[str, Any]:
-        """This process's figures (:class:`producer.cache_stats.CacheStats`, with
+        """This process's figures (:class:`producer.cache_stage.CacheStats`, with
         ``hit_rate``); ``bytes_held`` read from the cache's ledger now."""
         return self.stage.stats
 

@@ -14,7 +14,7 @@ stream's order, sharding or dataset (files replaced in place are another input).
 entry (:mod:`producer.cache_entry`) carries the stage's fingerprint and the input's
 digest (128 bits of each), checked on read; the file's name is 60 further bits of the
 digest. The storage, cap, measurement and figures are the torch variant's
-(:mod:`producer.cache_store`, :mod:`producer.cache_stage`, :mod:`producer.cache_stats`).
+(:mod:`producer.cache_store`, :mod:`producer.cache_stage`).
 
 Results may be numpy arrays, tuples, lists and str-keyed dicts of them, and plain
 scalars (a torch tensor is refused: use ``producer.torch.cached`` for torch datasets).
@@ -37,8 +37,7 @@ import numpy as np
 from batchq.errors import ConfigError
 from producer import cache_stage
 from producer.cache_entry import NUMPY_ONLY
-from producer.cache_stage import StageCache, describe
-from producer.cache_stats import CacheStats
+from producer.cache_stage import CacheStats, StageCache, describe
 from producer.cache_store import DiskCache
 
 __all__ = ["CachedMapping", "cached_mapping", "content_digest", "mapping_fingerprint"]
@@ -115,7 +114,7 @@ class CachedMapping:
 
     @property
     def cache_stats(self) -> CacheStats:
-        """This process's figures (:class:`producer.cache_stats.CacheStats`)."""
+        """This process's figures (:class:`producer.cache_stage.CacheStats`)."""
         return self.stage.cache_stats
 
     @property

@@ -18,7 +18,7 @@ from waiting import wait_until
 
 from batchq.errors import WrongKeyType
 from batchq.protocol.keys import QueueKeys
-from batchq.wire import refs
+from batchq.wire.frame import encode_ref
 from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 60, 10
@@ -70,7 +70,7 @@ def test_reference_to_another_type_is_a_bad_frame(
             redis_client.hset(evil, "a", "1")
         else:
             redis_client.rpush(evil, "a")
-        redis_client.rpush(keys.data, refs.encode_ref(evil))  # popped next
+        redis_client.rpush(keys.data, encode_ref(evil))  # popped next
         served += [examples_of(f) for f, _ in it]
         served += [examples_of(f) for f, _ in stream.get_epoch_iterator()]
         assert stream._reader is not None and stream._reader.bad_frames == 1

@@ -25,7 +25,8 @@ from pipelines import examples_of, numbered
 from waiting import wait_until
 
 from batchq.protocol.keys import QueueKeys
-from batchq.wire import codec, refs
+from batchq.wire import codec
+from batchq.wire.frame import encode_ref
 from batchq.wire.values import PREFIX, align
 from consumer import ServerDataStream
 
@@ -129,8 +130,8 @@ def test_pickles_and_object_arrays_from_redis_are_dead_frames_and_never_run(
     for n, value in enumerate(inline.values()):
         key = f"{keys.frame_prefix}intruder:{n}"
         redis_client.set(key, value)
-        elements.append(refs.encode_ref(key))
-    elements.append(refs.encode_ref(QueueKeys(queue_name + "-other").meta))
+        elements.append(encode_ref(key))
+    elements.append(encode_ref(QueueKeys(queue_name + "-other").meta))
     # The right end is popped first: all of these come before the producer's frames.
     redis_client.rpush(keys.data, *elements)
 

@@ -15,9 +15,9 @@ import pytest
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.params_log import ParamsLog, thaw
 from producer import control
+from producer.control import ProducerParams
 from producer.datasets import IndexableDataset
 from producer.schemes import ConstantScheme, SequentialScheme
-from producer.serving.params_follow import ProducerParams
 from producer.serving.sharding import ShardPlan
 from producer.streams import DataStream
 from producer.transformers import Batch, Transformer, Unpack

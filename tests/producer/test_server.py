@@ -17,7 +17,7 @@ from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
 from producer.server import Producer
 from producer.serving.ahead import Lease
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.streams import DataStream
 
 

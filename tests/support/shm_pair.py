@@ -8,7 +8,7 @@ import fakeredis
 
 from batchq.protocol.keys import QueueKeys
 from consumer.reader.shm_frames import TrainerShm
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.transport import Transport
 
 

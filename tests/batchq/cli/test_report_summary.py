@@ -23,7 +23,7 @@ from batchq.monitoring.rows import queue_status, row_from_snapshot  # noqa: E402
 from batchq.monitoring.snapshot import read_snapshots  # noqa: E402
 from batchq.protocol.fields import ProducerStat, parse_producer_stat_field  # noqa: E402
 from batchq.protocol.keys import QueueKeys  # noqa: E402
-from batchq.protocol.quarantine_records import read_quarantine  # noqa: E402
+from batchq.protocol.layout import read_quarantine  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
 
 BAD = (5, 17)

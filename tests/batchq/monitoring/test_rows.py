@@ -27,7 +27,7 @@ from batchq.protocol.fields import StatsField
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import FrameHeader, encode_frame, peek_header
 from batchq.wire.codec import FrameKind as K
-from batchq.wire.refs import encode_ref
+from batchq.wire.frame import encode_ref
 from batchq.wire.shm import segment_name
 from consumer import ServerDataStream
 from producer import Producer

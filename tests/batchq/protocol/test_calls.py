@@ -6,7 +6,7 @@ import fakeredis
 import pytest
 import redis
 
-from batchq.client import held
+from batchq.client import redis_internals
 from batchq.client.connection import make_client
 from batchq.client.redis_internals import read_bulk_into
 from batchq.errors import ConnectionLost
@@ -53,8 +53,8 @@ def test_an_error_reply_is_raised_after_every_reply_is_read(redis_url: str) -> N
 def test_a_connection_that_fails_half_way_is_never_reused(redis_url: str, hold: bool) -> None:
     client = make_client(redis_url, socket_timeout_s=0.2)
     key = "bq:{rt-timeout}:empty"
-    if hold:  # the owner thread's connection (batchq.client.held) is disconnected all the same
-        held.hold(client)
+    if hold:  # the owner thread's connection (redis_internals.hold) is disconnected all the same
+        redis_internals.hold(client)
     try:
         with pytest.raises(ConnectionLost, match="blocking"):
             # BRPOP blocks longer than the socket waits: its reply comes after we gave up.
@@ -62,7 +62,7 @@ def test_a_connection_that_fails_half_way_is_never_reused(redis_url: str, hold: 
         # Had that connection gone back, this would read the late BRPOP's nil first.
         assert round_trip(client, [("RPUSH", key, "v"), ("RPOP", key)], "testing") == [1, b"v"]
     finally:
-        held.release(client)
+        redis_internals.release_hold(client)
         client.delete(key)
         client.close()
 

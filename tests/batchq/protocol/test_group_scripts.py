@@ -17,7 +17,7 @@ from batchq.protocol.layout import lease_entry
 from batchq.protocol.producer_scripts import LeaseReply, PushReply
 from batchq.protocol.trainer_scripts import ClaimReply
 from batchq.protocol.words import Status
-from batchq.wire import refs
+from batchq.wire.frame import encode_ref
 
 TTL_MS = 10_000
 HWM, SHARDS, WINDOW = 3, 10, 4
@@ -111,7 +111,7 @@ def test_a_frame_stored_once_goes_with_its_last_readers_release(run: Run) -> Non
     frame = run.k.frame("p", 1)
     run.c.set(frame, b"bytes of a large frame")
     lease = run.lease("p", "t1")
-    assert run.push("p", lease, "t1", refs.encode_ref(frame), frame).status == Status.OK
+    assert run.push("p", lease, "t1", encode_ref(frame), frame).status == Status.OK
     assert run.c.hget(run.k.refs, frame) == b"3" and run.c.ttl(frame) == -1
     for reader in range(3):
         got = round_trip(

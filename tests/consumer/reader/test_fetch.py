@@ -13,7 +13,7 @@ import redis
 from batchq.client.connection import make_client
 from batchq.errors import FrameError
 from batchq.protocol.keys import QueueKeys
-from batchq.wire import refs
+from batchq.wire.frame import REF_MAGIC, encode_ref
 from batchq.wire.shm import encode_descriptor, segment_name
 from consumer.reader.fetch import Fetcher, getdel_into
 from consumer.reader.shm_frames import TrainerShm
@@ -37,7 +37,7 @@ def test_inline_frames_pass_and_stored_ones_are_fetched_once(
     f, dead = fetcher(fake_redis)
     key = f"{KEYS.frame_prefix}1"
     fake_redis.set(key, b"stored frame")
-    element = refs.encode_ref(key)
+    element = encode_ref(key)
     out = f.fetch([b"inline frame", element])
     assert [(bytes(raw), el, k) for raw, el, k in out] == [
         (b"inline frame", b"inline frame", ""),
@@ -50,7 +50,7 @@ def test_a_missing_or_foreign_stored_frame_is_a_bad_frame(fake_redis: fakeredis.
     f, dead = fetcher(fake_redis)
     gone, foreign = f"{KEYS.frame_prefix}gone", f"{KEYS.frame_prefix}list"
     fake_redis.rpush(foreign, "x")
-    out = f.fetch([refs.encode_ref(gone), refs.encode_ref(foreign), b"ok"])
+    out = f.fetch([encode_ref(gone), encode_ref(foreign), b"ok"])
     assert [raw for raw, _, _ in out] == [None, None, b"ok"]
     assert [reason for _, reason in dead] == ["missing_ref", "wrong_type"]
 
@@ -59,7 +59,7 @@ def test_an_oversized_stored_frame_is_dropped_unfetched(fake_redis: fakeredis.Fa
     f, dead = fetcher(fake_redis, max_frame_bytes=4)
     key = f"{KEYS.frame_prefix}big"
     fake_redis.set(key, b"x" * 100)
-    ((raw, _, _),) = f.fetch([refs.encode_ref(key)])
+    ((raw, _, _),) = f.fetch([encode_ref(key)])
     assert raw is None and [reason for _, reason in dead] == ["too_large"]
     assert not fake_redis.exists(key)
 
@@ -67,7 +67,7 @@ def test_an_oversized_stored_frame_is_dropped_unfetched(fake_redis: fakeredis.Fa
 @pytest.mark.parametrize(
     "element, reason",
     [
-        (refs.REF_MAGIC + b"\xff not a key", "bad_ref"),
+        (REF_MAGIC + b"\xff not a key", "bad_ref"),
         (encode_descriptor(segment_name("fq", "ab12", "p", 1), 1, 10, "host"), "shm_unavailable"),
     ],
 )
@@ -86,7 +86,7 @@ def test_a_policy_that_raises_stops_the_round(fake_redis: fakeredis.FakeRedis) -
 
     f = Fetcher(fake_redis, KEYS, TrainerShm(KEYS, "redis", None).resolve, None, raising)
     with pytest.raises(FrameError, match="gone"):
-        f.fetch([refs.encode_ref(f"{KEYS.frame_prefix}gone")])
+        f.fetch([encode_ref(f"{KEYS.frame_prefix}gone")])
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from batchq.wire import codec, shm
 from batchq.wire.codec import FrameKind
 from consumer.reader.prepare import make_writable
 from consumer.reader.shm_frames import TrainerShm
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.transport import ShmFrame, Transport
 
 FIELDS: dict[str, Any] = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "producer": "p"}

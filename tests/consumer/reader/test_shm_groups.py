@@ -16,7 +16,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.wire import codec
 from batchq.wire.codec import FrameKind
 from consumer.reader.shm_frames import SWEEP_S, TrainerShm
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.transport import ShmFrame, Transport
 
 FIELDS: dict[str, Any] = {"run": "ab12", "epoch": 0, "shard": 0, "k": 0, "producer": "p"}

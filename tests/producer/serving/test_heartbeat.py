@@ -12,7 +12,7 @@ from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import rank_field
 from producer.serving.heartbeat import Heartbeat
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 
 TTL_MS = 300
 

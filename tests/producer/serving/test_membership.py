@@ -17,8 +17,7 @@ from batchq.protocol.words import Status
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
 from producer.serving import membership
-from producer.serving.membership import Membership, axis_labels_json
-from producer.serving.position import RunPosition
+from producer.serving.membership import Membership, RunPosition, axis_labels_json
 from producer.serving.sharding import ShardPlan
 from producer.streams import DataStream
 

@@ -1,5 +1,7 @@
 """producer.serving.pushing on its own: a ShardPusher and the FramePusher it holds, built
-from explicit parts (no Producer), and what counts as "the user's pipeline raised"."""
+from explicit parts (no Producer), and what counts as "the user's pipeline raised"; the
+BuildWatch: a build's result or error as if called in place, past build_timeout_s a
+BuildTimeout naming what was read, and nothing more runs."""
 
 from __future__ import annotations
 
@@ -20,14 +22,15 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.words import Status
 from batchq.wire import codec, shm
 from producer.datasets import IndexableDataset
+from producer.errors import BuildTimeout
 from producer.schemes import SequentialScheme
 from producer.serving import ahead, frame_push
 from producer.serving.ahead import Ahead, Lease
 from producer.serving.blocking import HANDBACK_S, Waiting
 from producer.serving.frame_push import FramePusher, Handover
 from producer.serving.frames import PushSettings
-from producer.serving.position import RunPosition
-from producer.serving.pushing import ShardPusher
+from producer.serving.membership import RunPosition
+from producer.serving.pushing import BuildWatch, ShardPusher
 from producer.serving.sharding import ShardPlan
 from producer.serving.transport import ShmFrame, Transport
 from producer.streams import DataStream
@@ -352,3 +355,24 @@ def test_a_hand_back_refused_by_a_changed_run_is_handed_to_the_producer(
     monkeypatch.setattr(frame_push, "hand_back", lambda *a: Status.OK)
     wait.full_since -= HANDBACK_S
     assert p.frames._full("0:t", None, wait) is False  # handed back: the shard is no longer ours
+
+
+def test_a_build_returns_or_raises_as_if_called_here() -> None:
+    watch = BuildWatch(5.0, lambda: "")
+    assert watch.call(lambda: 41 + 1, "batch 0") == 42
+    with pytest.raises(KeyError, match="boom"):
+        watch.call(lambda: {}["boom"], "batch 1")
+    assert watch.hung is None and watch.call(lambda: "again", "batch 2") == "again"
+
+
+def test_a_build_past_the_timeout_names_what_it_read_and_the_watch_stops() -> None:
+    release = threading.Event()
+    watch = BuildWatch(0.05, lambda: "example 7")
+    with pytest.raises(BuildTimeout, match=r"batch 3: no batch after build_timeout_s=0.05 "
+                       r"\(reading example 7\)"):  # fmt: skip
+        watch.call(lambda: release.wait(30), "batch 3")
+    ran = []
+    with pytest.raises(BuildTimeout):  # the hung build still runs: nothing else may
+        watch.call(lambda: ran.append(1), "batch 4")
+    release.set()
+    assert ran == []

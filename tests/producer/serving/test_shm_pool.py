@@ -24,7 +24,7 @@ from batchq.protocol.ranks import rank_field
 from batchq.wire import shm
 from batchq.wire.codec import FrameKind
 from producer.serving import transport as transport_module
-from producer.serving.position import RunPosition
+from producer.serving.membership import RunPosition
 from producer.serving.shm_pool import FULL, NO_ROOM, Segment, SegmentPool
 from producer.serving.transport import (
     DEFAULT_READER_PREFETCH,
