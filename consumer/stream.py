@@ -564,7 +564,7 @@ class ServerDataStream(FuelStreamMixin):
         not read, replaced by substitutes (``on_sample_error='quarantine'``);
         ``cache``: the live producers' cache figures (hits, misses, hit_rate, bytes,
         saved_s, producers; None when none caches a stage). Those two are read from
-        Redis at most once a second (:mod:`consumer.run_figures`)."""
+        Redis at most once a second (:class:`consumer.reader.stats.RunFigures`)."""
         out = self._stats.snapshot()
         out["dropped_ahead"] = self._buffer.dropped_ahead if self._buffer is not None else 0
         out["rebuilt_params"] = self._params.rebuilt
