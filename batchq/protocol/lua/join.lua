@@ -81,9 +81,7 @@ end
 
 -- Leases this producer id holds from an earlier life: this run's back to work, an older
 -- run's dropped, counted as a reap counts them.
-local back, stale = hand_back_leases(lease_key, work_key, run)
-if back > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', back) end
-if stale > 0 then redis.call('HINCRBY', stats_key, 'stale_leases', stale) end
+hand_back_leases(lease_key, work_key, run, nil, stats_key)
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world', 'groups')
 -- World and group slots only where the run has them (batchq/protocol/groups.py).

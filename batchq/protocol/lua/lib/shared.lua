@@ -8,20 +8,16 @@ local function server_now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The global slot number g of a lease entry '<g>:<run>:<token>', or
--- '<g>/<mask>:<run>:<token>' in a run of several groups (batchq/protocol/layout.py's
--- entry_slot), as the string it is in the entry; nil for a malformed entry.
+-- A lease entry is '<g>:<run>:<token>', or '<g>/<mask>:<run>:<token>' in a run of several
+-- groups (batchq/protocol/layout.py): its global slot number g as the string it is in the
+-- entry, the work entry that builds its shard again for the same groups ('<g>' or
+-- '<g>/<mask>', layout.py's work_entry), the run it was granted in; nil if malformed.
 local function entry_slot(entry)
   return string.match(entry, '^(%d+)[/:]')
 end
-
--- The part of a lease entry before its run: the work entry that builds its shard again
--- for the same groups ('<g>' or '<g>/<mask>', batchq/protocol/layout.py's work_entry).
 local function entry_spec(entry)
   return string.match(entry, '^(%d+/?%d*):')
 end
-
--- The run a lease entry was granted in (layout.py's entry_run), or nil.
 local function entry_run(entry)
   return string.match(entry, '^%d+/?%d*:([^:]*):')
 end
@@ -30,22 +26,21 @@ end
 -- work list, for the same groups, oldest first, and delete the list. Another run's entry
 -- is dropped (built past the new trainer's window: issue 42); run nil: every one. With
 -- `failures_key` (a dead producer's) each counts a failed attempt, as fail.lua's
--- (producer/serving/isolation.py). Returns how many went back, how many were dropped.
-local function hand_back_leases(lease_key, work_key, run, failures_key)
+-- (producer/serving/isolation.py). Counted in stats; returns how many went back.
+local function hand_back_leases(lease_key, work_key, run, failures_key, stats_key)
   local held = redis.call('LRANGE', lease_key, 0, -1)
-  local returned, dropped = 0, 0
+  local returned = 0
   for j = #held, 1, -1 do
-    local g = entry_spec(held[j])
-    if g and run and entry_run(held[j]) == run then
-      redis.call('LPUSH', work_key, g)
+    if run and entry_run(held[j]) == run then
+      redis.call('LPUSH', work_key, entry_spec(held[j]))
       if failures_key then redis.call('HINCRBY', failures_key, entry_slot(held[j]), 1) end
       returned = returned + 1
-    else
-      dropped = dropped + 1
     end
   end
   redis.call('DEL', lease_key)
-  return returned, dropped
+  if returned > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', returned) end
+  if #held > returned then redis.call('HINCRBY', stats_key, 'stale_leases', #held - returned) end
+  return returned
 end
 
 -- The run whose leases a reap hands back: meta's run, nil when it finished (its work
