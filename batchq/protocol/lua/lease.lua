@@ -30,7 +30,7 @@ local run = ARGV[2]
 local producer = ARGV[3]
 local token = ARGV[4]            -- per lease request: a retry with it gets the same shard
 local heartbeat_ttl_ms = tonumber(ARGV[5])
-local prefetch = tonumber(ARGV[6])  -- k > 0 behind a shard's last push (prefetch_declined)
+local prefetch = tonumber(ARGV[6])  -- k > 0 behind a shard's last push
 local after = ARGV[7]            -- the lease entry of the push this rides behind
 local groups = tonumber(ARGV[8])  -- the group slots the caller's KEYS are for (0: one group)
 local first_ledger = 7
@@ -132,13 +132,19 @@ end
 
 -- A retried request first (its first reply was lost): the same shard, even if the
 -- producer now holds k leases with it.
-local again = retried_lease(lease_key, run, token)
-if again then
-  local g, mask = parse_spec(again)
-  local _, skip = needed(g, mask, rank_of(g, mask))
-  return granted(g, mask, skip)
+for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
+  if string.sub(e, -#suffix) == suffix then
+    local g, mask = parse_spec(e)
+    local _, skip = needed(g, mask, rank_of(g, mask))
+    return granted(g, mask, skip)
+  end
 end
-if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
+-- A prefetch (k = prefetch > 0, sent right behind a shard's last push) is declined when
+-- that push did not go through (its entry `after` is still leased) or k leases are held.
+if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
+    redis.call('LLEN', lease_key) >= prefetch) then
+  return {'BUSY'}
+end
 
 if n == 0 then
   -- The fast path: one group, each rank's cursor 'next[:<rank>]' (world 1: meta's).

@@ -78,7 +78,11 @@ local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', 'groups',
 refused = run_refused(m, run) or heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
 if refused then return refused end
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
-count_blocked(stats_key, pstats_key, producer, blocked_ms)
+-- The time blocked at the hwm since the last try, counted for the queue and the producer.
+if blocked_ms > 0 then
+  redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
+  redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
+end
 
 local n, hwm = tonumber(m[4] or '1'), tonumber(m[3])
 if groups == 0 then

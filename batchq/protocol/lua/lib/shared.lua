@@ -79,36 +79,8 @@ local function heartbeat(producers_key, producer, deadline_ms)
   return nil
 end
 
--- The lease a retried lease request (the same token: its first reply was lost) was granted
--- already in `run`: its entry's part before ':<run>:<token>' ('<g>', or '<g>/<mask>' in a
--- run of several groups), or nil.
-local function retried_lease(lease_key, run, token)
-  local suffix = ':' .. run .. ':' .. token
-  for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
-    if string.sub(e, -#suffix) == suffix then return string.sub(e, 1, #e - #suffix) end
-  end
-  return nil
-end
-
--- Whether a prefetch (k = prefetch > 0: a lease request sent right behind a shard's last
--- push) is declined: that push did not go through (its entry `after` is still leased), or
--- the producer holds k leases already.
-local function prefetch_declined(lease_key, prefetch, after)
-  return prefetch > 0 and (redis.call('LPOS', lease_key, after) or
-    redis.call('LLEN', lease_key) >= prefetch)
-end
-
--- The time a producer spent blocked at the hwm since its last try, counted for the queue
--- and for the producer (per-producer fields '<producer>:<counter>',
+-- A frame pushed, counted for the queue and for the producer (fields '<producer>:<counter>',
 -- batchq.protocol.fields.ProducerStat).
-local function count_blocked(stats_key, pstats_key, producer, blocked_ms)
-  if blocked_ms > 0 then
-    redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
-    redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
-  end
-end
-
--- A frame pushed, counted for the queue and for the producer.
 local function count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
   redis.call('HINCRBY', stats_key, 'pushed', 1)
   redis.call('HINCRBY', stats_key, 'pushed_bytes', frame_bytes)
