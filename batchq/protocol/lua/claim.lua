@@ -227,17 +227,14 @@ if c[1] == token and new_run == 0 then
   -- A retried acquire whose first reply was lost: this trainer holds the claim already.
   redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
   redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
-  local again = 0
-  if m[1] == run_id then again = 1 end
   local fence = tonumber(redis.call('HGET', meta_key, 'fence') or 0)
-  return {'OK', inc, m[1], again, fence, 0, slot, n}
+  return {'OK', inc, m[1], m[1] == run_id and 1 or 0, fence, 0, slot, n}
 end
 if c[1] and c[1] ~= token and tonumber(c[2] or 0) > now and not takeover and
     not (dead ~= '' and c[4] == dead) then
   return {'CONFLICT', tonumber(c[2]) - now, c[4] or ''}
 end
-local held = 0
-if c[3] == '1' and resumed ~= '' and m[1] == resumed and not single then held = 1 end
+local held = (c[3] == '1' and resumed ~= '' and m[1] == resumed and not single) and 1 or 0
 if new_run == 0 and c[3] == '1' and not takeover then
   -- This rank read its group before and comes back without a checkpoint.
   if n <= 1 then
@@ -255,7 +252,6 @@ if new_run == 0 and c[3] == '1' and not takeover then
     redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1), slot_key(slot, per - 2))
     redis.call('HDEL', meta_key, 'remap_epoch' .. reader_sfx(slot, 0, 1))  -- and remap
   end
-  held = 0
 end
 redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
   f('claimed'), 1, f('claim_client'), name)
@@ -263,13 +259,10 @@ redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim
 -- shared-memory descriptor is pushed for this rank (push.lua), so none of another host's
 -- can reach it.
 redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
-if n > 0 then
-  local lag_field = 'max_lag' .. reader_sfx(slot, 0, 1)
-  if max_lag ~= '' then
-    redis.call('HSET', meta_key, lag_field, max_lag)
-  else
-    redis.call('HDEL', meta_key, lag_field)
-  end
+if n > 0 and max_lag ~= '' then
+  redis.call('HSET', meta_key, 'max_lag' .. reader_sfx(slot, 0, 1), max_lag)
+elseif n > 0 then
+  redis.call('HDEL', meta_key, 'max_lag' .. reader_sfx(slot, 0, 1))
 end
 local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
 if retired < 0 then return {'OK', inc, m[1], new_run, fence, held, slot, n} end
