@@ -3,13 +3,12 @@
 -- (batchq/protocol/groups.py reader_field). How groups take slots, join late, restart and
 -- retire: docs/design.md "Several groups".
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
---   claimed the resumed run `resumed` before), slot, groups (0: one group)[, retired: the
---   group's slot of another world this acquire retired]}, or {'CONFLICT', ms until the
---   other claim lapses, its holder's name}, {'WORLD', the run's (group's) world: a live rank
---   has another}, {'FULL', groups} (no slot left), {'GROUPS', groups} (not the groups the
---   caller's KEYS are for: read them again)
--- refresh/release return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish returns
---   {'OK', group done (0/1: every rank of the group finished), run ended (0/1)}
+--   claimed the resumed run before), slot, groups (0: one group)[, retired: the group's
+--   slot of another world this acquire retired]}, or {'CONFLICT', ms until the other claim
+--   lapses, its holder's name}, {'WORLD', the run's (group's) world: a live rank has
+--   another}, {'FULL', groups} (no slot left), {'GROUPS', groups} (read them again);
+-- refresh/release {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish {'OK', group done (0/1:
+--   every rank of it finished), run ended (0/1)}
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local data_key = KEYS[3]         -- LIST   (dropped with a run)
@@ -60,9 +59,7 @@ if op == 'acquire' and (n ~= groups or key_world < math.max(world, max_world(met
   return {'GROUPS', n}
 end
 local slot = slot_arg
-local function f(name, r)
-  return name .. reader_sfx(slot, r or rank, world)
-end
+local function f(name, r) return name .. reader_sfx(slot, r or rank, world) end
 
 -- The default group of a run of one group in world 1: a single trainer, no 'done' field.
 local single = n == 0 and world == 1 and group == ''
