@@ -131,8 +131,7 @@ end
 local function parse_spec(entry)
   local g, mask = string.match(entry, '^(%d+)/?(%d*)')
   if not g then return nil, nil end
-  if mask == '' then return tonumber(g), 1 end
-  return tonumber(g), tonumber(mask)
+  return tonumber(g), tonumber(mask) or 1  -- no mask: slot 0 alone
 end
 
 -- The KEYS tail of claim.lua and resume.lua from index first_tail: group slots
@@ -141,8 +140,7 @@ end
 -- Returns per (keys a slot has), the slots covered, slot_key(i, j) (slot i's j-th key from
 -- 0) and lists; nil when the tail does not cover the caller's `groups`.
 local function slot_tail(keys, first_tail, key_world, groups)
-  local lists = key_world
-  if key_world > 1 then lists = key_world + 1 end
+  local lists = key_world > 1 and key_world + 1 or key_world
   local per = 5 + 3 * lists
   local tail_slots = (#keys - first_tail + 1) / per
   if tail_slots ~= math.max(groups, 1) + 1 then return nil end
