@@ -101,7 +101,6 @@ local function needed(g, mask, r)
   end
   return out, skip or 0
 end
--- The rank of g in the world of mask's groups.
 local function rank_of(g, mask) local i = first_of(mask); return (g % Ss[i]) % ws[i] end
 local function granted(g, mask, skip)
   g = tonumber(g)
