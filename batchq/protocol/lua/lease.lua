@@ -269,10 +269,12 @@ local function choose()
         if low == nil or c.floor < low then low, holding = c.floor, c.slot end
       end
     end
-    -- A stream is met once per group at its cursor: met again, it is no better a choice.
+    local seen = {}
     for _, first in ipairs(st) do
       local v, o = first.next, own(first, first.next, fam)
-      if v < front or paced then
+      local key = o < 0 and v or v .. '/' .. o
+      if not seen[key] and (v < front or paced) then
+        seen[key] = true
         local targets, score, room = {}, nil, false
         for _, c in ipairs(st) do
           local pacing = v == front and not c.detachable and c.max_lag == nil
