@@ -3,13 +3,12 @@
 -- (batchq/protocol/groups.py reader_field). How groups take slots, join late, restart and
 -- retire: docs/design.md "Several groups".
 -- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
---   claimed the resumed run `resumed` before), slot, groups (0: one group)[, retired: the
---   group's slot of another world this acquire retired]}, or {'CONFLICT', ms until the
---   other claim lapses, its holder's name}, {'WORLD', the run's (group's) world: a live rank
---   has another}, {'FULL', groups} (no slot left), {'GROUPS', groups} (not the groups the
---   caller's KEYS are for: read them again)
--- refresh/release return {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish returns
---   {'OK', group done (0/1: every rank of the group finished), run ended (0/1)}
+--   claimed the resumed run before), slot, groups (0: one group)[, retired: the group's
+--   slot of another world this acquire retired]}, or {'CONFLICT', ms until the other claim
+--   lapses, its holder's name}, {'WORLD', the run's (group's) world: a live rank has
+--   another}, {'FULL', groups} (no slot left), {'GROUPS', groups} (read them again);
+-- refresh/release {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish {'OK', group done (0/1:
+--   every rank of it finished), run ended (0/1)}
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local data_key = KEYS[3]         -- LIST   (dropped with a run)
@@ -60,9 +59,7 @@ if op == 'acquire' and (n ~= groups or key_world < math.max(world, max_world(met
   return {'GROUPS', n}
 end
 local slot = slot_arg
-local function f(name, r)
-  return name .. reader_sfx(slot, r or rank, world)
-end
+local function f(name, r) return name .. reader_sfx(slot, r or rank, world) end
 
 -- The default group of a run of one group in world 1: a single trainer, no 'done' field.
 local single = n == 0 and world == 1 and group == ''
@@ -227,17 +224,14 @@ if c[1] == token and new_run == 0 then
   -- A retried acquire whose first reply was lost: this trainer holds the claim already.
   redis.call('HSET', meta_key, f('claim_deadline'), now + claim_ttl_ms)
   redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
-  local again = 0
-  if m[1] == run_id then again = 1 end
   local fence = tonumber(redis.call('HGET', meta_key, 'fence') or 0)
-  return {'OK', inc, m[1], again, fence, 0, slot, n}
+  return {'OK', inc, m[1], m[1] == run_id and 1 or 0, fence, 0, slot, n}
 end
 if c[1] and c[1] ~= token and tonumber(c[2] or 0) > now and not takeover and
     not (dead ~= '' and c[4] == dead) then
   return {'CONFLICT', tonumber(c[2]) - now, c[4] or ''}
 end
-local held = 0
-if c[3] == '1' and resumed ~= '' and m[1] == resumed and not single then held = 1 end
+local held = (c[3] == '1' and resumed ~= '' and m[1] == resumed and not single) and 1 or 0
 if new_run == 0 and c[3] == '1' and not takeover then
   -- This rank read its group before and comes back without a checkpoint.
   if n <= 1 then
@@ -255,7 +249,6 @@ if new_run == 0 and c[3] == '1' and not takeover then
     redis.call('DEL', slot_key(slot, 0), slot_key(slot, 1), slot_key(slot, per - 2))
     redis.call('HDEL', meta_key, 'remap_epoch' .. reader_sfx(slot, 0, 1))  -- and remap
   end
-  held = 0
 end
 redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim_ttl_ms,
   f('claimed'), 1, f('claim_client'), name)
@@ -263,13 +256,10 @@ redis.call('HSET', meta_key, f('claim'), token, f('claim_deadline'), now + claim
 -- shared-memory descriptor is pushed for this rank (push.lua), so none of another host's
 -- can reach it.
 redis.call('HDEL', meta_key, f('shm_host'), f('shm_lookahead'))
-if n > 0 then
-  local lag_field = 'max_lag' .. reader_sfx(slot, 0, 1)
-  if max_lag ~= '' then
-    redis.call('HSET', meta_key, lag_field, max_lag)
-  else
-    redis.call('HDEL', meta_key, lag_field)
-  end
+if n > 0 and max_lag ~= '' then
+  redis.call('HSET', meta_key, 'max_lag' .. reader_sfx(slot, 0, 1), max_lag)
+elseif n > 0 then
+  redis.call('HDEL', meta_key, 'max_lag' .. reader_sfx(slot, 0, 1))
 end
 local fence = redis.call('HINCRBY', meta_key, 'fence', 1)
 if retired < 0 then return {'OK', inc, m[1], new_run, fence, held, slot, n} end

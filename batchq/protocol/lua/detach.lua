@@ -1,9 +1,7 @@
 -- detach.lua: a single trainer that stops without finishing gives back the frames it
--- popped and did not hand out (the next to hand out is popped first: pop.lua and BRPOP
--- take from the right), and marks the run as detached at its position (a digest of its
--- state_dict(): consumer/checkpoint.py), so that a trainer resumed from that state takes
--- the run over as it is (resume.lua), its list, leases and cursor standing (docs/design.md
--- "Resume").
+-- popped and did not hand out (at the end pop.lua and BRPOP take from), and marks the run
+-- detached at its state's digest (consumer/checkpoint.py), so that a trainer resumed from
+-- that state takes the run over as it stands (resume.lua; docs/design.md "Resume").
 -- Returns {'OK', frames given back} or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'}
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
@@ -28,8 +26,6 @@ for i = first_frame, #ARGV, 1000 do  -- unpack's stack is bounded: pushed 1000 a
 end
 -- Popped again, they are counted again: pushed + given_back = popped + listed.
 if given > 0 then redis.call('HINCRBY', stats_key, 'given_back', given) end
-if final == '1' then
-  local marker = run .. ':' .. position
-  redis.call('HSET', meta_key, 'detached', marker)
-end
+local marker = run .. ':' .. position
+if final == '1' then redis.call('HSET', meta_key, 'detached', marker) end
 return {'OK', given}

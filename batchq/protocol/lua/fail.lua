@@ -13,11 +13,10 @@ local run = ARGV[2]
 local entry = ARGV[3]            -- lease entry '<g>:<run>:<token>'
 local max_attempts = tonumber(ARGV[4])  -- before the shard is reported to the trainer
 
-local g = entry_slot(entry)
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 if redis.call('HGET', meta_key, 'run') ~= run then return {'RUN_CHANGED'} end
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
-local attempts = redis.call('HINCRBY', failures_key, g, 1)
+local attempts = redis.call('HINCRBY', failures_key, entry_slot(entry), 1)
 redis.call('HINCRBY', stats_key, 'failed_attempts', 1)
 if attempts >= max_attempts then return {'GIVE_UP', attempts} end
 redis.call('LREM', lease_key, 1, entry)

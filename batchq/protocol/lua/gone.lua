@@ -1,8 +1,7 @@
--- gone.lua: hand back the leases of producers whose Redis connections are all closed
--- (a killed process), without waiting for their heartbeat deadline.
--- A producer is reaped only if it still records exactly those ids (it did not reconnect
--- since the caller listed the connections) and is still registered; reap.lua's rule for
--- the run its leases go back to (hand_back_leases).
+-- gone.lua: hand back the leases of producers whose Redis connections are all closed (a
+-- killed process) without waiting for their heartbeat deadline: of those still registered
+-- that record exactly those ids (not reconnected since the caller listed them), to
+-- reap.lua's run (hand_back_leases).
 -- Returns {'OK', producers reaped, shards returned} or {'STATE_LOST'}
 local incarnation_key = KEYS[1]  -- STRING
 local producers_key = KEYS[2]    -- ZSET   producer -> heartbeat deadline (ms)
@@ -18,21 +17,18 @@ local first_lease, first_pair = 8, 2
 
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local run = live_run(meta_key)
-local reaped, returned, stale = 0, 0, 0
+local reaped, returned = 0, 0
 for i = first_pair, #ARGV - 1, 2 do
   local p, expected = ARGV[i], ARGV[i + 1]
   local lease = KEYS[first_lease + (i - first_pair) / 2]
   local ids = (redis.call('HGET', clients_key, p) or '') .. ',' ..
     (redis.call('HGET', clients_key, p .. ':hb') or '')
   if ids == expected and redis.call('ZSCORE', producers_key, p) then
-    local back, dropped = hand_back_leases(lease, work_key, run, failures_key)
-    returned, stale = returned + back, stale + dropped
+    returned = returned + hand_back_leases(lease, work_key, run, failures_key, stats_key)
     redis.call('ZREM', producers_key, p)
     redis.call('HDEL', clients_key, p, p .. ':hb')
     reaped = reaped + 1
   end
 end
-if returned > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', returned) end
-if stale > 0 then redis.call('HINCRBY', stats_key, 'stale_leases', stale) end
 if reaped > 0 then redis.call('HINCRBY', stats_key, 'reaped_closed', reaped) end
 return {'OK', reaped, returned}

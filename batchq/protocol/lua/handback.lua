@@ -10,7 +10,6 @@ local incarnation = ARGV[1]
 local run = ARGV[2]
 local entry = ARGV[3]            -- lease entry '<g>:<run>:<token>'
 
-local g = entry_slot(entry)
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 if redis.call('HGET', meta_key, 'run') ~= run then return {'RUN_CHANGED'} end
 if redis.call('LREM', lease_key, 1, entry) == 0 then return {'LEASE_LOST'} end

@@ -28,24 +28,19 @@ local shard_batches = ARGV[13]   -- batches per full shard (ranks.py), 0 if not 
 local stripes = ARGV[14]         -- the queues the run is striped over (stripes.py)
 
 local now = server_now_ms()
-
 local inc = redis.call('GET', incarnation_key)
 local run = redis.call('HGET', meta_key, 'run')
 if no_create == '1' and not (inc and run) then return {'WAIT'} end
-if not inc then
-  inc = new_incarnation
-  redis.call('SET', incarnation_key, inc)
-  redis.call('DEL', meta_key, work_key, data_key, failures_key, ledger_key)
-  run = false
-end
-
+-- (A meta left without its incarnation is no run's: its finished_at is not read.)
+local finished_at = inc and tonumber(redis.call('HGET', meta_key, 'finished_at') or '')
+if finished_at and now - finished_at < grace_ms then return {'FINISHED'} end
 local created = 0
-local finished_at = tonumber(redis.call('HGET', meta_key, 'finished_at') or '')
-if finished_at and now - finished_at < grace_ms then
-  return {'FINISHED'}
-end
-if (not run) or finished_at then
-  -- No run yet, or the last one finished: this producer starts the next run.
+if not (inc and run) or finished_at then
+  -- No queue or run yet, or the last one finished: this producer starts the next run.
+  if not inc then
+    inc = new_incarnation
+    redis.call('SET', incarnation_key, inc)
+  end
   redis.call('DEL', meta_key, work_key, data_key, failures_key, ledger_key)
   run = new_run
   redis.call('HSET', meta_key, 'version', version, 'run', run, 'next', 0, 'floor', 0)
@@ -53,42 +48,32 @@ if (not run) or finished_at then
 end
 
 -- A trainer resuming from a checkpoint may have set the fingerprint alone: each part
--- of the plan is set by the first producer that finds it missing, then checked.
-local fp = redis.call('HGET', meta_key, 'fingerprint')
-if not fp then
-  redis.call('HSET', meta_key, 'fingerprint', fingerprint)
-elseif fp ~= fingerprint then
-  return {'MISMATCH', 'fingerprint', fp}
+-- of the plan is set (with the figures that go with it) by the first producer that finds
+-- it missing, then checked: the MISMATCH reply, or nil.
+local function set_or_check(field, value, ...)
+  local have = redis.call('HGET', meta_key, field)
+  if not have then redis.call('HSET', meta_key, field, value, ...) end
+  if have and have ~= value then return {'MISMATCH', field, have} end
+  return nil
 end
-local run_hwm = redis.call('HGET', meta_key, 'hwm')
-if not run_hwm then
-  redis.call('HSET', meta_key, 'hwm', hwm, 'shards', shards, 'window', window,
-    'epoch_batches', epoch_batches, 'shard_batches', shard_batches)
-elseif run_hwm ~= hwm then
-  return {'MISMATCH', 'hwm', run_hwm}
-else
-  -- A resume re-created the plan's figures without it (the same pipeline: the same B).
-  if not redis.call('HGET', meta_key, 'shard_batches') then
-    redis.call('HSET', meta_key, 'shard_batches', shard_batches)
-  end
+local refused = set_or_check('fingerprint', fingerprint) or
+  set_or_check('hwm', hwm, 'shards', shards, 'window', window, 'epoch_batches', epoch_batches,
+    'shard_batches', shard_batches)
+if refused then return refused end
+-- A resume re-created the plan's figures without it (the same pipeline: the same B).
+if not redis.call('HGET', meta_key, 'shard_batches') then
+  redis.call('HSET', meta_key, 'shard_batches', shard_batches)
 end
-local run_stripes = redis.call('HGET', meta_key, 'stripes')
-if not run_stripes then
-  redis.call('HSET', meta_key, 'stripes', stripes)
-elseif run_stripes ~= stripes then
-  return {'MISMATCH', 'stripes', run_stripes}
-end
+refused = set_or_check('stripes', stripes)
+if refused then return refused end
 
 -- Leases this producer id holds from an earlier life: this run's back to work, an older
 -- run's dropped, counted as a reap counts them.
-local back, stale = hand_back_leases(lease_key, work_key, run)
-if back > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', back) end
-if stale > 0 then redis.call('HINCRBY', stats_key, 'stale_leases', stale) end
+hand_back_leases(lease_key, work_key, run, nil, stats_key)
 redis.call('ZADD', producers_key, now + heartbeat_ttl_ms, producer)
 local m = redis.call('HMGET', meta_key, 'hwm', 'shards', 'window', 'world', 'groups')
 -- World and group slots only where the run has them (batchq/protocol/groups.py).
-if m[5] then
-  return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4] or '1'), tonumber(m[5])}
-end
-if m[4] then return {'OK', inc, run, m[1], m[2], m[3], created, tonumber(m[4])} end
-return {'OK', inc, run, m[1], m[2], m[3], created}
+local reply = {'OK', inc, run, m[1], m[2], m[3], created}
+if m[4] or m[5] then reply[8] = tonumber(m[4] or '1') end
+if m[5] then reply[9] = tonumber(m[5]) end
+return reply

@@ -1,21 +1,15 @@
--- lease.lua: a producer leases its next shard, idempotently, in a run read by one group
--- or several (batchq/protocol/groups.py).
--- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]} (g: global slot
---         number, epoch * slots + slot, batchq/protocol/ranks.py; slots 0 in a world-1 run
---         of one group: the plan's S; mask: the group slots it is built for, bit i for slot
---         i; skip: batches of it every one of them has already: push only from batch
---         `skip` on; stamp: meta 'params', '<run>:<version>' or '': the producer reads the
---         params log again when it changed; attempts: the shard's failed attempts so far
---         (> 0: the producer isolates its examples first); shard: the shard a slot of a
---         remapped epoch builds, after a resume with other ranks)
---      or {'WAIT', slot} (nothing to mint; slot: the group whose floor holds the shared
---         stream, -1 for none: its pops wake its own list), {'BUSY'} (prefetch declined),
---         {'GROUPS', n} (the run has n group slots, not the caller's: read them again),
---         {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}, {'REAPED'} (join again)
--- A run of one group (meta 'groups' unset) takes the fast path: the rank furthest behind
--- with room mints (docs/design.md "Data-parallel trainers"). In a run of several, a shard
--- is minted once for the groups of a family at its cursor, paced by their windows and
--- max_lag (docs/design.md "Several groups": cursors and masks, the pace).
+-- lease.lua: a producer leases its next shard, idempotently. A run of one group (meta
+-- 'groups' unset) takes the fast path: the rank furthest behind with room mints. In a run
+-- of several, a shard is minted once for the groups of a family at its cursor, paced by
+-- their windows and max_lag (docs/design.md "Data-parallel trainers", "Several groups").
+-- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]}: g the global slot
+--   number (epoch * slots + slot, ranks.py; slots 0 in a world-1 run of one group), mask
+--   the group slots it is built for (bit i: slot i), skip the batches each of them has
+--   already, stamp meta 'params' ('<run>:<version>' or ''), attempts its failed attempts so
+--   far, shard the shard a slot of a remapped epoch builds (a resume with other ranks);
+--   or {'WAIT', slot} (slot: the group whose floor holds the shared stream, -1 for none),
+--   {'BUSY'} (prefetch declined), {'GROUPS', n} (the run's group slots: read them again),
+--   {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}, {'REAPED'} (join again)
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
@@ -30,7 +24,7 @@ local run = ARGV[2]
 local producer = ARGV[3]
 local token = ARGV[4]            -- per lease request: a retry with it gets the same shard
 local heartbeat_ttl_ms = tonumber(ARGV[5])
-local prefetch = tonumber(ARGV[6])  -- k > 0 behind a shard's last push (prefetch_declined)
+local prefetch = tonumber(ARGV[6])  -- k > 0 behind a shard's last push
 local after = ARGV[7]            -- the lease entry of the push this rides behind
 local groups = tonumber(ARGV[8])  -- the group slots the caller's KEYS are for (0: one group)
 local first_ledger = 7
@@ -39,11 +33,9 @@ local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local m = redis.call('HMGET', meta_key, 'run', 'finished', 'window', 'shards', 'world', 'even',
   'hwm', 'groups', 'epoch_batches', 'params', 'remap_epoch', 'next', 'floor', 'mixed_worlds')
-local refused = run_refused(m, run)
-if refused then return refused end
 local n = tonumber(m[8] or '0')
-if n ~= groups then return {'GROUPS', n} end
-refused = heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
+local refused = run_refused(m, run) or (n ~= groups and {'GROUPS', n}) or
+  heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
 if refused then return refused end
 
 local world = tonumber(m[5] or '1')
@@ -77,8 +69,7 @@ local stamp = m[10] or ''  -- the params log's version rides with every lease
 local W, hwm = tonumber(m[3]), tonumber(m[7])
 local suffix = ':' .. run .. ':' .. token  -- the lease entry's tail (layout.py)
 
-local function data_of(i, r) return KEYS[data_at[i] + r] end
-local function has_room(i, r) return redis.call('LLEN', data_of(i, r)) < hwm end
+local function has_room(i, r) return redis.call('LLEN', KEYS[data_at[i] + r]) < hwm end
 -- The ledger of slot i names slots as '<epoch>:<slot>': 'd' when done, else batches had.
 local function had(i, g)
   local v = redis.call('HGET', KEYS[first_ledger + i], math.floor(g / Ss[i]) .. ':' .. (g % Ss[i]))
@@ -110,7 +101,6 @@ local function needed(g, mask, r)
   end
   return out, skip or 0
 end
--- The rank of g in the world of mask's groups.
 local function rank_of(g, mask) local i = first_of(mask); return (g % Ss[i]) % ws[i] end
 local function granted(g, mask, skip)
   g = tonumber(g)
@@ -132,13 +122,19 @@ end
 
 -- A retried request first (its first reply was lost): the same shard, even if the
 -- producer now holds k leases with it.
-local again = retried_lease(lease_key, run, token)
-if again then
-  local g, mask = parse_spec(again)
-  local _, skip = needed(g, mask, rank_of(g, mask))
-  return granted(g, mask, skip)
+for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
+  if string.sub(e, -#suffix) == suffix then
+    local g, mask = parse_spec(e)
+    local _, skip = needed(g, mask, rank_of(g, mask))
+    return granted(g, mask, skip)
+  end
 end
-if prefetch_declined(lease_key, prefetch, after) then return {'BUSY'} end
+-- A prefetch (k = prefetch > 0, sent right behind a shard's last push) is declined when
+-- that push did not go through (its entry `after` is still leased) or k leases are held.
+if prefetch > 0 and (redis.call('LPOS', lease_key, after) or
+    redis.call('LLEN', lease_key) >= prefetch) then
+  return {'BUSY'}
+end
 
 if n == 0 then
   -- The fast path: one group, each rank's cursor 'next[:<rank>]' (world 1: meta's).
@@ -169,20 +165,19 @@ if n == 0 then
     end
     if best == nil then return {'WAIT'} end
   end
+  -- Slots the rank has all of (a resumed ledger) are passed, never built.
   local field = 'next' .. reader_sfx(0, best, world)
-  while true do
-    if nxt >= floor + W then
-      redis.call('HSET', meta_key, field, nxt)
-      return {'WAIT'}
-    end
+  while nxt < floor + W do
     local g = math.floor(nxt / P) * S + (nxt % P) * world + best
     local skip = had(0, g)
+    nxt = nxt + 1
     if skip >= 0 then
-      redis.call('HSET', meta_key, field, nxt + 1)
+      redis.call('HSET', meta_key, field, nxt)
       return grant(g, 1, skip)
     end
-    nxt = nxt + 1  -- the rank has all of this slot: never build it
   end
+  redis.call('HSET', meta_key, field, nxt)
+  return {'WAIT'}
 end
 
 local per_shard = 1
@@ -230,9 +225,10 @@ local function own(c, v, fam)
   return -1
 end
 -- Each rank's readers in a family: every group still reading it, its cursor, floor and
--- list room, and whether it may be left behind (max_lag set and exceeded).
+-- list room, and whether it may be left behind (max_lag set and exceeded); and the
+-- furthest cursor.
 local function readers(fam, r)
-  local out, lead = {}, nil
+  local out, lead, front = {}, nil, nil
   for _, i in ipairs(fam.slots) do
     local sfx = reader_sfx(i, r, fam.w)
     local f = redis.call('HMGET', meta_key, 'next' .. sfx, 'floor' .. sfx, 'done' .. sfx,
@@ -248,12 +244,13 @@ local function readers(fam, r)
       end
       out[#out + 1] = c
       if lead == nil or c.floor > lead then lead = c.floor end
+      if front == nil or c.next > front then front = c.next end
     end
   end
   for _, c in ipairs(out) do
     c.detachable = c.max_lag ~= nil and (lead - c.floor) * per_shard > c.max_lag
   end
-  return out
+  return out, front
 end
 
 -- The stream to mint from: for each family's rank, each cursor value held by a group; the
@@ -264,11 +261,7 @@ local holding = -1  -- the group whose window holds the shared stream (the slowe
 local function choose()
   local best = nil
   for _, fam in ipairs(fams) do for r = 0, fam.w - 1 do
-    local st = readers(fam, r)
-    local front = nil
-    for _, c in ipairs(st) do
-      if front == nil or c.next > front then front = c.next end
-    end
+    local st, front = readers(fam, r)
     local paced, low = true, nil
     for _, c in ipairs(st) do
       if not c.detachable and front >= c.floor + W then

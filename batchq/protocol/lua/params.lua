@@ -1,16 +1,15 @@
 -- params.lua: the run's change log of producer parameters (batchq/protocol/params_log.py),
--- written here only, and the shards whose batches were built with params that changed
--- since, handed back to be built again.
--- op 'add':     append {id, index, params, version} for the caller's run (meta 'params' =
---               '<run>:<version>'); a call whose id is in the log already adds nothing.
--- op 'load':    a whole log (`body`, `index` entries) for the run `run` (a checkpoint's, or
---               stripe 0's copied to another stripe); a log there as long or longer is kept.
---               add and load return {'OK', the log's version, its JSON} or {'TOO_BIG', bytes}
--- op 'rebuild': shards built with params since changed back to the front of the work list,
---               the ledger saying the batches kept of each (lease.lua's skip); `index`
---               frames were dropped (stats rebuilt_params). Returns {'OK'}
--- Every op: {'STATE_LOST'}, {'CLAIM_LOST'}, {'CORRUPT'} (a stored log that is not
--- batchq's); add and rebuild: {'RUN_CHANGED'}
+-- written here only, and the shards built with params that changed since, handed back.
+-- op 'add': append {id, index, params, version} for the caller's run (meta 'params' =
+--   '<run>:<version>'); a call whose id is in the log already adds nothing.
+-- op 'load': a whole log (`body`, `index` entries) for the run `run` (a checkpoint's, or
+--   stripe 0's copied to another stripe); a log there as long or longer is kept.
+-- op 'rebuild': shards built with params since changed back to the front of the work
+--   list, the ledger saying the batches kept of each (lease.lua's skip); `index` frames
+--   were dropped (stats rebuilt_params).
+-- add and load return {'OK', the log's version, its JSON} or {'TOO_BIG', bytes}, rebuild
+--   {'OK'}; every op {'STATE_LOST'}, {'CLAIM_LOST'}, {'CORRUPT'} (a stored log that is not
+--   batchq's); add and rebuild {'RUN_CHANGED'}
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local params_key = KEYS[3]       -- STRING the log, {"run":...,"entries":[...]}

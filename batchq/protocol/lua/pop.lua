@@ -26,8 +26,7 @@ local busy_ms = tonumber(ARGV[10])      -- the trainer's own work between batche
 local epochs = tonumber(ARGV[11])       -- epochs completed since the last call
 local buckets = ARGV[12]         -- wait-time histogram increments 'c1,c2,...' or ''
 local figures = ARGV[13]         -- the trainer's figures, JSON object, or ''
-local sample = ARGV[14]          -- a history sample, JSON object, or '': the queue side
-                                 -- of the moment is added (batchq.monitoring.sizing)
+local sample = ARGV[14]          -- a history sample, JSON object, or '' (batchq.monitoring.sizing)
 local sfx = ARGV[15]              -- meta field suffix: '' (world 1) or ':<rank>'
 local wake_cap = tonumber(ARGV[16])     -- the wake list's length cap
 local history_cap = tonumber(ARGV[17])  -- history samples kept
@@ -48,9 +47,7 @@ if m[2] ~= token then return {'CLAIM_LOST'} end
 
 local depth = redis.call('LLEN', data_key)
 local items = {}
-if depth > 0 and room > 0 then
-  items = redis.call('RPOP', data_key, math.min(room, depth))
-end
+if depth > 0 and room > 0 then items = redis.call('RPOP', data_key, math.min(room, depth)) end
 -- Bookkeeping through pcall: with nothing popped a full server cannot make an empty poll
 -- fail, and with frames popped a foreign type under a bookkeeping key (wake, stats)
 -- cannot lose them.
@@ -95,17 +92,9 @@ if sample ~= '' then
   if ok and type(s) == 'table' then
     local live = redis.call('ZRANGEBYSCORE', producers_key, now, '+inf')
     local built, build_ms = 0, 0
-    if #live > 0 then
-      local fields = {}
-      for _, p in ipairs(live) do
-        fields[#fields + 1] = p .. ':batches'
-        fields[#fields + 1] = p .. ':produce_ms'
-      end
-      local v = redis.call('HMGET', pstats_key, unpack(fields))
-      for i = 1, #v, 2 do
-        built = built + (tonumber(v[i]) or 0)
-        build_ms = build_ms + (tonumber(v[i + 1]) or 0)
-      end
+    for _, p in ipairs(live) do
+      local v = redis.call('HMGET', pstats_key, p .. ':batches', p .. ':produce_ms')
+      built, build_ms = built + (tonumber(v[1]) or 0), build_ms + (tonumber(v[2]) or 0)
     end
     s['producers'] = #live
     s['pushed'] = tonumber(redis.call('HGET', stats_key, 'pushed')) or 0

@@ -1,19 +1,15 @@
 -- push.lua: push one frame below the hwm (the capped push) into the list of every group
 -- it is for: one list in a run of one group (the fast path), or one per target group slot
--- in a run read by several (batchq/protocol/groups.py).
+-- in a run read by several (batchq/protocol/groups.py). A full list of a group with
+-- max_lag set never holds a push: it is left out, and the shard goes back to the work list
+-- for that group alone (design.md "Several groups", the pace). A frame stored by reference
+-- and pushed into k > 1 lists gets refs[frame key] = k: the last reader deletes it.
 -- Returns {'OK', depth (the shortest list it went into, after), dropped mask}
---      or {'FULL', depth[, slot]} (the list of group slot `slot`, which paces the others,
---         is full: wait for its pops),
---         {'DROPPED', mask} (no list took it: the shard is no longer ours),
---         {'GONE'} (the referenced frame expired: store it again), {'LEASE_LOST'},
---         {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'},
---         {'WRONG_TYPE', key, type} (a foreign writer replaced a list: wait),
---         {'REROUTE'} (a shared-memory descriptor for a host a target rank's trainer has
---         not published: send the frame itself)
--- A full list of a group with max_lag set never holds a push: it is left out, and the
--- shard goes back to the work list for that group alone (dropped mask; design.md "Several
--- groups", the pace). A frame stored by reference and pushed into k > 1 lists gets
--- refs[frame key] = k: each reader releases it (release.lua), the last one deletes it.
+--   or {'FULL', depth[, slot]} (the list of group slot `slot`, which paces the others),
+--   {'DROPPED', mask} (no list took it), {'GONE'} (the referenced frame expired),
+--   {'REROUTE'} (a shared-memory descriptor for a host a target rank's trainer has not
+--   published), {'WRONG_TYPE', key, type} (a foreign writer replaced a list),
+--   {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local stats_key = KEYS[3]        -- HASH   queue counters
@@ -45,8 +41,7 @@ local first_target = 9
 local now = server_now_ms()
 -- Every key's type first (wrong_type: a foreign one found half-way would leave a frame
 -- half pushed).
-local frame_key = nil
-if by_ref == '1' then frame_key = KEYS[#KEYS] end
+local frame_key = by_ref == '1' and KEYS[#KEYS] or nil
 local typed = {
   {meta_key, 'hash'}, {incarnation_key, 'string'}, {stats_key, 'hash'},
   {producers_key, 'zset'}, {lease_key, 'list'}, {pstats_key, 'hash'},
@@ -57,10 +52,8 @@ if groups > 0 then
   typed[#typed + 1] = {refs_key, 'hash'}  -- written in a run of several groups only
   typed[#typed + 1] = {work_key, 'list'}
   slots = {}
-  local bit = 0
-  while 2 ^ bit <= targets do
+  for bit = 0, 31 do
     if mask_has(targets, bit) then slots[#slots + 1] = bit end
-    bit = bit + 1
   end
   for j = 1, #slots do
     typed[#typed + 1] = {KEYS[first_target + 2 * (j - 1)], 'list'}
@@ -78,7 +71,11 @@ local m = redis.call('HMGET', meta_key, 'run', 'finished', 'hwm', 'groups',
 refused = run_refused(m, run) or heartbeat(producers_key, producer, now + heartbeat_ttl_ms)
 if refused then return refused end
 if not redis.call('LPOS', lease_key, entry) then return {'LEASE_LOST'} end
-count_blocked(stats_key, pstats_key, producer, blocked_ms)
+-- The time blocked at the hwm since the last try, counted for the queue and the producer.
+if blocked_ms > 0 then
+  redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
+  redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
+end
 
 local n, hwm = tonumber(m[4] or '1'), tonumber(m[3])
 if groups == 0 then
@@ -98,7 +95,6 @@ end
 -- into lists of trainers on its host.
 local go = {}
 for j, i in ipairs(slots) do
-  -- What each target says of itself: whether it finished, its host, its max_lag.
   local sfx = reader_sfx(i, rank, world)
   local t = {slot = i, data = KEYS[first_target + 2 * (j - 1)],
     stats = KEYS[first_target + 2 * (j - 1) + 1],

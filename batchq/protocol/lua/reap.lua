@@ -1,8 +1,7 @@
--- reap.lua: hand the leases of dead (or leaving) producers back to the work list.
--- Only leases of the queue's current, unfinished run go back: a list that outlived its
--- run (a producer killed before the run changed or ended) is dropped, counted as
--- stale_leases (lib/shared.lua's hand_back_leases). A reaped producer's recorded
--- connections go too (one that lives records them again when it joins again).
+-- reap.lua: hand the leases of dead (or leaving) producers back to the work list, those
+-- of the queue's current, unfinished run only (hand_back_leases: a list that outlived its
+-- run is dropped). Their recorded connections go too (one alive records them again when
+-- it joins again).
 -- Returns {'OK', producers reaped, shards returned} or {'STATE_LOST'}
 local incarnation_key = KEYS[1]  -- STRING
 local producers_key = KEYS[2]    -- ZSET   producer -> heartbeat deadline (ms)
@@ -20,21 +19,18 @@ local first_lease, first_producer = 8, 3
 local now = server_now_ms()
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local run = live_run(meta_key)
-local reaped, returned, stale = 0, 0, 0
+local reaped, returned = 0, 0
 for i = first_producer, #ARGV do
   local p = ARGV[i]
   local lease = KEYS[first_lease + i - first_producer]
   local deadline = redis.call('ZSCORE', producers_key, p)
   if why == 'leave' or (deadline and tonumber(deadline) < now) then
     -- A dead producer's shards count a failed attempt each; a leaving one's do not.
-    local back, dropped = hand_back_leases(lease, work_key, run,
-      why == 'dead' and failures_key or nil)
-    returned, stale = returned + back, stale + dropped
+    returned = returned + hand_back_leases(lease, work_key, run,
+      why == 'dead' and failures_key or nil, stats_key)
     redis.call('ZREM', producers_key, p)
     redis.call('HDEL', clients_key, p, p .. ':hb')
     reaped = reaped + 1
   end
 end
-if returned > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', returned) end
-if stale > 0 then redis.call('HINCRBY', stats_key, 'stale_leases', stale) end
 return {'OK', reaped, returned}

@@ -1,7 +1,7 @@
 -- release.lua: a trainer of a run read by several groups is done with frames stored by
--- reference: it read their bytes (its GETs travel before this call, in the same round
--- trip, and Redis runs commands in order). Each frame's count of readers left drops by
--- one (refs[frame key], set by push.lua; no field: one reader); the last deletes it.
+-- reference (its GETs travel before this call in the same round trip: Redis runs commands
+-- in order). Each frame's count of readers left (refs[frame key], set by push.lua; no
+-- field: one reader) drops by one; the last deletes it.
 -- Returns {'OK', frames deleted}
 local refs_key = KEYS[1]         -- HASH   frame key -> readers that have still to read it
 -- KEYS[2..]: the frame keys read

@@ -2,7 +2,7 @@
 -- a checkpoint, or what it had received when Redis lost the queue's state. A new run id
 -- makes every producer join again and drop what it was building.
 -- Returns {'OK', run, slot, groups} or {'CLAIM_LOST'}, {'STEP', the run's (group's) step},
---         {'GROUPS', groups} (not the groups the caller's KEYS are for: read them again)
+--   {'GROUPS', groups} (read them again)
 -- The default group of a run of one group takes the fast path: the ranks of a job resume
 -- into one run, the first creating it (docs/design.md "Resume", "Data-parallel trainers").
 -- A run of several groups lives on when it is the checkpoint's (or another group's resume
@@ -68,9 +68,8 @@ local function wake()
   redis.call('LPUSH', wake_key, '1')
   redis.call('LTRIM', wake_key, 0, wake_cap - 1)
 end
--- An elastic resume's remapped slots into slot i's remap (slot 0's: the run's remap),
--- for the epoch meta remap_epoch[@<i>] names.
--- Then the ledger pairs into slot i's ledger.
+-- An elastic resume's remapped slots into slot i's remap (slot 0's: the run's remap), for
+-- the epoch meta remap_epoch[@<i>] names; then the ledger pairs into slot i's ledger.
 local function add_pairs(i)
   if remap_epoch ~= '' and remapped > 0 then
     local key = slot_key(i, per - 2)
@@ -173,8 +172,7 @@ if not lives then
   redis.call('HSET', meta_key, 'run', new_run, 'fingerprint', fingerprint)
   if world > 1 then redis.call('HSET', meta_key, 'world', world, 'even', even) end
   set_plan()
-  n = 0
-  slot = 0
+  n, slot = 0, 0
   if group ~= '' then
     redis.call('HSET', groups_key, group, 0)
     redis.call('HSET', meta_key, 'groups', 1)
@@ -183,8 +181,6 @@ if not lives then
   for r = 0, world - 1 do
     redis.call('HSET', meta_key, field('next', 0, r), first, field('floor', 0, r), first)
   end
-  redis.call('HSET', meta_key, field('claim', 0), token, field('claim_deadline', 0), deadline,
-    field('claimed', 0), 1)
 else
   local s = redis.call('HGET', groups_key, group)
   if s then
@@ -202,12 +198,14 @@ else
     local sfx = reader_sfx(slot, 0, 1)
     redis.call('HSET', meta_key, 'world' .. sfx, world, 'even' .. sfx, even, 'mixed_worlds', 1)
   end
-  local claim = redis.call('HMGET', meta_key, field('claim', slot), field('claim_deadline', slot))
-  if claim[1] ~= token then
-    if claim[1] and tonumber(claim[2] or '0') > server_now_ms() then return {'CLAIM_LOST'} end
-    redis.call('HSET', meta_key, field('claim', slot), token, field('claim_deadline', slot),
-      deadline, field('claimed', slot), 1)
-  end
+end
+-- The caller claims its rank of the slot, unless another holds it live (a replaced run's
+-- claims went with it).
+local claim = redis.call('HMGET', meta_key, field('claim', slot), field('claim_deadline', slot))
+if claim[1] ~= token then
+  if claim[1] and tonumber(claim[2] or '0') > server_now_ms() then return {'CLAIM_LOST'} end
+  redis.call('HSET', meta_key, field('claim', slot), token, field('claim_deadline', slot),
+    deadline, field('claimed', slot), 1)
 end
 if world > 1 and step ~= '-1' then  -- (a replaced run has no resume_step left)
   local rs = redis.call('HGET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1))
@@ -230,6 +228,4 @@ else
 end
 add_pairs(slot)
 wake()
-local run_now = new_run
-if lives then run_now = m[1] end
-return {'OK', run_now, slot, n}
+return {'OK', lives and m[1] or new_run, slot, n}

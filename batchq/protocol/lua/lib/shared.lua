@@ -8,20 +8,16 @@ local function server_now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The global slot number g of a lease entry '<g>:<run>:<token>', or
--- '<g>/<mask>:<run>:<token>' in a run of several groups (batchq/protocol/layout.py's
--- entry_slot), as the string it is in the entry; nil for a malformed entry.
+-- A lease entry is '<g>:<run>:<token>', or '<g>/<mask>:<run>:<token>' in a run of several
+-- groups (batchq/protocol/layout.py): its global slot number g as the string it is in the
+-- entry, the work entry that builds its shard again for the same groups ('<g>' or
+-- '<g>/<mask>', layout.py's work_entry), the run it was granted in; nil if malformed.
 local function entry_slot(entry)
   return string.match(entry, '^(%d+)[/:]')
 end
-
--- The part of a lease entry before its run: the work entry that builds its shard again
--- for the same groups ('<g>' or '<g>/<mask>', batchq/protocol/layout.py's work_entry).
 local function entry_spec(entry)
   return string.match(entry, '^(%d+/?%d*):')
 end
-
--- The run a lease entry was granted in (layout.py's entry_run), or nil.
 local function entry_run(entry)
   return string.match(entry, '^%d+/?%d*:([^:]*):')
 end
@@ -30,22 +26,21 @@ end
 -- work list, for the same groups, oldest first, and delete the list. Another run's entry
 -- is dropped (built past the new trainer's window: issue 42); run nil: every one. With
 -- `failures_key` (a dead producer's) each counts a failed attempt, as fail.lua's
--- (producer/serving/isolation.py). Returns how many went back, how many were dropped.
-local function hand_back_leases(lease_key, work_key, run, failures_key)
+-- (producer/serving/isolation.py). Counted in stats; returns how many went back.
+local function hand_back_leases(lease_key, work_key, run, failures_key, stats_key)
   local held = redis.call('LRANGE', lease_key, 0, -1)
-  local returned, dropped = 0, 0
+  local returned = 0
   for j = #held, 1, -1 do
-    local g = entry_spec(held[j])
-    if g and run and entry_run(held[j]) == run then
-      redis.call('LPUSH', work_key, g)
+    if run and entry_run(held[j]) == run then
+      redis.call('LPUSH', work_key, entry_spec(held[j]))
       if failures_key then redis.call('HINCRBY', failures_key, entry_slot(held[j]), 1) end
       returned = returned + 1
-    else
-      dropped = dropped + 1
     end
   end
   redis.call('DEL', lease_key)
-  return returned, dropped
+  if returned > 0 then redis.call('HINCRBY', stats_key, 'redone_shards', returned) end
+  if #held > returned then redis.call('HINCRBY', stats_key, 'stale_leases', #held - returned) end
+  return returned
 end
 
 -- The run whose leases a reap hands back: meta's run, nil when it finished (its work
@@ -84,36 +79,8 @@ local function heartbeat(producers_key, producer, deadline_ms)
   return nil
 end
 
--- The lease a retried lease request (the same token: its first reply was lost) was granted
--- already in `run`: its entry's part before ':<run>:<token>' ('<g>', or '<g>/<mask>' in a
--- run of several groups), or nil.
-local function retried_lease(lease_key, run, token)
-  local suffix = ':' .. run .. ':' .. token
-  for _, e in ipairs(redis.call('LRANGE', lease_key, 0, -1)) do
-    if string.sub(e, -#suffix) == suffix then return string.sub(e, 1, #e - #suffix) end
-  end
-  return nil
-end
-
--- Whether a prefetch (k = prefetch > 0: a lease request sent right behind a shard's last
--- push) is declined: that push did not go through (its entry `after` is still leased), or
--- the producer holds k leases already.
-local function prefetch_declined(lease_key, prefetch, after)
-  return prefetch > 0 and (redis.call('LPOS', lease_key, after) or
-    redis.call('LLEN', lease_key) >= prefetch)
-end
-
--- The time a producer spent blocked at the hwm since its last try, counted for the queue
--- and for the producer (per-producer fields '<producer>:<counter>',
+-- A frame pushed, counted for the queue and for the producer (fields '<producer>:<counter>',
 -- batchq.protocol.fields.ProducerStat).
-local function count_blocked(stats_key, pstats_key, producer, blocked_ms)
-  if blocked_ms > 0 then
-    redis.call('HINCRBY', stats_key, 'producer_blocked_ms', blocked_ms)
-    redis.call('HINCRBY', pstats_key, producer .. ':blocked_ms', blocked_ms)
-  end
-end
-
--- A frame pushed, counted for the queue and for the producer.
 local function count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
   redis.call('HINCRBY', stats_key, 'pushed', 1)
   redis.call('HINCRBY', stats_key, 'pushed_bytes', frame_bytes)
@@ -164,8 +131,7 @@ end
 local function parse_spec(entry)
   local g, mask = string.match(entry, '^(%d+)/?(%d*)')
   if not g then return nil, nil end
-  if mask == '' then return tonumber(g), 1 end
-  return tonumber(g), tonumber(mask)
+  return tonumber(g), tonumber(mask) or 1  -- no mask: slot 0 alone
 end
 
 -- The KEYS tail of claim.lua and resume.lua from index first_tail: group slots
@@ -174,8 +140,7 @@ end
 -- Returns per (keys a slot has), the slots covered, slot_key(i, j) (slot i's j-th key from
 -- 0) and lists; nil when the tail does not cover the caller's `groups`.
 local function slot_tail(keys, first_tail, key_world, groups)
-  local lists = key_world
-  if key_world > 1 then lists = key_world + 1 end
+  local lists = key_world > 1 and key_world + 1 or key_world
   local per = 5 + 3 * lists
   local tail_slots = (#keys - first_tail + 1) / per
   if tail_slots ~= math.max(groups, 1) + 1 then return nil end
