@@ -31,6 +31,8 @@ CALL = re.compile(r"\bcall\('H[A-Z]+', (meta|stats|trainer)_key")
 LITERAL = re.compile(r"'([a-z_:]+)'")
 # A per-producer counter: `producer .. ':batches'` (push.lua), `p .. ':produce_ms'` (pop.lua).
 PSTAT = re.compile(r"\b\w+ \.\. ':([a-z_]+)'")
+# join.lua's meta fields set where missing, else checked: `set_or_check('stripes', ...)`.
+SET_OR_CHECK = re.compile(r"\bset_or_check\('([a-z_]+)'")
 # pop.lua adds the queue side to the history sample it decoded into `s`.
 SAMPLE_FIELD = re.compile(r"\bs\['([a-z_]+)'\] =")
 # A key's expected type: `{data_key, 'list'}` in a type table, `TYPE', frame_key).ok ~= 'string'`.
@@ -54,6 +56,8 @@ def _fields_used(source: str, key: str) -> set[str]:
             if depth == 0:
                 break
         found |= {name.rstrip(":") for name in LITERAL.findall(source[match.end() : end])}
+    if key == "meta":
+        found |= set(SET_OR_CHECK.findall(source))
     return found
 
 
