@@ -203,6 +203,30 @@ def _last_short(plan: Plan | None, remapped: bool) -> bool:
     return full < plan.epoch_batches < full + plan.shard_batches
 
 
+def _rank_part(
+    options: StreamOptions,
+    plan: Plan | None,
+    remapped: bool,
+    plan_shards: int,
+    step: int,
+    yielding: tuple[int, int],
+) -> dict[str, Any]:
+    """A rank's fields, marked every_rank where its position stands for every rank's;
+    where only the plan's last shard is short, with what rebuilds each rank's."""
+    short = options.ordered and _last_short(plan, remapped)
+    every = options.ordered and (short or _slots_alike(plan, remapped))
+    fields = rank_fields(
+        options.rank, options.world_size, options.even_batches, plan_shards, step, every
+    )
+    if not short or plan is None:
+        return fields
+    return fields | {
+        YIELDING_KEY: list(yielding),
+        SHARD_BATCHES_KEY: plan.shard_batches,
+        EPOCH_BATCHES_KEY: plan.epoch_batches,
+    }
+
+
 def resumed_batches(resumed: Mapping[str, Any] | None, epoch: int) -> int:
     """The batches of ``epoch`` a rank had yielded before the checkpoint it resumed from
     (ordered: its position's count; 0 outside that epoch)."""
@@ -242,15 +266,7 @@ def stream_state(
     state = position_state(options.queue, run, fingerprint, shards, epoch, counts, done)
     remapped = resumed is not None and REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == epoch
     if options.world_size > 1:
-        short = options.ordered and _last_short(plan, remapped)
-        state |= rank_fields(
-            options.rank, options.world_size, options.even_batches, plan_shards, step,
-            options.ordered and (short or _slots_alike(plan, remapped)),
-        )  # fmt: skip
-        if short and plan is not None:
-            state[YIELDING_KEY] = list(yielding)
-            state[SHARD_BATCHES_KEY] = plan.shard_batches
-            state[EPOCH_BATCHES_KEY] = plan.epoch_batches
+        state |= _rank_part(options, plan, remapped, plan_shards, step, yielding)
     if remapped and resumed is not None:
         # The epoch's slots build the remapped shards: a resume from here needs the map.
         state[REMAP_KEY] = resumed[REMAP_KEY]

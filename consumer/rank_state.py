@@ -95,11 +95,36 @@ def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> d
     """
     if YIELDING_KEY not in state or (state.get(RANK_KEY) == rank and not re_split):
         return state | {RANK_KEY: rank}
+    shares = _slot_batches(state)
+    count = max(map(sum, shares)) if state.get(EVEN_BATCHES_KEY) == "pad" else min(map(sum, shares))
+    epoch, k = state[YIELDING_KEY]
+    if k >= count or (k >= sum(shares[rank]) and not re_split):
+        return state | {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: [], RANK_KEY: rank}
+    return state | _position_at(shares[rank], k) | {EPOCH_KEY: epoch, RANK_KEY: rank}
+
+
+def _position_at(share: list[int], k: int) -> dict[str, Any]:
+    """A rank's position after ``k`` batches of an epoch whose local shards hold
+    ``share`` batches, yielded in plan order: batches had per shard, shards done."""
+    had = [min(n, max(0, k - sum(share[:j]))) for j, n in enumerate(share)]
+    return {
+        CONSUMED_KEY: {str(j): n for j, n in enumerate(had) if n},
+        DONE_KEY: [j for j, n in enumerate(share) if had[j] == n],
+    }
+
+
+def _slot_batches(state: dict[str, Any]) -> list[list[int]]:
+    """The batches of every rank's local shards of an epoch, for a state carrying
+    ``yielding`` and the plan's B and E (a slot of shard S - 1 holds E - (S - 1) x B).
+
+    Raises:
+        ConfigError: the state's figures are not a valid plan.
+    """
     yielding, layout = state[YIELDING_KEY], _saved_layout(state)
     batches, epoch_batches = state.get(SHARD_BATCHES_KEY), state.get(EPOCH_BATCHES_KEY)
+    valid = isinstance(yielding, list) and list(map(type, yielding)) == [int, int]
     if not (
-        isinstance(yielding, list)
-        and list(map(type, yielding)) == [int, int]
+        valid
         and min(yielding) >= 0
         and isinstance(batches, int)
         and isinstance(epoch_batches, int)
@@ -111,24 +136,11 @@ def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> d
             f"of {layout.shards} shards of B batches whose last holds 1 to B"
         )
     last = epoch_batches - (layout.shards - 1) * batches
-    shares = [
+    return [
         [last if layout.shard_of(layout.slot(j, r)) == layout.shards - 1 else batches
          for j in range(layout.per_rank)]
         for r in range(layout.world)
     ]  # fmt: skip
-    count = max(map(sum, shares)) if layout.even == "pad" else min(map(sum, shares))
-    epoch, k = yielding
-    position: dict[str, Any] = {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: []}
-    if k < count and (re_split or k < sum(shares[rank])):
-        position = {EPOCH_KEY: epoch, CONSUMED_KEY: {}, DONE_KEY: []}
-        for j, n in enumerate(shares[rank]):
-            had = min(n, k)
-            if had:
-                position[CONSUMED_KEY][str(j)] = had
-            if had == n:
-                position[DONE_KEY].append(j)
-            k -= had
-    return state | position | {RANK_KEY: rank}
 
 
 def _saved_layout(state: dict[str, Any]) -> RankLayout:
