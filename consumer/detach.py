@@ -5,8 +5,9 @@ once (docs/design.md "Resume": a detached run is taken over as it is).
 The frames the reader holds are given back as they came where they still are: a batch
 in a producer's shared-memory segment as its descriptor, handed over (the segment is
 released by the trainer that pops it, not by this one:
-:meth:`consumer.reader.shm_frames.TrainerShm.hand_over`); any other (inline, from a
-key of frames stored by reference, a copy) encoded again, as a frame inside the list.
+:meth:`consumer.reader.shm_frames.TrainerShm.hand_over`, before the call, taken back
+only where the script refused); any other (inline, from a key of frames stored by
+reference, a copy) encoded again, as a frame inside the list.
 They are pushed back to the list's popping end, the next to hand out last (so it is
 popped first), by detach.lua, which also marks the run as detached at the stream's
 position: a digest of its ``state_dict()`` and its shared-memory host. A resume from
@@ -37,7 +38,7 @@ from batchq.protocol.words import Status
 from batchq.wire.codec import Frame, FrameHeader, encode_frame
 from consumer.checkpoint import position_digest
 from consumer.reader.buffer import Buffer
-from consumer.reader.shm_frames import ShmKey, TrainerShm
+from consumer.reader.shm_frames import TrainerShm
 from consumer.session import Session
 
 __all__ = ["CHUNK_FRAMES", "detach"]
@@ -122,17 +123,19 @@ def _give_back(
     descriptor where its batch is still in its segment, else encoded again; the frames
     given back, or -1 where the script refused (the claim or the run lost). One try: a
     retry after a lost reply would give the frames back twice. The batches given back
-    as descriptors are handed over once the script took them (before: refused, they are
-    released here as any)."""
-    encoded: list[bytes | memoryview] = []
-    handed: list[ShmKey] = []
-    for frame in reversed(chunk):
-        descriptor = shm.descriptor_of(frame) if shm is not None else None
-        if descriptor is None:
-            encoded.append(encode_frame(_header(frame), frame.data))
-        else:
-            encoded.append(descriptor[0])
-            handed.append(descriptor[1])
+    as descriptors are handed over before the call and taken back only where the script
+    refused: after a lost reply (the frames may be in the list, the run marked) the
+    segments stay held for the trainer that pops them, never released under them (a new
+    run removes them)."""
+    frames = list(reversed(chunk))
+    descriptors = shm.descriptors(frames) if shm is not None else [None] * len(frames)
+    encoded = [
+        encode_frame(_header(f), f.data) if d is None else d[0]
+        for f, d in zip(frames, descriptors, strict=True)
+    ]
+    handed = [d[1] for d in descriptors if d is not None]
+    if shm is not None:
+        shm.hand_over(handed)
     reply = call(
         lambda: trainer_scripts.detach(
             client, session.keys, incarnation=session.incarnation, run=run,
@@ -142,9 +145,9 @@ def _give_back(
         client,
     )  # fmt: skip
     if reply.status != Status.OK:
+        if shm is not None:
+            shm.hand_over(handed, handed=False)
         return -1
-    if shm is not None:
-        shm.hand_over(handed)
     return reply.first
 
 

@@ -19,7 +19,7 @@ resolved) is a duplicate and dropped unread, like any duplicate frame, and any o
 of a released generation is stale (the producer may be writing the next one). The
 producer overwrites a segment only when ``released == gen``. A batch the trainer gives
 back unread at its close (:mod:`consumer.detach`) is given back as its descriptor
-(:meth:`TrainerShm.descriptor_of`) and handed over (:meth:`TrainerShm.hand_over`): its
+(:meth:`TrainerShm.descriptors`) and handed over (:meth:`TrainerShm.hand_over`): its
 owner, when freed, writes nothing, so the segment holds the batch for the trainer that
 pops the descriptor next (which releases it as any). A segment is mapped once
 and the mapping is shared by its generations; it is unmapped when the last owner over
@@ -43,6 +43,7 @@ import struct
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -315,28 +316,34 @@ class TrainerShm:
             return memoryview(bytearray(owner))
         return owner
 
-    def descriptor_of(self, frame: Frame) -> tuple[bytes, ShmKey] | None:
-        """The descriptor ``frame`` was resolved from, and its batch's key, where every
-        array of the frame is a view of its batch in the segment, still unreleased (the
-        batch as popped); None for anything else (an inline frame, a copy, a value the
-        reader made anew)."""
+    def descriptors(self, frames: Sequence[Frame]) -> list[tuple[bytes, ShmKey] | None]:
+        """For each frame, the descriptor it was resolved from and its batch's key, where
+        every array of the frame is a view of its batch in the segment, still unreleased
+        (the batch as popped); None for anything else (an inline frame, a copy, a value
+        the reader made anew)."""
         if self.identity is None:
-            return None
+            return [None] * len(frames)
         owners = {id(owner): key for key, owner in self._owners.items()}
-        keys = {_owner_key(value, owners) for value in frame.data if isinstance(value, np.ndarray)}
-        key = keys.pop() if len(keys) == 1 else None
-        owner = self._owners.get(key) if key is not None else None
-        if key is None or owner is None:
-            return None
-        return encode_descriptor(key[0], key[2], owner.nbytes, self.identity), key
+        out: list[tuple[bytes, ShmKey] | None] = []
+        for frame in frames:
+            arrays = [v for v in frame.data if isinstance(v, np.ndarray)]
+            keys = {_owner_key(value, owners) for value in arrays}
+            key = keys.pop() if len(keys) == 1 else None
+            owner = self._owners.get(key) if key is not None else None
+            if key is None or owner is None:
+                out.append(None)
+            else:
+                out.append((encode_descriptor(key[0], key[2], owner.nbytes, self.identity), key))
+        return out
 
-    def hand_over(self, keys: list[ShmKey]) -> None:
-        """The batches of ``keys`` were given back as their descriptors: their owners,
-        when freed, release nothing (the trainer that pops them does)."""
+    def hand_over(self, keys: list[ShmKey], handed: bool = True) -> None:
+        """The batches of ``keys`` are given back as their descriptors: their owners,
+        when freed, release nothing (the trainer that pops them does); ``handed=False``
+        takes that back (the give-back was refused)."""
         for key in keys:
             hold = self._holds.get(key)
             if hold is not None:
-                hold.handed_over = True
+                hold.handed_over = handed
 
     def _had(self, segment: str, gen: int) -> bool:
         """Whether this trainer resolved generation ``gen`` of ``segment`` (any inode)."""

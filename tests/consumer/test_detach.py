@@ -5,13 +5,17 @@ other state resumes as before, in a new run. Producers are real processes."""
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
+from frame_args import encode_with
 from pipelines import examples_of, numbered
+from shm_pair import shm_pair
 
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import FrameHeader, FrameKind, decode_frame, encode_frame
@@ -245,3 +249,58 @@ def test_frames_go_back_a_chunk_a_call_the_next_one_last(
     assert detach(session, redis_client, _held("r2"), state={}, host=None, exact=True) == 2
     popped = [decode_frame(redis_client.rpop(keys.data)).shard for _ in range(2)]
     assert popped == [0, 1] and redis_client.hget(keys.meta, "detached") is not None
+
+
+def _shm_held(tmp_path: Path, fake_redis: Any) -> tuple[Buffer, Any, Any]:
+    """A buffer holding one batch of run r2 resolved from a producer's segment: (the
+    buffer, the trainer's shared memory, the producer's frame sent)."""
+    producer, trainer = shm_pair(tmp_path, fake_redis, 2)
+    sent = encode_with(
+        producer.encode, FrameKind.BATCH, run="r2", epoch=0, shard=0, k=0, producer="p",
+        sources=("x",), data=(np.arange(100, dtype=np.float32),), last=True, count=1,
+    )  # fmt: skip
+    buffer = Buffer(Ledger(4))
+    assert buffer.put([(decode_frame(trainer.resolve(sent.element)), sent.element)], 0) == []
+    return buffer, trainer, sent
+
+
+def test_a_batch_in_shared_memory_goes_back_as_its_descriptor_held_for_the_next(
+    redis_client: redis.Redis, claimed: Any, tmp_path: Path, fake_redis: Any
+) -> None:
+    buffer, trainer, sent = _shm_held(tmp_path, fake_redis)
+    got = detach(claimed, redis_client, buffer, state={}, host="h", exact=True, shm=trainer)
+    assert got == 1 and redis_client.rpop(claimed.keys.data) == bytes(sent.element)
+    del buffer
+    gc.collect()
+    assert not sent.segment.is_free()  # the trainer that pops the descriptor releases it
+
+
+def test_a_lost_reply_keeps_the_batches_held_and_a_refusal_releases_them(
+    redis_client: redis.Redis,
+    claimed: Any,
+    tmp_path: Path,
+    fake_redis: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = detach_module.trainer_scripts.detach
+
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)  # the script ran: the descriptor listed, the run marked
+        raise redis.ConnectionError("the reply was lost")
+
+    monkeypatch.setattr(detach_module.trainer_scripts, "detach", lost)
+    buffer, trainer, sent = _shm_held(tmp_path, fake_redis)
+    assert detach(claimed, redis_client, buffer, state={}, host="h", exact=True, shm=trainer) == 0
+    assert redis_client.rpop(claimed.keys.data) == bytes(sent.element)
+    del buffer
+    gc.collect()
+    assert not sent.segment.is_free()  # never released under a listed descriptor
+    monkeypatch.setattr(detach_module.trainer_scripts, "detach", real)
+    redis_client.hset(claimed.keys.meta, "claim", "another")  # the claim lost: refused
+    (tmp_path / "again").mkdir()
+    buffer, trainer, sent = _shm_held(tmp_path / "again", fake_redis)
+    assert detach(claimed, redis_client, buffer, state={}, host="h", exact=True, shm=trainer) == 0
+    assert redis_client.llen(claimed.keys.data) == 0
+    del buffer
+    gc.collect()
+    assert sent.segment.is_free()  # not given back: released as any

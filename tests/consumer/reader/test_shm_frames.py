@@ -261,7 +261,7 @@ def test_a_batch_handed_over_is_given_back_as_its_descriptor_and_released_by_the
     producer, trainer = pair
     sent = send(producer, np.arange(100, dtype=np.float32))
     frame = codec.decode_frame(trainer.resolve(sent.element))
-    given = trainer.descriptor_of(frame)
+    (given,) = trainer.descriptors([frame])
     assert given is not None
     descriptor, key = given
     assert bytes(descriptor) == bytes(sent.element)  # the descriptor as popped
@@ -282,10 +282,14 @@ def test_only_a_batch_still_in_its_segment_has_a_descriptor(pair: Any) -> None:
     sent = send(producer, np.arange(100, dtype=np.float32))
     frame = codec.decode_frame(trainer.resolve(sent.element))
     copied = codec.decode_frame(bytes(trainer.resolve(sent.element)))  # a copy of its own
-    assert trainer.descriptor_of(copied) is None
     made = codec.decode_frame(bytes(codec.encode_frame(*_header_and_data(frame))))
-    assert trainer.descriptor_of(made) is None  # encoded anew: not the segment's
-    assert TrainerShm(QueueKeys("q"), "redis", trainer.shm_dir).descriptor_of(frame) is None
+    # A copy of its own, a frame encoded anew: not the segment's.
+    assert trainer.descriptors([copied, made]) == [None, None]
+    assert TrainerShm(QueueKeys("q"), "redis", trainer.shm_dir).descriptors([frame]) == [None]
+    given = trainer.descriptors([frame])[0]
+    assert given is not None
+    trainer.hand_over([given[1]])
+    trainer.hand_over([given[1]], handed=False)  # the give-back was refused: taken back
     del frame, copied, made  # not handed over: released as any
     gc.collect()
     assert sent.segment.is_free()
