@@ -18,6 +18,14 @@ for that epoch) and:
 Every wait is bounded by ``timeout_s`` (:class:`batchq.errors.RankLost` names the
 silent ranks).
 
+Where the plan counts every shard's batches (B each, the last 1 to B: no Filter), outside
+an epoch re-split for another world and without ``on_producer_error='skip'``, each rank's
+count is known before the epoch (:meth:`RankLayout.slot_batches`), and nothing is waited
+for: 'pad' pads up to the largest, 'drop' ends the epoch with its batch of the smallest
+count, cut before that batch is yielded (so a checkpoint taken there is already past the
+epoch, as every other rank's is). Ranks that step together (DDP's all-reduce) need that:
+a rank waiting for another's final count would wait for a rank that waits for it.
+
 Where every shard is one batch, nothing is exchanged: :class:`StaticPads` only counts
 the pad slots a rank yields. :func:`even_counts` picks which of the two a rank needs.
 """
@@ -54,6 +62,8 @@ class Balancer:
         even: 'pad' or 'drop'.
         timeout_s: the longest wait for the other ranks.
         keep: how many of its first batches a rank keeps to pad with.
+        counted: every rank's batches of an epoch where the plan fixes them (None where
+            they are only known as the epoch is read).
     """
 
     def __init__(
@@ -65,8 +75,10 @@ class Balancer:
         even: str,
         timeout_s: float,
         keep: int,
+        counted: Callable[[int], list[int] | None] = lambda epoch: None,
     ) -> None:
         self.client = client
+        self.counted = counted
         self.keys = keys
         self.rank = rank
         self.world = world
@@ -119,20 +131,23 @@ class Balancer:
             )
 
     def balance(
-        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None]
+        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None], already: int = 0
     ) -> Iterator[Frame]:
         """This rank's frames of ``epoch``, evened with the other ranks.
 
         Args:
             frames: the rank's own frames of the epoch.
             cut: called when 'drop' ends the epoch before ``frames`` does.
+            already: batches of the epoch yielded before the checkpoint resumed from
+                (every rank of one checkpoint resumed at the same count: the counts
+                exchanged are those since; the plan's are the whole epoch's).
         """
         if self.even == "drop":
-            yield from self._drop(epoch, frames, cut)
+            yield from self._drop(epoch, frames, cut, already)
         else:
-            yield from self._pad(epoch, frames)
+            yield from self._pad(epoch, frames, already)
 
-    def _pad(self, epoch: int, frames: Iterator[Frame]) -> Iterator[Frame]:
+    def _pad(self, epoch: int, frames: Iterator[Frame], already: int) -> Iterator[Frame]:
         kept: list[Frame] = []
         n = 0
         for frame in frames:
@@ -141,10 +156,15 @@ class Balancer:
             n += 1
             yield frame
         self._publish(epoch, n, final=True)
-        others = self._wait(
-            epoch, lambda o: len(o) == self.world - 1 and all(f for _, f in o.values())
-        )
-        target = max([n, *(c for c, _ in others.values())])
+        totals = self.counted(epoch)
+        if totals is not None:
+            totals = [total - already for total in totals]
+        else:
+            others = self._wait(
+                epoch, lambda o: len(o) == self.world - 1 and all(f for _, f in o.values())
+            )
+            totals = [c for c, _ in others.values()]
+        target = max([n, *totals])
         if target > n and not kept:
             raise RankLost(epoch, [], self.timeout_s, empty=self.rank)
         for i in range(target - n):
@@ -152,8 +172,13 @@ class Balancer:
             yield kept[i % len(kept)]
 
     def _drop(
-        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None]
+        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None], already: int
     ) -> Iterator[Frame]:
+        totals = self.counted(epoch)
+        if totals is not None:
+            count, own = min(totals) - already, totals[self.rank] - already
+            yield from self._drop_counted(epoch, frames, cut, count, own)
+            return
         n = 0
         known: dict[int, tuple[int, bool]] = {}
         for frame in frames:
@@ -176,6 +201,24 @@ class Balancer:
             yield frame
         self._publish(epoch, n, final=True)
 
+    def _drop_counted(
+        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None], count: int, own: int
+    ) -> Iterator[Frame]:
+        """'drop' where every rank's count is known: the epoch ends with batch ``count``,
+        the cut made before it is yielded."""
+        n = 0
+        for frame in frames:
+            n += 1
+            if n >= count:
+                self._publish(epoch, n, final=True)
+                if own > count:
+                    self.cuts += 1
+                    cut()
+                yield frame
+                return
+            yield frame
+        self._publish(epoch, n, final=True)
+
 
 class StaticPads:
     """Where every shard is one batch, a rank's counts are equal by its slots alone:
@@ -195,7 +238,7 @@ class StaticPads:
         """Nothing to forget: no counts are exchanged."""
 
     def balance(
-        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None]
+        self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None], already: int = 0
     ) -> Iterator[Frame]:
         """The rank's frames of ``epoch`` as they are, its pads counted."""
         layout, rank = self.layout, self.rank
@@ -213,12 +256,31 @@ def even_counts(
     rank: int,
     timeout_s: float,
     keep: int,
+    *,
+    figures: tuple[int, int] | None = None,
+    remap_epoch: int | None = None,
 ) -> Balancer | StaticPads | None:
     """How this rank's counts come out equal: by the slots alone where every shard is one
     batch (pads counted as they are yielded; None where there are none), else by telling
-    the other ranks (a :class:`Balancer`, given the rest). None for a single trainer."""
+    the other ranks (a :class:`Balancer`, given the rest), which need not wait where the
+    plan counts them. None for a single trainer.
+
+    Args:
+        figures: the plan's (B, E) where they count every shard's batches (None: not
+            known, or not to be trusted: shards skipped on a producer's error).
+        remap_epoch: the epoch re-split for another world this rank resumed in, if any
+            (its counts are the remap's, not the plan's).
+    """
     if layout.world == 1:
         return None
     if one_batch_shards:
         return StaticPads(layout, rank) if layout.pads else None
-    return Balancer(client, keys, rank, layout.world, layout.even, timeout_s, keep=keep)
+    shares = layout.slot_batches(*figures) if figures is not None else None
+    totals = [sum(share) for share in shares] if shares is not None else None
+
+    def counted(epoch: int) -> list[int] | None:
+        return totals if epoch != remap_epoch else None
+
+    return Balancer(
+        client, keys, rank, layout.world, layout.even, timeout_s, keep=keep, counted=counted
+    )

@@ -229,8 +229,11 @@ def _rank_part(
 
 def resumed_batches(resumed: Mapping[str, Any] | None, epoch: int) -> int:
     """The batches of ``epoch`` a rank had yielded before the checkpoint it resumed from
-    (ordered: its position's count; 0 outside that epoch)."""
+    (ordered: its position's count; 0 outside that epoch, and in an epoch re-split for
+    another world, whose counts are the remap's pieces had, of other ranks)."""
     if not resumed or not resumed.get(RUN_KEY) or int(resumed.get(EPOCH_KEY, -1)) != epoch:
+        return 0
+    if REMAP_KEY in resumed:
         return 0
     return sum(int(n) for n in resumed.get(CONSUMED_KEY, {}).values())
 
@@ -264,9 +267,13 @@ def stream_state(
     epoch, counts, done = position
     fingerprint = plan.fingerprint if plan else ""
     state = position_state(options.queue, run, fingerprint, shards, epoch, counts, done)
-    remapped = resumed is not None and REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == epoch
+    remap_epoch = int(resumed[EPOCH_KEY]) if resumed and REMAP_KEY in resumed else None
+    remapped = remap_epoch == epoch
     if options.world_size > 1:
-        state |= _rank_part(options, plan, remapped, plan_shards, step, yielding)
+        # A rank past the re-split epoch whose batches the others may still yield (its
+        # run-time pads: ``yielding`` is still of it) stands for no other rank either.
+        inside = remap_epoch in (epoch, yielding[0])
+        state |= _rank_part(options, plan, inside, plan_shards, step, yielding)
     if remapped and resumed is not None:
         # The epoch's slots build the remapped shards: a resume from here needs the map.
         state[REMAP_KEY] = resumed[REMAP_KEY]

@@ -98,8 +98,9 @@ class EpochFeed:
         self.yielded = 0  # batches handed out
         # The epoch being handed out and its batches handed out so far, run-time pads and
         # a resumed checkpoint's share included: the same on every rank at one step
-        # (a state's ``yielding``, consumer/checkpoint.py).
+        # (a state's ``yielding``, consumer/checkpoint.py); and whether it ended.
         self.epoch_yielded = (0, 0)
+        self.epoch_ended = False
 
     @property
     def padded(self) -> int:
@@ -107,8 +108,12 @@ class EpochFeed:
         return self.evener.padded if self.evener is not None else 0
 
     def yielding(self, held_back: int) -> tuple[int, int]:
-        """(epoch, batches of it yielded), less ``held_back`` frames a wrapper holds."""
+        """(epoch, batches of it yielded), less ``held_back`` frames a wrapper holds; once
+        an epoch ended with none held, the next one, none yielded (an epoch re-split for
+        another world ends at a count of its own)."""
         epoch, n = self.epoch_yielded
+        if self.epoch_ended and not held_back:
+            return epoch + 1, 0
         return epoch, n - held_back
 
     def frames(
@@ -129,14 +134,14 @@ class EpochFeed:
             already: batches of ``epoch`` yielded before the checkpoint resumed from.
         """
         buffer, stats = self.buffer, self.stats
-        self.epoch_yielded = (epoch, already)
+        self.epoch_yielded, self.epoch_ended = (epoch, already), False
         buffer.start_epoch(epoch)
         stats.start_epoch(epoch)
         bar = EpochProgress(epoch, total) if progress else None
         frames = batch_frames(buffer, self.alive, skip_errors=skip_errors, queue=queue)
         if self.evener is not None:
             self.evener.start_epoch(epoch)
-            frames = self.evener.balance(epoch, frames, buffer.cut_epoch)
+            frames = self.evener.balance(epoch, frames, buffer.cut_epoch, already)
         handed_out: float | None = None  # when the previous batch left this generator
         try:
             while True:
@@ -144,6 +149,7 @@ class EpochFeed:
                 frame = next(frames, None)
                 if frame is None:
                     stats.end_epoch()
+                    self.epoch_ended = True
                     return
                 now = time.monotonic()
                 busy = asked - handed_out if handed_out is not None else 0.0

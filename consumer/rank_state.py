@@ -95,8 +95,8 @@ def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> d
     """
     if YIELDING_KEY not in state or (state.get(RANK_KEY) == rank and not re_split):
         return state | {RANK_KEY: rank}
-    shares = _slot_batches(state)
-    count = max(map(sum, shares)) if state.get(EVEN_BATCHES_KEY) == "pad" else min(map(sum, shares))
+    layout, shares = _slot_batches(state)
+    count = layout.epoch_count(shares)
     epoch, k = state[YIELDING_KEY]
     if k >= count or (k >= sum(shares[rank]) and not re_split):
         return state | {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: [], RANK_KEY: rank}
@@ -113,9 +113,9 @@ def _position_at(share: list[int], k: int) -> dict[str, Any]:
     }
 
 
-def _slot_batches(state: dict[str, Any]) -> list[list[int]]:
-    """The batches of every rank's local shards of an epoch, for a state carrying
-    ``yielding`` and the plan's B and E (a slot of shard S - 1 holds E - (S - 1) x B).
+def _slot_batches(state: dict[str, Any]) -> tuple[RankLayout, list[list[int]]]:
+    """The saved job's layout and the batches of every rank's local shards of an epoch,
+    for a state carrying ``yielding`` and the plan's B and E.
 
     Raises:
         ConfigError: the state's figures are not a valid plan.
@@ -123,24 +123,16 @@ def _slot_batches(state: dict[str, Any]) -> list[list[int]]:
     yielding, layout = state[YIELDING_KEY], _saved_layout(state)
     batches, epoch_batches = state.get(SHARD_BATCHES_KEY), state.get(EPOCH_BATCHES_KEY)
     valid = isinstance(yielding, list) and list(map(type, yielding)) == [int, int]
-    if not (
-        valid
-        and min(yielding) >= 0
-        and isinstance(batches, int)
-        and isinstance(epoch_batches, int)
-        and 0 < epoch_batches - (layout.shards - 1) * batches <= batches
-    ):
+    shares = None
+    if valid and min(yielding) >= 0 and isinstance(batches, int) and isinstance(epoch_batches, int):
+        shares = layout.slot_batches(batches, epoch_batches)
+    if shares is None:
         raise ConfigError(
             f"state's yielding {yielding!r}, shard_batches {batches!r} and epoch_batches "
             f"{epoch_batches!r} are not valid: expected [epoch, batches] >= 0 and a plan "
             f"of {layout.shards} shards of B batches whose last holds 1 to B"
         )
-    last = epoch_batches - (layout.shards - 1) * batches
-    return [
-        [last if layout.shard_of(layout.slot(j, r)) == layout.shards - 1 else batches
-         for j in range(layout.per_rank)]
-        for r in range(layout.world)
-    ]  # fmt: skip
+    return layout, shares
 
 
 def _saved_layout(state: dict[str, Any]) -> RankLayout:

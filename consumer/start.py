@@ -43,7 +43,14 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import stripe_run_id
 from batchq.protocol.stripes import Stripes
 from consumer.balance import Balancer, StaticPads, even_counts
-from consumer.checkpoint import RUN_KEY, Resumed, resume_position, resume_run_id
+from consumer.checkpoint import (
+    EPOCH_KEY,
+    REMAP_KEY,
+    RUN_KEY,
+    Resumed,
+    resume_position,
+    resume_run_id,
+)
 from consumer.params import StreamParams
 from consumer.plan import BLOCK_S, Plan
 from consumer.reader.buffer import Buffer, StripeView
@@ -215,9 +222,12 @@ def open_reading(
         )  # fmt: skip
         members.append(reader)
     readers = Readers(members)
+    counted = plan is not None and options.on_producer_error != "skip"
     evener = even_counts(
         start.layout, plan is not None and plan.epoch_batches == plan.shards, session.client,
         session.keys, session.rank, timeout_s, keep=options.hwm,
+        figures=(plan.shard_batches, plan.epoch_batches) if counted and plan else None,
+        remap_epoch=int(resume[EPOCH_KEY]) if resume and REMAP_KEY in resume else None,
     )  # fmt: skip
     readers.start()
     return Started(stripes, buffer, readers, evener, start.plan_shards)

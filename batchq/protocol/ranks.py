@@ -135,6 +135,26 @@ class RankLayout:
         """The slot of rank ``rank``'s local shard ``local``."""
         return local * self.world + rank
 
+    def slot_batches(self, shard_batches: int, epoch_batches: int) -> list[list[int]] | None:
+        """Each rank's local shards' batches in an epoch of the plan, where the plan counts
+        them (B = ``shard_batches`` each, the last shard holding E - (S - 1) x B, 1 to B);
+        None where it cannot (B unknown, a Filter: E not of that form). A pad slot holds
+        its shard's count."""
+        last = epoch_batches - (self.shards - 1) * shard_batches
+        if shard_batches <= 0 or not 0 < last <= shard_batches:
+            return None
+        counts = [shard_batches] * (self.shards - 1) + [last]
+        return [
+            [counts[self.shard_of(self.slot(j, r))] for j in range(self.per_rank)]
+            for r in range(self.world)
+        ]
+
+    def epoch_count(self, shares: list[list[int]]) -> int:
+        """The batches every rank yields per epoch, its ``shares`` evened: the most any
+        rank holds ('pad'), or the fewest ('drop')."""
+        totals = [sum(share) for share in shares]
+        return max(totals) if self.even == "pad" else min(totals)
+
     def to_global(self, n: int, rank: int) -> int:
         """The global slot number of rank ``rank``'s n-th local shard (epoch * P + j)."""
         epoch, j = divmod(n, self.per_rank)

@@ -54,3 +54,39 @@ def test_old_counts_go(fake_redis: Any) -> None:
     fake_redis.hset(KEYS.counts, mapping={"0:0": "=3", "1:0": "=3"})
     balancer(fake_redis, "pad").start_epoch(2)
     assert fake_redis.hkeys(KEYS.counts) == [b"1:0"]
+
+
+def counted_balancer(fake_redis: Any, even: str, totals: list[int]) -> Balancer:
+    """A rank 0 whose plan fixes every rank's count, but epoch 1's (re-split, say)."""
+    return Balancer(
+        fake_redis, KEYS, 0, 2, even, 0.3, keep=2,
+        counted=lambda epoch: totals if epoch != 1 else None,
+    )  # fmt: skip
+
+
+def test_pad_with_counts_the_plan_fixes_waits_for_no_rank(fake_redis: Any) -> None:
+    # No other rank published anything: a wait would be RankLost. Ranks that step
+    # together (DDP) could not publish: the longer one is waiting for this one.
+    b = counted_balancer(fake_redis, "pad", [3, 5])
+    got = list(b.balance(0, iter(["a", "b", "c"]), lambda: None))  # type: ignore[arg-type]
+    assert got == ["a", "b", "c", "a", "b"] and b.padded == 2
+    # Resumed 2 batches into the epoch: the plan's counts are the whole epoch's.
+    got = list(b.balance(2, iter(["c"]), lambda: None, already=2))  # type: ignore[arg-type]
+    assert got == ["c", "c", "c"]
+    with pytest.raises(RankLost):  # epoch 1's counts are only known as it is read
+        list(b.balance(1, iter(["a"]), lambda: None))  # type: ignore[arg-type]
+
+
+def test_drop_with_counts_the_plan_fixes_cuts_before_its_last_batch(fake_redis: Any) -> None:
+    b = counted_balancer(fake_redis, "drop", [4, 2])
+    cut: list[int] = []
+    frames = b.balance(0, iter(["a", "b", "c", "d"]), lambda: cut.append(1))  # type: ignore[arg-type]
+    assert next(frames) == "a" and cut == []
+    # The epoch ends with this batch: cut before the caller holds it, so a checkpoint
+    # taken now is past the epoch, as the shorter rank's is.
+    assert next(frames) == "b" and cut == [1] and b.cuts == 1
+    assert list(frames) == []
+    assert fake_redis.hget(KEYS.counts, "0:0") == b"=2"
+    b = counted_balancer(fake_redis, "drop", [2, 4])  # this rank is the shortest: no cut
+    assert list(b.balance(2, iter(["a", "b"]), lambda: cut.append(2))) == ["a", "b"]  # type: ignore[arg-type]
+    assert cut == [1]

@@ -143,6 +143,30 @@ def test_a_rank_s_state_stands_for_every_rank_where_only_the_last_shard_is_short
     assert checkpoint.resumed_batches(saved, 1) == checkpoint.resumed_batches(None, 0) == 0
 
 
+def test_a_rank_inside_or_just_past_a_re_split_epoch_stands_for_no_other() -> None:
+    # Resumed 2 -> 3 into a re-split epoch 2: its counts are the remap's, not the plan's.
+    old = [
+        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
+         "plan_shards": 6, "epoch": 2, "consumed": {}, "done": [0], "rank": r,
+         "world_size": 2, "even_batches": "pad", "step": 6}
+        for r in range(2)
+    ]  # fmt: skip
+    resumed = elastic_state(old, 0, 3)
+    meta = {b"shards": b"6", b"epoch_batches": b"27", b"shard_batches": b"5", b"hwm": b"4"}
+    url = "redis://127.0.0.1:1/0"
+    options = ServerDataStream(("x",), url=url, queue="q", rank=0, world_size=3).options
+    args = (options, "r2", Plan(meta), 2)
+    # Its share of the re-split epoch done, the others still in it (its run-time pads).
+    padding = stream_state(*args, (3, {}, []), step=9, plan_shards=6, params=None,
+                           resumed=resumed, yielding=(2, 3))  # fmt: skip
+    assert "every_rank" not in padding and "yielding" not in padding
+    assert checkpoint.resumed_batches(resumed, 2) == 0  # the remap's counts are not its own
+    # That epoch ended for every rank: the next one's state stands for all again.
+    past = stream_state(*args, (3, {}, []), step=9, plan_shards=6, params=None,
+                        resumed=resumed, yielding=(3, 0))  # fmt: skip
+    assert (past["every_rank"], past["yielding"]) == (True, [3, 0])
+
+
 @pytest.mark.parametrize("remap", [[[1]], [[True, 0]], [[1, -1]], "x"])
 def test_a_malformed_remap_is_refused_naming_it(remap: object) -> None:
     state = checkpoint.position_state("q", "r1", "fp", 4, 2, {}, [])

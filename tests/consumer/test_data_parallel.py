@@ -349,7 +349,15 @@ def found_ranks(
 
 
 def rank_zero_restart(
-    spawn_proc: Any, url: str, queue: str, tmp: Path, epochs: int, old: int, new: int, stop: int
+    spawn_proc: Any,
+    url: str,
+    queue: str,
+    tmp: Path,
+    epochs: int,
+    old: int,
+    new: int,
+    stop: int,
+    *extra: str,
 ) -> tuple[list[Path], dict[str, Any], list[Path]]:
     """``old`` found ranks read ``stop`` batches each and stop; ``new`` found ranks then
     resume from rank 0's state alone (what Lightning and Accelerate keep) to the end.
@@ -358,12 +366,14 @@ def rank_zero_restart(
         (the first job's outputs, rank 0's state, the second job's outputs).
     """
     outs = [tmp / f"a{r}.jsonl" for r in range(old)]
-    for proc in found_ranks(spawn_proc, url, queue, outs, epochs, "--stop-after", str(stop)):
+    for proc in found_ranks(
+        spawn_proc, url, queue, outs, epochs, "--stop-after", str(stop), *extra
+    ):
         assert proc.wait(timeout=60) == 3
     rank_zero = Path(f"{outs[0]}.state")
     outs_b = [tmp / f"b{r}.jsonl" for r in range(new)]
     for proc in found_ranks(
-        spawn_proc, url, queue, outs_b, epochs, "--finish", "--state-in", str(rank_zero)
+        spawn_proc, url, queue, outs_b, epochs, "--finish", "--state-in", str(rank_zero), *extra
     ):
         assert proc.wait(timeout=90) == 0
     return outs, json.loads(rank_zero.read_text()), outs_b
@@ -487,6 +497,81 @@ def test_rank_zeros_state_alone_resumes_the_job_where_the_last_shard_is_short(
     own = slot_shares(plan[1], 5, new)
     assert [a[: len(o)] for a, o in zip(after[1], own, strict=True)] == own
     assert {len(a) for a in after[1]} == {max(map(len, own))}
+
+
+@pytest.mark.parametrize("even", ["pad", "drop"])
+def test_ranks_that_step_together_end_every_epoch_where_shards_differ(
+    redis_url: str, queue_name: str, producers: Any, even: str
+) -> None:
+    # DDP's ranks step together (the gradients' all-reduce): a barrier after every
+    # batch. Shards of 5, the last of 2: with 'pad' rank 0 holds 12 batches an epoch,
+    # rank 1 15; with 'drop' the last shard goes to nobody (10 each).
+    # A rank that waited for another's final count would wait for a rank that waits
+    # for it at the barrier (issue 39's review): the plan's counts need no wait.
+    import threading
+
+    producers(2, "--requests-per-shard", "5")
+    barrier = threading.Barrier(2, timeout=30)
+    got: list[list[tuple[int, list[int]]]] = [[], []]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with ServerDataStream(
+                ("features", "targets"), url=redis_url, queue=queue_name, rank=r,
+                world_size=2, even_batches=even, timeout_s=30,
+            ) as stream:  # fmt: skip
+                for _ in range(2):
+                    for f, _ in stream.get_epoch_iterator():
+                        got[r].append((stream.epoch, examples_of(f)))
+                        barrier.wait()
+                    barrier.wait()  # the epoch's end, together
+        except BaseException as e:  # reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    count = 15 if even == "pad" else 10
+    for e, plan in enumerate(plans(2)):
+        shares_e = [[b for ep, b in g if ep == e] for g in got]
+        own = slot_shares(plan, 5, 2) if even == "pad" else slot_shares(plan[:20], 5, 2)
+        assert [len(s) for s in shares_e] == [count, count]
+        assert [s[: min(count, len(o))] for s, o in zip(shares_e, own, strict=True)] == [
+            o[:count] for o in own
+        ]  # each rank's share in plan order, then (pad) its own first batches again
+
+
+@pytest.mark.parametrize("stop", [10, 11])
+def test_drop_resumes_from_rank_zero_s_state_at_the_epoch_s_last_step(
+    redis_url: str,
+    queue_name: str,
+    producers: Any,
+    spawn_proc: Any,
+    tmp_path: Path,
+    stop: int,
+) -> None:
+    # Shards of 3, the last of 1 (8 shards): rank 0 holds 12 batches, rank 1 10; 'drop'
+    # ends both at 10. Stopped at step 10 (the epoch's last), rank 0's state is past the
+    # epoch as rank 1's is: its cut came before the batch (issue 39's review: it was
+    # still inside the epoch, and the resumed job waited for counts never sent).
+    producers(2, "--requests-per-shard", "3")
+    epochs = 2
+    outs, saved, outs_b = rank_zero_restart(
+        spawn_proc, redis_url, queue_name, tmp_path, epochs, 2, 2, stop, "--even", "drop"
+    )
+    after = shares(outs_b, epochs)
+    before = shares(outs, epochs)
+    plan = plans(epochs)
+    own = slot_shares(plan[0], 3, 2)
+    assert (saved["epoch"], saved["consumed"]) == ((1, {}) if stop == 10 else (1, {"0": 1}))
+    assert [b + a for b, a in zip(before[0], after[0], strict=True)] == [o[:10] for o in own]
+    whole = [b + a for b, a in zip(before[1], after[1], strict=True)]
+    assert whole == [o[:10] for o in slot_shares(plan[1], 3, 2)]
 
 
 def test_a_rank_whose_list_fills_while_another_reads_is_unread(

@@ -58,3 +58,18 @@ def test_field_names() -> None:
 def test_bad_layouts_are_refused(world: int, even: str) -> None:
     with pytest.raises(ConfigError):
         RankLayout(10, world, even)
+
+
+def test_each_rank_s_batches_where_the_plan_counts_them() -> None:
+    # 5 shards of 5, the last of 2: rank 0 builds shards 0, 2, 4; rank 1 1, 3 and a pad
+    # of shard 0.
+    pad = RankLayout(5, 2, "pad")
+    assert pad.slot_batches(5, 22) == [[5, 5, 2], [5, 5, 5]]
+    assert pad.epoch_count([[5, 5, 2], [5, 5, 5]]) == 15
+    drop = RankLayout(4, 2, "drop")
+    assert drop.slot_batches(5, 17) == [[5, 5], [5, 2]]
+    assert drop.epoch_count([[5, 5], [5, 2]]) == 7
+    # Not counted: B unknown (a Filter), or E not S shards of B with a last of 1 to B.
+    assert pad.slot_batches(0, 22) is None
+    assert pad.slot_batches(5, 20) is None and pad.slot_batches(5, 26) is None
+    assert pad.slot_batches(5, 25) == [[5, 5, 5], [5, 5, 5]]
