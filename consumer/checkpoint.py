@@ -213,7 +213,8 @@ def _rank_part(
 ) -> dict[str, Any]:
     """A rank's fields, marked every_rank where its position stands for every rank's;
     where only the plan's last shard is short, with what rebuilds each rank's."""
-    short = options.ordered and _last_short(plan, remapped)
+    # A shard skipped on a producer's error holds fewer batches than the plan says.
+    short = options.ordered and options.on_producer_error != "skip" and _last_short(plan, remapped)
     every = options.ordered and (short or _slots_alike(plan, remapped))
     fields = rank_fields(
         options.rank, options.world_size, options.even_batches, plan_shards, step, every
