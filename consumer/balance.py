@@ -86,6 +86,9 @@ class Balancer:
         self.timeout_s = timeout_s
         self.keep = max(1, keep)
         self.padded = 0  # batches yielded twice to even the counts (all epochs)
+        # The shards of the epoch's run-time pads yielded so far, in order: a wrapper
+        # holding some back holds no batch of the ledger (EpochFeed.ledger_held).
+        self.pad_shards: list[int] = []
         self.cuts = 0  # epochs whose share 'drop' ended early to even the counts
 
     def _publish(self, epoch: int, n: int, final: bool) -> None:
@@ -123,6 +126,7 @@ class Balancer:
 
     def start_epoch(self, epoch: int) -> None:
         """Forget this rank's counts of epochs before the previous one."""
+        self.pad_shards = []
         if epoch >= 2:
             call(
                 lambda: self.client.hdel(self.keys.counts, counts_field(epoch - 2, self.rank)),
@@ -169,6 +173,7 @@ class Balancer:
             raise RankLost(epoch, [], self.timeout_s, empty=self.rank)
         for i in range(target - n):
             self.padded += 1
+            self.pad_shards.append(kept[i % len(kept)].shard)
             yield kept[i % len(kept)]
 
     def _drop(

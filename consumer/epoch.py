@@ -107,6 +107,18 @@ class EpochFeed:
         """Batches yielded a second time to even the ranks' counts (all epochs)."""
         return self.evener.padded if self.evener is not None else 0
 
+    def ledger_held(self, held_back: dict[int, int] | None) -> dict[int, int] | None:
+        """``held_back`` (shard -> frames a wrapper holds, the latest it took) less the
+        epoch's run-time pads among them: a pad is a batch of the share yielded again,
+        not one the ledger hands out (counted as not had, it would be had twice)."""
+        pads = self.evener.pad_shards if isinstance(self.evener, Balancer) else []
+        if not held_back or not pads:
+            return held_back
+        held = dict(held_back)
+        for shard in pads[-min(sum(held.values()), len(pads)) :]:
+            held[shard] = held.get(shard, 0) - 1
+        return {shard: n for shard, n in held.items() if n > 0} or None
+
     def yielding(self, held_back: int) -> tuple[int, int]:
         """(epoch, batches of it yielded), less ``held_back`` frames a wrapper holds; once
         an epoch ended with none held, the next one, none yielded (an epoch re-split for

@@ -303,7 +303,7 @@ class ServerDataStream(FuelStreamMixin):
         refuse_grouped(self._session)  # one build serves every group: none steers it alone
         held = dict(held_back) if held_back else None
         step = self._step + self._feed.yielded - sum((held or {}).values())
-        consumed = self._buffer.consumed(held)
+        consumed = self._buffer.consumed(self._feed.ledger_held(held))
         return self._params.set_params(
             params, at_batch, at_epoch, buffer=self._buffer, consumed=consumed, step=step
         )
@@ -384,8 +384,9 @@ class ServerDataStream(FuelStreamMixin):
             return unstarted_state(self.keys.queue)
         run, plan = self._session.position()
         held = sum((held_back or {}).values())
+        position = self._buffer.consumed(self._feed.ledger_held(held_back))
         return stream_state(
-            self.options, run, plan, self._buffer.shards, self._buffer.consumed(held_back),
+            self.options, run, plan, self._buffer.shards, position,
             step=self._step + self._feed.yielded - held,
             plan_shards=self._started.plan_shards if self._started else 0,
             params=self._params.state(), resumed=self._resume,
