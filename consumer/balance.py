@@ -210,8 +210,14 @@ class Balancer:
         self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None], count: int, own: int
     ) -> Iterator[Frame]:
         """'drop' where every rank's count is known: the epoch ends with batch ``count``,
-        the cut made before it is yielded."""
+        the cut made before it is yielded. Each batch is published in hand as on the
+        waiting path, so a rank that could not count (another plan seen, an option of
+        its own) and waits on the exchange is answered."""
         n = 0
+        if count <= 0:  # resumed at or past the count (a state saved by earlier code)
+            self._publish(epoch, 0, final=True)
+            cut()
+            return
         for frame in frames:
             n += 1
             if n >= count:
@@ -221,6 +227,7 @@ class Balancer:
                     cut()
                 yield frame
                 return
+            self._publish(epoch, n + 1, final=False)
             yield frame
         self._publish(epoch, n, final=True)
 

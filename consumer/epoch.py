@@ -78,6 +78,8 @@ class EpochFeed:
         stats: the trainer's figures.
         prep: the stream's frame preparation (its cast warnings are raised here).
         seen: batches handed out, by producer (the stream's ``producers_seen``).
+        at: the epoch the stream opens next and its batches yielded before (a resumed
+            checkpoint's share).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class EpochFeed:
         stats: TrainerStats,
         prep: FramePrep,
         seen: Counter[str],
+        at: tuple[int, int] = (0, 0),
     ) -> None:
         self.buffer = buffer
         self.alive = alive
@@ -99,7 +102,7 @@ class EpochFeed:
         # The epoch being handed out and its batches handed out so far, run-time pads and
         # a resumed checkpoint's share included: the same on every rank at one step
         # (a state's ``yielding``, consumer/checkpoint.py); and whether it ended.
-        self.epoch_yielded = (0, 0)
+        self.epoch_yielded = at
         self.epoch_ended = False
 
     @property
@@ -138,15 +141,27 @@ class EpochFeed:
         total: int | None,
         already: int = 0,
     ) -> Iterator[Frame]:
-        """Begin ``epoch`` (at the first ``next``) and yield its frames.
+        """Open ``epoch`` (its count of batches yielded starts now) and yield its frames
+        (the epoch begins at the first ``next``).
 
         Args:
             skip_errors, queue: as :func:`batch_frames`.
             progress: draw a progress bar (of ``total`` batches, if known).
             already: batches of ``epoch`` yielded before the checkpoint resumed from.
         """
-        buffer, stats = self.buffer, self.stats
         self.epoch_yielded, self.epoch_ended = (epoch, already), False
+        return self._frames(epoch, skip_errors, queue, progress, total, already)
+
+    def _frames(
+        self,
+        epoch: int,
+        skip_errors: bool,
+        queue: str,
+        progress: bool,
+        total: int | None,
+        already: int,
+    ) -> Iterator[Frame]:
+        buffer, stats = self.buffer, self.stats
         buffer.start_epoch(epoch)
         stats.start_epoch(epoch)
         bar = EpochProgress(epoch, total) if progress else None

@@ -528,9 +528,12 @@ class ServerDataStream(FuelStreamMixin):
             connect=self._named_client,
         )
         started = self._started
+        # The epoch opened next and its batches had before (a checkpoint's), so that a
+        # state taken before that epoch's first batch says where every rank is.
+        at = (self.epoch + 1, resumed_batches(self._resume, self.epoch + 1))
         self._feed = EpochFeed(
             started.buffer, started.readers.is_alive, started.evener, self._stats, self._prep,
-            self.producers_seen,
+            self.producers_seen, at,
         )  # fmt: skip
         return self._feed
 

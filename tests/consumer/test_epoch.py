@@ -55,3 +55,18 @@ def test_a_wrapper_s_held_pads_are_no_batches_of_the_ledger(fake_redis: Any) -> 
     assert buffer.consumed(feed.ledger_held(held)) == (0, {0: 1}, [0])
     assert feed.ledger_held({0: 1, 1: 1}) is None  # the two pads alone
     assert buffer.consumed(feed.ledger_held({0: 1, 1: 1})) == (1, {}, [])
+
+
+def test_a_state_before_the_epoch_s_first_batch_says_where_the_rank_is(
+    fake_redis: Any,
+) -> None:
+    # Resumed 3 batches into epoch 2 (the feed made with the checkpoint's count): a
+    # state taken before the first batch, even with the epoch's iterator open, is there.
+    buffer = Buffer(Ledger(2))
+    evener = Balancer(fake_redis, KEYS, 0, 2, "pad", 1.0, keep=2)
+    prep = FramePrep(("x",), None, "q")
+    feed = EpochFeed(buffer, lambda: True, evener, TrainerStats(), prep, Counter(), (2, 3))
+    assert feed.yielding(0) == (2, 3)
+    frames = feed.frames(2, skip_errors=False, queue="q", progress=False, total=None, already=3)
+    assert feed.yielding(0) == (2, 3)  # opened, nothing taken yet
+    del frames
