@@ -270,7 +270,7 @@ def even_counts(
     keep: int,
     *,
     figures: tuple[int, int] | None = None,
-    remap_epoch: int | None = None,
+    remap: tuple[int, list[list[int]]] | None = None,
 ) -> Balancer | StaticPads | None:
     """How this rank's counts come out equal: by the slots alone where every shard is one
     batch (pads counted as they are yielded; None where there are none), else by telling
@@ -280,8 +280,9 @@ def even_counts(
     Args:
         figures: the plan's (B, E) where they count every shard's batches (None: not
             known, or not to be trusted: shards skipped on a producer's error).
-        remap_epoch: the epoch re-split for another world this rank resumed in, if any
-            (its counts are the remap's, not the plan's).
+        remap: the epoch re-split for another world this rank resumed in, and its remap
+            (slot -> [shard, batches had]): that epoch's counts are each slot's shard's
+            less what was had of it.
     """
     if layout.world == 1:
         return None
@@ -289,10 +290,28 @@ def even_counts(
         return StaticPads(layout, rank) if layout.pads else None
     shares = layout.slot_batches(*figures) if figures is not None else None
     totals = [sum(share) for share in shares] if shares is not None else None
+    remapped = _remap_totals(layout, figures, remap[1]) if remap is not None else None
 
     def counted(epoch: int) -> list[int] | None:
-        return totals if epoch != remap_epoch else None
+        return remapped if remap is not None and epoch == remap[0] else totals
 
     return Balancer(
         client, keys, rank, layout.world, layout.even, timeout_s, keep=keep, counted=counted
     )
+
+
+def _remap_totals(
+    layout: RankLayout, figures: tuple[int, int] | None, units: list[list[int]]
+) -> list[int] | None:
+    """Each rank's batches of an epoch re-split by ``units`` (slot u: [shard, batches
+    had], rank u % world; the slots past them are done), where the plan counts every
+    shard's."""
+    if figures is None or layout.slot_batches(*figures) is None:
+        return None
+    batches, epoch_batches = figures
+    last = epoch_batches - (layout.shards - 1) * batches
+    count = [batches] * (layout.shards - 1) + [last]
+    totals = [0] * layout.world
+    for u, (shard, had) in enumerate(units):
+        totals[u % layout.world] += count[shard] - had
+    return totals

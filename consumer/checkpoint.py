@@ -230,13 +230,16 @@ def _rank_part(
 
 def resumed_batches(resumed: Mapping[str, Any] | None, epoch: int) -> int:
     """The batches of ``epoch`` a rank had yielded before the checkpoint it resumed from
-    (ordered: its position's count; 0 outside that epoch, and in an epoch re-split for
-    another world, whose counts are the remap's pieces had, of other ranks)."""
+    (ordered: its position's count; 0 outside that epoch). In an epoch re-split for
+    another world the position counts each slot's batches had when it was re-split (of
+    other ranks): those are not the rank's."""
     if not resumed or not resumed.get(RUN_KEY) or int(resumed.get(EPOCH_KEY, -1)) != epoch:
         return 0
+    had = sum(int(n) for n in resumed.get(CONSUMED_KEY, {}).values())
     if REMAP_KEY in resumed:
-        return 0
-    return sum(int(n) for n in resumed.get(CONSUMED_KEY, {}).values())
+        rank, world = int(resumed.get(RANK_KEY, 0)), int(resumed.get(WORLD_SIZE_KEY, 1))
+        had -= sum(unit[1] for unit in resumed[REMAP_KEY][rank::world])
+    return had
 
 
 def stream_state(

@@ -223,11 +223,12 @@ def open_reading(
         members.append(reader)
     readers = Readers(members)
     counted = plan is not None and options.on_producer_error != "skip"
+    remap = (int(resume[EPOCH_KEY]), resume[REMAP_KEY]) if resume and REMAP_KEY in resume else None
     evener = even_counts(
         start.layout, plan is not None and plan.epoch_batches == plan.shards, session.client,
         session.keys, session.rank, timeout_s, keep=options.hwm,
         figures=(plan.shard_batches, plan.epoch_batches) if counted and plan else None,
-        remap_epoch=int(resume[EPOCH_KEY]) if resume and REMAP_KEY in resume else None,
+        remap=remap,
     )  # fmt: skip
     readers.start()
     return Started(stripes, buffer, readers, evener, start.plan_shards)

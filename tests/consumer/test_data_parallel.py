@@ -508,34 +508,8 @@ def test_ranks_that_step_together_end_every_epoch_where_shards_differ(
     # rank 1 15; with 'drop' the last shard goes to nobody (10 each).
     # A rank that waited for another's final count would wait for a rank that waits
     # for it at the barrier (issue 39's review): the plan's counts need no wait.
-    import threading
-
     producers(2, "--requests-per-shard", "5")
-    barrier = threading.Barrier(2, timeout=30)
-    got: list[list[tuple[int, list[int]]]] = [[], []]
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            with ServerDataStream(
-                ("features", "targets"), url=redis_url, queue=queue_name, rank=r,
-                world_size=2, even_batches=even, timeout_s=30,
-            ) as stream:  # fmt: skip
-                for _ in range(2):
-                    for f, _ in stream.get_epoch_iterator():
-                        got[r].append((stream.epoch, examples_of(f)))
-                        barrier.wait()
-                    barrier.wait()  # the epoch's end, together
-        except BaseException as e:  # reported below
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    got = lockstep(redis_url, queue_name, 2, 2, even)
     count = 15 if even == "pad" else 10
     for e, plan in enumerate(plans(2)):
         shares_e = [[b for ep, b in g if ep == e] for g in got]
@@ -544,6 +518,68 @@ def test_ranks_that_step_together_end_every_epoch_where_shards_differ(
         assert [s[: min(count, len(o))] for s, o in zip(shares_e, own, strict=True)] == [
             o[:count] for o in own
         ]  # each rank's share in plan order, then (pad) its own first batches again
+
+
+def lockstep(
+    url: str, queue: str, world: int, epochs: int, even: str, state: Any = None
+) -> list[list[tuple[int, list[int]]]]:
+    """``world`` ranks (threads of this process) that step together as DDP's do: a
+    barrier after every batch and at every epoch's end; each loads ``state`` first."""
+    import threading
+
+    barrier = threading.Barrier(world, timeout=30)
+    got: list[list[tuple[int, list[int]]]] = [[] for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with ServerDataStream(
+                ("features", "targets"), url=url, queue=queue, rank=r, world_size=world,
+                even_batches=even, timeout_s=30,
+            ) as stream:  # fmt: skip
+                if state is not None:
+                    stream.load_state_dict(state)
+                for _ in range(epochs):
+                    for f, _ in stream.get_epoch_iterator():
+                        got[r].append((stream.epoch, examples_of(f)))
+                        barrier.wait()
+                    barrier.wait()
+        except BaseException as e:  # reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return got
+
+
+def test_ranks_that_step_together_resume_rank_zero_s_state_in_another_world(
+    redis_url: str, queue_name: str, producers: Any, spawn_proc: Any, tmp_path: Path
+) -> None:
+    # Shards of 5, the last of 2; 2 ranks read 3 batches each, 3 ranks then resume from
+    # rank 0's state alone, stepping together: the re-split epoch's counts follow from
+    # its remap (no rank waits for another's, which waits at the barrier).
+    producers(2, "--requests-per-shard", "5")
+    outs = [tmp_path / f"a{r}.jsonl" for r in range(2)]
+    for proc in found_ranks(spawn_proc, redis_url, queue_name, outs, 2, "--stop-after", "3"):
+        assert proc.wait(timeout=60) == 3
+    state = json.loads(Path(f"{outs[0]}.state").read_text())
+    got = lockstep(redis_url, queue_name, 3, 2, "pad", state)
+    plan = plans(2)
+    before = shares(outs, 2)[0]
+    after = [[b for ep, b in g if ep == 0] for g in got]
+    # The rest re-split: shards 0 and 1 from their 4th batch (2 left each), 2, 3 and 4
+    # whole, then a pad of shard 0: ranks hold 2 + 5, 2 + 2 and 5 + 2, evened to 7.
+    assert [len(a) for a in after] == [7, 7, 7]
+    read = Counter(tuple(b) for s in before + after for b in s)
+    assert set(read) == {tuple(b) for b in plan[0]}  # every batch of the epoch, pads aside
+    own = slot_shares(plan[1], 5, 3)
+    nxt = [[b for ep, b in g if ep == 1] for g in got]
+    assert [a[: len(o)] for a, o in zip(nxt, own, strict=True)] == own
 
 
 @pytest.mark.parametrize("stop", [10, 11])
