@@ -160,21 +160,24 @@ class Balancer:
             n += 1
             yield frame
         self._publish(epoch, n, final=True)
-        totals = self.counted(epoch)
-        if totals is not None:
-            totals = [total - already for total in totals]
-        else:
-            others = self._wait(
-                epoch, lambda o: len(o) == self.world - 1 and all(f for _, f in o.values())
-            )
-            totals = [c for c, _ in others.values()]
-        target = max([n, *totals])
+        target = max([n, *self._final_counts(epoch, already)])
         if target > n and not kept:
             raise RankLost(epoch, [], self.timeout_s, empty=self.rank)
         for i in range(target - n):
             self.padded += 1
             self.pad_shards.append(kept[i % len(kept)].shard)
             yield kept[i % len(kept)]
+
+    def _final_counts(self, epoch: int, already: int) -> list[int]:
+        """Every rank's count of ``epoch`` since the checkpoint resumed from: the plan's
+        where it fixes them, else as each rank publishes its final one (waited for)."""
+        totals = self.counted(epoch)
+        if totals is not None:
+            return [total - already for total in totals]
+        others = self._wait(
+            epoch, lambda o: len(o) == self.world - 1 and all(f for _, f in o.values())
+        )
+        return [c for c, _ in others.values()]
 
     def _drop(
         self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None], already: int

@@ -133,12 +133,14 @@ def epoch_length(
         )
     if world == 1:
         return total
-    if plan.shards != total:
+    layout = RankLayout(plan.shards, world, even)
+    shares = layout.slot_batches(plan.shard_batches, total) if plan.shards != total else None
+    if plan.shards != total and shares is None:
         raise LengthUnknown(
-            f"queue {keys.queue}: with shards of more than one batch a rank's share "
-            "is only known at the epoch's end"
+            f"queue {keys.queue}: with shards of more than one batch that the plan cannot "
+            "count, a rank's share is only known at the epoch's end"
         )
-    return RankLayout(total, world, even).per_rank
+    return layout.epoch_count(shares) if shares is not None else layout.per_rank
 
 
 class Shape(NamedTuple):

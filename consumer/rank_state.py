@@ -70,9 +70,17 @@ def pick_rank_state(
     states = _state_list(state)
     if _checkpoint_world(states) != world:
         return elastic_state(states, rank, world)
+    return _own_state(states, rank)
+
+
+def _own_state(states: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s state in a list of one checkpoint's, refused where a rank yielded
+    its run-time pads at that step (:func:`rank_position`)."""
     mine = [s for s in states if s.get(RANK_KEY, 0) == rank]
     if len(mine) != 1:
         raise ConfigError(f"the states hold {len(mine)} states of rank {rank}: expected one")
+    if YIELDING_KEY in mine[0]:
+        rank_position(mine[0], rank)
     return mine[0]
 
 
@@ -84,23 +92,44 @@ def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> d
     k] and the plan's B and E), rank ``rank``'s is rebuilt: in plan order it had its
     local shards' batches up to k (a shard builds B, the last one E - (S - 1) x B). Once
     k reaches the epoch's count (the most any rank holds under 'pad', the fewest under
-    'drop') the epoch was handed out: the next one, empty. A rank whose share is done
-    while the others read on (its run-time pads) is, as its own ledger says, at the next
-    epoch; for a ``re_split`` (a new world, :func:`elastic_state`) it is in the epoch with
-    every local shard done, so that every old rank's state is of that one epoch. Outside
-    a re-split the saving rank keeps its own state.
+    'drop') the epoch was handed out: the next one, empty. For a ``re_split`` (a new
+    world, :func:`elastic_state`) a rank whose share is done while the others read on
+    (its run-time pads) is in the epoch with every local shard done, so that every old
+    rank's state is of that one epoch. Outside a re-split the saving rank keeps its own
+    state.
 
     Raises:
-        ConfigError: the state's figures are not a valid plan.
+        ConfigError: the state's figures are not a valid plan; or, outside a re-split,
+            a rank yielded its run-time pads at that step: resumed, its pads are not
+            replayed and its epoch would end before the others' (ranks that step
+            together could not follow), for every rank of the job alike.
     """
-    if YIELDING_KEY not in state or (state.get(RANK_KEY) == rank and not re_split):
+    if YIELDING_KEY not in state:
         return state | {RANK_KEY: rank}
     layout, shares = _slot_batches(state)
     count = layout.epoch_count(shares)
     epoch, k = state[YIELDING_KEY]
+    if not re_split:
+        _refuse_inside_pads(shares, count, epoch, k)
+    if state.get(RANK_KEY) == rank and not re_split:
+        return state | {RANK_KEY: rank}
     if k >= count or (k >= sum(shares[rank]) and not re_split):
         return state | {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: [], RANK_KEY: rank}
     return state | _position_at(shares[rank], k) | {EPOCH_KEY: epoch, RANK_KEY: rank}
+
+
+def _refuse_inside_pads(shares: list[list[int]], count: int, epoch: int, k: int) -> None:
+    """Refuse a same-world resume from ``k`` batches into ``epoch`` where a rank yielded
+    its run-time pads then (see :func:`rank_position`)."""
+    padding = [r for r, share in enumerate(shares) if sum(share) <= k < count]
+    if padding:
+        raise ConfigError(
+            f"state taken {k} batches into epoch {epoch}, while rank(s) {padding} yielded "
+            f"their run-time pads (their shares end before the epoch's {count}): resumed "
+            "with as many ranks, their pads are not replayed and their epoch would end "
+            "before the others'; resume from a checkpoint of another step (an epoch's "
+            "end), or with another number of ranks (re-split)"
+        )
 
 
 def _position_at(share: list[int], k: int) -> dict[str, Any]:

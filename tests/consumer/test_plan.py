@@ -59,7 +59,17 @@ def test_len_is_refused_where_the_plan_cannot_tell(fake_redis: Any) -> None:
     several = _client_with(fake_redis, "several", {**PLAN, b"shards": b"5"})
     assert epoch_length(fake_redis, several, world=1, **common) == 10
     with pytest.raises(LengthUnknown, match="more than one batch"):
-        epoch_length(fake_redis, several, world=2, **common)
+        epoch_length(fake_redis, several, world=2, **common)  # B unknown (a Filter)
+
+
+def test_len_of_a_rank_where_the_plan_counts_shards_of_several_batches(fake_redis: Any) -> None:
+    # 5 shards of 3, the last of 1 (E = 13): 'pad' evens both ranks to rank 1's 3 + 3 + 3
+    # (shards 1, 3 and a pad of 0); 'drop' serves shards 0-3, 6 each.
+    meta = {**PLAN, b"shards": b"5", b"epoch_batches": b"13", b"shard_batches": b"3"}
+    keys = _client_with(fake_redis, "counted", meta)
+    common: dict[str, Any] = dict(world=2, timeout_s=5, epoch=0)
+    assert epoch_length(fake_redis, keys, even="pad", **common) == 9
+    assert epoch_length(fake_redis, keys, even="drop", **common) == 6
 
 
 def test_len_waits_for_the_first_producer_and_is_bounded(fake_redis: Any) -> None:

@@ -164,16 +164,23 @@ def test_where_the_last_shard_is_short_each_rank_s_position_is_rebuilt() -> None
         1, 0, {"0": 5, "1": 2}, [0]
     )  # fmt: skip
     check_rank_state(one, 1, 2)
-    # 13 batches in: rank 0 is in its run-time pads (its ledger says epoch 1), rank 1 3
-    # batches into its pad slot.
-    padding = short_last(0, "pad", 5, 22, 13) | {"epoch": 1}
-    one = pick_rank_state(padding, 1, 2)
-    assert (one["epoch"], one["consumed"], one["done"]) == (0, {"0": 5, "1": 5, "2": 3}, [0, 1])
     whole = pick_rank_state(short_last(0, "pad", 5, 22, 15) | {"epoch": 1}, 1, 2)
     assert (whole["epoch"], whole["consumed"], whole["done"]) == (1, {}, [])
-    # Rank 1 saved it: rank 0's own share ends at 12, then it pads (the next epoch).
-    zero = pick_rank_state(short_last(1, "pad", 5, 22, 13), 0, 2)
-    assert (zero["epoch"], zero["consumed"], zero["done"]) == (1, {}, [])
+
+
+def test_a_state_taken_while_a_rank_yields_its_pads_is_refused_for_as_many_ranks() -> None:
+    # 13 batches in: rank 0 (12 of its own) yields its run-time pads, rank 1 is 3 batches
+    # into its pad slot. Resumed, rank 0's pads are not replayed: its epoch would end 2
+    # batches before rank 1's, which ranks that step together cannot follow.
+    for saver in (0, 1):
+        padding = short_last(saver, "pad", 5, 22, 13)
+        for rank in (0, 1):
+            with pytest.raises(ConfigError, match=r"rank\(s\) \[0\] yielded their run-time pads"):
+                pick_rank_state(padding, rank, 2)
+    # Re-split for another world it resumes: rank 0 in the epoch with its shards done,
+    # rank 1's shards 1 and 3 done too: nothing of epoch 0 is left to re-split.
+    resumed = pick_rank_state(short_last(0, "pad", 5, 22, 13) | {"epoch": 1}, 0, 3)
+    assert (resumed["resplit"], resumed["remap"]) == (True, [])
 
 
 def test_under_drop_a_rank_past_the_fewest_batches_is_in_the_next_epoch() -> None:
