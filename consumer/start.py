@@ -41,6 +41,7 @@ from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import stripe_run_id
+from batchq.protocol.ranks import RankLayout
 from batchq.protocol.stripes import Stripes
 from consumer.balance import Balancer, StaticPads, even_counts
 from consumer.checkpoint import (
@@ -194,7 +195,6 @@ def open_reading(
         session, resume, new_run=new_run, ordered=options.ordered, step=step, timeout_s=timeout_s
     )
     stripes = [Stripe(session.keys, session, shm, session.client)]
-    plan = session.plan
     striped = _striped_plan(session)
     count = striped.stripes if striped is not None else 1
     for k in range(1, count):
@@ -222,16 +222,26 @@ def open_reading(
         )  # fmt: skip
         members.append(reader)
     readers = Readers(members)
+    evener = _evener(session, start.layout, options, resume)
+    readers.start()
+    return Started(stripes, buffer, readers, evener, start.plan_shards)
+
+
+def _evener(
+    session: Session, layout: RankLayout, options: StreamOptions, resume: dict[str, Any] | None
+) -> Balancer | StaticPads | None:
+    """How this rank's counts come out equal (:func:`consumer.balance.even_counts`):
+    from the plan's figures where they count every shard's batches (not where shards
+    may be skipped on a producer's error), a re-split epoch's from its remap."""
+    plan = session.plan
     counted = plan is not None and options.on_producer_error != "skip"
     remap = (int(resume[EPOCH_KEY]), resume[REMAP_KEY]) if resume and REMAP_KEY in resume else None
-    evener = even_counts(
-        start.layout, plan is not None and plan.epoch_batches == plan.shards, session.client,
-        session.keys, session.rank, timeout_s, keep=options.hwm,
+    return even_counts(
+        layout, plan is not None and plan.epoch_batches == plan.shards, session.client,
+        session.keys, session.rank, options.timeout_s, keep=options.hwm,
         figures=(plan.shard_batches, plan.epoch_batches) if counted and plan else None,
         remap=remap,
     )  # fmt: skip
-    readers.start()
-    return Started(stripes, buffer, readers, evener, start.plan_shards)
 
 
 def claim_to_finish(

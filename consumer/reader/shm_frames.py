@@ -324,17 +324,18 @@ class TrainerShm:
         if self.identity is None:
             return [None] * len(frames)
         owners = {id(owner): key for key, owner in self._owners.items()}
-        out: list[tuple[bytes, ShmKey] | None] = []
-        for frame in frames:
-            arrays = [v for v in frame.data if isinstance(v, np.ndarray)]
-            keys = {_owner_key(value, owners) for value in arrays}
-            key = keys.pop() if len(keys) == 1 else None
-            owner = self._owners.get(key) if key is not None else None
-            if key is None or owner is None:
-                out.append(None)
-            else:
-                out.append((encode_descriptor(key[0], key[2], owner.nbytes, self.identity), key))
-        return out
+        return [self._descriptor(frame, owners, self.identity) for frame in frames]
+
+    def _descriptor(
+        self, frame: Frame, owners: dict[int, ShmKey], identity: str
+    ) -> tuple[bytes, ShmKey] | None:
+        """One frame's descriptor and key (:meth:`descriptors`), or None."""
+        keys = {_owner_key(v, owners) for v in frame.data if isinstance(v, np.ndarray)}
+        key = keys.pop() if len(keys) == 1 else None
+        owner = self._owners.get(key) if key is not None else None
+        if key is None or owner is None:
+            return None
+        return encode_descriptor(key[0], key[2], owner.nbytes, identity), key
 
     def hand_over(self, keys: list[ShmKey], handed: bool = True) -> None:
         """The batches of ``keys`` are given back as their descriptors: their owners,
