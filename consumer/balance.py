@@ -230,7 +230,7 @@ class Balancer:
                     cut()
                 yield frame
                 return
-            self._publish(epoch, n + 1, final=False)
+            self._publish(epoch, n, final=False)  # it holds batch n: as the waiting path says
             yield frame
         self._publish(epoch, n, final=True)
 

@@ -115,7 +115,7 @@ class EpochFeed:
         epoch's run-time pads among them: a pad is a batch of the share yielded again,
         not one the ledger hands out (counted as not had, it would be had twice)."""
         pads = self.evener.pad_shards if isinstance(self.evener, Balancer) else []
-        if not held_back or not pads:
+        if not held_back or not pads or sum(held_back.values()) <= 0:
             return held_back
         held = dict(held_back)
         for shard in pads[-min(sum(held.values()), len(pads)) :]:

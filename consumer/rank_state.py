@@ -68,9 +68,61 @@ def pick_rank_state(
             return rank_position(state, rank)
         state = [rank_position(state, r, re_split=True) for r in range(saved_world)]
     states = _state_list(state)
-    if _checkpoint_world(states) != world:
+    resplit = _checkpoint_world(states) != world
+    states = _in_one_epoch(states, resplit)
+    if resplit:
         return elastic_state(states, rank, world)
     return _own_state(states, rank)
+
+
+def _in_one_epoch(states: list[dict[str, Any]], resplit: bool) -> list[dict[str, Any]]:
+    """One checkpoint's states, each in the epoch the job was in: a rank that had
+    finished its share of it while the others read on (its run-time pads, or a 'drop'
+    cut not made yet) says the next epoch, empty. Re-split for another world, it is in
+    the epoch with every local shard done; resumed with as many ranks it is refused
+    (:func:`rank_position`'s limit: its epoch would end before the others').
+
+    Raises:
+        ConfigError: the states are not of one epoch or the next, or such a rank with as
+            many ranks.
+    """
+    first, ahead = _ahead(states)
+    if not ahead:
+        return states
+    if not resplit:
+        raise ConfigError(
+            f"rank(s) {sorted(ahead)} had finished their share of epoch {first} while the "
+            "others read on (run-time pads, or a 'drop' cut): resumed with as many ranks "
+            "their epoch would end before the others'; resume from a checkpoint of "
+            "another step (an epoch's end), or with another number of ranks"
+        )
+    behind = next(s for s in states if int(s.get(RANK_KEY, 0)) not in ahead)
+    done = {EPOCH_KEY: first, DONE_KEY: list(range(_saved_layout(behind).per_rank))}
+    done |= {REMAP_KEY: behind[REMAP_KEY]} if REMAP_KEY in behind else {}
+    return [s | done if int(s.get(RANK_KEY, 0)) in ahead else s for s in states]
+
+
+def _ahead(states: list[dict[str, Any]]) -> tuple[int, set[int]]:
+    """The checkpoint's epoch and the ranks whose states are a step into the next one,
+    empty (ranks that had finished their share).
+
+    Raises:
+        ConfigError: states of other epochs, or a later one not empty.
+    """
+    started = [s for s in states if s.get(RUN_KEY)]
+    first = min((int(s[EPOCH_KEY]) for s in started), default=0)
+    ahead = [s for s in started if int(s[EPOCH_KEY]) != first]
+    if not all(_empty_in(s, first + 1) for s in ahead):
+        epochs = sorted({int(s[EPOCH_KEY]) for s in started})
+        raise ConfigError(f"states of epochs {epochs}: expected one checkpoint's")
+    return first, {int(s.get(RANK_KEY, 0)) for s in ahead}
+
+
+def _empty_in(state: dict[str, Any], epoch: int) -> bool:
+    """Whether ``state`` is at the start of ``epoch``, nothing of it yielded."""
+    return (
+        int(state[EPOCH_KEY]) == epoch and not state.get(CONSUMED_KEY) and not state.get(DONE_KEY)
+    )
 
 
 def _own_state(states: list[dict[str, Any]], rank: int) -> dict[str, Any]:

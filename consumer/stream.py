@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from batchq.client.connection import make_client, name_client, resolve_url, retrying, tune_malloc
-from batchq.errors import ConfigError, StreamStopped
+from batchq.errors import ConfigError, LengthUnknown, StreamStopped
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import trainer_client_name
 from batchq.protocol.params_log import ParamsLog
@@ -21,6 +21,7 @@ from batchq.wire.codec import Frame
 from consumer.checkpoint import (
     EPOCH_KEY,
     PARAMS_KEY,
+    REMAP_KEY,
     RUN_KEY,
     STEP_KEY,
     load_state,
@@ -322,8 +323,20 @@ class ServerDataStream(FuelStreamMixin):
 
     def __len__(self) -> int:
         """Batches per epoch (this rank's share), from the run's plan (waits for a
-        producer to publish it)."""
+        producer to publish it).
+
+        Raises:
+            LengthUnknown: the plan cannot tell, or the next epoch is one re-split for
+                another number of ranks (its count is its remap's, on top of the
+                batches the old ranks had: an iterator's end tells it).
+        """
         self._refind_rank()
+        resumed = self._resume or {}
+        if REMAP_KEY in resumed and int(resumed[EPOCH_KEY]) == self.epoch + 1:
+            raise LengthUnknown(
+                f"queue {self.keys.queue}: epoch {self.epoch + 1} was re-split for "
+                f"{self.world_size} ranks; its length is known at its end"
+            )
         self._connect()
         return epoch_length(
             self._client,

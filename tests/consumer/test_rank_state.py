@@ -209,3 +209,17 @@ def test_a_short_last_shard_state_re_splits_from_every_rank_s_rebuilt_position()
 def test_a_short_last_shard_state_with_bad_figures_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match=r"yielding .* are not valid"):
         pick_rank_state(short_last(0, "pad", 5, 22, 7) | bad, 1, 2)
+
+
+def test_a_list_with_a_rank_past_its_share_re_splits_but_not_for_as_many_ranks() -> None:
+    # Rank 1 had finished its share of epoch 0 (its pads) while rank 0 read on: its own
+    # state says epoch 1, empty. Re-split, it is in epoch 0 with every shard done.
+    states = [state(0, 2, {"0": 3, "1": 2}, [0]), state(1, 2, {}, [], epoch=1)]
+    with pytest.raises(ConfigError, match=r"rank\(s\) \[1\] had finished their share"):
+        pick_rank_state(states, 0, 2)
+    new = pick_rank_state(states, 0, 3)
+    # Only rank 0's unfinished shards are left: shard 2 (its local 1) from batch 2, then
+    # shards 4, 6, ... (its locals 2..10); rank 1's count as done.
+    assert new["remap"][0] == [2, 2] and all(shard % 2 == 0 for shard, _ in new["remap"])
+    with pytest.raises(ConfigError, match=r"states of epochs \[0, 2\]"):
+        pick_rank_state([state(0, 2, {}, []), state(1, 2, {}, [], epoch=2)], 0, 3)

@@ -27,3 +27,23 @@ def test_finishing_a_stream_that_never_read_leaves_a_live_trainers_run(
         idle.close(finished=True)  # waits out a claim that could lapse, then leaves it
         assert redis_client.hget(keys.meta, MetaField.FINISHED) is None
         assert len(list(reading.get_epoch_iterator())) == 4  # still its run
+
+
+def test_len_of_an_epoch_re_split_for_another_world_is_unknown() -> None:
+    # Its count is the remap's on top of what the old ranks had: an iterator's end tells.
+    import pytest
+
+    from batchq.errors import LengthUnknown
+    from consumer.rank_state import elastic_state
+
+    old = [
+        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
+         "plan_shards": 6, "epoch": 2, "consumed": {}, "done": [0], "rank": r,
+         "world_size": 2, "even_batches": "pad", "step": 6}
+        for r in range(2)
+    ]  # fmt: skip
+    stream = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q", rank=0, world_size=3)
+    stream.load_state_dict(old)
+    assert elastic_state(old, 0, 3)["remap"]
+    with pytest.raises(LengthUnknown, match="epoch 2 was re-split for 3 ranks"):
+        len(stream)
