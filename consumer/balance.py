@@ -18,12 +18,13 @@ for that epoch) and:
 Every wait is bounded by ``timeout_s`` (:class:`batchq.errors.RankLost` names the
 silent ranks).
 
-Where the plan counts every shard's batches (B each, the last 1 to B: no Filter), outside
-an epoch re-split for another world and without ``on_producer_error='skip'``, each rank's
-count is known before the epoch (:meth:`RankLayout.slot_batches`), and nothing is waited
-for: 'pad' pads up to the largest, 'drop' ends the epoch with its batch of the smallest
-count, cut before that batch is yielded (so a checkpoint taken there is already past the
-epoch, as every other rank's is). Ranks that step together (DDP's all-reduce) need that:
+Where the plan counts every shard's batches (B each, the last 1 to B: no Filter) and
+without ``on_producer_error='skip'``, each rank's count is known before the epoch
+(:meth:`RankLayout.slot_batches`; in an epoch re-split for another world, from its
+remap: each slot's shard less the batches had), and nothing is waited for: 'pad' pads
+up to the largest, 'drop' ends the epoch with its batch of the smallest count, cut
+before that batch is yielded (so a checkpoint taken there is already past the epoch, as
+every other rank's is). Ranks that step together (DDP's all-reduce) need that:
 a rank waiting for another's final count would wait for a rank that waits for it.
 
 Where every shard is one batch, nothing is exchanged: :class:`StaticPads` only counts
