@@ -310,11 +310,9 @@ def _remap_totals(
     """Each rank's batches of an epoch re-split by ``units`` (slot u: [shard, batches
     had], rank u % world; the slots past them are done), where the plan counts every
     shard's."""
-    if figures is None or layout.slot_batches(*figures) is None:
+    count = layout.shard_counts(*figures) if figures is not None else None
+    if count is None:
         return None
-    batches, epoch_batches = figures
-    last = epoch_batches - (layout.shards - 1) * batches
-    count = [batches] * (layout.shards - 1) + [last]
     totals = [0] * layout.world
     for u, (shard, had) in enumerate(units):
         totals[u % layout.world] += count[shard] - had

@@ -197,10 +197,10 @@ def _last_short(plan: Plan | None, remapped: bool) -> bool:
     """Whether only the epoch's last shard is short (B batches each, the last fewer but
     one at least), outside a re-split's remapped epoch: each rank's position after k
     batches of an epoch then follows from the plan (every_rank, with ``yielding``)."""
-    if plan is None or plan.shard_batches <= 0 or remapped:
+    if plan is None or plan.shards < 1 or remapped:
         return False
-    full = (plan.shards - 1) * plan.shard_batches
-    return full < plan.epoch_batches < full + plan.shard_batches
+    counts = RankLayout(plan.shards).shard_counts(plan.shard_batches, plan.epoch_batches)
+    return counts is not None and counts[-1] < plan.shard_batches
 
 
 def _rank_part(

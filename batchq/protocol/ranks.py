@@ -135,15 +135,21 @@ class RankLayout:
         """The slot of rank ``rank``'s local shard ``local``."""
         return local * self.world + rank
 
-    def slot_batches(self, shard_batches: int, epoch_batches: int) -> list[list[int]] | None:
-        """Each rank's local shards' batches in an epoch of the plan, where the plan counts
-        them (B = ``shard_batches`` each, the last shard holding E - (S - 1) x B, 1 to B);
-        None where it cannot (B unknown, a Filter: E not of that form). A pad slot holds
-        its shard's count."""
+    def shard_counts(self, shard_batches: int, epoch_batches: int) -> list[int] | None:
+        """Each shard's batches in an epoch of the plan, where the plan counts them (B =
+        ``shard_batches`` each, the last shard holding E - (S - 1) x B, 1 to B); None
+        where it cannot (B unknown, a Filter: E not of that form)."""
         last = epoch_batches - (self.shards - 1) * shard_batches
         if shard_batches <= 0 or not 0 < last <= shard_batches:
             return None
-        counts = [shard_batches] * (self.shards - 1) + [last]
+        return [shard_batches] * (self.shards - 1) + [last]
+
+    def slot_batches(self, shard_batches: int, epoch_batches: int) -> list[list[int]] | None:
+        """Each rank's local shards' batches in an epoch of the plan, where the plan counts
+        them (:meth:`shard_counts`; a pad slot holds its shard's count), else None."""
+        counts = self.shard_counts(shard_batches, epoch_batches)
+        if counts is None:
+            return None
         return [
             [counts[self.shard_of(self.slot(j, r))] for j in range(self.per_rank)]
             for r in range(self.world)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from data_parallel import two_ranks_in_epoch_2
 
 from batchq.errors import ConfigError
 from batchq.protocol.layout import resume_run_id
@@ -98,12 +99,7 @@ def test_a_loaded_state_must_be_this_group_s_and_this_rank_s() -> None:
 
 
 def test_a_rank_keeps_its_remap_while_in_the_re_split_epoch() -> None:
-    old = [
-        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
-         "plan_shards": 6, "epoch": 2, "consumed": {}, "done": [0], "rank": r,
-         "world_size": 2, "even_batches": "pad", "step": 6}
-        for r in range(2)
-    ]  # fmt: skip
+    old = two_ranks_in_epoch_2()
     resumed = elastic_state(old, 1, 3)
     url = "redis://127.0.0.1:1/0"
     options = ServerDataStream(("x",), url=url, queue="q", rank=1, world_size=3).options
@@ -145,12 +141,7 @@ def test_a_rank_s_state_stands_for_every_rank_where_only_the_last_shard_is_short
 
 def test_a_rank_inside_or_just_past_a_re_split_epoch_stands_for_no_other() -> None:
     # Resumed 2 -> 3 into a re-split epoch 2: its counts are the remap's, not the plan's.
-    old = [
-        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
-         "plan_shards": 6, "epoch": 2, "consumed": {}, "done": [0], "rank": r,
-         "world_size": 2, "even_batches": "pad", "step": 6}
-        for r in range(2)
-    ]  # fmt: skip
+    old = two_ranks_in_epoch_2()
     resumed = elastic_state(old, 0, 3)
     meta = {b"shards": b"6", b"epoch_batches": b"27", b"shard_batches": b"5", b"hwm": b"4"}
     url = "redis://127.0.0.1:1/0"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from data_parallel import two_ranks_in_epoch_2
 from pipelines import numbered
 
 from batchq.protocol.fields import MetaField
@@ -36,12 +37,7 @@ def test_len_of_an_epoch_re_split_for_another_world_is_unknown() -> None:
     from batchq.errors import LengthUnknown
     from consumer.rank_state import elastic_state
 
-    old = [
-        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
-         "plan_shards": 6, "epoch": 2, "consumed": {}, "done": [0], "rank": r,
-         "world_size": 2, "even_batches": "pad", "step": 6}
-        for r in range(2)
-    ]  # fmt: skip
+    old = two_ranks_in_epoch_2()
     stream = ServerDataStream(("x",), url="redis://127.0.0.1:1/0", queue="q", rank=0, world_size=3)
     stream.load_state_dict(old)
     assert elastic_state(old, 0, 3)["remap"]

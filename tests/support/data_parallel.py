@@ -119,3 +119,14 @@ def check_elastic_resume(
     assert got == want  # exactly the epoch, plus the documented pads
     for e in range(1, epochs):
         check_epoch(plan[e], after[e], new)
+
+
+def two_ranks_in_epoch_2() -> list[dict[str, Any]]:
+    """Both states of a 2-rank checkpoint taken in epoch 2 (S = 6 one-batch shards,
+    local shard 0 done on each): what the unit tests re-split for 3 ranks."""
+    return [
+        {"version": 1, "queue": "q", "run": "r", "fingerprint": "f", "shards": 3,
+         "plan_shards": 6, "epoch": 2, "consumed": {}, "done": [0], "rank": r,
+         "world_size": 2, "even_batches": "pad", "step": 6}
+        for r in range(2)
+    ]  # fmt: skip

@@ -64,6 +64,7 @@ def test_each_rank_s_batches_where_the_plan_counts_them() -> None:
     # 5 shards of 5, the last of 2: rank 0 builds shards 0, 2, 4; rank 1 1, 3 and a pad
     # of shard 0.
     pad = RankLayout(5, 2, "pad")
+    assert pad.shard_counts(5, 22) == [5, 5, 5, 5, 2]
     assert pad.slot_batches(5, 22) == [[5, 5, 2], [5, 5, 5]]
     assert pad.epoch_count([[5, 5, 2], [5, 5, 5]]) == 15
     drop = RankLayout(4, 2, "drop")
