@@ -228,11 +228,16 @@ class TorchStream(IterableDataset[Any]):
             self._warn_unpinned = True
 
     def _pin(self, frame: Any) -> Any:
-        """Reader-thread hook: the batch's arrays copied into pinned pool buffers."""
+        """Reader-thread hook: the batch's arrays copied into pinned pool buffers.
+
+        The frame keeps numpy arrays (views of the pinned tensors, which they keep
+        alive, so the pool sees the buffer in use): a hook that keeps the values gives
+        the stream values it can encode again, as a detach does with the frames held.
+        """
         pool = self.pool
         if pool is None:
             return frame
-        return _replace_data(frame, tuple(pool.copy_in(v) for v in frame.data))
+        return _replace_data(frame, tuple(_as_array(pool.copy_in(v)) for v in frame.data))
 
     def _epoch(self, as_dict: bool) -> Iterator[Any]:
         if self._warn_unpinned:
@@ -325,6 +330,11 @@ def _shape(sources: tuple[str, ...], values: tuple[Any, ...], as_dict: bool) -> 
 
 def _replace_data(frame: Any, data: tuple[Any, ...]) -> Any:
     return dataclasses.replace(frame, data=data)
+
+
+def _as_array(value: Any) -> Any:
+    # A CPU tensor's numpy view shares its memory and holds the tensor (its base).
+    return value.numpy() if isinstance(value, torch.Tensor) else value
 
 
 def _check_device(device: torch.device) -> None:

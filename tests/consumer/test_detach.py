@@ -105,16 +105,25 @@ def test_a_trainer_resumed_where_one_detached_reads_on_in_its_run(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("pinned", [False, True])
 def test_a_torch_stream_saved_and_closed_is_taken_over_by_the_next(
-    redis_url: str, redis_client: redis.Redis, queue_name: str, producers: Any
+    redis_url: str, redis_client: redis.Redis, queue_name: str, producers: Any, pinned: bool
 ) -> None:
-    """The torch adapter's loop (CPU: no device prefetch): its state, then close()."""
-    pytest.importorskip("torch")
+    """The torch adapter's loop (CPU: no device prefetch): its state, then close(). Pinned:
+    the reader thread copies each batch into the pinned pool (what ``pin_memory=True``
+    does where an accelerator is; a plain allocator stands in), and the held batches
+    still go back (a device run once logged "cannot encode a value of type
+    torch.Tensor" here and started a new run)."""
+    torch = pytest.importorskip("torch")
     from consumer.torch import TorchStream
+    from consumer.torch_memory import PinnedPool
 
     producers(2, "auto")
     got = []
     first = TorchStream(stream_of(redis_url, queue_name), as_dict=True)
+    if pinned:
+        first.pool = PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+        first.stream.configure_frames(hook=first._pin, hook_keeps_values=True)
     for i, batch in enumerate(first):
         got.append((0, examples_of(batch["features"].numpy())))
         if i == 10:
