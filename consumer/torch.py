@@ -273,7 +273,10 @@ class TorchStream(IterableDataset[Any]):
                     del self._held[shard]
                 yield _shape(sources, moved, as_dict)
         finally:
-            self._held.clear()
+            # Not cleared here: a loop that breaks out (this generator closed) and then
+            # saves must still not count the batches prefetched and never yielded; the
+            # next epoch's start clears them.
+            pending.clear()
 
     def _top_up(
         self,

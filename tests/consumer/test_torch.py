@@ -238,6 +238,38 @@ def test_prefetched_batches_are_not_counted_as_consumed(
     assert again == expected[2:PER_EPOCH]
 
 
+def test_a_loop_that_breaks_out_then_saves_does_not_count_the_prefetched_batches(
+    redis_url: str,
+    queue_name: str,
+    producer_thread: Callable[..., Any],
+) -> None:
+    # The habit `for batch in ts: ...; if step == n: break`, then a checkpoint: the
+    # generator is closed by then, with batches prefetched and never yielded (the state
+    # once counted them, and a resume skipped them).
+    from waiting import wait_until
+
+    producer_thread(numbered(EXAMPLES, BATCH))
+    expected = reference(2)
+    ts = TorchStream(stream_of(redis_url, queue_name, hwm=4), prefetch=4)
+    ts.mover = DeviceMover(torch.device("cpu"), backend=torch.cpu)
+    got = []
+    for i, (features, _) in enumerate(ts):
+        got.append(examples_of(features.numpy()))
+        if i == 0:  # two more batches at hand: the next step prefetches
+            wait_until(lambda: len(ts.stream._buffer.held_frames() or []) >= 2, 15.0)
+        if i == 1:
+            assert sum(ts._held.values()) >= 1  # prefetched, not yielded
+            break
+    state = json.loads(json.dumps(ts.state_dict()))
+    assert sum(state["consumed"].values()) == 2
+    ts.close()
+    ts2 = TorchStream(stream_of(redis_url, queue_name))
+    ts2.load_state_dict(state)
+    got += [examples_of(f.numpy()) for f, _ in ts2]
+    ts2.close(finished=True)
+    assert got == expected[:PER_EPOCH]
+
+
 def test_pinned_pool_reuses_a_buffer_only_once_nothing_references_it() -> None:
     pool = PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8), max_buffers=2)
     a = pool.copy_in(np.arange(16, dtype=np.float32))
