@@ -19,14 +19,15 @@ Nothing is given back (and the run is not marked) where a frame could not be giv
 as it was popped: the reader's preparation changed it (a subset of the sources, a cast,
 a hook: pinned copies, a user's), a held shard failed (an ERROR frame), a held frame is
 of an earlier run (Redis lost the queue), or the trainer reads as a rank or a group, or
-a striped queue. Batches a wrapper holds (a device prefetch) are not given back: the
-wrapper's state then differs from the stream's, so no resume matches the mark.
+a striped queue. Batches a wrapper took and has not handed on (a device prefetch) come
+first, given by the wrapper's close (``taken``); its state holds them back, and so does
+the mark's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -59,6 +60,7 @@ def detach(
     host: str | None,
     exact: bool,
     shm: TrainerShm | None = None,
+    taken: Sequence[Frame] = (),
 ) -> int:
     """Give back the frames ``buffer`` holds and mark the run detached at ``state``.
 
@@ -77,13 +79,15 @@ def detach(
             preparation kept them: :meth:`FramePrep.keeps_frames`), on a single stripe.
         shm: the trainer's shared memory (None: everything is encoded again), whose
             batches still in their segments are given back as their descriptors.
+        taken: frames a wrapper took from the stream and did not hand on, in the order
+            taken (before every frame the buffer holds); ``state`` holds them back.
 
     Returns:
         The frames given back: the run is marked (also where none was held), but where
         the detach was refused (0, logged).
     """
     run, _ = session.position()
-    held = _held(session, buffer, run) if exact else None
+    held = _held(session, buffer, run, taken) if exact else None
     if held is None:
         return 0
     position, given = position_digest(state, host), 0
@@ -151,16 +155,19 @@ def _give_back(
     return reply.first
 
 
-def _held(session: Session, buffer: Buffer, run: str) -> list[Frame] | None:
-    """The frames to give back, in plan order; None where none may be: not a single
-    claimed trainer of the default group, a held ERROR frame, or a frame of another run
-    than ``run`` (received before Redis lost the queue and the run was made again, the
-    reader's recovery: the new run's ledger counts it as had, so given back it would be
-    dropped and never built again)."""
+def _held(session: Session, buffer: Buffer, run: str, taken: Sequence[Frame]) -> list[Frame] | None:
+    """The frames to give back (``taken``, then the buffer's), in plan order; None where
+    none may be: not a single claimed trainer of the default group, a held ERROR frame,
+    or a frame of another run than ``run`` (received before Redis lost the queue and
+    the run was made again, the reader's recovery: the new run's ledger counts it as
+    had, so given back it would be dropped and never built again)."""
     if not session.claimed or session.world != 1 or session.grouped:
         return None
     held = buffer.held_frames()
-    if held is None or any(f.run != run for f in held):
+    if held is None:
+        return None
+    held = [*taken, *held]
+    if any(f.run != run for f in held):
         return None
     return held
 

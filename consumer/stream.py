@@ -347,7 +347,7 @@ class ServerDataStream(FuelStreamMixin):
             epoch=self.epoch,
         )
 
-    def close(self, finished: bool = False) -> None:
+    def close(self, finished: bool = False, *, held: Sequence[Frame] = ()) -> None:
         """Stop reading and release the queue.
 
         Without ``finished`` a single trainer gives back the frames it popped and did
@@ -356,12 +356,15 @@ class ServerDataStream(FuelStreamMixin):
 
         Args:
             finished: end the run: the producers finish and exit 0.
+            held: frames taken from :meth:`open_epoch` that the caller has not handed
+                on (a wrapper's prefetch; the ``held_back`` of its :meth:`state_dict`),
+                in the order taken: given back first.
         """
         if self._closed:
             return
         self._closed = True
         if self._started is not None:
-            self._stop_reading(self._started, finished)
+            self._stop_reading(self._started, finished, held)
         if self._session is None and finished:
             # Never started (a restarted job whose checkpoint is past its last batch):
             # finishing still has to reach the producers, or they serve for ever.
@@ -492,7 +495,7 @@ class ServerDataStream(FuelStreamMixin):
             tune_malloc()
             self._client = self._named_client(self.keys)
 
-    def _stop_reading(self, started: Started, finished: bool) -> None:
+    def _stop_reading(self, started: Started, finished: bool, held: Sequence[Frame]) -> None:
         """Stop the readers; stopping without finishing, a single trainer then gives back
         the frames it holds unread, once every reader stopped (:mod:`consumer.detach`)."""
         # The readers send the last epoch's figures themselves, as their last act: only
@@ -501,8 +504,10 @@ class ServerDataStream(FuelStreamMixin):
         if not finished and self._session and self._buffer and started.readers.stopped():
             exact = len(started.stripes) == 1 and self._prep.keeps_frames()
             try:
+                held_back = Counter(frame.shard for frame in held)
                 detach(
-                    self._session, self._client, self._buffer, state=self.state_dict(),
+                    self._session, self._client, self._buffer,
+                    state=self.state_dict(held_back=held_back), taken=held,
                     host=self._shm.identity, exact=exact, shm=self._shm,
                 )  # fmt: skip
             except Exception:  # the release below must run whatever a detach meets

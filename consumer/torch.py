@@ -43,6 +43,7 @@ from torch.utils.data import IterableDataset
 
 from batchq.errors import BatchQueueError, ConfigError
 from batchq.protocol.params_log import EMPTY_PARAMS
+from batchq.wire.codec import Frame
 from consumer.reader.prepare import ArrayAccess
 from consumer.stream import ServerDataStream
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
@@ -58,7 +59,9 @@ __all__ = ["DataLoaderDispatchError", "DataLoaderWorkersError", "TorchStream"]
 
 
 # A batch on its way to the device: its shard, sources, tensors, copy event and params.
-Pending = tuple[int, tuple[str, ...], tuple[Any, ...], Any, Mapping[str, Any]]
+# A batch on its way to the device: its frame (given back by a detach), the device
+# values, the copy's event and the params it was built with.
+Pending = tuple[Frame, tuple[Any, ...], Any, Mapping[str, Any]]
 
 _NO_ACCELERATOR = (
     "pin_memory=True, but no accelerator is available: batches are delivered in ordinary "
@@ -128,6 +131,7 @@ class TorchStream(IterableDataset[Any]):
             self._pin_batches(pool_buffers)
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
         self._held: Counter[int] = Counter()  # shard -> batches pulled, not yet yielded
+        self._pending: deque[Pending] = deque()  # those batches, in the order pulled
         self._params: Mapping[str, Any] = EMPTY_PARAMS  # the params of the batch yielded last
         # The DataLoaders last found holding this stream, and when (a heap scan is
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
@@ -187,8 +191,12 @@ class TorchStream(IterableDataset[Any]):
         return self._params
 
     def close(self, finished: bool = False) -> None:
-        """Close the stream (see :meth:`ServerDataStream.close`)."""
-        self.stream.close(finished)
+        """Close the stream (see :meth:`ServerDataStream.close`); the batches prefetched
+        and not handed to the loop go back with the frames the stream holds, so that a
+        trainer resumed from :meth:`state_dict` taken right before reads on at once."""
+        held = [frame for frame, *_ in self._pending]
+        self._pending.clear()
+        self.stream.close(finished, held=held)
 
     def __enter__(self) -> TorchStream:
         return self
@@ -245,6 +253,7 @@ class TorchStream(IterableDataset[Any]):
             warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=3)
         frames = self.stream.open_epoch()
         self._held.clear()
+        self._pending.clear()
         mover = self.mover
         if mover is None:
             for frame in frames:
@@ -254,29 +263,28 @@ class TorchStream(IterableDataset[Any]):
         yield from self._moved(frames, mover, as_dict)
 
     def _moved(self, frames: Iterator[Any], mover: DeviceMover, as_dict: bool) -> Iterator[Any]:
-        """The epoch's batches on the device, up to ``prefetch`` of them on their way."""
-        pending: deque[Pending] = deque()
+        """The epoch's batches on the device, up to ``prefetch`` of them on their way.
+
+        The batches on their way stay counted (``_held``) and kept (``_pending``) when
+        the loop breaks out and this generator closes: a state saved then does not count
+        them, and a close() gives them back; the next epoch's start drops them.
+        """
+        pending = self._pending
         deferred: BaseException | None = None
-        try:
-            while True:
-                if not pending:
-                    if deferred is not None:
-                        raise deferred
-                    if not self._pull(frames, mover, pending):
-                        return
-                if deferred is None:
-                    deferred = self._top_up(frames, mover, pending)
-                shard, sources, moved, event, self._params = pending.popleft()
-                mover.hand_over(moved, event)
-                self._held[shard] -= 1
-                if not self._held[shard]:
-                    del self._held[shard]
-                yield _shape(sources, moved, as_dict)
-        finally:
-            # Not cleared here: a loop that breaks out (this generator closed) and then
-            # saves must still not count the batches prefetched and never yielded; the
-            # next epoch's start clears them.
-            pending.clear()
+        while True:
+            if not pending:
+                if deferred is not None:
+                    raise deferred
+                if not self._pull(frames, mover, pending):
+                    return
+            if deferred is None:
+                deferred = self._top_up(frames, mover, pending)
+            frame, moved, event, self._params = pending.popleft()
+            mover.hand_over(moved, event)
+            self._held[frame.shard] -= 1
+            if not self._held[frame.shard]:
+                del self._held[frame.shard]
+            yield _shape(frame.sources, moved, as_dict)
 
     def _top_up(
         self,
@@ -305,7 +313,7 @@ class TorchStream(IterableDataset[Any]):
             return False
         self._held[frame.shard] += 1
         moved, event = mover.issue(tuple(to_tensor(v) for v in frame.data))
-        pending.append((frame.shard, frame.sources, moved, event, self.stream.params))
+        pending.append((frame, moved, event, self.stream.params))
         return True
 
 

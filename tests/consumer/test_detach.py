@@ -105,31 +105,45 @@ def test_a_trainer_resumed_where_one_detached_reads_on_in_its_run(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("way", ["plain", "pinned", "device", "device_broke_out"])
 def test_a_torch_stream_saved_and_closed_is_taken_over_by_the_next(
-    redis_url: str, redis_client: redis.Redis, queue_name: str, producers: Any, pinned: bool
+    redis_url: str, redis_client: redis.Redis, queue_name: str, producers: Any, way: str
 ) -> None:
-    """The torch adapter's loop (CPU: no device prefetch): its state, then close(). Pinned:
-    the reader thread copies each batch into the pinned pool (what ``pin_memory=True``
-    does where an accelerator is; a plain allocator stands in), and the held batches
-    still go back (a device run once logged "cannot encode a value of type
-    torch.Tensor" here and started a new run)."""
+    """The torch adapter's loop: its state, then close(). Pinned: the reader thread
+    copies each batch into the pinned pool (what ``pin_memory=True`` does where an
+    accelerator is; a plain allocator stands in), and the held batches still go back (a
+    device run once logged "cannot encode a value of type torch.Tensor" here and started
+    a new run). Device: pinned, and up to 4 batches on their way to the device (torch's
+    CPU stand-ins for streams and events), saved and closed inside the loop or after it
+    broke out: the batches prefetched go back first."""
     torch = pytest.importorskip("torch")
+    from waiting import wait_until
+
     from consumer.torch import TorchStream
-    from consumer.torch_memory import PinnedPool
+    from consumer.torch_memory import DeviceMover, PinnedPool
 
     producers(2, "auto")
     got = []
-    first = TorchStream(stream_of(redis_url, queue_name), as_dict=True)
-    if pinned:
+    first = TorchStream(stream_of(redis_url, queue_name), as_dict=True, prefetch=4)
+    if way != "plain":
         first.pool = PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
         first.stream.configure_frames(hook=first._pin, hook_keeps_values=True)
+    if way.startswith("device"):
+        first.mover = DeviceMover(torch.device("cpu"), backend=torch.cpu)
+    state = None
     for i, batch in enumerate(first):
         got.append((0, examples_of(batch["features"].numpy())))
+        if i == 9 and way.startswith("device"):  # more at hand: the next step prefetches
+            wait_until(lambda: len(first.stream._buffer.held_frames() or []) >= 2, 15.0)
         if i == 10:
+            if way == "device":  # inside the loop: its generator holds what it prefetched
+                state = json.loads(json.dumps(first.state_dict()))
+                first.close()
             break
-    state = json.loads(json.dumps(first.state_dict()))
-    first.close()
+    if state is None:
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+    assert sum(state["consumed"].values()) == 11
     second = TorchStream(stream_of(redis_url, queue_name), as_dict=True)
     second.load_state_dict(state)
     epoch = iter(second)
