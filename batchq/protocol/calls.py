@@ -87,7 +87,7 @@ class StatusReply(NamedTuple):
 
 
 class CountReply(NamedTuple):
-    """reap.lua and gone.lua: ``{'OK', producers reaped, shards returned}``; fail.lua:
+    """reap.lua: ``{'OK', producers reaped, shards returned}``; fail.lua:
     ``{'RETRY'|'GIVE_UP', attempts}``; resume.lua ``{'OK', run}`` / ``{'STEP', step}``
     (``text``); or a status."""
 

@@ -157,7 +157,6 @@ SCRIPTS: dict[str, Script] = {
         "claim",
         "detach",
         "fail",
-        "gone",
         "handback",
         "join",
         "lease",

@@ -57,7 +57,6 @@ ROLE_SCRIPTS = {
     "bq-trainer": {
         "claim",
         "detach",
-        "gone",
         "params",
         "pop",
         "reap",

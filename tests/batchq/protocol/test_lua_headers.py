@@ -78,7 +78,6 @@ WRAPPERS: dict[str, Any] = {
     "reap": lambda c: recovery_scripts.reap(
         c, K, incarnation="i", why="dead", producers=["a", "b"]
     ),
-    "gone": lambda c: recovery_scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
     "requeue": lambda c: recovery_scripts.requeue(
         c, K, incarnation="i", run="r", data=K.data, shards=[1, 2], alive=["a"],
         rank=("next:0", [0, 1]),
@@ -145,6 +144,18 @@ def test_the_wrapper_sends_what_the_header_declares(name: str) -> None:
         assert len(keys) == len(header.keys)
     if not header.args_tail:
         assert len(args) == len(header.args)
+
+
+def test_the_closed_producers_reap_sends_what_reaps_header_declares() -> None:
+    # reap.lua serves two wrappers: dead or leaving producers, and killed ones (closed).
+    sha, keys, args = _sent(
+        lambda c: recovery_scripts.gone(c, K, incarnation="i", closed={"a": "1,2"})
+    )
+    header = SCRIPTS["reap"].header
+    assert sha == SCRIPTS["reap"].sha
+    assert len(keys) == len(header.keys) + 1 and len(args) == len(header.args) + 2
+    assert dict(zip(header.args, args, strict=False))["why"] == "closed"
+    assert all(k.startswith("bq:{hdr}:") for k in keys)
 
 
 def test_named_positions_follow_the_header() -> None:
