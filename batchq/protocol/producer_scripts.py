@@ -71,8 +71,10 @@ class LeaseReply(NamedTuple):
     """lease.lua: ``{'OK', g, skip, slots, world, mask, params stamp, attempts[, shard]}``,
     ``{'WAIT', slot}``, ``{'GROUPS', n}`` or a status.
 
-    ``slots`` is 0 in a world-1 run of one group (the plan's S is the caller's); ``mask``:
-    the group slots the shard is built for (1: slot 0 alone); ``params``: meta's params
+    ``g``: the global slot number (epoch x slots + slot, :mod:`batchq.protocol.ranks`);
+    ``skip``: the batches the group that has fewest of the shard already has; ``slots``
+    is 0 in a world-1 run of one group (the plan's S is the caller's); ``mask``: the
+    group slots the shard is built for (1: slot 0 alone); ``params``: meta's params
     stamp ('<run>:<version>' of the params log, '' for none); ``attempts``: the shard's
     failed attempts so far (raised, timed out, or its producer died); ``shard``: the shard a
     remapped slot builds; with GROUPS, ``groups`` is the run's group slots; with WAIT,
@@ -110,9 +112,11 @@ class LeaseReply(NamedTuple):
 
 class PushReply(NamedTuple):
     """push.lua: ``{'OK', depth, dropped}``, ``{'FULL', depth[, slot]}``, ``{'DROPPED',
-    mask}``, ``{'WRONG_TYPE', key, type}`` or a status (``dropped``: the group slots whose
-    full lists the frame left out, their shard gone back for them; ``slot``: FULL's, the
-    group whose list is full, -1 in a run of one group)."""
+    mask}``, ``{'WRONG_TYPE', key, type}`` or a status (``depth``: OK's, the shortest list
+    the frame went into, after it; FULL's, the full list's; ``dropped``: the group slots
+    whose full lists the frame left out, their shard gone back for them; ``slot``:
+    FULL's, the group whose list is full and paces the others, -1 in a run of one
+    group)."""
 
     status: str
     depth: int = 0

@@ -2,14 +2,9 @@
 -- 'groups' unset) takes the fast path: the rank furthest behind with room mints. In a run
 -- of several, a shard is minted once for the groups of a family at its cursor, paced by
 -- their windows and max_lag (docs/design.md "Data-parallel trainers", "Several groups").
--- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]}: g the global slot
---   number (epoch * slots + slot, ranks.py; slots 0 in a world-1 run of one group), mask
---   the group slots it is built for (bit i: slot i), skip the batches each of them has
---   already, stamp meta 'params' ('<run>:<version>' or ''), attempts its failed attempts so
---   far, shard the shard a slot of a remapped epoch builds (a resume with other ranks);
---   or {'WAIT', slot} (slot: the group whose floor holds the shared stream, -1 for none),
---   {'BUSY'} (prefetch declined), {'GROUPS', n} (the run's group slots: read them again),
---   {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}, {'REAPED'} (join again)
+-- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]}, {'WAIT', slot},
+--   {'BUSY'} (prefetch declined), {'GROUPS', n}, {'STATE_LOST'}, {'RUN_CHANGED'},
+--   {'FINISHED'}, {'REAPED'} (join again): LeaseReply (producer_scripts.py) says what each is
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
