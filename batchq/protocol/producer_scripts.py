@@ -1,9 +1,9 @@
 """The producer's scripts, one typed function each (see :mod:`batchq.protocol.calls`):
 joining a run (join.lua), a lease (lease.lua) and the capped push (push.lua) in a run
 read by one group or several (:mod:`batchq.protocol.groups`), which travel in pipelines
-and are built as a :class:`~batchq.protocol.calls.Call`, a failed
-attempt (fail.lua), a shard handed back untouched (handback.lua) and an example replaced
-by a substitute (quarantine.lua).
+and are built as a :class:`~batchq.protocol.calls.Call`, a leased shard handed back
+(handback.lua: untouched, or a failed attempt) and an example replaced by a substitute
+(quarantine.lua).
 """
 
 from __future__ import annotations
@@ -250,9 +250,11 @@ def push_call(
     )  # fmt: skip
 
 
-def _shard_keys(keys: QueueKeys, producer: str) -> dict[str, str | None]:
+def _handback_keys(keys: QueueKeys, producer: str) -> dict[str, str | None]:
+    """The KEYS of handback.lua."""
     return {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-            "lease": keys.leases[producer]}  # fmt: skip
+            "lease": keys.leases[producer], "failures": keys.failures,
+            "stats": keys.stats}  # fmt: skip
 
 
 def fail(
@@ -265,12 +267,12 @@ def fail(
     entry: str,
     max_attempts: int,
 ) -> CountReply:
-    """Count a failed attempt at a shard (fail.lua): RETRY or GIVE_UP with ``first``
+    """Count a failed attempt at a shard (handback.lua): RETRY or GIVE_UP with ``first``
     the attempts so far."""
     return build_call(
-        "fail",
+        "handback",
         CountReply.parse,
-        {**_shard_keys(keys, producer), "failures": keys.failures, "stats": keys.stats},
+        _handback_keys(keys, producer),
         {"incarnation": incarnation, "run": run, "entry": entry,
          "max_attempts": max_attempts},
     ).run(client)  # fmt: skip
@@ -279,12 +281,12 @@ def fail(
 def handback(
     client: redis.Redis, keys: QueueKeys, *, incarnation: str, run: str, producer: str, entry: str
 ) -> StatusReply:
-    """Give a leased shard back untouched (handback.lua)."""
+    """Give a leased shard back untouched (handback.lua, max_attempts 0)."""
     return build_call(
         "handback",
         StatusReply.parse,
-        _shard_keys(keys, producer),
-        {"incarnation": incarnation, "run": run, "entry": entry},
+        _handback_keys(keys, producer),
+        {"incarnation": incarnation, "run": run, "entry": entry, "max_attempts": 0},
     ).run(client)
 
 

@@ -156,7 +156,6 @@ SCRIPTS: dict[str, Script] = {
     for name in (
         "claim",
         "detach",
-        "fail",
         "handback",
         "join",
         "lease",

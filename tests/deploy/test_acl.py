@@ -49,7 +49,6 @@ ROLE_SCRIPTS = {
         "join",
         "lease",
         "push",
-        "fail",
         "handback",
         "reap",
         "quarantine",
