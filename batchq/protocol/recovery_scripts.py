@@ -111,7 +111,7 @@ def requeue(
         "requeue",
         RequeueReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work, "data": data,
-         "producers": keys.producers, "stats": keys.queue_stats},
+         "stats": keys.queue_stats},
         {"incarnation": incarnation, "run": run, "n": len(shards), "mask": mask},
         more_keys=[keys.leases[p] for p in alive],
         more_args=tail,
