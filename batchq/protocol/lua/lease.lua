@@ -10,7 +10,7 @@ local incarnation_key = KEYS[2]  -- STRING
 local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
-local failures_key = KEYS[6]     -- HASH   g -> failed attempts (fail.lua, reaps)
+local failures_key = KEYS[6]     -- HASH   g -> failed attempts (handback.lua, reaps)
 -- KEYS[7..]: every group slot's ledger (one in a run of one group), then every slot's
 -- data lists (of its own world), then each slot's remap hash (in a run of one group only
 -- where data-parallel)
