@@ -40,8 +40,9 @@ __all__ = [
 
 class JoinReply(NamedTuple):
     """join.lua: ``{'OK', incarnation, run, hwm, S, window, created[, world[, groups]]}``,
-    ``{'MISMATCH', what, expected}`` or a status (``groups``: the group slots of a run
-    read by several groups, 0 for one)."""
+    ``{'MISMATCH', what, expected}`` or a status (``world``: the ranks of the run's
+    data-parallel trainer, :mod:`batchq.protocol.ranks`; ``groups``: the group slots of a
+    run read by several groups, 0 for one)."""
 
     status: str
     incarnation: str = ""
