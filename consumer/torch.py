@@ -38,8 +38,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-import torch
-from torch.utils.data import IterableDataset
+try:
+    import torch
+    from torch.utils.data import IterableDataset
+except ImportError as e:  # the one place that says how to get the optional extra
+    raise ImportError(f"consumer.torch needs PyTorch: pip install 'batchq[torch]' ({e})") from e
 
 from batchq.errors import BatchQueueError, ConfigError
 from batchq.protocol.params_log import EMPTY_PARAMS

@@ -12,7 +12,7 @@ not answering within ``timeout_s`` (then it is killed), is
 :class:`producer.errors.ExampleKilled` naming the example and how, raised where the read
 would have raised: with ``on_sample_error='quarantine'`` the example is recorded and
 replaced like one that raised (:mod:`producer.quarantine`), else the shard's attempt
-fails (fail.lua) and after ``max_attempts`` the trainer gets ``ProducerFailed`` naming
+fails (handback.lua) and after ``max_attempts`` the trainer gets ``ProducerFailed`` naming
 it. The survivor, not the dead process, reports: an outside kill (the OOM killer, an
 operator) of a producer only makes the next builder of its shards isolate them, never
 condemns an example. What the child read is thrown away; the parent then reads the

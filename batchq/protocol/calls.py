@@ -87,9 +87,9 @@ class StatusReply(NamedTuple):
 
 
 class CountReply(NamedTuple):
-    """reap.lua and gone.lua: ``{'OK', producers reaped, shards returned}``; fail.lua:
-    ``{'RETRY'|'GIVE_UP', attempts}``; resume.lua ``{'OK', run}`` / ``{'STEP', step}``
-    (``text``); or a status."""
+    """reap.lua: ``{'OK', producers reaped, shards returned}``; handback.lua (a failed
+    attempt): ``{'RETRY'|'GIVE_UP', attempts}``; resume.lua ``{'OK', run}`` / ``{'STEP',
+    step}`` (``text``); or a status."""
 
     status: str
     first: int = 0

@@ -8,8 +8,8 @@ Entries and fields:
   per lease request; in a run read by several groups ``'<g>/<mask>:<run>:<token>'``
   where the shard is for other groups than slot 0 alone (mask: bit i set for group slot
   i, :mod:`batchq.protocol.groups`). The run is there so that a lease list that outlived
-  its run (a killed producer's) is never handed to the next one: reap.lua, gone.lua and
-  join.lua give back only the entries of the queue's current, unfinished run and drop
+  its run (a killed producer's) is never handed to the next one: reap.lua and join.lua
+  give back only the entries of the queue's current, unfinished run and drop
   the others (:func:`entry_run`);
 * a work entry (the work list): ``'<g>'`` or ``'<g>/<mask>'`` (the part of a lease entry
   before its token: a shard handed back is built again for the same groups);

@@ -1,9 +1,9 @@
 """The producer's scripts, one typed function each (see :mod:`batchq.protocol.calls`):
 joining a run (join.lua), a lease (lease.lua) and the capped push (push.lua) in a run
 read by one group or several (:mod:`batchq.protocol.groups`), which travel in pipelines
-and are built as a :class:`~batchq.protocol.calls.Call`, a failed
-attempt (fail.lua), a shard handed back untouched (handback.lua) and an example replaced
-by a substitute (quarantine.lua).
+and are built as a :class:`~batchq.protocol.calls.Call`, a leased shard handed back
+(handback.lua: untouched, or a failed attempt) and an example replaced by a substitute
+(quarantine.lua).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ __all__ = [
 
 class JoinReply(NamedTuple):
     """join.lua: ``{'OK', incarnation, run, hwm, S, window, created[, world[, groups]]}``,
-    ``{'MISMATCH', what, expected}`` or a status (``groups``: the group slots of a run
-    read by several groups, 0 for one)."""
+    ``{'MISMATCH', what, expected}`` or a status (``world``: the ranks of the run's
+    data-parallel trainer, :mod:`batchq.protocol.ranks`; ``groups``: the group slots of a
+    run read by several groups, 0 for one)."""
 
     status: str
     incarnation: str = ""
@@ -71,8 +72,10 @@ class LeaseReply(NamedTuple):
     """lease.lua: ``{'OK', g, skip, slots, world, mask, params stamp, attempts[, shard]}``,
     ``{'WAIT', slot}``, ``{'GROUPS', n}`` or a status.
 
-    ``slots`` is 0 in a world-1 run of one group (the plan's S is the caller's); ``mask``:
-    the group slots the shard is built for (1: slot 0 alone); ``params``: meta's params
+    ``g``: the global slot number (epoch x slots + slot, :mod:`batchq.protocol.ranks`);
+    ``skip``: the batches the group that has fewest of the shard already has; ``slots``
+    is 0 in a world-1 run of one group (the plan's S is the caller's); ``mask``: the
+    group slots the shard is built for (1: slot 0 alone); ``params``: meta's params
     stamp ('<run>:<version>' of the params log, '' for none); ``attempts``: the shard's
     failed attempts so far (raised, timed out, or its producer died); ``shard``: the shard a
     remapped slot builds; with GROUPS, ``groups`` is the run's group slots; with WAIT,
@@ -110,9 +113,11 @@ class LeaseReply(NamedTuple):
 
 class PushReply(NamedTuple):
     """push.lua: ``{'OK', depth, dropped}``, ``{'FULL', depth[, slot]}``, ``{'DROPPED',
-    mask}``, ``{'WRONG_TYPE', key, type}`` or a status (``dropped``: the group slots whose
-    full lists the frame left out, their shard gone back for them; ``slot``: FULL's, the
-    group whose list is full, -1 in a run of one group)."""
+    mask}``, ``{'WRONG_TYPE', key, type}`` or a status (``depth``: OK's, the shortest list
+    the frame went into, after it; FULL's, the full list's; ``dropped``: the group slots
+    whose full lists the frame left out, their shard gone back for them; ``slot``:
+    FULL's, the group whose list is full and paces the others, -1 in a run of one
+    group)."""
 
     status: str
     depth: int = 0
@@ -246,9 +251,11 @@ def push_call(
     )  # fmt: skip
 
 
-def _shard_keys(keys: QueueKeys, producer: str) -> dict[str, str | None]:
+def _handback_keys(keys: QueueKeys, producer: str) -> dict[str, str | None]:
+    """The KEYS of handback.lua."""
     return {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work,
-            "lease": keys.leases[producer]}  # fmt: skip
+            "lease": keys.leases[producer], "failures": keys.failures,
+            "stats": keys.stats}  # fmt: skip
 
 
 def fail(
@@ -261,12 +268,12 @@ def fail(
     entry: str,
     max_attempts: int,
 ) -> CountReply:
-    """Count a failed attempt at a shard (fail.lua): RETRY or GIVE_UP with ``first``
+    """Count a failed attempt at a shard (handback.lua): RETRY or GIVE_UP with ``first``
     the attempts so far."""
     return build_call(
-        "fail",
+        "handback",
         CountReply.parse,
-        {**_shard_keys(keys, producer), "failures": keys.failures, "stats": keys.stats},
+        _handback_keys(keys, producer),
         {"incarnation": incarnation, "run": run, "entry": entry,
          "max_attempts": max_attempts},
     ).run(client)  # fmt: skip
@@ -275,12 +282,12 @@ def fail(
 def handback(
     client: redis.Redis, keys: QueueKeys, *, incarnation: str, run: str, producer: str, entry: str
 ) -> StatusReply:
-    """Give a leased shard back untouched (handback.lua)."""
+    """Give a leased shard back untouched (handback.lua, max_attempts 0)."""
     return build_call(
         "handback",
         StatusReply.parse,
-        _shard_keys(keys, producer),
-        {"incarnation": incarnation, "run": run, "entry": entry},
+        _handback_keys(keys, producer),
+        {"incarnation": incarnation, "run": run, "entry": entry, "max_attempts": 0},
     ).run(client)
 
 

@@ -1,7 +1,7 @@
 """The scripts of work recovery, one typed function each (see
-:mod:`batchq.protocol.calls`; used by :mod:`batchq.protocol.reaper`): dead or leaving
-producers' leases back to work (reap.lua), those of producers whose connections closed
-(gone.lua), and shards with a gap nobody can still deliver (requeue.lua).
+:mod:`batchq.protocol.calls`; used by :mod:`batchq.protocol.reaper`): the leases of
+dead, leaving or killed producers (their connections closed) back to work (reap.lua),
+and shards with a gap nobody can still deliver (requeue.lua).
 
 What they count (``redone_shards``, ``reaped_closed``, ``stale_leases``) goes into the
 queue's stats hash (``QueueKeys.queue_stats``) whichever group's view of the keys the
@@ -37,6 +37,13 @@ class RequeueReply(NamedTuple):
         return cls(r[0], [int(g) for g in r[1:]] if r[0] == Status.OK else [])
 
 
+def _reap_keys(keys: QueueKeys) -> dict[str, str | None]:
+    """The KEYS reap.lua names before its lease lists."""
+    return {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
+            "stats": keys.queue_stats, "meta": keys.meta, "clients": keys.clients,
+            "failures": keys.failures}  # fmt: skip
+
+
 def reap(
     client: redis.Redis,
     keys: QueueKeys,
@@ -50,9 +57,7 @@ def reap(
     return build_call(
         "reap",
         CountReply.parse,
-        {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
-         "stats": keys.queue_stats, "meta": keys.meta, "clients": keys.clients,
-         "failures": keys.failures},
+        _reap_keys(keys),
         {"incarnation": incarnation, "why": why},
         more_keys=[keys.leases[p] for p in producers],
         more_args=list(producers),
@@ -62,18 +67,16 @@ def reap(
 def gone(
     client: redis.Redis, keys: QueueKeys, *, incarnation: str, closed: Mapping[str, str]
 ) -> CountReply:
-    """Reap producers whose connections closed (gone.lua); ``closed`` maps a producer
-    to the ids found closed, '<main>,<heartbeat>'."""
+    """Reap producers whose connections closed (reap.lua, 'closed'); ``closed`` maps a
+    producer to the ids found closed, '<main>,<heartbeat>'."""
     pairs: list[Arg] = []
     for producer, ids in closed.items():
         pairs += [producer, ids]
     return build_call(
-        "gone",
+        "reap",
         CountReply.parse,
-        {"incarnation": keys.incarnation, "producers": keys.producers, "work": keys.work,
-         "stats": keys.queue_stats, "clients": keys.clients, "meta": keys.meta,
-         "failures": keys.failures},
-        {"incarnation": incarnation},
+        _reap_keys(keys),
+        {"incarnation": incarnation, "why": "closed"},
         more_keys=[keys.leases[p] for p in closed],
         more_args=pairs,
     ).run(client)  # fmt: skip
@@ -108,7 +111,7 @@ def requeue(
         "requeue",
         RequeueReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "work": keys.work, "data": data,
-         "producers": keys.producers, "stats": keys.queue_stats},
+         "stats": keys.queue_stats},
         {"incarnation": incarnation, "run": run, "n": len(shards), "mask": mask},
         more_keys=[keys.leases[p] for p in alive],
         more_args=tail,

@@ -156,8 +156,6 @@ SCRIPTS: dict[str, Script] = {
     for name in (
         "claim",
         "detach",
-        "fail",
-        "gone",
         "handback",
         "join",
         "lease",

@@ -42,6 +42,9 @@ class ClaimReply(NamedTuple):
     group done, run ended}`` or a status.
 
     Attributes:
+        new_run: acquire: the claim started a new run.
+        fence: acquire: meta's fence (one more per acquire; a retried one's as it is).
+        held: acquire: this rank had claimed the resumed run before.
         slot, groups: acquire: the group slot the trainer reads and the run's group
             slots (0: the run is not read by several groups).
         retired: acquire: the group's slot of another world that it left for ``slot``

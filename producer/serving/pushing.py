@@ -27,7 +27,7 @@ its own (:class:`BuildWatch`) and waits for it at most that long. A build past i
 :class:`~producer.errors.BuildTimeout` in the serving thread, naming the shard and,
 where the stream's root says what it is reading (``reading``: a
 :class:`producer.torch.dataset.DatasetStream` names the example, :func:`reading_of`),
-the example: the pusher counts it as a failed attempt (fail.lua: the shard goes back to
+the example: the pusher counts it as a failed attempt (handback.lua: the shard goes back to
 the work list, or after ``max_attempts`` the trainer gets ``ProducerFailed`` with that
 message), and the producer then stops serving and raises it (``batchq serve`` exits
 non-zero, a ``--workers`` pool starts another). It cannot go on: the build still runs
@@ -220,7 +220,7 @@ class ShardPusher:
         return self._push(frame, entry, last=True)
 
     def _retry_elsewhere(self, epoch: int, shard: int, entry: str) -> Pushed:
-        """Count the failure (fail.lua): True if the shard went back to the work list
+        """Count the failure (handback.lua): True if the shard went back to the work list
         for a retry (or was taken from us), False if it gave up (report it), or a
         :class:`Handover`."""
         s, position = self.settings, self.frames.position

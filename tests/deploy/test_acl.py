@@ -49,7 +49,6 @@ ROLE_SCRIPTS = {
         "join",
         "lease",
         "push",
-        "fail",
         "handback",
         "reap",
         "quarantine",
@@ -57,7 +56,6 @@ ROLE_SCRIPTS = {
     "bq-trainer": {
         "claim",
         "detach",
-        "gone",
         "params",
         "pop",
         "reap",

@@ -2,13 +2,10 @@
 -- its claim on the run, in meta fields '<name>' + reader_sfx(slot, rank, world)
 -- (batchq/protocol/groups.py reader_field). How groups take slots, join late, restart and
 -- retire: docs/design.md "Several groups".
--- acquire returns {'OK', incarnation, run, new_run (0/1), fence, held (0/1: this rank had
---   claimed the resumed run before), slot, groups (0: one group)[, retired: the group's
---   slot of another world this acquire retired]}, or {'CONFLICT', ms until the other claim
---   lapses, its holder's name}, {'WORLD', the run's (group's) world: a live rank has
---   another}, {'FULL', groups} (no slot left), {'GROUPS', groups} (read them again);
--- refresh/release {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish {'OK', group done (0/1:
---   every rank of it finished), run ended (0/1)}
+-- acquire returns {'OK', incarnation, run, new_run, fence, held, slot, groups[, retired]},
+--   {'CONFLICT', ms, holder}, {'WORLD', world} (a live rank has another), {'FULL', groups},
+--   {'GROUPS', groups}; refresh/release {'OK'}, {'CLAIM_LOST'} or {'STATE_LOST'}; finish
+--   {'OK', group done, run ended}: ClaimReply (trainer_scripts.py) says what each is
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local data_key = KEYS[3]         -- LIST   (dropped with a run)

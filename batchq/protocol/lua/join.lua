@@ -1,8 +1,6 @@
 -- join.lua: a producer joins the queue's run, creating the queue and the run if needed.
--- Returns {'OK', incarnation, run, hwm, S, window, created[, world: ranks of the run's
---         data-parallel trainer, batchq/protocol/ranks.py[, group slots of a run read by
---         several groups]]}
---      or {'MISMATCH', what, expected}, {'FINISHED'}, {'WAIT'} (nothing to join yet)
+-- Returns {'OK', incarnation, run, hwm, S, window, created[, world[, groups]]} (JoinReply),
+--   {'MISMATCH', what, expected}, {'FINISHED'}, {'WAIT'} (nothing to join yet)
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local producers_key = KEYS[3]    -- ZSET   producer -> heartbeat deadline (ms)

@@ -2,20 +2,15 @@
 -- 'groups' unset) takes the fast path: the rank furthest behind with room mints. In a run
 -- of several, a shard is minted once for the groups of a family at its cursor, paced by
 -- their windows and max_lag (docs/design.md "Data-parallel trainers", "Several groups").
--- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]}: g the global slot
---   number (epoch * slots + slot, ranks.py; slots 0 in a world-1 run of one group), mask
---   the group slots it is built for (bit i: slot i), skip the batches each of them has
---   already, stamp meta 'params' ('<run>:<version>' or ''), attempts its failed attempts so
---   far, shard the shard a slot of a remapped epoch builds (a resume with other ranks);
---   or {'WAIT', slot} (slot: the group whose floor holds the shared stream, -1 for none),
---   {'BUSY'} (prefetch declined), {'GROUPS', n} (the run's group slots: read them again),
---   {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}, {'REAPED'} (join again)
+-- Returns {'OK', g, skip, slots, world, mask, stamp, attempts[, shard]}, {'WAIT', slot},
+--   {'BUSY'} (prefetch declined), {'GROUPS', n}, {'STATE_LOST'}, {'RUN_CHANGED'},
+--   {'FINISHED'}, {'REAPED'} (join again): LeaseReply (producer_scripts.py) says what each is
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local work_key = KEYS[3]         -- LIST   shards handed back ('<g>' or '<g>/<mask>')
 local lease_key = KEYS[4]        -- LIST   this producer's leases
 local producers_key = KEYS[5]    -- ZSET   producer -> heartbeat deadline (ms)
-local failures_key = KEYS[6]     -- HASH   g -> failed attempts (fail.lua, reaps)
+local failures_key = KEYS[6]     -- HASH   g -> failed attempts (handback.lua, reaps)
 -- KEYS[7..]: every group slot's ledger (one in a run of one group), then every slot's
 -- data lists (of its own world), then each slot's remap hash (in a run of one group only
 -- where data-parallel)

@@ -1,7 +1,6 @@
 -- pop.lua: the trainer pops up to N frames; pops first, then wakes producers.
--- Returns {'OK', producers alive, depth before the pop, {elements...}, group slots}
---      or {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'},
---         {'WRONG_TYPE', key, type} (a foreign writer put another type under a queue key)
+-- Returns {'OK', producers alive, depth before the pop, {elements...}, group slots},
+--   {'STATE_LOST'}, {'RUN_CHANGED'}, {'CLAIM_LOST'} or {'WRONG_TYPE', key, type}
 -- At maxmemory Redis refuses a script whose first write may grow memory, so the pop
 -- comes first and the bookkeeping after it, through pcall.
 local meta_key = KEYS[1]         -- HASH   the run's meta

@@ -1,15 +1,11 @@
--- push.lua: push one frame below the hwm (the capped push) into the list of every group
--- it is for: one list in a run of one group (the fast path), or one per target group slot
--- in a run read by several (batchq/protocol/groups.py). A full list of a group with
--- max_lag set never holds a push: it is left out, and the shard goes back to the work list
--- for that group alone (design.md "Several groups", the pace). A frame stored by reference
--- and pushed into k > 1 lists gets refs[frame key] = k: the last reader deletes it.
--- Returns {'OK', depth (the shortest list it went into, after), dropped mask}
---   or {'FULL', depth[, slot]} (the list of group slot `slot`, which paces the others),
---   {'DROPPED', mask} (no list took it), {'GONE'} (the referenced frame expired),
---   {'REROUTE'} (a shared-memory descriptor for a host a target rank's trainer has not
---   published), {'WRONG_TYPE', key, type} (a foreign writer replaced a list),
---   {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}
+-- push.lua: the capped push of one frame into the list of every group it is for (one in a
+-- run of one group: the fast path). A full list of a group with max_lag set never holds
+-- a push: it is left out, its shard back to work for that group alone (design.md "Several
+-- groups"). A frame stored by reference in k > 1 lists gets refs[frame key] = k.
+-- Returns {'OK', depth, dropped}, {'FULL', depth[, slot]}, {'DROPPED', mask} (no list
+--   took it), {'GONE'} (the referenced frame expired), {'REROUTE'} (a descriptor for a
+--   host a target rank's trainer has not published), {'WRONG_TYPE', key, type},
+--   {'LEASE_LOST'}, {'REAPED'}, {'STATE_LOST'}, {'RUN_CHANGED'}, {'FINISHED'}: PushReply
 local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local stats_key = KEYS[3]        -- HASH   queue counters

@@ -6,18 +6,17 @@ local meta_key = KEYS[1]         -- HASH   the run's meta
 local incarnation_key = KEYS[2]  -- STRING
 local work_key = KEYS[3]         -- LIST   shards handed back
 local data_key = KEYS[4]         -- LIST   the data list (the rank's own, data-parallel)
-local producers_key = KEYS[5]    -- ZSET   (not read: kept for the key layout)
-local stats_key = KEYS[6]        -- HASH   queue counters
--- KEYS[7..]: the lease lists of the producers named in ARGV
+local stats_key = KEYS[5]        -- HASH   queue counters
+-- KEYS[6..]: the lease lists of the producers named in ARGV
 local incarnation = ARGV[1]
 local run = ARGV[2]
 local n = tonumber(ARGV[3])      -- the number of candidate shards m
 local mask = tonumber(ARGV[4])   -- the caller's group slot as a mask (1: slot 0; groups.py)
 -- ARGV[5..]: m candidate global shard numbers, oldest first; the producer ids whose
--- lease lists are KEYS[7..]; a data-parallel rank or a group slot > 0 then adds '', its
+-- lease lists are KEYS[6..]; a data-parallel rank or a group slot > 0 then adds '', its
 -- cursor field ('next:<rank>', 'next@<slot>[:<rank>]') and its candidates' local shard
 -- numbers (compared with that counter instead of the global numbers with 'next')
-local first_lease, first_candidate = 7, 5
+local first_lease, first_candidate = 6, 5
 
 if redis.call('GET', incarnation_key) ~= incarnation then return {'STATE_LOST'} end
 local next_field, locals = 'next', nil

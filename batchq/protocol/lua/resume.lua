@@ -1,8 +1,7 @@
 -- resume.lua: a trainer (one rank of one group) restarts its group's plan from its ledger:
 -- a checkpoint, or what it had received when Redis lost the queue's state. A new run id
 -- makes every producer join again and drop what it was building.
--- Returns {'OK', run, slot, groups} or {'CLAIM_LOST'}, {'STEP', the run's (group's) step},
---   {'GROUPS', groups} (read them again)
+-- Returns {'OK', run, slot, groups}, {'CLAIM_LOST'}, {'STEP', step}, {'GROUPS', groups}
 -- The default group of a run of one group takes the fast path: the ranks of a job resume
 -- into one run, the first creating it (docs/design.md "Resume", "Data-parallel trainers").
 -- A run of several groups lives on when it is the checkpoint's (or another group's resume

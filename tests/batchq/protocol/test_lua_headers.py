@@ -66,9 +66,6 @@ WRAPPERS: dict[str, Any] = {
         incarnation="i", run="r", producer="p", entry="3/5:t", element=b"x", last=True,
         heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0, produce_ms=0,
     ).run(c),
-    "fail": lambda c: producer_scripts.fail(
-        c, K, incarnation="i", run="r", producer="p", entry="3:t", max_attempts=3
-    ),
     "handback": lambda c: producer_scripts.handback(
         c, K, incarnation="i", run="r", producer="p", entry="3:t"
     ),
@@ -78,7 +75,6 @@ WRAPPERS: dict[str, Any] = {
     "reap": lambda c: recovery_scripts.reap(
         c, K, incarnation="i", why="dead", producers=["a", "b"]
     ),
-    "gone": lambda c: recovery_scripts.gone(c, K, incarnation="i", closed={"a": "1,2"}),
     "requeue": lambda c: recovery_scripts.requeue(
         c, K, incarnation="i", run="r", data=K.data, shards=[1, 2], alive=["a"],
         rank=("next:0", [0, 1]),
@@ -145,6 +141,33 @@ def test_the_wrapper_sends_what_the_header_declares(name: str) -> None:
         assert len(keys) == len(header.keys)
     if not header.args_tail:
         assert len(args) == len(header.args)
+
+
+def test_the_closed_producers_reap_sends_what_reaps_header_declares() -> None:
+    # reap.lua serves two wrappers: dead or leaving producers, and killed ones (closed).
+    sha, keys, args = _sent(
+        lambda c: recovery_scripts.gone(c, K, incarnation="i", closed={"a": "1,2"})
+    )
+    header = SCRIPTS["reap"].header
+    assert sha == SCRIPTS["reap"].sha
+    assert len(keys) == len(header.keys) + 1 and len(args) == len(header.args) + 2
+    assert dict(zip(header.args, args, strict=False))["why"] == "closed"
+    assert all(k.startswith("bq:{hdr}:") for k in keys)
+
+
+def test_a_failed_attempt_sends_what_handbacks_header_declares() -> None:
+    # handback.lua serves two wrappers: a shard handed back untouched, and a failed attempt.
+    sha, keys, args = _sent(
+        lambda c: producer_scripts.fail(
+            c, K, incarnation="i", run="r", producer="p", entry="3:t", max_attempts=3
+        )
+    )
+    header = SCRIPTS["handback"].header
+    assert sha == SCRIPTS["handback"].sha
+    assert len(keys) == len(header.keys) and len(args) == len(header.args)
+    assert dict(zip(header.args, args, strict=True))["max_attempts"] == 3
+    _, _, untouched = _sent(WRAPPERS["handback"])
+    assert dict(zip(header.args, untouched, strict=True))["max_attempts"] == 0
 
 
 def test_named_positions_follow_the_header() -> None:

@@ -1,17 +1,14 @@
--- lib/shared.lua: prepended to every script (batchq/protocol/calls.py), so that what
--- several scripts do is written once. No KEYS or ARGV here: each script names its own.
+-- lib/shared.lua: what several scripts do, written once; each script is sent with the
+-- functions it calls (docs/design.md "Scripts"). No KEYS or ARGV: each script names its own.
 
--- The server's clock in ms (the clock every deadline in Redis uses; batchq/protocol/layout.py's
--- time_ms is the same arithmetic for the TIME command's reply in Python).
+-- The server's clock in ms (layout.py's time_ms is the same arithmetic in Python).
 local function server_now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- A lease entry is '<g>:<run>:<token>', or '<g>/<mask>:<run>:<token>' in a run of several
--- groups (batchq/protocol/layout.py): its global slot number g as the string it is in the
--- entry, the work entry that builds its shard again for the same groups ('<g>' or
--- '<g>/<mask>', layout.py's work_entry), the run it was granted in; nil if malformed.
+-- A lease entry ('<g>[/<mask>]:<run>:<token>', layout.py): its g as in the entry, its work
+-- entry ('<g>[/<mask>]': the shard again for the same groups), its run; nil if malformed.
 local function entry_slot(entry)
   return string.match(entry, '^(%d+)[/:]')
 end
@@ -22,11 +19,9 @@ local function entry_run(entry)
   return string.match(entry, '^%d+/?%d*:([^:]*):')
 end
 
--- Hand the shards of a producer's lease list leased in `run` back to the front of the
--- work list, for the same groups, oldest first, and delete the list. Another run's entry
--- is dropped (built past the new trainer's window: issue 42); run nil: every one. With
--- `failures_key` (a dead producer's) each counts a failed attempt, as fail.lua's
--- (producer/serving/isolation.py). Counted in stats; returns how many went back.
+-- A producer's lease list back to the front of the work list, the entries of `run` only
+-- (another run's are dropped: issue 42), each counting a failed attempt with
+-- `failures_key` (a dead producer's); the list deleted. Returns how many went back.
 local function hand_back_leases(lease_key, work_key, run, failures_key, stats_key)
   local held = redis.call('LRANGE', lease_key, 0, -1)
   local returned = 0
@@ -43,18 +38,15 @@ local function hand_back_leases(lease_key, work_key, run, failures_key, stats_ke
   return returned
 end
 
--- The run whose leases a reap hands back: meta's run, nil when it finished (its work
--- list went with it: a shard handed back then would be left behind).
+-- The run whose leases a reap hands back: none once it finished (its work list went).
 local function live_run(meta_key)
   local m = redis.call('HMGET', meta_key, 'run', 'finished')
   if m[2] == '1' then return nil end
   return m[1] or nil
 end
 
--- The first key of `typed` ({key, type} pairs, batchq.protocol.keys.KEY_TYPES) that holds
--- another type than its own (a foreign writer's): the reply {'WRONG_TYPE', key, type}, else
--- nil. A script checks every key before it writes: its writes are not rolled back, so a
--- foreign type found half-way would leave its work half done.
+-- {'WRONG_TYPE', key, type} for the first key of `typed` ({key, type} pairs, KEY_TYPES)
+-- of a foreign type, else nil: checked before any write (writes are not rolled back).
 local function wrong_type(typed)
   for _, kw in ipairs(typed) do
     local kind = redis.call('TYPE', kw[1]).ok
@@ -63,24 +55,23 @@ local function wrong_type(typed)
   return nil
 end
 
--- The reply that refuses a producer's call for run `run`, given the meta fields run and
--- finished it read (m[1], m[2]): {'RUN_CHANGED'}, {'FINISHED'}, or nil.
+-- {'RUN_CHANGED'} or {'FINISHED'} for a producer's call for `run`, given meta's run and
+-- finished (m[1], m[2]); else nil.
 local function run_refused(m, run)
   if m[1] ~= run then return {'RUN_CHANGED'} end
   if m[2] == '1' then return {'FINISHED'} end
   return nil
 end
 
--- A producer's heartbeat: its deadline (producers ZSET) moves to deadline_ms. Returns
--- {'REAPED'}, writing nothing, when it was declared dead (it joins again), else nil.
+-- A producer's heartbeat: {'REAPED'}, writing nothing, once declared dead (it joins
+-- again); else its deadline moves and nil.
 local function heartbeat(producers_key, producer, deadline_ms)
   if not redis.call('ZSCORE', producers_key, producer) then return {'REAPED'} end
   redis.call('ZADD', producers_key, deadline_ms, producer)
   return nil
 end
 
--- A frame pushed, counted for the queue and for the producer (fields '<producer>:<counter>',
--- batchq.protocol.fields.ProducerStat).
+-- A frame pushed, counted for the queue and the producer (fields.ProducerStat).
 local function count_push(stats_key, pstats_key, producer, frame_bytes, produce_ms)
   redis.call('HINCRBY', stats_key, 'pushed', 1)
   redis.call('HINCRBY', stats_key, 'pushed_bytes', frame_bytes)
@@ -120,8 +111,8 @@ local function mask_has(mask, i)
   return math.floor(mask / 2 ^ i) % 2 == 1
 end
 
--- A work entry, or a lease entry's part before its token: '<g>', or '<g>/<mask>' where
--- the shard is for other groups than slot 0 alone.
+-- A work entry (a lease entry's part before its run): '<g>', or '<g>/<mask>' where the
+-- shard is for other groups than slot 0 alone.
 local function work_spec(g, mask)
   if mask == 1 then return tostring(g) end
   return g .. '/' .. mask
