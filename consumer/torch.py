@@ -49,19 +49,19 @@ from batchq.protocol.params_log import EMPTY_PARAMS
 from batchq.wire.codec import Frame
 from consumer.reader.prepare import ArrayAccess
 from consumer.stream import ServerDataStream
-from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
-from consumer.torch_workers import (
+from consumer.torch_frameworks import (
     DataLoaderDispatchError,
     DataLoaderWorkersError,
+    TrainerCheckpoint,
     refuse_dispatcher,
     refuse_loader_workers,
     refuse_worker_process,
 )
+from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
 
-__all__ = ["DataLoaderDispatchError", "DataLoaderWorkersError", "TorchStream"]
+__all__ = ["DataLoaderDispatchError", "DataLoaderWorkersError", "TorchStream", "TrainerCheckpoint"]
 
 
-# A batch on its way to the device: its shard, sources, tensors, copy event and params.
 # A batch on its way to the device: its frame (given back by a detach), the device
 # values, the copy's event and the params it was built with.
 Pending = tuple[Frame, tuple[Any, ...], Any, Mapping[str, Any]]

@@ -7,11 +7,15 @@ Producers::
 The trainer (one process, or ``torchrun --nproc-per-node 2 -m examples.train_transformers``)::
 
     python -m examples.train_transformers --queue digits --epochs 3
+    python -m examples.train_transformers --queue digits --epochs 3 --resume   # after a stop
 
 ``get_train_dataloader()`` returns the stream: each rank reads its own share (its rank
 found from the process group the Trainer starts). The stock one would wrap a DataLoader
 in Accelerate's DataLoaderDispatcher, which reads on rank 0 only; batchq refuses that
-(``DataLoaderDispatchError``) before the first step.
+(``DataLoaderDispatchError``) before the first step. ``TrainerCheckpoint`` keeps the
+stream's state in each checkpoint (every 50 steps, under ``--output-dir``), so
+``--resume`` (``train(resume_from_checkpoint=True)``) reads on exactly where the last
+checkpoint was taken, on every rank.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from consumer import ServerDataStream  # noqa: E402
-from consumer.torch import TorchStream  # noqa: E402
+from consumer.torch import TorchStream, TrainerCheckpoint  # noqa: E402
 from examples.train_torch import Net  # noqa: E402
 
 __all__ = ["StreamTrainer", "main"]
@@ -65,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--queue", default="digits")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--output-dir", default="out-transformers")
+    p.add_argument("--resume", action="store_true", help="from the last checkpoint")
     args = p.parse_args(argv)
     stream = ServerDataStream(("images", "labels"), url=args.url, queue=args.queue)
     ts = TorchStream(stream, as_dict=True, dtypes={"images": torch.float32})
@@ -74,8 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_cpu=not torch.cuda.is_available(),
         report_to="none",
         learning_rate=0.05,
+        save_steps=50,
     )
-    StreamTrainer(model=WithLoss(), args=training, stream=ts).train()
+    trainer = StreamTrainer(
+        model=WithLoss(), args=training, stream=ts, callbacks=[TrainerCheckpoint(ts)]
+    )
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     ts.close(finished=True)
     return 0
 

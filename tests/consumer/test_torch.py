@@ -424,7 +424,7 @@ def test_asking_again_soon_after_looks_at_the_known_loaders_only(
     # ask several times in a row, and only the first of them scans.
     from types import SimpleNamespace
 
-    from consumer import torch_workers as adapter
+    from consumer import torch_frameworks as adapter
 
     scans: list[int] = []
     real = adapter.gc.get_referrers

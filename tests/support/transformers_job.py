@@ -1,17 +1,22 @@
 """The transformers Trainer (CPU ranks from torchrun's variables) trained from a
 TorchStream returned by ``get_train_dataloader()``.
 
-Run as ``transformers_job.py URL QUEUE OUT_DIR EPOCHS``. First a stream is given as
-the Trainer's ``train_dataset`` and its own ``get_train_dataloader()`` runs (a
-DataLoader that Accelerate's ``prepare`` wraps in its DataLoaderDispatcher, which reads
-on rank 0 only): the error is written to ``OUT_DIR/refused<r>.txt``, and any step that
-trained would be recorded. Then the job trains with ``get_train_dataloader()``
-returning the stream; each rank appends [epoch, example indices] per training step to
-``OUT_DIR/rank<r>.jsonl``.
+Run as ``transformers_job.py URL QUEUE OUT_DIR EPOCHS [--stop-at N] [--resume]``.
+First a stream is given as the Trainer's ``train_dataset`` and its own
+``get_train_dataloader()`` runs (a DataLoader that Accelerate's ``prepare`` wraps in its
+DataLoaderDispatcher, which reads on rank 0 only): the error is written to
+``OUT_DIR/refused<r>.txt``, and any step that trained would be recorded. Then the job
+trains with ``get_train_dataloader()`` returning the stream and ``TrainerCheckpoint``
+keeping its state in the checkpoints (one every 3 steps, ``OUT_DIR/checkpoint-<step>``);
+each rank appends [epoch, example indices] per training step to ``OUT_DIR/rank<r>.jsonl``.
+``--stop-at N`` ends both ranks after step N as a kill would (``os._exit``, nothing
+closed); ``--resume`` skips the stock part and resumes from the last checkpoint
+(``train(resume_from_checkpoint=True)``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -27,33 +32,38 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from consumer import ServerDataStream  # noqa: E402
-from consumer.torch import DataLoaderDispatchError, TorchStream  # noqa: E402
+from consumer.torch import DataLoaderDispatchError, TorchStream, TrainerCheckpoint  # noqa: E402
 
 
 class Model(torch.nn.Module):
-    """A linear model that records the examples of every training step."""
+    """A linear model that records the examples of every training step, and the epoch of
+    the stream they came from (the Trainer's ``state.epoch`` is a fraction of the steps
+    it ran in the epoch, which a resume with ``ignore_data_skip`` starts at 0 again)."""
 
     def __init__(self, out: str) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(8, 1)
         self.out = out
-        self.epoch = 0
+        self.stream: TorchStream | None = None
 
     def forward(self, features: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
-        if self.training:
+        if self.training and self.stream is not None:
+            epoch = self.stream.stream.epoch
             with open(self.out, "a") as f:
-                f.write(json.dumps([self.epoch, examples_of(features.numpy())]) + "\n")
+                f.write(json.dumps([epoch, examples_of(features.numpy())]) + "\n")
         return {"loss": self.layer(features.float() / 1000).mean()}
 
 
-class EpochMark(TrainerCallback):
-    """Tells the model which epoch its steps belong to."""
+class StopAt(TrainerCallback):
+    """Ends the process after step N as a kill would: nothing closed or saved."""
 
-    def __init__(self, model: Model) -> None:
-        self.model = model
+    def __init__(self, step: int) -> None:
+        self.step = step
 
-    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.model.epoch = round(state.epoch or 0)
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step >= self.step:
+            sys.stdout.flush()
+            os._exit(3)
 
 
 class StreamTrainer(Trainer):
@@ -66,13 +76,23 @@ class StreamTrainer(Trainer):
 
 
 def main() -> int:
-    url, queue, out_dir, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("queue")
+    p.add_argument("out_dir")
+    p.add_argument("epochs", type=int)
+    p.add_argument("--stop-at", type=int)
+    p.add_argument("--resume", action="store_true")
+    a = p.parse_args()
+    url, queue, out_dir = a.url, a.queue, a.out_dir
     args = TrainingArguments(
         output_dir=out_dir,
-        num_train_epochs=epochs,
+        num_train_epochs=a.epochs,
         use_cpu=True,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=3,
+        save_only_model=False,
         logging_strategy="no",
         disable_tqdm=True,
         learning_rate=0.01,
@@ -85,17 +105,22 @@ def main() -> int:
             ServerDataStream(("features", "targets"), url=url, queue=queue), as_dict=True
         )
 
-    stock = StreamTrainer(model=model, args=args, train_dataset=stream())
-    try:
-        stock.train()
-    except DataLoaderDispatchError as e:
-        with open(os.path.join(out_dir, f"refused{rank}.txt"), "w") as f:
-            f.write(str(e))
-    trainer = StreamTrainer(model=model, args=args)
-    trainer.stream = stream()
-    trainer.add_callback(EpochMark(model))
-    trainer.train()
-    trainer.stream.close(finished=True)
+    if not a.resume:
+        model.stream = stock_stream = stream()
+        stock = StreamTrainer(model=model, args=args, train_dataset=stock_stream)
+        try:
+            stock.train()
+        except DataLoaderDispatchError as e:
+            with open(os.path.join(out_dir, f"refused{rank}.txt"), "w") as f:
+                f.write(str(e))
+    model.stream = ts = stream()
+    callbacks: list[Any] = [TrainerCheckpoint(ts)]
+    if a.stop_at is not None:
+        callbacks.append(StopAt(a.stop_at))
+    trainer = StreamTrainer(model=model, args=args, callbacks=callbacks)
+    trainer.stream = ts
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    ts.close(finished=True)
     return 0
 
 

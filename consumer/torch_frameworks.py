@@ -1,9 +1,15 @@
-"""DataLoader workers around a TorchStream, refused before any worker process starts.
+"""The stream inside DataLoaders and training frameworks: what would lose or repeat data
+is refused, and the transformers Trainer's checkpoints hold the stream's state.
 
-The producers are the workers and a queue has one trainer: a DataLoader with
-``num_workers > 0`` would make each worker process a second trainer. The loaders that
-hold a stream are found through the garbage collector's referrers (never by walking the
-caller's frames), when the loader's iterator reads the dataset's ``__class__``.
+* DataLoader workers are refused before any worker process starts. The producers are
+  the workers and a queue has one trainer: a DataLoader with ``num_workers > 0`` would
+  make each worker process a second trainer. The loaders that hold a stream are found
+  through the garbage collector's referrers (never by walking the caller's frames),
+  when the loader's iterator reads the dataset's ``__class__``.
+* Accelerate's ``DataLoaderDispatcher`` (it reads on rank 0 only) is refused on every
+  rank before the first step.
+* :class:`TrainerCheckpoint`: a callback of the transformers Trainer that keeps the
+  stream's state in every checkpoint and resumes the stream from it.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from batchq.errors import ConfigError
 
 __all__ = [
     "LOADER_SCAN_S",
+    "TRAINER_STATE_KEY",
     "DataLoaderDispatchError",
     "DataLoaderWorkersError",
+    "TrainerCheckpoint",
     "refuse_dispatcher",
     "refuse_loader_workers",
     "refuse_worker_process",
@@ -165,3 +173,92 @@ def refuse_worker_process() -> None:
     info = torch.utils.data.get_worker_info()
     if info is not None:
         raise _workers_error(info.num_workers)
+
+
+#: Where a checkpoint's ``trainer_state.json`` keeps the stream's state (its
+#: ``stateful_callbacks``, which the Trainer writes from rank 0 and every rank reads back
+#: on resume). Not a callback class's name: the Trainer's own restore of callbacks
+#: (``restore_callback_states_from_checkpoint``) then leaves it alone.
+TRAINER_STATE_KEY = "batchq"
+
+_SKIP_ERROR = (
+    "TrainerCheckpoint: the Trainer resumes with ignore_data_skip=False, so it would skip "
+    "the batches the stream's own state resumes past, a second time. Pass the callback to "
+    "the Trainer when it is made (Trainer(..., callbacks=[TrainerCheckpoint(stream)]): it "
+    "sets ignore_data_skip then), or set TrainingArguments(ignore_data_skip=True)"
+)
+
+
+class TrainerCheckpoint:
+    """A transformers ``TrainerCallback`` that keeps the stream's state in the Trainer's
+    checkpoints and resumes the stream from them: ``train(resume_from_checkpoint=...)``
+    then reads on exactly where the checkpoint was taken, on every rank.
+
+    ``Trainer(..., callbacks=[TrainerCheckpoint(stream)])``. At each step or epoch end
+    where the Trainer saves (or evaluates, which may save the best model), the stream's
+    ``state_dict()`` goes into the Trainer's state (``stateful_callbacks['batchq']``),
+    which the checkpoint's ``trainer_state.json`` holds; a resumed ``train()`` loads it
+    into the stream before the first batch (rank 0's state stands for every rank where
+    the stream says ``every_rank``; any other raises naming why). The stream resumes
+    itself, so the Trainer must not skip batches as well: the callback sets
+    ``args.ignore_data_skip`` when the Trainer is made, and a resume without it raises
+    :class:`~batchq.errors.ConfigError` before the first step. transformers is not
+    imported here: the Trainer calls a callback's ``on_*`` methods by name, and the
+    events this one does not use do nothing.
+
+    Args:
+        stream: what the Trainer trains from (a TorchStream, or anything with
+            ``state_dict()`` and ``load_state_dict()``), before its first batch.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):  # the Trainer's other events
+            return _ignore
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer is made: the stream, not the Trainer, skips what was trained."""
+        args.ignore_data_skip = True
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Resuming (the Trainer loaded a checkpoint's state): resume the stream too."""
+        saved = (state.stateful_callbacks or {}).get(TRAINER_STATE_KEY)
+        if state.global_step <= 0 or not isinstance(saved, dict):
+            return
+        if not args.ignore_data_skip:
+            raise ConfigError(_SKIP_ERROR)
+        attributes = saved.get("attributes")
+        if not isinstance(attributes, dict) or not isinstance(attributes.get("state"), dict):
+            raise ConfigError(
+                f"trainer_state.json's stateful_callbacks[{TRAINER_STATE_KEY!r}] = "
+                f"{saved!r:.200}: expected {{'args': {{}}, 'attributes': {{'state': "
+                "<the stream's state_dict()>}} as TrainerCheckpoint writes it"
+            )
+        self.stream.load_state_dict(attributes["state"])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Keep the stream's state where this step's end may save a checkpoint."""
+        self._keep(state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Keep the stream's state where this epoch's end may save a checkpoint."""
+        self._keep(state, control)
+
+    def _keep(self, state: Any, control: Any) -> None:
+        # Before the save: the Trainer writes its state (with stateful_callbacks) in
+        # _save_checkpoint, after these events and before on_save.
+        if control.should_save or control.should_evaluate:
+            callbacks = state.stateful_callbacks
+            if callbacks is None:
+                callbacks = state.stateful_callbacks = {}
+            callbacks[TRAINER_STATE_KEY] = {
+                "args": {},
+                "attributes": {"state": self.stream.state_dict()},
+            }
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None

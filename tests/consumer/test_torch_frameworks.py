@@ -1,0 +1,80 @@
+"""TrainerCheckpoint (consumer/torch_frameworks.py) without transformers: the events it
+uses, the ones it ignores, and its refusals. The Trainer itself runs in
+tests/consumer/test_hf_trainer.py (2 ranks, a kill and a resume)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from batchq.errors import ConfigError
+from consumer.torch_frameworks import TRAINER_STATE_KEY, TrainerCheckpoint
+
+
+class FakeStream:
+    """Stands in for a stream: counts state_dict() calls, keeps what is loaded."""
+
+    def __init__(self) -> None:
+        self.saved = 0
+        self.loaded: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.saved += 1
+        return {"epoch": 1, "step": self.saved}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded.append(state)
+
+
+def control(save: bool = False, evaluate: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(should_save=save, should_evaluate=evaluate)
+
+
+def test_the_state_is_kept_where_the_trainer_may_save_and_loaded_on_resume() -> None:
+    stream = FakeStream()
+    cb = TrainerCheckpoint(stream)
+    args = SimpleNamespace(ignore_data_skip=False)
+    state = SimpleNamespace(stateful_callbacks={}, global_step=0)
+    cb.on_init_end(args, state, control())
+    assert args.ignore_data_skip is True  # the stream, not the Trainer, skips
+    cb.on_step_end(args, state, control())
+    assert stream.saved == 0 and TRAINER_STATE_KEY not in state.stateful_callbacks
+    cb.on_step_end(args, state, control(save=True))
+    cb.on_epoch_end(args, state, control(evaluate=True))  # a best-model save may follow
+    kept = state.stateful_callbacks[TRAINER_STATE_KEY]
+    assert kept == {"args": {}, "attributes": {"state": {"epoch": 1, "step": 2}}}
+    cb.on_train_begin(args, SimpleNamespace(stateful_callbacks={}, global_step=0), control())
+    assert stream.loaded == []  # a fresh train(): nothing to resume
+    resumed = SimpleNamespace(stateful_callbacks={TRAINER_STATE_KEY: kept}, global_step=6)
+    cb.on_train_begin(args, resumed, control())
+    assert stream.loaded == [{"epoch": 1, "step": 2}]
+
+
+def test_a_resume_the_trainer_would_also_skip_is_refused_naming_the_fix() -> None:
+    stream = FakeStream()
+    cb = TrainerCheckpoint(stream)
+    kept = {"args": {}, "attributes": {"state": {"epoch": 0}}}
+    state = SimpleNamespace(stateful_callbacks={TRAINER_STATE_KEY: kept}, global_step=3)
+    with pytest.raises(ConfigError, match="ignore_data_skip=True"):
+        cb.on_train_begin(SimpleNamespace(ignore_data_skip=False), state, control())
+    assert stream.loaded == []
+
+
+@pytest.mark.parametrize("bad", [{"args": {}}, {"attributes": {"state": [1, 2]}}])
+def test_a_malformed_saved_state_is_refused_naming_it(bad: dict[str, Any]) -> None:
+    cb = TrainerCheckpoint(FakeStream())
+    state = SimpleNamespace(stateful_callbacks={TRAINER_STATE_KEY: bad}, global_step=3)
+    with pytest.raises(ConfigError, match="stateful_callbacks"):
+        cb.on_train_begin(SimpleNamespace(ignore_data_skip=True), state, control())
+
+
+def test_the_events_it_does_not_use_do_nothing_and_other_names_are_missing() -> None:
+    cb = TrainerCheckpoint(FakeStream())
+    assert cb.on_log(None, None, None, logs={}) is None
+    assert cb.on_prediction_step(None, None, None) is None
+    with pytest.raises(AttributeError, match="state"):
+        cb.state  # noqa: B018  # not an ExportableState: the Trainer's restore skips it
