@@ -271,7 +271,17 @@ class ServerDataStream(FuelStreamMixin):
             total=total,
             already=resumed_batches(self._resume, self.epoch),
         )
-        return self._params.track(frames)
+        return self._params.track(self._while_open(frames))
+
+    def _while_open(self, frames: Iterator[Frame]) -> Iterator[Frame]:
+        """``frames`` until :meth:`close` (called inside the loop): what the buffer still
+        holds then was given back, and would be yielded twice."""
+        while not self._closed:
+            frame = next(frames, None)
+            if frame is None:
+                return
+            yield frame
+        raise StreamStopped("this ServerDataStream was closed during its epoch")
 
     def set_params(
         self,

@@ -287,7 +287,15 @@ class TorchStream(IterableDataset[Any]):
             self._held[frame.shard] -= 1
             if not self._held[frame.shard]:
                 del self._held[frame.shard]
-            yield _shape(frame.sources, moved, as_dict)
+            try:
+                yield _shape(frame.sources, moved, as_dict)
+            except GeneratorExit:
+                # The loop broke out: a close() needs the frames only, not their copies
+                # on the device (nor their host values, which the mover holds until
+                # each copy has ended).
+                for i, (held, _, _, params) in enumerate(pending):
+                    pending[i] = (held, (), None, params)
+                raise
 
     def _top_up(
         self,

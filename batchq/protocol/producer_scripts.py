@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import redis
 
+from batchq.errors import ConfigError
 from batchq.protocol.calls import (
     Arg,
     Call,
@@ -269,7 +270,14 @@ def fail(
     max_attempts: int,
 ) -> CountReply:
     """Count a failed attempt at a shard (handback.lua): RETRY or GIVE_UP with ``first``
-    the attempts so far."""
+    the attempts so far.
+
+    Raises:
+        ConfigError: ``max_attempts`` < 1 (0 is handback.lua's untouched handback, which
+            counts nothing).
+    """
+    if max_attempts < 1:
+        raise ConfigError(f"max_attempts={max_attempts!r}: expected an integer >= 1")
     return build_call(
         "handback",
         CountReply.parse,

@@ -270,6 +270,27 @@ def test_a_loop_that_breaks_out_then_saves_does_not_count_the_prefetched_batches
     assert got == expected[:PER_EPOCH]
 
 
+@pytest.mark.parametrize("device", [False, True])
+def test_a_loop_that_goes_on_after_close_gets_stream_stopped_not_batches_given_back(
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Any], device: bool
+) -> None:
+    # close() inside the loop gives back what the stream (and the device prefetch) held:
+    # the loop's next step must not yield one of those too.
+    from batchq.errors import StreamStopped
+
+    producer_thread(numbered(EXAMPLES, BATCH))
+    ts = TorchStream(stream_of(redis_url, queue_name), prefetch=4)
+    if device:
+        ts.mover = DeviceMover(torch.device("cpu"), backend=torch.cpu)
+    got = []
+    with pytest.raises(StreamStopped, match="closed during its epoch"):
+        for i, (features, _) in enumerate(ts):
+            got.append(examples_of(features.numpy()))
+            if i == 1:
+                ts.close()
+    assert got == reference(1)[:2]
+
+
 def test_pinned_pool_reuses_a_buffer_only_once_nothing_references_it() -> None:
     pool = PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8), max_buffers=2)
     a = pool.copy_in(np.arange(16, dtype=np.float32))
