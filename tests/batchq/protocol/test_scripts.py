@@ -457,3 +457,22 @@ def test_a_stale_params_stamp_of_an_older_run_does_not_block_the_takeover(q: Q) 
     assert q.claim("tok2", takeover="run1")[0] == "OK"
     reply = _resume_keeping(q, "tok2", "pos")
     assert (reply.status, reply.run) == ("OK", "run1") and q.c.lrange(q.k.data, 0, -1) == [b"g"]
+
+
+@pytest.mark.parametrize("max_attempts", [0, -1])
+def test_fail_refuses_max_attempts_below_one_before_any_call(max_attempts: int) -> None:
+    # handback.lua reads max_attempts 0 as an untouched handback: a failure sent with 0
+    # would not be counted, and the shard would be retried for ever.
+    from batchq.errors import ConfigError
+    from batchq.protocol import producer_scripts
+
+    with pytest.raises(ConfigError, match=f"max_attempts={max_attempts}: expected"):
+        producer_scripts.fail(
+            None,  # type: ignore[arg-type]  # never reached: refused first
+            QueueKeys("q"),
+            incarnation="i",
+            run="r",
+            producer="p",
+            entry="e",
+            max_attempts=max_attempts,
+        )
