@@ -1,0 +1,359 @@
+"""The on-disk format of a stage's entries: append-only segments and the index that finds them.
+
+A stage's directory (:mod:`producer.cache_store`) holds:
+
+* **Segments**, ``seg-<token>-<pid>-<host>.bqs`` while the process that appends to it may
+  still run, ``seg-<token>.bqs`` once sealed (its writer gone, its tail trimmed).
+  ``<token>`` is 16 hex digits drawn by the writer (:data:`TOKEN_DIGITS`). A segment is
+  the entries' frames (:mod:`producer.cache_entry`) back to back, nothing else; only
+  its writer appends to it, at offsets it reserved under the directory's lock.
+* **The index**, ``index.bqi``: fixed-size records (:data:`RECORD`, :data:`RECORD_BYTES`
+  bytes each), appended (one ``write``, under the lock) only after the entry's bytes are
+  written: magic ``BQI1``, the entry's index (u64), its segment's token (u64), its
+  offset and length in the segment (u64 each), and the crc32 of those 36 bytes
+  (little-endian). A later record of an index replaces an earlier one (an entry
+  rebuilt after it was rejected).
+
+A reader (:class:`StageIndex`) keeps the index in memory as a table index -> place,
+read once and then only its new records (one ``pread`` from where it stopped, on a
+miss), so a lookup is a dict lookup and a hit one ``preadv``. A record whose magic or
+crc does not hold (a torn tail after a crash, a foreign file's bytes) is skipped, and
+the next record found by its magic; a record naming a segment not there, or bytes the
+segment does not have, reads as absent. What a record points at is an entry frame
+whose crc, stage and index the cache checks (:func:`producer.cache_entry.decode_entry`):
+the index finds an entry, it never vouches for its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from batchq.wire.frame import Pieces
+
+__all__ = [
+    "INDEX_NAME",
+    "MAX_FIELD",
+    "RECORD",
+    "RECORD_BYTES",
+    "TOKEN_DIGITS",
+    "Place",
+    "SegmentName",
+    "SegmentWriter",
+    "StageIndex",
+    "entry_places",
+    "index_ends",
+    "index_records",
+    "pack_record",
+    "parse_segment_name",
+    "segment_name",
+]
+
+#: The index file of a stage's directory.
+INDEX_NAME = "index.bqi"
+_MAGIC = b"BQI1"
+#: An index record: magic, entry index, segment token, offset, length, crc32 of the rest.
+RECORD = struct.Struct("<4sQQQQI")
+#: The bytes of one index record (what an entry costs beside its frame).
+RECORD_BYTES = RECORD.size
+_BODY = RECORD_BYTES - 4
+#: Offsets and lengths above this are refused (a record from a foreign file).
+MAX_FIELD = 1 << 40
+#: Hex digits of a segment's token.
+TOKEN_DIGITS = 16
+_SEGMENT = re.compile(
+    r"seg-(?P<token>[0-9a-f]{16})(?:-(?P<pid>\d+)-(?P<host>[A-Za-z0-9_.]*))?\.bqs"
+)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_READ_CHUNK = 1 << 20  # index bytes read per pread
+_OPEN_SEGMENTS = 16  # a reader's open segment files (the oldest closed beyond)
+
+
+@dataclass(frozen=True)
+class SegmentName:
+    """What a segment's file name says.
+
+    Attributes:
+        token: the segment's token (its records name it).
+        pid: its writer's pid; None once sealed.
+        host: its writer's host; None once sealed.
+    """
+
+    token: int
+    pid: int | None
+    host: str | None
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an entry's bytes are.
+
+    Attributes:
+        path: its segment's path.
+        offset: its first byte in the segment.
+        length: its frame's bytes.
+    """
+
+    path: str
+    offset: int
+    length: int
+
+
+def segment_name(token: int, pid: int | None = None, host: str | None = None) -> str:
+    """A segment's file name: a live writer's (``pid`` and ``host``) or sealed."""
+    if pid is None or host is None:
+        return f"seg-{token:0{TOKEN_DIGITS}x}.bqs"
+    return f"seg-{token:0{TOKEN_DIGITS}x}-{pid}-{host}.bqs"
+
+
+def parse_segment_name(name: str) -> SegmentName | None:
+    """The parts of a segment's file name; None for any other name."""
+    match = _SEGMENT.fullmatch(name)
+    if match is None:
+        return None
+    pid = match["pid"]
+    return SegmentName(
+        int(match["token"], 16), int(pid) if pid is not None else None, match["host"]
+    )
+
+
+def pack_record(index: int, token: int, offset: int, length: int) -> bytes:
+    """The index record of an entry: its bytes ``[offset, offset + length)`` of segment
+    ``token``."""
+    body = RECORD.pack(_MAGIC, index, token, offset, length, 0)[:_BODY]
+    return body + zlib.crc32(body).to_bytes(4, "little")
+
+
+def index_records(buf: bytes | bytearray) -> tuple[list[tuple[int, int, int, int]], int]:
+    """The valid records at the start of ``buf`` as (index, token, offset, length), and
+    how many bytes were consumed (a partial record at the end is left for later; bytes
+    that are not a valid record are skipped up to the next magic)."""
+    out: list[tuple[int, int, int, int]] = []
+    pos, end = 0, len(buf)
+    while end - pos >= RECORD_BYTES:
+        magic, index, token, offset, length, crc = RECORD.unpack_from(buf, pos)
+        if (
+            magic == _MAGIC
+            and crc == zlib.crc32(memoryview(buf)[pos : pos + _BODY])
+            and 0 < length < MAX_FIELD
+            and offset < MAX_FIELD
+        ):
+            out.append((index, token, offset, length))
+            pos += RECORD_BYTES
+            continue
+        found = buf.find(_MAGIC, pos + 1)  # resynchronise on the next record
+        pos = found if found >= 0 else max(pos + 1, end - len(_MAGIC) + 1)
+    return out, pos
+
+
+class SegmentWriter:
+    """This process's segment of one stage: created on its first entry, appended to.
+
+    Args:
+        directory: the stage's directory.
+        token: the segment's token.
+        pid: the writer's pid (in the name: a recount tells a live writer's segment).
+        host: the writer's host.
+    """
+
+    def __init__(self, directory: str, token: int, pid: int, host: str) -> None:
+        self.token = token
+        self.path = os.path.join(directory, segment_name(token, pid, host))
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+        self.end = 0  # the bytes reserved so far (the file's size, holes included)
+
+    def write_at(self, offset: int, payload: Pieces) -> None:
+        """Write ``payload``'s buffers back to back at ``offset`` (``pwritev``: no copy).
+
+        Raises:
+            OSError: the disk refused.
+        """
+        views = [memoryview(b).cast("B") for b in payload.buffers]
+        while views:
+            done = os.pwritev(self.fd, views[:1024], offset)  # IOV_MAX
+            if done <= 0:
+                raise OSError(f"pwritev wrote {done} bytes")
+            offset += done
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if views and done:
+                views[0] = views[0][done:]
+
+    def close(self) -> None:
+        """Close the segment's file."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class StageIndex:
+    """One process's view of a stage's index: index -> place, kept up to date on misses.
+
+    Memory: one table row per entry in the index (a packed int: about 100 bytes,
+    against an entry's tens to hundreds of KB), never an entry's bytes.
+
+    Args:
+        directory: the stage's directory (made if absent).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self.index_path = os.path.join(directory, INDEX_NAME)
+        self.fd = os.open(self.index_path, os.O_RDWR | os.O_CREAT | os.O_APPEND | _CLOEXEC, 0o644)
+        self._read_to = 0  # the index's bytes consumed
+        self._table: dict[int, int] = {}  # index -> segment number << 80 | offset << 40 | length
+        self._tokens: list[int] = []  # segment number -> token
+        self._numbers: dict[int, int] = {}  # token -> segment number
+        self._names: dict[int, str] = {}  # token -> its file's current name
+        self._open: OrderedDict[int, int] = OrderedDict()  # token -> descriptor
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def indices(self) -> list[int]:
+        """The indices the view holds, sorted."""
+        return sorted(self._table)
+
+    def removed(self) -> bool:
+        """The index file is no longer in the directory (``clear()`` removed it)."""
+        return os.fstat(self.fd).st_nlink == 0
+
+    def add(self, index: int, token: int, offset: int, length: int) -> None:
+        """Record an entry's place (this process's own write, or a record read)."""
+        number = self._numbers.get(token)
+        if number is None:
+            number = self._numbers[token] = len(self._tokens)
+            self._tokens.append(token)
+        self._table[index] = number << 80 | offset << 40 | length
+
+    def forget(self, index: int) -> None:
+        """Drop an entry from this view (it was rejected; a later record brings it back)."""
+        self._table.pop(index, None)
+
+    def refresh(self) -> None:
+        """Read the records appended since the last look."""
+        while True:
+            raw = os.pread(self.fd, _READ_CHUNK, self._read_to)
+            if len(raw) < RECORD_BYTES:
+                return
+            records, used = index_records(raw)
+            for index, token, offset, length in records:
+                self.add(index, token, offset, length)
+            self._read_to += used
+            if len(raw) < _READ_CHUNK:
+                return
+
+    def place(self, index: int, refresh: bool = True) -> Place | None:
+        """Where entry ``index`` is (the index read again on a miss), None if absent."""
+        packed = self._table.get(index)
+        if packed is None and refresh:
+            self.refresh()
+            packed = self._table.get(index)
+        if packed is None:
+            return None
+        token = self._tokens[packed >> 80]
+        name = self._names.get(token) or self._rescan(token)
+        if name is None:
+            return None
+        offset, length = (packed >> 40) & (MAX_FIELD - 1), packed & (MAX_FIELD - 1)
+        return Place(os.path.join(self.directory, name), offset, length)
+
+    def read(self, index: int) -> bytearray | None:
+        """Entry ``index``'s bytes as its record says (unchecked: the caller decodes
+        them), None if absent or short."""
+        packed = self._table.get(index)
+        if packed is None:
+            self.refresh()
+            packed = self._table.get(index)
+            if packed is None:
+                return None
+        token = self._tokens[packed >> 80]
+        offset, length = (packed >> 40) & (MAX_FIELD - 1), packed & (MAX_FIELD - 1)
+        buf = bytearray(length)
+        for _ in range(2):  # a segment sealed (renamed) since: its name looked up again
+            fd = self._segment_fd(token)
+            if fd is None:
+                return None
+            try:
+                return buf if os.preadv(fd, [buf], offset) == length else None
+            except OSError:
+                self._drop_fd(token)
+        return None
+
+    def close(self) -> None:
+        """Close the index's and the segments' files."""
+        for token in list(self._open):
+            self._drop_fd(token)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def _segment_fd(self, token: int) -> int | None:
+        fd = self._open.get(token)
+        if fd is not None:
+            self._open.move_to_end(token)
+            return fd
+        for _ in range(2):
+            name = self._names.get(token) or self._rescan(token)
+            if name is None:
+                return None
+            try:
+                fd = os.open(os.path.join(self.directory, name), os.O_RDONLY | _CLOEXEC)
+            except FileNotFoundError:
+                self._names.pop(token, None)  # renamed: look again
+                continue
+            self._open[token] = fd
+            if len(self._open) > _OPEN_SEGMENTS:
+                self._drop_fd(next(iter(self._open)))
+            return fd
+        return None
+
+    def _drop_fd(self, token: int) -> None:
+        fd = self._open.pop(token, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _rescan(self, token: int) -> str | None:
+        """The segments' names read from the directory again; ``token``'s, if there."""
+        self._names = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.directory):
+                parsed = parse_segment_name(entry.name)
+                if parsed is not None:
+                    self._names[parsed.token] = entry.name
+        return self._names.get(token)
+
+
+def index_ends(directory: str) -> dict[int, int]:
+    """Each segment's end as the stage's index says (the end of its last entry), by token."""
+    ends: dict[int, int] = {}
+    try:
+        with open(os.path.join(directory, INDEX_NAME), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return ends
+    records, _ = index_records(raw)
+    for _index, token, offset, length in records:
+        ends[token] = max(ends.get(token, 0), offset + length)
+    return ends
+
+
+def entry_places(directory: str) -> dict[int, Place]:
+    """Every entry of a stage's directory and its place (the latest record of each index)."""
+    view = StageIndex(directory)
+    try:
+        view.refresh()
+        out = {}
+        for index in view.indices():
+            place = view.place(index, refresh=False)
+            if place is not None:
+                out[index] = place
+        return out
+    finally:
+        view.close()
