@@ -10,11 +10,13 @@ of the ledger and every index append) and ``.bytes`` (the ledger: the bytes of e
 segment and index, reservations included).
 
 * **Atomic.** A writer reserves its entry's bytes at the end of its own segment (under
-  the lock: the ledger, then the segment extended to them), writes them without the lock
-  (``pwritev``: nothing copied), and only then appends the entry's index record (one
-  ``write`` under the lock). A process killed while writing leaves bytes no record
-  points at, which a recount trims; a reader only follows records, and checks each
-  entry's crc, stage and index (:func:`producer.cache_entry.decode_entry`).
+  the lock: the ledger, then the segment extended to them and to its index record's
+  bytes), writes them without the lock (``pwritev``: nothing copied), and only then
+  appends the entry's index record (one ``write``, under the lock, which also cuts the
+  segment back to the entry's end: the record's bytes have moved to the index). A
+  process killed while writing leaves bytes no record points at, which a recount trims;
+  a reader only follows records, and checks each entry's crc, stage and index
+  (:func:`producer.cache_entry.decode_entry`).
 * **Capped, across processes.** The reservation adds the entry's bytes and its index
   record's to the ledger only if that stays within ``max_bytes`` (else the process
   writes nothing more: the cache keeps what it has, a stable part, and never evicts),
@@ -23,10 +25,10 @@ segment and index, reservations included).
   rejected on read is forgotten, not removed (its bytes stay counted; one rebuilt is
   stored only if it fits).
 * **Reconciled.** A process's first use takes the lock and recounts the ledger: every
-  file's size, and an index record's bytes for each live writer (the one it may be
-  about to append); a segment of a process of this host that no longer runs, or of
-  another host untouched for :data:`STALE_S`, is trimmed to the end of its last indexed
-  entry (removed when it has none) and sealed (renamed without its writer's name).
+  file's size (a live writer's reservations are in its segment's size); a segment of a
+  process of this host that no longer runs, or of another host untouched for
+  :data:`STALE_S`, is trimmed to the end of its last indexed entry (removed when it has
+  none) and sealed (renamed without its writer's name).
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class DiskCache:
             with self._locked():
                 if os.write(view.fd, record) != len(record):
                     raise OSError(f"index record of entry {index} written short")
+                os.ftruncate(writer.fd, offset + size)  # the record's place: in the index now
         except OSError as e:
             self._give_back(writer, offset, size)
             self.full = True
@@ -191,7 +194,9 @@ class DiskCache:
             try:
                 writer, view = self._writer(stage)
                 offset = writer.end
-                os.ftruncate(writer.fd, offset + size)  # a recount counts the reservation
+                # The segment holds the reservation, and room for the record to come
+                # (given back once it is in the index): a recount counts both.
+                os.ftruncate(writer.fd, offset + need)
                 writer.end = offset + size
             except OSError as e:
                 self.held_bytes = used
@@ -203,7 +208,7 @@ class DiskCache:
 
     def _give_back(self, writer: SegmentWriter, offset: int, size: int) -> None:
         with self._locked() as fd:
-            if writer.end == offset + size:
+            if writer.end == offset + size:  # nothing reserved after it: cut it off
                 with contextlib.suppress(OSError):
                     os.ftruncate(writer.fd, offset)
                     writer.end = offset
@@ -364,8 +369,8 @@ def _write_ledger(fd: int, used: int) -> None:
 
 
 def _recount(directory: Path) -> int:
-    """Every stage's files' bytes, and a record's bytes per live writer; a dead writer's
-    segment trimmed and sealed (called under the lock)."""
+    """Every stage's files' bytes; a dead writer's segment trimmed and sealed (called
+    under the lock)."""
     total = 0
     for stage in os.scandir(directory):
         if stage.is_dir(follow_symlinks=False):
@@ -381,11 +386,9 @@ def _recount_stage(directory: str) -> int:
             if not entry.is_file(follow_symlinks=False):
                 continue
             parsed = parse_segment_name(entry.name)
-            if parsed is not None and parsed.pid is not None:
-                if not _alive(parsed, entry):
-                    dead.append((entry, parsed))
-                    continue
-                total += RECORD_BYTES  # the record it may be about to append
+            if parsed is not None and parsed.pid is not None and not _alive(parsed, entry):
+                dead.append((entry, parsed))
+                continue
             total += entry.stat(follow_symlinks=False).st_size
     if dead:
         ends = index_ends(directory)
