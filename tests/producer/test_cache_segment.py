@@ -1,0 +1,259 @@
+"""producer.cache_segment's format and producer.cache_store on it: the index's records (a
+torn tail, a corrupted record, foreign bytes), a segment's torn tail, foreign files, two
+writer processes on one directory, a writer killed mid-entry, the cap."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cache_layout import disk_bytes, entries, files, overwrite, stage_dirs
+
+from producer.cache_entry import decode_entry, encode_entry
+from producer.cache_segment import (
+    INDEX_NAME,
+    RECORD_BYTES,
+    SegmentWriter,
+    index_records,
+    pack_record,
+    parse_segment_name,
+    segment_name,
+)
+from producer.cache_stage import StageCache
+from producer.cache_store import ENTRY_OVERHEAD, DiskCache
+
+STAGE = "5e" * 32
+TIMEOUT_S = 30.0
+
+_fork = multiprocessing.get_context("fork")
+
+
+def _item(i: int, size: int = 1000) -> np.ndarray[Any, Any]:
+    return np.full(size, i % 251, np.uint8)
+
+
+def _write(cache: DiskCache, i: int, size: int = 1000) -> bool:
+    return cache.write(STAGE, i, encode_entry(_item(i, size), STAGE, i))
+
+
+def _read(cache: DiskCache, i: int) -> Any:
+    raw = cache.read(STAGE, i)
+    return None if raw is None else decode_entry(raw, STAGE, i)
+
+
+def _entry_size(size: int = 1000) -> int:
+    return len(encode_entry(_item(0, size), STAGE, 0))
+
+
+# -- the index's records -------------------------------------------------------------
+
+
+def test_records_round_trip_and_a_partial_one_is_left_for_later() -> None:
+    raw = pack_record(7, 0xABC, 4096, 262144) + pack_record(2**60, 1, 0, 1)
+    assert len(raw) == 2 * RECORD_BYTES
+    records, used = index_records(raw + pack_record(3, 1, 1, 1)[:25])  # a torn tail
+    assert records == [(7, 0xABC, 4096, 262144), (2**60, 1, 0, 1)]
+    assert used == 2 * RECORD_BYTES  # the partial record is read again once whole
+
+
+def test_a_corrupted_record_and_foreign_bytes_are_skipped_and_the_next_one_found() -> None:
+    bad = bytearray(pack_record(1, 1, 0, 10))
+    bad[9] ^= 0x01  # a flipped bit in the entry's index: the record's crc catches it
+    raw = bytes(bad) + b"junk BQI1 not a record" + pack_record(2, 1, 10, 10)
+    records, used = index_records(raw)
+    assert records == [(2, 1, 10, 10)] and used == len(raw)
+    # A record of a length or offset no segment has is refused as well.
+    assert index_records(pack_record(3, 1, 0, 0) + pack_record(4, 1, 2**41, 1))[0] == []
+
+
+def test_segment_names_say_their_writer_until_sealed() -> None:
+    live = parse_segment_name(segment_name(0xF00D, 123, "host_a.b"))
+    assert live is not None and (live.token, live.pid, live.host) == (0xF00D, 123, "host_a.b")
+    sealed = parse_segment_name(segment_name(0xF00D))
+    assert sealed is not None and (sealed.token, sealed.pid) == (0xF00D, None)
+    assert parse_segment_name("index.bqi") is None and parse_segment_name("seg-xyz.bqs") is None
+
+
+# -- the store on segments -----------------------------------------------------------
+
+
+def test_entries_share_one_segment_and_the_ledger_is_the_files(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    assert all(_write(cache, i) for i in range(10))
+    assert len(stage_dirs(tmp_path)) == 1
+    assert sorted(p.name for p in files(tmp_path))[0] == INDEX_NAME
+    assert len(files(tmp_path)) == 2  # the index and one segment: no file per entry
+    assert cache.bytes_held() == disk_bytes(tmp_path) == 10 * (_entry_size() + ENTRY_OVERHEAD)
+    other = DiskCache(tmp_path, max_bytes=10**6)  # another process's view
+    assert all((_read(other, i) == _item(i)).all() for i in range(10))
+    assert _read(other, 10) is None
+
+
+def test_a_torn_segment_tail_and_a_torn_index_tail_are_never_served(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    for i in range(4):
+        _write(cache, i)
+    last = cache.place(STAGE, 3)
+    assert last is not None
+    os.truncate(last.path, last.offset + last.length - 7)  # the last entry cut short
+    with open(stage_dirs(tmp_path)[0] / INDEX_NAME, "ab") as f:
+        f.write(pack_record(9, 1, 0, 100)[:30])  # a record torn by a crash
+    fresh = DiskCache(tmp_path, max_bytes=10**6)
+    assert _read(fresh, 3) is None  # short: absent, built again by the cache
+    assert _read(fresh, 9) is None
+    assert [(_read(fresh, i) == _item(i)).all() for i in range(3)] == [True] * 3
+
+
+def test_a_corrupted_entry_is_rejected_and_its_rebuild_keeps_within_the_cap(
+    tmp_path: Path,
+) -> None:
+    cap = 4 * (_entry_size() + ENTRY_OVERHEAD)
+    stage = StageCache(DiskCache(tmp_path, max_bytes=cap), STAGE, "test", measure=False)
+    for i in range(6):  # four fit
+        assert (stage.get(i, lambda i=i: _item(i)) == _item(i)).all()
+    assert stage.cache_stats.writes == 4 and disk_bytes(tmp_path) == cap
+    place = entries(tmp_path)[(stage_dirs(tmp_path)[0].name, 2)]
+    overwrite(place, b"\x00", at=place.length - 1)  # a corrupted pixel
+    again = StageCache(DiskCache(tmp_path, max_bytes=cap), STAGE, "test", measure=False)
+    assert (again.get(2, lambda: _item(2)) == _item(2)).all()  # rebuilt, never served
+    assert again.cache_stats.rejected == 1 and again.cache_stats.writes == 0  # no room
+    assert (again.get(2, lambda: _item(2)) == _item(2)).all()  # forgotten: not read again
+    assert again.cache_stats.rejected == 1 and again.cache_stats.misses == 2
+    assert disk_bytes(tmp_path) == cap == again.cache.bytes_held()  # the cap held
+    # With room, a rebuilt entry is stored again, and the index's later record wins.
+    roomy = StageCache(DiskCache(tmp_path, max_bytes=2 * cap), STAGE, "test", measure=False)
+    roomy.get(2, lambda: _item(2))
+    assert roomy.cache_stats.rejected == 1 and roomy.cache_stats.writes == 1
+    last = StageCache(DiskCache(tmp_path, max_bytes=2 * cap), STAGE, "test", measure=False)
+    assert (last.get(2, lambda: _item(99)) == _item(2)).all() and last.cache_stats.hits == 1
+
+
+def test_foreign_files_are_counted_never_read(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    _write(cache, 0)
+    stage = stage_dirs(tmp_path)[0]
+    (stage / "notes.txt").write_bytes(b"x" * 500)  # not a segment: counted, never read
+    (stage / segment_name(0x1234)).write_bytes(b"not frames" * 50)  # no record names it
+    with open(stage / INDEX_NAME, "ab") as f:  # a record naming a segment that is not there
+        f.write(pack_record(5, 0x9999, 0, 100))
+    fresh = DiskCache(tmp_path, max_bytes=10**6)
+    assert (_read(fresh, 0) == _item(0)).all()
+    assert _read(fresh, 5) is None
+    assert fresh.bytes_held() == disk_bytes(tmp_path)
+
+
+# -- processes -----------------------------------------------------------------------
+
+
+def _writer(directory: str, cap: int, first: int, go: Any, done: Any) -> None:
+    cache = DiskCache(directory, max_bytes=cap)
+    if not go.wait(TIMEOUT_S):
+        os._exit(3)
+    for i in range(first, first + 40):
+        _write(cache, i, 5000)
+    done.set()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("cap", [10**7, 30 * (5000 + 300)])
+def test_two_writer_processes_share_a_directory_and_its_cap(tmp_path: Path, cap: int) -> None:
+    go = _fork.Event()
+    done = [_fork.Event(), _fork.Event()]
+    procs = [
+        _fork.Process(target=_writer, args=(str(tmp_path), cap, 40 * k, go, done[k]))
+        for k in range(2)
+    ]
+    for p in procs:
+        p.start()
+    go.set()
+    assert all(d.wait(TIMEOUT_S) for d in done)
+    for p in procs:
+        p.join(TIMEOUT_S)
+        assert p.exitcode == 0
+    reader = DiskCache(tmp_path, max_bytes=cap)
+    held = [i for i in range(80) if _read(reader, i) is not None]
+    assert all((_read(reader, i) == _item(i, 5000)).all() for i in held)
+    assert len([p for p in files(tmp_path) if p.name.startswith("seg-")]) == 2
+    assert reader.bytes_held() == disk_bytes(tmp_path) <= cap
+    if cap == 10**7:
+        assert held == list(range(80))  # each process's entries, read by a third
+    else:
+        assert disk_bytes(tmp_path) > cap - 2 * (_entry_size(5000) + ENTRY_OVERHEAD)
+
+
+def _killed_writer(directory: str, written: Any) -> None:
+    cache = DiskCache(directory, max_bytes=10**7)
+    for i in range(3):
+        _write(cache, i)
+    real = SegmentWriter.write_at
+
+    def half_then_stop(self: SegmentWriter, offset: int, payload: Any) -> None:
+        data = b"".join(bytes(b) for b in payload.buffers)
+        os.pwrite(self.fd, data[: len(data) // 2], offset)  # killed in the middle
+        written.set()
+        signal.pause()
+
+    SegmentWriter.write_at = half_then_stop  # type: ignore[method-assign]
+    _write(cache, 3)
+    SegmentWriter.write_at = real  # type: ignore[method-assign]
+    os._exit(4)
+
+
+def test_a_writer_killed_mid_entry_leaves_its_whole_entries_and_nothing_torn(
+    tmp_path: Path,
+) -> None:
+    written = _fork.Event()
+    proc = _fork.Process(target=_killed_writer, args=(str(tmp_path), written))
+    proc.start()
+    try:
+        assert written.wait(TIMEOUT_S)
+        assert len(entries(tmp_path)) == 3  # the fourth has no record
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(TIMEOUT_S)
+    (segment,) = [p for p in files(tmp_path) if p.name.startswith("seg-")]
+    torn_size = segment.stat().st_size
+    fresh = DiskCache(tmp_path, max_bytes=10**7)
+    assert [(_read(fresh, i) == _item(i)).all() for i in range(3)] == [True] * 3
+    assert _read(fresh, 3) is None
+    name = parse_segment_name(segment.name)
+    assert name is not None
+    sealed = stage_dirs(tmp_path)[0] / segment_name(name.token)
+    assert not segment.exists() and sealed.stat().st_size == 3 * _entry_size() < torn_size
+    assert fresh.bytes_held() == disk_bytes(tmp_path)
+    assert _write(fresh, 3) and (_read(DiskCache(tmp_path), 3) == _item(3)).all()
+
+
+def test_a_forked_copy_writes_a_segment_of_its_own(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    _write(cache, 0)  # the parent's segment open
+    done = _fork.Event()
+    proc = _fork.Process(target=_child_writes, args=(cache, done))
+    proc.start()
+    assert done.wait(TIMEOUT_S)
+    proc.join(TIMEOUT_S)
+    assert proc.exitcode == 0
+    _write(cache, 2)
+    segments = [p for p in files(tmp_path) if p.name.startswith("seg-")]
+    assert len(segments) == 2
+    assert all((_read(DiskCache(tmp_path), i) == _item(i)).all() for i in range(3))
+
+
+def _child_writes(cache: DiskCache, done: Any) -> None:
+    code = 0 if _write(cache, 1) else 5
+    done.set()
+    os._exit(code)
+
+
+def test_clear_removes_every_segment_and_a_writer_starts_a_new_one(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    _write(cache, 0)
+    DiskCache(tmp_path).clear()
+    assert files(tmp_path) == [] and _read(cache, 0) is None
+    assert _write(cache, 1) and (_read(DiskCache(tmp_path), 1) == _item(1)).all()
+    assert cache.bytes_held() == disk_bytes(tmp_path)
