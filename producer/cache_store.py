@@ -294,7 +294,7 @@ class DiskCache:
             self._drop(key)
             writer = None
         view = self._view(key)
-        if view.removed():
+        if writer is None and view.removed():  # a view from before clear(): a new one
             self._drop(key)
             view = self._view(key)
         if writer is None:
