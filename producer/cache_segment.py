@@ -51,6 +51,7 @@ __all__ = [
     "index_records",
     "pack_record",
     "parse_segment_name",
+    "seal_segment",
     "segment_name",
 ]
 
@@ -357,3 +358,18 @@ def entry_places(directory: str) -> dict[int, Place]:
         return out
     finally:
         view.close()
+
+
+def seal_segment(path: str, token: int, end: int) -> int:
+    """A dead writer's segment cut to ``end`` (the end of its indexed entries) and renamed
+    sealed, or removed when nothing in it is indexed (``end`` 0); the bytes it keeps."""
+    try:
+        if end == 0:
+            os.unlink(path)
+            return 0
+        if os.stat(path).st_size > end:
+            os.truncate(path, end)
+        os.replace(path, os.path.join(os.path.dirname(path), segment_name(token)))
+    except FileNotFoundError:
+        return 0
+    return end

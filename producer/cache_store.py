@@ -25,7 +25,8 @@ segment and index, reservations included).
   rejected on read is forgotten, not removed (its bytes stay counted; one rebuilt is
   stored only if it fits).
 * **Reconciled.** A process's first use takes the lock and recounts the ledger: every
-  file's size (a live writer's reservations are in its segment's size); a segment of a
+  file's size (a live writer's reservations are in its segment's size; the per-entry
+  files of the earlier layout are removed: nothing reads them now); a segment of a
   process of this host that no longer runs, or of another host untouched for
   :data:`STALE_S`, is trimmed to the end of its last indexed entry (removed when it has
   none) and sealed (renamed without its writer's name).
@@ -58,7 +59,7 @@ from producer.cache_segment import (
     index_ends,
     pack_record,
     parse_segment_name,
-    segment_name,
+    seal_segment,
 )
 
 __all__ = ["ENTRY_OVERHEAD", "HOST", "STALE_S", "DiskCache", "default_directory"]
@@ -74,6 +75,10 @@ STALE_S = 600.0
 #: The bytes an entry costs beside its frame (its index record).
 ENTRY_OVERHEAD = RECORD_BYTES
 _STAGE_DIGITS = 32
+# The per-entry files of the layout before segments (``<index>.bqc``, ``.tmp-...``): no
+# process of this version reads them, so a recount removes them (else a full cache of
+# them would keep the cap reached for ever).
+_EARLIER_LAYOUT = re.compile(r"\d+\.bqc|\.tmp-\d+-.*")
 
 
 def default_directory() -> Path:
@@ -385,6 +390,9 @@ def _recount_stage(directory: str) -> int:
         with contextlib.suppress(FileNotFoundError):
             if not entry.is_file(follow_symlinks=False):
                 continue
+            if _EARLIER_LAYOUT.fullmatch(entry.name):
+                os.unlink(entry.path)
+                continue
             parsed = parse_segment_name(entry.name)
             if parsed is not None and parsed.pid is not None and not _alive(parsed, entry):
                 dead.append((entry, parsed))
@@ -393,23 +401,8 @@ def _recount_stage(directory: str) -> int:
     if dead:
         ends = index_ends(directory)
         for entry, parsed in dead:
-            total += _seal(directory, entry, ends.get(parsed.token, 0), parsed.token)
+            total += seal_segment(entry.path, parsed.token, ends.get(parsed.token, 0))
     return total
-
-
-def _seal(directory: str, entry: os.DirEntry[str], end: int, token: int) -> int:
-    """A dead writer's segment cut to ``end`` (its indexed entries) and renamed sealed,
-    or removed when nothing in it is indexed; the bytes it keeps."""
-    try:
-        if end == 0:
-            os.unlink(entry.path)
-            return 0
-        if entry.stat(follow_symlinks=False).st_size > end:
-            os.truncate(entry.path, end)
-        os.replace(entry.path, os.path.join(directory, segment_name(token)))
-    except FileNotFoundError:
-        return 0
-    return end
 
 
 def _alive(name: SegmentName, entry: os.DirEntry[str]) -> bool:

@@ -142,10 +142,15 @@ def test_foreign_files_are_counted_never_read(tmp_path: Path) -> None:
     (stage / segment_name(0x1234)).write_bytes(b"not frames" * 50)  # no record names it
     with open(stage / INDEX_NAME, "ab") as f:  # a record naming a segment that is not there
         f.write(pack_record(5, 0x9999, 0, 100))
+    earlier = [stage / "3.bqc", stage / ".tmp-4-host-1-70000"]  # the per-entry layout's
+    for p in earlier:
+        p.write_bytes(b"BQF an entry of the earlier layout")
     fresh = DiskCache(tmp_path, max_bytes=10**6)
     assert (_read(fresh, 0) == _item(0)).all()
     assert _read(fresh, 5) is None
     assert fresh.bytes_held() == disk_bytes(tmp_path)
+    assert not any(p.exists() for p in earlier)  # nothing reads them: removed, not counted
+    assert (stage / "notes.txt").exists()
 
 
 # -- processes -----------------------------------------------------------------------
