@@ -332,16 +332,22 @@ class StageIndex:
 
 
 def index_ends(directory: str) -> dict[int, int]:
-    """Each segment's end as the stage's index says (the end of its last entry), by token."""
+    """Each segment's end as the stage's index says (the end of its last entry), by token
+    (the index read a chunk at a time: memory bounded whatever its size)."""
     ends: dict[int, int] = {}
     try:
-        with open(os.path.join(directory, INDEX_NAME), "rb") as f:
-            raw = f.read()
+        fd = os.open(os.path.join(directory, INDEX_NAME), os.O_RDONLY | _CLOEXEC)
     except FileNotFoundError:
         return ends
-    records, _ = index_records(raw)
-    for _index, token, offset, length in records:
-        ends[token] = max(ends.get(token, 0), offset + length)
+    try:
+        at = 0
+        while len(raw := os.pread(fd, _READ_CHUNK, at)) >= RECORD_BYTES:
+            records, used = index_records(raw)
+            for _index, token, offset, length in records:
+                ends[token] = max(ends.get(token, 0), offset + length)
+            at += used
+    finally:
+        os.close(fd)
     return ends
 
 
