@@ -166,7 +166,8 @@ class DiskCache:
             with self._locked():
                 if os.write(view.fd, record) != len(record):
                     raise OSError(f"index record of entry {index} written short")
-                os.ftruncate(writer.fd, offset + size)  # the record's place: in the index now
+                if writer.end == offset + size:  # else a later reservation covers the room
+                    os.ftruncate(writer.fd, offset + size)  # the record's room: in the index
         except OSError as e:
             self._give_back(writer, offset, size)
             self.full = True

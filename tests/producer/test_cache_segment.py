@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,25 @@ def test_foreign_files_are_counted_never_read(tmp_path: Path) -> None:
     assert fresh.bytes_held() == disk_bytes(tmp_path)
     assert not any(p.exists() for p in earlier)  # nothing reads them: removed, not counted
     assert (stage / "notes.txt").exists()
+
+
+def test_threads_of_one_process_share_its_segment(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**7)
+    start = threading.Barrier(2, timeout=TIMEOUT_S)
+
+    def write(first: int) -> None:
+        start.wait()
+        for i in range(first, first + PER_WRITER):
+            assert _write(cache, i, 5000)
+
+    threads = [threading.Thread(target=write, args=(k * PER_WRITER,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    reader = DiskCache(tmp_path)
+    assert all((_read(reader, i) == _item(i, 5000)).all() for i in range(2 * PER_WRITER))
+    assert cache.bytes_held() == disk_bytes(tmp_path)
 
 
 # -- processes -----------------------------------------------------------------------
