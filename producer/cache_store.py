@@ -51,6 +51,7 @@ from typing import Any
 from batchq.errors import ConfigError
 from batchq.wire.frame import Pieces
 from producer.cache_segment import (
+    MAX_FIELD,
     RECORD_BYTES,
     Place,
     SegmentName,
@@ -156,6 +157,8 @@ class DiskCache:
             return False
         self._open()
         size = payload.nbytes
+        if size + RECORD_BYTES >= MAX_FIELD:  # no index record can say its length
+            return False
         reserved = self._reserve(stage, size)
         if reserved is None:
             return False
@@ -198,7 +201,7 @@ class DiskCache:
             self.held_bytes = used + need
             _write_ledger(fd, used + need)  # first: the ledger never counts less than disk
             try:
-                writer, view = self._writer(stage)
+                writer, view = self._writer(stage, size)
                 offset = writer.end
                 # The segment holds the reservation, and room for the record to come
                 # (given back once it is in the index): a recount counts both.
@@ -291,13 +294,18 @@ class DiskCache:
             view = self._views[key] = StageIndex(f"{self._root}/{key}")
         return view
 
-    def _writer(self, stage: str) -> tuple[SegmentWriter, StageIndex]:
-        """This process's segment of ``stage`` (made on its first entry; made again when
-        the directory was cleared since) and the stage's index (called under the lock)."""
+    def _writer(self, stage: str, size: int) -> tuple[SegmentWriter, StageIndex]:
+        """This process's segment of ``stage`` with room for ``size`` more bytes (made on
+        its first entry; made again when the directory was cleared since, or the segment
+        would pass an index record's largest offset) and the stage's index (called under
+        the lock)."""
         key = stage[:_STAGE_DIGITS]
         writer = self._writers.get(key)
         if writer is not None and os.fstat(writer.fd).st_nlink == 0:
             self._drop(key)
+            writer = None
+        if writer is not None and writer.end + size + RECORD_BYTES >= MAX_FIELD:
+            self._writers.pop(key).close()  # full: sealed once this process is gone
             writer = None
         view = self._view(key)
         if writer is None and view.removed():  # a view from before clear(): a new one

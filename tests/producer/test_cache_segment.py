@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from cache_layout import disk_bytes, entries, files, overwrite, stage_dirs
 
+from producer import cache_store
 from producer.cache_entry import decode_entry, encode_entry
 from producer.cache_segment import (
     INDEX_NAME,
@@ -152,6 +153,18 @@ def test_foreign_files_are_counted_never_read(tmp_path: Path) -> None:
     assert fresh.bytes_held() == disk_bytes(tmp_path)
     assert not any(p.exists() for p in earlier)  # nothing reads them: removed, not counted
     assert (stage / "notes.txt").exists()
+
+
+def test_a_segment_at_the_records_largest_offset_is_followed_by_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cache_store, "MAX_FIELD", 2 * (_entry_size() + ENTRY_OVERHEAD))
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    assert all(_write(cache, i) for i in range(5))
+    segments = [p for p in files(tmp_path) if p.name.startswith("seg-")]
+    assert len(segments) == 3  # two entries each (the third would pass the limit)
+    assert all((_read(DiskCache(tmp_path), i) == _item(i)).all() for i in range(5))
+    assert cache.bytes_held() == disk_bytes(tmp_path)
 
 
 def test_threads_of_one_process_share_its_segment(tmp_path: Path) -> None:
