@@ -195,7 +195,7 @@ class SegmentWriter:
 class StageIndex:
     """One process's view of a stage's index: index -> place, kept up to date on misses.
 
-    Memory: one table row per entry in the index (a packed int: about 100 bytes,
+    Memory: one table row per entry in the index (a packed int: about 120 bytes,
     against an entry's tens to hundreds of KB), never an entry's bytes.
 
     Args:
