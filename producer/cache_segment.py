@@ -6,7 +6,8 @@ A stage's directory (:mod:`producer.cache_store`) holds:
   still run, ``seg-<token>.bqs`` once sealed (its writer gone, its tail trimmed).
   ``<token>`` is 16 hex digits drawn by the writer (:data:`TOKEN_DIGITS`). A segment is
   the entries' frames (:mod:`producer.cache_entry`) back to back, nothing else; only
-  its writer appends to it, at offsets it reserved under the directory's lock.
+  its writer appends to it, at offsets it reserved under the directory's lock, and holds
+  ``flock(LOCK_SH)`` on it while it may (pid and host in the name are for people).
 * **The index**, ``index.bqi``: fixed-size records (:data:`RECORD`, :data:`RECORD_BYTES`
   bytes each), appended (one ``write``, under the lock) only after the entry's bytes are
   written: magic ``BQI1``, the entry's index (u64), its segment's token (u64), its
@@ -15,21 +16,24 @@ A stage's directory (:mod:`producer.cache_store`) holds:
   rebuilt after it was rejected).
 
 A reader (:class:`StageIndex`) keeps the index in memory as a table index -> place,
-read once and then only its new records (one ``pread`` from where it stopped, on a
-miss), so a lookup is a dict lookup and a hit one ``preadv``. A record whose magic or
-crc does not hold (a torn tail after a crash, a foreign file's bytes) is skipped, and
-the next record found by its magic; a record naming a segment not there, or bytes the
-segment does not have, reads as absent. What a record points at is an entry frame
-whose crc, stage and index the cache checks (:func:`producer.cache_entry.decode_entry`):
+read once and then only its new records (from where it stopped, on a miss), so a lookup
+is a dict lookup and a hit an ``fstat`` and one ``preadv``. A record whose magic or crc
+does not hold (a torn tail after a crash, a foreign file's bytes) is skipped, and the
+next record found by its magic; a record naming a segment not there, or bytes the
+segment does not have (checked before anything is allocated), reads as absent. What a
+record points at is an entry frame whose crc, stage and index the cache checks
+(:func:`producer.cache_entry.decode_entry`):
 the index finds an entry, it never vouches for its bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -53,6 +57,7 @@ __all__ = [
     "parse_segment_name",
     "seal_segment",
     "segment_name",
+    "writer_gone",
 ]
 
 #: The index file of a stage's directory.
@@ -63,8 +68,10 @@ RECORD = struct.Struct("<4sQQQQI")
 #: The bytes of one index record (what an entry costs beside its frame).
 RECORD_BYTES = RECORD.size
 _BODY = RECORD_BYTES - 4
+_FIELD_BITS = 40  # an offset's and a length's bits in a record's checks and the table
 #: Offsets and lengths above this are refused (a record from a foreign file).
-MAX_FIELD = 1 << 40
+MAX_FIELD = 1 << _FIELD_BITS
+_FIELD_MASK = MAX_FIELD - 1
 #: Hex digits of a segment's token.
 TOKEN_DIGITS = 16
 _SEGMENT = re.compile(
@@ -155,17 +162,37 @@ def index_records(buf: bytes | bytearray) -> tuple[list[tuple[int, int, int, int
 class SegmentWriter:
     """This process's segment of one stage: created on its first entry, appended to.
 
+    The writer holds ``flock(LOCK_SH)`` on its segment for as long as its descriptor is
+    open: a recount seals only a segment it can lock exclusively (:func:`writer_gone`),
+    which no pid, host name or clock can fool. The descriptor is closed only when the
+    object goes (``__del__``): a thread between its reservation and its record holds a
+    reference, so the number is never reused under it (a ``close()`` from another thread
+    would let a new segment or index get the same number, and the old thread's bytes
+    land there).
+
     Args:
         directory: the stage's directory.
         token: the segment's token.
-        pid: the writer's pid (in the name: a recount tells a live writer's segment).
-        host: the writer's host.
+        pid: the writer's pid (in the name, for people reading the directory).
+        host: the writer's host (likewise).
+
+    Raises:
+        OSError: the segment could not be made or locked.
     """
 
     def __init__(self, directory: str, token: int, pid: int, host: str) -> None:
         self.token = token
         self.path = os.path.join(directory, segment_name(token, pid, host))
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+        self.fd = -1  # __del__ of a writer whose open failed closes nothing
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+        try:
+            # Made and locked under the directory's lock: no recount sees it unlocked.
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:
+            os.close(fd)
+            raise
+        self.fd = fd
+        _OWN_TOKENS.add(token)
         self.end = 0  # the bytes reserved so far (the file's size, holes included)
 
     def write_at(self, offset: int, payload: Pieces) -> None:
@@ -186,10 +213,51 @@ class SegmentWriter:
             if views and done:
                 views[0] = views[0][done:]
 
-    def close(self) -> None:
-        """Close the segment's file."""
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+    def __del__(self) -> None:
+        # Only close: an explicit LOCK_UN would drop the lock of a forked parent that
+        # shares the open file (the lock goes with the last descriptor of it).
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            _OWN_TOKENS.discard(self.token)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+# This process's writers' tokens: on NFS, flock is emulated with POSIX locks, which
+# never conflict within one process, so a recount must not take its own segments' lock
+# as proof their writer is gone.
+_OWN_TOKENS: set[int] = set()
+
+
+def writer_gone(path: str, token: int) -> int | None:
+    """A descriptor of segment ``path`` locked exclusively when its writer is gone (no
+    process holds its shared lock, whatever pid namespace or host it runs in), else None
+    (the caller closes it; the lock goes with it)."""
+    if token in _OWN_TOKENS:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | _CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: a writer holds it
+        os.close(fd)
+        return None
+    return fd
+
+
+def _pack_place(number: int, offset: int, length: int) -> int:
+    return (number << _FIELD_BITS | offset) << _FIELD_BITS | length
+
+
+def _unpack_place(packed: int) -> tuple[int, int, int]:
+    """(segment number, offset, length) of a packed table row."""
+    return (
+        packed >> (2 * _FIELD_BITS),
+        (packed >> _FIELD_BITS) & _FIELD_MASK,
+        packed & _FIELD_MASK,
+    )
 
 
 class StageIndex:
@@ -198,17 +266,25 @@ class StageIndex:
     Memory: one table row per entry in the index (a packed int: about 120 bytes,
     against an entry's tens to hundreds of KB), never an entry's bytes.
 
+    Thread-safe: one lock covers the table, the read position and the open segments (a
+    segment's descriptor closed by the LRU while another thread ``preadv``s on it
+    rejected valid entries; two refreshes at once skipped records). The view's
+    descriptors are closed only when it goes (``__del__``) or by :meth:`close`, which
+    only a view no other thread uses may call.
+
     Args:
         directory: the stage's directory (made if absent).
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self.fd = -1  # __del__ of a view whose open failed closes nothing
         os.makedirs(directory, exist_ok=True)
         self.index_path = os.path.join(directory, INDEX_NAME)
         self.fd = os.open(self.index_path, os.O_RDWR | os.O_CREAT | os.O_APPEND | _CLOEXEC, 0o644)
+        self._lock = threading.Lock()
         self._read_to = 0  # the index's bytes consumed
-        self._table: dict[int, int] = {}  # index -> segment number << 80 | offset << 40 | length
+        self._table: dict[int, int] = {}  # index -> _pack_place(segment number, offset, length)
         self._tokens: list[int] = []  # segment number -> token
         self._numbers: dict[int, int] = {}  # token -> segment number
         self._names: dict[int, str] = {}  # token -> its file's current name
@@ -219,7 +295,8 @@ class StageIndex:
 
     def indices(self) -> list[int]:
         """The indices the view holds, sorted."""
-        return sorted(self._table)
+        with self._lock:
+            return sorted(self._table)
 
     def removed(self) -> bool:
         """The index file is no longer in the directory (``clear()`` removed it)."""
@@ -227,72 +304,102 @@ class StageIndex:
 
     def add(self, index: int, token: int, offset: int, length: int) -> None:
         """Record an entry's place (this process's own write, or a record read)."""
+        with self._lock:
+            self._add(index, token, offset, length)
+
+    def forget(self, index: int) -> None:
+        """Drop an entry from this view (it was rejected; a later record brings it back)."""
+        with self._lock:
+            self._table.pop(index, None)
+
+    def refresh(self) -> None:
+        """Read the records appended since the last look."""
+        with self._lock:
+            self._refresh()
+
+    def place(self, index: int, refresh: bool = True) -> Place | None:
+        """Where entry ``index`` is (the index read again on a miss), None if absent."""
+        with self._lock:
+            found = self._find(index, refresh)
+            if found is None:
+                return None
+            token, offset, length = found
+            name = self._names.get(token) or self._rescan(token)
+        if name is None:
+            return None
+        return Place(os.path.join(self.directory, name), offset, length)
+
+    def read(self, index: int, max_length: int = MAX_FIELD) -> bytearray | None:
+        """Entry ``index``'s bytes as its record says (unchecked: the caller decodes
+        them), None if absent, short, longer than ``max_length`` or past its segment's
+        end (a crc-valid record with a huge length, a foreign file's, must not allocate
+        its length before anything checked it)."""
+        with self._lock:
+            found = self._find(index, True)
+            if found is None:
+                return None
+            token, offset, length = found
+            if length > max_length:
+                return None
+            for _ in range(2):  # a segment sealed (renamed) since: its name looked up again
+                fd = self._segment_fd(token)
+                if fd is None:
+                    return None
+                try:
+                    if os.fstat(fd).st_size < offset + length:
+                        return None
+                    buf = bytearray(length)
+                    return buf if os.preadv(fd, [buf], offset) == length else None
+                except OSError:
+                    self._drop_fd(token)
+        return None
+
+    def close(self) -> None:
+        """Close the index's and the segments' files (only when no other thread uses
+        the view: else let it go, and ``__del__`` closes them)."""
+        with self._lock:
+            for token in list(self._open):
+                self._drop_fd(token)
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self.close()
+
+    # -- called with the lock held --------------------------------------------------------
+
+    def _add(self, index: int, token: int, offset: int, length: int) -> None:
         number = self._numbers.get(token)
         if number is None:
             number = self._numbers[token] = len(self._tokens)
             self._tokens.append(token)
-        self._table[index] = number << 80 | offset << 40 | length
+        self._table[index] = _pack_place(number, offset, length)
 
-    def forget(self, index: int) -> None:
-        """Drop an entry from this view (it was rejected; a later record brings it back)."""
-        self._table.pop(index, None)
+    def _find(self, index: int, refresh: bool) -> tuple[int, int, int] | None:
+        """(token, offset, length) of entry ``index`` (the index read again on a miss)."""
+        packed = self._table.get(index)
+        if packed is None and refresh:
+            self._refresh()
+            packed = self._table.get(index)
+        if packed is None:
+            return None
+        number, offset, length = _unpack_place(packed)
+        return self._tokens[number], offset, length
 
-    def refresh(self) -> None:
-        """Read the records appended since the last look."""
-        while True:
-            raw = os.pread(self.fd, _READ_CHUNK, self._read_to)
+    def _refresh(self) -> None:
+        # Only the bytes the index has now (not a chunk's worth on every miss).
+        size = os.fstat(self.fd).st_size
+        while size - self._read_to >= RECORD_BYTES:
+            raw = os.pread(self.fd, min(_READ_CHUNK, size - self._read_to), self._read_to)
             if len(raw) < RECORD_BYTES:
                 return
             records, used = index_records(raw)
             for index, token, offset, length in records:
-                self.add(index, token, offset, length)
+                self._add(index, token, offset, length)
             self._read_to += used
-            if len(raw) < _READ_CHUNK:
-                return
-
-    def place(self, index: int, refresh: bool = True) -> Place | None:
-        """Where entry ``index`` is (the index read again on a miss), None if absent."""
-        packed = self._table.get(index)
-        if packed is None and refresh:
-            self.refresh()
-            packed = self._table.get(index)
-        if packed is None:
-            return None
-        token = self._tokens[packed >> 80]
-        name = self._names.get(token) or self._rescan(token)
-        if name is None:
-            return None
-        offset, length = (packed >> 40) & (MAX_FIELD - 1), packed & (MAX_FIELD - 1)
-        return Place(os.path.join(self.directory, name), offset, length)
-
-    def read(self, index: int) -> bytearray | None:
-        """Entry ``index``'s bytes as its record says (unchecked: the caller decodes
-        them), None if absent or short."""
-        packed = self._table.get(index)
-        if packed is None:
-            self.refresh()
-            packed = self._table.get(index)
-            if packed is None:
-                return None
-        token = self._tokens[packed >> 80]
-        offset, length = (packed >> 40) & (MAX_FIELD - 1), packed & (MAX_FIELD - 1)
-        buf = bytearray(length)
-        for _ in range(2):  # a segment sealed (renamed) since: its name looked up again
-            fd = self._segment_fd(token)
-            if fd is None:
-                return None
-            try:
-                return buf if os.preadv(fd, [buf], offset) == length else None
-            except OSError:
-                self._drop_fd(token)
-        return None
-
-    def close(self) -> None:
-        """Close the index's and the segments' files."""
-        for token in list(self._open):
-            self._drop_fd(token)
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
 
     def _segment_fd(self, token: int) -> int | None:
         fd = self._open.get(token)
@@ -366,15 +473,16 @@ def entry_places(directory: str) -> dict[int, Place]:
         view.close()
 
 
-def seal_segment(path: str, token: int, end: int) -> int:
-    """A dead writer's segment cut to ``end`` (the end of its indexed entries) and renamed
-    sealed, or removed when nothing in it is indexed (``end`` 0); the bytes it keeps."""
+def seal_segment(path: str, fd: int, token: int, end: int) -> int:
+    """A dead writer's segment (``fd``: its descriptor, locked by :func:`writer_gone`) cut
+    to ``end`` (the end of its indexed entries) and renamed sealed, or removed when
+    nothing in it is indexed (``end`` 0); the bytes it keeps."""
     try:
         if end == 0:
             os.unlink(path)
             return 0
-        if os.stat(path).st_size > end:
-            os.truncate(path, end)
+        if os.fstat(fd).st_size > end:
+            os.ftruncate(fd, end)
         os.replace(path, os.path.join(os.path.dirname(path), segment_name(token)))
     except FileNotFoundError:
         return 0

@@ -26,10 +26,14 @@ segment and index, reservations included).
   stored only if it fits).
 * **Reconciled.** A process's first use takes the lock and recounts the ledger: every
   file's size (a live writer's reservations are in its segment's size; the per-entry
-  files of the earlier layout are removed: nothing reads them now); a segment of a
-  process of this host that no longer runs, or of another host untouched for
-  :data:`STALE_S`, is trimmed to the end of its last indexed entry (removed when it has
-  none) and sealed (renamed without its writer's name).
+  files of the earlier layout are removed: nothing reads them now); a writer's segment
+  whose shared ``flock`` no process holds (:func:`producer.cache_segment.writer_gone`)
+  is trimmed to the end of its last indexed entry (removed when it has none) and sealed
+  (renamed without its writer's name).
+* **Threads.** A segment or view let go (``clear()``, a full segment) is forgotten,
+  never closed: its descriptors close when the last thread using it lets go, so no new
+  file can take their numbers under a thread still writing. A reader that only hits
+  looks for ``clear()`` every :data:`REMOVED_CHECK_S`.
 """
 
 from __future__ import annotations
@@ -54,25 +58,26 @@ from producer.cache_segment import (
     MAX_FIELD,
     RECORD_BYTES,
     Place,
-    SegmentName,
     SegmentWriter,
     StageIndex,
     index_ends,
     pack_record,
     parse_segment_name,
     seal_segment,
+    writer_gone,
 )
 
-__all__ = ["ENTRY_OVERHEAD", "HOST", "STALE_S", "DiskCache", "default_directory"]
+__all__ = ["ENTRY_OVERHEAD", "HOST", "REMOVED_CHECK_S", "DiskCache", "default_directory"]
 
 log = logging.getLogger(__name__)
 
 _LOCK = ".lock"
 _LEDGER = ".bytes"
-#: This host's name as segments' names carry it.
+#: This host's name as segments' names carry it (for people: liveness is the segment's lock).
 HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
-#: A segment of another host untouched this long is a dead writer's (seconds).
-STALE_S = 600.0
+#: A reader that only hits looks whether ``clear()`` removed its stage this often (seconds):
+#: else it would keep removed segments open, and serve them, for ever.
+REMOVED_CHECK_S = 1.0
 #: The bytes an entry costs beside its frame (its index record).
 ENTRY_OVERHEAD = RECORD_BYTES
 _STAGE_DIGITS = 32
@@ -80,6 +85,20 @@ _STAGE_DIGITS = 32
 # process of this version reads them, so a recount removes them (else a full cache of
 # them would keep the cap reached for ever).
 _EARLIER_LAYOUT = re.compile(r"\d+\.bqc|\.tmp-\d+-.*")
+
+
+# Serialises a DiskCache's first use in a process (two threads making it at once raised
+# ConfigError and leaked descriptors); module-wide, so a fork can make it anew in the
+# child (a lock held by another thread at the fork would never be released there).
+_OPEN_LOCK = threading.RLock()
+
+
+def _new_open_lock() -> None:
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_open_lock)
 
 
 def default_directory() -> Path:
@@ -131,6 +150,7 @@ class DiskCache:
         self._views: dict[str, StageIndex] = {}  # stage -> its index as this process reads it
         self._writers: dict[str, SegmentWriter] = {}  # stage -> this process's segment
         self._thread_lock = threading.Lock()  # flock does not exclude this process's threads
+        self._checked: dict[str, float] = {}  # stage -> when a hit last looked for clear()
 
     # -- what the cached dataset calls --------------------------------------------------
 
@@ -138,12 +158,17 @@ class DiskCache:
         """The bytes of entry ``index`` of ``stage`` (a fingerprint), None if absent
         (unchecked: :func:`producer.cache_entry.decode_entry` checks them)."""
         self._open()
+        limit = self.max_bytes or MAX_FIELD  # no entry is longer than the cap
         try:
             view = self._view(stage)
-            buf = view.read(index)
-            if buf is None and view.removed():  # the directory cleared: read it afresh
-                self._drop(stage)
-                buf = self._view(stage).read(index)
+            buf = view.read(index, limit)
+            if (buf is None or self._check_due(stage)) and view.removed():
+                # The directory cleared: read it afresh (the old view's files are closed
+                # once no thread uses them: its segments' disk goes back).
+                with self._thread_lock:
+                    if self._views.get(stage[:_STAGE_DIGITS]) is view:
+                        self._drop(stage)
+                buf = self._view(stage).read(index, limit)
         except OSError as e:
             log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
             return None
@@ -179,6 +204,14 @@ class DiskCache:
             )
             return False
         view.add(index, writer.token, offset, size)
+        return True
+
+    def _check_due(self, stage: str) -> bool:
+        """A hit's turn to look for ``clear()`` (at most every :data:`REMOVED_CHECK_S`)."""
+        key, now = stage[:_STAGE_DIGITS], time.monotonic()
+        if now - self._checked.get(key, -REMOVED_CHECK_S) < REMOVED_CHECK_S:
+            return False
+        self._checked[key] = now
         return True
 
     def _reserve(self, stage: str, size: int) -> tuple[SegmentWriter, StageIndex, int] | None:
@@ -259,10 +292,12 @@ class DiskCache:
         self.full = False
 
     def close(self) -> None:
-        """Close this process's files (a later use opens them again)."""
-        for stage in list(self._views) + list(self._writers):
-            self._drop(stage)
-        fds, self._fds, self._pid = self._fds, None, None
+        """Close this process's files (a later use opens them again; the segments' and
+        indexes' once no thread uses them)."""
+        with _OPEN_LOCK, self._thread_lock:
+            for stage in list(self._views) + list(self._writers):
+                self._drop(stage)
+            fds, self._fds, self._pid = self._fds, None, None
         if fds is not None:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -305,7 +340,7 @@ class DiskCache:
             self._drop(key)
             writer = None
         if writer is not None and writer.end + size + RECORD_BYTES >= MAX_FIELD:
-            self._writers.pop(key).close()  # full: sealed once this process is gone
+            del self._writers[key]  # full: sealed once no thread holds it (its lock goes)
             writer = None
         view = self._view(key)
         if writer is None and view.removed():  # a view from before clear(): a new one
@@ -317,12 +352,14 @@ class DiskCache:
         return writer, view
 
     def _drop(self, stage: str) -> None:
+        """Forget the stage's view and segment (called under the thread lock). Never close
+        them: a thread between its reservation and its record still uses them, and a
+        closed number reused by the next segment or index would take its bytes; their
+        files close when the last thread lets them go."""
         key = stage[:_STAGE_DIGITS]
-        view, writer = self._views.pop(key, None), self._writers.pop(key, None)
-        if view is not None:
-            view.close()
-        if writer is not None:
-            writer.close()
+        self._views.pop(key, None)
+        self._writers.pop(key, None)
+        self._checked.pop(key, None)
 
     def _cap(self) -> int:
         if self.max_bytes is None:
@@ -339,17 +376,37 @@ class DiskCache:
     def _open(self) -> None:
         if self._pid == os.getpid():
             return
-        self._process_state()  # a forked copy: the parent's files and segments are not its
-        self.directory.mkdir(parents=True, exist_ok=True)
-        # Files of this process's own: after a fork the parent's descriptors share the
-        # parent's open files, and so its lock.
-        lock = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        ledger = os.open(self.directory / _LEDGER, os.O_RDWR | os.O_CREAT, 0o644)
-        self._fds = (lock, ledger)
-        with self._locked() as fd:
-            self.held_bytes = _recount(self.directory)
-            _write_ledger(fd, self.held_bytes)
-        self._pid = os.getpid()
+        with _OPEN_LOCK:  # one thread opens; the others find it done
+            if self._pid == os.getpid():
+                return
+            # A forked copy: the parent's files and segments are not its. Built in locals
+            # and published only once whole, the pid last (the check above reads it
+            # without the lock).
+            self.directory.mkdir(parents=True, exist_ok=True)
+            # Files of this process's own: after a fork the parent's descriptors share the
+            # parent's open files, and so its lock.
+            lock = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                ledger = os.open(
+                    self.directory / _LEDGER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
+                )
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    try:
+                        held = _recount(self.directory)
+                        _write_ledger(ledger, held)
+                    finally:
+                        fcntl.flock(lock, fcntl.LOCK_UN)
+                except BaseException:
+                    os.close(ledger)
+                    raise
+            except BaseException:
+                os.close(lock)
+                raise
+            self._process_state()
+            self.held_bytes = held
+            self._fds = (lock, ledger)
+            self._pid = os.getpid()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[int]:
@@ -394,35 +451,29 @@ def _recount(directory: Path) -> int:
 
 def _recount_stage(directory: str) -> int:
     total = 0
-    dead: list[tuple[os.DirEntry[str], SegmentName]] = []
-    for entry in os.scandir(directory):
-        with contextlib.suppress(FileNotFoundError):
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            if _EARLIER_LAYOUT.fullmatch(entry.name):
-                os.unlink(entry.path)
-                continue
-            parsed = parse_segment_name(entry.name)
-            if parsed is not None and parsed.pid is not None and not _alive(parsed, entry):
-                dead.append((entry, parsed))
-                continue
-            total += entry.stat(follow_symlinks=False).st_size
-    if dead:
-        ends = index_ends(directory)
-        for entry, parsed in dead:
-            total += seal_segment(entry.path, parsed.token, ends.get(parsed.token, 0))
+    dead: list[tuple[str, int, int]] = []  # (path, its locked descriptor, token)
+    try:
+        for entry in os.scandir(directory):
+            with contextlib.suppress(FileNotFoundError):
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                if _EARLIER_LAYOUT.fullmatch(entry.name):
+                    os.unlink(entry.path)
+                    continue
+                parsed = parse_segment_name(entry.name)
+                # A writer's segment whose lock no process holds: its writer is gone
+                # (exact across pid namespaces, pid reuse, hosts and clocks).
+                if parsed is not None and parsed.pid is not None:
+                    fd = writer_gone(entry.path, parsed.token)
+                    if fd is not None:
+                        dead.append((entry.path, fd, parsed.token))
+                        continue
+                total += entry.stat(follow_symlinks=False).st_size
+        if dead:
+            ends = index_ends(directory)
+            for path, fd, token in dead:
+                total += seal_segment(path, fd, token, ends.get(token, 0))
+    finally:
+        for _path, fd, _token in dead:
+            os.close(fd)
     return total
-
-
-def _alive(name: SegmentName, entry: os.DirEntry[str]) -> bool:
-    """A segment's writer may still append: a process of this host that runs, or one of
-    another host whose segment was touched within :data:`STALE_S`."""
-    if name.host == HOST and name.pid is not None:
-        try:
-            os.kill(name.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # another user's process: alive
-        return True
-    return time.time() - entry.stat().st_mtime <= STALE_S

@@ -4,6 +4,7 @@ writer processes on one directory, a writer killed mid-entry, the cap."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -296,3 +297,183 @@ def test_clear_removes_every_segment_and_a_writer_starts_a_new_one(tmp_path: Pat
     assert files(tmp_path) == [] and _read(cache, 0) is None
     assert _write(cache, 1) and (_read(DiskCache(tmp_path), 1) == _item(1)).all()
     assert cache.bytes_held() == disk_bytes(tmp_path)
+
+
+# -- threads of one process, records that lie, writers that look dead -----------------
+
+
+def _pause_thread(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[Any, Any]:
+    """SegmentWriter.write_at held in thread ``name`` (its entry reserved, nothing
+    written) until the second event is set; the first says it got there."""
+    paused, go = threading.Event(), threading.Event()
+    real = SegmentWriter.write_at
+
+    def held(self: SegmentWriter, offset: int, payload: Any) -> None:
+        if threading.current_thread().name == name:
+            paused.set()
+            assert go.wait(TIMEOUT_S)
+        real(self, offset, payload)
+
+    monkeypatch.setattr(SegmentWriter, "write_at", held)
+    return paused, go
+
+
+def test_a_thread_writing_across_clear_never_writes_into_the_new_segment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**7)
+    for i in range(5):
+        assert _write(cache, i)
+    paused, go = _pause_thread(monkeypatch, "T1")
+    t1 = threading.Thread(target=_write, args=(cache, 5), name="T1")
+    t1.start()
+    try:
+        assert paused.wait(TIMEOUT_S)  # T1 between its reservation and its record
+        clearer = DiskCache(tmp_path)  # kept open: its descriptors' numbers stay taken
+        clearer.clear()  # as another process's clear()
+        assert _write(cache, 100)  # finds its segment removed: a new segment and index
+    finally:
+        go.set()
+        t1.join(TIMEOUT_S)
+    assert not t1.is_alive()
+    # Neither T1's bytes nor its record went into the new files (the ledger still says
+    # them), nor did it find its descriptors closed (and stop writing).
+    assert cache.bytes_held() == disk_bytes(tmp_path)
+    assert [i for _stage, i in entries(tmp_path)] == [100]
+    assert _write(cache, 101)
+    fresh = DiskCache(tmp_path, max_bytes=10**7)
+    assert (_read(fresh, 100) == _item(100)).all()  # T1's bytes did not land on it
+    assert _read(fresh, 5) is None  # written into the removed files, not the new ones
+    assert fresh.bytes_held() == disk_bytes(tmp_path)
+
+
+@pytest.mark.parametrize("length", [(1 << 40) - 1, 10**6])
+def test_a_record_past_its_segments_end_reads_as_absent_without_allocating(
+    tmp_path: Path, length: int
+) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**7)
+    assert _write(cache, 0)
+    place = cache.place(STAGE, 0)
+    assert place is not None
+    name = parse_segment_name(os.path.basename(place.path))
+    assert name is not None
+    with open(stage_dirs(tmp_path)[0] / INDEX_NAME, "ab") as index:
+        index.write(pack_record(1, name.token, 0, length))  # crc-valid, a lie
+    reader = DiskCache(tmp_path, max_bytes=10**7)
+    assert reader.read(STAGE, 1) is None  # no MemoryError, no 1 TiB bytearray
+    assert (_read(reader, 0) == _item(0)).all()
+    assert _write(reader, 1) and (_read(DiskCache(tmp_path), 1) == _item(1)).all()
+
+
+def test_threads_reading_more_segments_than_a_reader_keeps_open(tmp_path: Path) -> None:
+    n = 200
+    for w in range(20):  # 20 writers, one segment each: more than a view keeps open
+        writer = DiskCache(tmp_path, max_bytes=10**8)
+        assert all(_write(writer, i, 2000 + i) for i in range(w, n, 20))
+        writer.close()
+    reader = DiskCache(tmp_path, max_bytes=10**8)
+    start = threading.Barrier(4, timeout=TIMEOUT_S)
+    wrong: list[tuple[int, str]] = []
+
+    def read(seed: int) -> None:
+        start.wait()
+        for k in range(3000):
+            i = (seed * 7919 + k * 104729) % n
+            try:
+                got = _read(reader, i)  # a FrameError: bytes of another segment read
+            except BaseException as e:  # reported by the main thread
+                wrong.append((i, repr(e)))
+                continue
+            if got is None or got.shape != (2000 + i,) or not (got == i % 251).all():
+                wrong.append((i, "absent or wrong"))
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+
+
+def test_two_threads_missing_at_once_read_each_record_once(tmp_path: Path) -> None:
+    writer = DiskCache(tmp_path, max_bytes=10**8)
+    for i in range(2000):
+        assert _write(writer, i, 10)
+    index = stage_dirs(tmp_path)[0] / INDEX_NAME
+    for _ in range(30):
+        reader = DiskCache(tmp_path)
+        start = threading.Barrier(2, timeout=TIMEOUT_S)
+
+        def miss(r: DiskCache = reader, b: threading.Barrier = start) -> None:
+            b.wait()
+            assert r.read(STAGE, 10**9) is None  # absent: both read the index
+
+        threads = [threading.Thread(target=miss) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        assert reader._views[STAGE[:32]]._read_to == index.stat().st_size
+
+
+def test_threads_making_a_caches_first_use_at_once(tmp_path: Path) -> None:
+    fds = len(os.listdir("/proc/self/fd"))
+    failed: list[BaseException] = []
+    for trial in range(40):
+        cache = DiskCache(tmp_path, max_bytes=10**8)
+        start = threading.Barrier(4, timeout=TIMEOUT_S)
+
+        def write(i: int, c: DiskCache = cache, b: threading.Barrier = start) -> None:
+            b.wait()
+            try:
+                assert _write(c, i, 100)
+            except BaseException as e:
+                failed.append(e)
+
+        threads = [threading.Thread(target=write, args=(trial * 4 + k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        cache.close()
+        del cache, threads
+    assert failed == []
+    assert len(os.listdir("/proc/self/fd")) == fds  # nothing leaked
+    assert len([p for p in files(tmp_path) if p.name.startswith("seg-")]) == 40
+
+
+def test_a_live_writer_whose_pid_looks_dead_keeps_its_segment(tmp_path: Path) -> None:
+    # The writer's name says a pid no process of this namespace has (a writer in another
+    # pid namespace, on a host of the same name): only its lock says it runs.
+    cache = DiskCache(tmp_path, max_bytes=10**7)
+    assert _write(cache, 0)
+    stage_dir = str(stage_dirs(tmp_path)[0])
+    writer = SegmentWriter(stage_dir, 0xBEEF, 2**22 + 1, cache_store.HOST)
+    os.ftruncate(writer.fd, 5000)  # its reservation, no record yet
+    DiskCache(tmp_path).bytes_held()  # another process's first use: a recount
+    assert os.path.exists(writer.path) and os.path.getsize(writer.path) == 5000
+    del writer  # its writer gone: the next recount removes it (nothing indexed)
+    fresh = DiskCache(tmp_path)
+    assert fresh.bytes_held() == disk_bytes(tmp_path)
+    assert [p.name for p in files(tmp_path) if "beef" in p.name] == []
+
+
+def test_a_reader_that_only_hits_lets_a_cleared_stage_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cache_store, "REMOVED_CHECK_S", 0.0, raising=False)
+    writer = DiskCache(tmp_path, max_bytes=10**7)
+    for i in range(3):
+        assert _write(writer, i, 10**5)
+    writer.close()
+    reader = DiskCache(tmp_path, max_bytes=10**7)
+    assert all(_read(reader, i) is not None for i in range(3))
+    DiskCache(tmp_path).clear()
+    assert [_read(reader, i) for i in range(3)] == [None] * 3  # not served after clear()
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(".bqs (deleted)"):
+                held.append(fd)
+    assert held == []  # the removed segments' disk given back

@@ -3,6 +3,7 @@ measurement (tests/producer/test_torch_cache_served.py serves it with real proce
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -199,6 +200,8 @@ def test_a_killed_writers_leftovers_are_removed_and_the_ledger_recounted(tmp_pat
         index.write(pack_record(9, 0xDEAD, 0, len(whole)))
     writing = stage_dir / segment_name(0xBEEF, os.getpid(), host)
     writing.write_bytes(bytes(50000))  # a live writer's reservation, its record to come
+    live = os.open(writing, os.O_RDONLY)
+    fcntl.flock(live, fcntl.LOCK_SH)  # what keeps a writer's segment from a recount
     (tmp_path / ".bytes").write_bytes(b"00000000000099999999\n")  # reserved and lost
     again = cached(stage(N), cache=DiskCache(tmp_path, max_bytes=10**6), measure=False)
     again[11]
@@ -210,6 +213,7 @@ def test_a_killed_writers_leftovers_are_removed_and_the_ledger_recounted(tmp_pat
     assert int((tmp_path / ".bytes").read_bytes()) == held
     assert _same(again[9], stage(N)[9])
     assert again.stats["hits"] == 1  # entry 9, read from the sealed segment
+    os.close(live)
 
 
 def _unused_pid() -> int:
