@@ -193,7 +193,20 @@ class SegmentWriter:
             raise
         self.fd = fd
         _OWN_TOKENS.add(token)
-        self.end = 0  # the bytes reserved so far (the file's size, holes included)
+        self.end = 0  # the entries' bytes reserved so far (holes included)
+        # Reservations whose records are not yet in the index: the segment holds a
+        # record's room for each after ``end`` (so a recount in between counts them).
+        self.pending = 0
+
+    def fit(self) -> None:
+        """Size the segment to its entries and one record's room per pending reservation
+        (called under the directory's lock; never cuts an entry's bytes: they end at
+        ``end``).
+
+        Raises:
+            OSError: the disk refused.
+        """
+        os.ftruncate(self.fd, self.end + RECORD_BYTES * self.pending)
 
     def write_at(self, offset: int, payload: Pieces) -> None:
         """Write ``payload``'s buffers back to back at ``offset`` (``pwritev``: no copy).

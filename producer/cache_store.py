@@ -13,7 +13,8 @@ segment and index, reservations included).
   the lock: the ledger, then the segment extended to them and to its index record's
   bytes), writes them without the lock (``pwritev``: nothing copied), and only then
   appends the entry's index record (one ``write``, under the lock, which also cuts the
-  segment back to the entry's end: the record's bytes have moved to the index). A
+  record's room off the segment: its bytes have moved to the index; the segment keeps a
+  room for each other pending reservation of the process's threads). A
   process killed while writing leaves bytes no record points at, which a recount trims;
   a reader only follows records, and checks each entry's crc, stage and index
   (:func:`producer.cache_entry.decode_entry`).
@@ -188,16 +189,21 @@ class DiskCache:
         if reserved is None:
             return False
         writer, view, offset = reserved
+        indexed = False
         try:
             writer.write_at(offset, payload)  # outside the lock: the other writers go on
             record = pack_record(index, writer.token, offset, size)
             with self._locked():
                 if os.write(view.fd, record) != len(record):
                     raise OSError(f"index record of entry {index} written short")
-                if writer.end == offset + size:  # else a later reservation covers the room
-                    os.ftruncate(writer.fd, offset + size)  # the record's room: in the index
+                indexed = True
+                # The record's room has moved to the index: the segment keeps the other
+                # pending reservations' rooms only (the ledger and the disk both +0).
+                writer.pending -= 1
+                writer.fit()
         except OSError as e:
-            self._give_back(writer, offset, size)
+            if not indexed:
+                self._give_back(writer, offset, size)
             self.full = True
             log.warning(
                 "cache %s: writing failed (%s): no more entries are written", self.directory, e
@@ -236,10 +242,15 @@ class DiskCache:
             try:
                 writer, view = self._writer(stage, size)
                 offset = writer.end
-                # The segment holds the reservation, and room for the record to come
-                # (given back once it is in the index): a recount counts both.
-                os.ftruncate(writer.fd, offset + need)
-                writer.end = offset + size
+                # The segment holds the reservation, and room for each record to come
+                # (given back once it is in the index): a recount counts both, each
+                # pending reservation's room once.
+                writer.end, writer.pending = offset + size, writer.pending + 1
+                try:
+                    writer.fit()
+                except OSError:
+                    writer.end, writer.pending = offset, writer.pending - 1
+                    raise
             except OSError as e:
                 self.held_bytes = used
                 _write_ledger(fd, used)
@@ -249,12 +260,20 @@ class DiskCache:
         return writer, view, offset
 
     def _give_back(self, writer: SegmentWriter, offset: int, size: int) -> None:
+        """A failed write's reservation given back: its record's room always; its
+        entry's bytes only when nothing was reserved after them (else they stay in the
+        segment, and counted: the ledger never says less than the disk)."""
         with self._locked() as fd:
-            if writer.end == offset + size:  # nothing reserved after it: cut it off
-                with contextlib.suppress(OSError):
-                    os.ftruncate(writer.fd, offset)
-                    writer.end = offset
-            self.held_bytes = max(0, _read_ledger(fd, self.directory) - size - RECORD_BYTES)
+            freed = RECORD_BYTES
+            writer.pending -= 1
+            if writer.end == offset + size:
+                writer.end = offset
+                freed += size
+            try:
+                writer.fit()
+            except OSError:  # the segment keeps its size: so does the ledger
+                return
+            self.held_bytes = max(0, _read_ledger(fd, self.directory) - freed)
             _write_ledger(fd, self.held_bytes)
 
     def discard(self, stage: str, index: int) -> None:
@@ -339,7 +358,10 @@ class DiskCache:
         if writer is not None and os.fstat(writer.fd).st_nlink == 0:
             self._drop(key)
             writer = None
-        if writer is not None and writer.end + size + RECORD_BYTES >= MAX_FIELD:
+        if (
+            writer is not None
+            and writer.end + size + RECORD_BYTES * (writer.pending + 1) >= MAX_FIELD
+        ):
             del self._writers[key]  # full: sealed once no thread holds it (its lock goes)
             writer = None
         view = self._view(key)

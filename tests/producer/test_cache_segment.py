@@ -477,3 +477,61 @@ def test_a_reader_that_only_hits_lets_a_cleared_stage_go(
             if os.readlink(f"/proc/self/fd/{fd}").endswith(".bqs (deleted)"):
                 held.append(fd)
     assert held == []  # the removed segments' disk given back
+
+
+def test_two_pending_reservations_each_keep_their_records_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**7)
+    both, go = threading.Barrier(3, timeout=TIMEOUT_S), threading.Event()
+    real = SegmentWriter.write_at
+
+    def held(self: SegmentWriter, offset: int, payload: Any) -> None:
+        both.wait()  # both reserved, neither written
+        assert go.wait(TIMEOUT_S)
+        real(self, offset, payload)
+
+    monkeypatch.setattr(SegmentWriter, "write_at", held)
+    threads = [threading.Thread(target=_write, args=(cache, i, 5000)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        both.wait()
+        DiskCache(tmp_path).bytes_held()  # another process's first use: a recount now
+    finally:
+        go.set()
+        for t in threads:
+            t.join(TIMEOUT_S)
+    assert cache.bytes_held() == disk_bytes(tmp_path)  # each record's room was counted
+    assert [_read(cache, i) is not None for i in range(2)] == [True, True]
+
+
+def test_a_failed_write_before_another_reservation_gives_back_only_its_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**7)
+    assert _write(cache, 0)
+    paused, go = threading.Event(), threading.Event()
+    real = SegmentWriter.write_at
+
+    def fail_first(self: SegmentWriter, offset: int, payload: Any) -> None:
+        if threading.current_thread().name == "failing":
+            paused.set()
+            assert go.wait(TIMEOUT_S)  # another thread reserves after it meanwhile
+            raise OSError("disk refused")
+        real(self, offset, payload)
+
+    monkeypatch.setattr(SegmentWriter, "write_at", fail_first)
+    failing = threading.Thread(target=_write, args=(cache, 1), name="failing")
+    failing.start()
+    try:
+        assert paused.wait(TIMEOUT_S)
+        later = threading.Thread(target=_write, args=(cache, 2))
+        later.start()
+        later.join(TIMEOUT_S)
+    finally:
+        go.set()
+        failing.join(TIMEOUT_S)
+    assert cache.full  # it stops writing, and its ledger still counts the disk
+    assert int((tmp_path / ".bytes").read_bytes()) == disk_bytes(tmp_path)
+    assert [_read(DiskCache(tmp_path), i) is not None for i in range(3)] == [True, False, True]
