@@ -24,6 +24,9 @@ segment does not have (checked before anything is allocated), reads as absent. W
 record points at is an entry frame whose crc, stage and index the cache checks
 (:func:`producer.cache_entry.decode_entry`):
 the index finds an entry, it never vouches for its bytes.
+
+A recount (:func:`recount_stage`, a process's first use) counts a stage's files, and
+seals a writer's segment that no process holds ``flock``ed: its writer is gone.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ __all__ = [
     "index_records",
     "pack_record",
     "parse_segment_name",
+    "recount_stage",
     "seal_segment",
     "segment_name",
     "writer_gone",
@@ -77,6 +81,10 @@ TOKEN_DIGITS = 16
 _SEGMENT = re.compile(
     r"seg-(?P<token>[0-9a-f]{16})(?:-(?P<pid>\d+)-(?P<host>[A-Za-z0-9_.]*))?\.bqs"
 )
+# The per-entry files of the layout before segments (``<index>.bqc``, ``.tmp-...``): no
+# process of this version reads them, so a recount removes them (else a full cache of
+# them would keep the cap reached for ever).
+_EARLIER_LAYOUT = re.compile(r"\d+\.bqc|\.tmp-\d+-.*")
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_CHUNK = 1 << 20  # index bytes read per pread
 _OPEN_SEGMENTS = 16  # a reader's open segment files (the oldest closed beyond)
@@ -500,3 +508,36 @@ def seal_segment(path: str, fd: int, token: int, end: int) -> int:
     except FileNotFoundError:
         return 0
     return end
+
+
+def recount_stage(directory: str) -> int:
+    """The bytes of a stage's files (called under the directory's lock): a writer's
+    segment whose shared lock no process holds is cut to its indexed end and sealed
+    (:func:`writer_gone`, :func:`seal_segment`); the earlier layout's files are removed."""
+    total = 0
+    dead: list[tuple[str, int, int]] = []  # (path, its locked descriptor, token)
+    try:
+        for entry in os.scandir(directory):
+            with contextlib.suppress(FileNotFoundError):
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                if _EARLIER_LAYOUT.fullmatch(entry.name):
+                    os.unlink(entry.path)
+                    continue
+                parsed = parse_segment_name(entry.name)
+                # A writer's segment whose lock no process holds: its writer is gone
+                # (exact across pid namespaces, pid reuse, hosts and clocks).
+                if parsed is not None and parsed.pid is not None:
+                    fd = writer_gone(entry.path, parsed.token)
+                    if fd is not None:
+                        dead.append((entry.path, fd, parsed.token))
+                        continue
+                total += entry.stat(follow_symlinks=False).st_size
+        if dead:
+            ends = index_ends(directory)
+            for path, fd, token in dead:
+                total += seal_segment(path, fd, token, ends.get(token, 0))
+    finally:
+        for _path, fd, _token in dead:
+            os.close(fd)
+    return total

@@ -61,11 +61,8 @@ from producer.cache_segment import (
     Place,
     SegmentWriter,
     StageIndex,
-    index_ends,
     pack_record,
-    parse_segment_name,
-    seal_segment,
-    writer_gone,
+    recount_stage,
 )
 
 __all__ = ["ENTRY_OVERHEAD", "HOST", "REMOVED_CHECK_S", "DiskCache", "default_directory"]
@@ -82,11 +79,6 @@ REMOVED_CHECK_S = 1.0
 #: The bytes an entry costs beside its frame (its index record).
 ENTRY_OVERHEAD = RECORD_BYTES
 _STAGE_DIGITS = 32
-# The per-entry files of the layout before segments (``<index>.bqc``, ``.tmp-...``): no
-# process of this version reads them, so a recount removes them (else a full cache of
-# them would keep the cap reached for ever).
-_EARLIER_LAYOUT = re.compile(r"\d+\.bqc|\.tmp-\d+-.*")
-
 
 # Serialises a DiskCache's first use in a process (two threads making it at once raised
 # ConfigError and leaked descriptors); module-wide, so a fork can make it anew in the
@@ -467,35 +459,5 @@ def _recount(directory: Path) -> int:
     total = 0
     for stage in os.scandir(directory):
         if stage.is_dir(follow_symlinks=False):
-            total += _recount_stage(stage.path)
-    return total
-
-
-def _recount_stage(directory: str) -> int:
-    total = 0
-    dead: list[tuple[str, int, int]] = []  # (path, its locked descriptor, token)
-    try:
-        for entry in os.scandir(directory):
-            with contextlib.suppress(FileNotFoundError):
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                if _EARLIER_LAYOUT.fullmatch(entry.name):
-                    os.unlink(entry.path)
-                    continue
-                parsed = parse_segment_name(entry.name)
-                # A writer's segment whose lock no process holds: its writer is gone
-                # (exact across pid namespaces, pid reuse, hosts and clocks).
-                if parsed is not None and parsed.pid is not None:
-                    fd = writer_gone(entry.path, parsed.token)
-                    if fd is not None:
-                        dead.append((entry.path, fd, parsed.token))
-                        continue
-                total += entry.stat(follow_symlinks=False).st_size
-        if dead:
-            ends = index_ends(directory)
-            for path, fd, token in dead:
-                total += seal_segment(path, fd, token, ends.get(token, 0))
-    finally:
-        for _path, fd, _token in dead:
-            os.close(fd)
+            total += recount_stage(stage.path)
     return total
