@@ -306,17 +306,23 @@ class DiskCache:
         """Close this process's files (a later use opens them again; the segments' and
         indexes' once no thread uses them)."""
         with _OPEN_LOCK, self._thread_lock:
-            for stage in list(self._views) + list(self._writers):
-                self._drop(stage)
-            fds, self._fds, self._pid = self._fds, None, None
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for stage in list(self._views) + list(self._writers):
+            self._drop(stage)
+        fds, self._fds, self._pid = self._fds, None, None
         if fds is not None:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
     def __del__(self) -> None:
+        # No lock: nothing else uses an object being finalised, and the cyclic GC may run
+        # this in any thread, one holding the directory's flock inside another cache's
+        # _locked() while a third waits for that flock holding _OPEN_LOCK (a deadlock).
         if getattr(self, "_pid", None) == os.getpid():  # not a forked copy: its parent's
-            self.close()
+            self._close_files()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

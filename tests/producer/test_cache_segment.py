@@ -5,10 +5,13 @@ writer processes on one directory, a writer killed mid-entry, the cap."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import gc
 import multiprocessing
 import os
 import signal
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -551,3 +554,54 @@ def test_a_failed_write_before_another_reservation_gives_back_only_its_room(
     assert int((tmp_path / ".bytes").read_bytes()) == disk_bytes(tmp_path)
     assert [_read(DiskCache(tmp_path), i) is not None for i in range(3)] == [True, False, True]
 
+def _gc_inside_another_caches_lock(directory: str) -> None:
+    gc.disable()
+    held = DiskCache(directory, max_bytes=10**7)
+    held.bytes_held()
+    garbage = DiskCache(directory, max_bytes=10**7)
+    garbage.bytes_held()
+    garbage.cycle = garbage  # type: ignore[attr-defined]  # finalised by the cyclic GC only
+    del garbage
+    first = DiskCache(directory, max_bytes=10**7)  # not opened yet
+    waiting = threading.Event()
+    real = cache_store.fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        if threading.current_thread().name == "first-use" and op == fcntl.LOCK_EX:
+            waiting.set()  # _OPEN_LOCK held, the flock (held by "gc") waited for
+        real(fd, op)
+
+    cache_store.fcntl = types.SimpleNamespace(  # type: ignore[assignment]
+        LOCK_EX=fcntl.LOCK_EX, LOCK_UN=fcntl.LOCK_UN, flock=flock
+    )
+    locked = threading.Event()
+
+    def in_lock() -> None:
+        with held._locked():
+            locked.set()
+            if waiting.wait(TIMEOUT_S):
+                gc.collect()  # what any allocation may do: garbage's __del__ here
+
+    threads = [
+        threading.Thread(target=in_lock, name="gc", daemon=True),
+        threading.Thread(target=first.bytes_held, name="first-use", daemon=True),
+    ]
+    threads[0].start()
+    assert locked.wait(TIMEOUT_S)
+    threads[1].start()
+    for t in threads:
+        t.join(TIMEOUT_S / 3)
+    os._exit(1 if any(t.is_alive() for t in threads) else 0)
+
+
+def test_a_cache_finalised_by_the_gc_inside_another_caches_lock_deadlocks_nothing(
+    tmp_path: Path,
+) -> None:
+    # In a process of its own: a deadlock there holds _OPEN_LOCK for ever.
+    proc = _fork.Process(target=_gc_inside_another_caches_lock, args=(str(tmp_path),))
+    proc.start()
+    proc.join(TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(TIMEOUT_S)
+    assert proc.exitcode == 0  # 1: the threads deadlocked
