@@ -176,7 +176,10 @@ class SegmentWriter:
     object goes (``__del__``): a thread between its reservation and its record holds a
     reference, so the number is never reused under it (a ``close()`` from another thread
     would let a new segment or index get the same number, and the old thread's bytes
-    land there).
+    land there). This process's views read its entries through this descriptor
+    (:meth:`StageIndex.own`): no other descriptor of the segment is opened and closed in
+    the process (on NFS, whose ``flock`` is POSIX locks, closing any descriptor of a file
+    drops the process's lock on it).
 
     Args:
         directory: the stage's directory.
@@ -246,7 +249,8 @@ class SegmentWriter:
 
 # This process's writers' tokens: on NFS, flock is emulated with POSIX locks, which
 # never conflict within one process, so a recount must not take its own segments' lock
-# as proof their writer is gone.
+# as proof their writer is gone (nor open and close a descriptor of one: that would drop
+# the writer's lock).
 _OWN_TOKENS: set[int] = set()
 
 
@@ -293,6 +297,11 @@ class StageIndex:
     descriptors are closed only when it goes (``__del__``) or by :meth:`close`, which
     only a view no other thread uses may call.
 
+    A segment this process writes is never in the LRU: read through its writer's
+    descriptor (:meth:`own`), or, for a writer of another cache object of the process,
+    through a descriptor kept until the view closes (on NFS, closing any descriptor of a
+    file drops the process's POSIX lock on it, and with it the writer's ``flock``).
+
     Args:
         directory: the stage's directory (made if absent).
     """
@@ -309,7 +318,15 @@ class StageIndex:
         self._tokens: list[int] = []  # segment number -> token
         self._numbers: dict[int, int] = {}  # token -> segment number
         self._names: dict[int, str] = {}  # token -> its file's current name
-        self._open: OrderedDict[int, int] = OrderedDict()  # token -> descriptor
+        self._open: OrderedDict[int, int] = OrderedDict()  # token -> descriptor (the LRU)
+        self._own: dict[int, SegmentWriter] = {}  # token -> this process's writer of it
+        self._kept: dict[int, int] = {}  # token -> descriptor of a segment the process writes
+
+    def own(self, writer: SegmentWriter) -> None:
+        """Read ``writer``'s entries through its descriptor (kept open while the view
+        holds it: the view keeps the writer)."""
+        with self._lock:
+            self._own[writer.token] = writer
 
     def __len__(self) -> int:
         return len(self._table)
@@ -372,6 +389,8 @@ class StageIndex:
                     buf = bytearray(length)
                     return buf if os.preadv(fd, [buf], offset) == length else None
                 except OSError:
+                    if token not in self._open:  # this process's segment: never closed
+                        return None
                     self._drop_fd(token)
         return None
 
@@ -381,7 +400,13 @@ class StageIndex:
         with self._lock:
             for token in list(self._open):
                 self._drop_fd(token)
+            kept = list(self._kept.values())
+            self._kept.clear()
+            self._own.clear()  # the writer closes its descriptor when it goes
             fd, self.fd = self.fd, -1
+        for kept_fd in kept:
+            with contextlib.suppress(OSError):
+                os.close(kept_fd)
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -423,9 +448,15 @@ class StageIndex:
             self._read_to += used
 
     def _segment_fd(self, token: int) -> int | None:
+        writer = self._own.get(token)
+        if writer is not None and writer.fd >= 0:
+            return writer.fd
         fd = self._open.get(token)
         if fd is not None:
             self._open.move_to_end(token)
+            return fd
+        fd = self._kept.get(token)
+        if fd is not None:
             return fd
         for _ in range(2):
             name = self._names.get(token) or self._rescan(token)
@@ -436,6 +467,9 @@ class StageIndex:
             except FileNotFoundError:
                 self._names.pop(token, None)  # renamed: look again
                 continue
+            if token in _OWN_TOKENS:  # another cache object's writer: never closed before
+                self._kept[token] = fd  # the view (its writer's lock goes with a close)
+                return fd
             self._open[token] = fd
             if len(self._open) > _OPEN_SEGMENTS:
                 self._drop_fd(next(iter(self._open)))

@@ -105,7 +105,14 @@ class DiskCache:
 
     Args:
         directory: where entries live (default :func:`default_directory`); a directory
-            on a shared file system with working ``flock`` (NFSv4) serves many hosts.
+            on a shared file system with working ``flock`` serves many hosts. On NFS
+            (``flock`` emulated by POSIX locks held by the server) what holds is: a
+            writer's segment is not sealed by another host's recount while the writer's
+            host keeps its locks (its lease; this process never closes a descriptor of a
+            segment it writes, which would drop its lock); and ``clear()`` is seen by no
+            process using the directory (a removed open file is renamed there, its
+            ``st_nlink`` stays 1, so the writer's and the once-a-second reader's checks
+            never fire): call it with no producer running.
         max_bytes: the cap on the bytes in ``directory`` (every stage's segments and
             indexes); None: half of the file system's free space and the bytes held,
             when the process first writes.
@@ -369,6 +376,7 @@ class DiskCache:
         if writer is None:
             token = secrets.randbits(64)
             writer = self._writers[key] = SegmentWriter(view.directory, token, os.getpid(), HOST)
+            view.own(writer)  # its entries read through its descriptor (never closed early)
         return writer, view
 
     def _drop(self, stage: str) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from cache_layout import disk_bytes, entries, files, overwrite, stage_dirs
 
-from producer import cache_store
+from producer import cache_segment, cache_store
 from producer.cache_entry import decode_entry, encode_entry
 from producer.cache_segment import (
     INDEX_NAME,
@@ -605,3 +605,64 @@ def test_a_cache_finalised_by_the_gc_inside_another_caches_lock_deadlocks_nothin
         proc.kill()
         proc.join(TIMEOUT_S)
     assert proc.exitcode == 0  # 1: the threads deadlocked
+
+
+_POSIX_FLOCK = types.SimpleNamespace(  # what NFS does with flock(): POSIX locks
+    LOCK_SH=fcntl.LOCK_SH,
+    LOCK_EX=fcntl.LOCK_EX,
+    LOCK_NB=fcntl.LOCK_NB,
+    LOCK_UN=fcntl.LOCK_UN,
+    flock=lambda fd, op: fcntl.lockf(fd, op),
+)
+
+
+def _write_one(directory: str, i: int) -> None:
+    os._exit(0 if _write(DiskCache(directory, max_bytes=10**8), i) else 1)
+
+
+def _recount_once(directory: str) -> None:
+    cache_segment._OWN_TOKENS.clear()  # as in a process of its own (a fork copies them)
+    DiskCache(directory).bytes_held()
+    os._exit(0)
+
+
+def _run(target: Any, *args: Any) -> None:
+    proc = _fork.Process(target=target, args=args)
+    proc.start()
+    proc.join(TIMEOUT_S)
+    assert proc.exitcode == 0
+
+
+def test_on_posix_locks_reading_many_segments_keeps_the_writers_own_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NFS's flock is POSIX locks, dropped by the close of ANY descriptor of the file in
+    # the process: the reader's LRU must never close one of this process's own segment.
+    monkeypatch.setattr(cache_segment, "fcntl", _POSIX_FLOCK)
+    for k in range(17):  # earlier producers' segments: more than a reader keeps open
+        _run(_write_one, str(tmp_path), k)
+    cache = DiskCache(tmp_path, max_bytes=10**8)
+    assert _write(cache, 100)
+    for i in [100, *range(17)]:  # its own segment read first: the oldest in the LRU
+        assert (_read(cache, i) == _item(i)).all()
+    reserved, go = threading.Event(), threading.Event()
+    real = SegmentWriter.write_at
+
+    def held(self: SegmentWriter, offset: int, payload: Any) -> None:
+        reserved.set()
+        assert go.wait(TIMEOUT_S)
+        real(self, offset, payload)
+
+    monkeypatch.setattr(SegmentWriter, "write_at", held)
+    pending = threading.Thread(target=_write, args=(cache, 101, 10**5))
+    pending.start()
+    try:
+        assert reserved.wait(TIMEOUT_S)
+        _run(_recount_once, str(tmp_path))  # another process's first use: a recount
+        own = cache._writers[STAGE[:32]]
+        assert os.path.exists(own.path)  # not sealed under its writer
+    finally:
+        go.set()
+        pending.join(TIMEOUT_S)
+    assert cache.bytes_held() == disk_bytes(tmp_path)  # the reservation was not cut off
+    assert (_read(DiskCache(tmp_path), 101) == _item(101, 10**5)).all()
