@@ -37,6 +37,7 @@ import os
 import re
 import struct
 import threading
+import weakref
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -179,7 +180,8 @@ class SegmentWriter:
     land there). This process's views read its entries through this descriptor
     (:meth:`StageIndex.own`): no other descriptor of the segment is opened and closed in
     the process (on NFS, whose ``flock`` is POSIX locks, closing any descriptor of a file
-    drops the process's lock on it).
+    drops the process's lock on it). A forked child closes its inherited copy at once
+    (:func:`_after_fork_in_child`): it holds no lock on its parent's segment.
 
     Args:
         directory: the stage's directory.
@@ -204,6 +206,7 @@ class SegmentWriter:
             raise
         self.fd = fd
         _OWN_TOKENS.add(token)
+        _WRITERS.add(self)
         self.end = 0  # the entries' bytes reserved so far (holes included)
         # Reservations whose records are not yet in the index: the segment holds a
         # record's room for each after ``end`` (so a recount in between counts them).
@@ -252,6 +255,26 @@ class SegmentWriter:
 # as proof their writer is gone (nor open and close a descriptor of one: that would drop
 # the writer's lock).
 _OWN_TOKENS: set[int] = set()
+# This process's live writers (a forked child closes its copies of their descriptors).
+_WRITERS: weakref.WeakSet[SegmentWriter] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's copies of its parent's segment descriptors closed (``fd`` -1):
+    their shared ``flock`` is the open file's, so a child that never uses the cache would
+    keep a dead parent's segment unsealed until it exits. Closing the child's copy leaves
+    the parent's lock (its own descriptor) as it is; the child's first write makes a
+    segment of its own. No other thread runs in the child: nothing uses them."""
+    for writer in list(_WRITERS):
+        fd, writer.fd = writer.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _WRITERS.clear()
+    _OWN_TOKENS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def writer_gone(path: str, token: int) -> int | None:

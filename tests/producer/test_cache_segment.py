@@ -554,6 +554,7 @@ def test_a_failed_write_before_another_reservation_gives_back_only_its_room(
     assert int((tmp_path / ".bytes").read_bytes()) == disk_bytes(tmp_path)
     assert [_read(DiskCache(tmp_path), i) is not None for i in range(3)] == [True, False, True]
 
+
 def _gc_inside_another_caches_lock(directory: str) -> None:
     gc.disable()
     held = DiskCache(directory, max_bytes=10**7)
@@ -666,3 +667,39 @@ def test_on_posix_locks_reading_many_segments_keeps_the_writers_own_lock(
         pending.join(TIMEOUT_S)
     assert cache.bytes_held() == disk_bytes(tmp_path)  # the reservation was not cut off
     assert (_read(DiskCache(tmp_path), 101) == _item(101, 10**5)).all()
+
+
+def _writer_with_a_forked_helper(directory: str, ready: Any, go: Any) -> None:
+    cache = DiskCache(directory, max_bytes=10**7)  # alive: its segment open and locked
+    assert _write(cache, 0)
+    if os.fork() == 0:  # a helper forked without exec, never using the cache
+        ready.set()
+        go.wait(TIMEOUT_S)
+        os._exit(0)
+    ready.wait(TIMEOUT_S)
+    alive = os.path.exists(cache._writers[STAGE[:32]].path)
+    os._exit(0 if alive else 1)  # the writer ends; its helper lives on
+
+
+def test_a_forked_child_that_never_uses_the_cache_holds_no_lock_of_its_parent(
+    tmp_path: Path,
+) -> None:
+    ready, go = _fork.Event(), _fork.Event()
+    try:
+        pid = os.fork()  # not a Process: its join would wait for the helper too (its pipe)
+        if pid == 0:
+            try:
+                _writer_with_a_forked_helper(str(tmp_path), ready, go)
+            finally:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)  # it ends once its helper is ready (or TIMEOUT_S)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert ready.is_set()
+        DiskCache(tmp_path).bytes_held()  # a recount while the helper lives
+        names = [p.name for p in files(tmp_path) if p.name.startswith("seg-")]
+        assert len(names) == 1
+        parsed = parse_segment_name(names[0])
+        assert parsed is not None and parsed.pid is None  # sealed: its writer is gone
+    finally:
+        go.set()
+    assert (_read(DiskCache(tmp_path), 0) == _item(0)).all()
