@@ -14,8 +14,9 @@ decode and ``Resize(256)`` cached, ``RandomResizedCrop(224)`` + flip after it), 
 
 then the parts of a cold entry, each timed alone on the cold round's items: the build
 (decode + resize), the augment, the frame's encoding (its crc32 over 262 KB included),
-the store's write (the temporary file created and written, renamed under the lock),
-and a read (the file read, decoded and its crc checked). Printed: CPU ms per image per
+the store's write (the entry's bytes reserved at the end of the process's segment,
+written, its index record appended: two rounds of the lock), and a read (the entry read
+from its segment, decoded and its crc checked). Printed: CPU ms per image per
 round and the medians, cold / uncached, and the parts' medians in microseconds.
 """
 

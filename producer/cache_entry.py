@@ -4,7 +4,7 @@ An entry is a batchq frame (:mod:`batchq.wire.codec`, with its crc32 over every 
 its ``run`` is the stage's fingerprint, its ``k`` the example's index, its first source
 ``tree`` a msgpack value describing the example's structure, and each further source
 one of the example's arrays. Decoding checks the prefix, the header, the crc, the
-fingerprint and the index, so a torn, corrupted or foreign file is refused (a
+fingerprint and the index, so a torn, corrupted or foreign entry is refused (a
 :class:`~batchq.errors.FrameError`: the cache builds the example again), never served;
 nothing in an entry is ever executed (no pickle).
 

@@ -239,7 +239,7 @@ class StageCache:
         """The example entry ``index`` holds, else ``build()``'s (then stored).
 
         Args:
-            index: the entry's index (its file's name, the frame's ``k``).
+            index: the entry's index (its index record's key, the frame's ``k``).
             build: makes the example.
             run: the entry's own fingerprint, checked on read (default: the stage's;
                 a content-keyed entry adds its key's digest).

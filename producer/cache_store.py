@@ -1,27 +1,40 @@
 """Where cache entries live: a directory with a byte cap, shared by the processes of a host.
 
-Layout: ``<directory>/<stage>/<index>.bqc``, ``<stage>`` the first 32 hex digits of the
-stage's fingerprint (a changed dataset or transform gets a directory of its own; the old
-one is never read again, and stays until removed: :meth:`DiskCache.clear`), each entry
-a frame (:mod:`producer.cache_entry`). Beside them, ``.lock`` (``flock``ed around every
-change) and ``.bytes`` (the ledger: the bytes of every entry and temporary file).
+Layout: ``<directory>/<stage>/``, ``<stage>`` the first 32 hex digits of the stage's
+fingerprint (a changed dataset or transform gets a directory of its own; the old one is
+never read again, and stays until removed: :meth:`DiskCache.clear`), holding the stage's
+segments and its index (:mod:`producer.cache_segment`: each process appends its entries,
+frames of :mod:`producer.cache_entry`, to a segment of its own; a record in the shared
+index says where each is). Beside the stages, ``.lock`` (``flock``ed around every change
+of the ledger and every index append) and ``.bytes`` (the ledger: the bytes of every
+segment and index, reservations included).
 
-* **Atomic.** An entry is written to ``.tmp-<index>-<host>-<pid>-<bytes>`` in its
-  stage's directory and renamed into place (``os.replace``): a reader sees the old file
-  or the new one, never a part. A process killed while writing leaves only its
-  temporary file.
-* **Capped, across processes.** A writer takes the lock, adds the entry's size to the
-  ledger if that stays within ``max_bytes`` (else it writes nothing more: the cache
-  keeps what it has, a stable part, and never evicts) and creates its temporary file,
-  whose name says the size it reserved; it writes the bytes without the lock (measured:
-  two producers holding it through their writes lost a quarter of their first epoch to
-  each other on 2 loaded cores), then renames under the lock, taking a replaced file's
-  bytes off the ledger. So at any moment the files add up to at most the ledger (a file
-  being written is never larger than its reservation), and the ledger to at most the cap.
-* **Reconciled.** A process's first use takes the lock and recounts the ledger: the
-  entries' sizes, and the reservations of live writers (by their temporary files'
-  names); a temporary file of a process of this host that no longer runs, or of another
-  host untouched for :data:`STALE_S`, is a killed writer's and is removed.
+* **Atomic.** A writer reserves its entry's bytes at the end of its own segment (under
+  the lock: the ledger, then the segment extended to them and to its index record's
+  bytes), writes them without the lock (``pwritev``: nothing copied), and only then
+  appends the entry's index record (one ``write``, under the lock, which also cuts the
+  record's room off the segment: its bytes have moved to the index; the segment keeps a
+  room for each other pending reservation of the process's threads). A
+  process killed while writing leaves bytes no record points at, which a recount trims;
+  a reader only follows records, and checks each entry's crc, stage and index
+  (:func:`producer.cache_entry.decode_entry`).
+* **Capped, across processes.** The reservation adds the entry's bytes and its index
+  record's to the ledger only if that stays within ``max_bytes`` (else the process
+  writes nothing more: the cache keeps what it has, a stable part, and never evicts),
+  and extends the segment to them before any byte is written. So at any moment the
+  files add up to at most the ledger, and the ledger to at most the cap. An entry
+  rejected on read is forgotten, not removed (its bytes stay counted; one rebuilt is
+  stored only if it fits).
+* **Reconciled.** A process's first use takes the lock and recounts the ledger: every
+  file's size (a live writer's reservations are in its segment's size; the per-entry
+  files of the earlier layout are removed: nothing reads them now); a writer's segment
+  whose shared ``flock`` no process holds (:func:`producer.cache_segment.writer_gone`)
+  is trimmed to the end of its last indexed entry (removed when it has none) and sealed
+  (renamed without its writer's name).
+* **Threads.** A segment or view let go (``clear()``, a full segment) is forgotten,
+  never closed: its descriptors close when the last thread using it lets go, so no new
+  file can take their numbers under a thread still writing. A reader that only hits
+  looks for ``clear()`` every :data:`REMOVED_CHECK_S`.
 """
 
 from __future__ import annotations
@@ -31,8 +44,10 @@ import fcntl
 import logging
 import os
 import re
+import secrets
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,24 +55,43 @@ from typing import Any
 
 from batchq.errors import ConfigError
 from batchq.wire.frame import Pieces
+from producer.cache_segment import (
+    MAX_FIELD,
+    RECORD_BYTES,
+    Place,
+    SegmentWriter,
+    StageIndex,
+    pack_record,
+    recount_stage,
+)
 
-__all__ = ["HOST", "STALE_S", "DiskCache", "default_directory"]
+__all__ = ["ENTRY_OVERHEAD", "HOST", "REMOVED_CHECK_S", "DiskCache", "default_directory"]
 
 log = logging.getLogger(__name__)
 
 _LOCK = ".lock"
 _LEDGER = ".bytes"
-_TMP = ".tmp-"
-# A temporary file: .tmp-<index>-<host>-<pid>-<reserved bytes>.
-_TMP_NAME = re.compile(r"\.tmp-\d+-(?P<host>[A-Za-z0-9_.]*)-(?P<pid>\d+)-(?P<size>\d+)")
-#: This host's name as temporary files carry it.
+#: This host's name as segments' names carry it (for people: liveness is the segment's lock).
 HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
-#: A temporary file of another host untouched this long is a dead writer's (seconds).
-STALE_S = 600.0
-_SUFFIX = ".bqc"
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
+#: A reader that only hits looks whether ``clear()`` removed its stage this often (seconds):
+#: else it would keep removed segments open, and serve them, for ever.
+REMOVED_CHECK_S = 1.0
+#: The bytes an entry costs beside its frame (its index record).
+ENTRY_OVERHEAD = RECORD_BYTES
 _STAGE_DIGITS = 32
+
+# Serialises a DiskCache's first use in a process (two threads making it at once raised
+# ConfigError and leaked descriptors); module-wide, so a fork can make it anew in the
+# child (a lock held by another thread at the fork would never be released there).
+_OPEN_LOCK = threading.RLock()
+
+
+def _new_open_lock() -> None:
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_open_lock)
 
 
 def default_directory() -> Path:
@@ -71,10 +105,17 @@ class DiskCache:
 
     Args:
         directory: where entries live (default :func:`default_directory`); a directory
-            on a shared file system with working ``flock`` (NFSv4) serves many hosts.
-        max_bytes: the cap on the entries' bytes in ``directory`` (every stage's); None:
-            half of the file system's free space and the entries' bytes, when the
-            process first writes.
+            on a shared file system with working ``flock`` serves many hosts. On NFS
+            (``flock`` emulated by POSIX locks held by the server) what holds is: a
+            writer's segment is not sealed by another host's recount while the writer's
+            host keeps its locks (its lease; this process never closes a descriptor of a
+            segment it writes, which would drop its lock); and ``clear()`` is seen by no
+            process using the directory (a removed open file is renamed there, its
+            ``st_nlink`` stays 1, so the writer's and the once-a-second reader's checks
+            never fire): call it with no producer running.
+        max_bytes: the cap on the bytes in ``directory`` (every stage's segments and
+            indexes); None: half of the file system's free space and the bytes held,
+            when the process first writes.
         key: names the cached stage in the fingerprint instead of what
             :func:`producer.torch.cache.cached` derives from the dataset (use it when
             the stage's code can change without its class, length or reprs changing).
@@ -98,35 +139,40 @@ class DiskCache:
         self.directory = Path(directory) if directory is not None else default_directory()
         self.max_bytes = max_bytes
         self.key = key
-        self._pid: int | None = None  # the process that reconciled (a fork must again)
-        self._fds: tuple[int, int] | None = None  # that process's lock and ledger files
-        self._made: set[str] = set()  # stage directories known to exist
         self._root = os.fspath(self.directory)  # paths as str: pathlib's cost ~20 us an entry
         self.full = False  # this process found the cap reached: it writes no more
         self.held_bytes = 0  # the ledger as this process last saw it
+        self._process_state()
+
+    def _process_state(self) -> None:
+        self._pid: int | None = None  # the process that reconciled (a fork must again)
+        self._fds: tuple[int, int] | None = None  # that process's lock and ledger files
+        self._views: dict[str, StageIndex] = {}  # stage -> its index as this process reads it
+        self._writers: dict[str, SegmentWriter] = {}  # stage -> this process's segment
+        self._thread_lock = threading.Lock()  # flock does not exclude this process's threads
+        self._checked: dict[str, float] = {}  # stage -> when a hit last looked for clear()
 
     # -- what the cached dataset calls --------------------------------------------------
 
     def read(self, stage: str, index: int) -> bytearray | None:
-        """The bytes of entry ``index`` of ``stage`` (a fingerprint), None if absent."""
+        """The bytes of entry ``index`` of ``stage`` (a fingerprint), None if absent
+        (unchecked: :func:`producer.cache_entry.decode_entry` checks them)."""
         self._open()
+        limit = self.max_bytes or MAX_FIELD  # no entry is longer than the cap
         try:
-            fd = os.open(self._path(stage, index), os.O_RDONLY | _CLOEXEC)
-        except FileNotFoundError:
-            return None
+            view = self._view(stage)
+            buf = view.read(index, limit)
+            if (buf is None or self._check_due(stage)) and view.removed():
+                # The directory cleared: read it afresh (the old view's files are closed
+                # once no thread uses them: its segments' disk goes back).
+                with self._thread_lock:
+                    if self._views.get(stage[:_STAGE_DIGITS]) is view:
+                        self._drop(stage)
+                buf = self._view(stage).read(index, limit)
         except OSError as e:
             log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
             return None
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            got = os.readv(fd, [buf])
-        except OSError as e:
-            log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)
-            return None
-        finally:
-            os.close(fd)
-        return buf if got == size else None
+        return buf
 
     def write(self, stage: str, index: int, payload: Pieces) -> bool:
         """Store an entry (its buffers, written back to back) atomically if it fits under
@@ -136,39 +182,52 @@ class DiskCache:
             return False
         self._open()
         size = payload.nbytes
-        path = self._path(stage, index)
-        tmp = f"{self._stage_dir(stage)}/{_TMP}{index}-{HOST}-{os.getpid()}-{size}"
-        fd = self._reserve(path, tmp, size)
-        if fd is None:
+        if size + RECORD_BYTES >= MAX_FIELD:  # no index record can say its length
             return False
+        reserved = self._reserve(stage, size)
+        if reserved is None:
+            return False
+        writer, view, offset = reserved
+        indexed = False
         try:
-            try:
-                _write_all(fd, payload)  # outside the lock: the other writers go on
-            finally:
-                os.close(fd)
-            with self._locked() as fd:
-                old = _size(path)
-                os.replace(tmp, path)
-                if old:
-                    self.held_bytes = _read_ledger(fd, self.directory) - old
-                    _write_ledger(fd, self.held_bytes)
+            writer.write_at(offset, payload)  # outside the lock: the other writers go on
+            record = pack_record(index, writer.token, offset, size)
+            with self._locked():
+                if os.write(view.fd, record) != len(record):
+                    raise OSError(f"index record of entry {index} written short")
+                indexed = True
+                # The record's room has moved to the index: the segment keeps the other
+                # pending reservations' rooms only (the ledger and the disk both +0).
+                writer.pending -= 1
+                writer.fit()
         except OSError as e:
-            self._give_back(tmp, size)
+            if not indexed:
+                self._give_back(writer, offset, size)
             self.full = True
             log.warning(
                 "cache %s: writing failed (%s): no more entries are written", self.directory, e
             )
             return False
+        view.add(index, writer.token, offset, size)
         return True
 
-    def _reserve(self, path: str, tmp: str, size: int) -> int | None:
-        """Under the lock: add ``size`` to the ledger if it stays within the cap, and
-        create the temporary file (its name says its size: a recount counts it); its
-        descriptor, open for writing (one open per entry: creating a file is most of a
-        write's system time), or None where the cap or the disk refused."""
+    def _check_due(self, stage: str) -> bool:
+        """A hit's turn to look for ``clear()`` (at most every :data:`REMOVED_CHECK_S`)."""
+        key, now = stage[:_STAGE_DIGITS], time.monotonic()
+        if now - self._checked.get(key, -REMOVED_CHECK_S) < REMOVED_CHECK_S:
+            return False
+        self._checked[key] = now
+        return True
+
+    def _reserve(self, stage: str, size: int) -> tuple[SegmentWriter, StageIndex, int] | None:
+        """Under the lock: add the entry's bytes and its record's to the ledger if that
+        stays within the cap, and extend this process's segment to them; (the segment,
+        the stage's index, the entry's offset), or None where the cap or the disk
+        refused."""
+        need = size + RECORD_BYTES
         with self._locked() as fd:
             used = _read_ledger(fd, self.directory)
-            if used + size > self._cap():
+            if used + need > self._cap():
                 self.full = True
                 log.info(
                     "cache %s: %d bytes held, the cap is %d: no more entries are written",
@@ -177,47 +236,61 @@ class DiskCache:
                     self._cap(),
                 )
                 return None
-            self.held_bytes = used + size
-            _write_ledger(fd, used + size)  # first: the ledger never counts less than disk
+            self.held_bytes = used + need
+            _write_ledger(fd, used + need)  # first: the ledger never counts less than disk
             try:
-                parent = os.path.dirname(path)
-                if parent not in self._made:
-                    os.makedirs(parent, exist_ok=True)
-                    self._made.add(parent)
+                writer, view = self._writer(stage, size)
+                offset = writer.end
+                # The segment holds the reservation, and room for each record to come
+                # (given back once it is in the index): a recount counts both, each
+                # pending reservation's room once.
+                writer.end, writer.pending = offset + size, writer.pending + 1
                 try:
-                    return os.open(tmp, _CREATE, 0o644)
-                except FileNotFoundError:  # its directory removed since (clear())
-                    os.makedirs(parent, exist_ok=True)
-                    return os.open(tmp, _CREATE, 0o644)
+                    writer.fit()
+                except OSError:
+                    writer.end, writer.pending = offset, writer.pending - 1
+                    raise
             except OSError as e:
                 self.held_bytes = used
                 _write_ledger(fd, used)
                 self.full = True
                 log.warning("cache %s: no entry can be made (%s)", self.directory, e)
                 return None
+        return writer, view, offset
 
-    def _give_back(self, tmp: str, size: int) -> None:
+    def _give_back(self, writer: SegmentWriter, offset: int, size: int) -> None:
+        """A failed write's reservation given back: its record's room always; its
+        entry's bytes only when nothing was reserved after them (else they stay in the
+        segment, and counted: the ledger never says less than the disk)."""
         with self._locked() as fd:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            self.held_bytes = max(0, _read_ledger(fd, self.directory) - size)
+            freed = RECORD_BYTES
+            writer.pending -= 1
+            if writer.end == offset + size:
+                writer.end = offset
+                freed += size
+            try:
+                writer.fit()
+            except OSError:  # the segment keeps its size: so does the ledger
+                return
+            self.held_bytes = max(0, _read_ledger(fd, self.directory) - freed)
             _write_ledger(fd, self.held_bytes)
 
     def discard(self, stage: str, index: int) -> None:
-        """Remove a rejected entry (its bytes leave the ledger): built again, it may be
-        stored again."""
+        """Forget a rejected entry in this process (its bytes stay counted until the
+        directory is cleared): built again, it is stored again if it fits."""
         self._open()
-        path = self._path(stage, index)
-        with self._locked() as fd:
-            size = _size(path)
-            if size:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                self.held_bytes = max(0, _read_ledger(fd, self.directory) - size)
-                _write_ledger(fd, self.held_bytes)
+        view = self._views.get(stage[:_STAGE_DIGITS])
+        if view is not None:
+            view.forget(index)
+
+    def place(self, stage: str, index: int) -> Place | None:
+        """Where entry ``index`` of ``stage`` is on disk (its segment, offset, length),
+        None if the index has no record of it."""
+        self._open()
+        return self._view(stage).place(index)
 
     def bytes_held(self) -> int:
-        """The ledger: the bytes of every entry in the directory (all stages)."""
+        """The ledger: the bytes of every segment and index in the directory (all stages)."""
         self._open()
         with self._locked() as fd:
             self.held_bytes = _read_ledger(fd, self.directory)
@@ -226,8 +299,9 @@ class DiskCache:
     def clear(self) -> None:
         """Remove every entry of every stage (under the lock; the ledger goes to 0)."""
         self._open()
-        self._made = set()
         with self._locked() as fd:
+            for stage in list(self._views) + list(self._writers):
+                self._drop(stage)
             for child in self.directory.iterdir():
                 if child.is_dir():
                     shutil.rmtree(child, ignore_errors=True)
@@ -236,7 +310,14 @@ class DiskCache:
         self.full = False
 
     def close(self) -> None:
-        """Close this process's lock and ledger files (a later use opens them again)."""
+        """Close this process's files (a later use opens them again; the segments' and
+        indexes' once no thread uses them)."""
+        with _OPEN_LOCK, self._thread_lock:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for stage in list(self._views) + list(self._writers):
+            self._drop(stage)
         fds, self._fds, self._pid = self._fds, None, None
         if fds is not None:
             for fd in fds:
@@ -244,25 +325,69 @@ class DiskCache:
                     os.close(fd)
 
     def __del__(self) -> None:
+        # No lock: nothing else uses an object being finalised, and the cyclic GC may run
+        # this in any thread, one holding the directory's flock inside another cache's
+        # _locked() while a third waits for that flock holding _OPEN_LOCK (a deadlock).
         if getattr(self, "_pid", None) == os.getpid():  # not a forked copy: its parent's
-            self.close()
+            self._close_files()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_pid"] = None  # a copy in another process reconciles on its first use
-        state["_fds"] = None  # and opens its own files (a lock is per open file)
+        for name in ("_pid", "_fds", "_views", "_writers", "_thread_lock"):
+            state.pop(name, None)  # a copy in another process reconciles on its first use
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._process_state()
 
     def __repr__(self) -> str:
         return f"DiskCache({str(self.directory)!r}, max_bytes={self.max_bytes}, key={self.key!r})"
 
     # -- internals ----------------------------------------------------------------------
 
-    def _stage_dir(self, stage: str) -> str:
-        return f"{self._root}/{stage[:_STAGE_DIGITS]}"
+    def _view(self, stage: str) -> StageIndex:
+        key = stage[:_STAGE_DIGITS]
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = StageIndex(f"{self._root}/{key}")
+        return view
 
-    def _path(self, stage: str, index: int) -> str:
-        return f"{self._root}/{stage[:_STAGE_DIGITS]}/{index}{_SUFFIX}"
+    def _writer(self, stage: str, size: int) -> tuple[SegmentWriter, StageIndex]:
+        """This process's segment of ``stage`` with room for ``size`` more bytes (made on
+        its first entry; made again when the directory was cleared since, or the segment
+        would pass an index record's largest offset) and the stage's index (called under
+        the lock)."""
+        key = stage[:_STAGE_DIGITS]
+        writer = self._writers.get(key)
+        if writer is not None and os.fstat(writer.fd).st_nlink == 0:
+            self._drop(key)
+            writer = None
+        if (
+            writer is not None
+            and writer.end + size + RECORD_BYTES * (writer.pending + 1) >= MAX_FIELD
+        ):
+            del self._writers[key]  # full: sealed once no thread holds it (its lock goes)
+            writer = None
+        view = self._view(key)
+        if writer is None and view.removed():  # a view from before clear(): a new one
+            self._drop(key)
+            view = self._view(key)
+        if writer is None:
+            token = secrets.randbits(64)
+            writer = self._writers[key] = SegmentWriter(view.directory, token, os.getpid(), HOST)
+            view.own(writer)  # its entries read through its descriptor (never closed early)
+        return writer, view
+
+    def _drop(self, stage: str) -> None:
+        """Forget the stage's view and segment (called under the thread lock). Never close
+        them: a thread between its reservation and its record still uses them, and a
+        closed number reused by the next segment or index would take its bytes; their
+        files close when the last thread lets them go."""
+        key = stage[:_STAGE_DIGITS]
+        self._views.pop(key, None)
+        self._writers.pop(key, None)
+        self._checked.pop(key, None)
 
     def _cap(self) -> int:
         if self.max_bytes is None:
@@ -279,17 +404,37 @@ class DiskCache:
     def _open(self) -> None:
         if self._pid == os.getpid():
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        # Files of this process's own: after a fork the parent's descriptors share the
-        # parent's open files, and so its lock.
-        lock = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        ledger = os.open(self.directory / _LEDGER, os.O_RDWR | os.O_CREAT, 0o644)
-        self._fds = (lock, ledger)
-        self._made = set()
-        with self._locked() as fd:
-            self.held_bytes = _recount(self.directory)
-            _write_ledger(fd, self.held_bytes)
-        self._pid = os.getpid()
+        with _OPEN_LOCK:  # one thread opens; the others find it done
+            if self._pid == os.getpid():
+                return
+            # A forked copy: the parent's files and segments are not its. Built in locals
+            # and published only once whole, the pid last (the check above reads it
+            # without the lock).
+            self.directory.mkdir(parents=True, exist_ok=True)
+            # Files of this process's own: after a fork the parent's descriptors share the
+            # parent's open files, and so its lock.
+            lock = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                ledger = os.open(
+                    self.directory / _LEDGER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
+                )
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    try:
+                        held = _recount(self.directory)
+                        _write_ledger(ledger, held)
+                    finally:
+                        fcntl.flock(lock, fcntl.LOCK_UN)
+                except BaseException:
+                    os.close(ledger)
+                    raise
+            except BaseException:
+                os.close(lock)
+                raise
+            self._process_state()
+            self.held_bytes = held
+            self._fds = (lock, ledger)
+            self._pid = os.getpid()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[int]:
@@ -297,11 +442,12 @@ class DiskCache:
         if self._fds is None:
             raise ConfigError(f"cache {self.directory} used before it was opened")
         lock, ledger = self._fds
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield ledger
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        with self._thread_lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield ledger
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _read_ledger(fd: int, directory: Path) -> int:
@@ -321,58 +467,11 @@ def _write_ledger(fd: int, used: int) -> None:
     os.pwrite(fd, f"{used:020d}\n".encode(), 0)
 
 
-def _write_all(fd: int, payload: Pieces) -> None:
-    views = [memoryview(b).cast("B") for b in payload.buffers]
-    while views:
-        done = os.writev(fd, views[:1024])  # IOV_MAX
-        while views and done >= len(views[0]):
-            done -= len(views[0])
-            views.pop(0)
-        if views and done:
-            views[0] = views[0][done:]
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return 0
-
-
 def _recount(directory: Path) -> int:
-    """The entries' bytes and the live writers' reservations (the sizes their temporary
-    files' names say); a dead writer's temporary file is removed (called under the lock)."""
+    """Every stage's files' bytes; a dead writer's segment trimmed and sealed (called
+    under the lock)."""
     total = 0
     for stage in os.scandir(directory):
-        if not stage.is_dir(follow_symlinks=False):
-            continue
-        for entry in os.scandir(stage.path):
-            with contextlib.suppress(FileNotFoundError):
-                if not entry.name.startswith(_TMP):
-                    total += entry.stat(follow_symlinks=False).st_size
-                    continue
-                reserved = _live_reservation(entry)
-                if reserved is None:
-                    os.unlink(entry.path)
-                else:
-                    total += reserved
+        if stage.is_dir(follow_symlinks=False):
+            total += recount_stage(stage.path)
     return total
-
-
-def _live_reservation(entry: os.DirEntry[str]) -> int | None:
-    """The size a temporary file's writer reserved, None when that writer is gone: a
-    process of this host that no longer runs, or one of another host (or a name not
-    ours) untouched for :data:`STALE_S`."""
-    match = _TMP_NAME.fullmatch(entry.name)
-    if match is None:
-        return None
-    host, pid, size = match["host"], int(match["pid"]), int(match["size"])
-    if host == HOST:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass  # another user's process: alive
-        return size
-    return None if time.time() - entry.stat().st_mtime > STALE_S else size

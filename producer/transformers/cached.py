@@ -12,7 +12,7 @@ A Fuel transformer does not know which example it holds, so an entry is keyed by
 bytes (:func:`content_digest`). Same input, same stage: same entry, whatever the
 stream's order, sharding or dataset (files replaced in place are another input). The
 entry (:mod:`producer.cache_entry`) carries the stage's fingerprint and the input's
-digest (128 bits of each), checked on read; the file's name is 60 further bits of the
+digest (128 bits of each), checked on read; its index (its record's key) is 60 further bits of the
 digest. The storage, cap, measurement and figures are the torch variant's
 (:mod:`producer.cache_store`, :mod:`producer.cache_stage`).
 

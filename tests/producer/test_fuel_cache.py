@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cache_layout import disk_bytes, entries, entry_bytes, files, overwrite
 from fuel_cache_pipelines import Darken, cached_stream, dataset, pipeline, uncached_stream
 
 from batchq.errors import ConfigError
-from producer.cache_store import DiskCache
+from producer.cache_store import ENTRY_OVERHEAD, DiskCache
 from producer.schemes import SequentialExampleScheme
 from producer.serving.sharding import ShardPlan
 from producer.streams import DataStream
@@ -40,10 +41,6 @@ def built(stream: Any, epochs: int) -> list[list[Batch]]:
     ]
 
 
-def entries(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*/*") if p.is_file())
-
-
 def _cached(stream: Any) -> Any:
     """The CachedMapping of a pipeline (the Mapping below the crop and the batches)."""
     return stream.data_stream.data_stream.mapping
@@ -63,7 +60,7 @@ def test_the_cache_changes_no_byte_cold_or_warm_and_warm_reads_every_example(
     assert built(warm, 3) == want
     stats = _cached(warm).stats
     assert stats["misses"] == 0 and stats["hits"] == 3 * N and stats["hit_rate"] == 1.0
-    assert stats["bytes_held"] == sum(p.stat().st_size for p in entries(tmp_path))
+    assert stats["bytes_held"] == disk_bytes(tmp_path)
 
 
 def test_a_corrupted_entry_a_foreign_file_and_another_stage_are_built_again(
@@ -71,12 +68,12 @@ def test_a_corrupted_entry_a_foreign_file_and_another_stage_are_built_again(
 ) -> None:
     want = built(uncached_stream(N), 1)
     assert built(cached_stream(N, str(tmp_path)), 1) == want
-    files = entries(tmp_path)
-    corrupted, foreign = files[0], files[1]
-    raw = bytearray(corrupted.read_bytes())
-    raw[-1] ^= 0xFF  # a flipped bit in the pixels: the crc catches it
-    corrupted.write_bytes(bytes(raw))
-    foreign.write_bytes(files[2].read_bytes())  # a valid entry of another input
+    places = list(entries(tmp_path).values())
+    corrupted, foreign = places[0], places[1]
+    last = entry_bytes(corrupted)[-1]  # a flipped bit in the pixels: the crc catches it
+    overwrite(corrupted, bytes([last ^ 0xFF]), at=corrupted.length - 1)
+    assert foreign.length == places[2].length
+    overwrite(foreign, entry_bytes(places[2]))  # a valid entry of another input
     again = cached_stream(N, str(tmp_path))
     assert built(again, 1) == want
     stats = _cached(again).stats
@@ -87,24 +84,25 @@ def test_a_corrupted_entry_a_foreign_file_and_another_stage_are_built_again(
     other = cached_stream(N, str(tmp_path))
     assert built(other, 1) == built(uncached_stream(N), 1) != want
     assert _cached(other).stats["hits"] == 0
-    assert len({p.parent for p in entries(tmp_path)}) == 2
+    assert len({stage for stage, _ in entries(tmp_path)}) == 2
 
 
 def test_a_cap_of_half_the_data_keeps_a_stable_half(tmp_path: Path) -> None:
     cold = cached_stream(N, str(tmp_path / "probe"))
     built(cold, 1)
-    size = entries(tmp_path / "probe")[0].stat().st_size  # every entry has one size here
+    # Every entry has one size here: its frame and its index record.
+    size = next(iter(entries(tmp_path / "probe").values())).length + ENTRY_OVERHEAD
     cap = size * N // 2
     stream = pipeline(cached_mapping(Darken(3), DiskCache(tmp_path / "c", cap), measure=False), N)
     want = built(uncached_stream(N), 3)
     got = built(stream, 1)
-    held = {p.name: p.stat().st_mtime_ns for p in entries(tmp_path / "c")}
+    held = {p.name: p.stat().st_mtime_ns for p in files(tmp_path / "c")}
     got += built(stream, 3)[1:]
     assert got == want
     stats = _cached(stream).stats
-    assert len(held) == N // 2 and stats["writes"] == N // 2
-    assert {p.name: p.stat().st_mtime_ns for p in entries(tmp_path / "c")} == held  # no churn
-    assert sum(p.stat().st_size for p in entries(tmp_path / "c")) <= cap
+    assert len(entries(tmp_path / "c")) == N // 2 and stats["writes"] == N // 2
+    assert {p.name: p.stat().st_mtime_ns for p in files(tmp_path / "c")} == held  # no churn
+    assert disk_bytes(tmp_path / "c") <= cap
 
 
 def test_the_content_key_tells_inputs_apart_and_refuses_what_it_cannot_read() -> None:

@@ -11,6 +11,7 @@ from uuid import uuid4
 import numpy as np
 import pytest
 import redis
+from cache_layout import entries
 from fuel_cache_pipelines import uncached_stream
 from waiting import wait_until
 
@@ -80,7 +81,7 @@ def test_a_served_fuel_pipeline_with_its_stage_cached_changes_no_byte_cold_or_wa
     assert want[0] != want[1]  # the crops differ from epoch to epoch
     assert runs["uncached"] == want
     assert runs["cold"] == want and runs["warm"] == want
-    assert len([p for p in tmp_path.glob("*/*") if p.is_file()]) == N
+    assert len(entries(tmp_path)) == N
 
 
 def _all_read(figures: dict[str, Any] | None) -> dict[str, Any] | None:

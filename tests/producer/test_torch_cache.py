@@ -3,6 +3,7 @@ measurement (tests/producer/test_torch_cache_served.py serves it with real proce
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cache_layout import disk_bytes, entries, entry_bytes, files, overwrite, stage_dirs  # noqa: E402
 from cache_pipelines import (  # noqa: E402
     Stage,
     cached_stream,
@@ -24,7 +26,8 @@ from cache_pipelines import (  # noqa: E402
 from batchq.errors import ConfigError  # noqa: E402
 from producer import cache_stage, cache_store  # noqa: E402
 from producer.cache_entry import decode_entry, encode_entry  # noqa: E402
-from producer.cache_store import DiskCache  # noqa: E402
+from producer.cache_segment import pack_record, segment_name  # noqa: E402
+from producer.cache_store import ENTRY_OVERHEAD, DiskCache  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch import cache as torch_cache  # noqa: E402
 from producer.torch import cached  # noqa: E402
@@ -46,14 +49,6 @@ def built(stream: Any, epochs: int) -> list[list[Batch]]:
         ]
         for e in range(epochs)
     ]
-
-
-def entries(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*/*") if p.is_file())
-
-
-def disk_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("*/*") if p.is_file())
 
 
 def test_an_entry_gives_back_the_example_its_types_and_its_layout() -> None:
@@ -117,16 +112,21 @@ def test_torn_corrupted_and_foreign_entries_are_rebuilt_never_served(tmp_path: P
     want = [_seeded(ds.dataset, i) for i in range(N)]
     for i in range(N):
         ds[i]  # every entry written
-    files = {int(p.stem): p for p in entries(tmp_path)}
-    files[1].write_bytes(files[1].read_bytes()[:-100])  # torn
-    raw = bytearray(files[2].read_bytes())
-    raw[-1] ^= 0xFF  # one flipped bit of pixels
-    files[2].write_bytes(bytes(raw))
-    files[3].write_bytes(b"not a frame at all")  # foreign
-    files[4].write_bytes(files[5].read_bytes())  # another index's entry
+    # Each entry damaged in its segment, as a disk, a crash or another program would.
+    places = {i: p for (_, i), p in entries(tmp_path).items()}
+    torn = places[1]
+    overwrite(torn, bytes(100), at=torn.length - 100)  # torn: its last bytes never written
+    flipped = places[2]
+    last = entry_bytes(flipped)[-1]
+    overwrite(flipped, bytes([last ^ 0xFF]), at=flipped.length - 1)  # one flipped bit of pixels
+    overwrite(places[3], b"not a frame at all")  # foreign
+    assert places[4].length == places[5].length
+    overwrite(places[4], entry_bytes(places[5]))  # another index's entry
     other = cached(stage(N, brighten=5), cache=DiskCache(other_dir), measure=False)
     other[6]
-    files[6].write_bytes(entries(other_dir)[0].read_bytes())  # another stage's entry
+    (theirs,) = entries(other_dir).values()
+    assert theirs.length == places[6].length
+    overwrite(places[6], entry_bytes(theirs))  # another stage's entry
     fresh = cached(stage(N), augment=jitter_image, cache=DiskCache(tmp_path), measure=False)
     got = [_seeded(fresh, i) for i in range(N)]
     assert all(_same(g, w) for g, w in zip(got, want, strict=True))
@@ -162,7 +162,8 @@ def test_a_changed_stage_is_another_fingerprint_and_a_key_names_one(tmp_path: Pa
 
 
 def test_a_cap_of_half_the_data_keeps_a_stable_half(tmp_path: Path) -> None:
-    size = len(encode_entry(stage(N)[0], "f" * 64, 0, torch_cache._TENSORS))
+    # An entry's bytes: its frame and its index record.
+    size = len(encode_entry(stage(N)[0], "f" * 64, 0, torch_cache._TENSORS)) + ENTRY_OVERHEAD
     cap = size * N // 2
     stream = _capped_stream(tmp_path, cap)
     want = built(uncached_stream(N), 3)
@@ -174,12 +175,13 @@ def test_a_cap_of_half_the_data_keeps_a_stable_half(tmp_path: Path) -> None:
         assert got == want[e]
         counts.append((ds.stats["hits"], ds.stats["writes"]))
         assert disk_bytes(tmp_path) <= cap
-    held = {p.name: p.stat().st_mtime_ns for p in entries(tmp_path)}
-    assert counts[0][1] == N // 2  # epoch 1 (and the probe batch) writes until the cap
+    held = {p.name: p.stat().st_mtime_ns for p in files(tmp_path)}
+    # Epoch 1 (and the probe batch) writes until the cap.
+    assert len(entries(tmp_path)) == counts[0][1] == N // 2
     # Then half the examples hit each epoch, and nothing is written again.
     assert counts[1] == (counts[0][0] + N // 2, N // 2)
     assert counts[2] == (counts[1][0] + N // 2, N // 2)
-    assert {p.name: p.stat().st_mtime_ns for p in entries(tmp_path)} == held  # no churn
+    assert {p.name: p.stat().st_mtime_ns for p in files(tmp_path)} == held  # no churn
     assert ds.stats["bytes_held"] == disk_bytes(tmp_path) <= cap
 
 
@@ -187,20 +189,31 @@ def test_a_killed_writers_leftovers_are_removed_and_the_ledger_recounted(tmp_pat
     ds = cached(stage(N), cache=DiskCache(tmp_path, max_bytes=10**6), measure=False)
     for i in range(4):
         ds[i]
-    stage_dir = entries(tmp_path)[0].parent
-    dead = _unused_pid()  # a writer that no longer runs
-    host = cache_store.HOST  # the host part of this host's temporary files' names
-    killed = stage_dir / f".tmp-9-{host}-{dead}-70000"
-    killed.write_bytes(b"BQF half an entry")  # a writer killed mid-write
-    writing = stage_dir / f".tmp-10-{host}-{os.getpid()}-50000"
-    writing.write_bytes(b"BQF a live writer's first bytes")  # one still writing
+    stage_dir = stage_dirs(tmp_path)[0]
+    host = cache_store.HOST  # the host part of this host's segments' names
+    # A writer killed mid-write: entry 9 written and indexed, then a reservation of which
+    # only the first bytes were written (no record points at them).
+    whole = bytes(encode_entry(stage(N)[9], ds.fingerprint, 9, torch_cache._TENSORS))
+    killed = stage_dir / segment_name(0xDEAD, _unused_pid(), host)
+    killed.write_bytes(whole + b"BQF half an entry" + bytes(70000))
+    with open(stage_dir / "index.bqi", "ab") as index:
+        index.write(pack_record(9, 0xDEAD, 0, len(whole)))
+    writing = stage_dir / segment_name(0xBEEF, os.getpid(), host)
+    writing.write_bytes(bytes(50000))  # a live writer's reservation, its record to come
+    live = os.open(writing, os.O_RDONLY)
+    fcntl.flock(live, fcntl.LOCK_SH)  # what keeps a writer's segment from a recount
     (tmp_path / ".bytes").write_bytes(b"00000000000099999999\n")  # reserved and lost
     again = cached(stage(N), cache=DiskCache(tmp_path, max_bytes=10**6), measure=False)
     again[11]
-    assert not killed.exists() and writing.exists()
-    entries_bytes = sum(p.stat().st_size for p in entries(tmp_path) if p != writing)
-    assert again.stats["bytes_held"] == entries_bytes + 50000  # the live reservation too
-    assert int((tmp_path / ".bytes").read_bytes()) == entries_bytes + 50000
+    sealed = stage_dir / segment_name(0xDEAD)
+    assert not killed.exists() and sealed.read_bytes() == whole  # trimmed to its entry
+    assert writing.exists() and writing.stat().st_size == 50000
+    held = disk_bytes(tmp_path)  # every file: the live writer's reservation with them
+    assert again.stats["bytes_held"] == held
+    assert int((tmp_path / ".bytes").read_bytes()) == held
+    assert _same(again[9], stage(N)[9])
+    assert again.stats["hits"] == 1  # entry 9, read from the sealed segment
+    os.close(live)
 
 
 def _unused_pid() -> int:

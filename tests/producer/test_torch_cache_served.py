@@ -8,7 +8,6 @@ pipeline builds (tests/producer/test_torch_served.py holds served == built for i
 
 from __future__ import annotations
 
-import contextlib
 import signal
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,15 @@ from waiting import wait_until
 
 torch = pytest.importorskip("torch")
 
+from cache_layout import disk_bytes, entries, entry_bytes, files  # noqa: E402
 from cache_pipelines import stage, uncached_stream  # noqa: E402
 
 from batchq.monitoring.rows import queue_status  # noqa: E402
 from batchq.protocol.admin import delete_queue  # noqa: E402
 from consumer import ServerDataStream  # noqa: E402
 from producer.cache_entry import decode_entry, encode_entry  # noqa: E402
+from producer.cache_segment import index_ends, parse_segment_name  # noqa: E402
+from producer.cache_store import ENTRY_OVERHEAD  # noqa: E402
 from producer.serving.sharding import ShardPlan  # noqa: E402
 from producer.torch.cache import _TENSORS, stage_fingerprint  # noqa: E402
 
@@ -44,18 +46,6 @@ def built(stream: Any, epochs: int) -> list[list[Batch]]:
 
 def _bytes(batch: Any) -> Batch:
     return tuple(np.asarray(v).tobytes() for v in batch)
-
-
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*/*") if p.is_file())
-
-
-def _disk_bytes(directory: Path) -> int:
-    total = 0
-    for p in _files(directory):
-        with contextlib.suppress(FileNotFoundError):  # a temporary file renamed meanwhile
-            total += p.stat().st_size
-    return total
 
 
 @pytest.fixture
@@ -107,7 +97,7 @@ def test_serving_cached_changes_no_byte_cold_or_warm_and_the_figures_show_it(
                     lambda: _all_read(stream.stats["cache"]), what="the producers' cache figures"
                 )
                 assert figures["misses"] == 0 and figures["hit_rate"] == 1.0
-                assert figures["bytes"] == _disk_bytes(tmp_path)
+                assert figures["bytes"] == disk_bytes(tmp_path)
                 row = queue_status(redis_client, queue)
                 assert row["cache_hit_rate"] == 1.0 and row["cache_bytes"] == figures["bytes"]
                 assert all(p["cache_hits"] > 0 for p in row["producers"])
@@ -118,7 +108,7 @@ def test_serving_cached_changes_no_byte_cold_or_warm_and_the_figures_show_it(
     assert runs["uncached"] == want
     assert runs["cold"] == want and runs["warm"] == want
     assert want[0] != want[1]  # the augmentation differs from epoch to epoch
-    assert len(_files(tmp_path)) == N
+    assert len(entries(tmp_path)) == N
 
 
 def _all_read(figures: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -141,7 +131,7 @@ def test_a_producer_killed_while_writing_leaves_nothing_torn_and_the_cap_holds(
     # Large entries (about 1 MB: the writes take a while), a cap of half the data.
     monkeypatch.setenv("TEST_BLOCK_BYTES", str(2**20))  # for stage() here too
     fingerprint = stage_fingerprint(stage(n))
-    cap = len(encode_entry(stage(n)[0], fingerprint, 0, _TENSORS)) * n // 2
+    cap = (len(encode_entry(stage(n)[0], fingerprint, 0, _TENSORS)) + ENTRY_OVERHEAD) * n // 2
     env = serve_env(examples=n, cache_dir=tmp_path / "c", max_bytes=cap)
     want = built(uncached_stream(n), EPOCHS)
     queue = queues()
@@ -153,26 +143,32 @@ def test_a_producer_killed_while_writing_leaves_nothing_torn_and_the_cap_holds(
     with ServerDataStream(
         SOURCES, False, url=redis_url, queue=queue, timeout_s=60, stall_s=1.0
     ) as stream:
-        wait_until(lambda: len(_files(directory)) >= 3, timeout_s=60, what="3 entries written")
+        wait_until(lambda: len(entries(directory)) >= 3, timeout_s=60, what="3 entries written")
         first.send_signal(signal.SIGKILL)  # most likely in a write: they are most of its work
         first.wait(timeout=10)
+        killed = first.pid
         spawn_proc(argv, env=env)  # builds what the killed one left, reads what it wrote
         stable: dict[str, int] = {}
         for e in range(EPOCHS):
             epoch = []
             for batch in stream.get_epoch_iterator():
                 epoch.append(_bytes(batch))
-                disk.append(_disk_bytes(directory))
+                disk.append(disk_bytes(directory))
             got.append(epoch)
             if e == 0:
-                stable = {p.name: p.stat().st_mtime_ns for p in _files(directory)}
+                stable = {p.name: p.stat().st_mtime_ns for p in files(directory)}
         stream.close(finished=True)
     assert got == want  # nothing torn was served
     assert max(disk) <= cap  # sampled at every batch
-    names = _files(directory)
-    assert not [p for p in names if p.name.startswith(".tmp-")]  # the leftover was removed
-    assert len(names) == n // 2  # the stable half
+    names = files(directory)
+    segments = [(p, parse_segment_name(p.name)) for p in names if p.name.startswith("seg-")]
+    assert not [p for p, seg in segments if seg is not None and seg.pid == killed]  # sealed
+    ends = index_ends(str(names[0].parent))
+    for p, seg in segments:  # no byte past the last indexed entry: the torn tail was cut
+        assert seg is not None and p.stat().st_size == ends[seg.token]
+    held = entries(directory)
+    assert len(held) == n // 2  # the stable half
     assert {p.name: p.stat().st_mtime_ns for p in names} == stable  # no rewrite after epoch 1
-    for p in names:  # every entry whole: its checksum, stage and index hold
-        image, label = decode_entry(p.read_bytes(), fingerprint, int(p.stem), _TENSORS)
-        assert label == int(p.stem) and image.shape[0] == 3
+    for (_, index), place in held.items():  # every entry whole: its checksum, stage, index
+        image, label = decode_entry(entry_bytes(place), fingerprint, index, _TENSORS)
+        assert label == index and image.shape[0] == 3
