@@ -396,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         "producers first, a resumed trainer, a worker added by --workers 1:2",
     )
     p.add_argument("--startup-rounds", type=int, default=3, help="rounds of --startup")
+    p.add_argument(
+        "--startup-cold-only",
+        action="store_true",
+        help="--startup: only the cold case (DataLoader, fork, spawn; a round in seconds)",
+    )
     args = p.parse_args(argv)
     if args.cache_cost:
         from imagefolder_cache_cost import main_cost  # this folder's (bench/)

@@ -19,7 +19,9 @@ handed to it) to its loop holding its first batch:
   first tick (the same start, without the wait for an input-bound verdict).
 
 Median of ``--startup-rounds`` (3) alternated rounds; figures and ratios are printed,
-never asserted. The children run this file with ``--role``.
+never asserted. ``--startup-cold-only`` runs the cold case alone (seconds a round, where
+a full round takes minutes: for many alternated rounds of two trees). The children run
+this file with ``--role``.
 """
 
 from __future__ import annotations
@@ -165,6 +167,9 @@ def _startup_round(
         pool.wait(timeout=60)
     finally:
         stop_group(pool, timeout_s=10.0)
+    if getattr(args, "startup_cold_only", False):
+        client.close()
+        return res
     # Producers first: the trainer arrives at a queue filled to its cap; then a trainer
     # restarted from the first one's checkpoint while the producers keep running.
     queue = f"bench-start-{uuid.uuid4().hex[:8]}"
@@ -295,6 +300,9 @@ def _print_startup(rounds: list[dict[str, Any]]) -> None:
     print(f"\n== first batch, fresh processes, median of {len(rounds)} rounds ==")
     print(f"DataLoader(num_workers=2, persistent): launch -> first batch {loader:.3f} s, "
           f"imports done -> first batch {loader_span:.3f} s")  # fmt: skip
+    if "warm" not in rounds[0]["fork"]:  # --startup-cold-only
+        _print_cold(rounds, loader)
+        return
     for how in ("fork", "spawn"):
         cold = med(lambda r, h=how: r[h]["cold"]["launch_to_first_s"])
         warm = med(lambda r, h=how: r[h]["warm"]["launch_to_first_s"])
@@ -323,6 +331,17 @@ def _print_startup(rounds: list[dict[str, Any]]) -> None:
     add_f, add_s = med(lambda r: r["fork"]["auto_min"]), med(lambda r: r["spawn"]["auto_min"])
     print(f"fork vs spawn: cold first batch {cold_f / cold_s:.2f}x, a worker added "
           f"(decision -> first push) {add_f / add_s:.3f}x")  # fmt: skip
+
+
+def _print_cold(rounds: list[dict[str, Any]], loader: float) -> None:
+    """The cold lines alone (``--startup-cold-only``), with each round's ratio."""
+    for how in ("fork", "spawn"):
+        pairs = [(r[how]["cold"]["launch_to_first_s"], r["loader"]["launch_to_first_s"])
+                 for r in rounds]  # fmt: skip
+        cold = statistics.median(c for c, _ in pairs)
+        each = ", ".join(f"{c:.3f} s ({c / d:.2f}x)" for c, d in pairs)
+        print(f"batchq, workers by {how}: cold {cold:.3f} s, {cold / loader:.2f}x the "
+              f"DataLoader's; per round {each}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,9 @@ def wait_for_plan(
 ) -> Plan:
     """The run's plan, once a producer has published it: ``read()`` the queue's meta
     until it holds the plan, ``idle()`` between reads (a bounded wait on the wake list,
-    which a producer's join pushes to).
+    which the join that publishes the plan pushes a token to for each rank holding a
+    claim: a claimed wait ends with that join; ``len()``'s, before any claim, reads
+    again when its bound passes).
 
     The one wait for the plan: the session's (claimed: its ``read`` checks the run and
     its ``idle`` keeps the claim) and ``len()``'s (before any claim).

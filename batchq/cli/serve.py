@@ -13,6 +13,8 @@ one killed by a signal is replaced (:mod:`batchq.host.pool`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
 import os
@@ -20,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -52,12 +54,43 @@ def _opt(args: argparse.Namespace, name: str) -> Any:
     return getattr(args, name, None)
 
 
+@contextlib.contextmanager
+def _collector_paused(freeze: bool = False) -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the block (as it was after).
+
+    A factory's imports (torch, torchvision) make objects by the million, and the full
+    collections they set off visit every one: 0.3-0.4 s of a 2.4 s start on this
+    project's machine, on the first batch's path (bench/README.md, issue 40). Objects
+    freed by their reference counts are freed as ever; cycles wait for the collector.
+
+    Args:
+        freeze: after the block, move every object the process holds to the
+            collector's permanent generation (``gc.freeze``, what Python advises before
+            a fork): no collection visits them again, in this process or a forked
+            worker, where the first young collection would otherwise visit all that the
+            block made (about 0.1 s here), and a full one would write to (copy) every
+            page the worker shares with the pool. A cycle that was garbage then is
+            never collected (once, at start).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def _stream(args: argparse.Namespace) -> Any:
-    """The factory's stream (imported and called here), with ``--on-sample-error`` and
-    ``--max-quarantined`` set on its root before any plan is made of it (the plan's
-    fingerprint names a stream that quarantines, in a forked worker's pool as in a
-    spawned worker)."""
-    stream = as_stream(call_factory(load_factory(args.factory), args.factory, args.factory_args))
+    """The factory's stream (imported and called here, the collector paused), with
+    ``--on-sample-error`` and ``--max-quarantined`` set on its root before any plan is
+    made of it (the plan's fingerprint names a stream that quarantines, in a forked
+    worker's pool as in a spawned worker)."""
+    with _collector_paused():
+        factory = load_factory(args.factory)
+        stream = as_stream(call_factory(factory, args.factory, args.factory_args))
     on_error, most = _opt(args, "on_sample_error"), _opt(args, "max_quarantined")
     if on_error is not None or most is not None:
         from producer.quarantine import set_sample_errors
@@ -144,13 +177,14 @@ def _forker(
     process, or with ``spawner`` when a fork is not safe at that moment."""
     from producer.serving.sharding import ShardPlan
 
-    stream = _stream(args)
-    torch = sys.modules.get("torch")  # imported by the factory, if at all
-    if torch is not None:
-        # The probe batch runs here: on one thread, as in the workers, so no OpenMP
-        # pool of this process exists when it forks (a forked one has no threads).
-        torch.set_num_threads(1)
-    plan = ShardPlan(stream, args.requests_per_shard)  # the probe batch too (sources)
+    with _collector_paused(freeze=True):  # what the workers share, made once
+        stream = _stream(args)
+        torch = sys.modules.get("torch")  # imported by the factory, if at all
+        if torch is not None:
+            # The probe batch runs here: on one thread, as in the workers, so no OpenMP
+            # pool of this process exists when it forks (a forked one has no threads).
+            torch.set_num_threads(1)
+        plan = ShardPlan(stream, args.requests_per_shard)  # the probe batch too (sources)
     warned: list[str] = []
 
     def start() -> Child:

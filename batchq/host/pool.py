@@ -55,8 +55,6 @@ import redis
 from batchq.errors import ConnectionLost
 from batchq.host.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
 from batchq.host.procs import Child, cpu_seconds, host_idle, stop_group
-from batchq.monitoring.rows import queue_status
-from batchq.monitoring.verdict import near_cap
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import autoscale_field
 from batchq.protocol.keys import QueueKeys
@@ -336,6 +334,12 @@ class WorkerPool:
         return _idle_cores(prev[1], idle), _worker_cores(prev[2], used, now_s - prev[0])
 
     def _figures(self, now_s: float) -> Figures:
+        # Imported at the first tick, not with this module: a fixed pool (keep_workers)
+        # reads no status row, and batchq.monitoring's import (about 45 ms) would come
+        # before its first fork, on the first batch's path (issue 40).
+        from batchq.monitoring.rows import queue_status
+        from batchq.monitoring.verdict import near_cap
+
         now_ms = time_ms(self.client.time())
         keys, deadline_ms = self.keys, now_ms + 3_000 + 3_000 * self.tick_s
 

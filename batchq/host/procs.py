@@ -22,8 +22,12 @@ thread alive), and the caller falls back to starting a fresh interpreter
 (:func:`spawn`). The pool's loop runs no thread, so it forks from its own main thread
 right when it decides to add a worker: no fork server is needed.
 
-In the forked child, before the worker's function runs: its own process group
-(``setpgid``; the parent sets it too, so that neither order races a stop of the group),
+Before each fork the parent's objects go to the cyclic collector's permanent generation
+(``gc.freeze``): a child's collections never visit what it shares with the parent, so
+they neither spend a full collection's time on the factory's imports nor write to, and
+so copy, those pages. In the forked child, before the worker's function runs: its own
+process group (``setpgid``; the parent sets it too, so that neither order races a stop
+of the group),
 death with the parent (``PR_SET_PDEATHSIG``, as :func:`spawn`'s children), the default
 SIGINT/SIGTERM handlers (the parent's forwarders set an event only the parent reads; the
 worker installs its own), and fresh random states: Python's ``random``, numpy's and
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import random
@@ -350,6 +355,11 @@ def fork_child(target: Callable[[], int]) -> ForkedChild:
     for stream in (sys.stdout, sys.stderr):  # else the child writes our buffer again
         with contextlib.suppress(Exception):
             stream.flush()
+    # The parent's objects (the factory's imports: millions) to the collector's permanent
+    # generation: the child's collections never visit them, so they neither take a full
+    # collection's time over them nor write to, and so copy, the pages the child shares
+    # with the parent (what gc.freeze is for).
+    gc.freeze()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's lines run in the child (tests cover them)
         code = 1

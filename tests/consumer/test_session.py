@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -131,6 +132,65 @@ def test_redis_emptied_while_waiting_for_the_plan_claims_the_new_run(
     assert plan.shards == 4
     assert (s.run, s.incarnation) == ("producers-run", "producers-inc") != (old_run, "")
     assert client.hget(keys.meta, "claim") == s.token.encode()
+
+
+def _join(client: redis.Redis, keys: QueueKeys, producer: str) -> str:
+    """A producer's join of the queue's run (its plan: 4 shards); the reply's status."""
+    return producer_scripts.join(
+        client, keys, producer=producer, fingerprint="fp", hwm=3, shards=4, window=6,
+        new_run="producers-run", new_incarnation="producers-inc", heartbeat_ttl_ms=TTL_MS,
+        version=PROTOCOL_VERSION, epoch_batches=None, grace_ms=1, no_create=False,
+    ).status  # fmt: skip
+
+
+def test_the_join_that_publishes_the_plan_wakes_the_trainer_waiting_for_it(
+    client: redis.Redis, redis_url: str, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Cold start (issue 40): the trainer claimed before any producer joined, and waits
+    # with a bound (8 s, under the client's socket timeout) past this test's patience
+    # (5 s): only the join's wake-up returns it in time.
+    keys = QueueKeys(queue_name)
+    s = Session(client, keys, TTL_MS)
+    s.acquire()
+    waiting, real_refresh = threading.Event(), s.refresh
+
+    def refresh(c: redis.Redis) -> None:
+        real_refresh(c)
+        waiting.set()  # the wait's idle: its BLPOP of the wake list comes next
+
+    monkeypatch.setattr(s, "refresh", refresh)
+    plans: list[int] = []
+    waiter = threading.Thread(target=lambda: plans.append(s.wait_for_plan(60, 8).shards))
+    waiter.start()
+    producer = make_client(redis_url)
+    try:
+        assert waiting.wait(timeout=30)
+        assert _join(producer, keys, "p1") == "OK"
+        waiter.join(timeout=5)
+        assert not waiter.is_alive() and plans == [4]
+        # The plan was published once: a later join wakes nobody.
+        assert _join(producer, keys, "p2") == "OK" and client.llen(keys.wake) == 0
+    finally:
+        producer.close()
+        if waiter.is_alive():  # fail without hanging: end the wait with a token
+            client.lpush(keys.wake, "1")
+            waiter.join(timeout=30)
+
+
+def test_the_plan_wakes_each_claimed_rank_and_nobody_before_a_claim(
+    client: redis.Redis, queue_name: str
+) -> None:
+    ranks = QueueKeys(queue_name)
+    for rank in range(2):
+        Session(client, ranks, TTL_MS, rank=rank, world=3).acquire()  # rank 2 not yet
+    assert _join(client, ranks, "p1") == "OK"
+    assert client.llen(ranks.wake) == 2  # one token per rank waiting for the plan
+    # Producers first: the plan is published with no trainer to wake.
+    first = QueueKeys(f"{queue_name}-first")
+    try:
+        assert _join(client, first, "p1") == "OK" and client.llen(first.wake) == 0
+    finally:
+        delete_queue(client, first.queue)
 
 
 def test_a_real_takeover_while_waiting_for_the_plan_still_fails(

@@ -10,6 +10,7 @@ local data_key = KEYS[6]         -- LIST
 local failures_key = KEYS[7]     -- HASH
 local ledger_key = KEYS[8]       -- HASH
 local stats_key = KEYS[9]        -- HASH   queue counters (the leases it hands back)
+local wake_key = KEYS[10]        -- LIST   a trainer waiting for the plan blocks on it
 local producer = ARGV[1]
 local fingerprint = ARGV[2]      -- the pipeline's
 local hwm = ARGV[3]
@@ -45,6 +46,9 @@ if not (inc and run) or finished_at then
   created = 1
 end
 
+-- Whether this join publishes the plan (no producer had): see the wake-up below.
+local publishes = not redis.call('HGET', meta_key, 'shards')
+
 -- A trainer resuming from a checkpoint may have set the fingerprint alone: each part
 -- of the plan is set (with the figures that go with it) by the first producer that finds
 -- it missing, then checked: the MISMATCH reply, or nil.
@@ -64,6 +68,20 @@ if not redis.call('HGET', meta_key, 'shard_batches') then
 end
 refused = set_or_check('stripes', stripes)
 if refused then return refused end
+
+-- The plan published: the ranks of the trainer that claimed the run before any producer
+-- joined wait for it, blocked on the wake list (consumer/plan.py wait_for_plan); without
+-- a token each would find it only when its bounded wait ends. One token per rank of
+-- slot 0 holding a claim (none where no trainer came yet: producers started first);
+-- through pcall, as pop.lua's tokens: a foreign type under the wake key fails no join.
+if publishes then
+  local world = slot_world(meta_key, 0)
+  local fields = {}
+  for r = 0, world - 1 do fields[#fields + 1] = 'claim' .. reader_sfx(0, r, world) end
+  for _, holder in ipairs(redis.call('HMGET', meta_key, unpack(fields))) do
+    if holder then redis.pcall('LPUSH', wake_key, '1') end
+  end
+end
 
 -- Leases this producer id holds from an earlier life: this run's back to work, an older
 -- run's dropped, counted as a reap counts them.

@@ -1,10 +1,12 @@
 """Workers forked from the pool's warm process: each its own process group, Redis
 connections, random state and producer id; one killed is replaced; no fork while a
-thread runs."""
+thread runs; the pool's objects made with the collector paused and frozen before a
+fork."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -138,6 +140,54 @@ def test_a_forked_child_leads_its_own_group_and_exits_with_its_code() -> None:
         stop_group(child, timeout_s=5.0)
     failing = fork_child(lambda: 1 // 0)
     assert failing.wait(timeout=10) == 1  # logged, as a failed `batchq serve` exits
+
+
+def test_the_parent_is_frozen_before_a_fork_and_the_child_collects() -> None:
+    # What the pool holds (the factory's imports) goes to the collector's permanent
+    # generation before each fork: the child's collections never visit it.
+    read_fd, write_fd = os.pipe()
+
+    def target() -> int:
+        os.write(write_fd, f"{gc.get_freeze_count()} {int(gc.isenabled())}".encode())
+        return 0
+
+    try:
+        child = fork_child(target)
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as fh:
+            frozen, enabled = (int(v) for v in fh.read().split())
+        assert child.wait(timeout=10) == 0
+        assert frozen > 0 and enabled == 1
+    finally:
+        gc.unfreeze()
+
+
+def test_the_pool_builds_its_stream_with_the_collector_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The factory's imports and call, and the plan, run with the cyclic collector
+    # paused (issue 40: its full collections over torch's objects cost 0.3-0.4 s);
+    # after, it runs again, what the pool made frozen for the workers it forks.
+    args = argparse.Namespace(
+        factory="pipelines:numbered", factory_args={"examples": 40}, requests_per_shard=None
+    )
+    during: list[bool] = []
+    real_call = serve.call_factory
+
+    def call(factory: Any, spec: str, arguments: dict[str, Any]) -> Any:
+        during.append(gc.isenabled())
+        return real_call(factory, spec, arguments)
+
+    monkeypatch.setattr(serve, "call_factory", call)
+    try:
+        serve._forker(args, "redis://127.0.0.1:1/0", lambda: pytest.fail("no start"), None)
+        assert during == [False] and gc.isenabled() and gc.get_freeze_count() > 0
+        gc.disable()  # a collector the caller paused stays paused
+        serve._stream(args)
+        assert during == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize("workers", ["2", "2:2"])  # a fixed pool; an autoscaler's (a client)
