@@ -49,12 +49,17 @@ def test_four_producers_five_epochs_exact(
     spawn_proc: Any,
     serve_argv: Any,
     serve_env: Any,
+    redis_client: Any,
     ordered: bool,
 ) -> None:
     env = serve_env(examples=200, batch_size=10, slow_ms=2)
     for _ in range(4):
         spawn_proc(serve_argv("--hwm", "6"), env=env)
     expected = reference(5, examples=200, batch_size=10)
+    # Every producer joined before the trainer reads: on a loaded machine the first one
+    # could otherwise build all 100 batches while the others still import.
+    producers = QueueKeys(queue_name).producers
+    wait_until(lambda: redis_client.zcard(producers) >= 4, 60.0, "4 producers joined")
     with trainer(redis_url, queue_name, ordered=ordered) as stream:
         for e in range(5):
             got = epoch(stream)
