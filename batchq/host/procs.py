@@ -358,7 +358,11 @@ def fork_child(target: Callable[[], int]) -> ForkedChild:
     # The parent's objects (the factory's imports: millions) to the collector's permanent
     # generation: the child's collections never visit them, so they neither take a full
     # collection's time over them nor write to, and so copy, the pages the child shares
-    # with the parent (what gc.freeze is for).
+    # with the parent (what gc.freeze is for). A collection first, so that the cycles
+    # that are garbage by now (an autoscaling pool's ticks make a few KB between forks)
+    # are not kept for ever: it visits only what came since the last freeze (the pool
+    # froze the factory's objects once, when it made them), milliseconds.
+    gc.collect()
     gc.freeze()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's lines run in the child (tests cover them)

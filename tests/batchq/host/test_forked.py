@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,16 @@ def test_a_forked_child_leads_its_own_group_and_exits_with_its_code() -> None:
         stop_group(child, timeout_s=5.0)
     failing = fork_child(lambda: 1 // 0)
     assert failing.wait(timeout=10) == 1  # logged, as a failed `batchq serve` exits
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen() -> Iterator[None]:
+    """Each test starts and ends with nothing frozen (fork_child and the pool freeze
+    this process's objects): a freeze test then sees its own freeze, not an earlier
+    test's."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
 
 
 def test_the_parent_is_frozen_before_a_fork_and_the_child_collects() -> None:
