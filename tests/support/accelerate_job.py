@@ -11,7 +11,6 @@ kill would (``os._exit``); ``--resume`` first loads the saved state.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -19,20 +18,14 @@ import sys
 import torch
 from accelerate import Accelerator
 from pipelines import examples_of
+from torchrun import job_parser
 
 from consumer import ServerDataStream
 from consumer.torch import TorchStream
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("url")
-    p.add_argument("queue")
-    p.add_argument("out_dir")
-    p.add_argument("epochs", type=int)
-    p.add_argument("--stop-at", type=int)
-    p.add_argument("--resume", action="store_true")
-    args = p.parse_args()
+    args = job_parser().parse_args()
     accelerator = Accelerator(cpu=True)
     stream = ServerDataStream(("features", "targets"), url=args.url, queue=args.queue)
     ts = TorchStream(stream)

@@ -12,13 +12,13 @@ kill would (``os._exit``, nothing closed); ``--resume`` resumes with
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Any
 
 from pipelines import examples_of
+from torchrun import job_parser
 
 from producer.torch import import_torchvision
 
@@ -71,13 +71,7 @@ class StopAt(Callback):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("url")
-    p.add_argument("queue")
-    p.add_argument("out_dir")
-    p.add_argument("epochs", type=int)
-    p.add_argument("--stop-at", type=int)
-    p.add_argument("--resume")
+    p = job_parser(resume_path=True)
     args = p.parse_args()
     model = Model(args.url, args.queue, args.out_dir)
     every = ModelCheckpoint(dirpath=args.out_dir, every_n_train_steps=3, save_last=True)

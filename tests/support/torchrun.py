@@ -4,6 +4,7 @@ rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
@@ -12,6 +13,23 @@ from pathlib import Path
 from typing import Any
 
 SUPPORT = Path(__file__).resolve().parent
+
+
+def job_parser(resume_path: bool = False) -> argparse.ArgumentParser:
+    """The command line of the framework jobs (lightning_job.py, accelerate_job.py,
+    transformers_job.py): ``URL QUEUE OUT_DIR EPOCHS [--stop-at N] [--resume]``, the
+    resume a checkpoint's path where ``resume_path``, else a flag."""
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("queue")
+    p.add_argument("out_dir")
+    p.add_argument("epochs", type=int)
+    p.add_argument("--stop-at", type=int)
+    if resume_path:
+        p.add_argument("--resume")
+    else:
+        p.add_argument("--resume", action="store_true")
+    return p
 
 
 def run_ranks(

@@ -16,13 +16,13 @@ closed); ``--resume`` skips the stock part and resumes from the last checkpoint
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Any
 
 from pipelines import examples_of
+from torchrun import job_parser
 
 from producer.torch import import_torchvision
 
@@ -76,14 +76,7 @@ class StreamTrainer(Trainer):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("url")
-    p.add_argument("queue")
-    p.add_argument("out_dir")
-    p.add_argument("epochs", type=int)
-    p.add_argument("--stop-at", type=int)
-    p.add_argument("--resume", action="store_true")
-    a = p.parse_args()
+    a = job_parser().parse_args()
     url, queue, out_dir = a.url, a.queue, a.out_dir
     args = TrainingArguments(
         output_dir=out_dir,
