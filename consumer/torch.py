@@ -133,8 +133,7 @@ class TorchStream(IterableDataset[Any]):
         if self.pin_memory:
             self._pin_batches(pool_buffers)
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
-        self._held: Counter[int] = Counter()  # shard -> batches pulled, not yet yielded
-        self._pending: deque[Pending] = deque()  # those batches, in the order pulled
+        self._pending: deque[Pending] = deque()  # batches pulled, not yet yielded
         self._params: Mapping[str, Any] = EMPTY_PARAMS  # the params of the batch yielded last
         # The DataLoaders last found holding this stream, and when (a heap scan is
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
@@ -201,6 +200,11 @@ class TorchStream(IterableDataset[Any]):
         self._pending.clear()
         self.stream.close(finished, held=held)
 
+    @property
+    def _held(self) -> Counter[int]:
+        """Shard -> batches pulled from the stream and not yet yielded (the prefetch)."""
+        return Counter(frame.shard for frame, *_ in self._pending)
+
     def __enter__(self) -> TorchStream:
         return self
 
@@ -255,7 +259,6 @@ class TorchStream(IterableDataset[Any]):
             self._warn_unpinned = False
             warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=3)
         frames = self.stream.open_epoch()
-        self._held.clear()
         self._pending.clear()
         mover = self.mover
         if mover is None:
@@ -268,7 +271,7 @@ class TorchStream(IterableDataset[Any]):
     def _moved(self, frames: Iterator[Any], mover: DeviceMover, as_dict: bool) -> Iterator[Any]:
         """The epoch's batches on the device, up to ``prefetch`` of them on their way.
 
-        The batches on their way stay counted (``_held``) and kept (``_pending``) when
+        The batches on their way stay kept (``_pending``, counted by ``_held``) when
         the loop breaks out and this generator closes: a state saved then does not count
         them, and a close() gives them back; the next epoch's start drops them.
         """
@@ -284,9 +287,6 @@ class TorchStream(IterableDataset[Any]):
                 deferred = self._top_up(frames, mover, pending)
             frame, moved, event, self._params = pending.popleft()
             mover.hand_over(moved, event)
-            self._held[frame.shard] -= 1
-            if not self._held[frame.shard]:
-                del self._held[frame.shard]
             try:
                 yield _shape(frame.sources, moved, as_dict)
             except GeneratorExit:
@@ -322,7 +322,6 @@ class TorchStream(IterableDataset[Any]):
         frame = next(frames, None)
         if frame is None:
             return False
-        self._held[frame.shard] += 1
         moved, event = mover.issue(tuple(to_tensor(v) for v in frame.data))
         pending.append((frame, moved, event, self.stream.params))
         return True
