@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from itertools import count
@@ -42,7 +41,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from batchq.host.embedded import url_or_embedded
-from batchq.host.procs import spawn, stop_group
+from batchq.host.procs import stop_group
 from consumer import ServerDataStream
 from consumer.torch import TorchStream
 from producer.datasets import Dataset
@@ -53,6 +52,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
 from streams import ENV_BATCHES, ENV_DTYPE, ENV_SHAPE, parse_shape  # noqa: E402
 from torch_loader import SHAPES, PrebuiltBatches  # noqa: E402
+from torch_loader import _serve as serve  # noqa: E402
 
 KINDS = ("loader", "batchq", "batchq_to")
 warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -97,15 +97,7 @@ def sleep_cycles(step_ms: float) -> int:
 def _serve(
     url: str, factory: str, shape: tuple[int, ...], dtype: str, args: Any
 ) -> tuple[Any, str]:
-    queue = f"bench-cuda-{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, env.get("PYTHONPATH")) if p)
-    env |= {ENV_SHAPE: ",".join(map(str, shape)), ENV_DTYPE: dtype}
-    env[ENV_BATCHES] = str(args.epoch_batches)
-    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve", factory]
-    argv += ["--url", url, "--queue", queue, "--hwm", str(args.hwm), "--requests-per-shard", "1"]
-    argv += ["--workers", str(args.workers)]
-    return spawn(argv, env=env), queue
+    return serve(url, shape, dtype, args, factory, ("--workers", str(args.workers)))
 
 
 def _forever(source: Any) -> Iterator[Any]:

@@ -152,15 +152,24 @@ def measure(
         batches.close()  # type: ignore[attr-defined]
 
 
-def _serve(url: str, shape: tuple[int, ...], dtype: str, args: Any) -> tuple[Any, str]:
+def _serve(
+    url: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    args: Any,
+    factory: str = "streams:constant_stream",
+    extra: tuple[str, ...] = (),
+) -> tuple[Any, str]:
+    """``batchq serve FACTORY`` (bench/ on its path, the shape from BENCH_*) on a queue of
+    its own, with ``extra`` arguments; the process and the queue."""
     queue = f"bench-torch-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_DIR, env.get("PYTHONPATH")) if p)
     env |= {ENV_SHAPE: ",".join(map(str, shape)), ENV_DTYPE: dtype}
     env[ENV_BATCHES] = str(args.epoch_batches)
     argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
-    argv += ["streams:constant_stream", "--url", url, "--queue", queue]
-    argv += ["--hwm", str(args.hwm), "--requests-per-shard", "1"]
+    argv += [factory, "--url", url, "--queue", queue]
+    argv += ["--hwm", str(args.hwm), "--requests-per-shard", "1", *extra]
     return spawn(argv, env=env), queue
 
 
