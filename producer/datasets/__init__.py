@@ -6,7 +6,6 @@ The modules keep Fuel's paths: :mod:`producer.datasets.base` (``Dataset``,
 when a file is opened).
 """
 
-from producer._hdf5 import H5PYDataset
 from producer.datasets.base import (
     Dataset,
     IndexableDataset,
@@ -14,6 +13,7 @@ from producer.datasets.base import (
     NpyDataset,
     normalize_request,
 )
+from producer.datasets.hdf5 import H5PYDataset
 from producer.datasets.pytables import PytablesDataset
 
 __all__ = [

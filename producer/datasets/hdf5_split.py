@@ -1,4 +1,4 @@
-"""Fuel's split table: the ``split`` attribute of a Fuel HDF5 file (:mod:`producer._hdf5`).
+"""Fuel's split table: the ``split`` attribute of a Fuel HDF5 file (:mod:`producer.datasets.hdf5`).
 
 One row per (split, source), with the fields ``split``, ``source``, ``start``, ``stop``,
 ``indices``, ``available`` and ``comment``. A split is a range ``[start, stop)`` of rows,
