@@ -1,7 +1,8 @@
 """Accelerate (CPU, gloo, 2 ranks from torchrun's variables) around a TorchStream: its
 DataLoaderDispatcher, which would read on rank 0 only, is refused on every rank at the
 first batch; a plain DataLoader on every rank reads each rank's share exactly; a job
-killed mid-epoch resumes every rank from ``save_state`` (rank 0's copy)."""
+killed mid-epoch resumes every rank from ``save_state`` (rank 0's copy), with shards of
+several batches and a short last one (so the ranks' positions differ at one step)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipelines import examples_of, numbered
+from pipelines import examples_of, numbered, slot_shares
 from torchrun import SUPPORT, run_ranks
 
 pytest.importorskip("torch")
@@ -55,7 +56,13 @@ def test_killed_mid_epoch_resumes_every_rank_from_save_state(
     tmp_path: Path,
 ) -> None:
     # register_for_checkpointing + save_state keep rank 0's state of the stream only.
-    spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=EXAMPLES, batch_size=BATCH))
+    # Shards of 3 batches, the last of 2 (7 shards an epoch): rank 0 builds shards 0, 2,
+    # 4, 6 (11 batches) and one run-time pad, rank 1 shards 1, 3, 5 and the pad slot 7
+    # (shard 0 again, 12): at step 6, where the state is saved, rank 0 is at a shard's
+    # start and rank 1 at its third shard's, so rank 1's position is rebuilt from rank
+    # 0's count of batches yielded.
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH)
+    spawn_proc(serve_argv("--hwm", "4", "--requests-per-shard", "3"), env=env)
     job = [str(SUPPORT / "accelerate_job.py"), redis_url, queue_name, str(tmp_path), "2"]
     assert run_ranks(spawn_proc, [*job, "--stop-at", "7"], WORLD) == [3] * WORLD
     first = [lines(tmp_path / f"rank{r}.jsonl") for r in range(WORLD)]
@@ -63,8 +70,14 @@ def test_killed_mid_epoch_resumes_every_rank_from_save_state(
     assert run_ranks(spawn_proc, [*job, "--resume"], WORLD) == [0] * WORLD
     stream = numbered(EXAMPLES, BATCH)
     plans = [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(2)]
-    for rank in range(WORLD):
-        trained = lines(tmp_path / f"rank{rank}.jsonl")
-        trained = trained[:6] + trained[7:]  # step 7 was lost with the kill
-        for epoch, plan in enumerate(plans):
-            assert [b for e, b in trained if e == epoch] == plan[rank::WORLD]
+    for epoch, plan in enumerate(plans):
+        own = slot_shares(plan, 3, WORLD)  # rank 1's ends with its pad slot
+        got = []
+        for rank in range(WORLD):
+            trained = lines(tmp_path / f"rank{rank}.jsonl")
+            trained = trained[:6] + trained[7:]  # step 7 was lost with the kill
+            got.append([b for e, b in trained if e == epoch])
+        assert [len(g) for g in got] == [12] * WORLD  # DDP's equal steps: pads included
+        assert got[1] == own[1]
+        assert got[0][:11] == own[0]  # its share in plan order, then one run-time pad
+        assert got[0][11] in own[0]

@@ -22,7 +22,7 @@ from data_parallel import (
     shares,
     spawn_ranks,
 )
-from pipelines import examples_of, numbered
+from pipelines import examples_of, numbered, slot_shares
 from train import argv as train_argv
 from train import lines
 from waiting import wait_until
@@ -408,21 +408,6 @@ def test_ranks_found_and_rank_zeros_state_alone_resumes_the_job(
     got = Counter(tuple(b) for b in before + [b for s in after[0] for b in s])
     assert got == Counter(tuple(b) for b in plan[0] + units[: per * new - len(units)])
     check_epoch(plan[1], after[1], new)
-
-
-def slot_shares(plan: list[list[int]], per_shard: int, world: int) -> list[list[list[int]]]:
-    """Each rank's share of an epoch whose shards hold ``per_shard`` batches each (pad:
-    a slot past S rebuilds shard (s - S) % S), in plan order."""
-    cut = [plan[i : i + per_shard] for i in range(0, len(plan), per_shard)]
-    slots = -(-len(cut) // world) * world
-    return [
-        [
-            b
-            for s in range(r, slots, world)
-            for b in cut[s if s < len(cut) else (s - len(cut)) % len(cut)]
-        ]
-        for r in range(world)
-    ]
 
 
 @pytest.mark.parametrize(("old", "new"), [(2, 2), (2, 3)])

@@ -60,6 +60,21 @@ class FailOnExample(Transformer):
         return batch
 
 
+def slot_shares(plan: list[list[int]], per_shard: int, world: int) -> list[list[list[int]]]:
+    """Each rank's share of an epoch whose shards hold ``per_shard`` batches each (pad:
+    a slot past S rebuilds shard (s - S) % S), in plan order."""
+    cut = [plan[i : i + per_shard] for i in range(0, len(plan), per_shard)]
+    slots = -(-len(cut) // world) * world
+    return [
+        [
+            b
+            for s in range(r, slots, world)
+            for b in cut[s if s < len(cut) else (s - len(cut)) % len(cut)]
+        ]
+        for r in range(world)
+    ]
+
+
 def numbered(
     examples: int | None = None,
     batch_size: int | None = None,
