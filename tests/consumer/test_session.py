@@ -193,6 +193,19 @@ def test_the_plan_wakes_each_claimed_rank_and_nobody_before_a_claim(
         delete_queue(client, first.queue)
 
 
+def test_the_plan_wakes_the_claimed_ranks_of_every_group(
+    client: redis.Redis, queue_name: str
+) -> None:
+    # Groups of a run (a sweep's trials) wait for the plan on the same wake list: the
+    # join that publishes it pushes a token for each claimed rank of every group slot.
+    keys = QueueKeys(queue_name)
+    Session(client, keys, TTL_MS, group="a").acquire()  # slot 0, one process
+    for rank in range(2):
+        Session(client, keys, TTL_MS, group="b", rank=rank, world=3).acquire()
+    assert _join(client, keys, "p1") == "OK"
+    assert client.llen(keys.wake) == 3
+
+
 def test_a_real_takeover_while_waiting_for_the_plan_still_fails(
     client: redis.Redis, queue_name: str
 ) -> None:

@@ -72,12 +72,15 @@ if refused then return refused end
 -- The plan published: the ranks of the trainer that claimed the run before any producer
 -- joined wait for it, blocked on the wake list (consumer/plan.py wait_for_plan); without
 -- a token each would find it only when its bounded wait ends. One token per rank of
--- slot 0 holding a claim (none where no trainer came yet: producers started first);
--- through pcall, as pop.lua's tokens: a foreign type under the wake key fails no join.
+-- every group slot holding a claim (every group's ranks wait on the one wake list; none
+-- where no trainer came yet: producers started first); through pcall, as pop.lua's
+-- tokens: a foreign type under the wake key fails no join.
 if publishes then
-  local world = slot_world(meta_key, 0)
   local fields = {}
-  for r = 0, world - 1 do fields[#fields + 1] = 'claim' .. reader_sfx(0, r, world) end
+  for g = 0, math.max(tonumber(redis.call('HGET', meta_key, 'groups') or '1'), 1) - 1 do
+    local world = slot_world(meta_key, g)
+    for r = 0, world - 1 do fields[#fields + 1] = 'claim' .. reader_sfx(g, r, world) end
+  end
   for _, holder in ipairs(redis.call('HMGET', meta_key, unpack(fields))) do
     if holder then redis.pcall('LPUSH', wake_key, '1') end
   end
