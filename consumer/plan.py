@@ -14,14 +14,16 @@ their modules. ``BLOCK_S`` bounds each of the trainer's waits.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
 import redis
 
-from batchq.client.connection import retrying
-from batchq.errors import LengthUnknown, ProducersLost
+from batchq.client.connection import call, retrying
+from batchq.errors import BatchQueueError, LengthUnknown, ProducersLost
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import DONE, parse_ledger_field
@@ -81,8 +83,8 @@ def wait_for_plan(
     """The run's plan, once a producer has published it: ``read()`` the queue's meta
     until it holds the plan, ``idle()`` between reads (a bounded wait on the wake list,
     which the join that publishes the plan pushes a token to for each rank holding a
-    claim: a claimed wait ends with that join; ``len()``'s, before any claim, reads
-    again when its bound passes).
+    claim and each ``len()`` caller in the waiters' set: either wait ends with that
+    join).
 
     The one wait for the plan: the session's (claimed: its ``read`` checks the run and
     its ``idle`` keeps the claim) and ``len()``'s (before any claim).
@@ -121,12 +123,32 @@ def epoch_length(
     def retry(fn: Callable[[], Any], what: str) -> Any:
         return retrying(fn, f"{what} (queue {keys.queue})", timeout_s, client=client)
 
-    plan = wait_for_plan(
-        lambda: retry(lambda: client.hgetall(keys.meta), "reading the plan"),
-        lambda: retry(lambda: client.blpop([keys.wake], timeout=BLOCK_S), "waiting for the plan"),
-        timeout_s,
-        epoch,
-    )
+    # Unclaimed, this wait is counted in the waiters' set, for which the join that
+    # publishes the plan pushes a wake token (join.lua). The first idle() only joins the
+    # set: the read after it finds a plan published between the first read and the SADD.
+    waiter = uuid.uuid4().hex
+    joined = False
+
+    def idle() -> None:
+        nonlocal joined
+        if not joined:
+            retry(lambda: client.sadd(keys.planwait, waiter), "waiting for the plan")
+            joined = True
+            return
+        retry(lambda: client.blpop([keys.wake], timeout=BLOCK_S), "waiting for the plan")
+
+    try:
+        plan = wait_for_plan(
+            lambda: retry(lambda: client.hgetall(keys.meta), "reading the plan"),
+            idle,
+            timeout_s,
+            epoch,
+        )
+    finally:
+        if joined:  # gone already where a join published the plan; else one try: a
+            # member left behind costs one early wake-up, when a join publishes
+            with contextlib.suppress(BatchQueueError):
+                call(lambda: client.srem(keys.planwait, waiter), "leaving the plan's waiters")
     total = plan.epoch_batches
     if total < 0:
         raise LengthUnknown(

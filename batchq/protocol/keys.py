@@ -14,7 +14,10 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:data         LIST    frames (or references to frames): producers push left,
                                 the trainer pops right; LLEN is the queue's depth
     bq:{Q}:wake         LIST    wake-up tokens for producers blocked at the hwm or at the
-                                look-ahead window
+                                look-ahead window, and for trainers waiting for the plan
+    bq:{Q}:planwait     SET     ``len()`` callers waiting for the plan before any claim
+                                (a token each); the join that publishes the plan wakes
+                                one per member and deletes the set
     bq:{Q}:work         LIST    shards handed back (by a stopped or dead producer) to be
                                 leased again before any fresh shard; fresh shards are
                                 minted in plan order from meta ``next``
@@ -146,7 +149,7 @@ KEY_TYPES: Final[Mapping[str, str]] = {
     "trainer": "hash", "history": "list", "scale": "string", "scalers": "zset",
     "scalelog": "list", "frame": "string", "counts": "hash", "remap": "hash",
     "groups": "hash", "refs": "hash",
-    "params": "string", "quarantine": "hash",
+    "params": "string", "quarantine": "hash", "planwait": "set",
 }  # fmt: skip
 
 #: The keys a group slot has of its own (slot i >= 1: ``<name>@<i>``), see
@@ -275,6 +278,7 @@ class QueueKeys:
         self.meta = f"{self.base}:meta"
         self.data = f"{self.base}:data"
         self.wake = f"{self.base}:wake"
+        self.planwait = f"{self.base}:planwait"  # len() waiting for the plan, unclaimed
         self.work = f"{self.base}:work"
         self.producers = f"{self.base}:producers"
         self.clients = f"{self.base}:clients"  # producer -> CLIENT ID of its connections

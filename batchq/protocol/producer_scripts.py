@@ -163,14 +163,15 @@ def join(
     batches per full shard (None: it cannot count them, published as 0); ``stripes``:
     the run's stripes (:mod:`batchq.protocol.stripes`), set with the plan, then
     checked. The join that publishes the plan wakes the trainer's ranks that claimed the
-    run and wait for it (a wake token each, on ``keys.wake``)."""
+    run and wait for it, and the ``len()`` callers in ``keys.planwait`` (a wake token
+    each, on ``keys.wake``)."""
     return build_call(
         "join",
         JoinReply.parse,
         {"meta": keys.meta, "incarnation": keys.incarnation, "producers": keys.producers,
          "lease": keys.leases[producer], "work": keys.work, "data": keys.data,
          "failures": keys.failures, "ledger": keys.ledger, "stats": keys.queue_stats,
-         "wake": keys.wake},
+         "wake": keys.wake, "planwait": keys.planwait},
         {"producer": producer, "fingerprint": fingerprint, "hwm": hwm, "shards": shards,
          "window": window, "new_run": new_run, "new_incarnation": new_incarnation,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from waiting import wait_until
 
 from batchq.client.connection import make_client
 from batchq.errors import StateLost, StepMismatch, TrainerConflict
@@ -14,6 +15,7 @@ from batchq.protocol import producer_scripts, trainer_scripts
 from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.words import PROTOCOL_VERSION
+from consumer import plan as plan_module
 from consumer.session import Session
 
 TTL_MS = 10_000
@@ -134,12 +136,14 @@ def test_redis_emptied_while_waiting_for_the_plan_claims_the_new_run(
     assert client.hget(keys.meta, "claim") == s.token.encode()
 
 
-def _join(client: redis.Redis, keys: QueueKeys, producer: str) -> str:
+def _join(
+    client: redis.Redis, keys: QueueKeys, producer: str, epoch_batches: int | None = None
+) -> str:
     """A producer's join of the queue's run (its plan: 4 shards); the reply's status."""
     return producer_scripts.join(
         client, keys, producer=producer, fingerprint="fp", hwm=3, shards=4, window=6,
         new_run="producers-run", new_incarnation="producers-inc", heartbeat_ttl_ms=TTL_MS,
-        version=PROTOCOL_VERSION, epoch_batches=None, grace_ms=1, no_create=False,
+        version=PROTOCOL_VERSION, epoch_batches=epoch_batches, grace_ms=1, no_create=False,
     ).status  # fmt: skip
 
 
@@ -194,16 +198,70 @@ def test_the_plan_wakes_each_claimed_rank_and_nobody_before_a_claim(
 
 
 def test_the_plan_wakes_the_claimed_ranks_of_every_group(
-    client: redis.Redis, queue_name: str
+    client: redis.Redis, redis_url: str, queue_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Groups of a run (a sweep's trials) wait for the plan on the same wake list: the
-    # join that publishes it pushes a token for each claimed rank of every group slot.
+    # Groups of a run (a sweep's trials) wait for the plan too: the join that publishes
+    # it pushes a token onto the run's wake list for each claimed rank of every group
+    # slot, and a later group's waiter (slot 1, its own wake list for its pops) watches
+    # that list as well. Its bound (8 s) is past this test's patience (5 s).
     keys = QueueKeys(queue_name)
-    Session(client, keys, TTL_MS, group="a").acquire()  # slot 0, one process
-    for rank in range(2):
-        Session(client, keys, TTL_MS, group="b", rank=rank, world=3).acquire()
-    assert _join(client, keys, "p1") == "OK"
-    assert client.llen(keys.wake) == 3
+    Session(client, keys, TTL_MS, group="a").acquire()  # slot 0, one process, not waiting
+    late = Session(client, keys, TTL_MS, group="b", rank=1, world=3)
+    late.acquire()
+    assert late.keys.wake != keys.wake  # slot 1's own list
+    Session(client, keys, TTL_MS, group="b", rank=0, world=3).acquire()
+    waiting, real_refresh = threading.Event(), late.refresh
+
+    def refresh(c: redis.Redis) -> None:
+        real_refresh(c)
+        waiting.set()  # the wait's idle: its BLPOP comes next
+
+    monkeypatch.setattr(late, "refresh", refresh)
+    plans: list[int] = []
+    waiter = threading.Thread(target=lambda: plans.append(late.wait_for_plan(60, 8).shards))
+    waiter.start()
+    producer = make_client(redis_url)
+    try:
+        assert waiting.wait(timeout=30)
+        assert _join(producer, keys, "p1") == "OK"  # 3 tokens: slot 0's rank, slot 1's two
+        waiter.join(timeout=5)
+        assert not waiter.is_alive() and plans == [4]
+    finally:
+        producer.close()
+        if waiter.is_alive():  # fail without hanging: end the wait with a token
+            client.lpush(keys.wake, "1")
+            waiter.join(timeout=30)
+
+
+def test_len_before_any_claim_is_woken_by_the_join_that_publishes_the_plan(
+    client: redis.Redis, redis_url: str, queue_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning asks len() before its first iteration, so before the claim: that wait
+    # joins the plan's waiters (a set) and the join pushes it a token as well. Its bound
+    # (8 s) is past this test's patience (5 s).
+    keys = QueueKeys(queue_name)
+    monkeypatch.setattr(plan_module, "BLOCK_S", 8.0)
+    lengths: list[int] = []
+
+    def length() -> None:
+        lengths.append(
+            plan_module.epoch_length(client, keys, world=1, even="pad", timeout_s=60, epoch=0)
+        )
+
+    waiter = threading.Thread(target=length)
+    waiter.start()
+    producer = make_client(redis_url)
+    try:
+        wait_until(lambda: producer.scard(keys.planwait) == 1, timeout_s=30)
+        assert _join(producer, keys, "p1", epoch_batches=4) == "OK"
+        waiter.join(timeout=5)
+        assert not waiter.is_alive() and lengths == [4]
+        assert not producer.exists(keys.planwait)  # the join that woke it deleted the set
+    finally:
+        producer.close()
+        if waiter.is_alive():  # fail without hanging: end the wait with a token
+            client.lpush(keys.wake, "1")
+            waiter.join(timeout=30)
 
 
 def test_a_real_takeover_while_waiting_for_the_plan_still_fails(

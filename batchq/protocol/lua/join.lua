@@ -11,6 +11,7 @@ local failures_key = KEYS[7]     -- HASH
 local ledger_key = KEYS[8]       -- HASH
 local stats_key = KEYS[9]        -- HASH   queue counters (the leases it hands back)
 local wake_key = KEYS[10]        -- LIST   a trainer waiting for the plan blocks on it
+local planwait_key = KEYS[11]    -- SET    len() callers waiting for the plan, unclaimed
 local producer = ARGV[1]
 local fingerprint = ARGV[2]      -- the pipeline's
 local hwm = ARGV[3]
@@ -72,18 +73,23 @@ if refused then return refused end
 -- The plan published: the ranks of the trainer that claimed the run before any producer
 -- joined wait for it, blocked on the wake list (consumer/plan.py wait_for_plan); without
 -- a token each would find it only when its bounded wait ends. One token per rank of
--- every group slot holding a claim (every group's ranks wait on the one wake list; none
--- where no trainer came yet: producers started first); through pcall, as pop.lua's
--- tokens: a foreign type under the wake key fails no join.
+-- every group slot holding a claim (every group's ranks watch the run's wake list) and
+-- per len() caller in the waiters' set (none where no trainer came yet: producers
+-- started first); through pcall, as pop.lua's tokens: a foreign type under either key
+-- fails no join.
 if publishes then
   local fields = {}
   for g = 0, math.max(tonumber(redis.call('HGET', meta_key, 'groups') or '1'), 1) - 1 do
     local world = slot_world(meta_key, g)
     for r = 0, world - 1 do fields[#fields + 1] = 'claim' .. reader_sfx(g, r, world) end
   end
+  local waiting = redis.pcall('SCARD', planwait_key)
+  local tokens = type(waiting) == 'number' and waiting or 0
   for _, holder in ipairs(redis.call('HMGET', meta_key, unpack(fields))) do
-    if holder then redis.pcall('LPUSH', wake_key, '1') end
+    if holder then tokens = tokens + 1 end
   end
+  for _ = 1, tokens do redis.pcall('LPUSH', wake_key, '1') end
+  redis.call('DEL', planwait_key)
 end
 
 -- Leases this producer id holds from an earlier life: this run's back to work, an older

@@ -47,7 +47,7 @@ class Q:
             self.c,
             {"meta": k.meta, "incarnation": k.incarnation, "producers": k.producers,
              "lease": k.lease(p), "work": k.work, "data": k.data, "failures": k.failures,
-             "ledger": k.ledger, "stats": k.stats, "wake": k.wake},
+             "ledger": k.ledger, "stats": k.stats, "wake": k.wake, "planwait": k.planwait},
             {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
              "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
              "version": "1", "epoch_batches": shards, "grace_ms": grace,
