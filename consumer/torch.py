@@ -55,6 +55,7 @@ from consumer.torch_frameworks import (
     TrainerCheckpoint,
     refuse_dispatcher,
     refuse_loader_workers,
+    refuse_shard_wrapper,
     refuse_worker_process,
 )
 from consumer.torch_memory import DeviceMover, PinnedPool, to_tensor
@@ -139,6 +140,7 @@ class TorchStream(IterableDataset[Any]):
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
         self._loaders: tuple[float, weakref.WeakSet[Any]] | None = None
         self._refs_checked = -1  # references to this stream at the last dispatcher look
+        self._refs_len_checked = -1  # ... and at len()'s last look for a shard wrapper
 
     # -- what the loop uses ----------------------------------------------------------
 
@@ -158,7 +160,19 @@ class TorchStream(IterableDataset[Any]):
         return self._epoch(self.as_dict)
 
     def __len__(self) -> int:
+        # Accelerate's IterableDatasetShard asks len() of what it wraps first.
+        refs = sys.getrefcount(self)
+        if refs != self._refs_len_checked:
+            refuse_shard_wrapper(self)
+            self._refs_len_checked = refs
         return len(self.stream)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the object lacks. IterableDatasetShard's iterator looks for a
+        # ``generator`` before it fails on its batch size (a TypeError of its own).
+        if name == "generator":
+            refuse_shard_wrapper(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's :meth:`~ServerDataStream.state_dict`, counting only the batches

@@ -7,7 +7,8 @@ is refused, and the transformers Trainer's checkpoints hold the stream's state.
   through the garbage collector's referrers (never by walking the caller's frames),
   when the loader's iterator reads the dataset's ``__class__``.
 * Accelerate's ``DataLoaderDispatcher`` (it reads on rank 0 only) is refused on every
-  rank before the first step.
+  rank before the first step, and so is its ``IterableDatasetShard``
+  (``dispatch_batches=False``: it would keep every R-th batch of a rank's share).
 * :class:`TrainerCheckpoint`: a callback of the transformers Trainer that keeps the
   stream's state in every checkpoint and resumes the stream from it.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "TrainerCheckpoint",
     "refuse_dispatcher",
     "refuse_loader_workers",
+    "refuse_shard_wrapper",
     "refuse_worker_process",
 ]
 
@@ -50,7 +52,9 @@ class DataLoaderWorkersError(ConfigError):
 class DataLoaderDispatchError(ConfigError):
     """Accelerate's ``DataLoaderDispatcher`` around a TorchStream: it iterates the stream
     on process 0 only and scatters what it read, so every other rank's share of every
-    epoch would never be read (a silent loss of about (R - 1) / R of the data)."""
+    epoch would never be read (a silent loss of about (R - 1) / R of the data). Raised
+    too for its ``IterableDatasetShard`` (``dispatch_batches=False``), which would keep
+    every R-th batch of what each rank reads, its own share already."""
 
 
 _DISPATCH_ERROR = (
@@ -120,6 +124,15 @@ def refuse_loader_workers(
     return known
 
 
+_SHARD_ERROR = (
+    "accelerator.prepare() with dispatch_batches=False wrapped a TorchStream in "
+    "Accelerate's IterableDatasetShard, which needs a batch size and keeps every R-th "
+    "batch of what it reads: each rank's stream yields that rank's share already, so the "
+    "rest of it would be dropped. Pass the stream itself to accelerator.prepare() (it is "
+    "returned as it is) or iterate DataLoader(stream, batch_size=None) without preparing it"
+)
+
+
 def refuse_dispatcher(dataset: object) -> None:
     """Raise if Accelerate's DataLoaderDispatcher wraps a DataLoader holding ``dataset``.
 
@@ -135,6 +148,22 @@ def refuse_dispatcher(dataset: object) -> None:
         loader = _loader_of(holder, dataset)
         if loader is not None and _dispatched(loader):
             raise DataLoaderDispatchError(_DISPATCH_ERROR)
+
+
+def refuse_shard_wrapper(dataset: object) -> None:
+    """Raise if Accelerate's ``IterableDatasetShard`` holds ``dataset``.
+
+    Called where that wrapper asks the dataset first, before its batch size fails with a
+    TypeError of its own: ``len()``, and its iterator's look for a ``generator``
+    attribute. Only where accelerate was imported; one scan of the heap's referrers.
+    """
+    module = sys.modules.get("accelerate.data_loader")
+    shard_type = getattr(module, "IterableDatasetShard", None)
+    if shard_type is None:
+        return
+    for holder in gc.get_referrers(dataset):
+        if _holder_of(holder, dataset, shard_type) is not None:
+            raise DataLoaderDispatchError(_SHARD_ERROR)
 
 
 def _mark_shut(holder: Any, dataset: object) -> None:
@@ -156,14 +185,21 @@ def _constructed(loader: DataLoader[Any]) -> bool:
 
 def _loader_of(holder: Any, dataset: object) -> DataLoader[Any] | None:
     """The DataLoader that ``holder`` is (or whose attribute dict it is), if it holds
-    ``dataset`` (an object's attributes are its own referrer or its dict's, depending on
-    whether Python materialised the dict)."""
-    if isinstance(holder, DataLoader):
+    ``dataset``."""
+    loader: DataLoader[Any] | None = _holder_of(holder, dataset, DataLoader)
+    return loader
+
+
+def _holder_of(holder: Any, dataset: object, kind: type) -> Any:
+    """The ``kind`` object that ``holder`` is (or whose attribute dict it is), if it
+    holds ``dataset`` as its ``dataset`` (an object's attributes are its own referrer or
+    its dict's, depending on whether Python materialised the dict); else None."""
+    if isinstance(holder, kind):
         return holder if vars(holder).get("dataset") is dataset else None
     if not isinstance(holder, dict) or holder.get("dataset") is not dataset:
         return None
     for owner in gc.get_referrers(holder):
-        if isinstance(owner, DataLoader) and vars(owner) is holder:
+        if isinstance(owner, kind) and vars(owner) is holder:
             return owner
     return None
 

@@ -1,8 +1,9 @@
 """Accelerate (CPU, gloo, 2 ranks from torchrun's variables) around a TorchStream: its
-DataLoaderDispatcher, which would read on rank 0 only, is refused on every rank at the
-first batch; a plain DataLoader on every rank reads each rank's share exactly; a job
-killed mid-epoch resumes every rank from ``save_state`` (rank 0's copy), with shards of
-several batches and a short last one (so the ranks' positions differ at one step)."""
+DataLoaderDispatcher, which would read on rank 0 only, and its IterableDatasetShard
+(dispatch_batches=False) are refused on every rank at the first batch; a plain
+DataLoader on every rank reads each rank's share exactly; a job killed mid-epoch resumes
+every rank from ``save_state`` (rank 0's copy), with shards of several batches and a
+short last one (so the ranks' positions differ at one step)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def test_dispatcher_refused_on_every_rank_and_plain_loaders_read_every_share(
     for g in got:
         assert "DataLoaderDispatcher" in g["refused"]
         assert "pass the stream itself to accelerator.prepare()" in g["refused"]
+        assert "IterableDatasetShard" in g["shard_refused"]  # dispatch_batches=False
     plan = [examples_of(f) for f, _ in numbered(EXAMPLES, BATCH).get_epoch_iterator()]
     for rank, g in enumerate(got):
         assert g["batches"] == plan[rank::WORLD]  # its share, in plan order, nothing lost

@@ -1,6 +1,8 @@
 """TrainerCheckpoint (consumer/torch_frameworks.py) without transformers: the events it
 uses, the ones it ignores, and its refusals. The Trainer itself runs in
-tests/consumer/test_hf_trainer.py (2 ranks, a kill and a resume)."""
+tests/consumer/test_hf_trainer.py (2 ranks, a kill and a resume). Accelerate's
+IterableDatasetShard around a stream, refused (its DataLoaderDispatcher is refused in
+tests/consumer/test_accelerate.py's 2-rank job, with the shard again)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import pytest
 pytest.importorskip("torch")
 
 from batchq.errors import ConfigError
+from consumer import ServerDataStream
+from consumer.torch import DataLoaderDispatchError, TorchStream
 from consumer.torch_frameworks import TRAINER_STATE_KEY, TrainerCheckpoint
 
 
@@ -78,3 +82,21 @@ def test_the_events_it_does_not_use_do_nothing_and_other_names_are_missing() -> 
     assert cb.on_prediction_step(None, None, None) is None
     with pytest.raises(AttributeError, match="state"):
         cb.state  # noqa: B018  # not an ExportableState: the Trainer's restore skips it
+
+
+def test_accelerates_iterable_dataset_shard_is_refused_naming_the_fix() -> None:
+    # dispatch_batches=False: Accelerate wraps the loader's dataset in its
+    # IterableDatasetShard, which would keep every R-th batch of this rank's share (and
+    # fails on batch_size=None with a TypeError of its own): refused first, at len() and
+    # at its first batch, naming what to do instead.
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    ts = TorchStream(ServerDataStream(("features",), False))
+    shard = data_loader.IterableDatasetShard(ts, batch_size=None, num_processes=2)
+    with pytest.raises(DataLoaderDispatchError, match="IterableDatasetShard") as info:
+        next(iter(shard))
+    assert "Pass the stream itself to accelerator.prepare()" in str(info.value)
+    assert isinstance(info.value, ConfigError)
+    with pytest.raises(DataLoaderDispatchError, match="IterableDatasetShard"):
+        len(shard)
+    unwrapped = TorchStream(ServerDataStream(("features",), False))
+    assert not hasattr(unwrapped, "generator")  # a missing attribute as any other

@@ -3,8 +3,10 @@
 Run as ``accelerate_rank.py URL QUEUE OUT`` with torchrun's variables set (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT): ``accelerator.prepare(DataLoader(ts))`` must be
 refused at its first batch (Accelerate's DataLoaderDispatcher would read on rank 0
-only); then another stream in a plain ``DataLoader(ts, batch_size=None)`` reads this
-rank's share of one epoch. Writes {rank, world, refused, batches} as JSON to OUT.
+only), and so must ``dispatch_batches=False``'s IterableDatasetShard (it would keep
+every other batch of the rank's share); then another stream in a plain
+``DataLoader(ts, batch_size=None)`` reads this rank's share of one epoch. Writes {rank,
+world, refused, shard_refused, batches} as JSON to OUT.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
 from pipelines import examples_of
 
 from consumer import ServerDataStream
@@ -30,6 +33,18 @@ def main() -> int:
         next(iter(prepared))  # the first step's batch
     except DataLoaderDispatchError as e:
         refused = str(e)
+    shard_refused = ""
+    sharded = prepare_data_loader(
+        torch.utils.data.DataLoader(wrapped, batch_size=None),
+        num_processes=accelerator.num_processes,
+        process_index=accelerator.process_index,
+        put_on_device=False,
+        dispatch_batches=False,
+    )
+    try:
+        next(iter(sharded))
+    except DataLoaderDispatchError as e:
+        shard_refused = str(e)
     stream = ServerDataStream(("features", "targets"), url=url, queue=queue, timeout_s=60)
     ts = TorchStream(stream)
     loader = torch.utils.data.DataLoader(ts, batch_size=None)
@@ -37,6 +52,7 @@ def main() -> int:
     ts.close(finished=True)
     with open(out, "w") as f:
         summary = {"rank": stream.rank, "world": stream.world_size, "refused": refused}
+        summary["shard_refused"] = shard_refused
         json.dump(summary | {"batches": batches}, f)
     accelerator.end_training()
     return 0
