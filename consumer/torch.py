@@ -53,7 +53,6 @@ from consumer.torch_frameworks import (
     DataLoaderDispatchError,
     DataLoaderWorkersError,
     TrainerCheckpoint,
-    loader_asking,
     refuse_dispatcher,
     refuse_loader_workers,
     refuse_shard_len,
@@ -152,11 +151,10 @@ class TorchStream(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         """One epoch per call (what a DataLoader asks for each epoch)."""
         refuse_worker_process()
-        # Only a DataLoader's own code can ask here for a dispatcher's loader; and a
-        # dispatcher's loader is one more reference to this stream: where the count is
-        # what it was at the last look, no loader came (a heap scan saved per epoch).
+        # A dispatcher's loader is one more reference to this stream: where the count
+        # is what it was at the last look, no loader came (a heap scan saved per epoch).
         refs = sys.getrefcount(self)
-        if refs != self._refs_checked and loader_asking(sys._getframe(1)):
+        if refs != self._refs_checked:
             refuse_dispatcher(self)
             self._refs_checked = refs
         return self._epoch(self.as_dict)

@@ -16,7 +16,6 @@ is refused, and the transformers Trainer's checkpoints hold the stream's state.
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 import weakref
@@ -34,7 +33,6 @@ __all__ = [
     "DataLoaderDispatchError",
     "DataLoaderWorkersError",
     "TrainerCheckpoint",
-    "loader_asking",
     "refuse_dispatcher",
     "refuse_loader_workers",
     "refuse_shard_len",
@@ -135,26 +133,6 @@ _SHARD_ERROR = (
     "rest of it would be dropped. Pass the stream itself to accelerator.prepare() (it is "
     "returned as it is) or iterate DataLoader(stream, batch_size=None) without preparing it"
 )
-
-
-#: Where a DataLoader's own code is (torch's, and torchdata's StatefulDataLoader): only
-#: a loader's iterator, made from there, can be a DataLoaderDispatcher's inner one.
-_LOADER_CODE = (
-    os.path.join("torch", "utils", "data", ""),
-    os.path.join("torchdata", ""),
-)
-
-
-def loader_asking(caller: FrameType | None) -> bool:
-    """Whether ``caller``, the frame that asked ``iter(dataset)``, is a DataLoader's own
-    code (its fetcher's), or unknown. A framework that iterates the stream itself (the
-    transformers Trainer given it by ``get_train_dataloader()``, Lightning, a loop) is
-    not: no dispatcher can hold a loader there, and the heap scan (55-80 ms in the
-    Trainer's heap, measured) is skipped."""
-    if caller is None:
-        return True
-    path = caller.f_code.co_filename
-    return any(part in path for part in _LOADER_CODE)
 
 
 def refuse_dispatcher(dataset: object) -> None:

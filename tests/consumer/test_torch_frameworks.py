@@ -100,22 +100,3 @@ def test_accelerates_iterable_dataset_shard_is_refused_naming_the_fix() -> None:
         len(shard)
     unwrapped = TorchStream(ServerDataStream(("features",), False))
     assert not hasattr(unwrapped, "generator")  # a missing attribute as any other
-
-
-def test_the_dispatcher_scan_runs_where_a_dataloader_asks_only(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A framework that iterates the stream itself (the transformers Trainer, Lightning)
-    # cannot hold it in a dispatcher's loader: no heap scan at its iter(); a DataLoader's
-    # fetcher asking is looked at (once per reference count, as before).
-    import torch
-
-    import consumer.torch
-
-    scans: list[object] = []
-    monkeypatch.setattr(consumer.torch, "refuse_dispatcher", scans.append)
-    ts = TorchStream(ServerDataStream(("features",), False))
-    iter(ts)  # a generator: nothing read
-    assert scans == []
-    iter(torch.utils.data.DataLoader(ts, batch_size=None))
-    assert scans == [ts]
