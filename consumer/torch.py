@@ -55,7 +55,6 @@ from consumer.torch_frameworks import (
     TrainerCheckpoint,
     refuse_dispatcher,
     refuse_loader_workers,
-    refuse_shard_len,
     refuse_shard_wrapper,
     refuse_worker_process,
 )
@@ -141,6 +140,7 @@ class TorchStream(IterableDataset[Any]):
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
         self._loaders: tuple[float, weakref.WeakSet[Any]] | None = None
         self._refs_checked = -1  # references to this stream at the last dispatcher look
+        self._refs_len_checked = -1  # ... and at len()'s last look for a shard wrapper
 
     # -- what the loop uses ----------------------------------------------------------
 
@@ -160,9 +160,11 @@ class TorchStream(IterableDataset[Any]):
         return self._epoch(self.as_dict)
 
     def __len__(self) -> int:
-        # Accelerate's IterableDatasetShard asks len() of what it wraps first (its own
-        # __len__: the caller's code is looked at, not the heap, at every len()).
-        refuse_shard_len(self, sys._getframe(1))
+        # Accelerate's IterableDatasetShard asks len() of what it wraps first.
+        refs = sys.getrefcount(self)
+        if refs != self._refs_len_checked:
+            refuse_shard_wrapper(self)
+            self._refs_len_checked = refs
         return len(self.stream)
 
     def __getattr__(self, name: str) -> Any:

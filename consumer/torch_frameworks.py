@@ -19,7 +19,6 @@ import gc
 import sys
 import time
 import weakref
-from types import FrameType
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ __all__ = [
     "TrainerCheckpoint",
     "refuse_dispatcher",
     "refuse_loader_workers",
-    "refuse_shard_len",
     "refuse_shard_wrapper",
     "refuse_worker_process",
 ]
@@ -155,42 +153,17 @@ def refuse_dispatcher(dataset: object) -> None:
 def refuse_shard_wrapper(dataset: object) -> None:
     """Raise if Accelerate's ``IterableDatasetShard`` holds ``dataset``.
 
-    Called where that wrapper's iterator looks for a ``generator`` attribute, before its
-    batch size fails with a TypeError of its own (a missing attribute: rare, so one scan
-    of the heap's referrers). Only where accelerate was imported.
+    Called where that wrapper asks the dataset first, before its batch size fails with a
+    TypeError of its own: ``len()``, and its iterator's look for a ``generator``
+    attribute. Only where accelerate was imported; one scan of the heap's referrers.
     """
-    shard_type = _shard_type()
+    module = sys.modules.get("accelerate.data_loader")
+    shard_type = getattr(module, "IterableDatasetShard", None)
     if shard_type is None:
         return
     for holder in gc.get_referrers(dataset):
         if _holder_of(holder, dataset, shard_type) is not None:
             raise DataLoaderDispatchError(_SHARD_ERROR)
-
-
-def refuse_shard_len(dataset: object, caller: FrameType | None) -> None:
-    """Raise if ``caller``, the frame that asked ``len(dataset)``, is the ``__len__`` of
-    Accelerate's ``IterableDatasetShard`` around ``dataset``.
-
-    Frameworks ask len() several times where a heap scan costs 40 ms (the transformers
-    Trainer's heap, measured), so this looks at the asking code only: its function's
-    name first, then its ``self``.
-    """
-    if caller is None or caller.f_code.co_name != "__len__":
-        return
-    shard_type = _shard_type()
-    holder = caller.f_locals.get("self") if shard_type is not None else None
-    if (
-        shard_type is not None
-        and isinstance(holder, shard_type)
-        and vars(holder).get("dataset") is dataset
-    ):
-        raise DataLoaderDispatchError(_SHARD_ERROR)
-
-
-def _shard_type() -> type | None:
-    """Accelerate's IterableDatasetShard where accelerate was imported (else None)."""
-    shard_type = getattr(sys.modules.get("accelerate.data_loader"), "IterableDatasetShard", None)
-    return shard_type if isinstance(shard_type, type) else None
 
 
 def _mark_shut(holder: Any, dataset: object) -> None:
