@@ -52,6 +52,7 @@ from consumer.stream import ServerDataStream
 from consumer.torch_frameworks import (
     DataLoaderDispatchError,
     DataLoaderWorkersError,
+    HeapLooks,
     TrainerCheckpoint,
     refuse_dispatcher,
     refuse_loader_workers,
@@ -139,8 +140,11 @@ class TorchStream(IterableDataset[Any]):
         # The DataLoaders last found holding this stream, and when (a heap scan is
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
         self._loaders: tuple[float, weakref.WeakSet[Any]] | None = None
-        self._refs_checked = -1  # references to this stream at the last dispatcher look
-        self._refs_len_checked = -1  # ... and at len()'s last look for a shard wrapper
+        # The reference counts at which a look for a dispatcher (iter) or a shard
+        # wrapper (len) found none.
+        self._dispatch_looks = HeapLooks()
+        self._shard_looks = HeapLooks()
+        self._generator_asked = False  # Accelerate may have made a shard wrapper since
 
     # -- what the loop uses ----------------------------------------------------------
 
@@ -151,26 +155,25 @@ class TorchStream(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         """One epoch per call (what a DataLoader asks for each epoch)."""
         refuse_worker_process()
-        # A dispatcher's loader is one more reference to this stream: where the count
-        # is what it was at the last look, no loader came (a heap scan saved per epoch).
-        refs = sys.getrefcount(self)
-        if refs != self._refs_checked:
-            refuse_dispatcher(self)
-            self._refs_checked = refs
+        # A dispatcher's loader is one more reference to this stream: at a count where
+        # a look found none, no loader came (a heap scan saved per epoch).
+        self._dispatch_looks.look(sys.getrefcount(self), refuse_dispatcher, self)
         return self._epoch(self.as_dict)
 
     def __len__(self) -> int:
-        # Accelerate's IterableDatasetShard asks len() of what it wraps first.
-        refs = sys.getrefcount(self)
-        if refs != self._refs_len_checked:
-            refuse_shard_wrapper(self)
-            self._refs_len_checked = refs
+        # Accelerate's IterableDatasetShard asks len() of what it wraps first; it is
+        # made where Accelerate asked for a `generator` (below): only then is a scan due.
+        if self._generator_asked:
+            self._shard_looks.look(sys.getrefcount(self), refuse_shard_wrapper, self)
         return len(self.stream)
 
     def __getattr__(self, name: str) -> Any:
-        # Only for names the object lacks. IterableDatasetShard's iterator looks for a
-        # ``generator`` before it fails on its batch size (a TypeError of its own).
+        # Only for names the object lacks. Accelerate's prepare() asks for a
+        # ``generator`` right before it makes an IterableDatasetShard of the stream
+        # (dispatch_batches=False), and the shard's iterator asks again before it fails
+        # on its batch size (a TypeError of its own).
         if name == "generator":
+            self._generator_asked = True
             refuse_shard_wrapper(self)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

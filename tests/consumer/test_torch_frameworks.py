@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 from batchq.errors import ConfigError
 from consumer import ServerDataStream
 from consumer.torch import DataLoaderDispatchError, TorchStream
-from consumer.torch_frameworks import TRAINER_STATE_KEY, TrainerCheckpoint
+from consumer.torch_frameworks import TRAINER_STATE_KEY, HeapLooks, TrainerCheckpoint
 
 
 class FakeStream:
@@ -90,13 +90,39 @@ def test_accelerates_iterable_dataset_shard_is_refused_naming_the_fix() -> None:
     # fails on batch_size=None with a TypeError of its own): refused first, at len() and
     # at its first batch, naming what to do instead.
     data_loader = pytest.importorskip("accelerate.data_loader")
+    import torch
+
     ts = TorchStream(ServerDataStream(("features",), False))
-    shard = data_loader.IterableDatasetShard(ts, batch_size=None, num_processes=2)
+    prepared = data_loader.prepare_data_loader(
+        torch.utils.data.DataLoader(ts, batch_size=None),
+        num_processes=2,
+        process_index=1,
+        put_on_device=False,
+        dispatch_batches=False,
+    )
+    assert isinstance(prepared.dataset, data_loader.IterableDatasetShard)
     with pytest.raises(DataLoaderDispatchError, match="IterableDatasetShard") as info:
-        next(iter(shard))
+        len(prepared)  # a training script's scheduler asks first
     assert "Pass the stream itself to accelerator.prepare()" in str(info.value)
     assert isinstance(info.value, ConfigError)
     with pytest.raises(DataLoaderDispatchError, match="IterableDatasetShard"):
-        len(shard)
+        next(iter(prepared))
     unwrapped = TorchStream(ServerDataStream(("features",), False))
     assert not hasattr(unwrapped, "generator")  # a missing attribute as any other
+
+
+def test_heap_looks_scan_once_per_count_and_again_after_a_refusal() -> None:
+    # Two call sites with their own temporaries (the transformers Trainer asks len()
+    # from several): each count is scanned once, not at every alternation; a scan that
+    # raised is not remembered, so the wrapper is refused every time.
+    looks, scanned = HeapLooks(), []
+    for refs in [5, 6, 5, 6, 5]:
+        looks.look(refs, scanned.append, "ds")
+    assert scanned == ["ds", "ds"]
+
+    def refuse(dataset: object) -> None:
+        raise DataLoaderDispatchError("wrapped")
+
+    for _ in range(2):
+        with pytest.raises(DataLoaderDispatchError):
+            looks.look(7, refuse, "ds")
