@@ -279,6 +279,41 @@ def test_groups_of_a_run_do_their_jobs_as_the_trainer_user(
     assert proc.wait(timeout=30) == 0
 
 
+def test_len_before_any_producer_is_woken_as_the_trainer_user(
+    acl_server: EmbeddedRedis,
+    admin: redis.Redis,
+    spawn_proc: Callable[..., Any],
+    serve_env: Callable[..., dict[str, str]],
+) -> None:
+    # Lightning asks len() before its first iteration: the wait joins the plan's
+    # waiters (SADD, SREM as the trainer) and the producer's join counts them (SCARD).
+    delete_queue(admin, QUEUE)
+    keys = QueueKeys(QUEUE)
+    stream = ServerDataStream(
+        ("features", "targets"), url=url_of(acl_server, "bq-trainer"), queue=QUEUE, timeout_s=60
+    )
+    lengths: list[int] = []
+    errors: list[BaseException] = []
+
+    def length() -> None:
+        try:
+            lengths.append(len(stream))
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    waiter = threading.Thread(target=length, daemon=True)
+    waiter.start()
+    wait_until(lambda: admin.scard(keys.planwait) == 1 or errors, what="len() waiting")
+    assert not errors, errors
+    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
+    argv += ["pipelines:numbered", "--url", url_of(acl_server, "bq-producer")]
+    spawn_proc([*argv, "--queue", QUEUE, "--hwm", "4"], env=serve_env())
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and not errors, errors
+    assert lengths == [10] and not admin.exists(keys.planwait)
+    stream.close()
+
+
 @pytest.mark.parametrize("user", sorted(ROLE_SCRIPTS))
 def test_no_role_can_flush_configure_or_read_other_applications_keys(
     acl_server: EmbeddedRedis, user: str
