@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import redis
 
-from batchq.client.connection import call, retrying
+from batchq.client.connection import call, is_wrong_type, retrying, wrong_type_error
 from batchq.errors import BatchQueueError, LengthUnknown, ProducersLost
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
@@ -127,14 +127,15 @@ def epoch_length(
     # publishes the plan pushes a wake token (join.lua). The first idle() only joins the
     # set: the read after it finds a plan published between the first read and the SADD.
     waiter = uuid.uuid4().hex
-    joined = False
+    asked = joined = False
 
     def idle() -> None:
-        nonlocal joined
-        if not joined:
-            retry(lambda: client.sadd(keys.planwait, waiter), "waiting for the plan")
-            joined = True
-            return
+        nonlocal asked, joined
+        if not asked:
+            asked = True
+            joined = _join_waiters(client, keys, waiter, retry)
+            if joined:
+                return
         retry(lambda: client.blpop([keys.wake], timeout=BLOCK_S), "waiting for the plan")
 
     try:
@@ -147,7 +148,7 @@ def epoch_length(
     finally:
         if joined:  # gone already where a join published the plan; else one try: a
             # member left behind costs one early wake-up, when a join publishes
-            with contextlib.suppress(BatchQueueError):
+            with contextlib.suppress(BatchQueueError, redis.RedisError):
                 call(lambda: client.srem(keys.planwait, waiter), "leaving the plan's waiters")
     total = plan.epoch_batches
     if total < 0:
@@ -165,6 +166,29 @@ def epoch_length(
             "count, a rank's share is only known at the epoch's end"
         )
     return layout.epoch_count(shares) if shares is not None else layout.per_rank
+
+
+def _join_waiters(
+    client: redis.Redis, keys: QueueKeys, waiter: str, retry: Callable[[Any, str], Any]
+) -> bool:
+    """Add ``waiter`` to the queue's set of ``len()`` callers waiting for the plan.
+
+    Returns:
+        Whether it was added: not where the server refuses SADD (an ACL file from
+        before the set, deploy/acl.conf): that wait reads again every ``BLOCK_S``.
+
+    Raises:
+        WrongKeyType: another type is kept under the set's key.
+    """
+    try:
+        retry(lambda: client.sadd(keys.planwait, waiter), "waiting for the plan")
+    except redis.exceptions.NoPermissionError:
+        return False
+    except redis.ResponseError as e:
+        if is_wrong_type(e):
+            raise wrong_type_error(client, keys.types("planwait"), e) from e
+        raise
+    return True
 
 
 class Shape(NamedTuple):

@@ -172,3 +172,16 @@ def test_meta_of_another_type_at_start_is_a_wrong_key_type(
         stream.get_epoch_iterator()
     assert (info.value.key, info.value.expected, info.value.got) == (keys.meta, "hash", "list")
     stream.close()
+
+
+def test_a_foreign_type_under_the_plans_waiters_is_a_wrong_key_type(
+    redis_url: str, redis_client: redis.Redis, queue_name: str
+) -> None:
+    # len() before any claim joins the set of the plan's waiters (keys.planwait).
+    keys = QueueKeys(queue_name)
+    redis_client.rpush(keys.planwait, "rogue")
+    stream = trainer(redis_url, queue_name, timeout_s=5)
+    with pytest.raises(WrongKeyType) as info:
+        len(stream)
+    assert (info.value.key, info.value.expected, info.value.got) == (keys.planwait, "set", "list")
+    stream.close()

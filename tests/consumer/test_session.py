@@ -226,6 +226,7 @@ def test_the_plan_wakes_the_claimed_ranks_of_every_group(
         assert _join(producer, keys, "p1") == "OK"  # 3 tokens: slot 0's rank, slot 1's two
         waiter.join(timeout=5)
         assert not waiter.is_alive() and plans == [4]
+        assert client.llen(keys.wake) == 2  # the waiter took one; the others' are kept
     finally:
         producer.close()
         if waiter.is_alive():  # fail without hanging: end the wait with a token

@@ -314,6 +314,34 @@ def test_len_before_any_producer_is_woken_as_the_trainer_user(
     stream.close()
 
 
+def test_len_as_a_trainer_user_of_an_older_acl_file_reads_until_the_plan(
+    acl_server: EmbeddedRedis,
+    admin: redis.Redis,
+    spawn_proc: Callable[..., Any],
+    serve_env: Callable[..., dict[str, str]],
+) -> None:
+    # A trainer user written from an ACL file before the plan's waiters (no SADD): its
+    # len() cannot join the set, and waits by reading every BLOCK_S instead.
+    delete_queue(admin, QUEUE)
+    rules = acl_lines()["bq-trainer"].split()[2:]  # after "user bq-trainer"
+    rules = [r for r in rules if r not in ("+sadd", "+srem")]
+    admin.execute_command("ACL", "SETUSER", "old-trainer", *rules, "on", ">old-secret")
+    stream = ServerDataStream(
+        ("features", "targets"),
+        url=url_of(acl_server, "old-trainer", "old-secret"),
+        queue=QUEUE,
+        timeout_s=60,
+    )
+    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
+    argv += ["pipelines:numbered", "--url", url_of(acl_server, "bq-producer")]
+    spawn_proc([*argv, "--queue", QUEUE, "--hwm", "4"], env=serve_env())
+    try:
+        assert len(stream) == 10
+    finally:
+        stream.close()
+        admin.execute_command("ACL", "DELUSER", "old-trainer")
+
+
 @pytest.mark.parametrize("user", sorted(ROLE_SCRIPTS))
 def test_no_role_can_flush_configure_or_read_other_applications_keys(
     acl_server: EmbeddedRedis, user: str
