@@ -50,7 +50,7 @@ def setup(client: redis.Redis, queue: str, groups: int) -> tuple[QueueKeys, str,
     join(
         client, keys, producer="p", fingerprint="fp", hwm=10**6, shards=10**6, window=10**6,
         new_run="x", new_incarnation="x", heartbeat_ttl_ms=TTL_MS, version="1",
-        epoch_batches=10**6, grace_ms=0, no_create=False,
+        epoch_batches=10**6, age_ms=0, no_create=False,
     )  # fmt: skip
     assert reply is not None
     return keys, reply.incarnation, reply.run

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -91,7 +92,11 @@ class Producer:
             :class:`producer.serving.pushing.BuildWatch`); it also bounds each example's read in
             a shard built isolated (:mod:`producer.isolation`).
         started_at: when this producer started (wall clock, s), the zero of its
-            ``first_push_s`` in ``batchq status``; None: its process's start.
+            ``first_push_s`` in ``batchq status`` (None: its process's start), and of
+            its job: a run that finished after it is this producer's job's (it exits 0
+            at its join), one finished before it an earlier job's (its join starts the
+            queue's next run); None: this object's construction (a process may serve
+            one job after another). ``batchq serve`` passes its process's start.
     """
 
     def __init__(
@@ -146,12 +151,13 @@ class Producer:
         # each join asks for, from the first on.
         self._pos = RunPosition(list_cap=hwm)
         self._lease_seq = 0
+        self.first_push = FirstPush(started_at)
         self._membership = Membership(
             self.client, self.keys, self.id, self.plan, lease_window=window or 2 * hwm,
             heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, orphan_wait_s=orphan_wait_s,
             axis_labels=axis_labels_json(stream), stop=self._stop, stripes=stripes,
+            started_s=time.time() if started_at is None else started_at,
         )  # fmt: skip
-        self.first_push = FirstPush(started_at)
         self._beat = Heartbeat(
             url, self.keys, self.id, self.settings.heartbeat_ttl_ms, self._pos, self._stop,
             orphan_exit_s, self.first_push,

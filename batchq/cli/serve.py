@@ -45,7 +45,12 @@ def run_serve(args: argparse.Namespace) -> int:
     url = resolve_url(args.url)
     if policy.auto or policy.min_workers > 1:
         return _supervise(args, url, policy)
-    return _serve(_stream(args), None, args, url)
+    from producer.serving.heartbeat import process_started_s
+
+    # The job's start is this process's, before the factory's imports: a replica of a
+    # job whose run finished while it imported is told by it (join.lua).
+    started_at = process_started_s()
+    return _serve(_stream(args), None, args, url, started_at)
 
 
 def _opt(args: argparse.Namespace, name: str) -> Any:

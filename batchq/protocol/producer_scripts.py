@@ -154,7 +154,7 @@ def join(
     heartbeat_ttl_ms: int,
     version: str,
     epoch_batches: int | None,
-    grace_ms: int,
+    age_ms: int,
     no_create: bool,
     shard_batches: int | None = None,
     stripes: int = 1,
@@ -176,7 +176,7 @@ def join(
          "window": window, "new_run": new_run, "new_incarnation": new_incarnation,
          "heartbeat_ttl_ms": heartbeat_ttl_ms, "version": version,
          "epoch_batches": -1 if epoch_batches is None else epoch_batches,
-         "grace_ms": grace_ms, "no_create": FLAGS[no_create],
+         "age_ms": age_ms, "no_create": FLAGS[no_create],
          "shard_batches": shard_batches or 0, "stripes": stripes},
     ).run(client)  # fmt: skip
 

@@ -3,8 +3,10 @@
 :meth:`Membership.join` runs join.lua (which creates the queue and run where there is
 none, checks the pipeline's fingerprint and cap, hands this producer's stale leases back
 and beats once) and turns its reply into the :class:`RunPosition` served, or into the
-error that ends serving: the run finished moments ago (a late replica of a finished
-job: ``RunFinished``), another pipeline or cap (``PipelineMismatch``). After Redis lost
+error that ends serving: the run finished after this producer's job started (a late
+replica of a finished job: ``RunFinished``; a run finished before it started was an
+earlier job's, and the join starts the queue's next run), another pipeline or cap
+(``PipelineMismatch``). After Redis lost
 the queue's state, a producer that had joined before waits (bounded, ``orphan_wait_s``)
 for the trainer to re-create the run from its ledger instead of creating a fresh run
 that would re-plan from scratch. :meth:`Membership.leave` hands the producer's leases
@@ -49,13 +51,10 @@ from batchq.protocol.reaper import record_client
 from batchq.protocol.words import PROTOCOL_VERSION, Status, as_int, status_error
 from producer.serving.sharding import ShardPlan
 
-__all__ = ["FINISHED_GRACE_S", "JOIN_POLL_S", "Membership", "RunPosition", "axis_labels_json"]
+__all__ = ["JOIN_POLL_S", "Membership", "RunPosition", "axis_labels_json"]
 
 log = logging.getLogger(__name__)
 
-# A producer that joins a run finished less than this long ago exits (a late replica of
-# the same job); after it, a producer starts the queue's next run.
-FINISHED_GRACE_S = 60.0
 JOIN_POLL_S = 0.25  # how often a producer waiting for a lost run's trainer asks again
 
 
@@ -97,6 +96,9 @@ class Membership:
         axis_labels: the stream's axis labels as :func:`axis_labels_json` gives them.
         stop: the producer's stop event (ends a wait).
         stripes: the queues the run is striped over (:mod:`batchq.protocol.stripes`).
+        started_s: when this producer's job started (wall clock, s): its process, or
+            the pool's fork of it (None: now). Each join sends its age, not the time
+            itself, so this host's clock and Redis' need not agree.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class Membership:
         axis_labels: str | None,
         stop: threading.Event,
         stripes: int = 1,
+        started_s: float | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -123,6 +126,7 @@ class Membership:
         self.axis_labels = axis_labels
         self._stop = stop
         self.stripes = stripes
+        self.started_s = time.time() if started_s is None else started_s
         self._record_id = True  # False once the server refused CLIENT ID (ACL)
 
     def join(self, served: RunPosition) -> RunPosition | None:
@@ -131,7 +135,7 @@ class Membership:
         was stopped while waiting.
 
         Raises:
-            RunFinished: the run finished moments ago.
+            RunFinished: the run finished after this producer's job started.
             PipelineMismatch: the run was created by another pipeline or cap.
             BatchQueueError: another refusal (:func:`batchq.protocol.words.status_error`).
         """
@@ -187,7 +191,7 @@ class Membership:
             heartbeat_ttl_ms=self.heartbeat_ttl_ms,
             version=PROTOCOL_VERSION,
             epoch_batches=self.plan.epoch_batches,
-            grace_ms=int(FINISHED_GRACE_S * 1000),
+            age_ms=max(0, int(1000 * (time.time() - self.started_s))),
             no_create=no_create,
             shard_batches=self.plan.shard_batches,
             stripes=self.stripes,
@@ -196,7 +200,9 @@ class Membership:
     def _check(self, reply: JoinReply, list_cap: int) -> None:
         """Raise what a refused join means (``list_cap``: the cap asked for)."""
         if reply.status == Status.FINISHED:
-            raise RunFinished(f"queue {self.keys.queue}: the run finished moments ago")
+            raise RunFinished(
+                f"queue {self.keys.queue}: the run finished after this producer started"
+            )
         if reply.status == Status.MISMATCH:
             got = {"fingerprint": self.plan.fingerprint, "stripes": str(self.stripes)}.get(
                 reply.what, str(list_cap)

@@ -200,7 +200,7 @@ def test_twenty_producers_racing_at_the_cap_never_exceed_hwm(
         joined = producer_scripts.join(
             setup, keys, producer=f"p{p}", fingerprint="fp", hwm=hwm, shards=1000,
             window=1000, new_run="r", new_incarnation="i", heartbeat_ttl_ms=60_000,
-            version="1", epoch_batches=1000, grace_ms=60_000, no_create=False,
+            version="1", epoch_batches=1000, age_ms=3_600_000, no_create=False,
         )  # fmt: skip
         inc, run = joined.incarnation, joined.run
         producer_scripts.lease_call(

@@ -190,3 +190,22 @@ def test_redis_errors_are_not_leaked_when_the_server_is_unreachable() -> None:
         stream.get_epoch_iterator()
     assert not isinstance(info.value, redis.RedisError)
     stream.close()
+
+
+def test_a_producer_started_after_a_run_finished_serves_the_next_run(
+    redis_url: str, queue_name: str, producer_thread: Callable[..., Any]
+) -> None:
+    # A job run again at once (a sweep's next trial, a script run twice): its producer
+    # starts after the last run finished, so it starts the queue's next run; a producer
+    # of the finished job (started before its end) exits.
+    local = numbered(40, 20)
+    expected = [examples_of(f) for f, _ in local.get_epoch_iterator()]
+    first = producer_thread(numbered(40, 20))
+    with trainer(redis_url, queue_name) as stream:
+        assert [examples_of(f) for f, _ in stream.get_epoch_iterator()] == expected
+        stream.close(finished=True)
+    late = producer_thread(numbered(40, 20), started_at=time.time() - 3600)
+    wait_until(lambda: first.stopped and late.stopped, what="the first job's producers")
+    producer_thread(numbered(40, 20))
+    with trainer(redis_url, queue_name) as stream:
+        assert [examples_of(f) for f, _ in stream.get_epoch_iterator()] == expected

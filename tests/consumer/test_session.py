@@ -124,7 +124,7 @@ def test_redis_emptied_while_waiting_for_the_plan_claims_the_new_run(
                 client, keys, producer="p", fingerprint="fp", hwm=3, shards=4, window=6,
                 new_run="producers-run", new_incarnation="producers-inc",
                 heartbeat_ttl_ms=TTL_MS, version=PROTOCOL_VERSION, epoch_batches=None,
-                grace_ms=1, no_create=False,
+                age_ms=0, no_create=False,
             )  # fmt: skip
             assert joined.status == "OK"
         real_refresh(c)
@@ -143,7 +143,7 @@ def _join(
     return producer_scripts.join(
         client, keys, producer=producer, fingerprint="fp", hwm=3, shards=4, window=6,
         new_run="producers-run", new_incarnation="producers-inc", heartbeat_ttl_ms=TTL_MS,
-        version=PROTOCOL_VERSION, epoch_batches=epoch_batches, grace_ms=1, no_create=False,
+        version=PROTOCOL_VERSION, epoch_batches=epoch_batches, age_ms=0, no_create=False,
     ).status  # fmt: skip
 
 

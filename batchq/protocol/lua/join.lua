@@ -22,7 +22,7 @@ local new_incarnation = ARGV[7]  -- incarnation to use if the queue must be crea
 local heartbeat_ttl_ms = tonumber(ARGV[8])
 local version = ARGV[9]          -- protocol version
 local epoch_batches = ARGV[10]   -- batches per epoch (-1 if the pipeline cannot tell)
-local grace_ms = tonumber(ARGV[11])  -- a run finished less ago is over for late producers
+local age_ms = tonumber(ARGV[11])    -- how long ago this producer's job started
 local no_create = ARGV[12]       -- '1': wait for the trainer to re-create a lost queue
 local shard_batches = ARGV[13]   -- batches per full shard (ranks.py), 0 if not countable
 local stripes = ARGV[14]         -- the queues the run is striped over (stripes.py)
@@ -33,7 +33,10 @@ local run = redis.call('HGET', meta_key, 'run')
 if no_create == '1' and not (inc and run) then return {'WAIT'} end
 -- (A meta left without its incarnation is no run's: its finished_at is not read.)
 local finished_at = inc and tonumber(redis.call('HGET', meta_key, 'finished_at') or '')
-if finished_at and now - finished_at < grace_ms then return {'FINISHED'} end
+-- A run that finished after this producer's job started was that job's: the producer is
+-- a late replica of it (FINISHED). One that finished before was an earlier job's: this
+-- producer starts the queue's next run.
+if finished_at and now - age_ms < finished_at then return {'FINISHED'} end
 local created = 0
 if not (inc and run) or finished_at then
   -- No queue or run yet, or the last one finished: this producer starts the next run.

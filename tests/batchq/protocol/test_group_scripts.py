@@ -53,7 +53,7 @@ class Run:
         reply = producer_scripts.join(
             self.c, self.k, producer=producer, fingerprint="fp", hwm=HWM, shards=SHARDS,
             window=WINDOW, new_run="runX", new_incarnation="incX", heartbeat_ttl_ms=TTL_MS,
-            version="1", epoch_batches=SHARDS, grace_ms=60_000, no_create=False,
+            version="1", epoch_batches=SHARDS, age_ms=3_600_000, no_create=False,
         )  # fmt: skip
         assert reply.status == Status.OK and reply.groups == self.groups()
 

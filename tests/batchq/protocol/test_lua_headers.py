@@ -55,7 +55,7 @@ WRAPPERS: dict[str, Any] = {
     "join": lambda c: producer_scripts.join(
         c, K, producer="p", fingerprint="fp", hwm=3, shards=4, window=2, new_run="r",
         new_incarnation="i", heartbeat_ttl_ms=1, version="1", epoch_batches=None,
-        grace_ms=1, no_create=False,
+        age_ms=0, no_create=False,
     ),
     "lease": lambda c: producer_scripts.lease_call(
         K, incarnation="i", run="r", producer="p", token="t", heartbeat_ttl_ms=1,

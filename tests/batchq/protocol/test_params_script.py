@@ -40,7 +40,7 @@ class Run:
         return producer_scripts.join(
             self.c, self.k, producer=producer, fingerprint="fp", hwm=3, shards=4, window=2,
             new_run="run1", new_incarnation="inc1", heartbeat_ttl_ms=10_000,
-            version=PROTOCOL_VERSION, epoch_batches=12, grace_ms=1,
+            version=PROTOCOL_VERSION, epoch_batches=12, age_ms=0,
             no_create=False, shard_batches=shard_batches,
         )  # fmt: skip
 

@@ -39,7 +39,7 @@ class Q:
         hwm: int = 3,
         shards: int = 4,
         window: int = 6,
-        grace: int = 60_000,
+        age: int = 3_600_000,
     ) -> list:
         k = self.k
         reply = raw(
@@ -50,7 +50,7 @@ class Q:
              "ledger": k.ledger, "stats": k.stats, "wake": k.wake, "planwait": k.planwait},
             {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
              "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
-             "version": "1", "epoch_batches": shards, "grace_ms": grace,
+             "version": "1", "epoch_batches": shards, "age_ms": age,
              "no_create": "0", "shard_batches": 1, "stripes": 1},
         )  # fmt: skip
         if reply[0] == "OK":
@@ -351,8 +351,8 @@ def test_finish_tells_producers(q: Q) -> None:
     assert q.claim("t1", op="finish") == ["OK", 1, 1]  # the group done, the run ended
     assert q.lease("p1", "a") == ["FINISHED"]
     assert q.push("p1", "0:a", b"x") == ["FINISHED"]
-    assert q.join("p2") == ["FINISHED"]  # a late replica of the same job
-    reply = q.join("p2", grace=0)  # long after: the next job's first producer
+    assert q.join("p2") == ["FINISHED"]  # a late replica of the job (started before)
+    reply = q.join("p3", age=0)  # started since: the next job's first producer
     assert reply[0] == "OK" and reply[-1] == 1
 
 
