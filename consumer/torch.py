@@ -174,6 +174,7 @@ class TorchStream(IterableDataset[Any]):
         # on its batch size (a TypeError of its own).
         if name == "generator":
             self._generator_asked = True
+            self._shard_looks.forget()  # a shard wrapper is made next
             refuse_shard_wrapper(self)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -243,8 +244,13 @@ class TorchStream(IterableDataset[Any]):
 
     # A DataLoader with workers is refused where its iterator asks whether this is a
     # datapipe: isinstance reads __class__, before any worker process starts.
+    # A DataLoader's construction reads it too (a dispatcher's inner loader is one):
+    # the dispatcher look of iter() scans again after it (HeapLooks).
     @property  # type: ignore[misc]
     def __class__(self) -> type:
+        looks = self.__dict__.get("_dispatch_looks")
+        if looks is not None:
+            looks.forget()
         self._loaders = refuse_loader_workers(self, self._loaders)
         return type(self)
 

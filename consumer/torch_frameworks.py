@@ -136,14 +136,18 @@ _SHARD_ERROR = (
 
 
 class HeapLooks:
-    """The reference counts of a stream at which a look through the heap's referrers
-    (a scan: 40-80 ms in the transformers Trainer's heap) found no wrapper.
+    """When a look through the heap's referrers for a wrapper of a stream (a scan: 40-80
+    ms in the transformers Trainer's heap) can be skipped: at a reference count of the
+    stream where one found nothing, and no wrapper was made since.
 
-    A wrapper that came since holds one more reference, so a count seen before needs no
-    new scan. The count also holds the caller's temporaries, which differ between call
-    sites (the Trainer asks len() from several): keeping every count seen, not the last
-    one, makes alternating sites scan once each, not at every call. A count is kept only
-    after a scan that found nothing: one that raised is looked at again next time.
+    A count alone proves nothing: ``loader = prepare(loader)`` swaps one reference for
+    another. What does make a wrapper is a DataLoader's construction (Accelerate's
+    dispatcher is one, around a DataLoader of the stream), and that reads the stream's
+    ``__class__`` (its isinstance questions): the stream's hook calls :meth:`forget`
+    there. Between two such reads the counts seen clean are kept (up to
+    :attr:`MAX_COUNTS`: call sites differ in their temporaries, and a framework asking
+    len() or iter() from several would otherwise scan at every call). A scan that raised,
+    or did not look (accelerate not imported yet), is not kept.
     """
 
     #: The most counts kept (then forgotten all at once: at worst one scan more each).
@@ -152,47 +156,56 @@ class HeapLooks:
     def __init__(self) -> None:
         self._clean: set[int] = set()
 
-    def look(self, refs: int, scan: Callable[[object], None], dataset: object) -> None:
-        """``scan(dataset)`` unless a scan at ``refs`` references found nothing."""
+    def look(self, refs: int, scan: Callable[[object], bool], dataset: object) -> None:
+        """``scan(dataset)`` unless one at ``refs`` references found nothing since the
+        last :meth:`forget`; ``scan`` returns whether it looked."""
         if refs in self._clean:
             return
-        scan(dataset)
+        if not scan(dataset):
+            return
         if len(self._clean) >= self.MAX_COUNTS:
             self._clean.clear()
         self._clean.add(refs)
 
+    def forget(self) -> None:
+        """A wrapper may have been made since: the next look scans."""
+        self._clean.clear()
 
-def refuse_dispatcher(dataset: object) -> None:
+
+def refuse_dispatcher(dataset: object) -> bool:
     """Raise if Accelerate's DataLoaderDispatcher wraps a DataLoader holding ``dataset``.
 
     Called where a loader's iterator asks the dataset for its own (``iter(dataset)``,
     once per epoch): every rank makes the dispatcher's inner iterator, before rank 0
     reads and broadcasts the first batch, so every rank raises before the first step.
     Only where accelerate was imported (without it there is no dispatcher); two scans
-    of the heap's referrers, once per epoch.
+    of the heap's referrers, once per epoch. Returns whether it looked.
     """
     if "accelerate.data_loader" not in sys.modules:
-        return
+        return False
     for holder in gc.get_referrers(dataset):
         loader = _loader_of(holder, dataset)
         if loader is not None and _dispatched(loader):
             raise DataLoaderDispatchError(_DISPATCH_ERROR)
+    return True
 
 
-def refuse_shard_wrapper(dataset: object) -> None:
+def refuse_shard_wrapper(dataset: object) -> bool:
     """Raise if Accelerate's ``IterableDatasetShard`` holds ``dataset``.
 
     Called where that wrapper asks the dataset first, before its batch size fails with a
     TypeError of its own: ``len()``, and its iterator's look for a ``generator``
     attribute. Only where accelerate was imported; one scan of the heap's referrers.
+    Returns whether it looked.
     """
     module = sys.modules.get("accelerate.data_loader")
     shard_type = getattr(module, "IterableDatasetShard", None)
     if shard_type is None:
-        return
+        return False
     for holder in gc.get_referrers(dataset):
         if _holder_of(holder, dataset, shard_type) is not None:
             raise DataLoaderDispatchError(_SHARD_ERROR)
+    return True
 
 
 def _mark_shut(holder: Any, dataset: object) -> None:

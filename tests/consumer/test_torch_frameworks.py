@@ -18,6 +18,9 @@ from consumer import ServerDataStream
 from consumer.torch import DataLoaderDispatchError, TorchStream
 from consumer.torch_frameworks import TRAINER_STATE_KEY, HeapLooks, TrainerCheckpoint
 
+#: Where the streams of these tests would connect, were they to: nothing listens there.
+NO_SERVER = "redis://127.0.0.1:1/0"
+
 
 class FakeStream:
     """Stands in for a stream: counts state_dict() calls, keeps what is loaded."""
@@ -92,7 +95,7 @@ def test_accelerates_iterable_dataset_shard_is_refused_naming_the_fix() -> None:
     data_loader = pytest.importorskip("accelerate.data_loader")
     import torch
 
-    ts = TorchStream(ServerDataStream(("features",), False))
+    ts = TorchStream(ServerDataStream(("features",), False, url=NO_SERVER))
     prepared = data_loader.prepare_data_loader(
         torch.utils.data.DataLoader(ts, batch_size=None),
         num_processes=2,
@@ -107,22 +110,59 @@ def test_accelerates_iterable_dataset_shard_is_refused_naming_the_fix() -> None:
     assert isinstance(info.value, ConfigError)
     with pytest.raises(DataLoaderDispatchError, match="IterableDatasetShard"):
         next(iter(prepared))
-    unwrapped = TorchStream(ServerDataStream(("features",), False))
+    unwrapped = TorchStream(ServerDataStream(("features",), False, url=NO_SERVER))
     assert not hasattr(unwrapped, "generator")  # a missing attribute as any other
 
 
-def test_heap_looks_scan_once_per_count_and_again_after_a_refusal() -> None:
+def test_heap_looks_scan_once_per_count_until_forgotten_and_again_after_a_refusal() -> None:
     # Two call sites with their own temporaries (the transformers Trainer asks len()
-    # from several): each count is scanned once, not at every alternation; a scan that
-    # raised is not remembered, so the wrapper is refused every time.
+    # from several): each count is scanned once, not at every alternation, until a
+    # wrapper may have been made (forget); a scan that raised or did not look is not
+    # remembered, so the wrapper is refused every time.
     looks, scanned = HeapLooks(), []
-    for refs in [5, 6, 5, 6, 5]:
-        looks.look(refs, scanned.append, "ds")
-    assert scanned == ["ds", "ds"]
 
-    def refuse(dataset: object) -> None:
+    def clean(dataset: object) -> bool:
+        scanned.append(dataset)
+        return True
+
+    for refs in [5, 6, 5, 6, 5]:
+        looks.look(refs, clean, "ds")
+    assert scanned == ["ds", "ds"]
+    looks.forget()
+    looks.look(5, clean, "ds")
+    assert len(scanned) == 3
+
+    def refuse(dataset: object) -> bool:
         raise DataLoaderDispatchError("wrapped")
 
     for _ in range(2):
         with pytest.raises(DataLoaderDispatchError):
             looks.look(7, refuse, "ds")
+    looks.look(8, lambda ds: False, "ds")  # did not look (accelerate not imported)
+    looks.look(8, clean, "ds")
+    assert len(scanned) == 4
+
+
+def test_a_dispatcher_made_after_a_plain_loader_was_iterated_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A peek or a dry run through a plain DataLoader first, then the usual
+    # `loader = prepare(loader)`: the dispatcher's inner loader takes the reference the
+    # plain one dropped, so the stream's reference count is one a look found clean.
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    import torch
+
+    monkeypatch.setattr(ServerDataStream, "__len__", lambda self: 4)  # the dispatcher asks
+    ts = TorchStream(ServerDataStream(("features",), False, url=NO_SERVER, timeout_s=5))
+    loader = torch.utils.data.DataLoader(ts, batch_size=None)
+    iter(loader)  # its iter(ts): no dispatcher then (a generator: nothing read)
+    loader = data_loader.prepare_data_loader(
+        loader,
+        num_processes=2,
+        process_index=0,
+        dispatch_batches=True,
+        put_on_device=True,
+        device=torch.device("cpu"),
+    )
+    with pytest.raises(DataLoaderDispatchError, match="DataLoaderDispatcher"):
+        next(iter(loader))
