@@ -92,11 +92,13 @@ class Producer:
             :class:`producer.serving.pushing.BuildWatch`); it also bounds each example's read in
             a shard built isolated (:mod:`producer.isolation`).
         started_at: when this producer started (wall clock, s), the zero of its
-            ``first_push_s`` in ``batchq status`` (None: its process's start), and of
-            its job: a run that finished after it is this producer's job's (it exits 0
-            at its join), one finished before it an earlier job's (its join starts the
-            queue's next run); None: this object's construction (a process may serve
-            one job after another). ``batchq serve`` passes its process's start.
+            ``first_push_s`` in ``batchq status``; None: its process's start.
+        job_started_s: when the job this producer serves started (wall clock, s): a run
+            that finished after it is this job's (the producer exits 0 at its join), one
+            finished before it an earlier job's (its join starts the queue's next run).
+            None: this object's construction (a process may serve one job after
+            another). ``batchq serve`` passes its process's start, a pool's workers the
+            pool's.
     """
 
     def __init__(
@@ -125,7 +127,9 @@ class Producer:
         shard_plan: ShardPlan | None = None,
         build_timeout_s: float | None = None,
         started_at: float | None = None,
+        job_started_s: float | None = None,
     ) -> None:
+        made_s = time.time()  # before the plan's probe batch: the job's start by default
         check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
         require(
             build_timeout_s is None or build_timeout_s > 0, "build_timeout_s", build_timeout_s,
@@ -156,7 +160,7 @@ class Producer:
             self.client, self.keys, self.id, self.plan, lease_window=window or 2 * hwm,
             heartbeat_ttl_ms=self.settings.heartbeat_ttl_ms, orphan_wait_s=orphan_wait_s,
             axis_labels=axis_labels_json(stream), stop=self._stop, stripes=stripes,
-            started_s=time.time() if started_at is None else started_at,
+            started_s=made_s if job_started_s is None else job_started_s,
         )  # fmt: skip
         self._beat = Heartbeat(
             url, self.keys, self.id, self.settings.heartbeat_ttl_ms, self._pos, self._stop,

@@ -45,12 +45,23 @@ def run_serve(args: argparse.Namespace) -> int:
     url = resolve_url(args.url)
     if policy.auto or policy.min_workers > 1:
         return _supervise(args, url, policy)
+    # The job's start: this process's, before the factory's imports (a replica of a job
+    # whose run finished while it imported is told by it, join.lua), or, in a worker a
+    # pool spawned, the pool's (a worker it replaced after the finish is a replica too).
+    job = os.environ.get(ENV_JOB_STARTED)
+    return _serve(_stream(args), None, args, url, None, float(job) if job else _job_started())
+
+
+#: The environment variable a pool's spawned worker finds the pool's start in (wall
+#: clock, s): the job it belongs to started then.
+ENV_JOB_STARTED = "BATCHQ_JOB_STARTED_S"
+
+
+def _job_started() -> float:
+    """This process's start (wall clock, s), the start of the job it serves."""
     from producer.serving.heartbeat import process_started_s
 
-    # The job's start is this process's, before the factory's imports: a replica of a
-    # job whose run finished while it imported is told by it (join.lua).
-    started_at = process_started_s()
-    return _serve(_stream(args), None, args, url, started_at)
+    return process_started_s()
 
 
 def _opt(args: argparse.Namespace, name: str) -> Any:
@@ -105,10 +116,16 @@ def _stream(args: argparse.Namespace) -> Any:
 
 
 def _serve(
-    stream: Any, plan: Any, args: argparse.Namespace, url: str, started_at: float | None = None
+    stream: Any,
+    plan: Any,
+    args: argparse.Namespace,
+    url: str,
+    started_at: float | None = None,
+    job_started_s: float | None = None,
 ) -> int:
     """Serve ``stream`` in this process (``plan``: its shard plan, made already, or None;
-    ``started_at``: the worker's start, wall clock, where it is not the process's).
+    ``started_at``: the worker's start, wall clock, where it is not the process's;
+    ``job_started_s``: the job's, the pool's where a pool started the worker).
     A build past ``--build-timeout-s`` exits :data:`REPLACE_EXIT_CODE`: the stuck read
     cannot be interrupted, so this worker goes and a pool replaces it."""
     from producer import start_server
@@ -127,6 +144,7 @@ def _serve(
             shm_dir=args.shm_dir,
             stripes=args.stripes,
             started_at=started_at,
+            job_started_s=job_started_s,
             build_timeout_s=_opt(args, "build_timeout_s"),
             **({"shard_plan": plan} if plan is not None else {}),
         )
@@ -135,8 +153,13 @@ def _serve(
         return REPLACE_EXIT_CODE
 
 
-def _spawner(args: argparse.Namespace, url: str) -> Callable[[], Child]:
-    """Start a worker as a fresh ``python -m batchq.cli serve`` in its own process group."""
+def _spawner(
+    args: argparse.Namespace, url: str, job_started_s: float | None = None
+) -> Callable[[], Child]:
+    """Start a worker as a fresh ``python -m batchq.cli serve`` in its own process group
+    (``job_started_s``: the pool's start, the job's; None: this process's)."""
+    if job_started_s is None:
+        job_started_s = _job_started()
     argv = [
         sys.executable,
         "-m",
@@ -172,14 +195,22 @@ def _spawner(args: argparse.Namespace, url: str) -> Callable[[], Child]:
     # The URL may hold a password: pass it in the environment, not on command lines.
     env = {**os.environ, ENV_URL: url}
     env[ENV_ARGS] = json.dumps(args.factory_args)  # the factory's arguments, same way
+    env[ENV_JOB_STARTED] = repr(job_started_s)
     return lambda: spawn(argv, env=env)
 
 
 def _forker(
-    args: argparse.Namespace, url: str, spawner: Callable[[], Child], client: redis.Redis | None
+    args: argparse.Namespace,
+    url: str,
+    spawner: Callable[[], Child],
+    client: redis.Redis | None,
+    job_started_s: float | None = None,
 ) -> Callable[[], Child]:
     """Build the stream and its plan here, once; then start each worker as a fork of this
-    process, or with ``spawner`` when a fork is not safe at that moment."""
+    process, or with ``spawner`` when a fork is not safe at that moment (every worker's
+    job started with the pool, ``job_started_s``, None: this process's start: a worker
+    forked to replace another after the run finished is a late replica, and exits 0)."""
+    job = _job_started() if job_started_s is None else job_started_s
     from producer.serving.sharding import ShardPlan
 
     with _collector_paused(freeze=True):  # what the workers share, made once
@@ -202,7 +233,7 @@ def _forker(
         if client is not None:
             client.connection_pool.disconnect()  # no socket of ours in the child
         forked_at = time.time()  # the worker's start: its first_push_s counts from here
-        return fork_child(lambda: _serve(stream, plan, args, url, forked_at))
+        return fork_child(lambda: _serve(stream, plan, args, url, forked_at, job))
 
     return start
 
@@ -215,13 +246,14 @@ def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
     def forward(signum: int, _frame: Any) -> None:
         stopping.set()
 
-    spawner = _spawner(args, url)
+    job_started_s = _job_started()
+    spawner = _spawner(args, url, job_started_s)
     client = make_client(url, key=QueueKeys(args.queue).meta) if policy.auto else None
     try:
         start_by = getattr(args, "worker_start", "fork")
         refused = fork_refused() if start_by == "fork" else "--worker-start spawn"
         if refused is None:
-            start = _forker(args, url, spawner, client)
+            start = _forker(args, url, spawner, client, job_started_s)
         else:
             log.info("workers start as fresh processes: %s", refused)
             load_factory(args.factory)  # fail early, in the parent, on a bad spec

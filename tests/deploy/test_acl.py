@@ -30,6 +30,7 @@ from batchq.host.embedded import EmbeddedRedis
 from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
+from consumer import plan as plan_module
 from producer import Producer
 
 pytestmark = pytest.mark.timeout(90)
@@ -319,6 +320,7 @@ def test_len_as_a_trainer_user_of_an_older_acl_file_reads_until_the_plan(
     admin: redis.Redis,
     spawn_proc: Callable[..., Any],
     serve_env: Callable[..., dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A trainer user written from an ACL file before the plan's waiters (no SADD): its
     # len() cannot join the set, and waits by reading every BLOCK_S instead.
@@ -326,17 +328,28 @@ def test_len_as_a_trainer_user_of_an_older_acl_file_reads_until_the_plan(
     rules = acl_lines()["bq-trainer"].split()[2:]  # after "user bq-trainer"
     rules = [r for r in rules if r not in ("+sadd", "+srem")]
     admin.execute_command("ACL", "SETUSER", "old-trainer", *rules, "on", ">old-secret")
+    joins: list[bool] = []
+    real_join = plan_module._join_waiters
+    monkeypatch.setattr(
+        plan_module, "_join_waiters", lambda *a: joins.append(real_join(*a)) or joins[-1]
+    )
     stream = ServerDataStream(
         ("features", "targets"),
         url=url_of(acl_server, "old-trainer", "old-secret"),
         queue=QUEUE,
         timeout_s=60,
     )
-    argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
-    argv += ["pipelines:numbered", "--url", url_of(acl_server, "bq-producer")]
-    spawn_proc([*argv, "--queue", QUEUE, "--hwm", "4"], env=serve_env())
+    lengths: list[int] = []
+    waiter = threading.Thread(target=lambda: lengths.append(len(stream)), daemon=True)
+    waiter.start()
     try:
-        assert len(stream) == 10
+        wait_until(lambda: joins, what="len() to try the waiters' set")
+        assert joins == [False]  # refused: it reads every BLOCK_S instead
+        argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
+        argv += ["pipelines:numbered", "--url", url_of(acl_server, "bq-producer")]
+        spawn_proc([*argv, "--queue", QUEUE, "--hwm", "4"], env=serve_env())
+        waiter.join(timeout=60)
+        assert not waiter.is_alive() and lengths == [10]
     finally:
         stream.close()
         admin.execute_command("ACL", "DELUSER", "old-trainer")

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import redis
 from pipelines import examples_of, numbered
 from waiting import wait_until
 
-from batchq.cli import serve
+from batchq.cli import build_parser, serve
 from batchq.host.procs import Child, ForkedChild, fork_child, fork_refused, spawn, stop_group
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import id_pid
@@ -276,3 +277,71 @@ def test_forked_workers_share_nothing_and_a_killed_one_is_replaced(
     assert (
         len({v[0] for v in firsts.values()}) == len({v[1] for v in firsts.values()}) == len(firsts)
     )
+
+
+def _finished_run(redis_url: str, queue: str, spawn_proc: Any, serve_argv: Any, env: Any) -> None:
+    """A run of ``queue`` served by a `batchq serve` process and finished by its trainer."""
+    producer = spawn_proc(serve_argv(), env=env)
+    with ServerDataStream(("features", "targets"), url=redis_url, queue=queue) as stream:
+        assert len([f for f, _ in stream.get_epoch_iterator()]) == 2
+        stream.close(finished=True)
+    assert producer.wait(timeout=30) == 0
+
+
+def test_a_worker_forked_after_the_finish_by_a_pool_started_before_is_a_late_replica(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pool replaces a worker killed after the run finished (or adds one): the worker
+    # belongs to the pool's job, which started before the finish, so it exits 0 at its
+    # join; a pool started after the finish (the next job) starts the queue's next run.
+    env = serve_env(examples=40, batch_size=20)
+    _finished_run(redis_url, queue_name, spawn_proc, serve_argv, env)
+    finished_run = redis_client.hget(QueueKeys(queue_name).meta, "run")
+    monkeypatch.setattr(sys, "path", [env["PYTHONPATH"].split(os.pathsep)[0], *sys.path])
+    monkeypatch.setenv("TEST_EXAMPLES", "40")
+    monkeypatch.setenv("TEST_BATCH_SIZE", "20")
+    args = build_parser().parse_args(serve_argv()[3:])  # after `python -m batchq.cli`
+
+    def no_spawn() -> Child:
+        raise AssertionError("no spawn: this process runs no thread")
+
+    before = time.time() - 3600  # the pool's start, before the finish
+    replica = serve._forker(args, redis_url, no_spawn, None, before)()
+    try:
+        assert replica.wait(timeout=60) == 0
+        assert redis_client.hget(QueueKeys(queue_name).meta, "run") == finished_run
+    finally:
+        stop_group(replica, timeout_s=5.0)
+    next_job = serve._forker(args, redis_url, no_spawn, None, time.time())()
+    try:
+        wait_until(
+            lambda: redis_client.hget(QueueKeys(queue_name).meta, "run") != finished_run,
+            what="the next job's run",
+        )
+    finally:
+        stop_group(next_job, timeout_s=5.0)
+
+
+def test_a_spawned_worker_gets_the_pools_start_as_its_jobs(
+    serve_argv: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--worker-start spawn` (or a fork refused): the fresh process is told the pool's
+    # start in its environment and serves as a worker of that job.
+    args = build_parser().parse_args(serve_argv()[3:])
+    envs: list[dict[str, str]] = []
+    monkeypatch.setattr(serve, "spawn", lambda argv, env: envs.append(env))
+    serve._spawner(args, "redis://127.0.0.1:1/0", 1234.5)()
+    assert float(envs[0][serve.ENV_JOB_STARTED]) == 1234.5
+    served: list[float | None] = []
+    monkeypatch.setenv(serve.ENV_JOB_STARTED, "1234.5")
+    monkeypatch.setattr(serve, "_stream", lambda args: None)
+    monkeypatch.setattr(serve, "_serve", lambda *a: served.append(a[5]) or 0)
+    assert serve.run_serve(args) == 0 and served == [1234.5]
+    monkeypatch.delenv(serve.ENV_JOB_STARTED)
+    assert serve.run_serve(args) == 0 and served[1] is not None and served[1] <= time.time()
