@@ -204,7 +204,7 @@ def test_a_producer_started_after_a_run_finished_serves_the_next_run(
     with trainer(redis_url, queue_name) as stream:
         assert [examples_of(f) for f, _ in stream.get_epoch_iterator()] == expected
         stream.close(finished=True)
-    late = producer_thread(numbered(40, 20), started_at=time.time() - 3600)
+    late = producer_thread(numbered(40, 20), job_started_s=time.time() - 3600)
     wait_until(lambda: first.stopped and late.stopped, what="the first job's producers")
     producer_thread(numbered(40, 20))
     with trainer(redis_url, queue_name) as stream:
