@@ -65,6 +65,8 @@ class StripedProducer:
     ) -> None:  # fmt: skip
         count = check_stripes(stripes)
         options.setdefault("producer_id", default_id())
+        # The lanes' job started here, before the plan's probe batch (as a Producer's).
+        options.setdefault("job_started_s", time.time())
         plan = options.pop("shard_plan", None) or ShardPlan(
             stream, options.pop("requests_per_shard", None)
         )

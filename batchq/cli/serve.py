@@ -29,6 +29,7 @@ import redis
 
 from batchq.cli.factory_args import ENV_ARGS, as_stream, call_factory, load_factory
 from batchq.client.connection import ENV_URL, make_client, resolve_url
+from batchq.errors import ConfigError
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.pool import REPLACE_EXIT_CODE, WorkerPool, keep_workers
 from batchq.host.procs import Child, fork_child, fork_refused, spawn
@@ -48,13 +49,32 @@ def run_serve(args: argparse.Namespace) -> int:
     # The job's start: this process's, before the factory's imports (a replica of a job
     # whose run finished while it imported is told by it, join.lua), or, in a worker a
     # pool spawned, the pool's (a worker it replaced after the finish is a replica too).
-    job = os.environ.get(ENV_JOB_STARTED)
-    return _serve(_stream(args), None, args, url, None, float(job) if job else _job_started())
+    job_started_s = _pool_started() or _job_started()
+    return _serve(_stream(args), None, args, url, None, job_started_s)
 
 
 #: The environment variable a pool's spawned worker finds the pool's start in (wall
 #: clock, s): the job it belongs to started then.
 ENV_JOB_STARTED = "BATCHQ_JOB_STARTED_S"
+
+
+def _pool_started() -> float | None:
+    """The pool's start a spawned worker was given (taken out of the environment, so no
+    process this one starts inherits it), or None.
+
+    Raises:
+        ConfigError: the value is not a number of seconds.
+    """
+    text = os.environ.pop(ENV_JOB_STARTED, None)
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"{ENV_JOB_STARTED}={text!r} is not valid: expected the pool's start, in seconds "
+            "since the epoch (set by `batchq serve --workers` for the workers it spawns)"
+        ) from None
 
 
 def _job_started() -> float:

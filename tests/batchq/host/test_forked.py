@@ -23,6 +23,7 @@ from pipelines import examples_of, numbered
 from waiting import wait_until
 
 from batchq.cli import build_parser, serve
+from batchq.errors import ConfigError
 from batchq.host.procs import Child, ForkedChild, fork_child, fork_refused, spawn, stop_group
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import id_pid
@@ -343,5 +344,8 @@ def test_a_spawned_worker_gets_the_pools_start_as_its_jobs(
     monkeypatch.setattr(serve, "_stream", lambda args: None)
     monkeypatch.setattr(serve, "_serve", lambda *a: served.append(a[5]) or 0)
     assert serve.run_serve(args) == 0 and served == [1234.5]
-    monkeypatch.delenv(serve.ENV_JOB_STARTED)
+    assert serve.ENV_JOB_STARTED not in os.environ  # taken: no child of it inherits it
     assert serve.run_serve(args) == 0 and served[1] is not None and served[1] <= time.time()
+    monkeypatch.setenv(serve.ENV_JOB_STARTED, "yesterday")
+    with pytest.raises(ConfigError, match="BATCHQ_JOB_STARTED_S='yesterday'"):
+        serve.run_serve(args)
