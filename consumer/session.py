@@ -425,16 +425,16 @@ class Session:
                 raise RunChanged(f"queue {self.keys.queue}: the run changed while starting")
             return meta
 
+        # join.lua's tokens for every group's waiting ranks go to the run's wake list; a
+        # group slot's own (its pops' wake-ups) is watched too.
+        lists = list(dict.fromkeys([self.keys.wake, self.base_keys.wake]))
+
         def idle() -> None:
             try:
                 self._retry(lambda: self.refresh(self.client), "refreshing the claim")
             except StateLost:
                 return  # emptied during the refresh: read() claims again
             self._retry(lambda: self.client.blpop(lists, timeout=block_s), "waiting for the plan")
-
-        # join.lua's tokens for every group's waiting ranks go to the run's wake list; a
-        # group slot's own (its pops' wake-ups) is watched too.
-        lists = list(dict.fromkeys([self.keys.wake, self.base_keys.wake]))
 
         plan = wait_for_plan(read, idle, timeout_s)
         with self._lock:

@@ -141,7 +141,7 @@ class TorchStream(IterableDataset[Any]):
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
         self._loaders: tuple[float, weakref.WeakSet[Any]] | None = None
         # The reference counts at which a look for a dispatcher (iter) or a shard
-        # wrapper (len) found none.
+        # wrapper (len) found none since a wrapper could last have been made.
         self._dispatch_looks = HeapLooks()
         self._shard_looks = HeapLooks()
         self._generator_asked = False  # Accelerate may have made a shard wrapper since
@@ -155,8 +155,9 @@ class TorchStream(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         """One epoch per call (what a DataLoader asks for each epoch)."""
         refuse_worker_process()
-        # A dispatcher's loader is one more reference to this stream: at a count where
-        # a look found none, no loader came (a heap scan saved per epoch).
+        # A dispatcher's inner loader is a DataLoader, whose construction reads
+        # __class__ (which forgets the clean counts): at a count where a look found none
+        # since, no dispatcher came (a heap scan saved per epoch).
         self._dispatch_looks.look(sys.getrefcount(self), refuse_dispatcher, self)
         return self._epoch(self.as_dict)
 

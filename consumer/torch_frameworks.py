@@ -70,21 +70,21 @@ _DISPATCH_ERROR = (
 )
 
 
-def _dispatched(loader: object) -> bool:
-    """Whether Accelerate's DataLoaderDispatcher wraps ``loader`` (its
-    ``base_dataloader``). accelerate is never imported here: a process that has not
-    imported it has no dispatcher."""
-    module = sys.modules.get("accelerate.data_loader")
-    dispatcher = getattr(module, "DataLoaderDispatcher", None) if module is not None else None
-    if not isinstance(dispatcher, type):
-        return False
-    for holder in gc.get_referrers(loader):
-        # The wrapper itself, or its attribute dict (as in _loader_of).
-        owners = gc.get_referrers(holder) if isinstance(holder, dict) else [holder]
-        for owner in owners:
-            if isinstance(owner, dispatcher) and vars(owner).get("base_dataloader") is loader:
-                return True
-    return False
+def _accelerate_class(name: str) -> type | None:
+    """A class of Accelerate's ``accelerate.data_loader`` (its DataLoaderDispatcher, its
+    IterableDatasetShard), where a wrapper of it can exist: accelerate is never imported
+    here, and a process that has not imported it has none."""
+    found = getattr(sys.modules.get("accelerate.data_loader"), name, None)
+    return found if isinstance(found, type) else None
+
+
+def _dispatched(loader: object, dispatcher: type) -> bool:
+    """Whether a ``dispatcher`` (Accelerate's DataLoaderDispatcher) wraps ``loader`` (its
+    ``base_dataloader``)."""
+    return any(
+        _holder_of(holder, loader, dispatcher, "base_dataloader") is not None
+        for holder in gc.get_referrers(loader)
+    )
 
 
 def _workers_error(num_workers: int) -> DataLoaderWorkersError:
@@ -181,11 +181,12 @@ def refuse_dispatcher(dataset: object) -> bool:
     Only where accelerate was imported (without it there is no dispatcher); two scans
     of the heap's referrers, once per epoch. Returns whether it looked.
     """
-    if "accelerate.data_loader" not in sys.modules:
+    dispatcher = _accelerate_class("DataLoaderDispatcher")
+    if dispatcher is None:
         return False
     for holder in gc.get_referrers(dataset):
         loader = _loader_of(holder, dataset)
-        if loader is not None and _dispatched(loader):
+        if loader is not None and _dispatched(loader, dispatcher):
             raise DataLoaderDispatchError(_DISPATCH_ERROR)
     return True
 
@@ -198,8 +199,7 @@ def refuse_shard_wrapper(dataset: object) -> bool:
     attribute. Only where accelerate was imported; one scan of the heap's referrers.
     Returns whether it looked.
     """
-    module = sys.modules.get("accelerate.data_loader")
-    shard_type = getattr(module, "IterableDatasetShard", None)
+    shard_type = _accelerate_class("IterableDatasetShard")
     if shard_type is None:
         return False
     for holder in gc.get_referrers(dataset):
@@ -232,13 +232,13 @@ def _loader_of(holder: Any, dataset: object) -> DataLoader[Any] | None:
     return loader
 
 
-def _holder_of(holder: Any, dataset: object, kind: type) -> Any:
+def _holder_of(holder: Any, held: object, kind: type, attr: str = "dataset") -> Any:
     """The ``kind`` object that ``holder`` is (or whose attribute dict it is), if it
-    holds ``dataset`` as its ``dataset`` (an object's attributes are its own referrer or
-    its dict's, depending on whether Python materialised the dict); else None."""
+    holds ``held`` as its ``attr`` (an object's attributes are its own referrer or its
+    dict's, depending on whether Python materialised the dict); else None."""
     if isinstance(holder, kind):
-        return holder if vars(holder).get("dataset") is dataset else None
-    if not isinstance(holder, dict) or holder.get("dataset") is not dataset:
+        return holder if vars(holder).get(attr) is held else None
+    if not isinstance(holder, dict) or holder.get(attr) is not held:
         return None
     for owner in gc.get_referrers(holder):
         if isinstance(owner, kind) and vars(owner) is holder:

@@ -173,13 +173,9 @@ def _serve(
         return REPLACE_EXIT_CODE
 
 
-def _spawner(
-    args: argparse.Namespace, url: str, job_started_s: float | None = None
-) -> Callable[[], Child]:
+def _spawner(args: argparse.Namespace, url: str, job_started_s: float) -> Callable[[], Child]:
     """Start a worker as a fresh ``python -m batchq.cli serve`` in its own process group
-    (``job_started_s``: the pool's start, the job's; None: this process's)."""
-    if job_started_s is None:
-        job_started_s = _job_started()
+    (``job_started_s``: the pool's start, the job's)."""
     argv = [
         sys.executable,
         "-m",
@@ -224,13 +220,12 @@ def _forker(
     url: str,
     spawner: Callable[[], Child],
     client: redis.Redis | None,
-    job_started_s: float | None = None,
+    job_started_s: float,
 ) -> Callable[[], Child]:
     """Build the stream and its plan here, once; then start each worker as a fork of this
     process, or with ``spawner`` when a fork is not safe at that moment (every worker's
-    job started with the pool, ``job_started_s``, None: this process's start: a worker
-    forked to replace another after the run finished is a late replica, and exits 0)."""
-    job = _job_started() if job_started_s is None else job_started_s
+    job started with the pool, ``job_started_s``: a worker forked to replace another
+    after the run finished is a late replica, and exits 0)."""
     from producer.serving.sharding import ShardPlan
 
     with _collector_paused(freeze=True):  # what the workers share, made once
@@ -253,7 +248,7 @@ def _forker(
         if client is not None:
             client.connection_pool.disconnect()  # no socket of ours in the child
         forked_at = time.time()  # the worker's start: its first_push_s counts from here
-        return fork_child(lambda: _serve(stream, plan, args, url, forked_at, job))
+        return fork_child(lambda: _serve(stream, plan, args, url, forked_at, job_started_s))
 
     return start
 

@@ -111,7 +111,7 @@ def test_the_pool_spawns_instead_of_forking_while_a_thread_runs(tmp_path: Path) 
         spawned.append(proc)
         return proc
 
-    start = serve._forker(args, "redis://127.0.0.1:1/0", spawner, None)
+    start = serve._forker(args, "redis://127.0.0.1:1/0", spawner, None, time.time())
     release = threading.Event()
     thread = threading.Thread(target=release.wait, args=(30,))
     thread.start()
@@ -193,7 +193,9 @@ def test_the_pool_builds_its_stream_with_the_collector_paused(
 
     monkeypatch.setattr(serve, "call_factory", call)
     try:
-        serve._forker(args, "redis://127.0.0.1:1/0", lambda: pytest.fail("no start"), None)
+        serve._forker(
+            args, "redis://127.0.0.1:1/0", lambda: pytest.fail("no start"), None, time.time()
+        )
         assert during == [False] and gc.isenabled() and gc.get_freeze_count() > 0
         gc.disable()  # a collector the caller paused stays paused
         serve._stream(args)
