@@ -366,6 +366,41 @@ def test_every_script_notices_a_lost_incarnation(q: Q) -> None:
     assert q.pop("t1")[0] == b"STATE_LOST"
 
 
+def _dumped(q: Q) -> dict[bytes, bytes | None]:
+    """Every key of the queue, dumped: what a refused script must leave as it was."""
+    return {key: q.c.dump(key) for key in sorted(q.c.scan_iter(match=q.k.pattern))}
+
+
+PUSH_KEYS = ("meta", "incarnation", "stats", "producers", "lease", "pstats", "data")
+
+
+@pytest.mark.parametrize("name", PUSH_KEYS)
+def test_a_push_names_a_key_of_a_foreign_type_and_writes_nothing(q: Q, name: str) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    assert q.push("p1", "0:run1:t1", b"f0")[0] == "OK"  # every key exists, of its type
+    key = q.k.lease("p1") if name == "lease" else getattr(q.k, name)
+    q.c.delete(key)
+    q.c.sadd(key, "foreign")  # a set is none of the push's types
+    before = _dumped(q)
+    assert q.push("p1", "0:run1:t1", b"f1", last=True) == ["WRONG_TYPE", key, "set"]
+    assert _dumped(q) == before
+
+
+@pytest.mark.parametrize("name", ("meta", "incarnation", "data"))
+def test_a_pop_names_a_key_of_a_foreign_type_and_pops_nothing(q: Q, name: str) -> None:
+    q.join("p1")
+    q.lease("p1", "t1")
+    assert q.push("p1", "0:run1:t1", b"f0")[0] == "OK"
+    assert q.claim("tok")[0] == "OK"
+    key = getattr(q.k, name)
+    q.c.delete(key)
+    q.c.sadd(key, "foreign")
+    assert q.pop("tok") == [b"WRONG_TYPE", key.encode(), b"set"]
+    if name != "data":
+        assert q.c.llen(q.k.data) == 1  # the frame stays for the repaired queue
+
+
 def _resume_keeping(q: Q, token: str, keep: str) -> Any:
     """resume.lua for a single trainer of the checkpoint's run ``run1`` at epoch 0."""
     return trainer_scripts.resume(
