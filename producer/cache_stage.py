@@ -361,6 +361,7 @@ def describe(value: Any, where: str = "") -> str:
     if _ADDRESS.search(text):
         raise ConfigError(
             f"cannot derive a cache key: the {where} has the repr {text!r:.120}, which names "
-            "a memory address (it differs per process); pass DiskCache(key=...) naming the stage"
+            "a memory address (it differs per process); pass key=... to cached() or "
+            "cached_mapping(), naming the stage"
         )
     return text

@@ -65,7 +65,14 @@ from producer.cache_segment import (
     recount_stage,
 )
 
-__all__ = ["ENTRY_OVERHEAD", "HOST", "REMOVED_CHECK_S", "DiskCache", "default_directory"]
+__all__ = [
+    "ENTRY_OVERHEAD",
+    "HOST",
+    "REMOVED_CHECK_S",
+    "DiskCache",
+    "default_directory",
+    "stage_key",
+]
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +141,9 @@ class DiskCache:
             not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0
         ):
             raise ConfigError(f"max_bytes={max_bytes!r} is not valid: expected an int > 0 or None")
-        if key is not None and (not isinstance(key, str) or not key):
-            raise ConfigError(f"key={key!r} is not valid: expected a non-empty str or None")
+        self.key = None if key is None else _checked_key(key)
         self.directory = Path(directory) if directory is not None else default_directory()
         self.max_bytes = max_bytes
-        self.key = key
         self._root = os.fspath(self.directory)  # paths as str: pathlib's cost ~20 us an entry
         self.full = False  # this process found the cap reached: it writes no more
         self.held_bytes = 0  # the ledger as this process last saw it
@@ -448,6 +453,23 @@ class DiskCache:
                 yield ledger
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def stage_key(key: str | None, cache: DiskCache) -> str | None:
+    """The key a stage's fingerprint is made of: ``key`` given to the stage's wrapper
+    (``cached(..., key=)``), else ``cache.key`` (one for every stage of that cache), else
+    None (derived from the stage).
+
+    Raises:
+        ConfigError: ``key`` is not a non-empty str or None.
+    """
+    return cache.key if key is None else _checked_key(key)
+
+
+def _checked_key(key: Any) -> str:
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"key={key!r} is not valid: expected a non-empty str or None")
+    return key
 
 
 def _read_ledger(fd: int, directory: Path) -> int:

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 from batchq.errors import ConfigError
 from producer.cache_entry import LeafCodec
 from producer.cache_stage import CacheStats, StageCache, describe
-from producer.cache_store import DiskCache
+from producer.cache_store import DiskCache, stage_key
 from producer.torch.vision import import_torchvision
 
 __all__ = ["CachedDataset", "cached", "stage_fingerprint"]
@@ -57,6 +57,7 @@ def cached(
     augment: Callable[[Any], Any] | None = None,
     cache: DiskCache | str | os.PathLike[str] | None = None,
     *,
+    key: str | None = None,
     measure: bool = True,
 ) -> CachedDataset:
     """``dataset`` with its items cached and ``augment`` applied after the cache.
@@ -69,14 +70,18 @@ def cached(
         augment: applied to each item after the cache (the random part), or None.
         cache: a :class:`DiskCache`, or a directory for one with its defaults (None:
             :func:`producer.cache_store.default_directory`).
+        key: names this stage in its fingerprint instead of what is derived from the
+            dataset (its class, length and reprs); it wins over the cache's own ``key``,
+            which names every stage that cache serves.
         measure: stop using the cache in a process where a read is not faster than a
             build (False: always use it).
 
     Raises:
-        ConfigError: ``dataset`` has no length, ``augment`` is not callable, or the
-            fingerprint cannot be derived (then pass ``DiskCache(key=...)``).
+        ConfigError: ``dataset`` has no length, ``augment`` is not callable, ``key`` is
+            not a non-empty str, or the fingerprint cannot be derived (then pass
+            ``key=``).
     """
-    return CachedDataset(dataset, augment, cache, measure=measure)
+    return CachedDataset(dataset, augment, cache, key=key, measure=measure)
 
 
 class CachedDataset(Dataset[Any]):
@@ -96,6 +101,7 @@ class CachedDataset(Dataset[Any]):
         augment: Callable[[Any], Any] | None = None,
         cache: DiskCache | str | os.PathLike[str] | None = None,
         *,
+        key: str | None = None,
         measure: bool = True,
     ) -> None:
         if augment is not None and not callable(augment):
@@ -104,7 +110,7 @@ class CachedDataset(Dataset[Any]):
         self.augment = augment
         self.cache = cache if isinstance(cache, DiskCache) else DiskCache(cache)
         self.measure = measure
-        self.fingerprint = stage_fingerprint(dataset, self.cache.key)
+        self.fingerprint = stage_fingerprint(dataset, stage_key(key, self.cache))
         self.stage = StageCache(
             self.cache,
             self.fingerprint,
@@ -247,7 +253,7 @@ def stage_fingerprint(dataset: Any, key: str | None = None) -> str:
         if described.get("cache_files") == "[]":  # Hugging Face, in memory: nothing names it
             raise ConfigError(
                 f"cannot derive a cache key for {dataset!r:.80}: a dataset in memory (no "
-                "cache_files); pass DiskCache(key=...) naming its content"
+                "cache_files); pass cached(..., key=...) naming its content"
             )
     text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()

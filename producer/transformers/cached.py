@@ -38,7 +38,7 @@ from batchq.errors import ConfigError
 from producer import cache_stage
 from producer.cache_entry import NUMPY_ONLY
 from producer.cache_stage import CacheStats, StageCache, describe
-from producer.cache_store import DiskCache
+from producer.cache_store import DiskCache, stage_key
 
 __all__ = ["CachedMapping", "cached_mapping", "content_digest", "mapping_fingerprint"]
 
@@ -49,6 +49,7 @@ def cached_mapping(
     mapping: Callable[[Any], Any],
     cache: DiskCache | str | os.PathLike[str] | None = None,
     *,
+    key: str | None = None,
     measure: bool = True,
 ) -> CachedMapping:
     """``mapping`` with its results cached by its input's content (for ``Mapping``).
@@ -59,14 +60,18 @@ def cached_mapping(
             ``mapping_accepts=dict``).
         cache: a :class:`DiskCache`, or a directory for one with its defaults (None:
             :func:`producer.cache_store.default_directory`).
+        key: names this stage in its fingerprint instead of the mapping's module,
+            qualname and source; it wins over the cache's own ``key``, which names every
+            stage that cache serves.
         measure: stop using the cache in a process where a read is not faster than a
             computation (False: always use it).
 
     Raises:
-        ConfigError: ``mapping`` is not callable, or its fingerprint cannot be derived
-            (a repr naming a memory address: pass ``DiskCache(key=...)``).
+        ConfigError: ``mapping`` is not callable, ``key`` is not a non-empty str, or its
+            fingerprint cannot be derived (a repr naming a memory address: pass
+            ``key=``).
     """
-    return CachedMapping(mapping, cache, measure=measure)
+    return CachedMapping(mapping, cache, key=key, measure=measure)
 
 
 class CachedMapping:
@@ -85,13 +90,14 @@ class CachedMapping:
         mapping: Callable[[Any], Any],
         cache: DiskCache | str | os.PathLike[str] | None = None,
         *,
+        key: str | None = None,
         measure: bool = True,
     ) -> None:
         if not callable(mapping):
             raise ConfigError(f"mapping={mapping!r} is not valid: expected a callable")
         self.mapping = mapping
         self.cache = cache if isinstance(cache, DiskCache) else DiskCache(cache)
-        self.fingerprint = mapping_fingerprint(mapping, self.cache.key)
+        self.fingerprint = mapping_fingerprint(mapping, stage_key(key, self.cache))
         self.stage = StageCache(
             self.cache,
             self.fingerprint,

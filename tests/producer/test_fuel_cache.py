@@ -145,12 +145,18 @@ def test_a_mapping_is_named_by_its_code_and_settings(tmp_path: Path) -> None:
         def __call__(self, x: Any) -> Any:
             return x
 
-    with pytest.raises(ConfigError, match=r"memory address.*DiskCache\(key=\.\.\.\)"):
+    with pytest.raises(ConfigError, match=r"memory address.*cached_mapping\(\), naming"):
         cached_mapping(Opaque(), DiskCache(tmp_path))
     keyed = cached_mapping(Opaque(), DiskCache(tmp_path, key="opaque-v1"), measure=False)
     first, again = keyed((np.ones(2), 1)), keyed((np.ones(2), 1))
     assert (again[0] == first[0]).all() and again[1] == first[1] == 1
     assert keyed.stats["hits"] == 1
+    # A key given to the wrapper names that stage alone, and wins over the cache's.
+    own = cached_mapping(Opaque(), DiskCache(tmp_path, key="opaque-v1"), key="own", measure=False)
+    assert own.fingerprint != keyed.fingerprint
+    assert own.fingerprint == cached_mapping(Opaque(), DiskCache(tmp_path), key="own").fingerprint
+    own((np.ones(2), 1))
+    assert own.stats["hits"] == 0  # not the other stage's entry
 
 
 def test_a_cached_mapping_pickles_and_starts_afresh_in_its_new_process(tmp_path: Path) -> None:

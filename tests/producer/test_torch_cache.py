@@ -157,8 +157,25 @@ def test_a_changed_stage_is_another_fingerprint_and_a_key_names_one(tmp_path: Pa
         def __call__(self, x: Any) -> Any:
             return x
 
-    with pytest.raises(ConfigError, match=r"memory address.*DiskCache\(key=\.\.\.\)"):
+    with pytest.raises(ConfigError, match=r"memory address.*pass key=\.\.\. to cached\(\)"):
         cached(Stage(N, Opaque()), cache=DiskCache(tmp_path))
+
+
+def test_a_key_given_to_cached_names_that_stage_alone(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path)  # one cache, two stages of one length: train and val
+    train = cached(stage(N, 2), cache=cache, key="train-v1", measure=False)
+    val = cached(stage(N, 3), cache=cache, key="val-v1", measure=False)
+    assert train.fingerprint != val.fingerprint
+    for ds, brighten in ((train, 2), (val, 3), (train, 2), (val, 3)):
+        assert torch.equal(ds[0][0], stage(N, brighten)[0][0])  # never the other's entry
+    assert train.stats["hits"] == val.stats["hits"] == 1
+    # The stage's key wins over the cache's, which names every stage of that cache.
+    both = cached(stage(N, 2), cache=DiskCache(tmp_path, key="all"), key="train-v1")
+    assert both.fingerprint == train.fingerprint
+    assert cached(Stage(N, lambda x: x), cache=cache, key="opaque-v1").fingerprint
+    for key in ("", 3):
+        with pytest.raises(ConfigError, match=rf"key={key!r} is not valid"):
+            cached(stage(N), cache=cache, key=key)  # type: ignore[arg-type]
 
 
 def test_a_cap_of_half_the_data_keeps_a_stable_half(tmp_path: Path) -> None:
@@ -354,7 +371,7 @@ def _plus_two(batch: dict[str, list[Any]]) -> dict[str, Any]:
 def test_a_hugging_face_dataset_is_named_by_its_files_and_its_transform(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     in_memory = datasets.Dataset.from_dict({"x": [[1.0, 2.0], [3.0, 4.0]]})
-    with pytest.raises(ConfigError, match=r"in memory.*DiskCache\(key=\.\.\.\)"):
+    with pytest.raises(ConfigError, match=r"in memory.*pass cached\(\.\.\., key=\.\.\.\)"):
         cached(in_memory, cache=DiskCache(tmp_path / "c"))
     in_memory.save_to_disk(str(tmp_path / "hf"))
     fingerprints = []
