@@ -283,6 +283,14 @@ class Session:
             self._published(client)
         return reply.new_run
 
+    def awaits_resume(self, client: redis.Redis) -> bool:
+        """Whether this rank's slot is done until a resume puts its cursors in place:
+        claim.lua marks a new slot's ranks so where it took the slot over for a resume
+        (nothing is minted for them before)."""
+        field = f"{MetaField.DONE}{self.suffix}"
+        done = self._retry(lambda: client.hget(self.keys.meta, field), "reading", client)
+        return bool(done == b"1")
+
     def _holder_died(self, client: redis.Redis, holder: str) -> bool:
         """Whether the claim's holder has no connection open: its process died. A holder
         that named none (an older trainer, a server refusing CLIENT SETNAME) or a server

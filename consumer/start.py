@@ -17,7 +17,8 @@ they hold, and they follow stripe 0's start:
 - stripe 0 started a new run, a checkpoint is resumed, or a stripe's run is of another
   world size: each stripe starts again with resume.lua (a new run id, its share of the
   checkpoint's ledger pairs and its floor of the checkpoint's first shard, or nothing),
-  the old data going with it.
+  the old data going with it. A group's resume keeps the run its claim landed in (others
+  may have claimed it since), unless stripe 0's run was replaced.
 
 Each stripe has its own session (claim, run id, incarnation), client, shared-memory host
 and reader thread; the readers file into the one buffer (a striped queue's through a
@@ -341,11 +342,18 @@ def _start_stripe(
     # claim.lua starts it in stripe 0: its old claim is not taken over but waited out.
     takeover = "" if first.grouped and not again else (run or b"").decode()
     # A claim taken over (a run this job's stripe 0 started) is not waited for.
-    _acquire_waiting(session, takeover, resuming=again or run is None, wait=not takeover)
-    if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run:
+    started = _acquire_waiting(session, takeover, resuming=again or run is None, wait=not takeover)
+    if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run and not started:
         session.checkpoint_run = ""  # stripe 0's run was replaced: so is this stripe's
+    else:
+        # The run claimed lives on through the resume, even one this claim or another
+        # rank's started since the run was read: another group may have joined it (its
+        # claim would go with a replaced run).
+        session.checkpoint_run = session.run
     session.plan = plan  # the run's plan is stripe 0's: one pipeline serves every stripe
-    if not (again or run is None):
+    # A rank whose slot claim.lua took over for a resume (a group back with another
+    # number of ranks, in a run the job's ranks name alike) is done until it resumes.
+    if not (again or run is None or session.awaits_resume(client)):
         return
     if new_run or not first.grouped:  # a group resumed in a live run: the others' stay
         delete_old_frames(client, keys, timeout_s)
@@ -354,9 +362,10 @@ def _start_stripe(
 
 def _acquire_waiting(
     session: Session, takeover: str, *, resuming: bool = False, wait: bool = True
-) -> None:
+) -> bool:
     """Claim, waiting out (with ``wait``) a claim that lapses within claim_ttl_s: a
     trainer that just died without closing its connections, or a group's earlier trainer.
+    True if the claim started a new run.
 
     Raises:
         TrainerConflict: the claim is still held (at once without ``wait``).
@@ -364,8 +373,7 @@ def _acquire_waiting(
     deadline = time.monotonic() + session.claim_ttl_ms / 1000 + 1.0
     while True:
         try:
-            session.acquire(takeover=takeover, resuming=resuming)
-            return
+            return session.acquire(takeover=takeover, resuming=resuming)
         except TrainerConflict:
             if not wait or time.monotonic() >= deadline:
                 raise
