@@ -50,7 +50,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # whose run finished while it imported is told by it, join.lua), or, in a worker a
     # pool spawned, the pool's (a worker it replaced after the finish is a replica too).
     job_started_s = _pool_started() or _job_started()
-    return _serve(_stream(args), None, args, url, None, job_started_s)
+    # Frozen after, as a pool's: else the first full collections, in the first epoch,
+    # visit every object of torch's imports (0.3-0.8 s of a producer, bench/README.md).
+    with _collector_paused(freeze=True):
+        stream = _stream(args)
+    return _serve(stream, None, args, url, None, job_started_s)
 
 
 #: The environment variable a pool's spawned worker finds the pool's start in (wall

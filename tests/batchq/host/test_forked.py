@@ -205,6 +205,29 @@ def test_the_pool_builds_its_stream_with_the_collector_paused(
         gc.unfreeze()
 
 
+def test_a_single_producer_freezes_what_its_factory_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `batchq serve` without a pool: the factory's objects frozen too, or the first full
+    # collections, in the first epoch, visit all of torch's (0.3-0.8 s of a producer).
+    args = argparse.Namespace(
+        factory="pipelines:numbered", factory_args={"examples": 40}, requests_per_shard=None
+    )
+    served: list[tuple[int, bool]] = []
+
+    def serve_it(stream: Any, plan: Any, *rest: Any) -> int:
+        served.append((gc.get_freeze_count(), gc.isenabled()))
+        return 0
+
+    monkeypatch.setattr(serve, "_serve", serve_it)
+    args.workers, args.url = "1", "redis://127.0.0.1:1/0"
+    try:
+        assert serve.run_serve(args) == 0
+        assert len(served) == 1 and served[0][0] > 0 and served[0][1]
+    finally:
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("workers", ["2", "2:2"])  # a fixed pool; an autoscaler's (a client)
 def test_forked_workers_share_nothing_and_a_killed_one_is_replaced(
     workers: str,
