@@ -66,11 +66,15 @@ def memory_order(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], list[
     ident = list(range(arr.ndim))
     if arr.flags.c_contiguous or arr.ndim < 2:
         return arr, ident
-    order = sorted(ident, key=lambda d: -abs(arr.strides[d]))
+    strides = arr.strides
+    order = sorted(ident, key=lambda d: -abs(strides[d]))
     base = arr.transpose(order)
     if not base.flags.c_contiguous:
         return np.ascontiguousarray(arr), ident
-    return base, [int(i) for i in np.argsort(order)]
+    perm = ident[:]  # the inverse of order (numpy's argsort: a few us more an entry)
+    for place, dim in enumerate(order):
+        perm[dim] = place
+    return base, perm
 
 
 def encode_entry(
