@@ -42,6 +42,13 @@ from redis_sentinel import LocalSentinel  # noqa: E402
 
 SpawnFn = Callable[..., subprocess.Popen[bytes]]
 
+with contextlib.suppress(ImportError):  # installed with `datasets`, which shows progress
+    import tqdm
+
+    # No monitor thread, which would live on in this test worker once any bar ran: the
+    # fork tests refuse to fork a process running a thread (batchq.host.procs).
+    tqdm.tqdm.monitor_interval = 0
+
 
 @pytest.fixture(autouse=True)
 def _no_batchq_url(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -335,7 +335,7 @@ def test_a_worker_forked_after_the_finish_by_a_pool_started_before_is_a_late_rep
     args = build_parser().parse_args(serve_argv()[3:])  # after `python -m batchq.cli`
 
     def no_spawn() -> Child:
-        raise AssertionError("no spawn: this process runs no thread")
+        raise AssertionError(f"no spawn: this process runs no thread ({fork_refused()})")
 
     before = time.time() - 3600  # the pool's start, before the finish
     replica = serve._forker(args, redis_url, no_spawn, None, before)()
