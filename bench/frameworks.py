@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -198,12 +199,12 @@ def run_transformers(source: Iterable[Any], epochs: int, clock: Clock) -> None:
         def on_epoch_end(self, *args: Any, **kwargs: Any) -> None:
             clock.end()
 
-    args = TrainingArguments(
-        output_dir=os.path.join("/tmp", f"bench-hf-{uuid.uuid4().hex[:8]}"), use_cpu=True,
-        num_train_epochs=epochs, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, learning_rate=0.01,
-    )  # fmt: skip
-    Fed(model=Net(), args=args, callbacks=[Marks()]).train()
+    with tempfile.TemporaryDirectory(prefix="bench-hf-") as output_dir:  # saves nothing
+        args = TrainingArguments(
+            output_dir=output_dir, use_cpu=True, num_train_epochs=epochs, report_to="none",
+            save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=0.01,
+        )  # fmt: skip
+        Fed(model=Net(), args=args, callbacks=[Marks()]).train()
 
 
 RUNS: dict[str, Callable[[Iterable[Any], int, Clock], None]] = {
