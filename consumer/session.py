@@ -412,10 +412,14 @@ class Session:
 
         Raises:
             ProducersLost: no producer joined within timeout_s.
-            RunChanged: another run replaced the claimed one meanwhile.
+            RunChanged: another run replaced the claimed one meanwhile (but the one the
+                job's ranks resume into: another rank resumed first, and this one's
+                resume joins it).
         """
+        joined = False  # the run is the job's resumed one: this rank's claim went with it
 
         def read() -> dict[bytes, bytes]:
+            nonlocal joined
             meta: dict[bytes, bytes] = self._retry(
                 lambda: self.client.hgetall(self.keys.meta), "reading the plan"
             )
@@ -429,7 +433,8 @@ class Session:
                 )
                 self.acquire()
                 return {}
-            if run != self.run:
+            joined = run != self.run and run == self.resume_run != ""
+            if run != self.run and not joined:
                 raise RunChanged(f"queue {self.keys.queue}: the run changed while starting")
             return meta
 
@@ -439,7 +444,8 @@ class Session:
 
         def idle() -> None:
             try:
-                self._retry(lambda: self.refresh(self.client), "refreshing the claim")
+                if not joined:  # else nothing to keep: this rank's resume claims again
+                    self._retry(lambda: self.refresh(self.client), "refreshing the claim")
             except StateLost:
                 return  # emptied during the refresh: read() claims again
             self._retry(lambda: self.client.blpop(lists, timeout=block_s), "waiting for the plan")

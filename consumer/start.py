@@ -342,9 +342,12 @@ def _start_stripe(
     # claim.lua starts it in stripe 0: its old claim is not taken over but waited out.
     takeover = "" if first.grouped and not again else (run or b"").decode()
     # A claim taken over (a run this job's stripe 0 started) is not waited for.
-    started = _acquire_waiting(session, takeover, resuming=again or run is None, wait=not takeover)
-    if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run and not started:
-        session.checkpoint_run = ""  # stripe 0's run was replaced: so is this stripe's
+    _acquire_waiting(session, takeover, resuming=again or run is None, wait=not takeover)
+    if first.grouped and first.checkpoint_run and first.run != first.checkpoint_run:
+        # Stripe 0's run was replaced: so is this stripe's, by every rank alike (into the
+        # id they derive), even a run this claim started (a rank that kept its own would
+        # lose it to the next rank's resume).
+        session.checkpoint_run = ""
     else:
         # The run claimed lives on through the resume, even one this claim or another
         # rank's started since the run was read: another group may have joined it (its
@@ -362,10 +365,9 @@ def _start_stripe(
 
 def _acquire_waiting(
     session: Session, takeover: str, *, resuming: bool = False, wait: bool = True
-) -> bool:
+) -> None:
     """Claim, waiting out (with ``wait``) a claim that lapses within claim_ttl_s: a
     trainer that just died without closing its connections, or a group's earlier trainer.
-    True if the claim started a new run.
 
     Raises:
         TrainerConflict: the claim is still held (at once without ``wait``).
@@ -373,7 +375,8 @@ def _acquire_waiting(
     deadline = time.monotonic() + session.claim_ttl_ms / 1000 + 1.0
     while True:
         try:
-            return session.acquire(takeover=takeover, resuming=resuming)
+            session.acquire(takeover=takeover, resuming=resuming)
+            return
         except TrainerConflict:
             if not wait or time.monotonic() >= deadline:
                 raise

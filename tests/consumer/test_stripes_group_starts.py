@@ -13,6 +13,7 @@ redis-server with trainer and producer processes; every epoch exact:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -165,3 +166,54 @@ def test_a_group_restarted_with_more_ranks_in_a_run_a_job_named_reads_every_epoc
     per_rank = len(plans(1)[0]) // 2  # 11 batches a rank an epoch
     wait_until(lambda: min(len(lines(o)) for o in outs_job) >= EPOCHS * per_rank, what="the job")
     check_group(outs_job)
+
+
+@pytest.mark.timeout(120)
+def test_a_groups_ranks_resume_a_checkpoint_on_a_striped_queue_whose_runs_are_gone(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    striped: list[QueueKeys],
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+) -> None:
+    # Stripe 0's run is replaced by the resume (the checkpoint's is gone), so each
+    # stripe's is, by every rank alike: one rank's claim on stripe 1 starts a run there
+    # and the other's lands in it; a rank that kept the run it started lost it to the
+    # other's resume (RunChanged), and a rank waiting for the plan in the run it claimed
+    # found the job's resumed run instead (RunChanged).
+    env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=5)
+    serve = serve_argv("--hwm", "4", "--stripes", str(STRIPES), "--heartbeat-ttl-s", "2")
+    producers = [spawn_proc(serve, env=env) for _ in range(2)]
+    outs = [tmp_path / f"a{r}.jsonl" for r in range(2)]
+    states = [tmp_path / f"s{r}.json" for r in range(2)]
+    first = [
+        spawn_proc(rank_argv(redis_url, queue_name, outs[r], EPOCHS, r, 2, "--group", "a",
+                             "--stop-after", "5", "--state-out", str(states[r])))
+        for r in range(2)
+    ]  # fmt: skip
+    for proc in first:
+        assert proc.wait(timeout=60) == 3
+    saved = tmp_path / "all.json"
+    saved.write_text(json.dumps([json.loads(s.read_text()) for s in states]))
+    for proc in producers:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    for keys in striped:  # Redis lost the queue (or it was reset)
+        delete_queue(redis_client, keys.queue)
+    producers = [spawn_proc(serve, env=env) for _ in range(2)]
+    outs_b = [tmp_path / f"b{r}.jsonl" for r in range(2)]
+    second = [
+        spawn_proc(rank_argv(redis_url, queue_name, outs_b[r], EPOCHS, r, 2, "--group", "a",
+                             "--finish", "--state-in", str(saved)))
+        for r in range(2)
+    ]  # fmt: skip
+    for proc in second:
+        assert proc.wait(timeout=90) == 0
+    # Epoch 0 is the first job's 5 batches a rank and the resumed rest; then every epoch.
+    before, after = shares(outs, EPOCHS), shares(outs_b, EPOCHS)
+    check_epoch(plans(1)[0], [a + b for a, b in zip(before[0], after[0], strict=True)], 2)
+    for plan, per_rank in zip(plans(EPOCHS)[1:], after[1:], strict=True):
+        check_epoch(plan, per_rank, 2)
