@@ -150,11 +150,12 @@ def decode_entry(
     """The example an entry holds, its arrays writable copies.
 
     Raises:
-        FrameError: not a valid frame, a crc that does not match (the codec's reasons),
+        FrameError: not a valid frame, a crc that does not match or is missing (the
+            codec's reasons),
             another stage's or another index's entry (``foreign_entry``), or a tree
             that does not describe its sources (``bad_entry``).
     """
-    frame = decode_frame(buf, writable=True)
+    frame = decode_frame(buf, writable=True, require_checksum=True)  # written with one
     if frame.run != fingerprint or frame.k != index or frame.producer != _PRODUCER:
         raise FrameError("foreign_entry", f"stage {frame.run[:16]}, index {frame.k}")
     if not frame.sources or frame.sources[0] != _TREE:

@@ -205,6 +205,7 @@ class StageCache:
         self._builds_s: deque[float] = deque(maxlen=WINDOW)
         self._reads_s: deque[float] = deque(maxlen=WINDOW)
         self._events = 0  # items served, to judge every JUDGE_EVERY-th
+        self._verified = False  # the first entry read checked against a build (_verify)
         register(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -261,15 +262,49 @@ class StageCache:
                 self.cache.discard(self.fingerprint, index)
                 s.bytes_held = self.cache.held_bytes
             else:
-                s.hits += 1
                 took = clock() - t0
+                if not self._verified:
+                    same, fresh = self._verify(index, item, build, run)
+                    if not same:  # another stage's entry: the cache is off here
+                        s.misses += 1
+                        return fresh
+                s.hits += 1
                 s.read_s += took
                 self._reads_s.append(took)
                 s.bytes_held = self.cache.held_bytes
-                s.saved_s = s.hits * self._mean_build_s() - s.read_s if s.misses else 0.0
+                s.saved_s = s.hits * self._mean_build_s() - s.read_s if self._builds_s else 0.0
                 self._judge()
                 return item
         return self._build(index, build, run)
+
+    def _verify(
+        self, index: int, item: Any, build: Callable[[], Any], run: str
+    ) -> tuple[bool, Any]:
+        """Whether the first entry this process reads is what a build makes now (its
+        encoding, byte for byte), and that build. A fingerprint cannot see everything that makes a
+        stage (a subset's own rows under the same length, a parameter a transform's repr
+        leaves out, a value a closure holds): an entry of another stage under the same
+        fingerprint is caught here, and then this process stops using the cache, saying
+        so, rather than serve it. The build is timed as any (a warm process's saving
+        needs a build's time)."""
+        self._verified = True
+        t0 = clock()
+        fresh = build()
+        self._builds_s.append(clock() - t0)
+        ours = encode_entry(fresh, run, index, self.leaves)
+        if bytes(ours) == bytes(encode_entry(item, run, index, self.leaves)):
+            return True, fresh
+        self.cache_stats.bypassed = True
+        log.warning(
+            "cache of %s (pid %d): entry %d differs from the item built now: another "
+            "stage's entries are under this fingerprint (a subset of the same length, a "
+            "transform whose repr hides a parameter, a closure's value...); the cache is "
+            "not used here: pass key=... naming this stage",
+            self.name,
+            os.getpid(),
+            index,
+        )
+        return False, fresh
 
     def _build(self, index: int, build: Callable[[], Any], run: str) -> Any:
         s = self.cache_stats
@@ -302,7 +337,9 @@ class StageCache:
 
     def _mean_build_s(self) -> float:
         s = self.cache_stats
-        return s.build_s / s.misses if s.misses else 0.0
+        if s.misses:
+            return s.build_s / s.misses
+        return statistics.fmean(self._builds_s) if self._builds_s else 0.0  # a warm start
 
     def _judge(self) -> None:
         """Stop using the cache once the median of the recent reads is no faster than
@@ -337,6 +374,32 @@ class StageCache:
             )
 
 
+def _bound(function: Any) -> str:
+    """The values a function holds besides its source: its defaults and its closure's
+    cells (``brighten(2)`` and ``brighten(3)`` are two stages), each described (a
+    function among them by its name and source only: no recursion), or by its type
+    where its repr names an address (the first read's check, ``_verify``, catches what
+    that leaves alike)."""
+    held = [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).items()]
+    for cell in function.__closure__ or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet (a name the function assigns later)
+            continue
+    if not held:
+        return ""
+    out = []
+    for value in held:
+        if inspect.isfunction(value):
+            out.append(f"{value.__module__}.{value.__qualname__}")
+            continue
+        try:
+            out.append(describe(value))
+        except ConfigError:
+            out.append(type(value).__qualname__)
+    return "(" + ", ".join(out) + ")"
+
+
 def describe(value: Any, where: str = "") -> str:
     """``value`` as a stage's fingerprint names it: dicts, lists and tuples item by item,
     a function or class as its module, qualname and a hash of its source, anything else
@@ -355,8 +418,10 @@ def describe(value: Any, where: str = "") -> str:
         try:
             source = inspect.getsource(value)
         except (OSError, TypeError):
-            return name
-        return f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+            source = ""
+        if source:
+            name = f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+        return name + (_bound(value) if inspect.isfunction(value) else "")
     text = repr(value)
     if _ADDRESS.search(text):
         raise ConfigError(

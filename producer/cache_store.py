@@ -86,6 +86,9 @@ REMOVED_CHECK_S = 1.0
 #: The bytes an entry costs beside its frame (its index record).
 ENTRY_OVERHEAD = RECORD_BYTES
 _STAGE_DIGITS = 32
+#: A stage's directory: the first digits of its fingerprint. Nothing else in the cache's
+#: directory is the cache's to count or remove (a user's folder kept there).
+_STAGE_DIR = re.compile(f"[0-9a-f]{{{_STAGE_DIGITS}}}")
 
 # Serialises a DiskCache's first use in a process (two threads making it at once raised
 # ConfigError and leaked descriptors); module-wide, so a fork can make it anew in the
@@ -156,13 +159,15 @@ class DiskCache:
         self._writers: dict[str, SegmentWriter] = {}  # stage -> this process's segment
         self._thread_lock = threading.Lock()  # flock does not exclude this process's threads
         self._checked: dict[str, float] = {}  # stage -> when a hit last looked for clear()
+        self._unusable = False  # this process cannot open the directory (_opened)
 
     # -- what the cached dataset calls --------------------------------------------------
 
     def read(self, stage: str, index: int) -> bytearray | None:
         """The bytes of entry ``index`` of ``stage`` (a fingerprint), None if absent
         (unchecked: :func:`producer.cache_entry.decode_entry` checks them)."""
-        self._open()
+        if not self._opened():
+            return None
         limit = self.max_bytes or MAX_FIELD  # no entry is longer than the cap
         try:
             view = self._view(stage)
@@ -183,9 +188,8 @@ class DiskCache:
         """Store an entry (its buffers, written back to back) atomically if it fits under
         the cap; False when it does not (then this process writes no more) or the disk
         refused."""
-        if self.full:
+        if self.full or not self._opened():
             return False
-        self._open()
         size = payload.nbytes
         if size + RECORD_BYTES >= MAX_FIELD:  # no index record can say its length
             return False
@@ -296,7 +300,8 @@ class DiskCache:
 
     def bytes_held(self) -> int:
         """The ledger: the bytes of every segment and index in the directory (all stages)."""
-        self._open()
+        if not self._opened():
+            return self.held_bytes
         with self._locked() as fd:
             self.held_bytes = _read_ledger(fd, self.directory)
         return self.held_bytes
@@ -308,7 +313,7 @@ class DiskCache:
             for stage in list(self._views) + list(self._writers):
                 self._drop(stage)
             for child in self.directory.iterdir():
-                if child.is_dir():
+                if child.is_dir() and _STAGE_DIR.fullmatch(child.name):
                     shutil.rmtree(child, ignore_errors=True)
             self.held_bytes = _recount(self.directory)
             _write_ledger(fd, self.held_bytes)
@@ -406,6 +411,20 @@ class DiskCache:
             )
         return self.max_bytes
 
+    def _opened(self) -> bool:
+        """Whether this process has the directory open (opening it first); False, said
+        once, where it cannot (a read-only file system, no permission): the stage is
+        then built, never read or written."""
+        if self._unusable:
+            return False
+        try:
+            self._open()
+        except OSError as e:
+            log.warning("cache %s cannot be used here (%s): items are built", self.directory, e)
+            self._unusable = self.full = True  # nothing is read or written
+            return False
+        return True
+
     def _open(self) -> None:
         if self._pid == os.getpid():
             return
@@ -494,6 +513,6 @@ def _recount(directory: Path) -> int:
     under the lock)."""
     total = 0
     for stage in os.scandir(directory):
-        if stage.is_dir(follow_symlinks=False):
+        if stage.is_dir(follow_symlinks=False) and _STAGE_DIR.fullmatch(stage.name):
             total += recount_stage(stage.path)
     return total

@@ -300,6 +300,7 @@ def decode_frame(
     writable: bool = False,
     max_frame_bytes: int | None = None,
     verify_checksum: bool = True,
+    require_checksum: bool = False,
 ) -> Frame:
     """Decode and validate one frame.
 
@@ -308,6 +309,9 @@ def decode_frame(
         writable: return writable copies instead of read-only views.
         max_frame_bytes: reject larger frames (``too_large``) before parsing anything.
         verify_checksum: check the crc when the frame has one.
+        require_checksum: reject a frame without a crc (``no_checksum``): where every
+            frame is written with one (a cache entry), a header whose crc key was
+            damaged must not switch the check off.
 
     Returns:
         The frame.
@@ -332,6 +336,8 @@ def decode_frame(
     crc = header.get("crc")
     if crc is not None:
         _check_crc(view, PREFIX.size + hlen, crc, verify_checksum)
+    elif require_checksum:
+        raise FrameError("no_checksum", "a frame without its crc where one is required")
     source = buf if isinstance(buf, bytes | bytearray) else view
     t = header.get("t")
     return Frame(

@@ -230,6 +230,29 @@ _TENSORS = LeafCodec(
 # -- the fingerprint --------------------------------------------------------------------
 
 
+def _parts(dataset: Any) -> dict[str, Any]:
+    """What a dataset made of others names them by: torch's ``Subset`` (and wrappers
+    like it) its ``dataset``'s fingerprint and a digest of its ``indices`` (the two
+    halves of a ``random_split`` are two stages), ``ConcatDataset`` each of its
+    ``datasets``'."""
+    out: dict[str, Any] = {}
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None and inner is not dataset and hasattr(inner, "__getitem__"):
+        out["dataset"] = stage_fingerprint(inner)
+    indices = getattr(dataset, "indices", None)
+    if indices is not None and not isinstance(indices, str | bytes):
+        try:
+            flat = np.asarray(indices, dtype=np.int64)
+        except (TypeError, ValueError):
+            flat = None
+        if flat is not None:
+            out["indices"] = hashlib.sha256(flat.tobytes()).hexdigest()
+    parts = getattr(dataset, "datasets", None)
+    if isinstance(parts, list | tuple):
+        out["datasets"] = [stage_fingerprint(part) for part in parts]
+    return out
+
+
 def stage_fingerprint(dataset: Any, key: str | None = None) -> str:
     """The fingerprint of ``dataset`` as a cached stage (64 hex digits; see the module).
 
@@ -252,6 +275,7 @@ def stage_fingerprint(dataset: Any, key: str | None = None) -> str:
         for name in _ATTRIBUTES:
             if hasattr(dataset, name):
                 described[name] = describe(getattr(dataset, name), f"{name} of {dataset!r:.60}")
+        described |= _parts(dataset)
         if described.get("cache_files") == "[]":  # Hugging Face, in memory: nothing names it
             raise ConfigError(
                 f"cannot derive a cache key for {dataset!r:.80}: a dataset in memory (no "

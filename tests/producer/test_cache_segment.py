@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import logging
 import multiprocessing
 import os
 import signal
@@ -137,7 +138,57 @@ def test_a_corrupted_entry_is_rejected_and_its_rebuild_keeps_within_the_cap(
     roomy.get(2, lambda: _item(2))
     assert roomy.cache_stats.rejected == 1 and roomy.cache_stats.writes == 1
     last = StageCache(DiskCache(tmp_path, max_bytes=2 * cap), STAGE, "test", measure=False)
-    assert (last.get(2, lambda: _item(99)) == _item(2)).all() and last.cache_stats.hits == 1
+    assert (last.get(2, lambda: _item(2)) == _item(2)).all() and last.cache_stats.hits == 1
+
+
+def test_an_entry_without_its_crc_is_refused() -> None:
+    # Every entry is written with a crc: one whose crc key was damaged is not trusted.
+    from batchq.errors import FrameError
+    from batchq.wire.codec import FrameHeader, FrameKind, encode_frame_pieces
+
+    header = FrameHeader(
+        kind=FrameKind.BATCH, run=STAGE, epoch=0, shard=0, k=3, producer="cache",
+        sources=["tree", "a0"],
+    )  # fmt: skip
+    bare = bytes(encode_frame_pieces(header, [["a", 0, None], _item(3)], checksum=False))
+    with pytest.raises(FrameError) as e:
+        decode_entry(bare, STAGE, 3)
+    assert e.value.reason == "no_checksum"
+    assert (decode_entry(bytes(encode_entry(_item(3), STAGE, 3)), STAGE, 3) == _item(3)).all()
+
+
+def test_clear_and_the_ledger_leave_a_users_folder_alone(tmp_path: Path) -> None:
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "a.jpg").write_bytes(b"x" * 5000)
+    (mine / ".tmp-123-x").write_bytes(b"y" * 10)  # named like an earlier layout's file
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    assert _write(cache, 0)
+    assert cache.bytes_held() == disk_bytes(tmp_path) > 0  # the stage's files alone
+    cache.clear()
+    assert sorted(p.name for p in mine.iterdir()) == [".tmp-123-x", "a.jpg"]
+    assert cache.bytes_held() == 0
+
+
+def test_another_stages_entry_under_the_fingerprint_is_never_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two stages a fingerprint cannot tell apart (a transform's repr hiding its
+    # parameter): the first entry a process reads is checked against a build.
+    first = StageCache(DiskCache(tmp_path), STAGE, "test", measure=False)
+    for i in range(3):
+        first.get(i, lambda i=i: _item(i))
+    again = StageCache(DiskCache(tmp_path), STAGE, "test", measure=False)
+    assert (again.get(0, lambda: _item(0)) == _item(0)).all()  # the same stage: served
+    assert again.cache_stats.hits == 1 and not again.bypassed
+    other = StageCache(DiskCache(tmp_path), STAGE, "test", measure=False)
+    with caplog.at_level(logging.WARNING, logger="producer.cache_stage"):
+        for i in range(3):
+            assert (other.get(i, lambda i=i: _item(i + 10)) == _item(i + 10)).all()
+    assert other.bypassed and other.cache_stats.hits == 0 and other.cache_stats.misses == 3
+    assert len(caplog.records) == 1 and "pass key=" in caplog.records[0].message  # once
+    # A warm process's saving is counted: the check timed a build (it read 0 before).
+    assert again.cache_stats.saved_s != 0.0
 
 
 def test_foreign_files_are_counted_never_read(tmp_path: Path) -> None:

@@ -178,6 +178,47 @@ def test_a_key_given_to_cached_names_that_stage_alone(tmp_path: Path) -> None:
             cached(stage(N), cache=cache, key=key)  # type: ignore[arg-type]
 
 
+def _brighten(k: int) -> Any:
+    def brighten(x: Any) -> Any:
+        return x * k
+
+    return brighten
+
+
+def test_subsets_splits_and_closures_are_stages_of_their_own(tmp_path: Path) -> None:
+    from torch.utils.data import ConcatDataset, Subset, random_split
+
+    whole = stage(N)
+    train, val = random_split(whole, [N // 2, N // 2], generator=torch.Generator().manual_seed(0))
+    named = [cached(part, cache=DiskCache(tmp_path), measure=False) for part in (train, val)]
+    assert named[0].fingerprint != named[1].fingerprint  # the two halves of one split
+    for ds, part in ((named[0], train), (named[1], val), (named[1], val)):
+        (image, label), (want, wanted) = ds[3], part[3]
+        assert torch.equal(image, want) and label == wanted
+    assert named[1].stats["hits"] == 1  # its own entry, not the train half's
+    other_root = Subset(stage(N, brighten=3), list(range(N // 2)))
+    first = Subset(whole, list(range(N // 2)))
+    assert cached(first).fingerprint != cached(other_root).fingerprint  # what it holds
+    both = [cached(ConcatDataset([whole, p])).fingerprint for p in (train, val)]
+    assert both[0] != both[1]
+    # A closure's values name it: brighten(2) and brighten(3) share their source.
+    halves = [cached(Stage(N, _brighten(k))).fingerprint for k in (2, 3)]
+    assert halves[0] != halves[1]
+
+
+def test_a_cache_directory_that_cannot_be_opened_builds_every_item(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")  # a file where the cache's parent folder would be (as root too)
+    ds = cached(stage(N), cache=DiskCache(blocker / "cache"), measure=False)
+    with caplog.at_level(logging.WARNING, logger="producer.cache_store"):
+        for i in (0, 1, 0):
+            assert torch.equal(ds[i][0], stage(N)[i][0])
+    assert ds.stats["hits"] == 0 and ds.stats["misses"] == 3 and ds.stats["writes"] == 0
+    assert len([r for r in caplog.records if "cannot be used" in r.message]) == 1
+
+
 def test_a_cap_of_half_the_data_keeps_a_stable_half(tmp_path: Path) -> None:
     # An entry's bytes: its frame and its index record.
     size = len(encode_entry(stage(N)[0], "f" * 64, 0, torch_cache._TENSORS)) + ENTRY_OVERHEAD

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 from producer.cache_segment import Place, entry_places
 
 
 def stage_dirs(directory: Path) -> list[Path]:
-    """The stages' directories."""
-    return sorted(p for p in directory.iterdir() if p.is_dir()) if directory.exists() else []
+    """The stages' directories (named by 32 hex digits: nothing else there is the cache's)."""
+    if not directory.exists():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and _STAGE.fullmatch(p.name))
+
+
+_STAGE = re.compile("[0-9a-f]{32}")
 
 
 def entries(directory: Path) -> dict[tuple[str, int], Place]:
