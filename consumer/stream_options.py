@@ -178,31 +178,40 @@ def find_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
     Raises:
         ConfigError: an explicit rank contradicts the initialised process group (both
-            named), a world size of its own comes without a rank, or the environment's
-            values are not integers.
+            named), a world size of its own (other than the group's or the
+            environment's) comes without a rank, a rank other than 0 without a world
+            size where none is found, or the environment's values are not integers.
     """
     group = _process_group()
     found = group or _environment()
     if found is None:
+        if world_size is None and rank not in (None, 0):
+            raise ConfigError(
+                f"rank={rank!r} without world_size, and no torch.distributed process group "
+                "or RANK and WORLD_SIZE to find it in: pass world_size= too"
+            )
         return (0 if rank is None else rank), (1 if world_size is None else world_size)
     found_rank, found_world = found
-    if group is not None:
-        if world_size is not None and world_size != found_world:
-            # Data-parallel ranks fewer than the processes (tensor or pipeline parallelism
-            # beside them): the data-parallel rank is the caller's to say.
-            if rank is None:
-                raise ConfigError(
-                    f"world_size={world_size!r} differs from the initialised torch.distributed "
-                    f"process group's ({found_world}): pass rank= too (this process's "
-                    "data-parallel rank), or leave both out"
-                )
-            return rank, world_size
-        if rank is not None and rank != found_rank:
-            raise ConfigError(
-                f"rank={rank!r} contradicts the initialised torch.distributed process group "
-                f"(rank {found_rank} of world_size {found_world}): leave rank out (it is "
-                "found there), or pass the process group's"
+    if world_size is not None and world_size != found_world:
+        # Data-parallel ranks fewer than the processes (tensor or pipeline parallelism
+        # beside them): the data-parallel rank is the caller's to say.
+        if rank is None:
+            where = (
+                "the initialised torch.distributed process group's"
+                if group is not None
+                else "the environment's WORLD_SIZE"
             )
+            raise ConfigError(
+                f"world_size={world_size!r} differs from {where} ({found_world}): pass "
+                "rank= too (this process's data-parallel rank), or leave both out"
+            )
+        return rank, world_size
+    if group is not None and rank is not None and rank != found_rank:
+        raise ConfigError(
+            f"rank={rank!r} contradicts the initialised torch.distributed process group "
+            f"(rank {found_rank} of world_size {found_world}): leave rank out (it is "
+            "found there), or pass the process group's"
+        )
     return (found_rank if rank is None else rank), (
         found_world if world_size is None else world_size
     )

@@ -69,11 +69,16 @@ def test_ranks_not_given_are_found_in_the_environment(monkeypatch: pytest.Monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert find_rank(None, None) == (0, 1)  # a single process
     assert find_rank(1, 3) == (1, 3)
+    with pytest.raises(ConfigError, match="rank=1 without world_size, and no torch"):
+        find_rank(1, None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert find_rank(None, None) == (0, 1)  # RANK and WORLD_SIZE both, or neither
     monkeypatch.setenv("RANK", "1")
     assert find_rank(None, None) == (1, 2)
     assert find_rank(0, None) == (0, 2)  # explicit arguments win
+    with pytest.raises(ConfigError, match=r"world_size=3 differs from the environment's .* \(2\)"):
+        find_rank(None, 3)  # as the process group's: its own layout needs its rank
+    assert find_rank(2, 3) == (2, 3)
     stream = ServerDataStream(("x",), queue="q")
     assert (stream.rank, stream.world_size) == (1, 2)
     monkeypatch.setenv("RANK", "one")
