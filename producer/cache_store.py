@@ -178,6 +178,7 @@ class DiskCache:
                 with self._thread_lock:
                     if self._views.get(stage[:_STAGE_DIGITS]) is view:
                         self._drop(stage)
+                self.full = False  # emptied: room again for a process that had filled it
                 buf = self._view(stage).read(index, limit)
         except OSError as e:
             log.debug("cache entry %s/%d unreadable: %s", stage[:16], index, e)

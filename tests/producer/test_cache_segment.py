@@ -353,6 +353,18 @@ def test_clear_removes_every_segment_and_a_writer_starts_a_new_one(tmp_path: Pat
     assert cache.bytes_held() == disk_bytes(tmp_path)
 
 
+def test_a_process_that_filled_the_cap_writes_again_after_another_ones_clear(
+    tmp_path: Path,
+) -> None:
+    cap = 3 * (_entry_size() + ENTRY_OVERHEAD)
+    cache = DiskCache(tmp_path, max_bytes=cap)
+    assert [_write(cache, i) for i in range(4)] == [True, True, True, False]
+    assert cache.full
+    DiskCache(tmp_path).clear()  # as another process's
+    assert _read(cache, 0) is None  # the emptied directory seen: room again
+    assert not cache.full and _write(cache, 4) and cache.bytes_held() == disk_bytes(tmp_path)
+
+
 # -- threads of one process, records that lie, writers that look dead -----------------
 
 
