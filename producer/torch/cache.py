@@ -238,7 +238,7 @@ def _parts(dataset: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     inner = getattr(dataset, "dataset", None)
     if inner is not None and inner is not dataset and hasattr(inner, "__getitem__"):
-        out["dataset"] = stage_fingerprint(inner)
+        out["dataset"] = _parts_name(inner)
     indices = getattr(dataset, "indices", None)
     if indices is not None and not isinstance(indices, str | bytes):
         try:
@@ -249,8 +249,18 @@ def _parts(dataset: Any) -> dict[str, Any]:
             out["indices"] = hashlib.sha256(flat.tobytes()).hexdigest()
     parts = getattr(dataset, "datasets", None)
     if isinstance(parts, list | tuple):
-        out["datasets"] = [stage_fingerprint(part) for part in parts]
+        out["datasets"] = [_parts_name(part) for part in parts]
     return out
+
+
+def _parts_name(part: Any) -> str:
+    """A part's fingerprint, or its type where it cannot be named (no length, a repr
+    with an address): a new refusal would fail stages named before; the first read's
+    check (``StageCache._verify``) stays."""
+    try:
+        return stage_fingerprint(part)
+    except ConfigError:
+        return describe(type(part))
 
 
 def stage_fingerprint(dataset: Any, key: str | None = None) -> str:
