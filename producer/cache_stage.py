@@ -264,7 +264,7 @@ class StageCache:
             else:
                 took = clock() - t0
                 if not self._verified:
-                    same, fresh = self._verify(index, item, build, run)
+                    same, fresh = self._verify(index, raw, build, run)
                     if not same:  # another stage's entry: the cache is off here
                         s.misses += 1
                         return fresh
@@ -278,28 +278,37 @@ class StageCache:
         return self._build(index, build, run)
 
     def _verify(
-        self, index: int, item: Any, build: Callable[[], Any], run: str
+        self, index: int, raw: bytearray, build: Callable[[], Any], run: str
     ) -> tuple[bool, Any]:
-        """Whether the first entry this process reads is what a build makes now (its
-        encoding, byte for byte), and that build. A fingerprint cannot see everything that makes a
-        stage (a subset's own rows under the same length, a parameter a transform's repr
-        leaves out, a value a closure holds): an entry of another stage under the same
-        fingerprint is caught here, and then this process stops using the cache, saying
-        so, rather than serve it. The build is timed as any (a warm process's saving
-        needs a build's time)."""
-        self._verified = True
+        """Whether the first entry this process reads (``raw``, as stored) is what a
+        build makes now, encoded the same way byte for byte; and that build. A
+        fingerprint cannot see everything that makes a stage (a subset's own rows under
+        the same length, a parameter a transform's repr leaves out): an entry of another
+        stage under the same fingerprint, where it differs at the index read, is caught
+        here, and then this process stops using the cache, saying so, rather than serve
+        it. One entry, not a proof: two stages alike at that index pass. Checked again
+        at the next hit until a comparison is made (a build that raised, another thread's
+        first hit meanwhile: each compares its own). The build is timed as any (a warm
+        process's saving needs a build's time); one that draws from the generator is the
+        stage's known fault (its first result stands: ``_check_rng`` says so)."""
+        state = self.rng_state() if self.rng_state is not None else None
         t0 = clock()
         fresh = build()
         self._builds_s.append(clock() - t0)
-        ours = encode_entry(fresh, run, index, self.leaves)
-        if bytes(ours) == bytes(encode_entry(item, run, index, self.leaves)):
+        drew = state is not None and self.rng_state is not None and self.rng_state() != state
+        if drew or bytes(raw) == bytes(encode_entry(fresh, run, index, self.leaves)):
+            if drew and state is not None:
+                self._rng_checks = max(self._rng_checks, 1)
+                self._check_rng(state)
+            self._verified = True
             return True, fresh
+        self._verified = True
         self.cache_stats.bypassed = True
         log.warning(
             "cache of %s (pid %d): entry %d differs from the item built now: another "
             "stage's entries are under this fingerprint (a subset of the same length, a "
-            "transform whose repr hides a parameter, a closure's value...); the cache is "
-            "not used here: pass key=... naming this stage",
+            "transform whose repr hides a parameter...), or the stage is not "
+            "deterministic; the cache is not used here (pass key=... naming this stage)",
             self.name,
             os.getpid(),
             index,
@@ -378,8 +387,8 @@ def _bound(function: Any) -> str:
     """The values a function holds besides its source: its defaults and its closure's
     cells (``brighten(2)`` and ``brighten(3)`` are two stages), each described (a
     function among them by its name and source only: no recursion), or by its type
-    where its repr names an address (the first read's check, ``_verify``, catches what
-    that leaves alike)."""
+    where it cannot be (a repr naming an address or raising, a value holding itself:
+    the first read's check, ``_verify``, catches what that leaves alike)."""
     held = [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).items()]
     for cell in function.__closure__ or ():
         try:
@@ -391,13 +400,23 @@ def _bound(function: Any) -> str:
     out = []
     for value in held:
         if inspect.isfunction(value):
-            out.append(f"{value.__module__}.{value.__qualname__}")
+            out.append(_named(value))
             continue
         try:
             out.append(describe(value))
-        except ConfigError:
+        except Exception:  # an address, a repr that raised, a value that holds itself
             out.append(type(value).__qualname__)
     return "(" + ", ".join(out) + ")"
+
+
+def _named(value: Any) -> str:
+    """A function or class as its module, qualname and a hash of its source."""
+    name = f"{value.__module__}.{value.__qualname__}"
+    try:
+        source = inspect.getsource(value)
+    except (OSError, TypeError):
+        return name
+    return f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
 
 
 def describe(value: Any, where: str = "") -> str:
@@ -413,15 +432,10 @@ def describe(value: Any, where: str = "") -> str:
         return "{" + items + "}"
     if type(value) in (list, tuple):
         return "[" + ", ".join(describe(v, where) for v in value) + "]"
+    if type(value) in (set, frozenset):  # sorted: a set's order differs per process
+        return "{" + ", ".join(sorted(describe(v, where) for v in value)) + "}"
     if inspect.isclass(value) or inspect.isfunction(value):
-        name = f"{value.__module__}.{value.__qualname__}"
-        try:
-            source = inspect.getsource(value)
-        except (OSError, TypeError):
-            source = ""
-        if source:
-            name = f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
-        return name + (_bound(value) if inspect.isfunction(value) else "")
+        return _named(value) + (_bound(value) if inspect.isfunction(value) else "")
     text = repr(value)
     if _ADDRESS.search(text):
         raise ConfigError(

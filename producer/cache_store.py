@@ -422,7 +422,7 @@ class DiskCache:
             self._open()
         except OSError as e:
             log.warning("cache %s cannot be used here (%s): items are built", self.directory, e)
-            self._unusable = self.full = True  # nothing is read or written
+            self._unusable = True  # in this process: nothing is read or written
             return False
         return True
 

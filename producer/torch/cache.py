@@ -12,16 +12,20 @@ The stage must be deterministic (draw nothing, depend only on ``i``): its first 
 is what later epochs get. The first few builds check that torch's generator did not
 move (a warning names the dataset otherwise).
 
-**The fingerprint** (in every entry; a stage's directory is named by it): the cache's
-``key`` when given, else a hash of the dataset's class (module, qualname, and its
-source code where Python can read it), its length, and the reprs of its ``root``,
-``transform``, ``target_transform``, ``transforms``, ``loader``, and Hugging Face's
-``cache_files`` and ``format`` (its ``set_transform``) where it has them, a function as
-its module, qualname and source (inside dicts and lists too). A repr that names a memory
-address (``<... at 0x...>``) differs per process and is refused, as is a Hugging Face
-dataset in memory (no ``cache_files``): pass ``key=``. So a changed transform, root,
-size or class never serves stale data; what these do not show (files replaced in place
-under the same names, a changed helper the class calls) needs a new ``key``.
+**The fingerprint** (in every entry; a stage's directory is named by it): the stage's
+``key`` when given (``cached(..., key=)``, else the cache's), else a hash of the
+dataset's class (module, qualname, and its source code where Python can read it), its
+length, and the reprs of its ``root``, ``transform``, ``target_transform``,
+``transforms``, ``loader``, and Hugging Face's ``cache_files`` and ``format`` (its
+``set_transform``) where it has them, a function as its module, qualname and source
+with its defaults and closure values (inside dicts and lists too), a ``Subset``'s
+dataset and indices, a ``ConcatDataset``'s datasets. A repr that names a memory address
+(``<... at 0x...>``) differs per process and is refused, as is a Hugging Face dataset in
+memory (no ``cache_files``): pass ``key=``. What these do not show (a parameter a repr
+leaves out, files replaced in place under the same names, a changed helper the class
+calls) is caught where the first entry a process reads differs from a build
+(:meth:`producer.cache_stage.StageCache.get`: that process then builds every item);
+beyond that, it needs a new ``key``.
 
 **Cache or not, measured** (:mod:`producer.cache_stage`, shared with the Fuel variant):
 each process stops using a cache whose reads are no faster than its builds.
@@ -240,13 +244,18 @@ def _parts(dataset: Any) -> dict[str, Any]:
     if inner is not None and inner is not dataset and hasattr(inner, "__getitem__"):
         out["dataset"] = _parts_name(inner)
     indices = getattr(dataset, "indices", None)
-    if indices is not None and not isinstance(indices, str | bytes):
+    if isinstance(indices, range):  # by its ends, not its (maybe billions of) items
+        out["indices"] = f"range({indices.start}, {indices.stop}, {indices.step})"
+    elif indices is not None and not isinstance(indices, str | bytes):
         try:
-            flat = np.asarray(indices, dtype=np.int64)
-        except (TypeError, ValueError):
+            flat = np.asarray(indices)
+        except Exception:  # not an array's: named by its type
             flat = None
-        if flat is not None:
-            out["indices"] = hashlib.sha256(flat.tobytes()).hexdigest()
+        out["indices"] = (
+            hashlib.sha256(f"{flat.dtype.str}{flat.shape}".encode() + flat.tobytes()).hexdigest()
+            if flat is not None and flat.dtype.kind in "biufUS"
+            else describe(type(indices))
+        )
     parts = getattr(dataset, "datasets", None)
     if isinstance(parts, list | tuple):
         out["datasets"] = [_parts_name(part) for part in parts]
@@ -259,7 +268,7 @@ def _parts_name(part: Any) -> str:
     check (``StageCache._verify``) stays."""
     try:
         return stage_fingerprint(part)
-    except ConfigError:
+    except Exception:  # no length, an address, a part that holds the whole...
         return describe(type(part))
 
 

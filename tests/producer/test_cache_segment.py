@@ -11,6 +11,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import types
 from pathlib import Path
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 from cache_layout import disk_bytes, entries, files, overwrite, stage_dirs
 
-from producer import cache_segment, cache_store
+from producer import cache_segment, cache_stage, cache_store
 from producer.cache_entry import decode_entry, encode_entry
 from producer.cache_segment import (
     INDEX_NAME,
@@ -187,8 +189,46 @@ def test_another_stages_entry_under_the_fingerprint_is_never_served(
             assert (other.get(i, lambda i=i: _item(i + 10)) == _item(i + 10)).all()
     assert other.bypassed and other.cache_stats.hits == 0 and other.cache_stats.misses == 3
     assert len(caplog.records) == 1 and "pass key=" in caplog.records[0].message  # once
-    # A warm process's saving is counted: the check timed a build (it read 0 before).
-    assert again.cache_stats.saved_s != 0.0
+
+
+def test_the_first_reads_check_passes_the_same_stage_whatever_its_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A size-1 axis's stride is arbitrary: the entry read back has another than the
+    # item built (a CHW image made from HWC, then batched: permute, then unsqueeze).
+    def image(i: int) -> np.ndarray[Any, Any]:
+        return np.full((4, 5, 3), i, dtype=np.uint8).transpose(2, 0, 1)[None]
+
+    first = StageCache(DiskCache(tmp_path), STAGE, "test", measure=False)
+    first.get(0, lambda: image(0))
+    now = [0.0]
+    monkeypatch.setattr(cache_stage, "clock", lambda: now[0])
+
+    def build() -> np.ndarray[Any, Any]:
+        now[0] += 1.0  # a build takes 1 s on this clock, a read nothing
+        return image(0)
+
+    again = StageCache(DiskCache(tmp_path), STAGE, "test", measure=False)
+    assert (again.get(0, build) == image(0)).all()
+    assert again.cache_stats.hits == 1 and not again.bypassed
+    assert again.cache_stats.saved_s == 1.0  # a warm process's saving, timed by the check
+
+
+def test_a_function_holding_a_set_is_named_alike_in_every_process() -> None:
+    code = (
+        "from producer.cache_stage import describe\n"
+        "def scale(x, names=frozenset({'red', 'green', 'blue', 'alpha'})):\n"
+        "    return x\n"
+        "print(describe(scale))"
+    )
+    names = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }  # fmt: skip
+    assert len(names) == 1 and "alpha" in names.pop()
 
 
 def test_foreign_files_are_counted_never_read(tmp_path: Path) -> None:
