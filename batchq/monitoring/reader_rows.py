@@ -136,20 +136,40 @@ def reader_fields(snap: QueueSnapshot, reader: Reader) -> dict[str, Any]:
 
 def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer. A rank
-    whose list is near its cap with no trainer while another rank reads is ``unread``."""
+    whose list is near its cap while another rank reads (its figures fresh) is
+    ``unread`` where no trainer reads it: none holds its claim, or the one that holds it
+    has sent no figures for ``FIGURES_FRESH_S`` (a loop that reads on one rank only)."""
     rows = [{"rank": rank.rank, **reader_fields(snap, rank)} for rank in snap.ranks]
-    reading = [r["rank"] for r in rows if r["trainer"] == "attached"]
+    attached = [r for r in rows if r["trainer"] == "attached"]
     for row in rows:
-        if row["trainer"] == "detached" and reading and near_cap(row["depth"], snap.hwm):
-            names = ", ".join(str(r) for r in reading)
-            row["verdict"] = "unread"
-            row["verdict_reason"] = (
-                f"its list is full ({row['depth']}/{snap.hwm}) and no trainer reads it while "
-                f"rank {names} reads: its share of the epoch goes unread (a wrapper that "
-                "reads on one rank only, such as Accelerate's DataLoaderDispatcher, or a "
-                "rank that never started)"
-            )
+        if not near_cap(row["depth"], snap.hwm):
+            continue
+        if row["trainer"] == "detached":
+            others = [r["rank"] for r in attached]
+            why = "no trainer reads it"
+        elif row["trainer"] == "attached" and not _fresh(row):
+            others = [r["rank"] for r in attached if r is not row and _fresh(r)]
+            age = row["figures_age_s"]
+            since = "yet" if age is None else f"for {age:.0f} s"
+            why = f"its trainer holds its claim but has sent no figures {since}"
+        else:
+            continue
+        if not others:
+            continue
+        names = ", ".join(str(r) for r in others)
+        row["verdict"] = "unread"
+        row["verdict_reason"] = (
+            f"its list is full ({row['depth']}/{snap.hwm}) and {why} while rank {names} "
+            "reads: its share of the epoch goes unread (a wrapper that reads on one rank "
+            "only, such as Accelerate's DataLoaderDispatcher, or a rank that never started)"
+        )
     return rows
+
+
+def _fresh(row: dict[str, Any]) -> bool:
+    """Whether a reader's row carries figures its trainer sent within FIGURES_FRESH_S."""
+    age = row["figures_age_s"]
+    return age is not None and age <= FIGURES_FRESH_S
 
 
 def slowest_rank(rows: list[dict[str, Any]]) -> int | None:

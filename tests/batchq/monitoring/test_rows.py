@@ -441,3 +441,29 @@ def test_status_counts_the_segments_in_the_folder_it_is_given(
     assert main([*argv, "--shm-dir", str(tmp_path)]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["shm_segments"] == 1 and row["shm_bytes"] >= 8192
+
+
+def test_a_rank_holding_its_claim_but_sending_nothing_while_another_reads_is_unread(
+    redis_client: redis.Redis, queue_name: str
+) -> None:
+    # Issue 39: a loop that reads on rank 0 only, rank 1's stream made and kept open: its
+    # claim lives (its reader keeps it) but its trainer takes nothing.
+    keys = QueueKeys(queue_name)
+    sec, usec = redis_client.time()
+    now_ms = sec * 1000 + usec // 1000
+    deadline = now_ms + 60_000
+    redis_client.hset(
+        keys.meta,
+        mapping={"run": "r", "hwm": 4, "world": 2, "claim_deadline:0": deadline,
+                 "claim_deadline:1": deadline},
+    )  # fmt: skip
+    redis_client.lpush(keys.data_of(0, 2), _frame())
+    redis_client.lpush(keys.data_of(1, 2), *[_frame()] * 4)
+    redis_client.hset(keys.trainer_of(0, 2), "updated_ms", now_ms)  # rank 0 reads
+    redis_client.hset(keys.trainer_of(1, 2), "updated_ms", now_ms - 60_000)
+    rows = status_rows(redis_client, [queue_name])[0]["ranks"]
+    assert [r["trainer"] for r in rows] == ["attached", "attached"]
+    assert rows[0]["verdict"] != "unread" and rows[1]["verdict"] == "unread"
+    assert "holds its claim but has sent no figures for 60 s" in rows[1]["verdict_reason"]
+    redis_client.hset(keys.trainer_of(1, 2), "updated_ms", now_ms)  # it reads after all
+    assert status_rows(redis_client, [queue_name])[0]["ranks"][1]["verdict"] != "unread"
