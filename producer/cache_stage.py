@@ -290,19 +290,17 @@ class StageCache:
         at the next hit until a comparison is made (a build that raised, another thread's
         first hit meanwhile: each compares its own). The build is timed as any (a warm
         process's saving needs a build's time); one that draws from the generator is the
-        stage's known fault (its first result stands: ``_check_rng`` says so)."""
-        state = self.rng_state() if self.rng_state is not None else None
+        stage's known fault (its first result stands: ``_warn_drew`` says so)."""
+        state = self.rng_state() if self._rng_checks and self.rng_state else None
         t0 = clock()
         fresh = build()
         self._builds_s.append(clock() - t0)
-        drew = state is not None and self.rng_state is not None and self.rng_state() != state
-        if drew or bytes(raw) == bytes(encode_entry(fresh, run, index, self.leaves)):
-            if drew and state is not None:
-                self._rng_checks = max(self._rng_checks, 1)
-                self._check_rng(state)
-            self._verified = True
+        self._verified = True  # a comparison is made (after the build: it may raise)
+        if state is not None and self.rng_state is not None and self.rng_state() != state:
+            self._warn_drew()
             return True, fresh
-        self._verified = True
+        if bytes(raw) == bytes(encode_entry(fresh, run, index, self.leaves)):
+            return True, fresh
         self.cache_stats.bypassed = True
         log.warning(
             "cache of %s (pid %d): entry %d differs from the item built now: another "
@@ -373,14 +371,19 @@ class StageCache:
     def _check_rng(self, before: bytes) -> None:
         self._rng_checks -= 1
         if self.rng_state is not None and self.rng_state() != before:
-            self._rng_checks = 0
-            log.warning(
-                "the cached stage %s drew from %s while building an item: it is not "
-                "deterministic, and its first result is what later epochs get (move the "
-                "random part after the cache)",
-                self.name,
-                self.rng_name,
-            )
+            self._warn_drew()
+
+    def _warn_drew(self) -> None:
+        """Say that the stage drew from the generator while building (once: no check
+        is made after)."""
+        self._rng_checks = 0
+        log.warning(
+            "the cached stage %s drew from %s while building an item: it is not "
+            "deterministic, and its first result is what later epochs get (move the "
+            "random part after the cache)",
+            self.name,
+            self.rng_name,
+        )
 
 
 def _bound(function: Any) -> str:

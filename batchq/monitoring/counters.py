@@ -15,7 +15,7 @@ from typing import Any
 
 from batchq.monitoring.sizing import ratio
 from batchq.monitoring.snapshot import QueueSnapshot
-from batchq.monitoring.verdict import FIGURES_FRESH_S
+from batchq.monitoring.verdict import figures_fresh
 from batchq.protocol.fields import (
     MetaField,
     ProducerFigure,
@@ -88,7 +88,7 @@ def figure_fields(snap: QueueSnapshot) -> dict[str, Any]:
     epoch_batches = as_int(snap.meta.get(MetaField.EPOCH_BATCHES))
     return {
         "figures_age_s": age,
-        "figures_fresh": age is not None and age <= FIGURES_FRESH_S,
+        "figures_fresh": figures_fresh(age),
         "stall": snap.figure(f.STALL_FRACTION_RECENT),
         "stall_epoch": snap.figure(f.STALL_FRACTION_EPOCH),
         "trainer_batches_per_s": snap.figure(f.BATCHES_PER_S),

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from batchq.monitoring.reader_snapshots import GroupSnapshot
 from batchq.monitoring.snapshot import QueueSnapshot
-from batchq.monitoring.verdict import FIGURES_FRESH_S, judge, near_cap, recent_depths
+from batchq.monitoring.verdict import figures_fresh, judge, near_cap, recent_depths
 from batchq.protocol.fields import MetaField, StatsField, TrainerField
 from batchq.protocol.groups import lag_batches
 from batchq.protocol.words import as_int
@@ -110,7 +110,7 @@ def reader_fields(snap: QueueSnapshot, reader: Reader) -> dict[str, Any]:
     figure, depth, state = reader.figure, reader.depth, _state(snap, reader)
     updated = figure(TrainerField.UPDATED_MS)
     age = None if updated is None else max(0.0, (snap.now_ms - updated) / 1000)
-    fresh = age is not None and age <= FIGURES_FRESH_S
+    fresh = figures_fresh(age)
     stall = figure(TrainerField.STALL_FRACTION_RECENT)
     verdict, reason = judge(
         trainer=state,
@@ -136,19 +136,21 @@ def reader_fields(snap: QueueSnapshot, reader: Reader) -> dict[str, Any]:
 
 def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
     """One object per rank (:data:`RANK_FIELDS`); empty for a single trainer. A rank
-    whose list is near its cap while another rank reads (its figures fresh) is
-    ``unread`` where no trainer reads it: none holds its claim, or the one that holds it
-    has sent no figures for ``FIGURES_FRESH_S`` (a loop that reads on one rank only)."""
+    whose list is near its cap while another rank reads is ``unread`` where no trainer
+    reads it: none holds its claim, or the one that holds it has sent no figures lately
+    (:func:`~batchq.monitoring.verdict.figures_fresh`) while another's are fresh (a loop
+    that reads on one rank only)."""
     rows = [{"rank": rank.rank, **reader_fields(snap, rank)} for rank in snap.ranks]
     attached = [r for r in rows if r["trainer"] == "attached"]
+    sending = [r for r in attached if figures_fresh(r["figures_age_s"])]
     for row in rows:
         if not near_cap(row["depth"], snap.hwm):
             continue
         if row["trainer"] == "detached":
             others = [r["rank"] for r in attached]
             why = "no trainer reads it"
-        elif row["trainer"] == "attached" and not _fresh(row):
-            others = [r["rank"] for r in attached if r is not row and _fresh(r)]
+        elif row["trainer"] == "attached" and row not in sending:
+            others = [r["rank"] for r in sending]
             age = row["figures_age_s"]
             since = "yet" if age is None else f"for {age:.0f} s"
             why = f"its trainer holds its claim but has sent no figures {since}"
@@ -164,12 +166,6 @@ def rank_rows(snap: QueueSnapshot) -> list[dict[str, Any]]:
             "only, such as Accelerate's DataLoaderDispatcher, or a rank that never started)"
         )
     return rows
-
-
-def _fresh(row: dict[str, Any]) -> bool:
-    """Whether a reader's row carries figures its trainer sent within FIGURES_FRESH_S."""
-    age = row["figures_age_s"]
-    return age is not None and age <= FIGURES_FRESH_S
 
 
 def slowest_rank(rows: list[dict[str, Any]]) -> int | None:

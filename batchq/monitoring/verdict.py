@@ -64,6 +64,7 @@ __all__ = [
     "TRANSPORT_SHORTFALL",
     "VERDICTS",
     "cause",
+    "figures_fresh",
     "judge",
     "near_cap",
     "recent_depths",
@@ -73,6 +74,14 @@ __all__ = [
 STALL_INPUT_BOUND = 0.10
 #: The trainer writes its figures about once a second while it pops; older ones are stale.
 FIGURES_FRESH_S = 10.0
+
+
+def figures_fresh(age_s: float | None) -> bool:
+    """Whether a trainer's figures of that age (None: none sent) are recent enough to
+    judge by (:data:`FIGURES_FRESH_S`)."""
+    return age_s is not None and age_s <= FIGURES_FRESH_S
+
+
 #: How far back history samples count as "recent" for the depth median.
 RECENT_S = 15.0
 #: Every verdict judge() may return.

@@ -22,7 +22,16 @@ from typing import Any
 
 import pytest
 import redis
-from data_parallel import BATCH, EXAMPLES, check_epoch, plans, rank_argv, shares
+from data_parallel import (
+    BATCH,
+    EXAMPLES,
+    check_epoch,
+    checkpoint_ranks,
+    plans,
+    rank_argv,
+    shares,
+    spawn_ranks,
+)
 from train import lines
 from waiting import wait_until
 
@@ -52,13 +61,10 @@ def striped(redis_client: redis.Redis, queue_name: str) -> Any:
 def group_job(
     spawn_proc: Any, url: str, queue: str, outs: list[Path], group: str, epochs: int = EPOCHS
 ) -> list[Any]:
-    """The ranks of one group (none: the default group) as trainer processes."""
+    """The ranks of one group (none: the default group) as trainer processes, each
+    finishing its group at the end."""
     named = ["--group", group] if group else []
-    argvs = [
-        rank_argv(url, queue, out, epochs, r, len(outs), "--finish", *named)
-        for r, out in enumerate(outs)
-    ]
-    return [spawn_proc(argv) for argv in argvs]
+    return spawn_ranks(spawn_proc, url, queue, outs, epochs, "--finish", *named)
 
 
 def check_group(outs: list[Path]) -> None:
@@ -187,17 +193,11 @@ def test_a_groups_ranks_resume_a_checkpoint_on_a_striped_queue_whose_runs_are_go
     env = serve_env(examples=EXAMPLES, batch_size=BATCH, slow_ms=5)
     serve = serve_argv("--hwm", "4", "--stripes", str(STRIPES), "--heartbeat-ttl-s", "2")
     producers = [spawn_proc(serve, env=env) for _ in range(2)]
-    outs = [tmp_path / f"a{r}.jsonl" for r in range(2)]
-    states = [tmp_path / f"s{r}.json" for r in range(2)]
-    first = [
-        spawn_proc(rank_argv(redis_url, queue_name, outs[r], EPOCHS, r, 2, "--group", "a",
-                             "--stop-after", "5", "--state-out", str(states[r])))
-        for r in range(2)
-    ]  # fmt: skip
-    for proc in first:
-        assert proc.wait(timeout=60) == 3
+    outs, states = checkpoint_ranks(
+        spawn_proc, redis_url, queue_name, tmp_path, EPOCHS, 2, 5, "--group", "a"
+    )
     saved = tmp_path / "all.json"
-    saved.write_text(json.dumps([json.loads(s.read_text()) for s in states]))
+    saved.write_text(json.dumps(states))
     for proc in producers:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -205,11 +205,10 @@ def test_a_groups_ranks_resume_a_checkpoint_on_a_striped_queue_whose_runs_are_go
         delete_queue(redis_client, keys.queue)
     producers = [spawn_proc(serve, env=env) for _ in range(2)]
     outs_b = [tmp_path / f"b{r}.jsonl" for r in range(2)]
-    second = [
-        spawn_proc(rank_argv(redis_url, queue_name, outs_b[r], EPOCHS, r, 2, "--group", "a",
-                             "--finish", "--state-in", str(saved)))
-        for r in range(2)
-    ]  # fmt: skip
+    second = spawn_ranks(
+        spawn_proc, redis_url, queue_name, outs_b, EPOCHS, "--finish", "--group", "a",
+        "--state-in", str(saved),
+    )  # fmt: skip
     for proc in second:
         assert proc.wait(timeout=90) == 0
     # Epoch 0 is the first job's 5 batches a rank and the resumed rest; then every epoch.

@@ -48,13 +48,21 @@ def spawn_ranks(
 
 
 def checkpoint_ranks(
-    spawn_proc: Any, url: str, queue: str, tmp: Path, epochs: int, world: int, stop: int
+    spawn_proc: Any,
+    url: str,
+    queue: str,
+    tmp: Path,
+    epochs: int,
+    world: int,
+    stop: int,
+    *extra: str,
 ) -> tuple[list[Path], list[dict[str, Any]]]:
-    """Ranks that read ``stop`` batches each, saving their states, then stop."""
+    """Ranks that read ``stop`` batches each, saving their states, then stop (``extra``:
+    more of train.py's arguments, for every rank)."""
     outs = [tmp / f"a{r}.jsonl" for r in range(world)]
     states = [tmp / f"s{r}.json" for r in range(world)]
     procs = spawn_ranks(
-        spawn_proc, url, queue, outs, epochs, "--stop-after", str(stop),
+        spawn_proc, url, queue, outs, epochs, "--stop-after", str(stop), *extra,
         per_rank=lambda r: ["--state-out", str(states[r])],
     )  # fmt: skip
     for proc in procs:
