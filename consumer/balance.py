@@ -38,11 +38,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from batchq.client.connection import call
 from batchq.errors import RankLost
 from batchq.protocol.keys import QueueKeys
-from batchq.protocol.layout import count_value, counts_field, parse_count_value
+from batchq.protocol.layout import (
+    count_value,
+    counts_field,
+    parse_count_value,
+    parse_shard_count,
+    shard_count_field,
+)
 from batchq.protocol.ranks import RankLayout
 from batchq.wire.codec import Frame
 
@@ -65,6 +72,11 @@ class Balancer:
         keep: how many of its first batches a rank keeps to pad with.
         counted: every rank's batches of an epoch where the plan fixes them (None where
             they are only known as the epoch is read).
+        shards: the rank's local shards per epoch (P).
+        ordered: whether the rank yields its shards in plan order: then, where the plan
+            cannot count them, it publishes each local shard's batches as it passes it
+            (:meth:`publish_shards`), from which one rank's state rebuilds every rank's
+            position (consumer/rank_state.py).
     """
 
     def __init__(
@@ -77,9 +89,13 @@ class Balancer:
         timeout_s: float,
         keep: int,
         counted: Callable[[int], list[int] | None] = lambda epoch: None,
+        shards: int = 0,
+        ordered: bool = False,
     ) -> None:
         self.client = client
         self.counted = counted
+        self.shards = shards
+        self.ordered = ordered
         self.keys = keys
         self.rank = rank
         self.world = world
@@ -126,14 +142,62 @@ class Balancer:
             time.sleep(POLL_S)
 
     def start_epoch(self, epoch: int) -> None:
-        """Forget this rank's counts of epochs before the previous one."""
+        """Forget this rank's counts of epochs before the previous one (a state of the
+        previous one may still need its shard counts: the others may be inside it)."""
         self.pad_shards = []
         if epoch >= 2:
+            old = [counts_field(epoch - 2, self.rank)]
+            if self.publishes(epoch - 2):
+                old += [shard_count_field(epoch - 2, self.rank, j) for j in range(self.shards)]
             call(
-                lambda: self.client.hdel(self.keys.counts, counts_field(epoch - 2, self.rank)),
+                lambda: self.client.hdel(self.keys.counts, *old),
                 "dropping old counts",
                 self.client,
             )
+
+    def publishes(self, epoch: int) -> bool:
+        """Whether this rank publishes its shard counts of ``epoch``: it yields in plan
+        order and the plan cannot count them (a Filter, shards skipped on an error)."""
+        return self.ordered and self.shards > 0 and self.counted(epoch) is None
+
+    def publish_shards(self, epoch: int, first: int, counts: list[int]) -> None:
+        """Say the batches of this rank's local shards ``first``, ``first + 1``, ... of
+        ``epoch``. Called before the rank yields a batch past them, so that by the time
+        any rank saves a step (DDP's ranks step together) every rank said the counts of
+        the shards its batches up to that step passed."""
+        fields: dict[FieldT, EncodableT] = {
+            shard_count_field(epoch, self.rank, first + i): n for i, n in enumerate(counts)
+        }
+        call(
+            lambda: self.client.hset(self.keys.counts, mapping=fields),
+            "publishing the rank's shard counts",
+            self.client,
+        )
+
+    def shard_counts(self, epoch: int) -> list[list[int]] | None:
+        """Every rank's published shard counts of ``epoch``: per rank the batches of its
+        local shards 0, 1, ... as far as it said them (None where they are not published:
+        the plan counts them, or the rank yields in arrival order). One read, no wait."""
+        if not self.publishes(epoch):
+            return None
+        names = [
+            shard_count_field(epoch, r, j) for r in range(self.world) for j in range(self.shards)
+        ]
+        values: list[Any] = call(
+            lambda: self.client.hmget(self.keys.counts, names),
+            "reading the ranks' shard counts",
+            self.client,
+        )
+        out = []
+        for r in range(self.world):
+            known = []
+            for value in values[r * self.shards : (r + 1) * self.shards]:
+                n = parse_shard_count(value) if value is not None else None
+                if n is None:
+                    break
+                known.append(n)
+            out.append(known)
+        return out
 
     def balance(
         self, epoch: int, frames: Iterator[Frame], cut: Callable[[], None], already: int = 0
@@ -275,6 +339,7 @@ def even_counts(
     *,
     figures: tuple[int, int] | None = None,
     remap: tuple[int, list[list[int]]] | None = None,
+    ordered: bool = False,
 ) -> Balancer | StaticPads | None:
     """How this rank's counts come out equal: by the slots alone where every shard is one
     batch (pads counted as they are yielded; None where there are none), else by telling
@@ -287,6 +352,8 @@ def even_counts(
         remap: the epoch re-split for another world this rank resumed in, and its remap
             (slot -> [shard, batches had]): that epoch's counts are each slot's shard's
             less what was had of it.
+        ordered: the rank yields in plan order (it then publishes its shard counts where
+            the plan cannot count them: :meth:`Balancer.publish_shards`).
     """
     if layout.world == 1:
         return None
@@ -300,8 +367,9 @@ def even_counts(
         return remapped if remap is not None and epoch == remap[0] else totals
 
     return Balancer(
-        client, keys, rank, layout.world, layout.even, timeout_s, keep=keep, counted=counted
-    )
+        client, keys, rank, layout.world, layout.even, timeout_s, keep=keep, counted=counted,
+        shards=layout.per_rank, ordered=ordered,
+    )  # fmt: skip
 
 
 def _remap_totals(

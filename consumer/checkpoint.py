@@ -29,6 +29,12 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
     shard_batches B, batches per full shard; epoch_batches: E, batches per epoch
                   (the last shard holds E - (S - 1) x B): each rank's position is
                   rebuilt from them (consumer/rank_state.py ``rank_position``)
+  where the plan cannot count its shards (a Filter, shards skipped on an error) and
+  ordered=True (every_rank too) it adds ``yielding`` and:
+    shard_counts  per rank, the batches of its local shards 0, 1, ... of that epoch as
+                  far as the rank had published them when the state was taken (every
+                  shard its batches up to this step passed: ranks step together), from
+                  which each rank's position is rebuilt
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
                   (a shard's later slots are pads), kept while in that epoch
@@ -54,7 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from batchq.client.connection import retrying
@@ -87,6 +93,7 @@ __all__ = [
     "RUN_KEY",
     "SHARDS_KEY",
     "SHARD_BATCHES_KEY",
+    "SHARD_COUNTS_KEY",
     "STATE_VERSION",
     "STEP_KEY",
     "VERSION_KEY",
@@ -126,6 +133,7 @@ STEP_KEY = "step"
 EVERY_RANK_KEY = "every_rank"
 YIELDING_KEY = "yielding"
 SHARD_BATCHES_KEY = "shard_batches"
+SHARD_COUNTS_KEY = "shard_counts"
 EPOCH_BATCHES_KEY = "epoch_batches"
 REMAP_KEY = "remap"
 RESPLIT_KEY = "resplit"
@@ -210,15 +218,24 @@ def _rank_part(
     plan_shards: int,
     step: int,
     yielding: tuple[int, int],
+    published: Callable[[int], list[list[int]] | None] | None,
 ) -> dict[str, Any]:
     """A rank's fields, marked every_rank where its position stands for every rank's;
-    where only the plan's last shard is short, with what rebuilds each rank's."""
+    where only the plan's last shard is short, with what rebuilds each rank's; where
+    the plan cannot count its shards, with every rank's published shard counts."""
     # A shard skipped on a producer's error holds fewer batches than the plan says.
-    short = options.ordered and options.on_producer_error != "skip" and _last_short(plan, remapped)
-    every = options.ordered and (short or _slots_alike(plan, remapped))
+    trusted = options.ordered and options.on_producer_error != "skip"
+    short = trusted and _last_short(plan, remapped)
+    every = trusted and (short or _slots_alike(plan, remapped))
+    counts = None
+    if options.ordered and not every and not remapped and published is not None:
+        counts = published(yielding[0])
     fields = rank_fields(
-        options.rank, options.world_size, options.even_batches, plan_shards, step, every
-    )
+        options.rank, options.world_size, options.even_batches, plan_shards, step,
+        every or counts is not None,
+    )  # fmt: skip
+    if counts is not None:
+        return fields | {YIELDING_KEY: list(yielding), SHARD_COUNTS_KEY: counts}
     if not short or plan is None:
         return fields
     return fields | {
@@ -254,6 +271,7 @@ def stream_state(
     params: list[dict[str, Any]] | None,
     resumed: dict[str, Any] | None = None,
     yielding: tuple[int, int] = (0, 0),
+    published: Callable[[int], list[list[int]] | None] | None = None,
 ) -> dict[str, Any]:
     """The state of a stream of ``options`` at ``position`` in ``run`` (the buffer's
     ``consumed``: the epoch, shard -> batches yielded of it, its shards done): a rank
@@ -266,7 +284,10 @@ def stream_state(
         params: the params log as JSON (None: never changed).
         resumed: the state the stream resumed from (None: none).
         yielding: the epoch the rank is yielding and the batches it yielded of it (run-time
-            pads included), written where only the plan's last shard is short.
+            pads included), written where only the plan's last shard is short, or where
+            ``published`` gives every rank's shard counts.
+        published: every rank's published shard counts of an epoch (None: not
+            published; :meth:`consumer.balance.Balancer.shard_counts`).
     """
     epoch, counts, done = position
     fingerprint = plan.fingerprint if plan else ""
@@ -277,7 +298,7 @@ def stream_state(
         # A rank past the re-split epoch whose batches the others may still yield (its
         # run-time pads: ``yielding`` is still of it) stands for no other rank either.
         inside = remap_epoch in (epoch, yielding[0])
-        state |= _rank_part(options, plan, inside, plan_shards, step, yielding)
+        state |= _rank_part(options, plan, inside, plan_shards, step, yielding, published)
     if remapped and resumed is not None:
         # The epoch's slots build the remapped shards: a resume from here needs the map.
         state[REMAP_KEY] = resumed[REMAP_KEY]
@@ -342,10 +363,9 @@ def check_rank_state(state: dict[str, Any], rank: int, world: int) -> None:
         raise ConfigError(
             f"state of rank {saved_rank!r} of world_size {saved_world!r} given to rank "
             f"{rank} of world_size {world}: expected this rank's own state, or the list of "
-            "every rank's (one rank's state stands for every rank where the plan counts "
-            "every shard's batches, B each with a last one of B or fewer, and "
-            "ordered=True: not with a Filter or ordered=False; see 'every_rank' in the "
-            "README)"
+            "every rank's (one rank's state stands for every rank with ordered=True, "
+            "outside an epoch re-split for another world: not with ordered=False; see "
+            "'every_rank' in the README)"
         )
     step = state.get(STEP_KEY, 0)
     if not isinstance(step, int) or step < 0:

@@ -131,6 +131,22 @@ class EpochFeed:
             return epoch + 1, 0
         return epoch, n - held_back
 
+    def _publishing(self, epoch: int, frames: Iterator[Frame], evener: Balancer) -> Iterator[Frame]:
+        """The rank's own frames of ``epoch`` as they are, its shards' counts published
+        (as far as the ledger knows them) before a frame that passes a shard not said
+        yet, or that is its shard's last; the rest (empty shards) once the share ended."""
+        said = 0  # the local shards whose counts were published: 0 .. said - 1
+        for frame in frames:
+            if frame.shard > said or (frame.last and frame.shard == said):
+                counts = self.buffer.known_counts(said)
+                if counts:
+                    evener.publish_shards(epoch, said, counts)
+                    said += len(counts)
+            yield frame
+        counts = self.buffer.known_counts(said)
+        if counts:
+            evener.publish_shards(epoch, said, counts)
+
     def frames(
         self,
         epoch: int,
@@ -168,6 +184,8 @@ class EpochFeed:
         frames = batch_frames(buffer, self.alive, skip_errors=skip_errors, queue=queue)
         if self.evener is not None:
             self.evener.start_epoch(epoch)
+            if isinstance(self.evener, Balancer) and self.evener.publishes(epoch):
+                frames = self._publishing(epoch, frames, self.evener)
             frames = self.evener.balance(epoch, frames, buffer.cut_epoch, already)
         handed_out: float | None = None  # when the previous batch left this generator
         try:

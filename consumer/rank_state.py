@@ -31,6 +31,7 @@ from consumer.checkpoint import (
     RESPLIT_KEY,
     RUN_KEY,
     SHARD_BATCHES_KEY,
+    SHARD_COUNTS_KEY,
     SHARDS_KEY,
     STATE_VERSION,
     STEP_KEY,
@@ -140,15 +141,16 @@ def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> d
     """Rank ``rank``'s state at the step of ``state``, a state marked ``every_rank``.
 
     Where every slot holds as many batches, every rank's position is the state's own.
-    Where only the plan's last shard is short (the state carries ``yielding`` = [epoch,
-    k] and the plan's B and E), rank ``rank``'s is rebuilt: in plan order it had its
-    local shards' batches up to k (a shard builds B, the last one E - (S - 1) x B). Once
-    k reaches the epoch's count (the most any rank holds under 'pad', the fewest under
-    'drop') the epoch was handed out: the next one, empty. For a ``re_split`` (a new
-    world, :func:`elastic_state`) a rank whose share is done while the others read on
-    (its run-time pads) is in the epoch with every local shard done, so that every old
-    rank's state is of that one epoch. Outside a re-split the saving rank keeps its own
-    state.
+    Where shards differ (the state carries ``yielding`` = [epoch, k], and the plan's B
+    and E where only its last shard is short, else every rank's published shard
+    counts), rank ``rank``'s is rebuilt: in plan order it had its local shards' batches
+    up to k (a shard builds B, the last one E - (S - 1) x B; or its published count; past
+    the shards it had published, it is in the next one). Once k reaches the epoch's
+    count (the most any rank holds under 'pad', the fewest under 'drop') the epoch was
+    handed out: the next one, empty. For a ``re_split`` (a new world,
+    :func:`elastic_state`) a rank whose share is done while the others read on (its
+    run-time pads) is in the epoch with every local shard done, so that every old rank's
+    state is of that one epoch. Outside a re-split the saving rank keeps its own state.
 
     Raises:
         ConfigError: the state's figures are not a valid plan; or, outside a re-split,
@@ -158,54 +160,84 @@ def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> d
     """
     if YIELDING_KEY not in state:
         return state | {RANK_KEY: rank}
-    layout, shares = _slot_batches(state)
-    count = layout.epoch_count(shares)
+    layout, shares, whole = _slot_batches(state)
     epoch, k = state[YIELDING_KEY]
-    if not re_split:
-        _refuse_inside_pads(shares, count, epoch, k)
+    ended = _handed_out(layout, shares, whole, k)
+    if not re_split and not ended:
+        _refuse_inside_pads(shares, whole, epoch, k)
     if state.get(RANK_KEY) == rank and not re_split:
         return state | {RANK_KEY: rank}
-    if k >= count or (k >= sum(shares[rank]) and not re_split):
+    if ended:
         return state | {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: [], RANK_KEY: rank}
-    return state | _position_at(shares[rank], k) | {EPOCH_KEY: epoch, RANK_KEY: rank}
+    return (
+        state | _position_at(shares[rank], k, layout.per_rank) | {EPOCH_KEY: epoch, RANK_KEY: rank}
+    )
 
 
-def _refuse_inside_pads(shares: list[list[int]], count: int, epoch: int, k: int) -> None:
+def _handed_out(layout: RankLayout, shares: list[list[int]], whole: list[bool], k: int) -> bool:
+    """Whether an epoch whose ranks' local shards hold ``shares`` batches (``whole``: a
+    rank's list is its whole share, not only the shards it had said) was handed out
+    after k batches: k reached its count. Under 'drop' no rank yields past the fewest, so
+    one whole share of k or fewer ends it; under 'pad' every share must be known."""
+    totals = [sum(share) for share, w in zip(shares, whole, strict=True) if w]
+    if all(whole):
+        return k >= layout.epoch_count(shares)
+    return layout.even == "drop" and any(total <= k for total in totals)
+
+
+def _refuse_inside_pads(shares: list[list[int]], whole: list[bool], epoch: int, k: int) -> None:
     """Refuse a same-world resume from ``k`` batches into ``epoch`` where a rank yielded
     its run-time pads then (see :func:`rank_position`)."""
-    padding = [r for r, share in enumerate(shares) if sum(share) <= k < count]
+    padding = [r for r, share in enumerate(shares) if whole[r] and sum(share) <= k]
     if padding:
         raise ConfigError(
             f"state taken {k} batches into epoch {epoch}, while rank(s) {padding} yielded "
-            f"their run-time pads (their shares end before the epoch's {count}): resumed "
+            "their run-time pads (their shares end before the epoch's count): resumed "
             "with as many ranks, their pads are not replayed and their epoch would end "
             "before the others'; resume from a checkpoint of another step (an epoch's "
             "end), or with another number of ranks (re-split)"
         )
 
 
-def _position_at(share: list[int], k: int) -> dict[str, Any]:
-    """A rank's position after ``k`` batches of an epoch whose local shards hold
-    ``share`` batches, yielded in plan order: batches had per shard, shards done."""
-    had = [min(n, max(0, k - sum(share[:j]))) for j, n in enumerate(share)]
-    return {
-        CONSUMED_KEY: {str(j): n for j, n in enumerate(had) if n},
-        DONE_KEY: [j for j, n in enumerate(share) if had[j] == n],
-    }
+def _position_at(share: list[int], k: int, per_rank: int) -> dict[str, Any]:
+    """A rank's position after ``k`` batches of an epoch whose local shards 0, 1, ...
+    hold ``share`` batches, yielded in plan order: batches had per shard, shards done;
+    past them (a share known only as far as the rank had said it), in the next shard."""
+    had, done, before = {}, [], 0
+    for j, n in enumerate(share):
+        if k >= before + n:
+            done.append(j)
+        if min(n, k - before) > 0:
+            had[str(j)] = min(n, k - before)
+        before += n
+    if k > before and len(share) < per_rank:
+        had[str(len(share))] = k - before
+    return {CONSUMED_KEY: had, DONE_KEY: done}
 
 
-def _slot_batches(state: dict[str, Any]) -> tuple[RankLayout, list[list[int]]]:
-    """The saved job's layout and the batches of every rank's local shards of an epoch,
-    for a state carrying ``yielding`` and the plan's B and E.
+def _slot_batches(state: dict[str, Any]) -> tuple[RankLayout, list[list[int]], list[bool]]:
+    """The saved job's layout, the batches of every rank's local shards of an epoch (as
+    far as known) and whether each rank's list is its whole share, for a state carrying
+    ``yielding`` and either the plan's B and E or every rank's published shard counts.
 
     Raises:
         ConfigError: the state's figures are not a valid plan.
     """
     yielding, layout = state[YIELDING_KEY], _saved_layout(state)
-    batches, epoch_batches = state.get(SHARD_BATCHES_KEY), state.get(EPOCH_BATCHES_KEY)
     valid = isinstance(yielding, list) and list(map(type, yielding)) == [int, int]
+    valid = valid and min(yielding) >= 0
+    if SHARD_COUNTS_KEY in state:
+        counts = state[SHARD_COUNTS_KEY]
+        if valid and _valid_counts(counts, layout):
+            return layout, counts, [len(share) == layout.per_rank for share in counts]
+        raise ConfigError(
+            f"state's yielding {yielding!r} and shard_counts {counts!r} are not valid: "
+            f"expected [epoch, batches] >= 0 and {layout.world} lists of at most "
+            f"{layout.per_rank} batch counts >= 0"
+        )
+    batches, epoch_batches = state.get(SHARD_BATCHES_KEY), state.get(EPOCH_BATCHES_KEY)
     shares = None
-    if valid and min(yielding) >= 0 and isinstance(batches, int) and isinstance(epoch_batches, int):
+    if valid and isinstance(batches, int) and isinstance(epoch_batches, int):
         shares = layout.slot_batches(batches, epoch_batches)
     if shares is None:
         raise ConfigError(
@@ -213,7 +245,19 @@ def _slot_batches(state: dict[str, Any]) -> tuple[RankLayout, list[list[int]]]:
             f"{epoch_batches!r} are not valid: expected [epoch, batches] >= 0 and a plan "
             f"of {layout.shards} shards of B batches whose last holds 1 to B"
         )
-    return layout, shares
+    return layout, shares, [True] * layout.world
+
+
+def _valid_counts(counts: Any, layout: RankLayout) -> bool:
+    """Whether ``counts`` is one list per rank of at most P batch counts >= 0."""
+    if not isinstance(counts, list) or len(counts) != layout.world:
+        return False
+    return all(
+        isinstance(share, list)
+        and len(share) <= layout.per_rank
+        and all(type(n) is int and n >= 0 for n in share)
+        for share in counts
+    )
 
 
 def _saved_layout(state: dict[str, Any]) -> RankLayout:

@@ -241,7 +241,7 @@ def _evener(
         layout, plan is not None and plan.epoch_batches == plan.shards, session.client,
         session.keys, session.rank, options.timeout_s, keep=options.hwm,
         figures=(plan.shard_batches, plan.epoch_batches) if counted and plan else None,
-        remap=remap,
+        remap=remap, ordered=options.ordered,
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import trainer_client_name
 from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
+from consumer.balance import Balancer
 from consumer.checkpoint import (
     EPOCH_KEY,
     PARAMS_KEY,
@@ -411,12 +412,14 @@ class ServerDataStream(FuelStreamMixin):
         run, plan = self._session.position()
         held = sum((held_back or {}).values())
         position = self._buffer.consumed(self._feed.ledger_held(held_back))
+        evener = self._feed.evener
         return stream_state(
             self.options, run, plan, self._buffer.shards, position,
             step=self._step + self._feed.yielded - held,
             plan_shards=self._started.plan_shards if self._started else 0,
             params=self._params.state(), resumed=self._resume,
             yielding=self._feed.yielding(held),
+            published=evener.shard_counts if isinstance(evener, Balancer) else None,
         )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:

@@ -55,7 +55,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
                                 next, floor)
     bq:{Q}:counts       HASH    '<epoch>:<r>' -> rank r's batches in hand ('<n>') or final
                                 count ('=<n>') of an epoch, where shards hold several
-                                batches (consumer/balance.py)
+                                batches; 'n:<epoch>:<r>:<j>' -> the batches of rank r's
+                                local shard j, where the plan cannot count them
+                                (consumer/balance.py)
     bq:{Q}:remap        HASH    slot -> shard for the epoch in meta ``remap_epoch``: a job
                                 resumed with another number of ranks re-splits the
                                 rest of that epoch (consumer/rank_state.py)

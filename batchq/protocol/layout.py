@@ -19,7 +19,10 @@ Entries and fields:
   (done) or the batches the trainer already has;
 * a counts field (data-parallel run-time evening): ``'<epoch>:<rank>'`` -> the
   batches the rank has yielded so far, ``'=<n>'`` once its share ended at n
-  (:func:`count_value`, :func:`parse_count_value`);
+  (:func:`count_value`, :func:`parse_count_value`); and ``'n:<epoch>:<rank>:<j>'`` ->
+  the batches of the rank's local shard j that epoch, once known (:func:`shard_count_field`:
+  one rank's state rebuilds every rank's position from them where the plan cannot count
+  its shards, consumer/balance.py);
 * the server clock: ``TIME`` is (seconds, microseconds); scripts and Python use ms,
   :func:`time_ms`;
 * the trainer's wait-time histogram: the stats hash's ``wait_bucket:<i>`` counts waits
@@ -100,10 +103,12 @@ __all__ = [
     "parse_ledger_field",
     "parse_params_stamp",
     "parse_quarantine_record",
+    "parse_shard_count",
     "parse_work_entry",
     "quarantine_record",
     "read_quarantine",
     "resume_run_id",
+    "shard_count_field",
     "stripe_run_id",
     "time_ms",
     "trainer_client_name",
@@ -207,6 +212,18 @@ def parse_ledger_field(field: str) -> tuple[int, int]:
 def counts_field(epoch: int, rank: int) -> str:
     """The counts hash's field of a rank's final count in an epoch."""
     return f"{epoch}:{rank}"
+
+
+def shard_count_field(epoch: int, rank: int, shard: int) -> str:
+    """The counts hash's field of the batches of a rank's local shard in an epoch."""
+    return f"n:{epoch}:{rank}:{shard}"
+
+
+def parse_shard_count(value: bytes) -> int | None:
+    """The batches a shard count field says; None where it is not a count >= 0 (a foreign
+    value, not trusted)."""
+    text = value.decode(errors="replace")
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 12 else None
 
 
 def count_value(n: int, final: bool) -> str:

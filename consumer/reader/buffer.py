@@ -231,6 +231,12 @@ class Buffer:
         with self.cond:
             return self.ledger.consumed(held_back)
 
+    def known_counts(self, first: int) -> list[int]:
+        """The ledger's known shard counts from ``first`` on (:meth:`Ledger.known_counts`),
+        read under the lock."""
+        with self.cond:
+            return self.ledger.known_counts(first)
+
     @property
     def shards(self) -> int:
         """Shards per epoch in the ledger's terms (a rank's: its local shards)."""

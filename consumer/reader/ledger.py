@@ -185,6 +185,18 @@ class Ledger:
                 done.append(shard)
         return self.epoch, counts, done
 
+    def known_counts(self, first: int) -> list[int]:
+        """The batches of the current epoch's shards from ``first`` on, as far as each is
+        known (its last frame or END arrived; a shard skipped on an error: the batches
+        before it), stopping at the first one not known."""
+        states, counts = self._epochs.get(self.epoch, {}), []
+        for shard in range(first, self.shards):
+            state = states.get(shard)
+            if state is None or state.count is None or state.error is not None:
+                break
+            counts.append(state.count)
+        return counts
+
     def received_pairs(self) -> list[tuple[str, str]]:
         """What has arrived, for every epoch from the current one on, as ledger pairs.
 

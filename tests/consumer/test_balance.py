@@ -100,3 +100,28 @@ def test_drop_with_counts_the_plan_fixes_cuts_before_its_last_batch(fake_redis: 
     b = counted_balancer(fake_redis, "drop", [2, 4])  # this rank is the shortest: no cut
     assert list(b.balance(2, frames("a", "b"), lambda: cut.append(2))) == ["a", "b"]  # type: ignore[arg-type]
     assert cut == [1]
+
+
+def test_shard_counts_are_published_read_back_as_far_as_said_and_dropped(fake_redis: Any) -> None:
+    ranks = [
+        Balancer(fake_redis, KEYS, r, 2, "drop", 5.0, keep=2, shards=3, ordered=True)
+        for r in range(2)
+    ]
+    assert ranks[0].publishes(0)
+    ranks[0].publish_shards(0, 0, [3, 0])
+    ranks[0].publish_shards(0, 2, [2])
+    ranks[1].publish_shards(0, 0, [1])
+    fake_redis.hset(KEYS.counts, "n:0:1:2", "2")  # past a gap: not read
+    assert ranks[1].shard_counts(0) == [[3, 0, 2], [1]]
+    fake_redis.hset(KEYS.counts, "n:0:1:1", "-4")  # a foreign value ends what is known
+    assert ranks[0].shard_counts(0) == [[3, 0, 2], [1]]
+    ranks[0].start_epoch(2)  # epoch 0's counts go with its other counts
+    assert sorted(fake_redis.hkeys(KEYS.counts)) == [b"n:0:1:0", b"n:0:1:1", b"n:0:1:2"]
+    # Arrival order, or a plan that counts its shards: nothing published or read.
+    unordered = Balancer(fake_redis, KEYS, 0, 2, "pad", 5.0, keep=2, shards=3)
+    plan = Balancer(
+        fake_redis, KEYS, 0, 2, "pad", 5.0, keep=2, shards=3, ordered=True,
+        counted=lambda epoch: [6, 6],
+    )  # fmt: skip
+    assert not unordered.publishes(0) and unordered.shard_counts(0) is None
+    assert not plan.publishes(0) and plan.shard_counts(0) is None

@@ -24,7 +24,7 @@ SAVED_NAMES = {
     "GROUP_KEY": "group",
     "PARAMS_KEY": "params", "EVERY_RANK_KEY": "every_rank", "RESPLIT_KEY": "resplit",
     "YIELDING_KEY": "yielding", "SHARD_BATCHES_KEY": "shard_batches",
-    "EPOCH_BATCHES_KEY": "epoch_batches",
+    "EPOCH_BATCHES_KEY": "epoch_batches", "SHARD_COUNTS_KEY": "shard_counts",
 }  # fmt: skip
 KNOWN = set(SAVED_NAMES.values())
 

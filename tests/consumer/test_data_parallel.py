@@ -17,6 +17,7 @@ from data_parallel import (
     check_epoch,
     checkpoint_ranks,
     elastic_restart,
+    lockstep,
     plans,
     rank_argv,
     shares,
@@ -503,43 +504,6 @@ def test_ranks_that_step_together_end_every_epoch_where_shards_differ(
         assert [s[: min(count, len(o))] for s, o in zip(shares_e, own, strict=True)] == [
             o[:count] for o in own
         ]  # each rank's share in plan order, then (pad) its own first batches again
-
-
-def lockstep(
-    url: str, queue: str, world: int, epochs: int, even: str, state: Any = None
-) -> list[list[tuple[int, list[int]]]]:
-    """``world`` ranks (threads of this process) that step together as DDP's do: a
-    barrier after every batch and at every epoch's end; each loads ``state`` first."""
-    import threading
-
-    barrier = threading.Barrier(world, timeout=30)
-    got: list[list[tuple[int, list[int]]]] = [[] for _ in range(world)]
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            with ServerDataStream(
-                ("features", "targets"), url=url, queue=queue, rank=r, world_size=world,
-                even_batches=even, timeout_s=30,
-            ) as stream:  # fmt: skip
-                if state is not None:
-                    stream.load_state_dict(state)
-                for _ in range(epochs):
-                    for f, _ in stream.get_epoch_iterator():
-                        got[r].append((stream.epoch, examples_of(f)))
-                        barrier.wait()
-                    barrier.wait()
-        except BaseException as e:  # reported below
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    return got
 
 
 def test_ranks_that_step_together_resume_rank_zero_s_state_in_another_world(

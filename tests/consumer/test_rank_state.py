@@ -94,7 +94,7 @@ def test_a_state_for_every_rank_re_splits_for_another_world() -> None:
 
 
 def test_a_state_of_one_rank_alone_says_when_it_stands_for_all() -> None:
-    with pytest.raises(ConfigError, match="B each with a last one of B or fewer, and ordered=True"):
+    with pytest.raises(ConfigError, match="with ordered=True, outside an epoch re-split"):
         check_rank_state(pick_rank_state(state(0, 2, {}, []), 1, 2), 1, 2)
     with pytest.raises(ConfigError, match="world_size"):
         pick_rank_state(state(0, 1, {}, [], every_rank=True), 0, 2)
@@ -223,3 +223,66 @@ def test_a_list_with_a_rank_past_its_share_re_splits_but_not_for_as_many_ranks()
     assert new["remap"][0] == [2, 2] and all(shard % 2 == 0 for shard, _ in new["remap"])
     with pytest.raises(ConfigError, match=r"states of epochs \[0, 2\]"):
         pick_rank_state([state(0, 2, {}, []), state(1, 2, {}, [], epoch=2)], 0, 3)
+
+
+def counted(rank: int, even: str, k: int, counts: list[list[int]]) -> dict[str, Any]:
+    """Rank ``rank``'s every_rank state k batches into epoch 0 of a plan that cannot count
+    its shards (a Filter: 3 local shards a rank), with each rank's published counts."""
+    return state(
+        rank, 2, {}, [], every_rank=True, plan_shards=6, shards=3, even_batches=even,
+        yielding=[0, k], shard_counts=counts, step=k,
+    )  # fmt: skip
+
+
+def test_where_the_plan_cannot_count_shards_the_published_counts_rebuild_each_rank() -> None:
+    # Rank 0's shards hold 3, 0, 2 batches (all said), rank 1 had said its first: 1.
+    counts = [[3, 0, 2], [1]]
+    saved = counted(0, "pad", 4, counts) | {"consumed": {"0": 3, "2": 1}, "done": [0, 1]}
+    assert pick_rank_state(saved, 0, 2) == saved  # the saving rank keeps its own
+    one = pick_rank_state(saved, 1, 2)
+    # Past the shard it said (1 batch), rank 1 is 3 batches into its next shard.
+    assert (one["rank"], one["epoch"], one["consumed"], one["done"]) == (
+        1, 0, {"0": 1, "1": 3}, [0]
+    )  # fmt: skip
+    check_rank_state(one, 1, 2)
+    # The empty shard is done once the rank is past it, not before.
+    zero = pick_rank_state(counted(1, "pad", 3, counts), 0, 2)
+    assert (zero["consumed"], zero["done"]) == ({"0": 3}, [0, 1])
+    early = pick_rank_state(counted(1, "pad", 2, counts), 0, 2)
+    assert (early["consumed"], early["done"]) == ({"0": 2}, [])
+
+
+def test_published_counts_say_when_an_epoch_was_handed_out_or_a_rank_pads() -> None:
+    # Every share known: 'pad' evens to the most (5): at 5 both are in the next epoch.
+    whole = [[3, 0, 2], [1, 1, 1]]
+    done = pick_rank_state(counted(0, "pad", 5, whole), 1, 2)
+    assert (done["epoch"], done["consumed"], done["done"]) == (1, {}, [])
+    # At 4 rank 1 (3 batches) yields its pads: refused for as many ranks, not re-split.
+    with pytest.raises(ConfigError, match=r"rank\(s\) \[1\] yielded their run-time pads"):
+        pick_rank_state(counted(0, "pad", 4, whole), 0, 2)
+    assert pick_rank_state(counted(0, "pad", 4, whole), 0, 3)["resplit"] is True
+    # 'drop': a whole share of k batches ends the epoch for every rank, known or not.
+    cut = pick_rank_state(counted(0, "drop", 3, [[3, 0, 2], [1, 2, 0]]), 1, 2)
+    assert (cut["epoch"], cut["consumed"]) == (1, {})
+    going = pick_rank_state(counted(1, "drop", 3, [[3], [1, 2, 0]]), 0, 2)
+    assert (going["epoch"], going["consumed"], going["done"]) == (1, {}, [])
+    inside = pick_rank_state(counted(1, "drop", 2, [[3], [1, 2, 0]]), 0, 2)
+    assert (inside["epoch"], inside["consumed"], inside["done"]) == (0, {"0": 2}, [])
+
+
+def test_published_counts_re_split_from_every_rank_s_rebuilt_position() -> None:
+    saved = counted(0, "pad", 4, [[3, 0, 2], [1]])
+    every = [rank_position(saved, r, re_split=True) for r in range(2)]
+    assert [(s["consumed"], s["done"]) for s in every] == [
+        ({"0": 3, "2": 1}, [0, 1]), ({"0": 1, "1": 3}, [0])
+    ]  # fmt: skip
+    for rank in range(3):
+        assert pick_rank_state(saved, rank, 3) == elastic_state(every, rank, 3)
+
+
+@pytest.mark.parametrize(
+    "bad", [[[3], [1], [2]], [[3, 0, 2, 1], []], [[-1], []], [["3"], []], [[True], []], "x"]
+)
+def test_published_counts_that_are_not_valid_are_refused(bad: Any) -> None:
+    with pytest.raises(ConfigError, match=r"shard_counts .* are not valid"):
+        pick_rank_state(counted(0, "pad", 2, bad), 1, 2)

@@ -6,6 +6,7 @@ resumed from all of their states) exact too."""
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any
 from pipelines import examples_of, numbered
 from train import argv as train_argv
 from train import lines
+
+from consumer import ServerDataStream
 
 EXAMPLES, BATCH = 220, 10  # 22 batches (one per shard) per epoch: 4 ranks need 2 pads
 
@@ -138,3 +141,68 @@ def two_ranks_in_epoch_2() -> list[dict[str, Any]]:
          "world_size": 2, "even_batches": "pad", "step": 6}
         for r in range(2)
     ]  # fmt: skip
+
+
+def lockstep(
+    url: str, queue: str, world: int, epochs: int, even: str, state: Any = None
+) -> list[list[tuple[int, list[int]]]]:
+    """``world`` ranks (threads of this process) that step together as DDP's do: a
+    barrier after every batch and at every epoch's end; each loads ``state`` first."""
+    return ranks_in_step(url, queue, world, epochs, even, state)[0]
+
+
+def ranks_in_step(
+    url: str,
+    queue: str,
+    world: int,
+    epochs: int,
+    even: str,
+    state: Any = None,
+    *,
+    stop: int | None = None,
+    every_batch: bool = True,
+) -> tuple[list[list[tuple[int, list[int]]]], dict[str, Any] | None]:
+    """:func:`lockstep`'s ranks (``every_batch``: a barrier after every batch, else only
+    at ``stop``); with ``stop`` each stops after that many batches, and once every rank
+    is there rank 0's ``state_dict()`` is taken (what Lightning and Accelerate save) and
+    every rank closes without finishing.
+
+    Returns:
+        (each rank's (epoch, examples) per batch, rank 0's state at ``stop`` or None).
+    """
+    barrier = threading.Barrier(world, timeout=30)
+    got: list[list[tuple[int, list[int]]]] = [[] for _ in range(world)]
+    errors: list[BaseException] = []
+    saved: list[dict[str, Any]] = []
+
+    def rank(r: int) -> None:
+        try:
+            with ServerDataStream(
+                ("features", "targets"), url=url, queue=queue, rank=r, world_size=world,
+                even_batches=even, timeout_s=30,
+            ) as stream:  # fmt: skip
+                if state is not None:
+                    stream.load_state_dict(state)
+                for _ in range(epochs):
+                    for f, _ in stream.get_epoch_iterator():
+                        got[r].append((stream.epoch, examples_of(f)))
+                        if every_batch:
+                            barrier.wait()
+                        if len(got[r]) == stop:
+                            barrier.wait()  # every rank is at the step
+                            if r == 0:
+                                saved.append(stream.state_dict())
+                            barrier.wait()
+                            return
+                    barrier.wait()
+        except BaseException as e:  # reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return got, saved[0] if saved else None

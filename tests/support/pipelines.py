@@ -20,7 +20,7 @@ from producer.datasets import IndexableDataset
 from producer.mixture import Mixture
 from producer.schemes import SequentialScheme, ShuffledScheme
 from producer.streams import DataStream
-from producer.transformers import Mapping, Transformer
+from producer.transformers import Filter, Mapping, Transformer
 
 FEATURES = 8
 
@@ -110,6 +110,18 @@ def numbered(
     if draw_log:
         stream = Mapping(stream, DrawLog(draw_log))
     return stream
+
+
+def kept(data: tuple[Any, ...]) -> bool:
+    """:func:`filtered`'s predicate: a batch whose first example's number (its target) is
+    not a multiple of 3."""
+    return int(data[1][0]) % 3 != 0
+
+
+def filtered() -> Any:
+    """:func:`numbered`'s batches less those :func:`kept` refuses: shards of several
+    requests then hold numbers of batches that the plan cannot count."""
+    return Filter(numbered(), kept)
 
 
 class DrawLog:
