@@ -28,7 +28,7 @@ Header keys (short, to keep small frames small):
 ``items``  one entry per source, in ``src`` order (see below)
 ``err``    traceback text (ERROR frames only)
 ``ename``  exception class name (ERROR frames only, optional)
-``crc``    optional zlib.crc32 of the whole frame (prefix, header and buffer region), its
+``crc``    optional crc32 (zlib's) of the whole frame (prefix, header and buffer region), its
            own 4 value bytes read as zeros; always the header's last entry, written as
            a fixed-width uint32 (``0xce`` + 4 bytes big-endian)
 ``t``      optional producer wall time (float, seconds since the epoch) at encoding
@@ -65,11 +65,15 @@ element instead (:func:`batchq.wire.frame.encode_ref`).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+try:  # ISA-L's crc32: zlib's values, ~25x faster over an image's bytes (~5 us for 256 KiB)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - a platform without isal's wheel
+    from zlib import crc32
 
 from batchq.errors import ConfigError, FrameError
 from batchq.wire.frame import (
@@ -217,7 +221,7 @@ def _fill(
         # The crc covers the header too (a flipped address is as bad as a flipped pixel):
         # computed with its own bytes zero, then filled in: its last 4 bytes.
         out[header_end - 4 : header_end] = _CRC_ZERO
-        out[header_end - 4 : header_end] = zlib.crc32(out).to_bytes(4, "big")
+        out[header_end - 4 : header_end] = crc32(out).to_bytes(4, "big")
 
 
 def encode_frame_pieces(
@@ -254,9 +258,9 @@ def encode_frame_pieces(
     if checksum:
         # As _fill: the crc over the frame with its own 4 bytes zero, then put in place.
         head[header_end - 4 : header_end] = _CRC_ZERO
-        crc = zlib.crc32(head)
+        crc = crc32(head)
         for piece in pieces:
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
         head[header_end - 4 : header_end] = crc.to_bytes(4, "big")
     return Pieces([bytes(head), *pieces], total)
 
@@ -372,7 +376,7 @@ def _check_crc(view: memoryview, header_end: int, crc: Any, verify: bool) -> Non
     if bytes(view[end - 9 : end]) != _CRC_TAIL + crc.to_bytes(4, "big"):
         raise FrameError("bad_header", "'crc' is not the header's last, fixed-width entry")
     if verify:
-        found = zlib.crc32(view[end:], zlib.crc32(_CRC_ZERO, zlib.crc32(view[: end - 4])))
+        found = crc32(view[end:], crc32(_CRC_ZERO, crc32(view[: end - 4])))
         if found != crc:
             raise FrameError("bad_checksum", f"frame crc32 {found:#010x} differs from {crc:#010x}")
 

@@ -7,6 +7,7 @@ import itertools
 import math
 import pickle
 import struct
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -413,6 +414,14 @@ def test_checksum_detects_a_flipped_buffer_byte() -> None:
         bad[pos] ^= 0x01
         assert reason_of(bytes(bad)) == "bad_checksum"
         decode_frame(bytes(bad), verify_checksum=False)  # the caller may opt out
+
+
+def test_the_checksum_is_zlib_s_crc32_of_the_frame_its_own_bytes_read_as_zeros() -> None:
+    # The format says zlib's crc32; the codec computes it with ISA-L's where installed.
+    buf = enc(("x", np.arange(70_000, dtype="<i4")), ("v", {"a": 1}), checksum=True)
+    crc = split(buf)[1]["crc"]
+    end = buf.index(b"\xce" + crc.to_bytes(4, "big")) + 5
+    assert zlib.crc32(buf[: end - 4] + bytes(4) + buf[end:]) == crc
 
 
 def test_checksum_on_frames_without_arrays() -> None:
