@@ -10,12 +10,14 @@ decode and ``Resize(256)`` cached, ``RandomResizedCrop(224)`` + flip after it), 
 
 * ``uncached``: the pipeline without the cache (one transform);
 * ``cold``: ``producer.torch.cached`` over an empty directory (every image built and
-  written); ``warm``: the same images again (every image read);
+  written), read a batch at a time as producers read it (``__getitems__``: a batch's
+  entries written together); ``warm``: the same images again (every image read);
 
 then the parts of a cold entry, each timed alone on the cold round's items: the build
 (decode + resize), the augment, the frame's encoding (its crc32 over 262 KB included),
-the store's write (the entry's bytes reserved at the end of the process's segment,
-written, its index record appended: two rounds of the lock), and a read (the entry read
+the store's write of one entry alone (its bytes reserved at the end of the process's
+segment, written, its index record appended: two rounds of the lock; a batch's entries
+share those rounds), and a read (the entry read
 from its segment, decoded and its crc checked). Printed: CPU ms per image per
 round and the medians, cold / uncached, and the parts' medians in microseconds.
 """
@@ -59,8 +61,8 @@ def cost_bench(args: argparse.Namespace, root: str) -> dict[str, Any]:
             ds = resized_imagefolder(root, args.cache_images, 500, 375, 256, 224, directory)
             for way in ("cold", "warm"):
                 t0 = tt()
-                for i in images:
-                    ds[i]
+                for b in range(0, n, args.batch_size):  # as a producer reads: a batch at once
+                    ds.__getitems__(list(images[b : b + args.batch_size]))
                 per_image[way].append(1e3 * (tt() - t0) / n)
             # The parts, on a store of their own (the entries above stay as they are).
             store = type(ds.cache)(f"{directory}/parts")

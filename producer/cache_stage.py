@@ -41,11 +41,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from batchq.errors import ConfigError, FrameError
+from batchq.wire.frame import Pieces
 from producer.cache_entry import NUMPY_ONLY, LeafCodec, decode_entry, encode_entry
 from producer.cache_store import DiskCache
 
@@ -234,8 +236,25 @@ class StageCache:
         self.cache_stats.misses += 1
         return build()
 
+    def get_many(
+        self, indices: Sequence[int], build: Callable[[int], Any], then: Callable[[Any], Any]
+    ) -> list[Any]:
+        """``[then(get(i, lambda: build(i))) for i in indices]`` (a batch: torch's
+        ``__getitems__``), the entries built stored together once the batch is made
+        (:meth:`DiskCache.write_many`: one reservation, write and index append)."""
+        pending: list[tuple[int, Pieces, str]] = []
+        try:
+            return [then(self.get(i, partial(build, i), pending=pending)) for i in indices]
+        finally:  # what was built is stored, even where a later item raised
+            self._store(pending)
+
     def get(
-        self, index: int, build: Callable[[], Any], run: str | None = None, t0: float | None = None
+        self,
+        index: int,
+        build: Callable[[], Any],
+        run: str | None = None,
+        t0: float | None = None,
+        pending: list[tuple[int, Pieces, str]] | None = None,
     ) -> Any:
         """The example entry ``index`` holds, else ``build()``'s (then stored).
 
@@ -246,6 +265,8 @@ class StageCache:
                 a content-keyed entry adds its key's digest).
             t0: when the read began on :data:`clock` (a key computed first is part of
                 the read's time); default now.
+            pending: where a built entry waits to be stored with others (default:
+                stored at once).
         """
         if self.bypassed:
             return self.build_only(build)
@@ -275,7 +296,7 @@ class StageCache:
                 s.saved_s = s.hits * self._mean_build_s() - s.read_s if self._builds_s else 0.0
                 self._judge()
                 return item
-        return self._build(index, build, run)
+        return self._build(index, build, run, pending)
 
     def _verify(
         self, index: int, raw: bytearray, build: Callable[[], Any], run: str
@@ -313,7 +334,13 @@ class StageCache:
         )
         return False, fresh
 
-    def _build(self, index: int, build: Callable[[], Any], run: str) -> Any:
+    def _build(
+        self,
+        index: int,
+        build: Callable[[], Any],
+        run: str,
+        pending: list[tuple[int, Pieces, str]] | None,
+    ) -> Any:
         s = self.cache_stats
         state = self.rng_state() if self._rng_checks and self.rng_state else None
         t0 = clock()
@@ -324,23 +351,35 @@ class StageCache:
         self._builds_s.append(took)
         if state is not None:
             self._check_rng(state)
-        if self.cache.full:
-            return item
-        payload = encode_entry(item, run, index, self.leaves)
-        if self.cache.write(self.fingerprint, index, payload):
+        if not self.cache.full:
+            entry = (index, encode_entry(item, run, index, self.leaves), run)
+            if pending is None:
+                self._store([entry])
+            else:
+                pending.append(entry)
+        self._judge()
+        return item
+
+    def _store(self, entries: list[tuple[int, Pieces, str]]) -> None:
+        """Write built entries (index, payload, fingerprint) together, counted; the first
+        :data:`READ_BACK` this process writes are read back, timed: the cache is judged
+        within the first epoch."""
+        s = self.cache_stats
+        if not entries or self.cache.full:
+            return
+        written = self.cache.write_many(self.fingerprint, [(i, p) for i, p, _ in entries])
+        for index, payload, run in entries[:written]:
             s.writes += 1
             s.bytes_written += payload.nbytes
-            if s.writes <= READ_BACK:  # time a read now: judged within the first epoch
+            if s.writes <= READ_BACK:
                 t1 = clock()
                 raw = self.cache.read(self.fingerprint, index)
                 if raw is not None:
-                    item = decode_entry(raw, run, index, self.leaves)
+                    decode_entry(raw, run, index, self.leaves)
                     took = clock() - t1
                     s.read_s += took
                     self._reads_s.append(took)
         s.bytes_held = self.cache.held_bytes
-        self._judge()
-        return item
 
     def _mean_build_s(self) -> float:
         s = self.cache_stats

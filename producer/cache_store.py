@@ -49,7 +49,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,37 +189,61 @@ class DiskCache:
         """Store an entry (its buffers, written back to back) atomically if it fits under
         the cap; False when it does not (then this process writes no more) or the disk
         refused."""
+        return self.write_many(stage, [(index, payload)]) == 1
+
+    def write_many(self, stage: str, entries: Sequence[tuple[int, Pieces]]) -> int:
+        """Store entries (index, buffers) as :meth:`write` does, each atomic, with one
+        reservation, one write and one index append for all (a batch's: the lock's
+        rounds were a third of an entry's write); where they do not all fit under the
+        cap, one at a time until one does not. Returns how many were stored (the first
+        ones)."""
         if self.full or not self._opened():
-            return False
-        size = payload.nbytes
-        if size + RECORD_BYTES >= MAX_FIELD:  # no index record can say its length
-            return False
-        reserved = self._reserve(stage, size)
+            return 0
+        sizes = [payload.nbytes for _, payload in entries]
+        if not entries or sum(sizes) + RECORD_BYTES * len(sizes) >= MAX_FIELD:
+            # No index record could say where (one alone may still fit).
+            return 0 if len(entries) < 2 else self._one_by_one(stage, entries)
+        reserved = self._reserve(stage, sizes)
         if reserved is None:
-            return False
+            return 0 if len(entries) < 2 or self.full else self._one_by_one(stage, entries)
         writer, view, offset = reserved
+        places = [offset + sum(sizes[:i]) for i in range(len(sizes))]
         indexed = False
         try:
-            writer.write_at(offset, payload)  # outside the lock: the other writers go on
-            record = pack_record(index, writer.token, offset, size)
+            # Outside the lock: the other writers go on.
+            writer.write_at(offset, Pieces([b for _, p in entries for b in p.buffers], sum(sizes)))
+            records = b"".join(
+                pack_record(index, writer.token, at, size)
+                for (index, _), at, size in zip(entries, places, sizes, strict=True)
+            )
             with self._locked():
-                if os.write(view.fd, record) != len(record):
-                    raise OSError(f"index record of entry {index} written short")
+                if os.write(view.fd, records) != len(records):
+                    raise OSError(f"index records of entries at {offset} written short")
                 indexed = True
-                # The record's room has moved to the index: the segment keeps the other
+                # The records' room has moved to the index: the segment keeps the other
                 # pending reservations' rooms only (the ledger and the disk both +0).
-                writer.pending -= 1
+                writer.pending -= len(entries)
                 writer.fit()
         except OSError as e:
             if not indexed:
-                self._give_back(writer, offset, size)
+                self._give_back(writer, offset, sum(sizes), len(entries))
             self.full = True
             log.warning(
                 "cache %s: writing failed (%s): no more entries are written", self.directory, e
             )
-            return False
-        view.add(index, writer.token, offset, size)
-        return True
+            return 0
+        for (index, _), at, size in zip(entries, places, sizes, strict=True):
+            view.add(index, writer.token, at, size)
+        return len(entries)
+
+    def _one_by_one(self, stage: str, entries: Sequence[tuple[int, Pieces]]) -> int:
+        """:meth:`write_many`'s entries written one at a time while they fit."""
+        written = 0
+        for entry in entries:
+            if self.full:
+                break
+            written += self.write_many(stage, [entry])
+        return written
 
     def _check_due(self, stage: str) -> bool:
         """A hit's turn to look for ``clear()`` (at most every :data:`REMOVED_CHECK_S`)."""
@@ -229,14 +253,19 @@ class DiskCache:
         self._checked[key] = now
         return True
 
-    def _reserve(self, stage: str, size: int) -> tuple[SegmentWriter, StageIndex, int] | None:
-        """Under the lock: add the entry's bytes and its record's to the ledger if that
+    def _reserve(
+        self, stage: str, sizes: list[int]
+    ) -> tuple[SegmentWriter, StageIndex, int] | None:
+        """Under the lock: add the entries' bytes and their records' to the ledger if that
         stays within the cap, and extend this process's segment to them; (the segment,
-        the stage's index, the entry's offset), or None where the cap or the disk
-        refused."""
-        need = size + RECORD_BYTES
+        the stage's index, the first entry's offset), or None where the cap (several
+        entries: ``full`` stays unset, one may fit) or the disk refused."""
+        size, count = sum(sizes), len(sizes)
+        need = size + RECORD_BYTES * count
         with self._locked() as fd:
             used = _read_ledger(fd, self.directory)
+            if used + need > self._cap() and count > 1:
+                return None
             if used + need > self._cap():
                 self.full = True
                 log.info(
@@ -249,16 +278,16 @@ class DiskCache:
             self.held_bytes = used + need
             _write_ledger(fd, used + need)  # first: the ledger never counts less than disk
             try:
-                writer, view = self._writer(stage, size)
+                writer, view = self._writer(stage, size, count)
                 offset = writer.end
                 # The segment holds the reservation, and room for each record to come
                 # (given back once it is in the index): a recount counts both, each
                 # pending reservation's room once.
-                writer.end, writer.pending = offset + size, writer.pending + 1
+                writer.end, writer.pending = offset + size, writer.pending + count
                 try:
                     writer.fit()
                 except OSError:
-                    writer.end, writer.pending = offset, writer.pending - 1
+                    writer.end, writer.pending = offset, writer.pending - count
                     raise
             except OSError as e:
                 self.held_bytes = used
@@ -268,13 +297,13 @@ class DiskCache:
                 return None
         return writer, view, offset
 
-    def _give_back(self, writer: SegmentWriter, offset: int, size: int) -> None:
-        """A failed write's reservation given back: its record's room always; its
-        entry's bytes only when nothing was reserved after them (else they stay in the
-        segment, and counted: the ledger never says less than the disk)."""
+    def _give_back(self, writer: SegmentWriter, offset: int, size: int, count: int) -> None:
+        """A failed write's reservation (``count`` entries) given back: its records' room
+        always; its entries' bytes only when nothing was reserved after them (else they
+        stay in the segment, and counted: the ledger never says less than the disk)."""
         with self._locked() as fd:
-            freed = RECORD_BYTES
-            writer.pending -= 1
+            freed = RECORD_BYTES * count
+            writer.pending -= count
             if writer.end == offset + size:
                 writer.end = offset
                 freed += size
@@ -364,8 +393,9 @@ class DiskCache:
             view = self._views[key] = StageIndex(f"{self._root}/{key}")
         return view
 
-    def _writer(self, stage: str, size: int) -> tuple[SegmentWriter, StageIndex]:
-        """This process's segment of ``stage`` with room for ``size`` more bytes (made on
+    def _writer(self, stage: str, size: int, count: int) -> tuple[SegmentWriter, StageIndex]:
+        """This process's segment of ``stage`` with room for ``size`` more bytes of
+        ``count`` entries (made on
         its first entry; made again when the directory was cleared since, or the segment
         would pass an index record's largest offset) and the stage's index (called under
         the lock)."""
@@ -376,7 +406,7 @@ class DiskCache:
             writer = None
         if (
             writer is not None
-            and writer.end + size + RECORD_BYTES * (writer.pending + 1) >= MAX_FIELD
+            and writer.end + size + RECORD_BYTES * (writer.pending + count) >= MAX_FIELD
         ):
             del self._writers[key]  # full: sealed once no thread holds it (its lock goes)
             writer = None

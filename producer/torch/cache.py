@@ -143,6 +143,15 @@ class CachedDataset(Dataset[Any]):
             item = self.stage.get(i, lambda: self.dataset[i])
         return item if self.augment is None else self.augment(item)
 
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """``[self[i] for i in indices]`` (how a DataLoader and a producer read a batch),
+        the entries it builds stored together (one write for the batch)."""
+        if self.stage.bypassed:
+            return [self[i] for i in indices]
+        checked = [_check_index(i, len(self)) for i in indices]
+        augment = self.augment if self.augment is not None else _same
+        return self.stage.get_many(checked, self.dataset.__getitem__, augment)
+
     @property
     def plan_name(self) -> str:
         """The wrapped dataset's class name, which a stream's plan fingerprint uses in
@@ -161,6 +170,10 @@ class CachedDataset(Dataset[Any]):
             f"cached({self.dataset!r}, augment={self.augment!r}, cache={self.cache!r}, "
             f"fingerprint={self.fingerprint[:16]})"
         )
+
+
+def _same(item: Any) -> Any:
+    return item
 
 
 def _check_index(index: Any, length: int) -> int:

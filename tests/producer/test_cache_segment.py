@@ -104,6 +104,37 @@ def test_entries_share_one_segment_and_the_ledger_is_the_files(tmp_path: Path) -
     assert _read(other, 10) is None
 
 
+def test_a_batch_takes_two_rounds_of_the_lock_and_reads_as_its_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    rounds = []
+    locked = cache._locked
+
+    def counted() -> Any:
+        rounds.append(1)
+        return locked()
+
+    _write(cache, 0)  # the first use's recount aside
+    monkeypatch.setattr(cache, "_locked", counted)
+    batch = [(i, encode_entry(_item(i), STAGE, i)) for i in range(1, 9)]
+    assert cache.write_many(STAGE, batch) == 8
+    assert len(rounds) == 2  # the reservation, the index records: not two an entry
+    other = DiskCache(tmp_path, max_bytes=10**6)
+    assert all((_read(other, i) == _item(i)).all() for i in range(9))
+    assert cache.bytes_held() == disk_bytes(tmp_path) == 9 * (_entry_size() + ENTRY_OVERHEAD)
+
+
+def test_a_batch_past_the_cap_is_written_one_by_one_up_to_it(tmp_path: Path) -> None:
+    cap = int(3.5 * (_entry_size() + ENTRY_OVERHEAD))
+    cache = DiskCache(tmp_path, max_bytes=cap)
+    batch = [(i, encode_entry(_item(i), STAGE, i)) for i in range(5)]
+    assert cache.write_many(STAGE, batch) == 3 and cache.full
+    assert [_read(cache, i) is not None for i in range(5)] == [True] * 3 + [False] * 2
+    assert cache.bytes_held() == disk_bytes(tmp_path) <= cap
+    assert cache.write_many(STAGE, batch[3:]) == 0  # full: nothing more, nothing rewritten
+
+
 def test_a_torn_segment_tail_and_a_torn_index_tail_are_never_served(tmp_path: Path) -> None:
     cache = DiskCache(tmp_path, max_bytes=10**6)
     for i in range(4):
@@ -320,7 +351,7 @@ def test_two_writer_processes_share_a_directory_and_its_cap(tmp_path: Path, cap:
         assert disk_bytes(tmp_path) > cap - 2 * (_entry_size(5000) + ENTRY_OVERHEAD)
 
 
-def _killed_writer(directory: str, written: Any) -> None:
+def _killed_writer(directory: str, written: Any, batch: bool) -> None:
     cache = DiskCache(directory, max_bytes=10**7)
     for i in range(3):
         _write(cache, i)
@@ -333,16 +364,20 @@ def _killed_writer(directory: str, written: Any) -> None:
         signal.pause()
 
     SegmentWriter.write_at = half_then_stop  # type: ignore[method-assign]
-    _write(cache, 3)
+    if batch:  # killed past entry 3's bytes, inside entry 4's: no record of either
+        cache.write_many(STAGE, [(i, encode_entry(_item(i), STAGE, i)) for i in (3, 4, 5)])
+    else:
+        _write(cache, 3)
     SegmentWriter.write_at = real  # type: ignore[method-assign]
     os._exit(4)
 
 
+@pytest.mark.parametrize("batch", [False, True])
 def test_a_writer_killed_mid_entry_leaves_its_whole_entries_and_nothing_torn(
-    tmp_path: Path,
+    tmp_path: Path, batch: bool
 ) -> None:
     written = _fork.Event()
-    proc = _fork.Process(target=_killed_writer, args=(str(tmp_path), written))
+    proc = _fork.Process(target=_killed_writer, args=(str(tmp_path), written, batch))
     proc.start()
     try:
         assert written.wait(TIMEOUT_S)
@@ -354,7 +389,7 @@ def test_a_writer_killed_mid_entry_leaves_its_whole_entries_and_nothing_torn(
     torn_size = segment.stat().st_size
     fresh = DiskCache(tmp_path, max_bytes=10**7)
     assert [(_read(fresh, i) == _item(i)).all() for i in range(3)] == [True] * 3
-    assert _read(fresh, 3) is None
+    assert _read(fresh, 3) is None and _read(fresh, 4) is None
     name = parse_segment_name(segment.name)
     assert name is not None
     sealed = stage_dirs(tmp_path)[0] / segment_name(name.token)

@@ -106,6 +106,38 @@ def test_cached_epochs_are_the_uncached_pipelines_bytes_cold_and_warm(tmp_path: 
     assert len(entries(tmp_path)) == N
 
 
+def test_a_dataloader_reads_batches_of_the_uncached_pipelines_bytes_cold_and_warm(
+    tmp_path: Path,
+) -> None:
+    # A DataLoader reads a batch through __getitems__: its entries are stored together,
+    # and the examples (augment draws included, in order) are those of dataset[i].
+    def epoch(dataset: Any) -> list[bytes]:
+        seed_globals(3)  # torch's, numpy's and Python's generators: augment draws from each
+        loader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True)
+        return [np.asarray(v).tobytes() for b in loader for v in b]
+
+    want = epoch(_Augmented(stage(N)))
+    cold = cached(stage(N), augment=jitter_image, cache=DiskCache(tmp_path))
+    assert epoch(cold) == want
+    assert (cold.stats["writes"], cold.stats["misses"]) == (N, N)
+    warm = cached(stage(N), augment=jitter_image, cache=DiskCache(tmp_path))
+    assert epoch(warm) == want and warm.stats["hits"] == N
+    assert len(entries(tmp_path)) == N
+
+
+class _Augmented(torch.utils.data.Dataset):  # type: ignore[misc]
+    """The stage, then the augmentation: the pipeline without the cache."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return jitter_image(self.dataset[i])
+
+
 def test_torn_corrupted_and_foreign_entries_are_rebuilt_never_served(tmp_path: Path) -> None:
     other_dir, tmp_path = tmp_path / "other", tmp_path / "main"
     ds = cached(stage(N), augment=jitter_image, cache=DiskCache(tmp_path), measure=False)
