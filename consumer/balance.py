@@ -160,13 +160,14 @@ class Balancer:
         order and the plan cannot count them (a Filter, shards skipped on an error)."""
         return self.ordered and self.shards > 0 and self.counted(epoch) is None
 
-    def publish_shards(self, epoch: int, first: int, counts: list[int]) -> None:
-        """Say the batches of this rank's local shards ``first``, ``first + 1``, ... of
-        ``epoch``. Called before the rank yields a batch past them, so that by the time
-        any rank saves a step (DDP's ranks step together) every rank said the counts of
-        the shards its batches up to that step passed."""
+    def publish_shards(self, epoch: int, counts: dict[int, int]) -> None:
+        """Say the batches of this rank's local shards of ``epoch`` (shard -> batches),
+        each as soon as its ledger knows it. Every shard before a batch is said before
+        the rank yields that batch, so by the time any rank saves a step (DDP's ranks
+        step together) every rank said the counts of the shards its batches up to that
+        step passed."""
         fields: dict[FieldT, EncodableT] = {
-            shard_count_field(epoch, self.rank, first + i): n for i, n in enumerate(counts)
+            shard_count_field(epoch, self.rank, j): n for j, n in counts.items()
         }
         call(
             lambda: self.client.hset(self.keys.counts, mapping=fields),
@@ -174,10 +175,11 @@ class Balancer:
             self.client,
         )
 
-    def shard_counts(self, epoch: int) -> list[list[int]] | None:
+    def shard_counts(self, epoch: int) -> list[list[int | None]] | None:
         """Every rank's published shard counts of ``epoch``: per rank the batches of its
-        local shards 0, 1, ... as far as it said them (None where they are not published:
-        the plan counts them, or the rank yields in arrival order). One read, no wait."""
+        local shards 0, 1, ... (None: not said; the list ends at the last one said), or
+        None where they are not published (the plan counts them, or the rank yields in
+        arrival order). One read, no wait."""
         if not self.publishes(epoch):
             return None
         names = [
@@ -190,13 +192,13 @@ class Balancer:
         )
         out = []
         for r in range(self.world):
-            known = []
-            for value in values[r * self.shards : (r + 1) * self.shards]:
-                n = parse_shard_count(value) if value is not None else None
-                if n is None:
-                    break
-                known.append(n)
-            out.append(known)
+            said = [
+                parse_shard_count(v) if v is not None else None
+                for v in values[r * self.shards : (r + 1) * self.shards]
+            ]
+            while said and said[-1] is None:
+                said.pop()
+            out.append(said)
         return out
 
     def balance(

@@ -31,10 +31,10 @@ A state is a JSON-able dict (torch.save, json.dump and pickle all keep it)::
                   rebuilt from them (consumer/rank_state.py ``rank_position``)
   where the plan cannot count its shards (a Filter, shards skipped on an error) and
   ordered=True (every_rank too) it adds ``yielding`` and:
-    shard_counts  per rank, the batches of its local shards 0, 1, ... of that epoch as
-                  far as the rank had published them when the state was taken (every
-                  shard its batches up to this step passed: ranks step together), from
-                  which each rank's position is rebuilt
+    shard_counts  per rank, the batches of its local shards 0, 1, ... of that epoch that
+                  the rank had published when the state was taken (null: not yet;
+                  every shard its batches up to this step passed is: ranks step
+                  together), from which each rank's position is rebuilt
   and a state re-split for another number of ranks (consumer/rank_state.py) adds:
     remap         slot -> [shard, batches had]: what each slot of the resumed epoch builds
                   (a shard's later slots are pads), kept while in that epoch
@@ -218,7 +218,7 @@ def _rank_part(
     plan_shards: int,
     step: int,
     yielding: tuple[int, int],
-    published: Callable[[int], list[list[int]] | None] | None,
+    published: Callable[[int], list[list[int | None]] | None] | None,
 ) -> dict[str, Any]:
     """A rank's fields, marked every_rank where its position stands for every rank's;
     where only the plan's last shard is short, with what rebuilds each rank's; where
@@ -271,7 +271,7 @@ def stream_state(
     params: list[dict[str, Any]] | None,
     resumed: dict[str, Any] | None = None,
     yielding: tuple[int, int] = (0, 0),
-    published: Callable[[int], list[list[int]] | None] | None = None,
+    published: Callable[[int], list[list[int | None]] | None] | None = None,
 ) -> dict[str, Any]:
     """The state of a stream of ``options`` at ``position`` in ``run`` (the buffer's
     ``consumed``: the epoch, shard -> batches yielded of it, its shards done): a rank

@@ -132,20 +132,18 @@ class EpochFeed:
         return epoch, n - held_back
 
     def _publishing(self, epoch: int, frames: Iterator[Frame], evener: Balancer) -> Iterator[Frame]:
-        """The rank's own frames of ``epoch`` as they are, its shards' counts published
-        (as far as the ledger knows them) before a frame that passes a shard not said
-        yet, or that is its shard's last; the rest (empty shards) once the share ended."""
-        said = 0  # the local shards whose counts were published: 0 .. said - 1
+        """The rank's own frames of ``epoch`` as they are, before each one the shard
+        counts that the ledger came to know since published (every shard before a
+        frame's is known by then); the rest once the share ended."""
+        since = 0
         for frame in frames:
-            if frame.shard > said or (frame.last and frame.shard == said):
-                counts = self.buffer.known_counts(said)
-                if counts:
-                    evener.publish_shards(epoch, said, counts)
-                    said += len(counts)
+            since, counts = self.buffer.counts_since(since)
+            if counts:
+                evener.publish_shards(epoch, counts)
             yield frame
-        counts = self.buffer.known_counts(said)
+        since, counts = self.buffer.counts_since(since)
         if counts:
-            evener.publish_shards(epoch, said, counts)
+            evener.publish_shards(epoch, counts)
 
     def frames(
         self,

@@ -163,32 +163,41 @@ def rank_position(state: dict[str, Any], rank: int, re_split: bool = False) -> d
     layout, shares, whole = _slot_batches(state)
     epoch, k = state[YIELDING_KEY]
     ended = _handed_out(layout, shares, whole, k)
-    if not re_split and not ended:
+    if ended:  # the saving rank too: a 'drop' it had not cut yet (a Filter's) is past
+        return state | {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: [], RANK_KEY: rank}
+    if not re_split:
         _refuse_inside_pads(shares, whole, epoch, k)
     if state.get(RANK_KEY) == rank and not re_split:
         return state | {RANK_KEY: rank}
-    if ended:
-        return state | {EPOCH_KEY: epoch + 1, CONSUMED_KEY: {}, DONE_KEY: [], RANK_KEY: rank}
     return (
         state | _position_at(shares[rank], k, layout.per_rank) | {EPOCH_KEY: epoch, RANK_KEY: rank}
     )
 
 
-def _handed_out(layout: RankLayout, shares: list[list[int]], whole: list[bool], k: int) -> bool:
+def _handed_out(
+    layout: RankLayout, shares: list[list[int | None]], whole: list[bool], k: int
+) -> bool:
     """Whether an epoch whose ranks' local shards hold ``shares`` batches (``whole``: a
-    rank's list is its whole share, not only the shards it had said) was handed out
-    after k batches: k reached its count. Under 'drop' no rank yields past the fewest, so
-    one whole share of k or fewer ends it; under 'pad' every share must be known."""
-    totals = [sum(share) for share, w in zip(shares, whole, strict=True) if w]
+    rank's every count is known) was handed out after k batches: k reached its count.
+    Under 'drop' no rank yields past the fewest, so one whole share of k or fewer ends
+    it; under 'pad' every share must be known."""
+    totals = [_total(share) for share, w in zip(shares, whole, strict=True) if w]
     if all(whole):
-        return k >= layout.epoch_count(shares)
+        return k >= (max(totals) if layout.even == "pad" else min(totals))
     return layout.even == "drop" and any(total <= k for total in totals)
 
 
-def _refuse_inside_pads(shares: list[list[int]], whole: list[bool], epoch: int, k: int) -> None:
+def _total(share: list[int | None]) -> int:
+    """The batches of a share's known shards."""
+    return sum(n for n in share if n is not None)
+
+
+def _refuse_inside_pads(
+    shares: list[list[int | None]], whole: list[bool], epoch: int, k: int
+) -> None:
     """Refuse a same-world resume from ``k`` batches into ``epoch`` where a rank yielded
     its run-time pads then (see :func:`rank_position`)."""
-    padding = [r for r, share in enumerate(shares) if whole[r] and sum(share) <= k]
+    padding = [r for r, share in enumerate(shares) if whole[r] and _total(share) <= k]
     if padding:
         raise ConfigError(
             f"state taken {k} batches into epoch {epoch}, while rank(s) {padding} yielded "
@@ -199,23 +208,32 @@ def _refuse_inside_pads(shares: list[list[int]], whole: list[bool], epoch: int, 
         )
 
 
-def _position_at(share: list[int], k: int, per_rank: int) -> dict[str, Any]:
+def _position_at(share: list[int | None], k: int, per_rank: int) -> dict[str, Any]:
     """A rank's position after ``k`` batches of an epoch whose local shards 0, 1, ...
-    hold ``share`` batches, yielded in plan order: batches had per shard, shards done;
-    past them (a share known only as far as the rank had said it), in the next shard."""
-    had, done, before = {}, [], 0
-    for j, n in enumerate(share):
-        if k >= before + n:
+    hold ``share`` batches (None: not said), yielded in plan order: batches had per
+    shard, shards done (an empty one wherever it is: a re-split must not deal it to a
+    rank as a unit). Past the shards said in a row it is in the first one not said
+    (every shard a rank passed was said before it yielded past it)."""
+    had, done, before, inside = {}, [], 0, False
+    for j, n in enumerate([*share, *[None] * (per_rank - len(share))]):
+        if n == 0:
             done.append(j)
-        if min(n, k - before) > 0:
-            had[str(j)] = min(n, k - before)
-        before += n
-    if k > before and len(share) < per_rank:
-        had[str(len(share))] = k - before
+        elif n is None or inside:
+            if not inside and k > before:
+                had[str(j)] = k - before
+            inside = True
+        else:
+            if k >= before + n:
+                done.append(j)
+            if min(n, k - before) > 0:
+                had[str(j)] = min(n, k - before)
+            before += n
     return {CONSUMED_KEY: had, DONE_KEY: done}
 
 
-def _slot_batches(state: dict[str, Any]) -> tuple[RankLayout, list[list[int]], list[bool]]:
+def _slot_batches(
+    state: dict[str, Any],
+) -> tuple[RankLayout, list[list[int | None]], list[bool]]:
     """The saved job's layout, the batches of every rank's local shards of an epoch (as
     far as known) and whether each rank's list is its whole share, for a state carrying
     ``yielding`` and either the plan's B and E or every rank's published shard counts.
@@ -229,11 +247,12 @@ def _slot_batches(state: dict[str, Any]) -> tuple[RankLayout, list[list[int]], l
     if SHARD_COUNTS_KEY in state:
         counts = state[SHARD_COUNTS_KEY]
         if valid and _valid_counts(counts, layout):
-            return layout, counts, [len(share) == layout.per_rank for share in counts]
+            whole = [len(s) == layout.per_rank and None not in s for s in counts]
+            return layout, counts, whole
         raise ConfigError(
             f"state's yielding {yielding!r} and shard_counts {counts!r} are not valid: "
             f"expected [epoch, batches] >= 0 and {layout.world} lists of at most "
-            f"{layout.per_rank} batch counts >= 0"
+            f"{layout.per_rank} batch counts >= 0 (or null)"
         )
     batches, epoch_batches = state.get(SHARD_BATCHES_KEY), state.get(EPOCH_BATCHES_KEY)
     shares = None
@@ -245,7 +264,8 @@ def _slot_batches(state: dict[str, Any]) -> tuple[RankLayout, list[list[int]], l
             f"{epoch_batches!r} are not valid: expected [epoch, batches] >= 0 and a plan "
             f"of {layout.shards} shards of B batches whose last holds 1 to B"
         )
-    return layout, shares, [True] * layout.world
+    known: list[list[int | None]] = [[*share] for share in shares]
+    return layout, known, [True] * layout.world
 
 
 def _valid_counts(counts: Any, layout: RankLayout) -> bool:
@@ -255,7 +275,7 @@ def _valid_counts(counts: Any, layout: RankLayout) -> bool:
     return all(
         isinstance(share, list)
         and len(share) <= layout.per_rank
-        and all(type(n) is int and n >= 0 for n in share)
+        and all(n is None or (type(n) is int and n >= 0) for n in share)
         for share in counts
     )
 

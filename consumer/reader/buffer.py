@@ -231,11 +231,11 @@ class Buffer:
         with self.cond:
             return self.ledger.consumed(held_back)
 
-    def known_counts(self, first: int) -> list[int]:
-        """The ledger's known shard counts from ``first`` on (:meth:`Ledger.known_counts`),
-        read under the lock."""
+    def counts_since(self, since: int) -> tuple[int, dict[int, int]]:
+        """The shard counts the ledger came to know after cursor ``since``
+        (:meth:`Ledger.counts_since`), read under the lock."""
         with self.cond:
-            return self.ledger.known_counts(first)
+            return self.ledger.counts_since(since)
 
     @property
     def shards(self) -> int:

@@ -44,6 +44,7 @@ class Ledger:
         self.buffered = 0  # frames held and not handed out
         # Kept up to date so that floor() and epoch_done() cost O(1) per batch, not O(S).
         self._complete: dict[int, int] = {}  # epoch -> shards complete
+        self._counted: dict[int, list[int]] = {}  # epoch -> shards as their counts came
         self._held: dict[int, int] = {}  # epoch -> frames held
         self._floor = first_epoch * shards
         self._base = first_epoch * shards  # see base()
@@ -117,6 +118,8 @@ class Ledger:
             self.duplicates += 1
             return False
         if frame.last and frame.count is not None:
+            if state.count is None:
+                self._counted.setdefault(frame.epoch, []).append(frame.shard)
             state.count = frame.count
             self._purge(frame.epoch, state)
         if frame.kind == FrameKind.END:
@@ -157,6 +160,7 @@ class Ledger:
         state.received.update(range(had))
         if done:
             state.count = had
+            self._counted.setdefault(epoch, []).append(shard)
         self._note(epoch, state, was_complete)
 
     def consumed(
@@ -185,17 +189,18 @@ class Ledger:
                 done.append(shard)
         return self.epoch, counts, done
 
-    def known_counts(self, first: int) -> list[int]:
-        """The batches of the current epoch's shards from ``first`` on, as far as each is
-        known (its last frame or END arrived; a shard skipped on an error: the batches
-        before it), stopping at the first one not known."""
-        states, counts = self._epochs.get(self.epoch, {}), []
-        for shard in range(first, self.shards):
+    def counts_since(self, since: int) -> tuple[int, dict[int, int]]:
+        """(a cursor past them, shard -> batches) of the current epoch's shards whose
+        counts came to be known after cursor ``since`` (0: the epoch's first): a shard's
+        last frame or END arrived, a shard skipped on an error (the batches before it), a
+        resume's done shard. Every shard before one a frame is handed out of is known."""
+        shards, states = self._counted.get(self.epoch, []), self._epochs.get(self.epoch, {})
+        out = {}
+        for shard in shards[since:]:
             state = states.get(shard)
-            if state is None or state.count is None or state.error is not None:
-                break
-            counts.append(state.count)
-        return counts
+            if state is not None and state.count is not None and state.error is None:
+                out[shard] = state.count
+        return len(shards), out
 
     def received_pairs(self) -> list[tuple[str, str]]:
         """What has arrived, for every epoch from the current one on, as ledger pairs.
@@ -219,6 +224,7 @@ class Ledger:
         if state.error is frame:
             state.error = None
             state.count = frame.count or 0
+            self._counted.setdefault(frame.epoch, []).append(frame.shard)
             # Batches past the failure point (from another attempt) are not part of it.
             for k in [k for k in state.frames if k >= state.count]:
                 del state.frames[k]
@@ -235,6 +241,7 @@ class Ledger:
                 self.buffered -= len(state.frames)
             self._held.pop(e, None)
             self._complete.pop(e, None)
+            self._counted.pop(e, None)
         self.epoch = epoch
         self._cut = False
         self._cursor = (0, 0)

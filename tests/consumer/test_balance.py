@@ -108,15 +108,14 @@ def test_shard_counts_are_published_read_back_as_far_as_said_and_dropped(fake_re
         for r in range(2)
     ]
     assert ranks[0].publishes(0)
-    ranks[0].publish_shards(0, 0, [3, 0])
-    ranks[0].publish_shards(0, 2, [2])
-    ranks[1].publish_shards(0, 0, [1])
-    fake_redis.hset(KEYS.counts, "n:0:1:2", "2")  # past a gap: not read
-    assert ranks[1].shard_counts(0) == [[3, 0, 2], [1]]
-    fake_redis.hset(KEYS.counts, "n:0:1:1", "-4")  # a foreign value ends what is known
+    ranks[0].publish_shards(0, {0: 3, 1: 0})
+    ranks[0].publish_shards(0, {2: 2})
+    ranks[1].publish_shards(0, {0: 1, 2: 0})  # shard 2's END came before shard 1's end
+    assert ranks[1].shard_counts(0) == [[3, 0, 2], [1, None, 0]]
+    fake_redis.hset(KEYS.counts, "n:0:1:2", "-4")  # a foreign value is not trusted
     assert ranks[0].shard_counts(0) == [[3, 0, 2], [1]]
     ranks[0].start_epoch(2)  # epoch 0's counts go with its other counts
-    assert sorted(fake_redis.hkeys(KEYS.counts)) == [b"n:0:1:0", b"n:0:1:1", b"n:0:1:2"]
+    assert sorted(fake_redis.hkeys(KEYS.counts)) == [b"n:0:1:0", b"n:0:1:2"]  # rank 1's
     # Arrival order, or a plan that counts its shards: nothing published or read.
     unordered = Balancer(fake_redis, KEYS, 0, 2, "pad", 5.0, keep=2, shards=3)
     plan = Balancer(

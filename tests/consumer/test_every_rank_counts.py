@@ -48,18 +48,12 @@ def filtered_shares(plan: list[list[int]], world: int, even: str) -> list[list[l
     return [o[:count] for o in own] if even == "drop" else own
 
 
-def re_split_rest(plan: list[list[int]], stop: int, new: int) -> list[list[list[int]]]:
-    """'drop': the rest of an epoch whose 2 ranks read ``stop`` batches each, re-split for
-    ``new`` ranks: every shard not read completely (from its next batch) in plan order,
-    unit u to rank u % new, as many units each (the rest dropped), cut at the fewest."""
-    shards, units = filtered(plan), []
-    for s, shard in enumerate(shards):
-        before = sum(len(shards[t]) for t in range(s % 2, s, 2))  # its rank's, before it
-        had = min(len(shard), max(0, stop - before))
-        if had < len(shard) or (not shard and before > stop):
-            units.append(shard[had:])
-    units = units[: len(units) // new * new]
-    own = [[b for u in units[r::new] for b in u] for r in range(new)]
+def re_split_rest(plan: list[list[int]], remap: list[list[int]], new: int) -> list[list[list[int]]]:
+    """'drop': the rest of an epoch re-split for ``new`` ranks by ``remap`` (slot u:
+    [shard, batches had], rank u % new): each rank's units from their next batch, in
+    order, cut at the fewest."""
+    shards = filtered(plan)
+    own = [[b for shard, had in remap[r::new] for b in shards[shard][had:]] for r in range(new)]
     return [o[: min(map(len, own))] for o in own]
 
 
@@ -68,20 +62,27 @@ def epoch_of(got: list[list[tuple[int, list[int]]]], epoch: int) -> list[list[li
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stop", [3, 5])
+@pytest.mark.parametrize(("stop", "group"), [(3, None), (5, None), (6, None), (5, "g1")])
 def test_drop_ranks_stepping_together_resume_from_rank_zero_s_state_exactly(
-    redis_url: str, queue_name: str, producers: Any, stop: int
+    redis_url: str, queue_name: str, producers: Any, stop: int, group: str | None
 ) -> None:
     # DDP's ranks step together ('drop': a Filter's run-time counts need it): rank 0's
     # state alone, taken `stop` batches in, resumes both ranks where each was, so the two
-    # runs together are the uninterrupted run, batch for batch.
-    got, saved = ranks_in_step(redis_url, queue_name, 2, 2, "drop", stop=stop)
+    # runs together are the uninterrupted run, batch for batch. At 6, epoch 0's count
+    # (rank 1's whole share), both resume in epoch 1: rank 0 had not cut its longer
+    # share yet (a reviewer's finding). A group's resume starts its counts afresh (they
+    # were the run's before: an in-hand count of 5 let a rank past the cut).
+    got, saved = ranks_in_step(redis_url, queue_name, 2, 2, "drop", stop=stop, group=group)
     assert saved is not None and saved["every_rank"] is True
     assert saved["yielding"] == [0, stop] and saved["shard_counts"][1][:2] == [2, 1]
     # Rank 1 is elsewhere in its share than rank 0: its position is rebuilt, not copied.
-    assert pick_rank_state(saved, 1, 2)["done"] == ([0, 1] if stop == 3 else [0, 1, 2, 3])
-    assert saved["done"] == ([0] if stop == 3 else [0, 1])
-    after, _ = ranks_in_step(redis_url, queue_name, 2, 2, "drop", state=saved)
+    rebuilt = [pick_rank_state(saved, r, 2) for r in range(2)]
+    if stop == 6:
+        assert [(s["epoch"], s["consumed"]) for s in rebuilt] == [(1, {}), (1, {})]
+    else:
+        assert rebuilt[1]["done"][:2] == [0, 1] and rebuilt[0]["done"][:1] == [0]
+        assert len(rebuilt[1]["done"]) > len(rebuilt[0]["done"])  # shard 3 holds 1 batch
+    after, _ = ranks_in_step(redis_url, queue_name, 2, 2, "drop", state=saved, group=group)
     plan = plans(2)
     whole = [b + a for b, a in zip(epoch_of(got, 0), epoch_of(after, 0), strict=True)]
     assert whole == filtered_shares(plan[0], 2, "drop")
@@ -98,7 +99,12 @@ def test_drop_ranks_resume_rank_zero_s_state_in_another_world(
     assert saved is not None
     after, _ = ranks_in_step(redis_url, queue_name, 3, 2, "drop", state=saved)
     plan = plans(2)
-    assert epoch_of(after, 0) == re_split_rest(plan[0], 3, 3)
+    remap = pick_rank_state(saved, 0, 3)["remap"]
+    # Every shard not yielded completely (2 from its 2nd batch), none known to be empty
+    # (shard 7 is, once rank 1 had its END): 2 units each, the rest dropped.
+    assert remap[0] == [2, 1]
+    assert [shard for shard, _ in remap] in ([2, 4, 5, 6, 7, 8], [2, 4, 5, 6, 8, 9])
+    assert epoch_of(after, 0) == re_split_rest(plan[0], remap, 3)
     read = Counter(tuple(b) for s in epoch_of(got, 0) + epoch_of(after, 0) for b in s)
     assert max(read.values()) == 1  # 'drop' pads nothing: no batch twice
     assert epoch_of(after, 1) == filtered_shares(plan[1], 3, "drop")

@@ -245,11 +245,15 @@ def test_where_the_plan_cannot_count_shards_the_published_counts_rebuild_each_ra
         1, 0, {"0": 1, "1": 3}, [0]
     )  # fmt: skip
     check_rank_state(one, 1, 2)
-    # The empty shard is done once the rank is past it, not before.
+    # An empty shard is done wherever it is (a re-split deals no empty unit); past a shard
+    # not said, nothing said is done but empty ones.
     zero = pick_rank_state(counted(1, "pad", 3, counts), 0, 2)
     assert (zero["consumed"], zero["done"]) == ({"0": 3}, [0, 1])
     early = pick_rank_state(counted(1, "pad", 2, counts), 0, 2)
-    assert (early["consumed"], early["done"]) == ({"0": 2}, [])
+    assert (early["consumed"], early["done"]) == ({"0": 2}, [1])
+    holes = counted(0, "pad", 4, [[3, 0, 2], [1, None, 2, 0]]) | {"shards": 4, "plan_shards": 8}
+    one = pick_rank_state(holes, 1, 2)
+    assert (one["consumed"], one["done"]) == ({"0": 1, "1": 3}, [0, 3])
 
 
 def test_published_counts_say_when_an_epoch_was_handed_out_or_a_rank_pads() -> None:
@@ -261,9 +265,11 @@ def test_published_counts_say_when_an_epoch_was_handed_out_or_a_rank_pads() -> N
     with pytest.raises(ConfigError, match=r"rank\(s\) \[1\] yielded their run-time pads"):
         pick_rank_state(counted(0, "pad", 4, whole), 0, 2)
     assert pick_rank_state(counted(0, "pad", 4, whole), 0, 3)["resplit"] is True
-    # 'drop': a whole share of k batches ends the epoch for every rank, known or not.
-    cut = pick_rank_state(counted(0, "drop", 3, [[3, 0, 2], [1, 2, 0]]), 1, 2)
-    assert (cut["epoch"], cut["consumed"]) == (1, {})
+    # 'drop': a whole share of k batches ends the epoch for every rank, known or not,
+    # the saving rank's own too (its cut is made as it asks for the next batch).
+    for rank in (0, 1):
+        cut = pick_rank_state(counted(0, "drop", 3, [[3, 0, 2], [1, 2, 0]]), rank, 2)
+        assert (cut["epoch"], cut["consumed"]) == (1, {})
     going = pick_rank_state(counted(1, "drop", 3, [[3], [1, 2, 0]]), 0, 2)
     assert (going["epoch"], going["consumed"], going["done"]) == (1, {}, [])
     inside = pick_rank_state(counted(1, "drop", 2, [[3], [1, 2, 0]]), 0, 2)
@@ -281,8 +287,18 @@ def test_published_counts_re_split_from_every_rank_s_rebuilt_position() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [[[3], [1], [2]], [[3, 0, 2, 1], []], [[-1], []], [["3"], []], [[True], []], "x"]
+    "bad",
+    [[[3], [1], [2]], [[3, 0, 2, 1], []], [[-1], []], [["3"], []], [[True], []], "x", [[1.0], []]],
 )
 def test_published_counts_that_are_not_valid_are_refused(bad: Any) -> None:
     with pytest.raises(ConfigError, match=r"shard_counts .* are not valid"):
         pick_rank_state(counted(0, "pad", 2, bad), 1, 2)
+
+
+def test_a_re_split_deals_no_shard_known_to_be_empty() -> None:
+    # Rank 0's shards 0, 2, 4 hold 3, 0, 2; rank 1 said its shard 1 (1) and 5 (empty),
+    # and is inside shard 3. A new rank given only empty units would have nothing to pad
+    # with (a reviewer's RankLost): known empty shards are done, never units.
+    saved = counted(0, "pad", 4, [[3, 0, 2], [1, None, 0]])
+    remap = pick_rank_state(saved, 0, 3)["remap"]
+    assert remap == [[3, 3], [4, 1], [3, 3]]  # shard 3 from its 4th batch, 4 from its 2nd

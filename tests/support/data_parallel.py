@@ -161,11 +161,12 @@ def ranks_in_step(
     *,
     stop: int | None = None,
     every_batch: bool = True,
+    group: str | None = None,
 ) -> tuple[list[list[tuple[int, list[int]]]], dict[str, Any] | None]:
     """:func:`lockstep`'s ranks (``every_batch``: a barrier after every batch, else only
-    at ``stop``); with ``stop`` each stops after that many batches, and once every rank
-    is there rank 0's ``state_dict()`` is taken (what Lightning and Accelerate save) and
-    every rank closes without finishing.
+    at ``stop``; of ``group``, None: the default one); with ``stop`` each stops after
+    that many batches, and once every rank is there rank 0's ``state_dict()`` is taken
+    (what Lightning and Accelerate save) and every rank closes without finishing.
 
     Returns:
         (each rank's (epoch, examples) per batch, rank 0's state at ``stop`` or None).
@@ -179,7 +180,7 @@ def ranks_in_step(
         try:
             with ServerDataStream(
                 ("features", "targets"), url=url, queue=queue, rank=r, world_size=world,
-                even_batches=even, timeout_s=30,
+                even_batches=even, timeout_s=30, group=group,
             ) as stream:  # fmt: skip
                 if state is not None:
                     stream.load_state_dict(state)

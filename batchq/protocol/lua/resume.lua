@@ -209,6 +209,8 @@ end
 if world > 1 and step ~= '-1' then  -- (a replaced run has no resume_step left)
   local rs = redis.call('HGET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1))
   if rs and rs ~= step and held ~= '1' then return {'STEP', rs} end
+  -- The first rank of this resume: the group's counts (balance.py) are the run's before.
+  if rs ~= step then redis.call('DEL', slot_key(slot, 1)) end
   redis.call('HSET', meta_key, 'resume_step' .. reader_sfx(slot, 0, 1), step)
 end
 
