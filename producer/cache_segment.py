@@ -436,7 +436,12 @@ class StageIndex:
 
     def __del__(self) -> None:
         if getattr(self, "_lock", None) is not None:
-            self.close()
+            # At interpreter exit the module's globals (contextlib, os) may be gone already,
+            # suppress with them: the files close with the process.
+            try:  # noqa: SIM105
+                self.close()
+            except (AttributeError, TypeError):
+                pass
 
     # -- called with the lock held --------------------------------------------------------
 

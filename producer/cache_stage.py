@@ -66,6 +66,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: An index a batch holds again (get_many reads it back once the batch is stored).
+_AGAIN = object()
 #: Samples of each kind before the cache may be judged (a build and a read).
 MIN_SAMPLES = 8
 #: Entries read back right after they are written, to time a read in the first epoch.
@@ -240,13 +242,27 @@ class StageCache:
         self, indices: Sequence[int], build: Callable[[int], Any], then: Callable[[Any], Any]
     ) -> list[Any]:
         """``[then(get(i, lambda: build(i))) for i in indices]`` (a batch: torch's
-        ``__getitems__``), the entries built stored together once the batch is made
-        (:meth:`DiskCache.write_many`: one reservation, write and index append)."""
+        ``__getitems__``), the entries built stored together once the batch's items are
+        made (:meth:`DiskCache.write_many`: one reservation, write and index append).
+        ``then`` (the augmentation) runs after that store, item by item in order: one
+        that changes an item in place cannot reach an entry's bytes before they are
+        written, and it draws what it did (a stage draws nothing). An index the batch
+        holds again is read back from its entry (built again where it was not stored)."""
         pending: list[tuple[int, Pieces, str]] = []
+        items: list[Any] = []
+        seen: set[int] = set()
         try:
-            return [then(self.get(i, partial(build, i), pending=pending)) for i in indices]
+            for i in indices:
+                items.append(
+                    _AGAIN if i in seen else self.get(i, partial(build, i), pending=pending)
+                )
+                seen.add(i)
         finally:  # what was built is stored, even where a later item raised
             self._store(pending)
+        for n, i in enumerate(indices):
+            if items[n] is _AGAIN:
+                items[n] = self.get(i, partial(build, i))
+        return [then(item) for item in items]
 
     def get(
         self,

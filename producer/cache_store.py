@@ -208,41 +208,64 @@ class DiskCache:
             return 0 if len(entries) < 2 or self.full else self._one_by_one(stage, entries)
         writer, view, offset = reserved
         places = [offset + sum(sizes[:i]) for i in range(len(sizes))]
-        indexed = False
         try:
             # Outside the lock: the other writers go on.
             writer.write_at(offset, Pieces([b for _, p in entries for b in p.buffers], sum(sizes)))
-            records = b"".join(
-                pack_record(index, writer.token, at, size)
-                for (index, _), at, size in zip(entries, places, sizes, strict=True)
-            )
-            with self._locked():
-                if os.write(view.fd, records) != len(records):
-                    raise OSError(f"index records of entries at {offset} written short")
-                indexed = True
-                # The records' room has moved to the index: the segment keeps the other
-                # pending reservations' rooms only (the ledger and the disk both +0).
-                writer.pending -= len(entries)
-                writer.fit()
         except OSError as e:
-            if not indexed:
-                self._give_back(writer, offset, sum(sizes), len(entries))
-            self.full = True
-            log.warning(
-                "cache %s: writing failed (%s): no more entries are written", self.directory, e
-            )
-            return 0
-        for (index, _), at, size in zip(entries, places, sizes, strict=True):
+            self._give_back(writer, offset, sum(sizes), len(entries))
+            return self._failed(e, 0)
+        records = b"".join(
+            pack_record(index, writer.token, at, size)
+            for (index, _), at, size in zip(entries, places, sizes, strict=True)
+        )
+        indexed, error = self._index(writer, view, records, places, sizes)
+        for (index, _), at, size in zip(entries[:indexed], places, sizes, strict=False):
             view.add(index, writer.token, at, size)
-        return len(entries)
+        return indexed if error is None else self._failed(error, indexed)
+
+    def _index(
+        self,
+        writer: SegmentWriter,
+        view: StageIndex,
+        records: bytes,
+        places: list[int],
+        sizes: list[int],
+    ) -> tuple[int, OSError | None]:
+        """Under the lock: move the entries' records into the index; (how many records
+        it took whole, the error where not all). Their rooms leave the segment first
+        (files never pass the ledger, even for a writer killed between the two); where
+        the index took only some (a full disk), the rest's rooms and the bytes of the
+        entries no whole record names (where nothing was reserved after them) are given
+        back, a torn record's room staying counted (its bytes are in the index)."""
+        count = len(sizes)
+        with self._locked() as fd:
+            writer.pending -= count
+            try:
+                writer.fit()
+                wrote, error = os.write(view.fd, records), None
+            except OSError as e:
+                wrote, error = 0, e
+            whole, rooms = wrote // RECORD_BYTES, -(-wrote // RECORD_BYTES)
+            if whole < count:
+                error = error or OSError(f"index records of entries at {places[0]} written short")
+                self._return(fd, writer, places[whole], sum(sizes[whole:]), count - rooms)
+        return whole, error
+
+    def _failed(self, error: OSError, written: int) -> int:
+        """A write the disk refused: no more entries are written by this process."""
+        self.full = True
+        log.warning(
+            "cache %s: writing failed (%s): no more entries are written", self.directory, error
+        )
+        return written
 
     def _one_by_one(self, stage: str, entries: Sequence[tuple[int, Pieces]]) -> int:
-        """:meth:`write_many`'s entries written one at a time while they fit."""
+        """:meth:`write_many`'s entries written one at a time until one is not."""
         written = 0
         for entry in entries:
-            if self.full:
+            if self.write_many(stage, [entry]) == 0:
                 break
-            written += self.write_many(stage, [entry])
+            written += 1
         return written
 
     def _check_due(self, stage: str) -> bool:
@@ -302,17 +325,23 @@ class DiskCache:
         always; its entries' bytes only when nothing was reserved after them (else they
         stay in the segment, and counted: the ledger never says less than the disk)."""
         with self._locked() as fd:
-            freed = RECORD_BYTES * count
             writer.pending -= count
-            if writer.end == offset + size:
-                writer.end = offset
-                freed += size
-            try:
-                writer.fit()
-            except OSError:  # the segment keeps its size: so does the ledger
-                return
-            self.held_bytes = max(0, _read_ledger(fd, self.directory) - freed)
-            _write_ledger(fd, self.held_bytes)
+            self._return(fd, writer, offset, size, count)
+
+    def _return(self, fd: int, writer: SegmentWriter, offset: int, size: int, rooms: int) -> None:
+        """Under the lock: ``rooms`` records' rooms (out of the segment's pending ones
+        already) off the ledger, and the ``size`` bytes from ``offset`` where nothing
+        was reserved after them (the segment cut to them)."""
+        freed = RECORD_BYTES * rooms
+        if writer.end == offset + size:
+            writer.end = offset
+            freed += size
+        try:
+            writer.fit()
+        except OSError:  # the segment keeps its size: so does the ledger
+            return
+        self.held_bytes = max(0, _read_ledger(fd, self.directory) - freed)
+        _write_ledger(fd, self.held_bytes)
 
     def discard(self, stage: str, index: int) -> None:
         """Forget a rejected entry in this process (its bytes stay counted until the
@@ -368,8 +397,13 @@ class DiskCache:
         # No lock: nothing else uses an object being finalised, and the cyclic GC may run
         # this in any thread, one holding the directory's flock inside another cache's
         # _locked() while a third waits for that flock holding _OPEN_LOCK (a deadlock).
-        if getattr(self, "_pid", None) == os.getpid():  # not a forked copy: its parent's
-            self._close_files()
+        # At interpreter exit the module's globals (os, contextlib) may be gone already:
+        # the files close with the process.
+        try:
+            if getattr(self, "_pid", None) == os.getpid():  # a forked copy's are its parent's
+                self._close_files()
+        except (AttributeError, TypeError):
+            pass
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -125,6 +125,29 @@ def test_a_batch_takes_two_rounds_of_the_lock_and_reads_as_its_entries(
     assert cache.bytes_held() == disk_bytes(tmp_path) == 9 * (_entry_size() + ENTRY_OVERHEAD)
 
 
+def test_an_index_that_takes_part_of_a_batch_keeps_what_its_whole_records_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk can take a batch's records in part (a reviewer's RLIMIT_FSIZE): the
+    # entries of whole records stay, the rest is given back, and no file passes the
+    # ledger (a torn record's room stays counted: its bytes are in the index).
+    cache = DiskCache(tmp_path, max_bytes=10**6)
+    _write(cache, 0)
+    real = os.write
+
+    def short(fd: int, data: Any) -> int:
+        return real(fd, bytes(data)[: 2 * RECORD_BYTES + 12])
+
+    monkeypatch.setattr(cache_store.os, "write", short)
+    batch = [(i, encode_entry(_item(i), STAGE, i)) for i in range(1, 6)]
+    assert cache.write_many(STAGE, batch) == 2 and cache.full
+    monkeypatch.undo()
+    assert disk_bytes(tmp_path) <= cache.bytes_held()
+    other = DiskCache(tmp_path, max_bytes=10**6)  # a first use: the recount
+    assert [_read(other, i) is not None for i in range(6)] == [True] * 3 + [False] * 3
+    assert other.bytes_held() == disk_bytes(tmp_path)
+
+
 def test_a_batch_past_the_cap_is_written_one_by_one_up_to_it(tmp_path: Path) -> None:
     cap = int(3.5 * (_entry_size() + ENTRY_OVERHEAD))
     cache = DiskCache(tmp_path, max_bytes=cap)

@@ -125,6 +125,36 @@ def test_a_dataloader_reads_batches_of_the_uncached_pipelines_bytes_cold_and_war
     assert len(entries(tmp_path)) == N
 
 
+def test_an_augment_that_changes_its_item_in_place_leaves_the_entries_whole(
+    tmp_path: Path,
+) -> None:
+    # The augment runs once the batch's entries are written: one that changes the item
+    # in place (legal over a stage that makes each item anew) cannot reach their bytes
+    # (a reviewer's bad_checksum on the read-back, and entries rejected every epoch).
+    def doubled(item: Any) -> Any:
+        return item[0].mul_(2), item[1]
+
+    want = [np.asarray(v).tobytes() for i in range(N) for v in doubled(stage(N)[i])]
+    ds = cached(stage(N), augment=doubled, cache=DiskCache(tmp_path))
+    for epoch in range(3):
+        got = [
+            np.asarray(v).tobytes()
+            for b in range(0, N, 8)
+            for item in ds.__getitems__(list(range(b, min(b + 8, N))))
+            for v in item
+        ]
+        assert got == want, epoch
+    assert (ds.stats["misses"], ds.stats["hits"], ds.stats["rejected"]) == (N, 2 * N, 0)
+
+
+def test_an_index_a_batch_holds_again_is_built_once(tmp_path: Path) -> None:
+    ds = cached(stage(N), cache=DiskCache(tmp_path))
+    items = ds.__getitems__([3, 3, 5, 3])
+    assert [int(item[1]) for item in items] == [3, 3, 5, 3]
+    assert (ds.stats["misses"], ds.stats["writes"], ds.stats["hits"]) == (2, 2, 2)
+    assert len(entries(tmp_path)) == 2
+
+
 class _Augmented(torch.utils.data.Dataset):  # type: ignore[misc]
     """The stage, then the augmentation: the pipeline without the cache."""
 

@@ -424,6 +424,21 @@ def test_the_checksum_is_zlib_s_crc32_of_the_frame_its_own_bytes_read_as_zeros()
     assert zlib.crc32(buf[: end - 4] + bytes(4) + buf[end:]) == crc
 
 
+@pytest.mark.parametrize("checksum", [False, True])
+def test_pieces_of_a_frame_ending_in_empty_arrays_hold_its_every_byte(checksum: bool) -> None:
+    # The empty arrays' offsets pad the frame past the last bytes an array holds: the
+    # pieces carry that padding, so they add up to the frame (a reviewer found a cache
+    # entry ending in an empty array read back shifted, its crc failing).
+    header = FrameHeader(
+        kind=FrameKind.BATCH, run="r", epoch=0, shard=0, k=0, producer="p", sources=("a", "b")
+    )
+    for data in ([np.arange(70, dtype=np.uint8), np.zeros((0, 3))], [np.zeros(0), np.zeros(0)]):
+        pieces = encode_frame_pieces(header, data, checksum=checksum)
+        assert len(bytes(pieces)) == pieces.nbytes
+        assert bytes(pieces) == bytes(encode_frame(header, data, checksum=checksum))
+        assert decode_frame(bytes(pieces)).data[1].shape == data[1].shape
+
+
 def test_checksum_on_frames_without_arrays() -> None:
     frame = decode_frame(enc(("v", [1, 2]), checksum=True))
     assert frame.data == ([1, 2],)
