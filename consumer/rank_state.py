@@ -70,6 +70,10 @@ def pick_rank_state(
         state = [rank_position(state, r, re_split=True) for r in range(saved_world)]
     states = _state_list(state)
     resplit = _checkpoint_world(states) != world
+    if not resplit and all(s.get(EVERY_RANK_KEY) and s.get(RUN_KEY) for s in states):
+        # Each stands for every rank: this rank's, read as one (at a Filter's 'drop' end a
+        # rank that had not cut its share yet is in the next epoch, as the others are).
+        return pick_rank_state(_own_state(states, rank), rank, world)
     states = _in_one_epoch(states, resplit)
     if resplit:
         return elastic_state(states, rank, world)

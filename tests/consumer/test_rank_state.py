@@ -302,3 +302,18 @@ def test_a_re_split_deals_no_shard_known_to_be_empty() -> None:
     saved = counted(0, "pad", 4, [[3, 0, 2], [1, None, 0]])
     remap = pick_rank_state(saved, 0, 3)["remap"]
     assert remap == [[3, 3], [4, 1], [3, 3]]  # shard 3 from its 4th batch, 4 from its 2nd
+
+
+def test_a_list_of_states_standing_for_every_rank_reads_each_as_one() -> None:
+    # An all-gather of a Filter's 'drop' states at the epoch's last step: rank 0 had not
+    # cut its longer share yet, rank 1's share had ended (its state says the next
+    # epoch). Each stands for every rank, so both resume in the next epoch (refused
+    # before: one rank past the epoch while another was inside it).
+    counts = [[3, 0, 2], [1, 2, 0]]
+    states = [
+        counted(0, "drop", 3, counts) | {"consumed": {"0": 3}, "done": [0, 1]},
+        counted(1, "drop", 3, counts) | {"rank": 1, "epoch": 1},
+    ]
+    for rank in (0, 1):
+        mine = pick_rank_state(states, rank, 2)
+        assert (mine["rank"], mine["epoch"], mine["consumed"]) == (rank, 1, {})
