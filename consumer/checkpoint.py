@@ -219,20 +219,24 @@ def _rank_part(
     step: int,
     yielding: tuple[int, int],
     published: Callable[[int], list[list[int | None]] | None] | None,
+    resumed: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """A rank's fields, marked every_rank where its position stands for every rank's;
     where only the plan's last shard is short, with what rebuilds each rank's; where
     the plan cannot count its shards, with every rank's published shard counts."""
-    # A shard skipped on a producer's error holds fewer batches than the plan says.
+    # A shard skipped on a producer's error holds fewer batches than the plan says: its
+    # ranks' published counts say where they are, where they publish them (one batch a
+    # shard evens nothing at run time: its slots alike stand, exact unless one is skipped).
     trusted = options.ordered and options.on_producer_error != "skip"
     short = trusted and _last_short(plan, remapped)
-    every = trusted and (short or _slots_alike(plan, remapped))
+    alike = options.ordered and _slots_alike(plan, remapped)
     counts = None
-    if options.ordered and not every and not remapped and published is not None:
-        counts = published(yielding[0])
+    if options.ordered and not short and not (alike and trusted) and published is not None:
+        counts = published(yielding[0]) if not remapped else None
+        counts = _with_resumed(counts, resumed, yielding[0])
     fields = rank_fields(
         options.rank, options.world_size, options.even_batches, plan_shards, step,
-        every or counts is not None,
+        short or alike or counts is not None,
     )  # fmt: skip
     if counts is not None:
         return fields | {YIELDING_KEY: list(yielding), SHARD_COUNTS_KEY: counts}
@@ -243,6 +247,33 @@ def _rank_part(
         SHARD_BATCHES_KEY: plan.shard_batches,
         EPOCH_BATCHES_KEY: plan.epoch_batches,
     }
+
+
+def _with_resumed(
+    counts: list[list[int | None]] | None, resumed: Mapping[str, Any] | None, epoch: int
+) -> list[list[int | None]] | None:
+    """``counts`` with what they do not say taken from the state the stream resumed
+    from, where its counts are of ``epoch``: a resume drops the counts published before
+    it, and each rank says its own again only as it reads on (a state taken between
+    still says where every rank is)."""
+    if counts is None or not resumed or SHARD_COUNTS_KEY not in resumed:
+        return counts
+    if (resumed.get(YIELDING_KEY) or [None])[0] != epoch:
+        return counts
+    before: list[list[int | None]] = resumed[SHARD_COUNTS_KEY]
+    out = []
+    for r, share in enumerate(counts):
+        old = before[r] if r < len(before) else []
+        merged = [
+            share[j]
+            if j < len(share) and share[j] is not None
+            else (old[j] if j < len(old) else None)
+            for j in range(max(len(share), len(old)))
+        ]
+        while merged and merged[-1] is None:
+            merged.pop()
+        out.append(merged)
+    return out
 
 
 def resumed_batches(resumed: Mapping[str, Any] | None, epoch: int) -> int:
@@ -298,7 +329,7 @@ def stream_state(
         # A rank past the re-split epoch whose batches the others may still yield (its
         # run-time pads: ``yielding`` is still of it) stands for no other rank either.
         inside = remap_epoch in (epoch, yielding[0])
-        state |= _rank_part(options, plan, inside, plan_shards, step, yielding, published)
+        state |= _rank_part(options, plan, inside, plan_shards, step, yielding, published, resumed)
     if remapped and resumed is not None:
         # The epoch's slots build the remapped shards: a resume from here needs the map.
         state[REMAP_KEY] = resumed[REMAP_KEY]

@@ -135,8 +135,10 @@ class EpochFeed:
         """The rank's own frames of ``epoch`` as they are, before each one the shard
         counts that the ledger came to know since published (every shard before a
         frame's is known by then); the rest once the share ended."""
-        since = 0
+        since, losses = 0, self.buffer.losses
         for frame in frames:
+            if self.buffer.losses != losses:  # Redis lost the queue: say them all again
+                since, losses = 0, self.buffer.losses
             since, counts = self.buffer.counts_since(since)
             if counts:
                 evener.publish_shards(epoch, counts)

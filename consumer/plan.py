@@ -319,6 +319,9 @@ class ReaderBuffer(Protocol):
     def fail(self, error: BaseException) -> None:
         """The reader stopped on ``error``: the iterator raises it."""
 
+    def lost(self) -> None:
+        """Redis lost the queue (the reader re-created the run)."""
+
     def wake(self) -> None:
         """Wake whoever waits."""
 

@@ -44,6 +44,7 @@ class Buffer:
         self.error: BaseException | None = None  # what stopped the reader
         self.waiting_since: float | None = None  # the iterator waits for a frame
         self.max_buffered = 0  # the most frames held at once (a figure)
+        self.losses = 0  # times a reader re-created the run Redis lost (counts to say again)
 
     # -- the reader's side ---------------------------------------------------------------
 
@@ -78,6 +79,12 @@ class Buffer:
         with self.cond:
             self.error = error
             self.cond.notify_all()
+
+    def lost(self) -> None:
+        """Redis lost the queue (the reader re-created the run): the iterator says its
+        shard counts again (:meth:`consumer.epoch.EpochFeed` reads ``losses``)."""
+        with self.cond:
+            self.losses += 1
 
     def wake(self) -> None:
         """Wake whoever waits (the reader is asked to stop)."""
@@ -288,6 +295,9 @@ class StripeView(Buffer):
     @max_buffered.setter
     def max_buffered(self, value: int) -> None:
         self.shared.max_buffered = value
+
+    def lost(self) -> None:
+        self.shared.lost()
 
     def idle(self, hwm: int, published_floor: int, wait_s: float) -> tuple[bool, bool]:
         """As :meth:`Buffer.idle`, ``published_floor`` being the stripe's: stale once the

@@ -226,6 +226,7 @@ class Reader(threading.Thread):
         pairs = [*s.remap_done, *pairs]
         s.resume(self.client, first, fingerprint, pairs, step=-1, remap=s.remap)
         self.shm.new_run(s.run)
+        self.buffer.lost()  # the published shard counts went with the queue
         if s.keys is not self.keys:  # a group registered again, in another slot
             self.keys = self._fetcher.keys = self._dead.keys = self._repair.keys = s.keys
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from data_parallel import two_ranks_in_epoch_2
@@ -163,3 +164,31 @@ def test_a_malformed_remap_is_refused_naming_it(remap: object) -> None:
     state = checkpoint.position_state("q", "r1", "fp", 4, 2, {}, [])
     with pytest.raises(ConfigError, match=rf"state\['remap'\] = {re.escape(repr(remap))} is not"):
         check_state(state | {"remap": remap}, "q")
+
+
+def test_published_counts_a_resume_dropped_come_from_the_state_it_resumed_from() -> None:
+    # A Filter's plan (no epoch_batches): the ranks' published counts are the state's. A
+    # resume drops those published before it and each rank says its own again only as
+    # it reads: a state taken between takes what is not said from the resumed state (a
+    # reviewer's rank 1 put 5 batches into its shard 0 of 2).
+    meta = {b"shards": b"10", b"shard_batches": b"2", b"hwm": b"4"}
+    url = "redis://127.0.0.1:1/0"
+    options = ServerDataStream(("x",), url=url, queue="q", rank=0, world_size=2).options
+    resumed = {"yielding": [0, 5], "shard_counts": [[2, 2, 2], [2, 1, 1, 0, 2]]}
+    position = (0, {0: 2, 1: 2, 2: 1}, [0, 1])
+
+    def state(published: list[list[int | None]], at: tuple[int, int]) -> dict[str, Any]:
+        return stream_state(options, "r", Plan(meta), 5, position, step=5, plan_shards=10,
+                            params=None, resumed=resumed, yielding=at,
+                            published=lambda epoch: published)  # fmt: skip
+
+    assert state([[], []], (0, 5))["shard_counts"] == resumed["shard_counts"]
+    fresher = state([[2, 2, 2, 2], [None, 1]], (0, 5))["shard_counts"]
+    assert fresher == [[2, 2, 2, 2], [2, 1, 1, 0, 2]]
+    assert state([[], []], (1, 0))["shard_counts"] == [[], []]  # another epoch's: its own
+    skip = ServerDataStream(
+        ("x",), url=url, queue="q", rank=0, world_size=2, on_producer_error="skip"
+    ).options
+    alike = Plan(meta | {b"epoch_batches": b"10", b"shard_batches": b"1"})  # one batch a shard
+    marked = stream_state(skip, "r", alike, 5, position, step=5, plan_shards=10, params=None)
+    assert marked["every_rank"] is True  # as before: its slots alike, nothing published

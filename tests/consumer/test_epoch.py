@@ -70,3 +70,26 @@ def test_a_state_before_the_epoch_s_first_batch_says_where_the_rank_is(
     frames = feed.frames(2, skip_errors=False, queue="q", progress=False, total=None, already=3)
     assert feed.yielding(0) == (2, 3)  # opened, nothing taken yet
     del frames
+
+
+def test_shard_counts_are_said_again_once_redis_lost_the_queue(fake_redis: Any) -> None:
+    # A Filter's plan: the rank says each shard's count as its ledger learns it; Redis
+    # losing the queue takes them, and the reader re-creating the run has them said again
+    # (a state taken after would have put the rank in its shard 0).
+    buffer = Buffer(Ledger(3))
+    for shard in range(3):
+        header = FrameHeader(FrameKind.BATCH, "r", 0, shard, 0, "p", ("x",), last=True, count=1)
+        raw = bytes(encode_frame(header, (np.arange(2) + shard,)))
+        assert buffer.put([(decode_frame(raw), raw)], 0) == []
+    evener = Balancer(fake_redis, KEYS, 0, 2, "drop", 1.0, keep=2, shards=3, ordered=True)
+    fake_redis.hset(KEYS.counts, mapping={"0:1": "=9", "n:0:1:0": "1"})  # the other rank
+    feed = EpochFeed(
+        buffer, lambda: True, evener, TrainerStats(), FramePrep(("x",), None, "q"), Counter()
+    )
+    frames = feed.frames(0, skip_errors=False, queue="q", progress=False, total=None)
+    assert next(frames).shard == 0
+    assert evener.shard_counts(0) == [[1, 1, 1], [1]]
+    fake_redis.delete(KEYS.counts)  # Redis restarted empty
+    buffer.lost()
+    assert next(frames).shard == 1
+    assert evener.shard_counts(0) == [[1, 1, 1], []]
