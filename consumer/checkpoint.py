@@ -231,9 +231,8 @@ def _rank_part(
     short = trusted and _last_short(plan, remapped)
     alike = options.ordered and _slots_alike(plan, remapped)
     counts = None
-    if options.ordered and not short and not (alike and trusted) and published is not None:
-        counts = published(yielding[0]) if not remapped else None
-        counts = _with_resumed(counts, resumed, yielding[0])
+    if options.ordered and not (short or (alike and trusted) or remapped) and published:
+        counts = _with_resumed(published(yielding[0]), resumed, yielding[0])
     fields = rank_fields(
         options.rank, options.world_size, options.even_batches, plan_shards, step,
         short or alike or counts is not None,

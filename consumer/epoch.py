@@ -136,16 +136,19 @@ class EpochFeed:
         counts that the ledger came to know since published (every shard before a
         frame's is known by then); the rest once the share ended."""
         since, losses = 0, self.buffer.losses
-        for frame in frames:
+
+        def say() -> None:
+            nonlocal since, losses
             if self.buffer.losses != losses:  # Redis lost the queue: say them all again
                 since, losses = 0, self.buffer.losses
             since, counts = self.buffer.counts_since(since)
             if counts:
                 evener.publish_shards(epoch, counts)
+
+        for frame in frames:
+            say()
             yield frame
-        since, counts = self.buffer.counts_since(since)
-        if counts:
-            evener.publish_shards(epoch, counts)
+        say()
 
     def frames(
         self,
