@@ -44,6 +44,7 @@ from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import stripe_run_id
 from batchq.protocol.ranks import RankLayout
 from batchq.protocol.stripes import Stripes
+from batchq.protocol.words import as_text
 from consumer.balance import Balancer, StaticPads, even_counts
 from consumer.checkpoint import (
     EPOCH_KEY,
@@ -297,19 +298,21 @@ def start_position(
     Args:
         session: the trainer's session, just claimed (its plan is set here).
         resume: the checkpoint (one rank's state), or None.
-        new_run: the claim started a new run: frames an older run stored go.
+        new_run: the claim started a new run: frames an older run stored go (as they
+            do where a resume replaced the run claimed).
         ordered: the ledger yields in plan order.
         step: batches yielded before the checkpoint.
         timeout_s: the stream's reconnect bound, and how long to wait for a plan.
     """
-    if new_run:
-        delete_old_frames(session.client, session.keys, timeout_s)
+    claimed = session.run
     if resume is None:
         plan = session.wait_for_plan(timeout_s, BLOCK_S)
         layout = session.layout(plan.shards)
         start = Resumed(layout, Ledger(layout.per_rank, ordered=ordered), plan.shards)
     else:
         start = resume_position(session, resume, ordered=ordered, step=step, timeout_s=timeout_s)
+    if new_run or session.run != claimed:  # a resume replaced the run claimed
+        delete_old_frames(session.client, session.keys, session.run, timeout_s)
     known = session.plan
     if known is not None:
         start.ledger.window = known.window if known.has_window else None
@@ -358,9 +361,9 @@ def _start_stripe(
     # number of ranks, in a run the job's ranks name alike) is done until it resumes.
     if not (again or run is None or session.awaits_resume(client)):
         return
-    if new_run or not first.grouped:  # a group resumed in a live run: the others' stay
-        delete_old_frames(client, keys, timeout_s)
     _resume_stripe(first, session, plan, start, k, step)
+    if new_run or not first.grouped:  # a group resumed in a live run: the others' stay
+        delete_old_frames(client, keys, session.run, timeout_s)
 
 
 def _acquire_waiting(
@@ -424,7 +427,7 @@ def release(
     try:
         ended = session is not None and session.release(finished)
         if ended and session is not None:
-            delete_old_frames(client, session.keys, timeout_s)
+            delete_old_frames(client, session.keys, session.run, timeout_s, ended=True)
             shm.finish()
         elif finished and session is not None and session.grouped:
             drain_group(client, session.keys, session.data_key, shm.release_unread, timeout_s)
@@ -436,15 +439,26 @@ def release(
         client.close()
 
 
-def delete_old_frames(client: redis.Redis, keys: QueueKeys, timeout_s: float) -> int:
-    """Delete the frames stored by reference by an older run (nobody will pop their
-    names); returns how many keys were deleted."""
+def delete_old_frames(
+    client: redis.Redis, keys: QueueKeys, run: str, timeout_s: float, *, ended: bool = False
+) -> int:
+    """Delete the frames stored by reference whose names nobody will pop: those of every
+    run but ``run`` (the run this trainer reads: the others' lists went when it started
+    or resumed it), or with ``ended`` those of ``run`` (it finished). Returns how many
+    keys were deleted.
+
+    The run is in a frame's name (:meth:`QueueKeys.frame`): producers push frames of
+    ``run`` while this runs (another group's, another rank's claim let them), and those
+    must stay (a SCAN of the whole queue once deleted them: missing_ref).
+    """
     what = f"queue {keys.queue}"
+    ours = keys.run_frames(run)
 
     def scan() -> list[Any]:
         return list(client.scan_iter(match=keys.frame_pattern, count=1000))
 
-    names = retrying(scan, f"listing old frames ({what})", timeout_s, client=client)
+    found = retrying(scan, f"listing old frames ({what})", timeout_s, client=client)
+    names = [name for name in found if as_text(name).startswith(ours) == ended]
     deleted = 0
     for i in range(0, len(names), DELETE_CHUNK):
         chunk = names[i : i + DELETE_CHUNK]

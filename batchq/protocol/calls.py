@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import redis
+from redis.exceptions import NoScriptError
 
 from batchq.client.connection import convert_error
 from batchq.client.redirects import REDIRECTS, follow_redirects
@@ -190,9 +191,7 @@ def execute_pipeline(client: redis.Redis, build: Any, *, raise_on_error: bool = 
 
     The pipeline only records (``build`` uses redis-py's command methods, and
     :meth:`Script.queue` for the scripts); nothing is sent by it. On NOSCRIPT the
-    scripts are loaded and everything sent again once, which is safe because what
-    batchq sends this way is idempotent (a SET of the same frame, reads, a script that
-    had not run).
+    scripts are loaded and the refused commands sent again once (:func:`round_trip`).
 
     Args:
         client: the client.
@@ -250,8 +249,9 @@ def round_trip(
 
     An error reply is raised after every reply has been read, so the connection stays in
     step; a connection that failed half-way is closed before anything reads it again.
-    On NOSCRIPT (a new or restarted server) every script is loaded and the commands sent
-    again once: as for :func:`execute_pipeline`, what batchq sends this way is idempotent.
+    On NOSCRIPT (a new or restarted server) every script is loaded and the commands it
+    refused (they did not run) sent again once, alone: the others ran, and a push sent
+    twice would list its frame twice.
     On a Redis Cluster, the commands a node refused with MOVED, ASK or TRYAGAIN (it ran
     none of them) go again where they belong (:func:`batchq.client.redirects.follow_redirects`).
     Where the calling thread holds the client (:func:`batchq.client.redis_internals.hold`:
@@ -283,40 +283,33 @@ def round_trip(
             raises it.
     """
     try:
-        for attempt in (0, 1):
-            replies = _send_and_read(client, commands, between if attempt == 0 else None, readers)
-            redirected = any(isinstance(r, REDIRECTS) for r in replies)
-            if redirected:  # a cluster's slot moved, or moves
-                replies = follow_redirects(
-                    client, commands, replies, readers,
-                    lambda again, read: _send_and_read(client, again, None, read), load_all,
-                )  # fmt: skip
-            failed = _failed(replies, keep_errors)
-            if failed is None:
-                return replies
-            # After redirects some commands ran on another node: never all of them again.
-            if attempt == 0 and failed[1] and not redirected:
-                load_all(client)
-                continue
-            raise failed[0]
-        raise AssertionError("unreachable")  # pragma: no cover
+        replies = _send_and_read(client, commands, between, readers)
+        if any(isinstance(r, REDIRECTS) for r in replies):  # a cluster's slot moved, or moves
+            replies = follow_redirects(
+                client, commands, replies, readers,
+                lambda again, read: _send_and_read(client, again, None, read), load_all,
+            )  # fmt: skip
+        refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if refused:
+            # The refused commands alone go again: the others ran, and a push is not
+            # idempotent (sent twice, its frame was listed twice).
+            load_all(client)
+            reads = [readers[i] for i in refused] if readers is not None else None
+            again = _send_and_read(client, [commands[i] for i in refused], None, reads)
+            for i, reply in zip(refused, again, strict=True):
+                replies[i] = reply
+        errors = [r for r in replies if isinstance(r, redis.ResponseError)]
+        if errors and not keep_errors:
+            raise errors[0]
+        refused_again = [e for e in errors if isinstance(e, NoScriptError)]
+        if refused_again:
+            raise refused_again[0]
+        return replies
     except redis.RedisError as e:
         converted = convert_error(e, what, client)
         if converted is None:
             raise
         raise converted from e
-
-
-def _failed(replies: list[Any], keep_errors: bool) -> tuple[redis.ResponseError, bool] | None:
-    """None when ``replies`` are the answer (no error reply; with ``keep_errors``, none
-    that is NOSCRIPT); else (the first error reply, whether any is NOSCRIPT)."""
-    errors = [r for r in replies if isinstance(r, redis.ResponseError)]
-    if not errors:
-        return None
-    noscript = any(isinstance(e, redis.exceptions.NoScriptError) for e in errors)
-    if keep_errors and not noscript:
-        return None
-    return errors[0], noscript
 
 
 def _send_and_read(

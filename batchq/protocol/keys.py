@@ -46,8 +46,9 @@ one Redis Cluster slot and a Lua script may touch all of it)::
     bq:{Q}:scalers      ZSET    autoscaler id -> heartbeat deadline (server ms): how
                                 many hosts share the deficit
     bq:{Q}:scalelog     LIST    the autoscalers' decisions as JSON, newest first (capped)
-    bq:{Q}:frame:<p>:<n> STRING a large frame stored by reference (the data list holds
-                                its name); no TTL once it is in the data list
+    bq:{Q}:frame:<run>:<p>:<n>
+                        STRING  a large frame stored by reference for a run (the data
+                                list holds its name); no TTL once it is in the data list
     bq:{Q}:data:<r>     LIST    rank r's data list, when a data-parallel trainer of
                                 world > 1 reads the run (batchq/protocol/ranks.py); meta then
                                 holds world, even and per-rank fields '<name>:<r>'
@@ -416,9 +417,15 @@ class QueueKeys:
             out += self.slot_keys(slot, world)
         return out
 
-    def frame(self, producer: str, seq: int) -> str:
-        """The key of the ``seq``-th frame that ``producer`` stores by reference."""
-        return f"{self.frame_prefix}{producer}:{seq}"
+    def frame(self, run: str, producer: str, seq: int) -> str:
+        """The key of the ``seq``-th frame that ``producer`` stores by reference for
+        ``run``: the run is in the name so that a trainer deleting an older run's frames
+        never deletes one of the run it reads (:meth:`run_frames`)."""
+        return f"{self.run_frames(run)}{producer}:{seq}"
+
+    def run_frames(self, run: str) -> str:
+        """The prefix of every frame stored by reference for ``run``."""
+        return f"{self.frame_prefix}{run}:"
 
     @property
     def pattern(self) -> str:

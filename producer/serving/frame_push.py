@@ -237,7 +237,7 @@ class FramePusher:
         if len(frame) <= self.settings.inline_max_bytes:
             return self._capped_push(frame, frame, None, "", push, between)
         self._frame_seq += 1
-        ref = self.settings.keys.frame(self.settings.producer, self._frame_seq)
+        ref = self.settings.keys.frame(self.position.run, self.settings.producer, self._frame_seq)
         return self._capped_push(frame, encode_ref(ref), ref, "", push, between)
 
     # -- the capped push ---------------------------------------------------------------

@@ -385,7 +385,7 @@ def test_producer_and_trainer_cannot_touch_another_queue(
             lambda: client.llen(other.data),
             lambda: client.lpush(other.data, b"x"),
             lambda: client.delete(other.meta),
-            lambda: client.execute_command("GETDEL", other.frame("p", 1)),
+            lambda: client.execute_command("GETDEL", other.frame("r", "p", 1)),
         ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 call()

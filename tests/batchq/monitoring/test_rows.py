@@ -161,7 +161,7 @@ def test_bytes_held_and_oldest_age_of_inline_and_referenced_frames(
     keys = QueueKeys(queue_name)
     sec, usec = redis_client.time()
     now = sec + usec / 1e6
-    ref_key = keys.frame("p", 1)
+    ref_key = keys.frame("r", "p", 1)
     big = _frame(t=now - 7.0, n=100_000)  # 400 kB: the header is in its first 64 KiB
     redis_client.set(ref_key, big)
     redis_client.lpush(keys.data, encode_ref(ref_key))  # the oldest element

@@ -35,6 +35,23 @@ def test_a_script_unknown_to_the_server_is_loaded_and_sent_again() -> None:
     client.close()
 
 
+def test_only_the_commands_refused_for_noscript_are_sent_again() -> None:
+    # Before: the whole round trip went again, so a command that ran (a push) ran twice.
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer(version=(6, 2)))
+    lease = producer_scripts.lease_call(
+        QueueKeys("rt"), incarnation="i", run="r", producer="p", token="t",
+        heartbeat_ttl_ms=1000, prefetch=False, world=1,
+    )  # fmt: skip
+    replies = round_trip(
+        client, [("RPUSH", "l", "x"), lease.command(), ("LLEN", "l")], "testing",
+        keep_errors=True,
+    )  # fmt: skip
+    assert replies[0] == 1 and replies[2] == 1
+    assert lease.parse(replies[1]).status == "STATE_LOST"  # loaded, then it ran
+    assert client.lrange("l", 0, -1) == [b"x"]  # once
+    client.close()
+
+
 def test_an_error_reply_is_raised_after_every_reply_is_read(redis_url: str) -> None:
     client = make_client(redis_url)
     key = "bq:{rt-error}:s"

@@ -108,7 +108,7 @@ def test_one_shard_is_leased_for_every_group_and_pushed_into_each_list(run: Run)
 
 
 def test_a_frame_stored_once_goes_with_its_last_readers_release(run: Run) -> None:
-    frame = run.k.frame("p", 1)
+    frame = run.k.frame(run.run, "p", 1)
     run.c.set(frame, b"bytes of a large frame")
     lease = run.lease("p", "t1")
     assert run.push("p", lease, "t1", encode_ref(frame), frame).status == Status.OK

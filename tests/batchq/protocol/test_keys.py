@@ -21,11 +21,14 @@ def test_every_key_carries_the_hash_tag_and_only_data_says_data() -> None:
         k.stats,
         k.dead,
         k.lease("p1"),
-        k.frame("p1", 7),
+        k.frame("r1", "p1", 7),
     ]
     assert all(n.startswith("bq:{q1}:") for n in names)
     assert [n for n in names if "data" in n] == [k.data]
-    assert k.frame("p1", 7).startswith(k.frame_prefix)
+    assert k.frame("r1", "p1", 7).startswith(k.frame_prefix)
+    # The run is in a frame's name: an older run's frames are told from the run's.
+    assert k.frame("r1", "p1", 7).startswith(k.run_frames("r1"))
+    assert not k.frame("r10", "p1", 7).startswith(k.run_frames("r1"))
 
 
 @pytest.mark.parametrize("bad", ["", "a b", "x{y}", "a:b", "é", "x" * 129, 5])

@@ -62,7 +62,7 @@ WRAPPERS: dict[str, Any] = {
         prefetch=1, groups=3, world=2, after="4/6:s",
     ).run(c),
     "push": lambda c: producer_scripts.push_call(
-        K, targets=0b101, rank=1, world=2, groups=3, frame_key=K.frame("p", 1),
+        K, targets=0b101, rank=1, world=2, groups=3, frame_key=K.frame("r", "p", 1),
         incarnation="i", run="r", producer="p", entry="3/5:t", element=b"x", last=True,
         heartbeat_ttl_ms=1, frame_bytes=1, blocked_ms=0, produce_ms=0,
     ).run(c),
@@ -101,7 +101,9 @@ WRAPPERS: dict[str, Any] = {
         ),
         groups=2, key_world=2, remap=(0, {1: 0}), ledger=[("0:1", "d")],
     ),
-    "release": lambda c: trainer_scripts.release_call(K, [K.frame("p", 1), K.frame("p", 2)]).run(c),
+    "release": lambda c: trainer_scripts.release_call(
+        K, [K.frame("r", "p", 1), K.frame("r", "p", 2)]
+    ).run(c),
     "detach": lambda c: trainer_scripts.detach(
         c, K, incarnation="i", run="r", token="t", position="p", frames=[b"f2", b"f1"],
     ),
