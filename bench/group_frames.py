@@ -73,7 +73,7 @@ def measure(client: redis.Redis, groups: int, size: int, frames: int, by_ref: bo
             keys, incarnation=inc, run=run, producer="p", token=token, heartbeat_ttl_ms=TTL_MS,
             prefetch=0, groups=groups, world=1,
         ).run(client)  # fmt: skip
-        frame = keys.frame("p", n) if by_ref else None
+        frame = keys.frame(run, "p", n) if by_ref else None
         push = push_call(
             keys, targets=lease.mask, rank=0, world=1, groups=groups, frame_key=frame,
             incarnation=inc, run=run, producer="p",

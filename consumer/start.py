@@ -305,13 +305,17 @@ def start_position(
         timeout_s: the stream's reconnect bound, and how long to wait for a plan.
     """
     claimed = session.run
+    if new_run and resume is None:
+        # Before the wait: at maxmemory, the older run's frames are the room the
+        # producers' join needs.
+        delete_old_frames(session.client, session.keys, claimed, timeout_s)
     if resume is None:
         plan = session.wait_for_plan(timeout_s, BLOCK_S)
         layout = session.layout(plan.shards)
         start = Resumed(layout, Ledger(layout.per_rank, ordered=ordered), plan.shards)
     else:
         start = resume_position(session, resume, ordered=ordered, step=step, timeout_s=timeout_s)
-    if new_run or session.run != claimed:  # a resume replaced the run claimed
+    if (new_run and resume is not None) or session.run != claimed:  # the run read now
         delete_old_frames(session.client, session.keys, session.run, timeout_s)
     known = session.plan
     if known is not None:
@@ -361,8 +365,10 @@ def _start_stripe(
     # number of ranks, in a run the job's ranks name alike) is done until it resumes.
     if not (again or run is None or session.awaits_resume(client)):
         return
+    claimed = session.run
     _resume_stripe(first, session, plan, start, k, step)
-    if new_run or not first.grouped:  # a group resumed in a live run: the others' stay
+    # A group resumed in a live run deletes nothing: the run and its frames live on.
+    if new_run or not first.grouped or session.run != claimed:
         delete_old_frames(client, keys, session.run, timeout_s)
 
 
@@ -428,7 +434,7 @@ def release(
         ended = session is not None and session.release(finished)
         if ended and session is not None:
             delete_old_frames(client, session.keys, session.run, timeout_s, ended=True)
-            shm.finish()
+            shm.finish(session.run)
         elif finished and session is not None and session.grouped:
             drain_group(client, session.keys, session.data_key, shm.release_unread, timeout_s)
     except ConnectionLost as e:

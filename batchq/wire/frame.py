@@ -12,7 +12,7 @@ writes a :class:`Pieces` argument as one bulk string, without joining its buffer
 
 A reference is ``REF_MAGIC + key`` (the key's UTF-8 bytes, at most 1024 of them,
 printable, without spaces). The producer SETs a large frame under
-``bq:{Q}:frame:<producer>:<n>`` (:mod:`batchq.protocol.keys`) and pushes its reference;
+``bq:{Q}:frame:<run>:<producer>:<n>`` (:mod:`batchq.protocol.keys`) and pushes its reference;
 the trainer checks that the key is one of this queue's frame keys before reading it, so
 a hostile element can never make it read (or delete) another key.
 """

@@ -299,6 +299,7 @@ def remove_segments(
     keep_run: str | None = None,
     keep_producers: frozenset[str] | set[str] = frozenset(),
     only_producer: str | None = None,
+    only_run: str | None = None,
 ) -> int:
     """Unlink ``queue``'s segments in ``shm_dir``; returns how many went.
 
@@ -313,6 +314,8 @@ def remove_segments(
         keep_producers: keep the segments of these producers, whatever their run (they
             are alive and may have joined a newer run than the caller saw).
         only_producer: remove only this producer's segments.
+        only_run: remove only this run's segments (a finished run's: a new run may have
+            started on this host meanwhile).
     """
     removed = 0
     for name, parsed in list_segments(shm_dir, queue):
@@ -321,6 +324,8 @@ def remove_segments(
         if parsed.producer in keep_producers:
             continue
         if only_producer is not None and parsed.producer != only_producer:
+            continue
+        if only_run is not None and parsed.run != only_run:
             continue
         try:
             os.unlink(os.path.join(shm_dir, name))

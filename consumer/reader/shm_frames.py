@@ -259,9 +259,10 @@ class TrainerShm:
             (n, p) for n, p in list_segments(self.shm_dir, self.keys.queue) if p.run == self._run
         ]
 
-    def finish(self) -> None:
-        """The run finished: every segment of this queue on this host goes."""
-        remove_segments(self.shm_dir, self.keys.queue)
+    def finish(self, run: str) -> None:
+        """Run ``run`` finished: its segments on this host go (only its: once it is
+        marked finished a new run may start, whose producers here make segments at once)."""
+        remove_segments(self.shm_dir, self.keys.queue, only_run=run)
 
     def resolve(self, element: bytes) -> np.ndarray[Any, np.dtype[np.uint8]] | memoryview | None:
         """The frame's bytes for a descriptor: a read-only array owning the batch, or

@@ -90,6 +90,7 @@ def test_remove_segments_filters_by_queue_run_and_producer(tmp_path: Path) -> No
     assert shm.remove_segments(str(tmp_path), "q", keep_run="bb", keep_producers={"p2"}) == 1
     assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
     assert shm.remove_segments(str(tmp_path), "q", only_producer="p2") == 1
+    assert shm.remove_segments(str(tmp_path), "q", only_run="aa") == 0  # gone already
     assert shm.remove_segments(str(tmp_path), "q") == 1
     assert sorted(os.listdir(tmp_path)) == sorted(names[3:])
 

@@ -300,3 +300,14 @@ def _header_and_data(frame: codec.Frame) -> tuple[codec.FrameHeader, tuple[Any, 
         frame.kind, frame.run, frame.epoch, frame.shard, frame.k, frame.producer, frame.sources
     )
     return header, frame.data
+
+
+def test_a_finished_run_removes_its_segments_and_not_a_new_runs(tmp_path: Path) -> None:
+    # Before: the finish removed every segment of the queue on this host, those a new
+    # run's producers had made meanwhile too (once a run is marked finished, a new one
+    # may start).
+    names = [shm.segment_name("q", run, "p", 1) for run in ("ab12", "cd34")]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x" * 100)
+    TrainerShm(QueueKeys("q"), "auto", str(tmp_path)).finish("ab12")
+    assert os.listdir(tmp_path) == [names[1]]
