@@ -197,12 +197,18 @@ class StepMismatch(ConfigError):
 
 
 class PipelineMismatch(BatchQueueError):
-    """A producer's pipeline differs from the run's (fingerprint, hwm or shard count)."""
+    """A producer's pipeline differs from the run's (fingerprint, hwm or shard count), or
+    its protocol version does (another batchq version)."""
 
     def __init__(self, what: str, expected: Any, got: Any) -> None:
+        fix = (
+            "run one batchq version on every producer and trainer of a run, or reset the queue"
+            if what == "version"
+            else "start it with the run's pipeline, or reset the queue"
+        )
         super().__init__(
             f"pipeline mismatch: the run's {what} is {expected!r}, this producer has {got!r}; "
-            "start it with the run's pipeline, or reset the queue"
+            + fix
         )
         self.what = what
         self.expected = expected

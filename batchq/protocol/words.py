@@ -20,8 +20,9 @@ from batchq.errors import (
 __all__ = ["PROTOCOL_VERSION", "STATUS_ERRORS", "Status", "as_int", "as_text", "status_error"]
 
 # Written into meta by whoever creates a run; bump on any incompatible change of the
-# key layout, the scripts' replies or the frame header.
-PROTOCOL_VERSION = "1"
+# key layout, the scripts' replies or the frame header (join.lua refuses a producer of
+# another). 2: a frame stored by reference is named by its run (keys.py).
+PROTOCOL_VERSION = "2"
 
 
 class Status:

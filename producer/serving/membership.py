@@ -204,9 +204,11 @@ class Membership:
                 f"queue {self.keys.queue}: the run finished after this producer started"
             )
         if reply.status == Status.MISMATCH:
-            got = {"fingerprint": self.plan.fingerprint, "stripes": str(self.stripes)}.get(
-                reply.what, str(list_cap)
-            )
+            got = {
+                "fingerprint": self.plan.fingerprint,
+                "stripes": str(self.stripes),
+                "version": PROTOCOL_VERSION,
+            }.get(reply.what, str(list_cap))
             raise PipelineMismatch(reply.what, reply.expected, got)
         if reply.status != Status.OK:
             raise status_error(reply.status, f"producer {self.id} joining")

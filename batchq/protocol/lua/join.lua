@@ -55,14 +55,15 @@ local publishes = not redis.call('HGET', meta_key, 'shards')
 
 -- A trainer resuming from a checkpoint may have set the fingerprint alone: each part
 -- of the plan is set (with the figures that go with it) by the first producer that finds
--- it missing, then checked: the MISMATCH reply, or nil.
+-- it missing, then checked: the MISMATCH reply, or nil. The protocol version first: a
+-- producer of another batchq version is refused before it writes anything.
 local function set_or_check(field, value, ...)
   local have = redis.call('HGET', meta_key, field)
   if not have then redis.call('HSET', meta_key, field, value, ...) end
   if have and have ~= value then return {'MISMATCH', field, have} end
   return nil
 end
-local refused = set_or_check('fingerprint', fingerprint) or
+local refused = set_or_check('version', version) or set_or_check('fingerprint', fingerprint) or
   set_or_check('hwm', hwm, 'shards', shards, 'window', window, 'epoch_batches', epoch_batches,
     'shard_batches', shard_batches)
 if refused then return refused end

@@ -40,6 +40,7 @@ class Q:
         shards: int = 4,
         window: int = 6,
         age: int = 3_600_000,
+        version: str = "1",
     ) -> list:
         k = self.k
         reply = raw(
@@ -50,7 +51,7 @@ class Q:
              "ledger": k.ledger, "stats": k.stats, "wake": k.wake, "planwait": k.planwait},
             {"producer": p, "fingerprint": fp, "hwm": hwm, "shards": shards, "window": window,
              "new_run": "run1", "new_incarnation": "inc1", "heartbeat_ttl_ms": TTL_MS,
-             "version": "1", "epoch_batches": shards, "age_ms": age,
+             "version": version, "epoch_batches": shards, "age_ms": age,
              "no_create": "0", "shard_batches": 1, "stripes": 1},
         )  # fmt: skip
         if reply[0] == "OK":
@@ -132,6 +133,9 @@ def test_join_creates_the_queue_and_refuses_another_pipeline(q: Q) -> None:
     assert q.c.get(q.k.incarnation) == b"inc1"
     assert q.join("p2", fp="other") == ["MISMATCH", "fingerprint", "fp"]
     assert q.join("p2", hwm=5) == ["MISMATCH", "hwm", "3"]
+    # A producer of another batchq version: refused, nothing written (not a producer).
+    assert q.join("p3", version="2") == ["MISMATCH", "version", "1"]
+    assert q.c.zscore(q.k.producers, "p3") is None
 
 
 def test_lease_is_idempotent_and_bounded_by_the_window(q: Q) -> None:

@@ -59,11 +59,14 @@ def test_a_refused_join_raises_what_it_means(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch,
         JoinReply(Status.FINISHED),
         JoinReply(Status.MISMATCH, what="hwm", expected="5"),
+        JoinReply(Status.MISMATCH, what="version", expected="1"),
     )
     m = _membership()
     with pytest.raises(RunFinished):
         m.join(RunPosition(list_cap=3))
     with pytest.raises(PipelineMismatch, match="hwm"):
+        m.join(RunPosition(list_cap=3))
+    with pytest.raises(PipelineMismatch, match="version is '1', this producer has '2'; run one"):
         m.join(RunPosition(list_cap=3))
 
 
