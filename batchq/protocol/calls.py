@@ -289,15 +289,7 @@ def round_trip(
                 client, commands, replies, readers,
                 lambda again, read: _send_and_read(client, again, None, read), load_all,
             )  # fmt: skip
-        refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        if refused:
-            # The refused commands alone go again: the others ran, and a push is not
-            # idempotent (sent twice, its frame was listed twice).
-            load_all(client)
-            reads = [readers[i] for i in refused] if readers is not None else None
-            again = _send_and_read(client, [commands[i] for i in refused], None, reads)
-            for i, reply in zip(refused, again, strict=True):
-                replies[i] = reply
+        _send_refused_again(client, commands, replies, readers)
         errors = [r for r in replies if isinstance(r, redis.ResponseError)]
         if errors and not keep_errors:
             raise errors[0]
@@ -310,6 +302,25 @@ def round_trip(
         if converted is None:
             raise
         raise converted from e
+
+
+def _send_refused_again(
+    client: redis.Redis,
+    commands: Sequence[Command],
+    replies: list[Any],
+    readers: Sequence[Reader | None] | None,
+) -> None:
+    """The commands refused with NOSCRIPT sent again once, alone and in their order,
+    after loading every script; their replies put in place. The others ran: a push is
+    not idempotent (sent twice, its frame was listed twice)."""
+    refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+    if not refused:
+        return
+    load_all(client)
+    reads = [readers[i] for i in refused] if readers is not None else None
+    again = _send_and_read(client, [commands[i] for i in refused], None, reads)
+    for i, reply in zip(refused, again, strict=True):
+        replies[i] = reply
 
 
 def _send_and_read(

@@ -319,13 +319,9 @@ def remove_segments(
     """
     removed = 0
     for name, parsed in list_segments(shm_dir, queue):
-        if keep_run is not None and parsed.run == keep_run:
+        if parsed.run == keep_run or parsed.producer in keep_producers:
             continue
-        if parsed.producer in keep_producers:
-            continue
-        if only_producer is not None and parsed.producer != only_producer:
-            continue
-        if only_run is not None and parsed.run != only_run:
+        if only_producer not in (None, parsed.producer) or only_run not in (None, parsed.run):
             continue
         try:
             os.unlink(os.path.join(shm_dir, name))
