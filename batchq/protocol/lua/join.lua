@@ -56,7 +56,8 @@ local publishes = not redis.call('HGET', meta_key, 'shards')
 -- A trainer resuming from a checkpoint may have set the fingerprint alone: each part
 -- of the plan is set (with the figures that go with it) by the first producer that finds
 -- it missing, then checked: the MISMATCH reply, or nil. The protocol version first: a
--- producer of another batchq version is refused before it writes anything.
+-- producer of another batchq version is refused before it writes anything (a run that
+-- a resume made has none: its first producer sets it).
 local function set_or_check(field, value, ...)
   local have = redis.call('HGET', meta_key, field)
   if not have then redis.call('HSET', meta_key, field, value, ...) end

@@ -116,7 +116,7 @@ if n == 0 and group == '' then
     for j = 1, 1 + lists do redis.call('DEL', slot_key(0, j)) end  -- counts, lists
     redis.call('DEL', remap_key)
   end
-  redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
+  redis.call('HDEL', meta_key, 'finished', 'finished_at', 'version', 'hwm', 'shards', 'window',
     'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'shm_host', 'shm_lookahead')
   redis.call('HSET', meta_key, 'run', new_run, 'next', first, 'floor', first,
     'fingerprint', fingerprint)
@@ -166,7 +166,7 @@ if not lives then
     redis.call('HDEL', meta_key, 'max_lag' .. reader_sfx(i, 0, 1),
       'resume_step' .. reader_sfx(i, 0, 1), 'world@' .. i, 'even@' .. i, 'remap_epoch@' .. i)
   end
-  redis.call('HDEL', meta_key, 'finished', 'finished_at', 'hwm', 'shards', 'window',
+  redis.call('HDEL', meta_key, 'finished', 'finished_at', 'version', 'hwm', 'shards', 'window',
     'epoch_batches', 'world', 'even', 'resume_step', 'remap_epoch', 'groups', 'mixed_worlds')
   redis.call('HSET', meta_key, 'run', new_run, 'fingerprint', fingerprint)
   if world > 1 then redis.call('HSET', meta_key, 'world', world, 'even', even) end

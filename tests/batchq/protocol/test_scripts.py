@@ -515,3 +515,14 @@ def test_fail_refuses_max_attempts_below_one_before_any_call(max_attempts: int) 
             entry="e",
             max_attempts=max_attempts,
         )
+
+
+def test_a_run_a_resume_made_takes_the_version_of_its_first_producer(q: Q) -> None:
+    # Before: the replaced run kept the older run's version, so after an upgrade every
+    # producer of the new version was refused by a run the new trainer had just made.
+    q.join("p1", version="1")  # a run of the older version, never finished
+    assert q.claim("tok", takeover="run1")[0] == "OK"
+    assert _resume_keeping(q, "tok", "").run == "run9"  # a checkpoint: the run replaced
+    assert q.c.hget(q.k.meta, "version") is None
+    assert q.join("p2", version="2")[0] == "OK"
+    assert q.join("p3", version="1") == ["MISMATCH", "version", "2"]
