@@ -252,9 +252,9 @@ def encode_frame_pieces(
         pieces.append(memoryview(flat))  # type: ignore[arg-type]
         cursor = desc["off"] + desc["len"]
     head = bytearray(data_start if copies else PREFIX.size + len(packed))
-    if total > len(head) + sum(len(piece) for piece in pieces):
-        # Trailing empty arrays: their offsets pad the frame past the last bytes held.
-        pieces.append(bytes(total - len(head) - sum(len(piece) for piece in pieces)))
+    held = len(head) + sum(len(piece) for piece in pieces)
+    if total > held:  # trailing empty arrays: their offsets pad the frame past the bytes held
+        pieces.append(bytes(total - held))
     PREFIX.pack_into(head, 0, MAGIC, FORMAT_VERSION, int(kind), _RESERVED, len(packed))
     header_end = PREFIX.size + len(packed)
     head[PREFIX.size : header_end] = packed
