@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ from batchq.client.connection import (
 )
 from batchq.client.redis_internals import hold, release_hold
 from batchq.errors import ConnectionLost, ProtocolError, RunFinished
+from batchq.host.procs import StopEvent
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call, execute_pipeline
 from batchq.protocol.keys import QueueKeys, check_name
@@ -150,7 +150,7 @@ class Producer:
             int(heartbeat_ttl_s * 1000), max_attempts, k, stripes,
         )  # fmt: skip
         self.client = make_client(url, key=self.keys.meta)
-        self._stop = threading.Event()
+        self._stop = StopEvent()  # a signal handler sets it (stop())
         # The run served, replaced by each _join; it carries the run's cap (hwm), which
         # each join asks for, from the first on.
         self._pos = RunPosition(list_cap=hwm)

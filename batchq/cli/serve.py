@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,7 +31,7 @@ from batchq.client.connection import ENV_URL, make_client, resolve_url
 from batchq.errors import ConfigError
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.pool import REPLACE_EXIT_CODE, WorkerPool, keep_workers
-from batchq.host.procs import Child, fork_child, fork_refused, spawn
+from batchq.host.procs import Child, StopEvent, fork_child, fork_refused, spawn
 from batchq.protocol.keys import QueueKeys
 
 __all__ = ["run_serve"]
@@ -260,7 +259,7 @@ def _forker(
 def _supervise(args: argparse.Namespace, url: str, policy: ScalePolicy) -> int:
     # Each worker runs in its own process group; SIGTERM/SIGINT to the supervisor is
     # passed on, so its workers hand their leases back.
-    stopping = threading.Event()
+    stopping = StopEvent()  # set by a signal handler: threading.Event's set may deadlock there
 
     def forward(signum: int, _frame: Any) -> None:
         stopping.set()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -31,6 +30,7 @@ from rich.text import Text
 
 from batchq.client.connection import call, describe_url, make_client, redis_errors, resolve_url
 from batchq.errors import BatchQueueError, ConfigError
+from batchq.host.procs import StopEvent
 from batchq.monitoring.rows import list_queues, row_from_snapshot
 from batchq.monitoring.sizing import recent_samples
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
@@ -293,7 +293,7 @@ def run_exporter(args: argparse.Namespace) -> int:
     queues = [check_name(q, "queue") for q in args.queue or []]
     url = resolve_url(args.url)
     client = make_client(url, socket_timeout_s=5.0)
-    stop = threading.Event()
+    stop = StopEvent()  # set by a signal handler: threading.Event's set may deadlock there
 
     def _stop(_signum: int, _frame: Any) -> None:
         stop.set()

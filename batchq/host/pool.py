@@ -45,7 +45,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -54,7 +53,7 @@ import redis
 
 from batchq.errors import ConnectionLost
 from batchq.host.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
-from batchq.host.procs import Child, cpu_seconds, host_idle, stop_group
+from batchq.host.procs import Child, StopEvent, cpu_seconds, host_idle, stop_group
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import autoscale_field
 from batchq.protocol.keys import QueueKeys
@@ -124,7 +123,7 @@ def _death(code: int) -> str:
 def keep_workers(
     start: Callable[[], Child],
     count: int,
-    stopping: threading.Event,
+    stopping: StopEvent,
     *,
     replacements: Replacements | None = None,
     poll_s: float = 0.1,
@@ -265,7 +264,7 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, stopping: threading.Event) -> int:
+    def run(self, stopping: StopEvent) -> int:
         """Tick until ``stopping`` is set or every worker exited; stop the rest; exit code."""
         try:
             while not stopping.is_set():

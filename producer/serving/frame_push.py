@@ -22,7 +22,6 @@ was left out (detached) is left out of the shard's later frames too.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,6 +29,7 @@ from typing import Any, NamedTuple
 import redis
 
 from batchq.client.connection import Pieces, call, convert_error, is_wrong_type
+from batchq.host.procs import StopEvent
 from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
 from batchq.protocol.producer_scripts import LeaseReply, PushReply, push_call
@@ -117,7 +117,7 @@ class FramePusher:
         client: redis.Redis,
         transport: Transport,
         position: RunPosition,
-        stop: threading.Event,
+        stop: StopEvent,
         lease_request: LeaseRequest,
         ahead: Ahead,
         shards: int,

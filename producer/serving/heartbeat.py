@@ -29,6 +29,7 @@ import redis
 
 from batchq.client.connection import make_client
 from batchq.errors import BatchQueueError
+from batchq.host.procs import StopEvent
 from batchq.protocol.admin import is_oom
 from batchq.protocol.fields import MetaField, ProducerFigure, ProducerStat, producer_stat_field
 from batchq.protocol.groups import reader_field
@@ -73,7 +74,7 @@ class Heartbeat:
         producer: str,
         heartbeat_ttl_ms: int,
         position: RunPosition,
-        stop: threading.Event,
+        stop: StopEvent,
         orphan_exit_s: float | None,
         first_push: FirstPush | None = None,
         on_beat: Callable[[redis.Redis], None] | None = None,

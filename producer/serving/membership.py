@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import redis
 
 from batchq.client.connection import call
 from batchq.errors import BatchQueueError, PipelineMismatch, RunFinished
+from batchq.host.procs import StopEvent
 from batchq.protocol import producer_scripts, recovery_scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import reader_field
@@ -112,7 +112,7 @@ class Membership:
         heartbeat_ttl_ms: int,
         orphan_wait_s: float,
         axis_labels: str | None,
-        stop: threading.Event,
+        stop: StopEvent,
         stripes: int = 1,
         started_s: float | None = None,
     ) -> None:
