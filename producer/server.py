@@ -16,6 +16,7 @@ import redis
 
 from batchq.client.connection import (
     Backoff,
+    StopEvent,
     call,
     is_wrong_type,
     make_client,
@@ -23,7 +24,6 @@ from batchq.client.connection import (
 )
 from batchq.client.redis_internals import hold, release_hold
 from batchq.errors import ConnectionLost, ProtocolError, RunFinished
-from batchq.host.procs import StopEvent
 from batchq.protocol.admin import check_eviction_policy, is_oom
 from batchq.protocol.calls import Call, execute_pipeline
 from batchq.protocol.keys import QueueKeys, check_name

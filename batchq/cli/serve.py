@@ -27,11 +27,11 @@ from typing import Any
 import redis
 
 from batchq.cli.factory_args import ENV_ARGS, as_stream, call_factory, load_factory
-from batchq.client.connection import ENV_URL, make_client, resolve_url
+from batchq.client.connection import ENV_URL, StopEvent, make_client, resolve_url
 from batchq.errors import ConfigError
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.pool import REPLACE_EXIT_CODE, WorkerPool, keep_workers
-from batchq.host.procs import Child, StopEvent, fork_child, fork_refused, spawn
+from batchq.host.procs import Child, fork_child, fork_refused, spawn
 from batchq.protocol.keys import QueueKeys
 
 __all__ = ["run_serve"]

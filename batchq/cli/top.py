@@ -28,9 +28,15 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
-from batchq.client.connection import call, describe_url, make_client, redis_errors, resolve_url
+from batchq.client.connection import (
+    StopEvent,
+    call,
+    describe_url,
+    make_client,
+    redis_errors,
+    resolve_url,
+)
 from batchq.errors import BatchQueueError, ConfigError
-from batchq.host.procs import StopEvent
 from batchq.monitoring.rows import list_queues, row_from_snapshot
 from batchq.monitoring.sizing import recent_samples
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots

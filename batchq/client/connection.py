@@ -12,6 +12,9 @@ The clients made here differ from redis-py's defaults in three ways, each measur
   hot path a retried push or pop could apply twice, so batchq handles errors itself.
 * glibc's malloc returns multi-MB blocks to the OS after each command and takes them back
   on the next; :func:`tune_malloc` raises those thresholds once per process.
+
+The reconnect and retry loops pause with :class:`Backoff`; a producer's loops end when
+its :class:`StopEvent` is set, which a SIGTERM handler may do.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import sys
 import threading
 import time
@@ -54,6 +58,7 @@ __all__ = [
     "ENV_URL",
     "Backoff",
     "Pieces",
+    "StopEvent",
     "call",
     "client_name",
     "convert_error",
@@ -352,6 +357,52 @@ class Backoff:
         return True
 
 
+class StopEvent:
+    """A stop flag that threads wait on, safe to set from a signal handler.
+
+    :class:`threading.Event` is not: a Python signal handler runs in the main thread
+    between two bytecodes, possibly inside ``Event.wait`` while that holds the event's
+    lock, and ``Event.set`` there waits for that lock for ever (a producer stopped with
+    SIGTERM while it waited for room in the queue hung until SIGKILL). Here ``set`` takes
+    no lock: it sets a flag and writes a byte to a pipe, which wakes every thread that
+    waits (``poll`` on its read end; the byte is never read, so they all see it). Once
+    set, it stays set. Its two descriptors close with it; a forked child's copies are
+    the child's.
+    """
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+
+    def set(self) -> None:
+        """Set the flag and wake every waiter (any thread, or a signal handler)."""
+        if self._flag:
+            return
+        self._flag = True
+        with contextlib.suppress(OSError):  # a full pipe holds a byte already
+            os.write(self._write_fd, b"\0")
+
+    def is_set(self) -> bool:
+        """Whether :meth:`set` was called."""
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until set, at most ``timeout`` seconds (None: no limit); the flag."""
+        if self._flag:
+            return True
+        poller = select.poll()
+        poller.register(self._read_fd, select.POLLIN)
+        poller.poll(None if timeout is None else max(timeout, 0.0) * 1000.0)
+        return self._flag
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_read_fd", -1), getattr(self, "_write_fd", -1)):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
 def retrying(
     fn: Callable[[], T],
     what: str,
@@ -386,7 +437,7 @@ def retrying(
                 logged = True
 
 
-def reconnect(client: redis.Redis, timeout_s: float, halt: threading.Event) -> bool:
+def reconnect(client: redis.Redis, timeout_s: float, halt: threading.Event | StopEvent) -> bool:
     """Wait until ``client`` answers PING again (the reconnect loop of the producer and
     the trainer's reader).
 

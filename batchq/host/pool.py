@@ -51,9 +51,10 @@ from typing import Any, NamedTuple
 
 import redis
 
+from batchq.client.connection import StopEvent
 from batchq.errors import ConnectionLost
 from batchq.host.autoscale import Decision, Figures, ScalePolicy, ScaleState, decide
-from batchq.host.procs import Child, StopEvent, cpu_seconds, host_idle, stop_group
+from batchq.host.procs import Child, cpu_seconds, host_idle, stop_group
 from batchq.protocol.calls import execute_pipeline
 from batchq.protocol.fields import autoscale_field
 from batchq.protocol.keys import QueueKeys

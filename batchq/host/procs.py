@@ -46,7 +46,6 @@ import gc
 import logging
 import os
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -59,7 +58,6 @@ __all__ = [
     "Child",
     "ForkedChild",
     "StdSpec",
-    "StopEvent",
     "cpu_seconds",
     "die_with_parent_preexec",
     "fork_child",
@@ -77,52 +75,6 @@ _PR_SET_PDEATHSIG = 1
 
 #: What Popen accepts for stdout/stderr: None, PIPE, DEVNULL, STDOUT, an fd or a file.
 StdSpec: TypeAlias = int | IO[Any] | None
-
-
-class StopEvent:
-    """A stop flag that threads wait on, safe to set from a signal handler.
-
-    :class:`threading.Event` is not: a Python signal handler runs in the main thread
-    between two bytecodes, possibly inside ``Event.wait`` while that holds the event's
-    lock, and ``Event.set`` there waits for that lock for ever (a producer stopped with
-    SIGTERM while it waited for room in the queue hung until SIGKILL). Here ``set`` takes
-    no lock: it sets a flag and writes a byte to a pipe, which wakes every thread that
-    waits (``poll`` on its read end; the byte is never read, so they all see it). Once
-    set, it stays set. Its two descriptors close with it; a forked child's copies are
-    the child's.
-    """
-
-    def __init__(self) -> None:
-        self._flag = False
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)
-
-    def set(self) -> None:
-        """Set the flag and wake every waiter (any thread, or a signal handler)."""
-        if self._flag:
-            return
-        self._flag = True
-        with contextlib.suppress(OSError):  # a full pipe holds a byte already
-            os.write(self._write_fd, b"\0")
-
-    def is_set(self) -> bool:
-        """Whether :meth:`set` was called."""
-        return self._flag
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until set, at most ``timeout`` seconds (None: no limit); the flag."""
-        if self._flag:
-            return True
-        poller = select.poll()
-        poller.register(self._read_fd, select.POLLIN)
-        poller.poll(None if timeout is None else max(timeout, 0.0) * 1000.0)
-        return self._flag
-
-    def __del__(self) -> None:
-        for fd in (getattr(self, "_read_fd", -1), getattr(self, "_write_fd", -1)):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
 
 
 class Child(Protocol):

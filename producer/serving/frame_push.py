@@ -28,8 +28,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from batchq.client.connection import Pieces, call, convert_error, is_wrong_type
-from batchq.host.procs import StopEvent
+from batchq.client.connection import Pieces, StopEvent, call, convert_error, is_wrong_type
 from batchq.protocol.admin import is_oom
 from batchq.protocol.calls import Call, Command, round_trip
 from batchq.protocol.producer_scripts import LeaseReply, PushReply, push_call

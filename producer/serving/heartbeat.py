@@ -27,9 +27,8 @@ from collections.abc import Callable
 
 import redis
 
-from batchq.client.connection import make_client
+from batchq.client.connection import StopEvent, make_client
 from batchq.errors import BatchQueueError
-from batchq.host.procs import StopEvent
 from batchq.protocol.admin import is_oom
 from batchq.protocol.fields import MetaField, ProducerFigure, ProducerStat, producer_stat_field
 from batchq.protocol.groups import reader_field

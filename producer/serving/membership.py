@@ -38,9 +38,8 @@ from typing import Any
 
 import redis
 
-from batchq.client.connection import call
+from batchq.client.connection import StopEvent, call
 from batchq.errors import BatchQueueError, PipelineMismatch, RunFinished
-from batchq.host.procs import StopEvent
 from batchq.protocol import producer_scripts, recovery_scripts
 from batchq.protocol.fields import MetaField
 from batchq.protocol.groups import reader_field

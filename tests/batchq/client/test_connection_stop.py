@@ -1,4 +1,4 @@
-"""batchq.host.procs: StopEvent, the stop flag a signal handler sets."""
+"""batchq.client.connection's StopEvent: the stop flag a signal handler sets."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from batchq.host.procs import StopEvent, spawn, stop_group
+from batchq.client.connection import StopEvent
+from batchq.host.procs import spawn, stop_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
@@ -67,7 +68,7 @@ def test_its_descriptors_close_with_it() -> None:
 _HAMMERED = textwrap.dedent(
     """
     import signal, sys
-    from batchq.host.procs import StopEvent
+    from batchq.client.connection import StopEvent
     stop = StopEvent()
     signal.signal(signal.SIGUSR1, lambda *_: stop.set())
     print("ready", flush=True)
