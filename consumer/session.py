@@ -398,12 +398,21 @@ class Session:
 
         Returns:
             True if the run ended (this was its last rank to finish).
+
+        Raises:
+            StateLost: ``finished``, and Redis lost the queue (restarted empty) since
+                the claim: the finish reached no run, and the producers serve on until
+                one is finished (the caller claims the queue again to finish it).
         """
         if not self.claimed:
             return False
         op: ClaimOp = "finish" if finished else "release"
         reply: ClaimReply = self._retry(lambda: self._claim(self.client, op), f"{op} of the claim")
         self.claimed = False
+        if reply.status == Status.STATE_LOST and finished:
+            raise status_error(reply.status, self.what)
+        if reply.status != Status.OK:  # taken over, or lost with the queue: nothing to give up
+            log.warning("%s: the claim was gone at its %s (%s)", self.what, op, reply.status)
         return finished and reply.run_done
 
     def wait_for_plan(self, timeout_s: float, block_s: float) -> Plan:

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import redis
 
 from batchq.client.connection import retrying
-from batchq.errors import ConfigError, ConnectionLost, TrainerConflict
+from batchq.errors import ConfigError, ConnectionLost, StateLost, TrainerConflict
 from batchq.protocol.admin import check_eviction_policy
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
@@ -427,9 +427,16 @@ def release(
     Raises:
         ConnectionLost: Redis is unreachable and ``finished`` (the end of the run
             cannot be announced); otherwise the claim lapses by itself, logged.
+        StateLost: ``finished``, and Redis lost a stripe's queue since the claim (every
+            stripe is released first): the caller finishes the run again
+            (:func:`claim_to_finish`).
     """
+    lost: StateLost | None = None
     for stripe in others or ():
-        release(stripe.session, stripe.client, stripe.shm, finished, timeout_s)
+        try:
+            release(stripe.session, stripe.client, stripe.shm, finished, timeout_s)
+        except StateLost as e:
+            lost = e
     try:
         ended = session is not None and session.release(finished)
         if ended and session is not None:
@@ -437,12 +444,16 @@ def release(
             shm.finish(session.run)
         elif finished and session is not None and session.grouped:
             drain_group(client, session.keys, session.data_key, shm.release_unread, timeout_s)
+    except StateLost as e:
+        lost = e
     except ConnectionLost as e:
         log.warning("queue %s: could not release the claim: %s", session and session.keys.queue, e)
         if finished:
             raise
     finally:
         client.close()
+    if lost is not None:
+        raise lost
 
 
 def delete_old_frames(

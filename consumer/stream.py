@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from batchq.client.connection import make_client, name_client, resolve_url, retrying, tune_malloc
-from batchq.errors import ConfigError, LengthUnknown, StreamStopped
+from batchq.errors import ConfigError, LengthUnknown, StateLost, StreamStopped
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import trainer_client_name
 from batchq.protocol.params_log import ParamsLog
@@ -389,7 +389,24 @@ class ServerDataStream(FuelStreamMixin):
                 return
         if self._client is not None:
             others = self._started.stripes[1:] if self._started is not None else []
-            release(self._session, self._client, self._shm, finished, self.timeout_s, others)
+            try:
+                release(self._session, self._client, self._shm, finished, self.timeout_s, others)
+            except StateLost as e:
+                self._finish_again(e)
+
+    def _finish_again(self, lost: StateLost) -> None:
+        """Finish the run once more where Redis lost the queue (restarted empty) before
+        the finish reached it: the producers serve the run they made again, which only
+        a finish ends (else they serve until ``orphan_exit_s``); the queue is claimed
+        again to finish it, as a stream that never read does."""
+        run = self._session.run if self._session is not None else ""
+        log.warning("%s; claiming the queue again to finish the run", lost)
+        self._client = None  # release() closed it
+        self._connect()
+        session = claim_to_finish(self._client, self.keys, self.options, self._shm, run)
+        if session is not None:
+            self._session = session
+            release(session, self._client, self._shm, True, self.timeout_s)
 
     def state_dict(self, held_back: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Where the caller is: a small JSON-serialisable dict for checkpoints.

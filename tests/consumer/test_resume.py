@@ -134,6 +134,26 @@ def test_redis_restarting_empty_mid_epoch_completes_exactly(
     assert got == reference(4)
 
 
+def test_a_finish_after_redis_restarted_empty_still_ends_the_producers(
+    own_redis: EmbeddedRedis, queue_name: str, producers: Any
+) -> None:
+    # The finish finds no run (claim.lua: STATE_LOST): the stream claims the queue again
+    # and finishes the run the producers made since, so they exit 0 (before, the finish
+    # was dropped and they served on until orphan_exit_s).
+    procs = producers(2, own_redis.url)
+    got = []
+    with ServerDataStream(
+        ("features", "targets"), url=own_redis.url, queue=queue_name, stall_s=1.0
+    ) as stream:
+        for f, _ in stream.get_epoch_iterator():
+            got.append((stream.epoch, examples_of(f)))
+        own_redis.kill()
+        own_redis.restart(wipe=True)
+        stream.close(finished=True)
+    assert got == reference(1)
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+
+
 def test_redis_with_aof_restarting_completes_exactly(
     tmp_path: Path, queue_name: str, producers: Any
 ) -> None:

@@ -63,6 +63,26 @@ def test_finish_ends_the_run_for_producers(client: redis.Redis, queue_name: str)
     assert s.release(finished=True) is False  # released already: nothing to do
 
 
+def test_a_finish_that_finds_the_queue_lost_raises_and_a_release_warns(
+    client: redis.Redis, queue_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Redis restarted empty since the claim: the finish reached no run, which the caller
+    # must know (the producers serve on until a run is finished); a plain release has
+    # nothing to give up.
+    for finished in (True, False):
+        s = Session(client, QueueKeys(queue_name), TTL_MS)
+        s.acquire()
+        delete_queue(client, queue_name)
+        if finished:
+            with pytest.raises(StateLost, match="lost the queue's state"):
+                s.release(finished=True)
+        else:
+            with caplog.at_level("WARNING", logger="consumer.session"):
+                assert s.release(finished=False) is False
+            assert "the claim was gone at its release (STATE_LOST)" in caplog.text
+        assert not s.claimed
+
+
 def test_resume_publishes_the_ledger_under_a_new_run(
     client: redis.Redis, queue_name: str, redis_url: str
 ) -> None:
