@@ -233,11 +233,23 @@ class Producer:
         return 0
 
     def begin(self) -> None:
-        """Join the queue's run and start the heartbeat (the calling thread serves)."""
+        """Join the queue's run and start the heartbeat (the calling thread serves).
+
+        Redis not answering yet (a producer started before it, a pool's replacement
+        during an outage) is waited for as a drop mid-run is: up to
+        ``reconnect_timeout_s``, logged.
+
+        Raises:
+            ConnectionLost: Redis stayed unreachable for reconnect_timeout_s.
+        """
         hold(self.client)  # this thread pushes: one connection, no pool per batch
-        check_eviction_policy(self.client)
-        self._join()
-        self._beat.start()
+        try:
+            check_eviction_policy(self.client)
+            self._join()
+        except ConnectionLost as e:
+            self._reconnect(e)  # joins once Redis answers
+        if not self._stop.is_set():
+            self._beat.start()
 
     def end(self, finished: bool) -> None:
         """Stop serving: leases handed back, segments freed (all of them once the run
