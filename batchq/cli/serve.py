@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve in this process, or supervise ``--workers`` producer processes."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_before_serving)
     policy = ScalePolicy.parse(args.workers)
     url = resolve_url(args.url)
     if policy.auto or policy.min_workers > 1:
@@ -54,6 +56,13 @@ def run_serve(args: argparse.Namespace) -> int:
     with _collector_paused(freeze=True):
         stream = _stream(args)
     return _serve(stream, None, args, url, None, job_started_s)
+
+
+def _exit_before_serving(_signum: int, _frame: Any) -> None:
+    """SIGTERM/SIGINT before the producer (or the pool) installs its own handlers, while
+    the factory imports and the plan's probe runs: nothing is held yet (no lease, no
+    worker), so the stop is an exit 0, as it is later (Python's default was -15)."""
+    raise SystemExit(0)
 
 
 #: The environment variable a pool's spawned worker finds the pool's start in (wall

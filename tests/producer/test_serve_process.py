@@ -138,3 +138,19 @@ def test_a_producer_started_before_redis_waits_for_it_and_serves(
         assert proc.wait(timeout=30) == 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_while_the_factory_runs_exits_0(
+    spawn_proc: Any, serve_argv: Any, serve_env: Any, workers: str
+) -> None:
+    # Before the producer (or the pool) installs its handlers: nothing is held yet, so a
+    # stop is an exit 0, as later (Python's default action made it -15).
+    proc = spawn_proc(
+        serve_argv("--workers", workers, factory="pipelines:slow_start"),
+        env=serve_env(),
+        stderr=subprocess.PIPE,
+    )
+    _wait_for_output(proc, b"factory called")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

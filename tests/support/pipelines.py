@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -171,6 +173,14 @@ def builds(path: str) -> list[tuple[int, ...]]:
         return []
     with open(path) as f:
         return [tuple(json.loads(line)) for line in f if line.strip()]
+
+
+def slow_start() -> Any:
+    """:func:`numbered`, made slowly: says so on stderr, then takes TEST_FACTORY_S
+    seconds (60) first, as a factory that imports and probes a large dataset does."""
+    print("factory called", file=sys.stderr, flush=True)
+    time.sleep(float(os.environ.get("TEST_FACTORY_S", "60")))
+    return numbered()
 
 
 def fuel_tutorial(slowdown: float = 0.0) -> Any:
