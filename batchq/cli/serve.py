@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,9 +41,20 @@ log = logging.getLogger(__name__)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve in this process, or supervise ``--workers`` producer processes."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_before_serving)
+    """Serve in this process, or supervise ``--workers`` producer processes (the
+    process's SIGINT/SIGTERM handlers are as they were after)."""
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _exit_before_serving)
+    try:
+        return _run_serve(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
     policy = ScalePolicy.parse(args.workers)
     url = resolve_url(args.url)
     if policy.auto or policy.min_workers > 1:
