@@ -29,7 +29,7 @@ import redis
 
 from batchq.cli.factory_args import ENV_ARGS, as_stream, call_factory, load_factory
 from batchq.client.connection import ENV_URL, StopEvent, make_client, resolve_url
-from batchq.errors import ConfigError
+from batchq.errors import BatchQueueError, ConfigError
 from batchq.host.autoscale import ScalePolicy
 from batchq.host.pool import REPLACE_EXIT_CODE, WorkerPool, keep_workers
 from batchq.host.procs import Child, fork_child, fork_refused, spawn
@@ -195,6 +195,11 @@ def _serve(
     except BuildTimeout as e:
         log.error("%s; exiting %d to be replaced", e, REPLACE_EXIT_CODE)
         return REPLACE_EXIT_CODE
+    except BatchQueueError as e:
+        # As main() says it, one line and exit 2: a forked worker's error never reaches
+        # main(), and a traceback per worker buried a wrong URL or a refused pipeline.
+        print(f"batchq serve: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 def _spawner(args: argparse.Namespace, url: str, job_started_s: float) -> Callable[[], Child]:

@@ -227,6 +227,8 @@ class Membership:
     def leave(self, incarnation: str, pending_ref: str | None) -> None:
         """Hand every lease back and forget the recorded connections (reap.lua, why
         'leave'), delete a frame stored by reference and never listed; logs what fails."""
+        if not incarnation and not pending_ref:
+            return  # never joined (Redis never answered): nothing to hand back
         try:
             if pending_ref:
                 self.client.delete(pending_ref)

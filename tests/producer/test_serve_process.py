@@ -154,3 +154,18 @@ def test_sigterm_while_the_factory_runs_exits_0(
     _wait_for_output(proc, b"factory called")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def test_a_pool_whose_workers_are_refused_says_why_in_one_line_and_exits_2(
+    redis_client: Any, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+) -> None:
+    # A forked worker's error never reaches the CLI's main(): each printed a traceback
+    # of ~80 lines and the pool exited 1, where one producer says one line and exits 2.
+    spawn_proc(serve_argv(), env=serve_env(seed=1))
+    keys = QueueKeys(queue_name)
+    wait_until(lambda: redis_client.zcard(keys.producers) == 1, what="the run's producer")
+    other = spawn_proc(serve_argv("--workers", "2"), env=serve_env(seed=2), stderr=subprocess.PIPE)
+    _, err = other.communicate(timeout=60)
+    assert other.returncode == 2
+    assert err.count(b"batchq serve: pipeline mismatch") == 2, err
+    assert b"Traceback" not in err
