@@ -83,13 +83,30 @@ class ProducersLost(BatchQueueError, TimeoutError):
         timeout_s: how long the trainer waited.
     """
 
-    def __init__(self, epoch: int, missing_shards: list[int], timeout_s: float) -> None:
-        shown = ", ".join(str(s) for s in missing_shards[:20])
-        more = f" (+{len(missing_shards) - 20} more)" if len(missing_shards) > 20 else ""
-        super().__init__(
-            f"no producer alive for {timeout_s:g} s while waiting for epoch {epoch}; "
-            f"missing shards: [{shown}]{more}"
-        )
+    def __init__(
+        self,
+        epoch: int,
+        missing_shards: list[int],
+        timeout_s: float,
+        *,
+        queue: str = "",
+        no_plan: bool = False,
+    ) -> None:
+        where = f"queue {queue!r}: " if queue else ""
+        if no_plan:  # no producer ever joined: most often a queue name or URL that differs
+            message = (
+                f"{where}no producer published the run's plan within {timeout_s:g} s: none "
+                "joined this queue at this Redis (are the producers started, with this "
+                "queue's name and URL?)"
+            )
+        else:
+            shown = ", ".join(str(s) for s in missing_shards[:20])
+            more = f" (+{len(missing_shards) - 20} more)" if len(missing_shards) > 20 else ""
+            message = (
+                f"{where}no producer alive for {timeout_s:g} s while waiting for epoch "
+                f"{epoch}; missing shards: [{shown}]{more}"
+            )
+        super().__init__(message)
         self.epoch = epoch
         self.missing_shards = missing_shards
         self.timeout_s = timeout_s

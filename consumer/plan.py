@@ -15,6 +15,7 @@ their modules. ``BLOCK_S`` bounds each of the trainer's waits.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -32,6 +33,7 @@ from batchq.wire.codec import Frame
 
 __all__ = [
     "BLOCK_S",
+    "PLAN_WAIT_SAID_S",
     "Plan",
     "ReaderBuffer",
     "Restart",
@@ -47,6 +49,8 @@ __all__ = [
 # is refreshed and a lost producer is noticed; well below the socket timeout. Every wait
 # of the trainer's (for a frame, for the plan) wakes this often.
 BLOCK_S = 0.2
+
+log = logging.getLogger(__name__)
 
 
 class Plan:
@@ -74,11 +78,16 @@ class Plan:
         self.stripes = int(get(f.STRIPES, "1"))  # batchq/protocol/stripes.py
 
 
+#: How long the plan is waited for before the wait says so (once, a warning).
+PLAN_WAIT_SAID_S = 10.0
+
+
 def wait_for_plan(
     read: Callable[[], dict[bytes, bytes]],
     idle: Callable[[], None],
     timeout_s: float,
     epoch: int = 0,
+    queue: str = "",
 ) -> Plan:
     """The run's plan, once a producer has published it: ``read()`` the queue's meta
     until it holds the plan, ``idle()`` between reads (a bounded wait on the wake list,
@@ -91,15 +100,25 @@ def wait_for_plan(
 
     Raises:
         ProducersLost: no producer published the plan within ``timeout_s`` (naming
-            ``epoch``).
+            ``epoch`` and ``queue``).
     """
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline, said = started + timeout_s, False
     while True:
         meta = read()
         if MetaField.SHARDS.encode() in meta:
             return Plan(meta)
-        if time.monotonic() > deadline:
-            raise ProducersLost(max(epoch, 0), [], timeout_s)
+        now = time.monotonic()
+        if now > deadline:
+            raise ProducersLost(max(epoch, 0), [], timeout_s, queue=queue, no_plan=True)
+        if not said and now - started >= PLAN_WAIT_SAID_S:
+            said = True  # a trainer started first is usual; one this long, worth a word
+            log.warning(
+                "queue %r: no producer has joined for %.0f s; waiting up to %g s in all",
+                queue,
+                now - started,
+                timeout_s,
+            )
         idle()
 
 
@@ -144,6 +163,7 @@ def epoch_length(
             idle,
             timeout_s,
             epoch,
+            keys.queue,
         )
     finally:
         if joined:  # gone already where a join published the plan; else one try: a

@@ -459,7 +459,7 @@ class Session:
                 return  # emptied during the refresh: read() claims again
             self._retry(lambda: self.client.blpop(lists, timeout=block_s), "waiting for the plan")
 
-        plan = wait_for_plan(read, idle, timeout_s)
+        plan = wait_for_plan(read, idle, timeout_s, queue=self.keys.queue)
         with self._lock:
             self.plan = plan
         return plan

@@ -117,7 +117,9 @@ class StallRepair:
         now = time.monotonic()
         if now - self.last_alive > self.settings.options.timeout_s:
             epoch, missing = self.buffer.missing()
-            raise ProducersLost(epoch, missing, self.settings.options.timeout_s)
+            raise ProducersLost(
+                epoch, missing, self.settings.options.timeout_s, queue=self.keys.queue
+            )
         stall_s = self.settings.options.stall_s
         if now - self.last_frame > stall_s and now - self.last_repair > stall_s:
             self.repair()

@@ -11,6 +11,7 @@ from batchq.errors import LengthUnknown, ProducersLost
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.ranks import RankLayout
+from consumer import plan as plan_module
 from consumer.plan import Plan, epoch_length, wait_for_plan
 
 PLAN = {b"shards": b"10", b"epoch_batches": b"10", b"hwm": b"4", b"fingerprint": b"f"}
@@ -32,8 +33,26 @@ def test_the_wait_reads_until_the_plan_is_published_idling_between_reads() -> No
 def test_the_wait_is_bounded_and_names_the_epoch() -> None:
     idled: list[int] = []
     with pytest.raises(ProducersLost) as e:
-        wait_for_plan(dict, lambda: idled.append(1), timeout_s=-1.0, epoch=3)
+        wait_for_plan(dict, lambda: idled.append(1), timeout_s=-1.0, epoch=3, queue="digts")
     assert e.value.epoch == 3 and not idled  # past its deadline at the first read
+    # A mistyped queue name is the usual cause: the error names the queue and says so.
+    assert str(e.value).startswith("queue 'digts': no producer published the run's plan")
+    assert "none joined this queue at this Redis" in str(e.value)
+
+
+def test_a_long_wait_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [0.0]
+    monkeypatch.setattr(plan_module.time, "monotonic", lambda: now[0])
+
+    def idle() -> None:  # each wait a second on this clock
+        now[0] += 1.0
+
+    with caplog.at_level("WARNING", logger="consumer.plan"), pytest.raises(ProducersLost):
+        wait_for_plan(dict, idle, timeout_s=30.0, queue="q")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["queue 'q': no producer has joined for 10 s; waiting up to 30 s in all"]
 
 
 def _client_with(fake_redis: Any, queue: str, meta: dict[bytes, bytes]) -> QueueKeys:
@@ -76,7 +95,7 @@ def test_len_waits_for_the_first_producer_and_is_bounded(fake_redis: Any) -> Non
     keys = _client_with(fake_redis, "late", {})
     fake_redis.rpush(keys.wake, b"joined")  # the first producer's join wakes the wait ...
     fake_redis.hset(keys.meta, MetaField.RUN, b"r")  # ... before it published the plan
-    with pytest.raises(ProducersLost):
+    with pytest.raises(ProducersLost, match="queue 'late': no producer published"):
         epoch_length(fake_redis, keys, world=1, even="pad", timeout_s=0.3, epoch=0)
     fake_redis.hset(keys.meta, mapping=PLAN)
     assert epoch_length(fake_redis, keys, world=1, even="pad", timeout_s=5, epoch=0) == 10
