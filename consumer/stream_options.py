@@ -4,6 +4,7 @@ reader's settings fixed from them when reading starts (:class:`ReaderSettings`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -128,13 +129,25 @@ def check_stream_options(options: dict[str, Any]) -> None:
     hwm = options["hwm"]
     if not isinstance(hwm, int) or hwm < 1:
         raise ConfigError(f"hwm {hwm!r} is not valid: expected an integer >= 1")
-    if options["timeout_s"] <= 0:
-        raise ConfigError(f"timeout_s {options['timeout_s']!r} is not valid: expected > 0")
+    for name in ("timeout_s", "claim_ttl_s", "stall_s"):
+        value = options.get(name, 1.0)
+        if not _is_positive(value):
+            raise ConfigError(f"{name} {value!r} is not valid: expected > 0 (seconds)")
+    limit = options.get("max_frame_bytes")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ConfigError(
+            f"max_frame_bytes {limit!r} is not valid: expected None or an integer >= 1"
+        )
     for name in ("on_bad_frame", "on_producer_error"):
         if options[name] not in ("raise", "skip"):
             raise ConfigError(f"{name} {options[name]!r} is not valid: 'raise' or 'skip'")
     _check_rank(options["rank"], options["world_size"], options["even_batches"])
     _check_group(options.get("group"), options.get("max_lag_batches"))
+
+
+def _is_positive(value: Any) -> bool:
+    """A finite number > 0 (not a string of one: '5' <= 0 raised TypeError)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _check_sources(sources: Any) -> None:

@@ -4,11 +4,12 @@ what was expected (a ConfigError).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchq.errors import ConfigError
 
-__all__ = ["check_options", "require"]
+__all__ = ["check_options", "check_stream", "is_positive", "require"]
 
 
 def check_options(
@@ -21,16 +22,40 @@ def check_options(
     """
     require(_is_count(hwm), "hwm", hwm, "an integer >= 1")
     require(window is None or _is_count(window), "window", window, "an integer >= 1")
-    require(heartbeat_ttl_s > 0, "heartbeat_ttl_s", heartbeat_ttl_s, "> 0")
-    require(_is_count(max_attempts), "max_attempts", max_attempts, ">= 1")
-    require(orphan_exit_s is None or orphan_exit_s > 0, "orphan_exit_s", orphan_exit_s, "> 0")
+    require(is_positive(heartbeat_ttl_s), "heartbeat_ttl_s", heartbeat_ttl_s, "seconds > 0")
+    require(_is_count(max_attempts), "max_attempts", max_attempts, "an integer >= 1")
+    require(
+        orphan_exit_s is None or is_positive(orphan_exit_s), "orphan_exit_s", orphan_exit_s,
+        "seconds > 0, or None",
+    )  # fmt: skip
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def is_positive(value: Any) -> bool:
+    """A finite number > 0 (not a string of one, not a bool: '10' > 0 raised TypeError)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def require(valid: bool, name: str, value: Any, expected: str) -> None:
     """Raise a ConfigError naming ``name``, ``value`` and what was expected, unless valid."""
     if not valid:
         raise ConfigError(f"{name} {value!r} is not valid: expected {expected}")
+
+
+def check_stream(stream: Any) -> None:
+    """Refuse what is not a stream before anything reads it (a factory that returned
+    something else crashed with an AttributeError deep in the shard plan).
+
+    Raises:
+        ConfigError: ``stream`` has no ``sources`` or no ``get_epoch_iterator``.
+    """
+    if hasattr(stream, "sources") and callable(getattr(stream, "get_epoch_iterator", None)):
+        return
+    raise ConfigError(
+        f"data_stream {stream!r:.80} (a {type(stream).__name__}) is not a stream: expected "
+        "a DataStream (sources and get_epoch_iterator), a transformer over one, or a torch "
+        "DataLoader (batchq serve) or Dataset wrapped by producer.torch.DatasetStream"
+    )

@@ -32,7 +32,7 @@ from batchq.protocol.producer_scripts import LeaseReply, lease_call
 from batchq.protocol.stripes import check_stripes
 from batchq.protocol.words import Status
 from producer.isolation import isolation_of
-from producer.producer_options import check_options, require
+from producer.producer_options import check_options, check_stream, is_positive, require
 from producer.quarantine import bind_records
 from producer.serving.ahead import Ahead, Lease
 from producer.serving.frame_push import FramePusher
@@ -130,10 +130,15 @@ class Producer:
         job_started_s: float | None = None,
     ) -> None:
         made_s = time.time()  # before the plan's probe batch: the job's start by default
+        check_stream(stream)
         check_options(hwm, window, heartbeat_ttl_s, max_attempts, orphan_exit_s)
         require(
-            build_timeout_s is None or build_timeout_s > 0, "build_timeout_s", build_timeout_s,
-            "> 0 seconds, or None",
+            build_timeout_s is None or is_positive(build_timeout_s), "build_timeout_s",
+            build_timeout_s, "seconds > 0, or None",
+        )  # fmt: skip
+        require(
+            is_positive(reconnect_timeout_s), "reconnect_timeout_s", reconnect_timeout_s,
+            "seconds > 0",
         )  # fmt: skip
         k, stripes = stripe
         require(0 <= k < check_stripes(stripes), "stripe", stripe, f"0..{stripes - 1}")

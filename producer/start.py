@@ -14,6 +14,7 @@ from typing import Any
 
 from batchq.client.connection import resolve_url
 from batchq.protocol.stripes import check_stripes
+from producer.producer_options import check_stream
 from producer.quarantine import set_sample_errors
 from producer.server import Producer
 from producer.striped import StripedProducer
@@ -58,6 +59,7 @@ def start_server(
     Returns:
         0 once the trainer finished the run or a stop was requested.
     """
+    check_stream(data_stream)
     where = resolve_url(url, host, port)
     if on_sample_error is not None or max_quarantined is not None:
         set_sample_errors(data_stream, on_sample_error, max_quarantined)

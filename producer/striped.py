@@ -33,6 +33,7 @@ from batchq.client.connection import tune_malloc
 from batchq.errors import RunFinished
 from batchq.protocol.layout import default_id
 from batchq.protocol.stripes import check_stripes
+from producer.producer_options import check_stream
 from producer.server import Producer
 from producer.serving.sharding import ShardPlan
 
@@ -63,6 +64,7 @@ class StripedProducer:
         self, stream: Any, url: str, queue: str = "default", hwm: int = 10, *, stripes: int,
         **options: Any,
     ) -> None:  # fmt: skip
+        check_stream(stream)
         count = check_stripes(stripes)
         options.setdefault("producer_id", default_id())
         # The lanes' job started here, before the plan's probe batch (as a Producer's).

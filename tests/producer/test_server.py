@@ -13,6 +13,7 @@ import redis
 from batchq.errors import ConfigError, PipelineMismatch, ProtocolError, RunFinished
 from batchq.protocol.fields import MetaField
 from batchq.protocol.words import Status
+from producer import start_server
 from producer.datasets import IndexableDataset
 from producer.schemes import SequentialScheme
 from producer.server import Producer
@@ -42,13 +43,29 @@ def producer(redis_url: str, queue_name: str) -> Iterator[Producer]:
         ("hwm", "3"),
         ("window", 0),
         ("heartbeat_ttl_s", 0),
+        ("heartbeat_ttl_s", "10"),
         ("max_attempts", 0),
+        ("max_attempts", True),
         ("orphan_exit_s", -1.0),
+        ("orphan_exit_s", "5"),
+        ("build_timeout_s", "3"),
+        ("reconnect_timeout_s", 0),
     ],
 )
 def test_an_argument_that_cannot_work_is_named(option: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=f"{option} {value!r} is not valid"):
         Producer(_stream(), "redis://127.0.0.1:1/0", "q", **{option: value})
+
+
+@pytest.mark.parametrize("not_a_stream", [42, [1, 2, 3], "data.h5"])
+def test_what_is_not_a_stream_is_refused_naming_it(not_a_stream: Any) -> None:
+    for make in (
+        lambda: Producer(not_a_stream, "redis://127.0.0.1:1/0", "q"),
+        lambda: start_server(not_a_stream, url="redis://127.0.0.1:1/0", queue="q"),
+        lambda: start_server(not_a_stream, url="redis://127.0.0.1:1/0", queue="q", stripes=2),
+    ):
+        with pytest.raises(ConfigError, match="is not a stream: expected a DataStream"):
+            make()
 
 
 def test_join_creates_the_run_and_leases_come_in_plan_order(
