@@ -39,6 +39,7 @@ from redis.retry import Retry
 
 from batchq.client.redis_internals import HeldPool
 from batchq.client.urls import Target
+from batchq.errors import RedisConfigError
 
 __all__ = [
     "SLOTS",
@@ -141,6 +142,14 @@ class Topology:
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 last = e
                 continue
+            except redis.ResponseError as e:
+                if "cluster support disabled" not in str(e):
+                    raise
+                raise RedisConfigError(
+                    f"Redis at {host}:{port} is not a cluster node ({e}): a "
+                    "redis+cluster:// URL names nodes of a Redis Cluster; use redis:// "
+                    "for a single server"
+                ) from None
             finally:
                 client.close()
             if slot_map.ranges:

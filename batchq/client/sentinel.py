@@ -32,11 +32,17 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Final
 
 import redis
 from redis.exceptions import MasterDownError, ReadOnlyError
-from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+)
 
 from batchq.client.redis_internals import HeldPool
 from batchq.client.urls import Target
@@ -80,9 +86,14 @@ class MasterConnection(SentinelManagedConnection):
     def connect_check_health(
         self, check_health: bool = True, retry_socket_connect: bool = True
     ) -> None:
-        if not self.is_connected and self.connection_pool.is_master:
-            self.host, self.port = self.connection_pool.get_master_address()
-        super().connect_check_health(check_health, retry_socket_connect)
+        with _short_not_found(self.connection_pool):
+            if not self.is_connected and self.connection_pool.is_master:
+                self.host, self.port = self.connection_pool.get_master_address()
+            super().connect_check_health(check_health, retry_socket_connect)
+
+    def connect(self) -> None:
+        with _short_not_found(self.connection_pool):
+            super().connect()  # type: ignore[no-untyped-call]
 
     def connect_to(self, address: Any) -> None:
         # The base class sets the address, then connects: ours asks for it above.
@@ -96,6 +107,39 @@ class MasterConnection(SentinelManagedConnection):
                 raise
             self.disconnect()  # type: ignore[no-untyped-call]
             raise redis.ConnectionError(f"the master is no longer writable ({e})") from e
+
+
+@contextlib.contextmanager
+def _short_not_found(pool: Any) -> Iterator[None]:
+    """redis-py's MasterNotFoundError holds each sentinel's pool repr (over 1,000
+    characters for one sentinel): raised again with each sentinel's own answer, asked
+    again, in a line."""
+    try:
+        yield
+    except MasterNotFoundError:
+        raise MasterNotFoundError(_not_found(pool.service_name, pool.sentinel_manager)) from None
+
+
+def _not_found(service: str, manager: Sentinel) -> str:
+    answers = []
+    for client in manager.sentinels:
+        kwargs = client.connection_pool.connection_kwargs
+        where = f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        try:
+            masters: Any = client.sentinel_masters()
+        except (redis.RedisError, OSError) as e:
+            answers.append(f"{where}: {e}")
+            continue
+        state = masters.get(service)
+        answers.append(
+            f"{where}: no master named {service!r}" if state is None
+            else f"{where}: the master is down ({state.get('flags', '?')})"
+        )  # fmt: skip
+    return (
+        f"no sentinel knows a master {service!r} that is up ({'; '.join(answers)}); a "
+        "redis+sentinel:// URL names sentinels, then the master's name: "
+        "redis+sentinel://host:26379/<name>/<db>"
+    )
 
 
 class MasterSSLConnection(MasterConnection, redis.SSLConnection):

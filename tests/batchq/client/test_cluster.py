@@ -14,6 +14,7 @@ import pytest
 from batchq.client.cluster import describe, key_slot, masters
 from batchq.client.connection import make_client
 from batchq.client.redirects import NodeClient
+from batchq.errors import RedisConfigError
 from batchq.monitoring.rows import list_queues, status_rows
 from batchq.protocol import recovery_scripts
 from batchq.protocol.calls import round_trip
@@ -147,3 +148,15 @@ def test_clients_of_one_slot_in_threads_follow_it_together(
             t.join(timeout=10)
     assert not errors
     assert int(client.get(f"{keys.base}:hits") or 0) > 0
+
+
+def test_a_cluster_url_at_a_plain_server_is_a_config_error(redis_url: str) -> None:
+    port = redis_url.rsplit(":", 1)[1].split("/")[0]
+    client = make_client(f"redis+cluster://127.0.0.1:{port}/")
+    try:
+        with pytest.raises(RedisConfigError) as info:
+            list_queues(client)
+    finally:
+        client.close()
+    assert str(info.value).startswith(f"Redis at 127.0.0.1:{port} is not a cluster node (")
+    assert "use redis:// for a single server" in str(info.value)

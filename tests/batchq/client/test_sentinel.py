@@ -7,7 +7,7 @@ import pytest
 import redis
 from redis.exceptions import MasterDownError, ReadOnlyError
 
-from batchq.client.connection import convert_error, make_client, server_of
+from batchq.client.connection import call, convert_error, make_client, server_of
 from batchq.client.redis_internals import HeldPool
 from batchq.client.sentinel import MasterConnection, MasterPool, not_written
 from batchq.errors import ConnectionLost
@@ -67,3 +67,18 @@ def test_a_refused_write_raised_anywhere_is_a_lost_connection() -> None:
     lost = convert_error(redis.ResponseError(SCRIPT_READONLY), "pushing a frame")
     assert isinstance(lost, ConnectionLost) and "not a master now" in str(lost)
     assert convert_error(redis.ResponseError("WRONGTYPE ..."), "pushing a frame") is None
+
+
+def test_a_sentinel_url_at_a_plain_server_says_so_in_a_line(redis_url: str) -> None:
+    # redis-py's MasterNotFoundError held each sentinel's pool repr (1,200 characters).
+    port = redis_url.rsplit(":", 1)[1].split("/")[0]
+    client = make_client(f"redis+sentinel://127.0.0.1:{port}/mymaster/0")
+    try:
+        with pytest.raises(ConnectionLost) as info:
+            call(client.ping, "pinging", client)
+    finally:
+        client.close()
+    said = str(info.value)
+    assert f"no sentinel knows a master 'mymaster' that is up (127.0.0.1:{port}: unknown" in said
+    assert "redis+sentinel://host:26379/<name>/<db>" in said
+    assert len(said) < 400 and "ConnectionPool" not in said
