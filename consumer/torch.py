@@ -136,6 +136,9 @@ class TorchStream(IterableDataset[Any]):
             self._pin_batches(pool_buffers)
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
         self._pending: deque[Pending] = deque()  # batches pulled, not yet yielded
+        # What Accelerate's GradientState reads of the loader being iterated (_told).
+        self.end_of_dataloader = False
+        self.remainder = -1  # unknown: gather_for_metrics keeps the last batch whole
         self._params: Mapping[str, Any] = EMPTY_PARAMS  # the params of the batch yielded last
         # The DataLoaders last found holding this stream, and when (a heap scan is
         # O(objects): within LOADER_SCAN_S of one, only those loaders are looked at).
@@ -285,14 +288,62 @@ class TorchStream(IterableDataset[Any]):
         frames = self.stream.open_epoch()
         self._pending.clear()
         mover = self.mover
-        if mover is None:
+        gradients = _gradient_state()
+        if gradients is not None:
+            yield from self._told(gradients, frames, mover, as_dict)
+        elif mover is None:
             for frame in frames:
                 self._params = self.stream.params  # the stream's last: this frame's
                 yield _shape(frame.sources, tuple(to_tensor(v) for v in frame.data), as_dict)
-            return
-        yield from self._moved(frames, mover, as_dict)
+        else:
+            yield from self._moved(frames, mover, as_dict)
 
-    def _moved(self, frames: Iterator[Any], mover: DeviceMover, as_dict: bool) -> Iterator[Any]:
+    def _told(
+        self, gradients: Any, frames: Iterator[Any], mover: DeviceMover | None, as_dict: bool
+    ) -> Iterator[Any]:
+        """The epoch, with Accelerate's GradientState told which batch is its last, as its
+        own loaders tell it: ``accumulate()`` syncs there and starts counting again, and
+        ``gather_for_metrics`` and the transformers Trainer's metrics see the end. Before,
+        accumulation ran across epochs and the run's last batches never reached a step.
+        To know a batch is the last, the next one is pulled before it is handed over (one
+        batch ahead, held as a prefetched one is: a state saved meanwhile does not count
+        it, a close() gives it back)."""
+        self.end_of_dataloader = False
+        gradients._add_dataloader(self)
+        try:
+            if mover is None:
+                yield from self._ahead(frames, as_dict)
+            else:
+                yield from self._moved(frames, mover, as_dict, ahead=True)
+        finally:
+            gradients._remove_dataloader(self)
+
+    def _ahead(self, frames: Iterator[Any], as_dict: bool) -> Iterator[Any]:
+        """On the CPU: each batch handed over once the next is pulled (or the epoch ended:
+        ``end_of_dataloader``); an error of the next is raised after the batch."""
+        pending, deferred = self._pending, None
+        while True:
+            if not pending:  # the first, or a close() gave the one ahead back: it raises
+                frame = next(frames, None)
+                if frame is None:
+                    return
+                pending.append((frame, (), None, self.stream.params))
+            frame, _, _, self._params = pending.popleft()
+            try:
+                following = next(frames, None)
+            except BatchQueueError as e:
+                following, deferred = None, e
+            if following is not None:
+                pending.append((following, (), None, self.stream.params))
+            elif deferred is None:
+                self.end_of_dataloader = True
+            yield _shape(frame.sources, tuple(to_tensor(v) for v in frame.data), as_dict)
+            if deferred is not None:
+                raise deferred
+
+    def _moved(
+        self, frames: Iterator[Any], mover: DeviceMover, as_dict: bool, ahead: bool = False
+    ) -> Iterator[Any]:
         """The epoch's batches on the device, up to ``prefetch`` of them on their way.
 
         The batches on their way stay kept (``_pending``, counted by ``_held``) when
@@ -310,6 +361,12 @@ class TorchStream(IterableDataset[Any]):
             if deferred is None:
                 deferred = self._top_up(frames, mover, pending)
             frame, moved, event, self._params = pending.popleft()
+            if ahead and not pending and deferred is None:  # is this the epoch's last?
+                try:
+                    if not self._pull(frames, mover, pending):
+                        self.end_of_dataloader = True
+                except BatchQueueError as e:
+                    deferred = e
             mover.hand_over(moved, event)
             try:
                 yield _shape(frame.sources, moved, as_dict)
@@ -349,6 +406,14 @@ class TorchStream(IterableDataset[Any]):
         moved, event = mover.issue(tuple(to_tensor(v) for v in frame.data))
         pending.append((frame, moved, event, self.stream.params))
         return True
+
+
+def _gradient_state() -> Any:
+    """Accelerate's GradientState (shared by every Accelerator of the process), where
+    accelerate is imported; None elsewhere (accelerate is never imported here)."""
+    module = sys.modules.get("accelerate.state")
+    state_class = getattr(module, "GradientState", None)
+    return state_class() if state_class is not None else None
 
 
 def _check_wrappable(stream: Any, prefetch: Any) -> None:

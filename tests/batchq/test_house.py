@@ -47,6 +47,12 @@ PRIVATE_ALLOWED = {
         "parent's cleanup (its name only looks private)"
     ),
     ("producer/isolation.py", "_exit"): "the same (a forked child that tries a read)",
+    ("consumer/torch.py", "_add_dataloader"): (
+        "Accelerate's GradientState learns of the loader being iterated (whose "
+        "end_of_dataloader makes accumulate() sync at an epoch's end) only so; its own "
+        "loaders (DataLoaderStateMixin.begin) call it"
+    ),
+    ("consumer/torch.py", "_remove_dataloader"): "the same (DataLoaderStateMixin.end)",
     ("producer/torch/iterable.py", "_worker_info"): (
         "torch's get_worker_info() reads this module global, which DataLoader's own worker "
         "loop sets the same way; nothing public sets it"

@@ -8,6 +8,7 @@ short last one (so the ranks' positions differ at one step)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,30 @@ def test_killed_mid_epoch_resumes_every_rank_from_save_state(
         assert got[0][:11] == own[0]  # its share in plan order, then one run-time pad:
         # a batch it yielded before (its first of the epoch, or of the resumed run)
         assert got[0][11] == (own[0][0] if epoch else own[0][6])
+
+
+def test_accumulate_syncs_at_each_epochs_end_as_over_a_prepared_dataloader(
+    redis_url: str,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+) -> None:
+    # 10 batches an epoch, accumulation 3: a prepared DataLoader syncs after batches
+    # 2, 5, 8 and 9 of each epoch. The stream did not tell Accelerate where an epoch
+    # ends: it synced every 3 batches across epochs, and the run's last two batches
+    # never reached an optimiser step.
+    spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=100, batch_size=BATCH))
+    out = tmp_path / "accumulate.json"
+    job = [str(SUPPORT / "accelerate_accumulate.py"), redis_url, queue_name, "100", "10"]
+    done = spawn_proc([sys.executable, *job, "2", str(out)], env=serve_env())
+    assert done.wait(timeout=120) == 0
+    got = json.loads(out.read_text())
+    for way in ("stream", "loader"):
+        syncs = [[sync for _, sync in epoch] for epoch in got[way]["epochs"]]
+        assert syncs == [[False, False, True] * 3 + [True]] * 2, way
+        assert got[way]["steps"] == 8
+    stream = numbered(100, BATCH)
+    epochs = [[examples_of(f) for f, _ in stream.get_epoch_iterator()] for _ in range(2)]
+    assert [[b for b, _ in epoch] for epoch in got["stream"]["epochs"]] == epochs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -271,13 +272,24 @@ def test_a_loop_that_breaks_out_then_saves_does_not_count_the_prefetched_batches
 
 
 @pytest.mark.parametrize("device", [False, True])
+@pytest.mark.parametrize("told", [False, True], ids=["plain", "accelerate"])
 def test_a_loop_that_goes_on_after_close_gets_stream_stopped_not_batches_given_back(
-    redis_url: str, queue_name: str, producer_thread: Callable[..., Any], device: bool
+    redis_url: str,
+    queue_name: str,
+    producer_thread: Callable[..., Any],
+    device: bool,
+    told: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # close() inside the loop gives back what the stream (and the device prefetch) held:
-    # the loop's next step must not yield one of those too.
+    # the loop's next step must not yield one of those too. Where accelerate is imported
+    # the stream looks a batch ahead (it tells Accelerate which batch ends the epoch).
     from batchq.errors import StreamStopped
 
+    if told:
+        pytest.importorskip("accelerate.state")
+    else:
+        monkeypatch.delitem(sys.modules, "accelerate.state", raising=False)
     producer_thread(numbered(EXAMPLES, BATCH))
     ts = TorchStream(stream_of(redis_url, queue_name), prefetch=4)
     if device:
