@@ -44,7 +44,12 @@ def _add_monitoring(parser: Parser, sub: Any) -> None:
         "trainer-bound, balanced). Ctrl-C quits.",
     )
     _add_url(top)
-    top.add_argument("--queue", default=None, help="only this queue")
+    top.add_argument(
+        "--queue",
+        default=None,
+        help="only this queue (with --once, exit 2 if no key of it is there; live, say so "
+        "and wait for it)",
+    )
     top.add_argument(
         "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
     )
@@ -236,7 +241,11 @@ def build_parser() -> Parser:
         "documented in batchq/monitoring/rows.py (schema version 2).",
     )
     _add_url(status)
-    status.add_argument("--queue", default=None, help="only this queue")
+    status.add_argument(
+        "--queue",
+        default=None,
+        help="only this queue (exit 2, listing the queues there, if no key of it is there)",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
         "--shm-dir",
@@ -264,7 +273,11 @@ def build_parser() -> Parser:
         "tracebacks.",
     )
     _add_url(dead)
-    dead.add_argument("--queue", required=True, help="the queue to look at")
+    dead.add_argument(
+        "--queue",
+        required=True,
+        help="the queue to look at (exit 2, listing the queues there, if no key of it is there)",
+    )
     dead.add_argument("--json", action="store_true", help="machine-readable output")
 
     reset = parser.add_command(

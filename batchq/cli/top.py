@@ -37,7 +37,7 @@ from batchq.client.connection import (
     resolve_url,
 )
 from batchq.errors import BatchQueueError, ConfigError
-from batchq.monitoring.rows import list_queues, row_from_snapshot
+from batchq.monitoring.rows import list_queues, require_queue, row_from_snapshot
 from batchq.monitoring.sizing import recent_samples
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.text import fmt_age, fmt_bytes, fmt_pct
@@ -238,7 +238,10 @@ def render_top(
     return Group(*parts)
 
 
-def _read(client: Any, queue: str | None, state: TopState) -> list[dict[str, Any]]:
+def _read(client: Any, queue: str | None, state: TopState, where: str) -> list[dict[str, Any]]:
+    """One read of the queue (ConfigError if it does not exist) or of every queue."""
+    if queue:
+        require_queue(client, queue, where)
     names = [queue] if queue else list_queues(client)
     return state.update(read_snapshots(client, names, history=state.width))
 
@@ -254,7 +257,8 @@ def run_top(args: argparse.Namespace, console: Console | None = None) -> int:
         0 when quit.
 
     Raises:
-        ConfigError: a bad --interval or --queue.
+        ConfigError: a bad --interval or --queue; with ``--once``, a --queue that does
+            not exist (live, top says so and reads again each refresh, until it does).
         ConnectionLost: with ``--once``, Redis could not be read (live, top retries).
     """
     if not args.interval > 0:
@@ -267,18 +271,18 @@ def run_top(args: argparse.Namespace, console: Console | None = None) -> int:
     state = TopState()
     try:
         if args.once:
-            rows = call(lambda: _read(client, queue, state), f"reading queues at {where}")
+            rows = call(lambda: _read(client, queue, state, where), f"reading queues at {where}")
             console.print(render_top(rows, state, where=where))
             return 0
         rows, error = [], None
         with Live(console=console, screen=True, auto_refresh=False) as live:
             while True:
                 try:
-                    rows, error = _read(client, queue, state), None
+                    rows, error = _read(client, queue, state, where), None
                 except redis_errors as e:
                     error = f"reading {where} failed: {e}; retrying"
-                except BatchQueueError as e:
-                    error = str(e)
+                except BatchQueueError as e:  # e.g. no such queue (yet): shown, read again
+                    rows, error = [], str(e)
                 live.update(render_top(rows, state, where=where, error=error), refresh=True)
                 time.sleep(args.interval)
     except KeyboardInterrupt:
