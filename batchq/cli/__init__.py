@@ -228,7 +228,11 @@ def build_parser() -> Parser:
     )
     demo.add_argument("--train-ms", type=float, default=10.0, help="training time per batch")
     demo.add_argument("--hwm", type=int, default=10)
-    demo.add_argument("--json", action="store_true", help="print the results as JSON")
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as one JSON document on stdout (the progress on stderr)",
+    )
 
     status = parser.add_command(
         sub,

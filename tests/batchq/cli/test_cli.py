@@ -94,8 +94,9 @@ def test_demo_runs_end_to_end_on_its_embedded_redis() -> None:
         "--json",
     )
     assert done.returncode == 0, done.stderr
-    assert "embedded redis-server" in done.stdout
-    result = json.loads(done.stdout[done.stdout.index("{") :])
+    assert "embedded redis-server" in done.stderr  # the progress: on stderr with --json
+    assert "epoch 2/2" in done.stderr
+    result = json.loads(done.stdout)  # stdout: exactly one JSON document
     assert result["producer_exit_codes"] == [0, 0, 0]
     assert set(result["runs"]) == {"in-process", "served (1 producer)", "served (2 producers)"}
     assert all(r["batches"] == 8 for r in result["runs"].values())
