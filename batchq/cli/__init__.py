@@ -54,6 +54,13 @@ def _add_monitoring(parser: Parser, sub: Any) -> None:
         "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
     )
     top.add_argument("--once", action="store_true", help="print one screen and exit")
+    top.add_argument(
+        "--json",
+        action="store_true",
+        help="with --once (refused without: the live screen is redrawn in place): print "
+        "the rows of status --json, each with top's rate_in, rate_out, depth_series and "
+        "stall_series added at its end, instead of the screen",
+    )
 
     exporter = parser.add_command(
         sub,
@@ -92,6 +99,14 @@ def _add_monitoring(parser: Parser, sub: Any) -> None:
     report.add_argument("--queue", required=True, help="the queue to plot")
     report.add_argument(
         "--out", default="report.png", help="the image to write (default report.png)"
+    )
+    report.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead of the lines (the image is written all the "
+        "same): its path, the samples' count and span, the mean stall, the run's "
+        "quarantined examples and cache figures, and every plotted series (fields: "
+        "batchq/cli/report.py)",
     )
 
 
