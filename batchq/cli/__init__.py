@@ -18,17 +18,24 @@ from typing import Any
 from batchq.cli.config import Parser, apply_environment, run_config
 from batchq.cli.factory_args import add_factory_args
 from batchq.client.connection import ENV_URL
+from batchq.client.urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES
 from batchq.errors import BatchQueueError
+from batchq.monitoring import STATUS_SCHEMA_VERSION
 
 __all__ = ["main"]
 
 
-def _add_url(parser: argparse.ArgumentParser) -> None:
+def _add_url(parser: argparse.ArgumentParser, default: str = "redis://localhost:6379/0") -> None:
+    """The --url option; ``default``: what the command uses when neither --url nor
+    BATCHQ_URL is given."""
+    schemes = ", ".join(f"{s}://" for s in (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES))
     parser.add_argument(
         "--url",
         default=None,
-        help=f"Redis URL, redis:// or rediss:// (default: ${ENV_URL}, else "
-        "redis://localhost:6379/0)",
+        help=f"Redis URL, one of {schemes} (rediss: TLS; a cluster: "
+        "redis+cluster://host:port[,host:port...]/, Sentinel: "
+        "redis+sentinel://host:port[,host:port...]/<master-name>[/<db>]; default: "
+        f"${ENV_URL}, else {default})",
     )
 
 
@@ -224,7 +231,7 @@ def build_parser() -> Parser:
         "producer processes, and print the times side by side. Without --url it starts "
         "a private redis-server on a free loopback port and stops it at the end.",
     )
-    _add_url(demo)
+    _add_url(demo, "an embedded redis-server on a free loopback port")
     demo.add_argument(
         "--producers",
         type=int,
@@ -257,7 +264,8 @@ def build_parser() -> Parser:
         "its data list) against its hwm, bytes held, the oldest frame's age, producers "
         "alive and their rates, leases, the trainer's stall and epoch, frames served, "
         "and a verdict: input-bound, trainer-bound or balanced. --json prints the rows "
-        "documented in batchq/monitoring/rows.py (schema version 2).",
+        "documented in batchq/monitoring/rows.py (schema version "
+        f"{STATUS_SCHEMA_VERSION}).",
     )
     _add_url(status)
     status.add_argument(

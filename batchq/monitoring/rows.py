@@ -27,7 +27,7 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     pushed_bytes          int          bytes pushed
     trainer               str          'attached', 'detached' or 'finished'
     dead                  int          frames in the dead list (capped)
-    schema                int          4 (STATUS_SCHEMA_VERSION)
+    schema                int          6 (STATUS_SCHEMA_VERSION)
     popped_bytes          int          bytes popped
     bytes_held            int          estimate of the bytes in the data list (see below)
     fill                  float        depth / hwm (0.0 when hwm is 0)
@@ -195,7 +195,7 @@ import redis
 
 from batchq.client.cluster import grouped, masters
 from batchq.errors import ConfigError
-from batchq.monitoring import sizing
+from batchq.monitoring import STATUS_SCHEMA_VERSION, sizing  # the version: of the layout above
 from batchq.monitoring.counters import (
     PRODUCER_FIELDS,
     bytes_held,
@@ -233,8 +233,6 @@ __all__ = [
     "trainer_state",
 ]
 
-#: The version of the row layout documented above.
-STATUS_SCHEMA_VERSION = 6
 
 STATUS_FIELDS = (
     "queue", "run", "depth", "hwm", "producers_alive", "leases", "shards_per_epoch",

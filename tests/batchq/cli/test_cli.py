@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from batchq.cli import main
-from batchq.monitoring.rows import STATUS_FIELDS
+from batchq.cli import build_parser, main
+from batchq.client.urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES
+from batchq.monitoring.rows import STATUS_FIELDS, STATUS_SCHEMA_VERSION
 from batchq.protocol.keys import QueueKeys
 from producer import Producer
 
@@ -148,3 +149,27 @@ def test_a_bad_environment_value_is_a_clear_error(
     monkeypatch.setenv("BATCHQ_HWM", "ten")
     assert main(["config"]) == 2
     assert "BATCHQ_HWM='ten' is not valid: expected int" in capsys.readouterr().err
+
+
+def test_status_help_names_the_schema_version_that_status_json_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert f"(schema version {STATUS_SCHEMA_VERSION})" in text
+
+
+def test_every_url_help_names_every_scheme_the_parser_accepts() -> None:
+    parser = build_parser()
+    helps = {
+        command: action.help or ""
+        for command, sub in parser.commands.items()
+        for action in sub.options
+        if action.dest == "url"
+    }
+    assert set(helps) == set(parser.commands) - {"config"}
+    for command, text in helps.items():
+        for scheme in (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES):
+            assert f" {scheme}://," in text or f" {scheme}:// " in text, (command, scheme)
+    assert "embedded redis-server" in helps["demo"]  # its default without --url
