@@ -22,7 +22,25 @@ from batchq.client.urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES
 from batchq.errors import BatchQueueError
 from batchq.monitoring import STATUS_SCHEMA_VERSION
 
-__all__ = ["main"]
+__all__ = ["LOG_LEVELS", "main"]
+
+#: The values --log-level (BATCHQ_LOG_LEVEL) accepts, in any case.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """--log-level's value as logging's name of the level.
+
+    Raises:
+        argparse.ArgumentTypeError: not one of :data:`LOG_LEVELS` (its message names the
+            value and them; :func:`batchq.cli.config.apply_environment` puts the
+            variable's name before it).
+    """
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid: expected one of {', '.join(LOG_LEVELS)} (in any case)"
+        )
+    return text.upper()
 
 
 def _add_url(parser: argparse.ArgumentParser, default: str = "redis://localhost:6379/0") -> None:
@@ -124,7 +142,11 @@ def build_parser() -> Parser:
         description="Feed a trainer from many data-preparation processes through Redis.",
     )
     parser.add_argument(
-        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING; default INFO)"
+        "--log-level",
+        type=_log_level,
+        default="INFO",
+        help=f"logging level, one of {', '.join(LOG_LEVELS)}, in any case (default INFO); "
+        "before the command: batchq --log-level DEBUG serve ...",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -348,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=args.log_level,  # one of LOG_LEVELS (_log_level)
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
