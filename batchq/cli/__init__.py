@@ -18,17 +18,42 @@ from typing import Any
 from batchq.cli.config import Parser, apply_environment, run_config
 from batchq.cli.factory_args import add_factory_args
 from batchq.client.connection import ENV_URL
+from batchq.client.urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES
 from batchq.errors import BatchQueueError
+from batchq.monitoring import STATUS_SCHEMA_VERSION
 
-__all__ = ["main"]
+__all__ = ["LOG_LEVELS", "main"]
+
+#: The values --log-level (BATCHQ_LOG_LEVEL) accepts, in any case.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def _add_url(parser: argparse.ArgumentParser) -> None:
+def _log_level(text: str) -> str:
+    """--log-level's value as logging's name of the level.
+
+    Raises:
+        argparse.ArgumentTypeError: not one of :data:`LOG_LEVELS` (its message names the
+            value and them; :func:`batchq.cli.config.apply_environment` puts the
+            variable's name before it).
+    """
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid: expected one of {', '.join(LOG_LEVELS)} (in any case)"
+        )
+    return text.upper()
+
+
+def _add_url(parser: argparse.ArgumentParser, default: str = "redis://localhost:6379/0") -> None:
+    """The --url option; ``default``: what the command uses when neither --url nor
+    BATCHQ_URL is given."""
+    schemes = ", ".join(f"{s}://" for s in (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES))
     parser.add_argument(
         "--url",
         default=None,
-        help=f"Redis URL, redis:// or rediss:// (default: ${ENV_URL}, else "
-        "redis://localhost:6379/0)",
+        help=f"Redis URL, one of {schemes} (rediss: TLS; a cluster: "
+        "redis+cluster://host:port[,host:port...]/, Sentinel: "
+        "redis+sentinel://host:port[,host:port...]/<master-name>[/<db>]; default: "
+        f"${ENV_URL}, else {default})",
     )
 
 
@@ -44,11 +69,23 @@ def _add_monitoring(parser: Parser, sub: Any) -> None:
         "trainer-bound, balanced). Ctrl-C quits.",
     )
     _add_url(top)
-    top.add_argument("--queue", default=None, help="only this queue")
+    top.add_argument(
+        "--queue",
+        default=None,
+        help="only this queue (with --once, exit 2 if no key of it is there; live, say so "
+        "and wait for it)",
+    )
     top.add_argument(
         "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
     )
     top.add_argument("--once", action="store_true", help="print one screen and exit")
+    top.add_argument(
+        "--json",
+        action="store_true",
+        help="with --once (refused without: the live screen is redrawn in place): print "
+        "the rows of status --json, each with top's rate_in, rate_out, depth_series and "
+        "stall_series added at its end, instead of the screen",
+    )
 
     exporter = parser.add_command(
         sub,
@@ -88,6 +125,14 @@ def _add_monitoring(parser: Parser, sub: Any) -> None:
     report.add_argument(
         "--out", default="report.png", help="the image to write (default report.png)"
     )
+    report.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead of the lines (the image is written all the "
+        "same): its path, the samples' count and span, the mean stall, the run's "
+        "quarantined examples and cache figures, and every plotted series (fields: "
+        "batchq/cli/report.py)",
+    )
 
 
 def build_parser() -> Parser:
@@ -97,7 +142,11 @@ def build_parser() -> Parser:
         description="Feed a trainer from many data-preparation processes through Redis.",
     )
     parser.add_argument(
-        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING; default INFO)"
+        "--log-level",
+        type=_log_level,
+        default="INFO",
+        help=f"logging level, one of {', '.join(LOG_LEVELS)}, in any case (default INFO); "
+        "before the command: batchq --log-level DEBUG serve ...",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -204,7 +253,7 @@ def build_parser() -> Parser:
         "producer processes, and print the times side by side. Without --url it starts "
         "a private redis-server on a free loopback port and stops it at the end.",
     )
-    _add_url(demo)
+    _add_url(demo, "an embedded redis-server on a free loopback port")
     demo.add_argument(
         "--producers",
         type=int,
@@ -223,7 +272,11 @@ def build_parser() -> Parser:
     )
     demo.add_argument("--train-ms", type=float, default=10.0, help="training time per batch")
     demo.add_argument("--hwm", type=int, default=10)
-    demo.add_argument("--json", action="store_true", help="print the results as JSON")
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as one JSON document on stdout (the progress on stderr)",
+    )
 
     status = parser.add_command(
         sub,
@@ -233,10 +286,15 @@ def build_parser() -> Parser:
         "its data list) against its hwm, bytes held, the oldest frame's age, producers "
         "alive and their rates, leases, the trainer's stall and epoch, frames served, "
         "and a verdict: input-bound, trainer-bound or balanced. --json prints the rows "
-        "documented in batchq/monitoring/rows.py (schema version 2).",
+        "documented in batchq/monitoring/rows.py (schema version "
+        f"{STATUS_SCHEMA_VERSION}).",
     )
     _add_url(status)
-    status.add_argument("--queue", default=None, help="only this queue")
+    status.add_argument(
+        "--queue",
+        default=None,
+        help="only this queue (exit 2, listing the queues there, if no key of it is there)",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
         "--shm-dir",
@@ -264,7 +322,11 @@ def build_parser() -> Parser:
         "tracebacks.",
     )
     _add_url(dead)
-    dead.add_argument("--queue", required=True, help="the queue to look at")
+    dead.add_argument(
+        "--queue",
+        required=True,
+        help="the queue to look at (exit 2, listing the queues there, if no key of it is there)",
+    )
     dead.add_argument("--json", action="store_true", help="machine-readable output")
 
     reset = parser.add_command(
@@ -308,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=args.log_level,  # one of LOG_LEVELS (_log_level)
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

@@ -93,6 +93,8 @@ def _convert(parser: argparse.ArgumentParser, action: argparse.Action, name: str
     convert = action.type if callable(action.type) else str
     try:
         return convert(raw)
+    except argparse.ArgumentTypeError as e:  # its message: "<raw!r> is not valid: expected ..."
+        raise ConfigError(f"{name}={e}") from e
     except (TypeError, ValueError) as e:
         kind = getattr(convert, "__name__", "value")
         raise ConfigError(f"{name}={raw!r} is not valid: expected {kind}") from e
@@ -123,32 +125,51 @@ def _shown(dest: str, value: Any) -> Any:
     return value
 
 
-def settings(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
-    """Every setting: command, option, variable, effective value and its source."""
-    rows = []
+def _setting(
+    command: str, action: argparse.Action, args: argparse.Namespace | None
+) -> dict[str, Any]:
+    """One row of :func:`settings`; ``args``: the parsed command line, for the options
+    of ``batchq`` itself (given before the command, so before ``config`` too)."""
+    option = action.option_strings[-1]
+    name = env_name(option)
+    source = "environment" if name in os.environ else "default"
+    value = action.default
+    if args is not None and getattr(args, action.dest, value) != value:
+        value, source = getattr(args, action.dest), "command line"
+    return {
+        "command": command,
+        "option": option,
+        "variable": name,
+        "value": _shown(action.dest, value),
+        "source": source,
+        "help": (action.help or "").replace("%%", "%"),
+    }
+
+
+def settings(
+    parser: argparse.ArgumentParser, args: argparse.Namespace | None = None
+) -> list[dict[str, Any]]:
+    """Every setting: command, option, variable, effective value and its source.
+
+    The options of ``batchq`` itself (``--log-level``), which every command reads, come
+    first, with the command ``batchq``; then each command's, by command.
+
+    Args:
+        parser: the ``batchq`` parser (:class:`Parser`), the environment applied.
+        args: the parsed command line of ``batchq config``: an option of ``batchq``
+            itself given there shows its value, from the "command line".
+    """
+    rows = [_setting(parser.prog, action, args) for action in _options(parser)]
     for command, sub in sorted(_subparsers(parser).items()):
         if command == "config":
             continue
-        for action in _options(sub):
-            option = action.option_strings[-1]
-            name = env_name(option)
-            source = "environment" if name in os.environ else "default"
-            rows.append(
-                {
-                    "command": command,
-                    "option": option,
-                    "variable": name,
-                    "value": _shown(action.dest, action.default),
-                    "source": source,
-                    "help": (action.help or "").replace("%%", "%"),
-                }
-            )
+        rows.extend(_setting(command, action, None) for action in _options(sub))
     return rows
 
 
 def run_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print the effective configuration, as a table or JSON."""
-    rows = settings(parser)
+    rows = settings(parser, args)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0

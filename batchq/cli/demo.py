@@ -5,11 +5,15 @@ batches of 100, a Bottleneck transformer that spends ``load_ms`` per batch loadi
 a "training" step of ``train_ms`` per batch. In-process the two add up; served, the
 producers load while the trainer trains, and the time approaches the floor (the sum
 of the training steps).
+
+With ``--json`` stdout holds exactly one JSON document, the results: the progress lines
+(and whatever the producer processes print) go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -197,7 +201,9 @@ def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) 
     argv = [sys.executable, "-m", "batchq.cli", "--log-level", "WARNING", "serve"]
     argv += ["batchq.cli.demo:tutorial_stream", "--url", url, "--queue", queue]
     argv += ["--hwm", str(args.hwm)]
-    procs = [spawn(argv, env=env) for _ in range(producers)]
+    # With --json, stdout is the results' alone: the producers' goes to our stderr.
+    out = _stderr_fd() if args.json else None
+    procs = [spawn(argv, env=env, stdout=out) for _ in range(producers)]
     label = _producers_label(producers)
     try:
         print(f"served by {label} via {describe_url(url)}, queue {queue!r}:")
@@ -223,6 +229,14 @@ def _served(url: str, producers: int, args: argparse.Namespace, load_ms: float) 
         for p in procs:
             stop_group(p, timeout_s=5.0)
     return result
+
+
+def _stderr_fd() -> int:
+    """The file descriptor of our stderr (2 where sys.stderr has none: a captured one)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return 2
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -286,10 +300,14 @@ def _report(runs: dict[str, dict[str, Any]], as_json: bool) -> list[int]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Run the experiment and print the table (or JSON)."""
+    """Run the experiment and print the table, or with ``--json`` the results as one
+    JSON document on stdout (the progress on stderr)."""
     _check_counts(args)
     # With several producers the point is a data-bound pipeline: loading slower than
     # training, which one producer cannot hide and several can.
     load_ms = args.load_ms if args.load_ms is not None else (5.0 if args.producers == 1 else 25.0)
-    codes = _report(_experiment(args, load_ms), args.json)
+    progress = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with progress:
+        runs = _experiment(args, load_ms)
+    codes = _report(runs, args.json)
     return 0 if all(c == 0 for c in codes) else 1

@@ -8,6 +8,10 @@ with ``on_sample_error='quarantine'`` recorded when it replaced an example whose
 raised by a substitute (producer/quarantine.py, quarantine.lua): oldest epoch first, as
 a table (one line per example, the error's last line) or, with --json, every field (the
 traceback in full, as recorded).
+
+A queue named by ``--queue`` (``status``, ``dead``) must exist: some key of it is on the
+server (:func:`batchq.monitoring.rows.queue_exists`). Otherwise the command says that no
+such queue is there and lists those that are, exit 2, rather than show an empty one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 from typing import Any
 
 from batchq.client.connection import call, describe_url, make_client, resolve_url
-from batchq.monitoring.rows import list_queues, queue_status, status_rows
+from batchq.monitoring.rows import list_queues, queue_status, require_queue, status_rows
 from batchq.monitoring.text import columns, render_table
 from batchq.protocol.admin import delete_queue
 from batchq.protocol.keys import QueueKeys, check_name
@@ -31,18 +35,22 @@ _MESSAGE_CHARS = 70  # of an error's message in the table
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """Print the status of the queues on the server at ``args.url``."""
+    """Print the status of the queues on the server at ``args.url``.
+
+    Raises:
+        ConfigError: ``--queue`` names a queue that does not exist there
+            (:func:`batchq.monitoring.rows.require_queue`).
+    """
     url = resolve_url(args.url)
+    where = describe_url(url)
     client = make_client(url, socket_timeout_s=5.0)
     try:
         if args.queue:
             names = [check_name(args.queue, "queue")]
+            call(lambda: require_queue(client, names[0], where), f"reading queues at {where}")
         else:
-            names = call(lambda: list_queues(client), f"listing queues at {describe_url(url)}")
-        rows = call(
-            lambda: status_rows(client, names, args.shm_dir),
-            f"reading queues at {describe_url(url)}",
-        )
+            names = call(lambda: list_queues(client), f"listing queues at {where}")
+        rows = call(lambda: status_rows(client, names, args.shm_dir), f"reading queues at {where}")
     finally:
         client.close()
     print(render_table(rows, as_json=args.json))
@@ -50,15 +58,19 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_dead(args: argparse.Namespace) -> int:
-    """Print the queue's quarantined examples."""
+    """Print the queue's quarantined examples.
+
+    Raises:
+        ConfigError: the queue does not exist (:func:`batchq.monitoring.rows.require_queue`).
+    """
     queue = check_name(args.queue, "queue")
     url = resolve_url(args.url)
     keys = QueueKeys(queue)
+    where = describe_url(url)
     client = make_client(url, key=keys.meta, socket_timeout_s=10.0)
     try:
-        found = call(
-            lambda: read_quarantine(client, keys), f"reading {queue} at {describe_url(url)}"
-        )
+        call(lambda: require_queue(client, queue, where), f"reading {queue} at {where}")
+        found = call(lambda: read_quarantine(client, keys), f"reading {queue} at {where}")
     finally:
         client.close()
     if args.json:

@@ -18,6 +18,32 @@ queue's counter) and the producers' cache figures (hit rate, bytes held, build t
 saved in all and per batch), summed over every producer in the pstats hash, those gone
 too (:func:`batchq.monitoring.counters.cache_since_created`): a report is drawn after
 the run, when its producers have stopped.
+
+With ``--json`` it prints, instead of those lines, one JSON object (the picture is
+written all the same), with these fields in this order::
+
+    queue             str         the queue's name
+    out               str         the picture's path
+    samples           int         history samples plotted (rank 0's, group slot 0's)
+    span_s            float       seconds from the first sample to the last
+    mean_stall        float       the trainer's stall fraction, averaged over the samples
+    hwm               int         the run's cap (0: unknown)
+    world_size        int         the trainer's ranks (1: a single trainer)
+    groups            list        the names of the groups reading the run ([]: one)
+    run               str         the run id ('' if none)
+    quarantined       int         examples quarantined since the keys were created
+    quarantined_run   int         those of the run ``run``
+    cache_hits        int|null    the cache figures of every producer in pstats, gone
+    cache_misses      int|null    ones too, as in the lines
+    cache_hit_rate    float|null  (:func:`batchq.monitoring.counters.cache_since_created`;
+    cache_bytes       int|null    the meanings of the status row's fields of these names;
+    cache_saved_s     float|null  null: no producer caches)
+    cache_saved_ms_per_batch float|null
+    series            object      per sample, oldest first, lists of one value a sample
+                                  (null where the sample lacks it): t (seconds since
+                                  the first sample), depth, stall, batches_per_s,
+                                  mb_per_s, producers, demand, supply, delivered (the
+                                  plots' lines; see :func:`sizing_series`)
 """
 
 from __future__ import annotations
@@ -42,8 +68,10 @@ __all__ = [
     "MISSING",
     "load_history",
     "plot_report",
+    "report_json",
     "run_report",
     "sizing_series",
+    "summary_figures",
     "summary_lines",
 ]
 
@@ -289,10 +317,9 @@ def plot_report(
     t0 = min(s[0][H.T] for s in [samples, *lines.values()] if s)
     t = [s[H.T] - t0 for s in samples]
     fig = _figure(samples, lines, t0, t, hwm)
-    mean_stall = sum(_series(samples, H.STALL)) / len(samples)
     fig.suptitle(
         f"batchq queue {queue}: {len(samples)} samples over {t[-1]:.0f} s, "
-        f"trainer waiting {100 * mean_stall:.0f}% on average"
+        f"trainer waiting {100 * _mean_stall(samples):.0f}% on average"
     )
     path = Path(out)
     try:
@@ -302,21 +329,95 @@ def plot_report(
     return path
 
 
+def _mean_stall(samples: list[dict[str, Any]]) -> float:
+    """The stall fraction averaged over the samples (at least one)."""
+    return sum(_series(samples, H.STALL)) / len(samples)
+
+
+def summary_figures(client: Any, queue: str) -> dict[str, Any]:
+    """What the report says beside the picture (one pipelined read): the run, the
+    quarantined examples (the queue's counter and the run's) and the cache figures of
+    every producer the pstats hash holds (:func:`cache_since_created`)."""
+    (snap,) = read_snapshots(client, [queue], history=0, leases=False)
+    return {
+        "run": snap.meta.get(MetaField.RUN, ""),
+        "quarantined": snap.stats.get(StatsField.QUARANTINED, 0),
+        "quarantined_run": quarantined_in_run(snap),
+        **cache_since_created(snap),
+    }
+
+
+def _summary_text(figures: dict[str, Any]) -> list[str]:
+    """The lines of :func:`summary_figures`'s figures: none when there is nothing to say."""
+    lines = cache_lines(figures)
+    if figures["quarantined"]:
+        lines.append(
+            quarantine_line(figures["quarantined"], figures["quarantined_run"], figures["run"])
+        )
+    return lines
+
+
 def summary_lines(client: Any, queue: str) -> list[str]:
     """The report's lines beside the picture: the quarantined examples (the run's and
     the queue's counter) and the cache figures of every producer the pstats hash holds;
     none of either when there is nothing to say (one pipelined read)."""
-    (snap,) = read_snapshots(client, [queue], history=0, leases=False)
-    lines = cache_lines(cache_since_created(snap))
-    quarantined = snap.stats.get(StatsField.QUARANTINED, 0)
-    if quarantined:
-        run = snap.meta.get(MetaField.RUN, "")
-        lines.append(quarantine_line(quarantined, quarantined_in_run(snap), run))
-    return lines
+    return _summary_text(summary_figures(client, queue))
+
+
+def _value(s: dict[str, Any], name: str) -> float | None:
+    """A sample's number, None where it lacks it."""
+    value = s.get(name)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def report_json(
+    samples: list[dict[str, Any]],
+    path: Path,
+    *,
+    queue: str,
+    hwm: int,
+    world: int,
+    groups: list[str],
+    figures: dict[str, Any],
+) -> dict[str, Any]:
+    """The object ``report --json`` prints (its fields: this module's docstring).
+
+    Args:
+        samples: the plotted history samples, oldest first (at least one).
+        path: the picture written.
+        queue: the queue's name.
+        hwm: the run's cap (0: unknown).
+        world: the trainer's ranks.
+        groups: the names of the groups reading the run (empty: one group).
+        figures: :func:`summary_figures`'s.
+
+    Returns:
+        A JSON-ready dict.
+    """
+    t0 = samples[0][H.T]
+    series: dict[str, list[float | None]] = {"t": [s[H.T] - t0 for s in samples]}
+    for name in (H.DEPTH, H.STALL, H.BATCHES_PER_S, H.MB_PER_S):
+        series[name] = [_value(s, name) for s in samples]
+    sz = sizing_series(samples)
+    for name in ("producers", "demand", "supply", "delivered"):
+        series[name] = sz[name]
+    return {
+        "queue": queue,
+        "out": str(path),
+        "samples": len(samples),
+        "span_s": samples[-1][H.T] - t0,
+        "mean_stall": _mean_stall(samples),
+        "hwm": hwm,
+        "world_size": world,
+        "groups": groups,
+        **figures,
+        "series": series,
+    }
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Read the queue's history and write the picture."""
+    """Read the queue's history and write the picture; print what was written and the
+    figures beside it (with ``--json``, as one JSON object: :func:`report_json`)."""
     _require_matplotlib()
     queue = check_name(args.queue, "queue")
     url = resolve_url(args.url)
@@ -343,7 +444,7 @@ def run_report(args: argparse.Namespace) -> int:
                 f"reading queue {queue} at {where}",
             )
         samples = ranks[0]
-        summary = call(lambda: summary_lines(client, queue), f"reading queue {queue} at {where}")
+        figures = call(lambda: summary_figures(client, queue), f"reading queue {queue} at {where}")
     finally:
         client.close()
     hwm = int(hwm_raw) if hwm_raw else 0
@@ -355,7 +456,13 @@ def run_report(args: argparse.Namespace) -> int:
         ranks=ranks if world > 1 and not groups else None,
         groups=groups or None,
     )
+    if args.json:
+        out = report_json(
+            samples, path, queue=queue, hwm=hwm, world=world, groups=list(groups), figures=figures
+        )
+        print(json.dumps(out, indent=2))
+        return 0
     print(f"wrote {path} ({len(samples)} samples of queue {queue!r})")
-    for line in summary:
+    for line in _summary_text(figures):
         print(line)
     return 0

@@ -12,11 +12,21 @@ pushed and batches taken over its last :data:`batchq.monitoring.verdict.RECENT_S
 trainer's clock), so they show at once. A producer's build rate is its batches per
 second of pipeline time (see :mod:`batchq.monitoring.rows`); the producers line shows what the
 pool needs (:mod:`batchq.monitoring.sizing`).
+
+``top --once --json`` prints that one read as JSON instead of the screen: a list of the
+rows of ``status --json`` (:mod:`batchq.monitoring.rows`, the same schema and fields in
+the same order), each with four fields added at its end: ``rate_in`` and ``rate_out``
+(float|null, frames/s, from the stored history as on the first screen),
+``depth_series`` and ``stall_series`` (lists of floats, oldest first, at most
+:data:`SPARK_WIDTH`: the sparklines' samples, this read's depth last). A producer's
+push rate needs two reads, so it is not there. ``--json`` without ``--once`` is refused:
+the live screen is redrawn in place, never printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import time
 from collections import deque
@@ -37,7 +47,7 @@ from batchq.client.connection import (
     resolve_url,
 )
 from batchq.errors import BatchQueueError, ConfigError
-from batchq.monitoring.rows import list_queues, row_from_snapshot
+from batchq.monitoring.rows import list_queues, require_queue, row_from_snapshot
 from batchq.monitoring.sizing import recent_samples
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.text import fmt_age, fmt_bytes, fmt_pct
@@ -52,6 +62,7 @@ __all__ = [
     "run_exporter",
     "run_top",
     "sparkline",
+    "top_json",
 ]
 
 #: Samples (characters) per sparkline.
@@ -238,7 +249,28 @@ def render_top(
     return Group(*parts)
 
 
-def _read(client: Any, queue: str | None, state: TopState) -> list[dict[str, Any]]:
+def top_json(rows: list[dict[str, Any]], state: TopState) -> list[dict[str, Any]]:
+    """The rows of one read as ``top --once --json`` prints them (see the module's
+    docstring): status rows plus the rates and the sparklines' samples."""
+    out = []
+    for row in rows:
+        q = row["queue"]
+        producers = [{k: v for k, v in p.items() if k != "rate"} for p in row["producers"]]
+        out.append(
+            {
+                **row,  # the status fields, then rate_in and rate_out (TopState.update)
+                "producers": producers,
+                "depth_series": list(state.depth.get(q, ())),
+                "stall_series": list(state.stall.get(q, ())),
+            }
+        )
+    return out
+
+
+def _read(client: Any, queue: str | None, state: TopState, where: str) -> list[dict[str, Any]]:
+    """One read of the queue (ConfigError if it does not exist) or of every queue."""
+    if queue:
+        require_queue(client, queue, where)
     names = [queue] if queue else list_queues(client)
     return state.update(read_snapshots(client, names, history=state.width))
 
@@ -247,18 +279,25 @@ def run_top(args: argparse.Namespace, console: Console | None = None) -> int:
     """Show the queues until Ctrl-C (or once, with ``--once``).
 
     Args:
-        args: url, queue (None: every queue), interval (s), once.
+        args: url, queue (None: every queue), interval (s), once, json (with once only).
         console: where to draw (default: the terminal).
 
     Returns:
         0 when quit.
 
     Raises:
-        ConfigError: a bad --interval or --queue.
+        ConfigError: a bad --interval or --queue, or --json without --once; with
+            ``--once``, a --queue that does not exist (live, top says so and reads
+            again each refresh, until it does).
         ConnectionLost: with ``--once``, Redis could not be read (live, top retries).
     """
     if not args.interval > 0:
         raise ConfigError(f"--interval {args.interval!r} is not valid: expected > 0")
+    if args.json and not args.once:
+        raise ConfigError(
+            "--json needs --once: the live screen is redrawn in place, never printed "
+            "(top --once --json prints one read)"
+        )
     queue = check_name(args.queue, "queue") if args.queue else None
     url = resolve_url(args.url)
     where = describe_url(url)
@@ -267,18 +306,21 @@ def run_top(args: argparse.Namespace, console: Console | None = None) -> int:
     state = TopState()
     try:
         if args.once:
-            rows = call(lambda: _read(client, queue, state), f"reading queues at {where}")
-            console.print(render_top(rows, state, where=where))
+            rows = call(lambda: _read(client, queue, state, where), f"reading queues at {where}")
+            if args.json:
+                print(json.dumps(top_json(rows, state), indent=2))
+            else:
+                console.print(render_top(rows, state, where=where))
             return 0
         rows, error = [], None
         with Live(console=console, screen=True, auto_refresh=False) as live:
             while True:
                 try:
-                    rows, error = _read(client, queue, state), None
+                    rows, error = _read(client, queue, state, where), None
                 except redis_errors as e:
                     error = f"reading {where} failed: {e}; retrying"
-                except BatchQueueError as e:
-                    error = str(e)
+                except BatchQueueError as e:  # e.g. no such queue (yet): shown, read again
+                    rows, error = [], str(e)
                 live.update(render_top(rows, state, where=where, error=error), refresh=True)
                 time.sleep(args.interval)
     except KeyboardInterrupt:

@@ -7,3 +7,10 @@ The snapshot (``snapshot``; its ranks' and groups': ``reader_snapshots``), statu
 families: ``metric_families``). Imported by the CLI, never by the producer or the
 trainer.
 """
+
+__all__ = ["STATUS_SCHEMA_VERSION"]
+
+#: The version of the status rows' layout (``status --json``, ``top --once --json``),
+#: documented field by field in :mod:`batchq.monitoring.rows`, which re-exports it. It
+#: lives here so that the CLI's help can name it without importing the readers.
+STATUS_SCHEMA_VERSION = 6

@@ -27,7 +27,7 @@ created: they are not reset between runs (``batchq reset`` deletes them).
     pushed_bytes          int          bytes pushed
     trainer               str          'attached', 'detached' or 'finished'
     dead                  int          frames in the dead list (capped)
-    schema                int          4 (STATUS_SCHEMA_VERSION)
+    schema                int          6 (STATUS_SCHEMA_VERSION)
     popped_bytes          int          bytes popped
     bytes_held            int          estimate of the bytes in the data list (see below)
     fill                  float        depth / hwm (0.0 when hwm is 0)
@@ -193,8 +193,9 @@ from typing import Any
 
 import redis
 
-from batchq.client.cluster import masters
-from batchq.monitoring import sizing
+from batchq.client.cluster import grouped, masters
+from batchq.errors import ConfigError
+from batchq.monitoring import STATUS_SCHEMA_VERSION, sizing  # the version: of the layout above
 from batchq.monitoring.counters import (
     PRODUCER_FIELDS,
     bytes_held,
@@ -212,7 +213,7 @@ from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.monitoring.verdict import RECENT_S, cause, judge
 from batchq.monitoring.verdict import recent_depths as verdict_depths
 from batchq.protocol.fields import HistoryField, MetaField, ProducerStat
-from batchq.protocol.keys import QueueKeys, queue_from_meta_key
+from batchq.protocol.keys import PREFIX, QueueKeys, queue_from_meta_key
 from batchq.protocol.layout import WAIT_BUCKETS_S
 from batchq.protocol.words import as_int
 from batchq.wire.shm import DEFAULT_SHM_DIR, segments_usage
@@ -223,15 +224,15 @@ __all__ = [
     "STATUS_SCHEMA_VERSION",
     "WAIT_BUCKETS_S",
     "list_queues",
+    "queue_exists",
     "queue_status",
     "recent_depths",
+    "require_queue",
     "row_from_snapshot",
     "status_rows",
     "trainer_state",
 ]
 
-#: The version of the row layout documented above.
-STATUS_SCHEMA_VERSION = 6
 
 STATUS_FIELDS = (
     "queue", "run", "depth", "hwm", "producers_alive", "leases", "shards_per_epoch",
@@ -262,6 +263,52 @@ def list_queues(client: redis.Redis) -> list[str]:
             if name is not None:
                 names.add(name)
     return sorted(names)
+
+
+def queue_exists(client: redis.Redis, queue: str) -> bool:
+    """Whether ``queue`` exists on the server: any of its keys is there.
+
+    Its meta hash or incarnation (what a producer's join or a trainer's claim creates)
+    answers in one command; without them, any key of the queue (``bq:{Q}:*``, one SCAN
+    of the master holding its slot) counts too: what a run left after its meta was
+    lost or deleted (its history, its counters) is still the queue's, which ``status``
+    shows and ``report`` plots. A queue none of whose keys is there does not exist:
+    it never did, or ``batchq reset`` deleted it.
+    """
+    keys = QueueKeys(queue)
+    with grouped(client, {queue: keys.meta}) as ((node, _),):
+        if node.exists(keys.meta, keys.incarnation):
+            return True
+        return next(iter(node.scan_iter(match=keys.pattern, count=1000)), None) is not None
+
+
+#: Queue names an error lists at most.
+_NAMES_LISTED = 20
+
+
+def require_queue(client: redis.Redis, queue: str, where: str) -> None:
+    """Refuse a queue that does not exist (:func:`queue_exists`), naming the ones that do.
+
+    Args:
+        client: a client of the server.
+        queue: the queue's name.
+        where: the server, for the message (a URL with its password masked).
+
+    Raises:
+        ConfigError: no key of ``queue`` is there; the message lists the queues there
+            (:func:`list_queues`, at most 20 names).
+    """
+    if queue_exists(client, queue):
+        return
+    names = list_queues(client)
+    listed = ", ".join(names[:_NAMES_LISTED])
+    if len(names) > _NAMES_LISTED:
+        listed += f" (+{len(names) - _NAMES_LISTED} more)"
+    there = f"the queues there: {listed}" if names else "there is no queue there"
+    raise ConfigError(
+        f"no queue {queue!r} at {where} (none of its keys, {PREFIX}:{{{queue}}}:*, is "
+        f"there); {there}"
+    )
 
 
 def trainer_state(snap: QueueSnapshot) -> str:

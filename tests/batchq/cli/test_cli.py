@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from batchq.cli import main
-from batchq.monitoring.rows import STATUS_FIELDS
+from batchq.cli import LOG_LEVELS, build_parser, main
+from batchq.client.urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES
+from batchq.monitoring.rows import STATUS_FIELDS, STATUS_SCHEMA_VERSION
 from batchq.protocol.keys import QueueKeys
 from producer import Producer
 
@@ -94,8 +95,9 @@ def test_demo_runs_end_to_end_on_its_embedded_redis() -> None:
         "--json",
     )
     assert done.returncode == 0, done.stderr
-    assert "embedded redis-server" in done.stdout
-    result = json.loads(done.stdout[done.stdout.index("{") :])
+    assert "embedded redis-server" in done.stderr  # the progress: on stderr with --json
+    assert "epoch 2/2" in done.stderr
+    result = json.loads(done.stdout)  # stdout: exactly one JSON document
     assert result["producer_exit_codes"] == [0, 0, 0]
     assert set(result["runs"]) == {"in-process", "served (1 producer)", "served (2 producers)"}
     assert all(r["batches"] == 8 for r in result["runs"].values())
@@ -147,3 +149,69 @@ def test_a_bad_environment_value_is_a_clear_error(
     monkeypatch.setenv("BATCHQ_HWM", "ten")
     assert main(["config"]) == 2
     assert "BATCHQ_HWM='ten' is not valid: expected int" in capsys.readouterr().err
+
+
+def test_status_help_names_the_schema_version_that_status_json_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert f"(schema version {STATUS_SCHEMA_VERSION})" in text
+
+
+def test_every_url_help_names_every_scheme_the_parser_accepts() -> None:
+    parser = build_parser()
+    helps = {
+        command: action.help or ""
+        for command, sub in parser.commands.items()
+        for action in sub.options
+        if action.dest == "url"
+    }
+    assert set(helps) == set(parser.commands) - {"config"}
+    for command, text in helps.items():
+        for scheme in (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES):
+            assert f" {scheme}://," in text or f" {scheme}:// " in text, (command, scheme)
+    assert "embedded redis-server" in helps["demo"]  # its default without --url
+
+
+def test_an_unknown_log_level_is_an_error_naming_it_and_the_levels(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--log-level", "nonsense", "config"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--log-level: 'nonsense' is not valid: expected one of" in err
+    assert all(level in err for level in LOG_LEVELS)
+    monkeypatch.setenv("BATCHQ_LOG_LEVEL", "bogus")
+    assert main(["config"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "batchq: BATCHQ_LOG_LEVEL='bogus' is not valid: expected one of DEBUG, INFO, "
+        "WARNING, ERROR, CRITICAL (in any case)"
+    )
+
+
+def test_config_shows_the_log_level_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def log_level(*argv: str) -> dict[str, Any]:
+        assert main([*argv, "config", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        (row,) = [r for r in rows if r["option"] == "--log-level"]
+        assert rows[0] == row  # the option of batchq itself, first
+        return {k: row[k] for k in ("command", "variable", "value", "source")}
+
+    found = {"command": "batchq", "variable": "BATCHQ_LOG_LEVEL"}
+    assert log_level() == {**found, "value": "INFO", "source": "default"}
+    monkeypatch.setenv("BATCHQ_LOG_LEVEL", "debug")  # any case
+    assert log_level() == {**found, "value": "DEBUG", "source": "environment"}
+    assert log_level("--log-level", "Error") == {
+        **found,
+        "value": "ERROR",
+        "source": "command line",
+    }
+    assert main(["config"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split() == ["batchq", "--log-level", "BATCHQ_LOG_LEVEL", "DEBUG", "environment"]

@@ -68,6 +68,43 @@ def test_report_errors_name_what_is_missing(
     assert "pip install 'batchq[report]'" in capsys.readouterr().err
 
 
+def test_report_json_prints_what_it_wrote_and_the_plotted_series(
+    redis_url: str,
+    redis_client: redis.Redis,
+    queue_name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _history(redis_client, queue_name)
+    redis_client.hset(QueueKeys(queue_name).stats, "quarantined", 3)
+    out = tmp_path / "report.png"
+    argv = ["report", "--url", redis_url, "--queue", queue_name, "--out", str(out), "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)  # stdout: one JSON document
+    assert list(doc) == [
+        "queue", "out", "samples", "span_s", "mean_stall", "hwm", "world_size", "groups",
+        "run", "quarantined", "quarantined_run", "cache_hits", "cache_misses",
+        "cache_hit_rate", "cache_bytes", "cache_saved_s", "cache_saved_ms_per_batch", "series",
+    ]  # fmt: skip
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # written all the same
+    assert doc["queue"] == queue_name and doc["out"] == str(out)
+    assert (doc["samples"], doc["span_s"], doc["hwm"]) == (30, 29.0, 8)
+    assert (doc["world_size"], doc["groups"]) == (1, [])
+    assert doc["mean_stall"] == pytest.approx(0.2)
+    assert (doc["run"], doc["quarantined"], doc["quarantined_run"]) == ("r", 3, 0)
+    assert doc["cache_hits"] is None  # no producer caches
+    series = doc["series"]
+    assert list(series) == [
+        "t", "depth", "stall", "batches_per_s", "mb_per_s", "producers", "demand", "supply",
+        "delivered",
+    ]  # fmt: skip
+    assert series["t"] == [float(i) for i in range(30)]
+    assert series["depth"][:10] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 0]
+    assert series["stall"][:3] == [0.0, 0.1, 0.2]
+    assert series["producers"] == [None] * 30  # these samples carry no queue side
+    assert series["demand"][1] == pytest.approx(30.0 / 0.9)
+
+
 def _pool_history(n: int = 40) -> list[dict[str, object]]:
     """A run whose pool grew from 1 to 3 producers at sample 10 and shrank to 2 at 30."""
     out, pushed, built, build_ms = [], 0, 0, 0

@@ -16,7 +16,9 @@ import pytest
 import redis
 from rich.console import Console
 
-from batchq.cli.top import TopState, render_top, run_top, sparkline
+from batchq.cli import main
+from batchq.cli.top import SPARK_WIDTH, TopState, render_top, run_top, sparkline
+from batchq.monitoring.rows import PRODUCER_FIELDS, STATUS_FIELDS, STATUS_SCHEMA_VERSION
 from batchq.monitoring.snapshot import QueueSnapshot, read_snapshots
 from batchq.protocol.keys import QueueKeys
 from batchq.wire.codec import FrameHeader, FrameKind, encode_frame
@@ -133,13 +135,36 @@ def test_the_screen_fits_80_by_24(redis_client: redis.Redis, busy_queue: str) ->
 def test_top_once_prints_one_screen(
     redis_url: str, busy_queue: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = argparse.Namespace(url=redis_url, queue=busy_queue, interval=1.0, once=True)
+    args = argparse.Namespace(url=redis_url, queue=busy_queue, interval=1.0, once=True, json=False)
     console = Console(record=True, width=80, height=24, color_system=None)
     assert run_top(args, console=console) == 0
     assert "INPUT-BOUND" in console.export_text()
-    bad = argparse.Namespace(url=redis_url, queue=None, interval=0, once=True)
+    bad = argparse.Namespace(url=redis_url, queue=None, interval=0, once=True, json=False)
     with pytest.raises(ValueError, match="--interval 0"):
         run_top(bad)
+
+
+def test_top_once_json_prints_the_status_rows_with_the_rates_and_the_sparklines(
+    redis_url: str, busy_queue: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["top", "--once", "--json", "--url", redis_url, "--queue", busy_queue]) == 0
+    (row,) = json.loads(capsys.readouterr().out)  # stdout: one JSON document
+    assert tuple(row) == (*STATUS_FIELDS, "rate_in", "rate_out", "depth_series", "stall_series")
+    assert row["schema"] == STATUS_SCHEMA_VERSION
+    assert row["queue"] == busy_queue and row["verdict"] == "input-bound"
+    assert all(tuple(p) == PRODUCER_FIELDS for p in row["producers"])
+    assert row["rate_in"] == pytest.approx(5.0) and row["rate_out"] == pytest.approx(5.0)
+    assert len(row["depth_series"]) == SPARK_WIDTH and row["depth_series"][-1] == 2
+    assert row["stall_series"][-1] == pytest.approx(0.62)  # this read's, after the history
+
+
+def test_top_json_without_once_is_refused(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["top", "--json", "--url", redis_url]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("batchq top: --json needs --once")
 
 
 def _poll(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:

@@ -125,6 +125,14 @@ def test_the_docstring_documents_every_field_in_order() -> None:
     )  # fmt: skip
 
 
+def test_the_docstring_states_the_schema_version_of_the_constant() -> None:
+    doc = monitor.__doc__ or ""
+    assert re.findall(r"schema version (\d+);", doc) == [str(monitor.STATUS_SCHEMA_VERSION)]
+    assert re.findall(r"(\d+) \(STATUS_SCHEMA_VERSION\)", doc) == [
+        str(monitor.STATUS_SCHEMA_VERSION)
+    ]
+
+
 _TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),
     "int": (int,),
