@@ -47,10 +47,14 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         if args.queue:
             names = [check_name(args.queue, "queue")]
-            call(lambda: require_queue(client, names[0], where), f"reading queues at {where}")
+            call(
+                lambda: require_queue(client, names[0], where), f"reading queues at {where}", client
+            )
         else:
-            names = call(lambda: list_queues(client), f"listing queues at {where}")
-        rows = call(lambda: status_rows(client, names, args.shm_dir), f"reading queues at {where}")
+            names = call(lambda: list_queues(client), f"listing queues at {where}", client)
+        rows = call(
+            lambda: status_rows(client, names, args.shm_dir), f"reading queues at {where}", client
+        )
     finally:
         client.close()
     print(render_table(rows, as_json=args.json))
@@ -69,8 +73,8 @@ def run_dead(args: argparse.Namespace) -> int:
     where = describe_url(url)
     client = make_client(url, key=keys.meta, socket_timeout_s=10.0)
     try:
-        call(lambda: require_queue(client, queue, where), f"reading {queue} at {where}")
-        found = call(lambda: read_quarantine(client, keys), f"reading {queue} at {where}")
+        call(lambda: require_queue(client, queue, where), f"reading {queue} at {where}", client)
+        found = call(lambda: read_quarantine(client, keys), f"reading {queue} at {where}", client)
     finally:
         client.close()
     if args.json:

@@ -306,7 +306,9 @@ def run_top(args: argparse.Namespace, console: Console | None = None) -> int:
     state = TopState()
     try:
         if args.once:
-            rows = call(lambda: _read(client, queue, state, where), f"reading queues at {where}")
+            rows = call(
+                lambda: _read(client, queue, state, where), f"reading queues at {where}", client
+            )
             if args.json:
                 print(json.dumps(top_json(rows, state), indent=2))
             else:

@@ -215,3 +215,21 @@ def test_config_shows_the_log_level_where_it_came_from(
     assert main(["config"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1].split() == ["batchq", "--log-level", "BATCHQ_LOG_LEVEL", "DEBUG", "environment"]
+
+
+def test_a_database_index_the_server_lacks_names_the_server_and_the_index(
+    redis_url: str,
+) -> None:
+    # The CLI's calls named no client: the message read "Redis at ? ... refused the
+    # connection's settings".
+    url = redis_url.rsplit("/", 1)[0] + "/99"
+    done = subprocess.run(
+        [sys.executable, "-m", "batchq.cli", "status", "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    where = redis_url.split("//", 1)[1].rsplit("/", 1)[0]
+    assert f"Redis at {where} (user 'default') refused database index 99" in done.stderr
