@@ -13,13 +13,22 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from batchq.client.connection import make_client, name_client, resolve_url, retrying, tune_malloc
-from batchq.errors import ConfigError, LengthUnknown, StateLost, StreamStopped
+from batchq.errors import (
+    BatchQueueError,
+    ConfigError,
+    LengthUnknown,
+    StateLost,
+    StreamStopped,
+    TrainerConflict,
+)
 from batchq.protocol.keys import QueueKeys
 from batchq.protocol.layout import trainer_client_name
 from batchq.protocol.params_log import ParamsLog
 from batchq.wire.codec import Frame
 from consumer.balance import Balancer
 from consumer.checkpoint import (
+    CONSUMED_KEY,
+    DONE_KEY,
     EPOCH_KEY,
     PARAMS_KEY,
     REMAP_KEY,
@@ -48,6 +57,12 @@ from consumer.stream_options import StreamOptions
 __all__ = ["ServerDataStream"]
 
 log = logging.getLogger(__name__)
+
+# The stream of this process that reads each (url, queue, group, rank), from its claim to
+# its close: a later one takes over from it where it stands between two epochs
+# (ServerDataStream._take_over_earlier). Held strongly: a stream a framework dropped
+# still holds its claim through its reader thread.
+_READING: dict[tuple[str, str, str | None, int], ServerDataStream] = {}
 
 
 class ServerDataStream(FuelStreamMixin):
@@ -176,6 +191,9 @@ class ServerDataStream(FuelStreamMixin):
         self._run_figures = RunFigures()
         self._shm = _trainer_shm(self.keys, self.options)
         self._params = StreamParams()  # the run's params log (set_params)
+        # The object whose state_dict() and close() speak for this stream's loop: a
+        # wrapper holding batches it prefetched (TorchStream), else the stream itself.
+        self.wrapper: Any = None
 
     # -- Fuel's interface --------------------------------------------------------------
 
@@ -374,6 +392,8 @@ class ServerDataStream(FuelStreamMixin):
         if self._closed:
             return
         self._closed = True
+        if _READING.get(self._reading_key()) is self:
+            del _READING[self._reading_key()]
         if self._started is not None:
             self._stop_reading(self._started, finished, held)
         if self._session is None and finished:
@@ -558,11 +578,22 @@ class ServerDataStream(FuelStreamMixin):
         if self._feed is not None:
             return self._feed
         self._refind_rank()
+        earlier = self._take_over_earlier()
         self._connect()
         resume = self._resume if self._resume and self._resume.get(RUN_KEY) else None
-        self._session, new_run = claim(
-            self._client, self.keys, self.options, self._shm, resume, self._params
-        )
+        try:
+            self._session, new_run = claim(
+                self._client, self.keys, self.options, self._shm, resume, self._params
+            )
+        except TrainerConflict as e:
+            if earlier is None:
+                raise
+            raise TrainerConflict(
+                f"{e}; the holder is an earlier stream of this process, in the middle of "
+                f"its epoch {earlier.epoch}: close() it first, or give the framework the "
+                "same stream again (keep what the dataloader hook returns)"
+            ) from None
+        _READING[self._reading_key()] = self
         self._started = open_reading(
             self._session,
             new_run,
@@ -584,6 +615,40 @@ class ServerDataStream(FuelStreamMixin):
             self.producers_seen, at,
         )  # fmt: skip
         return self._feed
+
+    def _reading_key(self) -> tuple[str, str, str | None, int]:
+        return (self.url, self.keys.queue, self.options.group, self.rank)
+
+    def _take_over_earlier(self) -> ServerDataStream | None:
+        """Take over from an earlier stream of this process that reads the same queue
+        (group and rank) and stands between two epochs: a framework asked a
+        ``*_dataloader()`` hook again (Lightning's ``reload_dataloaders_every_n_epochs``,
+        a second ``fit()``, ``validate()`` after ``fit()``, the transformers Trainer's
+        evaluation loader). Its claim held on (its reader thread refreshes it), so this
+        one got TrainerConflict. Now it is closed (the frames it prefetched go back)
+        and this stream reads on from its state, in the same run, at the next epoch;
+        from a state loaded here instead where one was. One mid-epoch is another
+        trainer still reading: the claim refuses it, as before (returned, to say so)."""
+        earlier = _READING.get(self._reading_key())
+        if earlier is None or earlier is self:
+            return None
+        loop = earlier.wrapper if earlier.wrapper is not None else earlier
+        try:
+            state = loop.state_dict()
+        except BatchQueueError:  # it failed: its claim is the claim's business
+            return None
+        if state.get(CONSUMED_KEY) or state.get(DONE_KEY):
+            return earlier  # mid-epoch: a live trainer's, refused by the claim
+        log.info(
+            "queue %s: an earlier stream of this process stands between two epochs: it "
+            "is closed, and this one reads on at epoch %s",
+            self.keys.queue,
+            state.get(EPOCH_KEY),
+        )
+        loop.close()
+        if self._resume is None:
+            self.load_state_dict(state)
+        return None
 
     def _refind_rank(self) -> None:
         """Before the claim, find the rank again where it was not given: a process group

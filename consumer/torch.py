@@ -136,6 +136,7 @@ class TorchStream(IterableDataset[Any]):
             self._pin_batches(pool_buffers)
         self.mover = DeviceMover(self.device) if self.device.type != "cpu" else None
         self._pending: deque[Pending] = deque()  # batches pulled, not yet yielded
+        stream.wrapper = self  # its state and close speak for the loop (a later takeover)
         # What Accelerate's GradientState reads of the loader being iterated (_told).
         self.end_of_dataloader = False
         self.remainder = -1  # unknown: gather_for_metrics keeps the last batch whole

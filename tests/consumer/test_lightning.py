@@ -55,3 +55,34 @@ def test_ddp_killed_mid_epoch_resumes_exactly_from_rank_zeros_checkpoint(
         assert [s[0] for s in trained] == list(range(EPOCHS * len(plans[0]) // WORLD))
         for epoch, plan in enumerate(plans):
             assert [s[2] for s in trained if s[1] == epoch] == plan[rank::WORLD]
+
+
+def test_hooks_asked_again_read_on_in_the_same_run(
+    redis_url: str,
+    queue_name: str,
+    spawn_proc: Any,
+    serve_argv: Any,
+    serve_env: Any,
+    tmp_path: Path,
+) -> None:
+    # reload_dataloaders_every_n_epochs=1, validate() after fit() and a second fit():
+    # each makes a new stream while the earlier one still held the queue (its reader
+    # refreshes the claim), which raised TrainerConflict. One standing between two
+    # epochs is taken over: the new stream reads on at the next epoch of the run.
+    val_queue = f"{queue_name}-val"
+    spawn_proc(serve_argv("--hwm", "4"), env=serve_env(examples=50, batch_size=10, seed=1))
+    val_argv = serve_argv("--hwm", "4")
+    val_argv[val_argv.index("--queue") + 1] = val_queue
+    spawn_proc(val_argv, env=serve_env(examples=50, batch_size=10, seed=7))
+    out = tmp_path / "hooks.json"
+    job = [sys.executable, str(SUPPORT / "lightning_hooks.py"), redis_url, queue_name]
+    env = serve_env()
+    env["OMP_NUM_THREADS"] = "1"
+    assert spawn_proc([*job, val_queue, str(out)], env=env).wait(timeout=180) == 0
+    got = json.loads(out.read_text())
+    train, val = numbered(50, 10, seed=1), numbered(50, 10, seed=7)
+    epochs = [[examples_of(f) for f, _ in train.get_epoch_iterator()] for _ in range(3)]
+    assert got["trained"] == [[e, b] for e, batches in enumerate(epochs) for b in batches]
+    # A validation epoch in each fit epoch (2, then 1) and one of validate(): 4, in order.
+    val_epochs = [[examples_of(f) for f, _ in val.get_epoch_iterator()] for _ in range(4)]
+    assert got["validated"] == [b for batches in val_epochs for b in batches]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from data_parallel import two_ranks_in_epoch_2
-from pipelines import numbered
+from pipelines import examples_of, numbered
 
+from batchq.errors import StreamStopped, TrainerConflict
 from batchq.protocol.fields import MetaField
 from batchq.protocol.keys import QueueKeys
 from consumer import ServerDataStream
@@ -43,3 +45,27 @@ def test_len_of_an_epoch_re_split_for_another_world_is_unknown() -> None:
     assert elastic_state(old, 0, 3)["remap"]
     with pytest.raises(LengthUnknown, match="epoch 2 was re-split for 3 ranks"):
         len(stream)
+
+
+def test_a_later_stream_of_this_process_takes_over_one_between_epochs(
+    redis_url: str, queue_name: str, producer_thread: Any
+) -> None:
+    # A framework that asks its dataloader hook again makes a new stream while the one
+    # it dropped still holds the queue: between two epochs, the new one reads on.
+    producer_thread(numbered(40, 10))
+    plan = numbered(40, 10)
+    epochs = [[examples_of(f) for f, _ in plan.get_epoch_iterator()] for _ in range(3)]
+    first = ServerDataStream(("features", "targets"), url=redis_url, queue=queue_name)
+    assert [examples_of(f) for f, _ in first.get_epoch_iterator()] == epochs[0]
+    second = ServerDataStream(("features", "targets"), url=redis_url, queue=queue_name)
+    assert [examples_of(f) for f, _ in second.get_epoch_iterator()] == epochs[1]
+    with pytest.raises(StreamStopped):  # closed by the takeover
+        next(first.get_epoch_iterator())
+    it = second.get_epoch_iterator()
+    assert examples_of(next(it)[0]) == epochs[2][0]
+    third = ServerDataStream(("features", "targets"), url=redis_url, queue=queue_name)
+    with pytest.raises(TrainerConflict, match="an earlier stream of this process, in the mid"):
+        third.get_epoch_iterator()  # the second is in the middle of an epoch: still its
+    third.close()
+    assert [examples_of(f) for f, _ in it] == epochs[2][1:]
+    second.close(finished=True)
