@@ -10,14 +10,17 @@ is refused, and the transformers Trainer's checkpoints hold the stream's state.
   rank before the first step, and so is its ``IterableDatasetShard``
   (``dispatch_batches=False``: it would keep every R-th batch of a rank's share).
 * :class:`TrainerCheckpoint`: a callback of the transformers Trainer that keeps the
-  stream's state in every checkpoint and resumes the stream from it.
+  stream's state in every checkpoint and resumes the stream from it (the Trainer's skip
+  of the trained batches passes the stream by, and the Trainer counts them).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -259,18 +262,86 @@ def refuse_worker_process() -> None:
 #: (``restore_callback_states_from_checkpoint``) then leaves it alone.
 TRAINER_STATE_KEY = "batchq"
 
+#: The TrainerCheckpoints of this process (as long as their Trainers keep them): the
+#: Trainer's skip of a resumed epoch's trained batches passes their streams by, and the
+#: loaders that hold one as ``dataset``.
+_CHECKPOINTS: weakref.WeakSet[TrainerCheckpoint] = weakref.WeakSet()
+
+#: The attribute of our ``skip_first_batches`` that holds the one it stands in for.
+_HOOKED = "_batchq_stands_in_for"
+
 _SKIP_ERROR = (
-    "TrainerCheckpoint: the Trainer resumes with ignore_data_skip=False, so it would skip "
-    "the batches the stream's own state resumes past, a second time. Pass the callback to "
-    "the Trainer when it is made (Trainer(..., callbacks=[TrainerCheckpoint(stream)]): it "
-    "sets ignore_data_skip then), or set TrainingArguments(ignore_data_skip=True)"
+    "TrainerCheckpoint: the Trainer resumes with ignore_data_skip=True, so it would count "
+    "the resumed epoch's batches from its first one again, not from the checkpoint's: "
+    "with gradient_accumulation_steps > 1 the epoch's last optimizer step would never "
+    "come and its batches would go into the next epoch's first step. Leave "
+    "TrainingArguments(ignore_data_skip=False): the stream resumes at the checkpoint's "
+    "batch itself and the Trainer's skip passes it by. Pass the callback to the Trainer "
+    "when it is made (Trainer(..., callbacks=[TrainerCheckpoint(stream)])): it sets "
+    "ignore_data_skip=False then"
 )
+
+_NO_HOOK_ERROR = (
+    "TrainerCheckpoint: the Trainer resumes with ignore_data_skip=False, so it would skip "
+    "the batches the stream's own state resumes past, a second time (this transformers' "
+    "Trainer has no skip_first_batches in transformers.trainer that batchq could pass the "
+    "stream by). Pass the callback to the Trainer when it is made "
+    "(Trainer(..., callbacks=[TrainerCheckpoint(stream)]): it sets ignore_data_skip then), "
+    "or set TrainingArguments(ignore_data_skip=True)"
+)
+
+_NO_HOOK_WARNING = (
+    "TrainerCheckpoint: this transformers' Trainer has no skip_first_batches in "
+    "transformers.trainer, so it resumes with ignore_data_skip=True and counts a resumed "
+    "epoch's batches from 0: with gradient_accumulation_steps > 1 a resume from a "
+    "checkpoint taken mid-epoch merges that epoch's last optimizer step into the next "
+    "epoch's first (the batches are exact)"
+)
+
+
+def _resumes_itself(loader: object) -> bool:
+    """Whether ``loader`` is a stream that a TrainerCheckpoint resumes, or holds one as
+    its ``dataset`` (a DataLoader of it)."""
+    streams = [checkpoint.stream for checkpoint in list(_CHECKPOINTS)]
+    held = (loader, getattr(loader, "dataset", None))
+    return any(one is stream for one in held if one is not None for stream in streams)
+
+
+def _hook_trainer_skip() -> bool:
+    """Make the transformers Trainer's skip of a resumed epoch's trained batches pass
+    the streams that resume themselves by; whether it is in place.
+
+    A resume from a checkpoint taken mid-epoch has the Trainer call its module's
+    ``skip_first_batches(train_dataloader, n)`` (Accelerate's): the stream is at the
+    checkpoint's batch already, so the loader comes back as it is, and the Trainer
+    counts the epoch's steps, its optimizer steps and ``state.epoch`` as in the run that
+    was not stopped. Any other loader goes to the function it stands in for. False where
+    ``transformers.trainer`` is not imported or has no such function.
+    """
+    module = sys.modules.get("transformers.trainer")
+    skip = getattr(module, "skip_first_batches", None)
+    if not callable(skip):
+        return False
+    if getattr(skip, _HOOKED, None) is None:
+        original: Callable[..., Any] = skip
+
+        @functools.wraps(original)
+        def skip_first_batches(dataloader: Any, *args: Any, **kwargs: Any) -> Any:
+            if _resumes_itself(dataloader):
+                return dataloader
+            return original(dataloader, *args, **kwargs)
+
+        setattr(skip_first_batches, _HOOKED, original)
+        module.skip_first_batches = skip_first_batches  # type: ignore[union-attr]
+    return True
 
 
 class TrainerCheckpoint:
     """A transformers ``TrainerCallback`` that keeps the stream's state in the Trainer's
     checkpoints and resumes the stream from them: ``train(resume_from_checkpoint=...)``
-    then reads on exactly where the checkpoint was taken, on every rank.
+    then reads on exactly where the checkpoint was taken, on every rank, and makes the
+    optimizer steps (their batches, ``global_step``, ``state.epoch``) of the run that
+    was not stopped.
 
     ``Trainer(..., callbacks=[TrainerCheckpoint(stream)])``. At each step or epoch end
     where the Trainer saves (or evaluates, which may save the best model), the stream's
@@ -278,8 +349,12 @@ class TrainerCheckpoint:
     which the checkpoint's ``trainer_state.json`` holds; a resumed ``train()`` loads it
     into the stream before the first batch (rank 0's state stands for every rank where
     the stream says ``every_rank``; any other raises naming why). The stream resumes
-    itself, so the Trainer must not skip batches as well: the callback sets
-    ``args.ignore_data_skip`` when the Trainer is made, and a resume without it raises
+    itself, and the Trainer resumes its own count of the epoch's batches: its skip of
+    the trained batches (``transformers.trainer.skip_first_batches``) returns a stream
+    of a TrainerCheckpoint, or a DataLoader of one, as it is. The callback sets
+    ``args.ignore_data_skip = False`` when the Trainer is made (with it the Trainer would
+    count the resumed epoch from its first batch, and with gradient accumulation miss
+    its last optimizer step); a resume with ``ignore_data_skip=True`` raises
     :class:`~batchq.errors.ConfigError` before the first step. transformers is not
     imported here: the Trainer calls a callback's ``on_*`` methods by name, and the
     events this one does not use do nothing.
@@ -297,17 +372,29 @@ class TrainerCheckpoint:
             return _ignore
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def _resume_by_stream(self) -> bool:
+        """The stream resumes itself and the Trainer's skip passes it by; whether that
+        skip is in place (else the Trainer must not skip at all: ignore_data_skip)."""
+        _CHECKPOINTS.add(self)
+        return _hook_trainer_skip()
+
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The Trainer is made: the stream, not the Trainer, skips what was trained."""
-        args.ignore_data_skip = True
+        """The Trainer is made: the stream skips what was trained, the Trainer counts it."""
+        hooked = self._resume_by_stream()
+        args.ignore_data_skip = not hooked
+        if not hooked and getattr(args, "gradient_accumulation_steps", 1) > 1:
+            warnings.warn(_NO_HOOK_WARNING, UserWarning, stacklevel=2)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Resuming (the Trainer loaded a checkpoint's state): resume the stream too."""
+        hooked = self._resume_by_stream()
         saved = (state.stateful_callbacks or {}).get(TRAINER_STATE_KEY)
         if state.global_step <= 0 or not isinstance(saved, dict):
             return
-        if not args.ignore_data_skip:
+        if hooked and args.ignore_data_skip:
             raise ConfigError(_SKIP_ERROR)
+        if not hooked and not args.ignore_data_skip:
+            raise ConfigError(_NO_HOOK_ERROR)
         attributes = saved.get("attributes")
         if not isinstance(attributes, dict) or not isinstance(attributes.get("state"), dict):
             raise ConfigError(

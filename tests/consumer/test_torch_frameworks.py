@@ -1,12 +1,15 @@
 """TrainerCheckpoint (consumer/torch_frameworks.py) without transformers: the events it
-uses, the ones it ignores, and its refusals. The Trainer itself runs in
-tests/consumer/test_hf_trainer.py (2 ranks, a kill and a resume). Accelerate's
-IterableDatasetShard around a stream, refused (its DataLoaderDispatcher is refused in
-tests/consumer/test_accelerate.py's 2-rank job, with the shard again)."""
+uses, the ones it ignores, its refusals, and the Trainer's skip of a resumed epoch's
+trained batches passing the stream by (a stand-in ``transformers.trainer``). The Trainer
+itself runs in tests/consumer/test_hf_trainer.py (2 ranks, a kill and a resume; gradient
+accumulation). Accelerate's IterableDatasetShard around a stream, refused (its
+DataLoaderDispatcher is refused in tests/consumer/test_accelerate.py's 2-rank job, with
+the shard again)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,13 +44,39 @@ def control(save: bool = False, evaluate: bool = False) -> SimpleNamespace:
     return SimpleNamespace(should_save=save, should_evaluate=evaluate)
 
 
-def test_the_state_is_kept_where_the_trainer_may_save_and_loaded_on_resume() -> None:
+@pytest.fixture
+def trainer_module(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A stand-in ``transformers.trainer`` whose ``skip_first_batches`` records its
+    calls (the Trainer's resume of a mid-epoch checkpoint calls it); gone afterwards."""
+    module = ModuleType("transformers.trainer")
+    skipped: list[tuple[Any, int]] = []
+
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        skipped.append((dataloader, num_batches))
+        return "skipped"
+
+    module.skipped = skipped  # type: ignore[attr-defined]
+    module.skip_first_batches = skip_first_batches  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.trainer", module)
+    return module
+
+
+@pytest.fixture
+def no_trainer_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``transformers.trainer`` imported (as a transformers without its
+    ``skip_first_batches``)."""
+    monkeypatch.delitem(sys.modules, "transformers.trainer", raising=False)
+
+
+def test_the_state_is_kept_where_the_trainer_may_save_and_loaded_on_resume(
+    trainer_module: ModuleType,
+) -> None:
     stream = FakeStream()
     cb = TrainerCheckpoint(stream)
-    args = SimpleNamespace(ignore_data_skip=False)
+    args = SimpleNamespace(ignore_data_skip=True, gradient_accumulation_steps=3)
     state = SimpleNamespace(stateful_callbacks={}, global_step=0)
     cb.on_init_end(args, state, control())
-    assert args.ignore_data_skip is True  # the stream, not the Trainer, skips
+    assert args.ignore_data_skip is False  # the Trainer counts what the stream skips
     cb.on_step_end(args, state, control())
     assert stream.saved == 0 and TRAINER_STATE_KEY not in state.stateful_callbacks
     cb.on_step_end(args, state, control(save=True))
@@ -61,22 +90,75 @@ def test_the_state_is_kept_where_the_trainer_may_save_and_loaded_on_resume() -> 
     assert stream.loaded == [{"epoch": 1, "step": 2}]
 
 
-def test_a_resume_the_trainer_would_also_skip_is_refused_naming_the_fix() -> None:
+def test_the_trainers_skip_passes_the_stream_by_and_no_other_loader(
+    trainer_module: ModuleType,
+) -> None:
+    # A resume from a checkpoint taken mid-epoch: the Trainer "skips" the epoch's
+    # trained batches, and so counts them (its steps, optimizer steps and state.epoch go
+    # on as in the run that was not stopped); the stream is there already. A loader of
+    # another stream is skipped as the Trainer would; the hook is made once.
+    stream, other = FakeStream(), FakeStream()
+    original = trainer_module.skip_first_batches
+    callbacks = [TrainerCheckpoint(stream), TrainerCheckpoint(FakeStream())]  # the Trainer's
+    for cb in callbacks:
+        cb.on_init_end(SimpleNamespace(), None, control())
+    skip = trainer_module.skip_first_batches
+    assert skip is not original and skip.__wrapped__ is original  # one wrapper
+    assert skip(stream, 3) is stream
+    loader = SimpleNamespace(dataset=stream)  # a DataLoader(stream, batch_size=None)
+    assert skip(loader, 3) is loader
+    assert skip(other, 3) == "skipped"
+    assert skip(SimpleNamespace(dataset=other), num_batches=6) == "skipped"
+    assert [n for _, n in trainer_module.skipped] == [3, 6]
+
+
+def test_a_resume_that_would_count_the_epoch_from_its_first_batch_is_refused(
+    trainer_module: ModuleType,
+) -> None:
+    # ignore_data_skip=True set after the Trainer was made: it would count the resumed
+    # epoch's batches from 0 and, accumulating gradients, never make its last step.
     stream = FakeStream()
     cb = TrainerCheckpoint(stream)
+    kept = {"args": {}, "attributes": {"state": {"epoch": 0}}}
+    state = SimpleNamespace(stateful_callbacks={TRAINER_STATE_KEY: kept}, global_step=3)
+    with pytest.raises(ConfigError, match="ignore_data_skip=False") as info:
+        cb.on_train_begin(SimpleNamespace(ignore_data_skip=True), state, control())
+    assert "gradient_accumulation_steps" in str(info.value)
+    assert stream.loaded == []
+    cb.on_train_begin(SimpleNamespace(ignore_data_skip=False), state, control())
+    assert stream.loaded == [{"epoch": 0}]  # a callback added after the Trainer was made
+
+
+def test_without_the_trainers_skip_the_trainer_does_not_skip_at_all(
+    no_trainer_module: None,
+) -> None:
+    # A transformers without transformers.trainer.skip_first_batches: the Trainer must
+    # not skip the stream's batches (they would be skipped twice); with gradient
+    # accumulation a warning says what is then not exact.
+    stream = FakeStream()
+    cb = TrainerCheckpoint(stream)
+    args = SimpleNamespace(ignore_data_skip=False, gradient_accumulation_steps=1)
+    cb.on_init_end(args, None, control())
+    assert args.ignore_data_skip is True
+    with pytest.warns(UserWarning, match="merges that epoch's last optimizer step"):
+        cb.on_init_end(SimpleNamespace(gradient_accumulation_steps=2), None, control())
     kept = {"args": {}, "attributes": {"state": {"epoch": 0}}}
     state = SimpleNamespace(stateful_callbacks={TRAINER_STATE_KEY: kept}, global_step=3)
     with pytest.raises(ConfigError, match="ignore_data_skip=True"):
         cb.on_train_begin(SimpleNamespace(ignore_data_skip=False), state, control())
     assert stream.loaded == []
+    cb.on_train_begin(args, state, control())
+    assert stream.loaded == [{"epoch": 0}]
 
 
 @pytest.mark.parametrize("bad", [{"args": {}}, {"attributes": {"state": [1, 2]}}])
-def test_a_malformed_saved_state_is_refused_naming_it(bad: dict[str, Any]) -> None:
+def test_a_malformed_saved_state_is_refused_naming_it(
+    bad: dict[str, Any], trainer_module: ModuleType
+) -> None:
     cb = TrainerCheckpoint(FakeStream())
     state = SimpleNamespace(stateful_callbacks={TRAINER_STATE_KEY: bad}, global_step=3)
     with pytest.raises(ConfigError, match="stateful_callbacks"):
-        cb.on_train_begin(SimpleNamespace(ignore_data_skip=True), state, control())
+        cb.on_train_begin(SimpleNamespace(ignore_data_skip=False), state, control())
 
 
 def test_the_events_it_does_not_use_do_nothing_and_other_names_are_missing() -> None:
