@@ -47,6 +47,9 @@ def run_ranks(
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         env.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SUPPORT))
+        env.update(
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
+        )
         procs.append(spawn_proc([sys.executable, *argv, *per_rank(rank)], env=env))
     return [proc.wait(timeout=timeout_s) for proc in procs]
