@@ -588,10 +588,16 @@ class ServerDataStream(FuelStreamMixin):
         except TrainerConflict as e:
             if earlier is None:
                 raise
+            where = (
+                f"rank {self.rank} of a data-parallel job (where it is not taken over: "
+                "its resume would restart the run under the other ranks)"
+                if self.world_size > 1
+                else f"in the middle of its epoch {earlier.epoch}"
+            )
             raise TrainerConflict(
-                f"{e}; the holder is an earlier stream of this process, in the middle of "
-                f"its epoch {earlier.epoch}: close() it first, or give the framework the "
-                "same stream again (keep what the dataloader hook returns)"
+                f"{e}; the holder is an earlier stream of this process, {where}: close() "
+                "it first, or give the framework the same stream again (keep what the "
+                "dataloader hook returns)"
             ) from None
         _READING[self._reading_key()] = self
         self._started = open_reading(
@@ -628,10 +634,16 @@ class ServerDataStream(FuelStreamMixin):
         one got TrainerConflict. Now it is closed (the frames it prefetched go back)
         and this stream reads on from its state, in the same run, at the next epoch;
         from a state loaded here instead where one was. One mid-epoch is another
-        trainer still reading: the claim refuses it, as before (returned, to say so)."""
+        trainer still reading: the claim refuses it, as before (returned, to say so);
+        so is any in a data-parallel job (world > 1), whose takeover, a resume, would
+        replace the run under the other ranks."""
         earlier = _READING.get(self._reading_key())
         if earlier is None or earlier is self:
             return None
+        if self.world_size > 1:
+            # The takeover is a resume, and one rank's resume replaces the run: the
+            # other ranks' finish and reading would go with it (found by review).
+            return earlier
         loop = earlier.wrapper if earlier.wrapper is not None else earlier
         try:
             state = loop.state_dict()

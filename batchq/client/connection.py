@@ -27,6 +27,7 @@ import select
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -366,14 +367,29 @@ class StopEvent:
     SIGTERM while it waited for room in the queue hung until SIGKILL). Here ``set`` takes
     no lock: it sets a flag and writes a byte to a pipe, which wakes every thread that
     waits (``poll`` on its read end; the byte is never read, so they all see it). Once
-    set, it stays set. Its two descriptors close with it; a forked child's copies are
-    the child's.
+    set, it stays set. Its two descriptors close with it. A forked child gets a pipe of
+    its own for each (``os.register_at_fork``): the kernel's pipe is shared across a
+    fork, and a child's set() left a byte that turned every wait of the parent into a
+    busy loop with its flag unset (a pool's supervisor at 100% CPU).
     """
 
     def __init__(self) -> None:
         self._flag = False
+        self._read_fd, self._write_fd = -1, -1
+        self._new_pipe()
+        _STOP_EVENTS.add(self)
+
+    def _new_pipe(self) -> None:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
+        if self._flag:  # a child's copy of a set event: set there too
+            os.write(self._write_fd, b"\0")
+
+    def renew_after_fork(self) -> None:
+        """In a forked child (``os.register_at_fork`` calls it): a pipe of its own, the
+        parent's left to the parent."""
+        self._close()
+        self._new_pipe()
 
     def set(self) -> None:
         """Set the flag and wake every waiter (any thread, or a signal handler)."""
@@ -393,14 +409,35 @@ class StopEvent:
             return True
         poller = select.poll()
         poller.register(self._read_fd, select.POLLIN)
-        poller.poll(None if timeout is None else max(timeout, 0.0) * 1000.0)
+        # poll() takes milliseconds in a C int: a day or more is no limit.
+        forever = timeout is None or timeout >= _DAY_S
+        poller.poll(None if forever else max(timeout or 0.0, 0.0) * 1000.0)
         return self._flag
 
-    def __del__(self) -> None:
-        for fd in (getattr(self, "_read_fd", -1), getattr(self, "_write_fd", -1)):
+    def _close(self) -> None:
+        for fd in (self._read_fd, self._write_fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        self._read_fd = self._write_fd = -1
+
+    def __del__(self) -> None:
+        if hasattr(self, "_write_fd"):
+            self._close()
+
+
+_DAY_S = 86_400.0
+# Every StopEvent alive, for a forked child to give each a pipe of its own.
+_STOP_EVENTS: weakref.WeakSet[StopEvent] = weakref.WeakSet()
+
+
+def _stop_events_after_fork() -> None:
+    for event in list(_STOP_EVENTS):
+        event.renew_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stop_events_after_fork)
 
 
 def retrying(

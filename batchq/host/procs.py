@@ -364,7 +364,16 @@ def fork_child(target: Callable[[], int]) -> ForkedChild:
     # froze the factory's objects once, when it made them), milliseconds.
     gc.collect()
     gc.freeze()
-    pid = os.fork()
+    # SIGINT/SIGTERM held back across the fork: one that reached the child before its
+    # handlers were reset ran the parent's (which set a flag only the parent reads) and
+    # was lost; held, it is delivered once the defaults are back, and stops the child.
+    stops = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
     if pid == 0:  # pragma: no cover - the child's lines run in the child (tests cover them)
         code = 1
         try:
@@ -373,6 +382,7 @@ def fork_child(target: Callable[[], int]) -> ForkedChild:
                 die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             reseed_globals()
             code = target()
         except BaseException:
@@ -382,6 +392,7 @@ def fork_child(target: Callable[[], int]) -> ForkedChild:
                 with contextlib.suppress(Exception):
                     stream.flush()
             os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     # The child may not have run yet: a stop of its group must reach it already.
     with contextlib.suppress(OSError):
         os.setpgid(pid, pid)

@@ -69,3 +69,19 @@ def test_a_later_stream_of_this_process_takes_over_one_between_epochs(
     third.close()
     assert [examples_of(f) for f, _ in it] == epochs[2][1:]
     second.close(finished=True)
+
+
+def test_a_rank_of_a_data_parallel_job_is_not_taken_over(
+    redis_url: str, queue_name: str, producer_thread: Any
+) -> None:
+    # The takeover is a resume, and one rank's resume replaces the run: another rank's
+    # finish and reading went with it (a review's repro lost the finish 8 times in 8).
+    producer_thread(numbered(40, 10))
+    kwargs: dict[str, Any] = dict(url=redis_url, queue=queue_name, rank=0, world_size=2)
+    first = ServerDataStream(("features", "targets"), **kwargs)
+    assert len(list(first.get_epoch_iterator())) == 2  # its share, to the epoch's end
+    second = ServerDataStream(("features", "targets"), **kwargs)
+    with pytest.raises(TrainerConflict, match="rank 0 of a data-parallel job"):
+        second.get_epoch_iterator()
+    second.close()
+    first.close()

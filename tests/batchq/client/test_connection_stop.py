@@ -104,3 +104,28 @@ def test_a_waiter_hammered_by_signals_that_set_its_event_never_deadlocks() -> No
         assert child.stdout.read() == b"done\n"
     finally:
         stop_group(child, timeout_s=5.0)
+
+
+def test_a_forked_child_has_a_pipe_of_its_own() -> None:
+    # The kernel's pipe is shared across a fork: a child's set() left a byte that made
+    # every wait of the parent return at once, its flag unset (a supervisor at 100% CPU).
+    stop, done = StopEvent(), StopEvent()
+    done.set()  # set before the fork: set in the child too
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0 if done.wait(0) and not stop.is_set() else 1
+        stop.set()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not stop.is_set()
+    poller = select.poll()
+    poller.register(stop._read_fd, select.POLLIN)
+    assert poller.poll(0) == []  # nothing written to the parent's pipe
+    assert stop.wait(0.01) is False
+
+
+def test_a_wait_without_a_bound_in_practice_is_no_limit() -> None:
+    stop = StopEvent()
+    threading.Timer(0.01, stop.set).start()
+    assert stop.wait(float("inf")) is True  # poll()'s milliseconds overflowed a C int
