@@ -5,6 +5,7 @@ reader's settings fixed from them when reading starts (:class:`ReaderSettings`).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -147,7 +148,11 @@ def check_stream_options(options: dict[str, Any]) -> None:
 
 def _is_positive(value: Any) -> bool:
     """A finite number > 0 (not a string of one: '5' <= 0 raised TypeError)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and 0 < float(value) < math.inf
+    )
 
 
 def _check_sources(sources: Any) -> None:

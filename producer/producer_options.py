@@ -5,6 +5,7 @@ what was expected (a ConfigError).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from batchq.errors import ConfigError
@@ -36,7 +37,11 @@ def _is_count(value: Any) -> bool:
 
 def is_positive(value: Any) -> bool:
     """A finite number > 0 (not a string of one, not a bool: '10' > 0 raised TypeError)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and 0 < float(value) < math.inf
+    )
 
 
 def require(valid: bool, name: str, value: Any, expected: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import numpy as np
 import pytest
 
 from batchq.errors import ConfigError
@@ -21,6 +22,7 @@ GOOD: dict[str, Any] = {
 def test_good_options_pass() -> None:
     check_stream_options(dict(GOOD))
     check_stream_options(dict(GOOD, sources=None, rank=1))
+    check_stream_options(dict(GOOD, timeout_s=np.int64(30), stall_s=np.float32(2.5)))
 
 
 @pytest.mark.parametrize(
