@@ -92,6 +92,7 @@ def test_three_producers_one_sigkilled_mid_epoch_give_one_producers_bytes_exactl
     procs = [spawn_proc(argv, env=env) for _ in range(3)]
     keys = QueueKeys(queue_name)
     three: list[list[Batch]] = []
+    held = 0
     with trainer(redis_url, queue_name, sources, stall_s=1.0) as stream:
         for e in range(EPOCHS):
             got = []
@@ -101,11 +102,17 @@ def test_three_producers_one_sigkilled_mid_epoch_give_one_producers_bytes_exactl
                     wait_until(lambda: redis_client.zcard(keys.producers) == 3, what="3 producers")
                     procs[0].send_signal(signal.SIGKILL)  # no hand-back: its lease is reaped
                     procs[0].wait(timeout=10)
+                    # What it held then: its lease list stays until its heartbeat (1 s)
+                    # lapses and it is reaped. Whether it held one is the interleaving's.
+                    killed = f"-{procs[0].pid}-"
+                    ids = [p.decode() for p in redis_client.zrange(keys.producers, 0, -1)]
+                    held = sum(redis_client.llen(keys.lease(p)) for p in ids if killed in p)
             three.append(got)
         assert len(stream.producers_seen) >= 2
         stream.close(finished=True)
     redone = redis_client.hget(keys.stats, StatsField.REDONE_SHARDS)
-    assert int(redone or 0) >= 1  # the killed producer's leased shard was built again
+    if held:  # the killed producer's leased shards were built again
+        assert int(redone or 0) >= 1
     assert three == single  # byte for byte, in the same order
     assert single == built(rng_stream(EXAMPLES, BATCH, SEED), EPOCHS)
     want = loader_indices(EPOCHS)
