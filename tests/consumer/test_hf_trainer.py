@@ -72,7 +72,9 @@ def optimizer_steps(path: Path) -> list[tuple[int, float, list[tuple[int, list[i
     return [(step, epoch, [(e, b) for e, b in batches]) for step, epoch, batches in rows]
 
 
-@pytest.mark.parametrize(("world", "max_steps"), [(2, -1), (1, 7)])
+# Two ranks (each wraps the Trainer's skip in its own process). One rank with max_steps=7
+# passed too when written; left out of the suite for its time (19 s of 8 minutes).
+@pytest.mark.parametrize(("world", "max_steps"), [(2, -1)])
 def test_a_resume_mid_epoch_with_gradient_accumulation_makes_the_same_optimizer_steps(
     world: int,
     max_steps: int,
