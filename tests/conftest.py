@@ -267,6 +267,15 @@ def serve_env() -> Callable[..., dict[str, str]]:
     return env
 
 
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test's own (which it may kill and restart empty)."""
+    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
 # The slowest files (15-31 s a test on 2 cores) run first: with two xdist workers, one of
 # them started near the end of the run kept the other worker idle for its length.
 _SLOW_FIRST = (

@@ -1,26 +1,14 @@
-"""Fixtures for the trainer-side tests: producers in threads or in processes, a
-redis-server of the test's own."""
+"""Fixtures for the trainer-side tests: producers in threads or in processes."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from batchq.host.embedded import EmbeddedRedis
 from producer import Producer, StripedProducer
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    """A redis-server of this test's own (which it may kill and restart empty)."""
-    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import subprocess
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pipelines import examples_of, numbered
-from waiting import wait_until
+from waiting import read_until, wait_until
 
 from batchq.errors import ProducersLost
 from batchq.host.embedded import EmbeddedRedis
@@ -102,42 +98,23 @@ def test_bad_factory_is_a_clear_error(serve_argv: Any, serve_env: Any) -> None:
     assert b"has no callable 'no_such_factory'" in done.stderr
 
 
-def _wait_for_output(proc: subprocess.Popen[bytes], text: bytes, timeout_s: float = 60.0) -> None:
-    """Read the process's stderr until ``text`` appears (a bound for a hang, not a timing)."""
-    assert proc.stderr is not None
-    deadline, seen = time.monotonic() + timeout_s, b""
-    while text not in seen:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no {text!r} in {seen[-800:]!r}"
-        ready, _, _ = select.select([proc.stderr], [], [], left)
-        if ready:
-            chunk = os.read(proc.stderr.fileno(), 65536)
-            assert chunk, f"the process exited ({proc.wait(timeout=10)}): {seen[-800:]!r}"
-            seen += chunk
-
-
 def test_a_producer_started_before_redis_waits_for_it_and_serves(
-    tmp_path: Path, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
+    own_redis: EmbeddedRedis, queue_name: str, spawn_proc: Any, serve_argv: Any, serve_env: Any
 ) -> None:
     # As a pool's replacement for a worker killed during an outage: its first join finds
     # no Redis. It waits (reconnect_timeout_s) as a drop mid-run is waited for; before,
     # it exited 2 at once, and the pool stopped replacing workers.
-    server = EmbeddedRedis(workdir=str(tmp_path / "redis"))
-    server.start()
-    try:
-        server.kill()  # its port is known and nothing answers there
-        argv = serve_argv()
-        argv[argv.index("--url") + 1] = server.url
-        proc = spawn_proc(argv, env=serve_env(examples=100, batch_size=10), stderr=subprocess.PIPE)
-        _wait_for_output(proc, b"reconnecting")
-        server.restart(wipe=True)
-        with ServerDataStream(("features", "targets"), url=server.url, queue=queue_name) as stream:
-            got = [examples_of(f) for f, _ in stream.get_epoch_iterator()]
-            stream.close(finished=True)
-        assert got == [examples_of(f) for f, _ in numbered(100, 10).get_epoch_iterator()]
-        assert proc.wait(timeout=30) == 0
-    finally:
-        server.stop()
+    own_redis.kill()  # its port is known and nothing answers there
+    argv = serve_argv()
+    argv[argv.index("--url") + 1] = own_redis.url
+    proc = spawn_proc(argv, env=serve_env(examples=100, batch_size=10), stderr=subprocess.PIPE)
+    read_until(proc.stderr, b"reconnecting")
+    own_redis.restart(wipe=True)
+    with ServerDataStream(("features", "targets"), url=own_redis.url, queue=queue_name) as stream:
+        got = [examples_of(f) for f, _ in stream.get_epoch_iterator()]
+        stream.close(finished=True)
+    assert got == [examples_of(f) for f, _ in numbered(100, 10).get_epoch_iterator()]
+    assert proc.wait(timeout=30) == 0
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -151,7 +128,7 @@ def test_sigterm_while_the_factory_runs_exits_0(
         env=serve_env(),
         stderr=subprocess.PIPE,
     )
-    _wait_for_output(proc, b"factory called")
+    read_until(proc.stderr, b"factory called")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from waiting import read_until
 
 from batchq.client.connection import StopEvent
 from batchq.host.procs import spawn, stop_group
@@ -93,10 +94,7 @@ def test_a_waiter_hammered_by_signals_that_set_its_event_never_deadlocks() -> No
         stderr=subprocess.PIPE,
     )
     try:
-        assert child.stdout is not None
-        ready, _, _ = select.select([child.stdout], [], [], 60.0)
-        assert ready, "the child never said it was ready"
-        assert child.stdout.readline() == b"ready\n"
+        read_until(child.stdout, b"ready\n")
         deadline = time.monotonic() + 90.0  # a bound for a hang, not a timing
         while child.poll() is None and time.monotonic() < deadline:
             os.kill(child.pid, signal.SIGUSR1)

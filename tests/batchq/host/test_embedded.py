@@ -20,6 +20,7 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from waiting import read_until
 
 import batchq.host.embedded
 import batchq.host.procs
@@ -42,17 +43,7 @@ def _child_env() -> dict[str, str]:
 
 def _readline(stream: IO[bytes] | None, timeout_s: float = 10.0) -> bytes:
     """Read one line from a child's pipe, failing the test after ``timeout_s``."""
-    assert stream is not None
-    fd, buf, deadline = stream.fileno(), b"", time.monotonic() + timeout_s
-    while not buf.endswith(b"\n"):
-        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
-        if not ready:
-            pytest.fail(f"no line from the child within {timeout_s} s (got {buf!r})")
-        chunk = os.read(fd, 1)
-        if not chunk:
-            pytest.fail(f"the child closed its output before a full line (got {buf!r})")
-        buf += chunk
-    return buf
+    return read_until(stream, b"\n", timeout_s)
 
 
 def _is_running(pid: int) -> bool:
